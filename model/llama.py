@@ -1,0 +1,145 @@
+"""Llama-architecture decoder in plain PyTorch over a paged KV cache.
+
+Parameter names match Hugging Face ``LlamaForCausalLM`` so a safetensors state dict loads as is.
+Works for Llama 2/3, SmolLM2, Mistral-style GQA models without sliding windows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rayinfer.kernels.activation import silu_and_mul
+from rayinfer.kernels.attention_metadata import AttentionMetadata
+from rayinfer.kernels.kv_write import store_kv
+from rayinfer.kernels.norm import rms_norm
+from rayinfer.kernels.paged_attention import paged_attention
+from rayinfer.kernels.rotary import rope_inv_freq, rotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x, residual=None):
+        return rms_norm(x, self.weight, self.eps, residual)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        bias = getattr(config, "attention_bias", False)
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.scale = self.head_dim**-0.5
+        self.layer_idx = layer_idx
+
+    def forward(self, hidden, positions, inv_freq, kv_cache, meta: AttentionMetadata):
+        t = hidden.shape[0]
+        q = self.q_proj(hidden).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
+        q, k = rotary(q, k, positions, inv_freq)
+        store_kv(k, v, kv_cache, meta.slot_mapping)
+        out = paged_attention(q, kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x):
+        return self.down_proj(silu_and_mul(torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden, residual, positions, inv_freq, kv_cache, meta):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, positions, inv_freq, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama decoder with an LM head; the engine's model interface.
+
+    Interface (shared by every model in ``rayinfer.model``):
+        ``kv_cache_shape(num_blocks, block_size)`` -> shape of the whole cache tensor,
+        ``forward(input_ids, positions, kv_cache, meta)`` -> hidden states,
+        ``compute_logits(hidden)`` -> float32 logits.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+        attn = self.model.layers[0].self_attn
+        rope_scaling = getattr(config, "rope_scaling", None)
+        rope_params = getattr(config, "rope_parameters", None) or {}
+        theta = rope_params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+            rope_scaling = rope_params
+        self.register_buffer("inv_freq", rope_inv_freq(attn.head_dim, theta, rope_scaling), persistent=False)
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """[num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]: the versioned payload layout."""
+        attn = self.model.layers[0].self_attn
+        return (len(self.model.layers), num_blocks, 2, block_size, attn.num_kv_heads, attn.head_dim)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Run the decoder over this step's new tokens.
+
+        Args:
+            input_ids: [T] int64 new tokens of all requests, concatenated.
+            positions: [T] int64 their positions.
+            kv_cache: the tensor of :meth:`kv_cache_shape`; written in place at ``meta.slot_mapping``.
+            meta: the step's :class:`AttentionMetadata`.
+        Returns:
+            hidden: [T, hidden_size], after the final norm.
+        """
+        hidden = self.model.embed_tokens(input_ids)
+        residual = None
+        for i, layer in enumerate(self.model.layers):
+            hidden, residual = layer(hidden, residual, positions, self.inv_freq, kv_cache[i], meta)
+        hidden, _ = self.model.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] -> logits [N, vocab_size] float32."""
+        return self.lm_head(hidden).float()
