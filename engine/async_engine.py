@@ -1,0 +1,134 @@
+"""The engine's step loop on its own thread, with asyncio streams per request.
+
+The model step is blocking CPU/GPU work; running it on a dedicated thread keeps the caller's event loop
+(a Ray async actor, a Serve replica) free to accept requests, stream outputs and handle aborts while a
+step runs. Requests and aborts cross to the loop thread through a queue; outputs come back with
+``loop.call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from typing import AsyncIterator
+
+from rayinfer.engine.llm_engine import LLMEngine
+from rayinfer.engine.types import Completion, RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncLLMEngine:
+    """Wraps an :class:`LLMEngine` with a background step loop.
+
+    Args:
+        engine: the engine; only the loop thread touches it after construction.
+    """
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._inbox: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stopped = False
+        self._stats: dict = engine.stats()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # -- caller side (event loop) --------------------------------------------------------------
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       **kwargs) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield its deltas until it finishes.
+
+        Raises:
+            ValueError: if the engine rejects the request (the message names the problem).
+        """
+        loop = asyncio.get_running_loop()
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (loop, stream)
+        self._inbox.put(("add", request_id, prompt_token_ids, params, kwargs))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:  # the consumer went away (client disconnect, cancel): free the request
+                self.abort(request_id)
+
+    async def complete(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       **kwargs) -> Completion:
+        """Run a request to the end; a rejected request comes back with ``error`` set (never raises)."""
+        result = Completion(request_id, list(prompt_token_ids))
+        try:
+            async for out in self.generate(request_id, prompt_token_ids, params, **kwargs):
+                result.add(out)
+        except ValueError as e:
+            result.error, result.finish_reason = str(e), "error"
+        return result
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (thread-safe; unknown ids are ignored)."""
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    def stats(self) -> dict:
+        """The engine's gauges and counters as of the last step."""
+        return dict(self._stats)
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # -- loop thread ---------------------------------------------------------------------------
+    def _deliver(self, request_id: str, item) -> None:
+        entry = self._streams.get(request_id)
+        if entry is not None:
+            loop, stream = entry
+            loop.call_soon_threadsafe(stream.put_nowait, item)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if msg[0] == "add":
+                _, rid, prompt, params, kwargs = msg
+                try:
+                    self.engine.add_request(rid, prompt, params, **kwargs)
+                except ValueError as e:
+                    self._deliver(rid, e)
+            else:
+                self.engine.abort_request(msg[1])
+
+    def _run(self) -> None:
+        while not self._stopped:
+            self._drain_inbox()
+            if not self.engine.has_unfinished_requests():
+                self._stats = self.engine.stats()
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # a failed step fails the requests in it, not the replica
+                logger.exception("engine step failed")
+                for rid in list(self.engine.scheduler.requests):
+                    self.engine.abort_request(rid)
+                    self._deliver(rid, RuntimeError(f"engine step failed: {e}"))
+                continue
+            for out in outputs:
+                self._deliver(out.request_id, out)
+            self._stats = self.engine.stats()

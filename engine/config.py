@@ -1,0 +1,87 @@
+"""Structured configs of one replica (Hydra schemas; YAML under conf/ only overrides them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rayinfer.engine.types import EngineRole
+
+_LOAD_FORMATS = ("auto", "safetensors", "dummy")
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class ModelConfig:
+    """Which model to load and how.
+
+    Attributes:
+        model: a built-in name (default "SmolLM2-135M-Instruct"), a Hugging Face-format directory, or a
+            built-in shape name such as "llama-3-8b" (with ``load_format="dummy"``).
+        dtype: "auto" (float32 on CPU, bfloat16 on GPU), "float32", "bfloat16" or "float16".
+        load_format: "auto" (safetensors in the directory), "safetensors" or "dummy" (random weights).
+        max_model_len: context limit in tokens; None takes the model's max_position_embeddings.
+        seed: seed of dummy weights and of unseeded sampling.
+    """
+
+    model: str = "SmolLM2-135M-Instruct"
+    dtype: str = "auto"
+    load_format: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("model must be a non-empty name or path")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.load_format not in _LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+
+
+@dataclass
+class EngineConfig:
+    """Scheduling, KV-cache and device settings of one replica.
+
+    Attributes:
+        device: "auto" (cuda when available), "cpu" or "cuda".
+        block_size: tokens per KV block.
+        num_kv_blocks: KV blocks; None sizes the pool from ``kv_cache_memory_gib`` (CPU) or
+            ``gpu_memory_utilization`` (GPU).
+        kv_cache_memory_gib: KV-cache memory on CPU (GiB).
+        gpu_memory_utilization: fraction of GPU memory the replica may use (weights + KV + activations).
+        max_num_seqs: running requests at most.
+        max_num_batched_tokens: new tokens per step at most.
+        enable_prefix_caching, enable_chunked_prefill: as named.
+        role: "normal", "prefill" or "decode".
+    """
+
+    device: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gib: float = 1.0
+    gpu_memory_utilization: float = 0.85
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    role: str = "normal"
+
+    def __post_init__(self):
+        if self.device not in _DEVICES:
+            raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
+            raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory_gib <= 0:
+            raise ValueError(f"kv_cache_memory_gib must be positive, got {self.kv_cache_memory_gib}")
+        try:
+            EngineRole(self.role)
+        except ValueError:
+            raise ValueError(f"role must be one of normal, prefill, decode; got {self.role!r}") from None

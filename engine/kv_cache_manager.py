@@ -1,0 +1,92 @@
+"""Block-table policy on top of :class:`KVBlockPool`: prefix hits, slot allocation, freeing."""
+
+from __future__ import annotations
+
+from rayinfer.engine.block_pool import NONE_HASH, KVBlockPool, hash_block
+from rayinfer.engine.types import Request
+
+
+class KVCacheManager:
+    """Owns every request's block table.
+
+    Args:
+        num_blocks: blocks in the pool.
+        block_size: tokens per block.
+        enable_caching: share full blocks between requests with equal prefixes.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.pool = KVBlockPool(num_blocks, enable_caching)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _update_hashes(self, req: Request, num_tokens: int) -> None:
+        """Extend ``req.block_hashes`` to cover the full blocks within its first ``num_tokens`` tokens."""
+        num_full = num_tokens // self.block_size
+        if len(req.block_hashes) >= num_full:
+            return
+        tokens = req.all_token_ids
+        parent = req.block_hashes[-1] if req.block_hashes else NONE_HASH
+        for b in range(len(req.block_hashes), num_full):
+            parent = hash_block(parent, tokens[b * self.block_size : (b + 1) * self.block_size], req.cache_salt)
+            req.block_hashes.append(parent)
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
+        """Longest cached prefix of a request that has no blocks yet.
+
+        At least one token is always left to compute (its logits give the next token), so only full
+        blocks inside the first ``num_tokens - 1`` tokens can hit.
+
+        Returns:
+            (block ids, number of tokens they cover). No references are taken.
+        """
+        if not self.pool.enable_caching:
+            return [], 0
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        self._update_hashes(req, max_blocks * self.block_size)
+        hit = self.pool.match_prefix(req.block_hashes[:max_blocks])
+        return hit, len(hit) * self.block_size
+
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list[int] = ()) -> list[int] | None:
+        """Grow a request's block table to hold ``num_new_tokens`` more tokens.
+
+        ``computed_blocks`` (from :meth:`get_computed_blocks`, first admission only) are referenced and
+        put first; ``req.num_computed_tokens`` must already count them. Full blocks whose tokens are all
+        known after this step are registered in the prefix cache.
+
+        Returns:
+            the newly allocated block ids, or None (and no change) if the pool cannot hold them.
+        """
+        total = req.num_computed_tokens + num_new_tokens
+        num_needed = self.blocks_needed(total) - len(req.block_ids) - len(computed_blocks)
+        num_evictable_hits = sum(1 for b in computed_blocks if self.pool.blocks[b].ref_cnt == 0)
+        if num_needed > self.pool.num_free_blocks - num_evictable_hits:
+            return None
+        self.pool.touch(computed_blocks)
+        req.block_ids.extend(computed_blocks)
+        new_blocks = self.pool.allocate(max(num_needed, 0))
+        req.block_ids.extend(new_blocks)
+        if self.pool.enable_caching:
+            num_known = min(total, req.num_tokens)
+            self._update_hashes(req, num_known)
+            for b in range(num_known // self.block_size):
+                self.pool.cache_block(req.block_ids[b], req.block_hashes[b])
+        return new_blocks
+
+    def free(self, req: Request) -> None:
+        """Release a request's blocks, tail first (so its tail is evicted before shared prefixes)."""
+        self.pool.free(reversed(req.block_ids))
+        req.block_ids = []
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Fraction of queried full prompt blocks that hit the prefix cache (0 before any query)."""
+        return self.pool.num_hits / self.pool.num_queries if self.pool.num_queries else 0.0

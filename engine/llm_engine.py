@@ -1,0 +1,251 @@
+"""One replica's engine: requests in, token and text deltas out. No Ray inside."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from rayinfer.engine.config import EngineConfig, ModelConfig
+from rayinfer.engine.detokenizer import IncrementalDetokenizer
+from rayinfer.engine.model_runner import ModelRunner
+from rayinfer.engine.sampler import Sampler
+from rayinfer.engine.scheduler import Scheduler, SchedulerConfig
+from rayinfer.engine.types import (
+    Completion,
+    EngineRole,
+    KVHandle,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+)
+
+logger = logging.getLogger(__name__)
+_GIB = 1 << 30
+
+
+def resolve_device(device: str) -> torch.device:
+    """"auto" -> cuda when available, else cpu. Raises ValueError for cuda without a GPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device=cuda was asked for but no CUDA device is available")
+    return torch.device(device)
+
+
+class LLMEngine:
+    """A single replica: tokenizer, model, paged KV cache, scheduler, sampler, detokenizers.
+
+    Args:
+        model_config: which model and dtype.
+        engine_config: scheduling, KV cache, device and role.
+    Raises:
+        ValueError: for an unknown model or a bad config (before any work is done).
+    """
+
+    def __init__(self, model_config: ModelConfig | None = None, engine_config: EngineConfig | None = None):
+        from rayinfer.model.loader import load_model, load_tokenizer, parse_dtype
+
+        self.model_config = model_config = model_config or ModelConfig()
+        self.engine_config = cfg = engine_config or EngineConfig()
+        self.device = resolve_device(cfg.device)
+        self.dtype = parse_dtype(model_config.dtype, self.device)
+        self.role = EngineRole(cfg.role)
+        self.tokenizer = load_tokenizer(model_config.model)
+        torch.manual_seed(model_config.seed)
+        self.model = load_model(model_config.model, self.dtype, self.device, model_config.load_format)
+        hf_config = self.model.config
+        self.max_model_len = model_config.max_model_len or hf_config.max_position_embeddings
+        self.vocab_size = hf_config.vocab_size
+        self.eos_token_ids = _eos_token_ids(hf_config, self.tokenizer)
+
+        num_blocks = cfg.num_kv_blocks or self._auto_num_blocks()
+        self.kv_cache = torch.zeros(self.model.kv_cache_shape(num_blocks, cfg.block_size), dtype=self.dtype,
+                                    device=self.device)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            block_size=cfg.block_size,
+            num_blocks=num_blocks,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            enable_chunked_prefill=cfg.enable_chunked_prefill,
+            role=self.role,
+        ))
+        self.sampler = Sampler(self.vocab_size, model_config.seed)
+        self.runner = ModelRunner(self.model, self.kv_cache, cfg.block_size, self.sampler)
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.num_prompt_tokens = 0  # counters for metrics
+        self.num_generation_tokens = 0
+        self.num_computed_tokens = 0
+        logger.info("engine ready: %s on %s (%s), %d KV blocks of %d", model_config.model, self.device,
+                    self.dtype, num_blocks, cfg.block_size)
+
+    def _auto_num_blocks(self) -> int:
+        cfg = self.engine_config
+        per_block = math.prod(self.model.kv_cache_shape(1, cfg.block_size)) * self.dtype.itemsize
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            activation_reserve = 2 * _GIB
+            budget = total * cfg.gpu_memory_utilization - (total - free) - activation_reserve
+        else:
+            budget = cfg.kv_cache_memory_gib * _GIB
+        num_blocks = int(budget // per_block)
+        if num_blocks <= 0:
+            raise ValueError("no memory left for the KV cache; lower the model size or raise the memory budget")
+        return num_blocks
+
+    # -- requests ------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    grammar=None, kv_handle: KVHandle | None = None,
+                    output_token_ids: list[int] | None = None) -> None:
+        """Validate and queue a request.
+
+        Args:
+            request_id: unique among live requests.
+            prompt_token_ids: the prompt, non-empty, shorter than the context limit.
+            params: sampling parameters (``n`` must be 1 here; callers fan out ``n > 1``).
+            grammar: an xgrammar GrammarMatcher constraining the output, or None.
+            kv_handle: DECODE role: the prefilled KV of the prompt (required there).
+            output_token_ids: tokens already generated elsewhere (DECODE role: the first token).
+        Raises:
+            ValueError: naming the problem (empty or too-long prompt, token id out of range, max_tokens
+                beyond the context, more KV blocks than the pool holds, duplicate id, missing handle).
+        """
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty")
+        if any((not isinstance(t, int)) or t < 0 or t >= self.vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        if params.n != 1:
+            raise ValueError("the engine takes n=1 per request; fan out n > 1 above it")
+        n = len(prompt_token_ids)
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens but the context limit (max_model_len) is "
+                             f"{self.max_model_len}; no room for output")
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+                             f"limit of {self.max_model_len} tokens")
+        limit = min(n + (params.max_tokens or self.max_model_len), self.max_model_len)
+        blocks = self.scheduler.kv.blocks_needed(limit)
+        if blocks > self.scheduler.config.num_blocks:
+            raise ValueError(f"request may need {blocks} KV blocks but the pool holds "
+                             f"{self.scheduler.config.num_blocks}")
+        if self.role == EngineRole.DECODE and kv_handle is None:
+            raise ValueError("a decode-only replica admits requests only with a KV handle")
+        req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids,
+                      grammar=grammar, kv_handle=kv_handle, output_token_ids=list(output_token_ids or []))
+        self.scheduler.add_request(req)
+        self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, req.all_token_ids, params)
+
+    def abort_request(self, request_ids) -> None:
+        """Abort live requests (unknown ids are ignored); their blocks are freed at once."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        for rid in ids:
+            self._forget(rid)
+
+    def _forget(self, request_id: str) -> None:
+        self.detokenizers.pop(request_id, None)
+        self.sampler.release(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -- the loop ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model, sample, detokenize. Returns one delta per request that moved."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        step_out = self.runner.execute(sched, self.scheduler.requests)
+        self.num_computed_tokens += sched.num_scheduled_tokens
+        outputs = []
+        for req in self.scheduler.update_from_output(sched, step_out):
+            outputs.append(self._make_output(req, step_out.sampled[req.request_id]))
+        return outputs
+
+    def _make_output(self, req: Request, sampled) -> RequestOutput:
+        rid = req.request_id
+        self.num_generation_tokens += 1
+        if req.num_output_tokens == 1:
+            self.num_prompt_tokens += req.num_prompt_tokens
+        detok = self.detokenizers[rid]
+        stop = detok.add_tokens([sampled.token_id])
+        if stop is not None and not req.is_finished:
+            self.scheduler.finish_requests(rid, RequestStatus.FINISHED_STOPPED)
+            req.stop_reason = stop
+        handle = None
+        if req.status == RequestStatus.FINISHED_PREFILLED:
+            handle = self.runner.export_kv(req, req.num_computed_tokens)
+            self.scheduler.finish_requests(rid, RequestStatus.FINISHED_PREFILLED)
+        finished = req.is_finished
+        out = RequestOutput(
+            request_id=rid,
+            new_token_ids=[sampled.token_id],
+            new_text=detok.take_delta(finished),
+            new_logprobs=[sampled] if req.params.logprobs is not None else None,
+            finished=finished,
+            finish_reason=req.finish_reason if req.status != RequestStatus.FINISHED_PREFILLED else "prefilled",
+            stop_reason=req.stop_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            kv_handle=handle,
+        )
+        if finished:
+            self._forget(rid)
+        return out
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 request_ids: list[str] | None = None) -> list[Completion]:
+        """Run prompts to completion (a convenience for tests and offline jobs).
+
+        Args:
+            prompts: token-id lists.
+            params: one SamplingParams for all, or one per prompt.
+        Returns:
+            one Completion per prompt, in order; a prompt rejected by validation gets ``error`` set.
+        """
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = request_ids or [f"gen-{i}" for i in range(len(prompts))]
+        results = {rid: Completion(rid, list(p)) for rid, p in zip(ids, prompts)}
+        for rid, prompt, p in zip(ids, prompts, params_list):
+            try:
+                self.add_request(rid, prompt, p)
+            except ValueError as e:
+                results[rid].error, results[rid].finish_reason = str(e), "error"
+        while self.has_unfinished_requests():
+            for out in self.step():
+                results[out.request_id].add(out)
+        return [results[rid] for rid in ids]
+
+    # -- stats ---------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Gauges and counters for metrics and load balancing."""
+        kv = self.scheduler.kv
+        return {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "kv_cache_usage": kv.usage,
+            "prefix_cache_hit_rate": kv.prefix_hit_rate,
+            "prefix_cache_queries": kv.pool.num_queries,
+            "prefix_cache_hits": kv.pool.num_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_generation_tokens": self.num_generation_tokens,
+            "num_computed_tokens": self.num_computed_tokens,
+            "num_free_blocks": kv.pool.num_free_blocks,
+            "num_blocks": kv.pool.num_blocks,
+        }
+
+
+def _eos_token_ids(hf_config, tokenizer) -> tuple[int, ...]:
+    ids = set()
+    for source in (getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(source)
+    return tuple(sorted(ids))

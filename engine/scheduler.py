@@ -1,0 +1,232 @@
+"""Continuous-batching scheduler: token budget, chunked prefill, prefix hits, preemption by recompute.
+
+There are no prefill and decode phases. Each step every running request is given some of the tokens it
+knows but has not computed (``num_tokens - num_computed_tokens``) under a shared token budget; a new
+prompt, a chunk of a long prompt, and a one-token decode are the same rule. Pure CPU and deterministic:
+tests drive it without a model. After vLLM v1's scheduler.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from rayinfer.engine.kv_cache_manager import KVCacheManager
+from rayinfer.engine.types import (
+    EngineRole,
+    Request,
+    RequestStatus,
+    ScheduledRequest,
+    SchedulerOutput,
+    StepOutput,
+)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one replica's scheduler.
+
+    Attributes:
+        max_num_seqs: running requests at most.
+        max_num_batched_tokens: new tokens per step at most (the token budget).
+        max_model_len: context limit (prompt + output tokens).
+        block_size: tokens per KV block.
+        num_blocks: KV blocks in the pool.
+        enable_prefix_caching: share full prompt blocks between requests.
+        enable_chunked_prefill: split prompts longer than the budget over several steps.
+        role: the replica's :class:`EngineRole`.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+    block_size: int = 16
+    num_blocks: int = 1024
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    role: EngineRole = EngineRole.NORMAL
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
+
+
+class Scheduler:
+    """Decides, each step, which requests compute how many tokens, and applies the sampled tokens."""
+
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_ids: list[str] = []
+        self.num_preemptions = 0
+
+    # -- admission and removal ---------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        """Queue a request (validated by the engine). Raises ValueError on a duplicate id."""
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def finish_requests(self, request_ids, status: RequestStatus) -> None:
+        """End requests (abort, stop string, error): free their blocks and forget them."""
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req in self.running:
+                self.running.remove(req)
+            elif req in self.waiting:
+                self.waiting.remove(req)
+            if req.block_ids:
+                self.kv.free(req)
+            req.status = status
+            del self.requests[rid]
+            self._finished_ids.append(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # -- the step ------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step. Side effects: allocates blocks, advances ``num_computed_tokens`` of every
+        scheduled request, moves admitted requests to running and preempted ones back to waiting."""
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        planned: list[tuple[Request, int]] = []
+        preempted: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            if not cfg.enable_chunked_prefill and num_new < req.num_tokens - req.num_computed_tokens:
+                i += 1
+                continue
+            while self.kv.allocate_slots(req, num_new) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                break
+            planned.append((req, num_new))
+            budget -= num_new
+            i += 1
+
+        imports = []
+        while not preempted and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            req = self.waiting[0]
+            if req.kv_handle is not None:  # PD import: the handle's tokens arrive computed
+                hit_blocks, num_hit = [], req.kv_handle.num_tokens
+            elif req.num_computed_tokens:
+                hit_blocks, num_hit = [], 0
+            else:
+                hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+            num_new = req.num_tokens - req.num_computed_tokens - num_hit
+            if num_new > budget and not cfg.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            req.num_computed_tokens += num_hit
+            if self.kv.allocate_slots(req, num_new, hit_blocks) is None:
+                req.num_computed_tokens -= num_hit
+                break
+            self.waiting.popleft()
+            if req.kv_handle is not None:
+                num_import_blocks = self.kv.blocks_needed(num_hit)
+                imports.append((req.request_id, tuple(req.block_ids[:num_import_blocks]), req.kv_handle))
+                req.kv_handle = None
+            if req.status == RequestStatus.WAITING:
+                req.num_cached_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            planned.append((req, num_new))
+            budget -= num_new
+
+        scheduled = []
+        for req, num_new in planned:
+            start = req.num_computed_tokens
+            req.num_computed_tokens += num_new
+            scheduled.append(ScheduledRequest(
+                request_id=req.request_id,
+                token_ids=tuple(req.all_token_ids[start : start + num_new]),
+                start_pos=start,
+                block_ids=tuple(req.block_ids),
+                needs_sample=req.num_computed_tokens == req.num_tokens,
+            ))
+        finished, self._finished_ids = tuple(self._finished_ids), []
+        return SchedulerOutput(tuple(scheduled), tuple(r.request_id for r in preempted), finished, tuple(imports))
+
+    def _preempt(self, req: Request) -> None:
+        """Preemption by recompute: drop the KV, keep the tokens, requeue at the front."""
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update_from_output(self, sched: SchedulerOutput, out: StepOutput) -> list[Request]:
+        """Append sampled tokens and finish requests that hit EOS, a stop token, max_tokens or the
+        context limit.
+
+        Returns:
+            the requests that got a token this step (finished ones included, with their status set).
+        """
+        updated = []
+        for s in sched.scheduled:
+            req = self.requests.get(s.request_id)
+            sampled = out.sampled.get(s.request_id)
+            if req is None or sampled is None or not s.needs_sample:
+                continue
+            req.output_token_ids.append(sampled.token_id)
+            updated.append(req)
+            status = self._check_stop(req, sampled.token_id)
+            if status is not None:
+                self._finish(req, status)
+        return updated
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        p = req.params
+        if req.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in req.eos_token_ids:
+                req.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if token in p.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+            if req.grammar is not None and req.grammar.is_terminated():
+                return RequestStatus.FINISHED_STOPPED
+        if (p.max_tokens is not None and req.num_output_tokens >= p.max_tokens) or (
+            req.num_tokens >= self.config.max_model_len
+        ):
+            return RequestStatus.FINISHED_LENGTH
+        if self.config.role == EngineRole.PREFILL:
+            return RequestStatus.FINISHED_PREFILLED
+        return None
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        if status == RequestStatus.FINISHED_PREFILLED:
+            # keep the blocks until the KV is exported; the engine calls finish_requests after export
+            self.running.remove(req)
+            req.status = status
+            return
+        self.finish_requests(req.request_id, status)
