@@ -1,0 +1,24 @@
+# Two commands on a fresh machine with Python 3.11:
+#   make run    # set up .venv, then answer the built-in prompts with SmolLM2 on CPU (jobs/generate.py)
+#   make test   # set up .venv, then run the test suite (CPU)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch first, pinned to the CPU build this project is tested with (a wider range would pull a CUDA build)
+TORCH_SPEC ?= torch==2.13.*
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q '$(TORCH_SPEC)'
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+run: setup
+	$(PY) jobs/generate.py
+
+test: setup
+	$(PY) -m pytest -q
+
+.PHONY: setup run test

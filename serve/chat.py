@@ -1,0 +1,73 @@
+"""Chat-template rendering that never lets user text become control tokens.
+
+The model's Jinja chat template (from its tokenizer config) is rendered with every message's text
+replaced by a sentinel; the rendered text is then split at the sentinels. Template pieces are encoded
+with special tokens recognised (they carry ``<|im_start|>`` and friends); message texts are encoded with
+special-token text split into ordinary tokens, so ``<|im_start|>`` typed by a user stays plain text.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+_SENTINEL = "RAYINFERMSG{}X"
+_SENTINEL_RE = re.compile(r"RAYINFERMSG(\d+)X")
+
+
+def render_chat(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                tools: list[dict] | None = None, **template_kwargs) -> list[int]:
+    """Render OpenAI-style chat messages to prompt token ids with the model's chat template.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer with a ``chat_template``.
+        messages: ``[{"role": "system"|"user"|"assistant"|"tool", "content": str | [{"type": "text",
+            "text": str}, ...] | None, ...}]``.
+        add_generation_prompt: end with the assistant turn's header.
+        tools: OpenAI tool definitions passed to the template.
+    Returns:
+        prompt token ids.
+    Raises:
+        ValueError: if messages are missing, malformed, or the tokenizer has no chat template.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template; send a raw prompt instead")
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list")
+    texts: list[str] = []
+    templated = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ValueError(f"messages[{i}] must be an object with a string 'role'")
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for p in content:
+                if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                    raise ValueError(f"messages[{i}].content: only text parts are supported")
+                parts.append(p["text"])
+            content = "".join(parts)
+        if content is not None and not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content must be a string, a list of text parts, or null")
+        m = dict(m)
+        if content:
+            m["content"] = _SENTINEL.format(len(texts))
+            texts.append(content)
+        else:
+            m["content"] = content or ""
+        templated.append(m)
+    rendered = tokenizer.apply_chat_template(templated, tools=tools, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt, **template_kwargs)
+    ids: list[int] = []
+    pos = 0
+    for match in _SENTINEL_RE.finditer(rendered):
+        ids += tokenizer.encode(rendered[pos : match.start()], add_special_tokens=False)
+        ids += encode_plain(tokenizer, texts[int(match.group(1))])
+        pos = match.end()
+    ids += tokenizer.encode(rendered[pos:], add_special_tokens=False)
+    return ids
+
+
+def encode_plain(tokenizer, text: str) -> list[int]:
+    """Encode user text with special-token strings treated as ordinary text."""
+    return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)

@@ -1,0 +1,128 @@
+"""SmolLM2 greedy outputs of the engine equal Hugging Face transformers token for token (float32, CPU).
+
+Divergence is allowed only after a step where the reference's top-2 logits are within 1e-3 (a near tie
+that float32 summation order can flip). The same check holds with prefix-cache hits, forced preemption,
+chunked prefill and different batch compositions.
+"""
+
+import pytest
+import torch
+
+from rayinfer.engine.config import EngineConfig, ModelConfig
+from rayinfer.engine.llm_engine import LLMEngine
+from rayinfer.engine.types import SamplingParams
+from rayinfer.serve.chat import encode_plain, render_chat
+
+MAX_TOKENS = 20
+TIE = 1e-3
+SYSTEM = "You are a concise assistant. Answer in plain English and keep answers short."
+
+
+def build_prompts(tok):
+    chats = [
+        [{"role": "user", "content": "What is the capital of France?"}],
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name a primary color."}],
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is 2 + 2?"}],
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Why is the sky blue?"}],
+        [{"role": "user", "content": "Write a haiku about autumn leaves."}],
+    ]
+    raws = ["The quick brown fox", "def fibonacci(n):\n   ", "Paris is"]
+    long_text = " ".join(f"Item {i}: the weather on day {i} was {'sunny' if i % 3 else 'rainy'}." for i in range(120))
+    prompts = [render_chat(tok, c) for c in chats] + [encode_plain(tok, r) for r in raws]
+    prompts.append(render_chat(tok, [{"role": "user", "content": long_text + "\nSummarize the weather."}]))
+    assert len(prompts[-1]) > 1000
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def model_path():
+    from rayinfer.model.loader import resolve_model
+
+    return resolve_model("SmolLM2-135M-Instruct")
+
+
+@pytest.fixture(scope="module")
+def reference(model_path):
+    """HF greedy tokens and, per step, the gap between the top-2 logits."""
+    import transformers
+
+    from rayinfer.model.loader import load_tokenizer
+
+    tok = load_tokenizer("SmolLM2-135M-Instruct")
+    hf = transformers.LlamaForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    prompts = build_prompts(tok)
+    refs = []
+    with torch.no_grad():
+        for p in prompts:
+            out = hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False, output_logits=True,
+                              return_dict_in_generate=True, pad_token_id=tok.eos_token_id)
+            ids = out.sequences[0, len(p):].tolist()
+            gaps = []
+            for step_logits in out.logits:
+                top2 = step_logits[0].float().topk(2).values
+                gaps.append(float(top2[0] - top2[1]))
+            refs.append((ids, gaps))
+    return prompts, refs
+
+
+def check_equal(completions, refs):
+    for c, (ref_ids, gaps) in zip(completions, refs):
+        assert c.error is None, c.error
+        got = c.output_token_ids
+        n = min(len(got), len(ref_ids))
+        for k in range(n):
+            if got[k] != ref_ids[k]:
+                assert gaps[k] < TIE, f"{c.request_id}: token {k} differs ({got[k]} vs {ref_ids[k]}), gap {gaps[k]}"
+                break
+        else:
+            assert len(got) == len(ref_ids), f"{c.request_id}: length {len(got)} vs {len(ref_ids)}"
+
+
+def run_engine(prompts, **engine_kw):
+    kw = dict(device="cpu", num_kv_blocks=512, max_num_seqs=16, max_num_batched_tokens=2048)
+    kw.update(engine_kw)
+    engine = LLMEngine(ModelConfig(dtype="float32"), EngineConfig(**kw))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    return engine, engine.generate(prompts, params)
+
+
+def test_greedy_batch_matches_hf(reference):
+    prompts, refs = reference
+    _, out = run_engine(prompts)
+    check_equal(out, refs)
+    assert out[0].text.strip(), "the capital question got an empty answer"
+
+
+def test_prefix_cache_hits_keep_outputs(reference):
+    prompts, refs = reference
+    engine, first = run_engine(prompts)
+    second = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+                             request_ids=[f"again-{i}" for i in range(len(prompts))])
+    assert engine.stats()["prefix_cache_hits"] > 0
+    assert all(c.num_cached_tokens > 0 for c in second if len(c.prompt_token_ids) > 32)
+    # the shared system prompt hit within the first pass too
+    assert any(c.num_cached_tokens > 0 for c in first[1:4])
+    check_equal(second, refs)
+
+
+def test_forced_preemption_keeps_outputs(reference):
+    prompts, refs = reference
+    engine, out = run_engine(prompts, num_kv_blocks=90, enable_prefix_caching=False)
+    assert engine.stats()["num_preemptions"] > 0
+    check_equal(out, refs)
+
+
+def test_chunked_prefill_keeps_outputs(reference):
+    prompts, refs = reference
+    engine, out = run_engine(prompts, max_num_batched_tokens=64)
+    check_equal(out, refs)
+
+
+def test_batch_composition_does_not_change_outputs(reference):
+    prompts, refs = reference
+    engine = LLMEngine(ModelConfig(dtype="float32"), EngineConfig(device="cpu", num_kv_blocks=512, max_num_seqs=3))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    alone = [engine.generate([p], params, request_ids=[f"solo-{i}"])[0] for i, p in enumerate(prompts[:4])]
+    check_equal(alone, refs[:4])
+    mixed = engine.generate(prompts[::-1], params, request_ids=[f"rev-{i}" for i in range(len(prompts))])
+    check_equal(mixed, refs[::-1])
