@@ -1,0 +1,163 @@
+"""Pure maps from a ParallelConfig to replicas, ranks, placement-group bundles and rank groups.
+
+Layout, all by construction (so every list here can be checked by hand):
+
+- Global rank r occupies bundle r of the whole-deployment placement group.
+- Replicas are numbered by ``replica_id``: PREFILL replicas first, then DECODE; or the ``dp`` NORMAL
+  replicas. Replica k holds the contiguous ranks ``[k * R, (k + 1) * R)`` with ``R = cp * ep``.
+- Inside a replica, ``local_rank = cp_rank * ep + ep_rank`` (ep fastest, so an EP group's all-to-all
+  stays on neighbouring devices, inside a node when it fits).
+- An EP group is the ``ep`` ranks of one replica that share a cp rank; its ranks also run attention
+  data-parallel. A CP group is the ``cp`` ranks of one replica that share an ep rank.
+
+Example, ``ParallelConfig(dp=2, ep=4)`` on 8 devices: replica 0 = ranks 0-3, replica 1 = ranks 4-7;
+``ep_groups`` = [[0, 1, 2, 3], [4, 5, 6, 7]]; ``cp_groups`` = [[0], [1], ..., [7]].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rayinfer.engine.types import EngineRole
+from rayinfer.placement.parallel_config import ParallelConfig
+
+_ACCELERATOR_RESOURCE = {"cpu": None, "gpu": "GPU", "npu": "NPU"}
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where one rank sits: its replica, role and coordinates in the replica's [cp, ep] grid."""
+
+    rank: int  # global rank, == bundle index in the whole-deployment placement group
+    replica_id: int  # index into replica_specs(cfg)
+    role: EngineRole
+    dp_rank: int  # index of the replica among the replicas of its role
+    local_rank: int  # rank inside the replica: cp_rank * ep + ep_rank
+    cp_rank: int
+    ep_rank: int  # also the attention data-parallel rank inside the replica
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """One replica: its id, role, data-parallel rank within its role and its ranks in local order."""
+
+    replica_id: int
+    role: EngineRole
+    dp_rank: int
+    ranks: tuple[RankInfo, ...]
+
+    @property
+    def bundle_indices(self) -> list[int]:
+        """Bundles the replica occupies in the whole-deployment placement group, local-rank order."""
+        return [info.rank for info in self.ranks]
+
+    @property
+    def num_ranks(self) -> int:
+        """Devices the replica spans (cp * ep)."""
+        return len(self.ranks)
+
+
+def bundle_resources(device: str) -> dict[str, float]:
+    """Ray resources of one rank's bundle: one CPU, plus one accelerator on "gpu"/"npu".
+
+    Raises:
+        ValueError: for a device other than "cpu", "gpu", "npu".
+    """
+    if device not in _ACCELERATOR_RESOURCE:
+        raise ValueError(f"device must be one of cpu, gpu, npu; got {device!r}")
+    accelerator = _ACCELERATOR_RESOURCE[device]
+    return {"CPU": 1.0} if accelerator is None else {accelerator: 1.0, "CPU": 1.0}
+
+
+def placement_bundles(cfg: ParallelConfig) -> list[dict[str, float]]:
+    """The placement-group bundle list: ``cfg.world_size`` bundles, bundle i for global rank i."""
+    return [bundle_resources(cfg.device) for _ in range(cfg.world_size)]
+
+
+def replica_roles(cfg: ParallelConfig) -> list[tuple[EngineRole, int]]:
+    """``(role, dp_rank)`` of each replica, by replica_id: PREFILL then DECODE, or all NORMAL."""
+    if cfg.is_disaggregated:
+        return [(EngineRole.PREFILL, i) for i in range(cfg.num_prefill)] + [
+            (EngineRole.DECODE, i) for i in range(cfg.num_decode)
+        ]
+    return [(EngineRole.NORMAL, i) for i in range(cfg.dp)]
+
+
+def rank_map(cfg: ParallelConfig) -> list[RankInfo]:
+    """Every rank of the deployment, in global-rank (= bundle) order.
+
+    Returns:
+        ``cfg.world_size`` RankInfo; ``result[r].rank == r``.
+    """
+    size = cfg.ranks_per_replica
+    infos = []
+    for replica_id, (role, dp_rank) in enumerate(replica_roles(cfg)):
+        for local_rank in range(size):
+            cp_rank, ep_rank = divmod(local_rank, cfg.ep)
+            infos.append(
+                RankInfo(
+                    rank=replica_id * size + local_rank,
+                    replica_id=replica_id,
+                    role=role,
+                    dp_rank=dp_rank,
+                    local_rank=local_rank,
+                    cp_rank=cp_rank,
+                    ep_rank=ep_rank,
+                )
+            )
+    return infos
+
+
+def replica_specs(cfg: ParallelConfig) -> list[ReplicaSpec]:
+    """Every replica with its ranks, by replica_id."""
+    infos = rank_map(cfg)
+    size = cfg.ranks_per_replica
+    specs = []
+    for replica_id, (role, dp_rank) in enumerate(replica_roles(cfg)):
+        ranks = tuple(infos[replica_id * size : (replica_id + 1) * size])
+        specs.append(ReplicaSpec(replica_id=replica_id, role=role, dp_rank=dp_rank, ranks=ranks))
+    return specs
+
+
+def _groups(cfg: ParallelConfig, key, local: bool) -> list[list[int]]:
+    # Grouping local ranks of one replica, then shifting per replica, keeps the order canonical:
+    # groups sorted by (replica, first member), members ascending.
+    buckets: dict[int, list[int]] = {}
+    for local_rank in range(cfg.ranks_per_replica):
+        cp_rank, ep_rank = divmod(local_rank, cfg.ep)
+        buckets.setdefault(key(cp_rank, ep_rank), []).append(local_rank)
+    local_groups = list(buckets.values())
+    if local:
+        return local_groups
+    size = cfg.ranks_per_replica
+    return [
+        [replica_id * size + r for r in group]
+        for replica_id in range(cfg.num_replicas)
+        for group in local_groups
+    ]
+
+
+def ep_groups(cfg: ParallelConfig, *, local: bool = False) -> list[list[int]]:
+    """Expert-parallel groups: the ranks of a replica that share a cp rank.
+
+    Args:
+        local: False: all groups of the deployment, in global ranks. True: the groups of one
+            replica in local ranks (the same for every replica), ready for ``new_subgroups``
+            inside that replica's process group.
+
+    Returns:
+        list of groups, each ``ep`` ranks ascending.
+    """
+    return _groups(cfg, lambda cp_rank, ep_rank: cp_rank, local)
+
+
+def cp_groups(cfg: ParallelConfig, *, local: bool = False) -> list[list[int]]:
+    """Context-parallel groups: the ranks of a replica that share an ep rank.
+
+    Args:
+        local: as for :func:`ep_groups`.
+
+    Returns:
+        list of groups, each ``cp`` ranks ascending.
+    """
+    return _groups(cfg, lambda cp_rank, ep_rank: ep_rank, local)

@@ -1,0 +1,56 @@
+import pytest
+
+from rayinfer.placement.parallel_config import ParallelConfig
+
+
+def test_defaults_are_one_cpu_rank():
+    cfg = ParallelConfig()
+    assert (cfg.num_replicas, cfg.ranks_per_replica, cfg.world_size) == (1, 1, 1)
+    assert not cfg.is_disaggregated
+    assert (cfg.num_nodes, cfg.ep_num_nodes) == (1, 1)
+
+
+def test_colocated_sizes():
+    cfg = ParallelConfig(dp=2, cp=2, ep=4, device="gpu", devices_per_node=8)
+    assert cfg.num_replicas == 2
+    assert cfg.ranks_per_replica == 8
+    assert cfg.world_size == 16
+    assert cfg.num_nodes == 2
+    assert cfg.ep_num_nodes == 1
+
+
+def test_disaggregated_sizes():
+    cfg = ParallelConfig(ep=16, num_prefill=2, num_decode=3, devices_per_node=8)
+    assert cfg.is_disaggregated
+    assert cfg.num_replicas == 5
+    assert cfg.world_size == 80
+    assert cfg.num_nodes == 10
+    assert cfg.ep_num_nodes == 2
+
+
+def test_frozen():
+    with pytest.raises(Exception):
+        ParallelConfig().dp = 2
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(dp=0), "dp"),
+        (dict(cp=-1), "cp"),
+        (dict(ep=0), "ep"),
+        (dict(ep=1.5), "ep"),
+        (dict(tp=2), "tp"),
+        (dict(device="tpu"), "device"),
+        (dict(num_prefill=-1), "num_prefill"),
+        (dict(num_prefill=1), "num_decode"),
+        (dict(num_decode=2), "num_prefill"),
+        (dict(dp=2, num_prefill=1, num_decode=1), "dp"),
+        (dict(devices_per_node=0), "devices_per_node"),
+        (dict(ep=6, devices_per_node=4), "devices_per_node"),  # EP group straddles nodes
+        (dict(cp=3, ep=2, devices_per_node=3), "devices_per_node"),  # replica fits, EP group does not
+    ],
+)
+def test_invalid_config_names_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        ParallelConfig(**kwargs)
