@@ -7,9 +7,10 @@ import math
 
 import torch
 
+from rayinfer.engine.block_pool import hash_block_chain
 from rayinfer.engine.config import EngineConfig, ModelConfig
 from rayinfer.engine.detokenizer import IncrementalDetokenizer
-from rayinfer.engine.model_runner import ModelRunner
+from rayinfer.engine.model_runner import ModelRunner, kv_layout_tag
 from rayinfer.engine.sampler import Sampler
 from rayinfer.engine.scheduler import Scheduler, SchedulerConfig
 from rayinfer.engine.types import (
@@ -55,7 +56,8 @@ class LLMEngine:
         self.role = EngineRole(cfg.role)
         self.tokenizer = load_tokenizer(model_config.model)
         torch.manual_seed(model_config.seed)
-        self.model = load_model(model_config.model, self.dtype, self.device, model_config.load_format)
+        self.model = load_model(model_config.model, self.dtype, self.device, model_config.load_format,
+                                seed=model_config.seed)
         hf_config = self.model.config
         self.max_model_len = model_config.max_model_len or hf_config.max_position_embeddings
         self.vocab_size = hf_config.vocab_size
@@ -80,6 +82,7 @@ class LLMEngine:
         self.num_prompt_tokens = 0  # counters for metrics
         self.num_generation_tokens = 0
         self.num_computed_tokens = 0
+        self.kv_export_device = "cpu"  # where exported KV payloads land ("cuda" keeps them for RDT)
         logger.info("engine ready: %s on %s (%s), %d KV blocks of %d", model_config.model, self.device,
                     self.dtype, num_blocks, cfg.block_size)
 
@@ -108,11 +111,17 @@ class LLMEngine:
             prompt_token_ids: the prompt, non-empty, shorter than the context limit.
             params: sampling parameters (``n`` must be 1 here; callers fan out ``n > 1``).
             grammar: an xgrammar GrammarMatcher constraining the output, or None.
-            kv_handle: DECODE role: the prefilled KV of the prompt (required there).
-            output_token_ids: tokens already generated elsewhere (DECODE role: the first token).
+            kv_handle: KV computed elsewhere for the first ``kv_handle.num_tokens`` tokens (payload a
+                tensor of this cache's layout): DECODE role, the prefilled request (required there);
+                PREFILL / NORMAL role, a prefix loaded from the KV store instead of recomputed.
+            output_token_ids: tokens already generated elsewhere (the first token after a prefill, or
+                all tokens so far when a preempted or failed request is re-prefilled); a grammar is
+                advanced over them.
         Raises:
             ValueError: naming the problem (empty or too-long prompt, token id out of range, max_tokens
-                beyond the context, more KV blocks than the pool holds, duplicate id, missing handle).
+                beyond the context, more KV blocks than the pool holds, duplicate id, missing handle, a
+                handle that covers every token or whose block hashes do not match the tokens, output
+                tokens the grammar rejects).
         """
         if not prompt_token_ids:
             raise ValueError("prompt is empty")
@@ -134,10 +143,31 @@ class LLMEngine:
                              f"{self.scheduler.config.num_blocks}")
         if self.role == EngineRole.DECODE and kv_handle is None:
             raise ValueError("a decode-only replica admits requests only with a KV handle")
+        all_ids = list(prompt_token_ids) + list(output_token_ids or [])
+        if kv_handle is not None:
+            self._check_handle(kv_handle, all_ids)
+        if grammar is not None:
+            for t in output_token_ids or []:
+                if not grammar.accept_token(t):
+                    raise ValueError(f"output token {t} is not allowed by the request's response_format")
         req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids,
                       grammar=grammar, kv_handle=kv_handle, output_token_ids=list(output_token_ids or []))
         self.scheduler.add_request(req)
         self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, req.all_token_ids, params)
+
+    def _check_handle(self, handle: KVHandle, token_ids: list[int]) -> None:
+        bs = self.engine_config.block_size
+        if not 0 < handle.num_tokens < len(token_ids):
+            raise ValueError(f"KV handle covers {handle.num_tokens} tokens; the request has {len(token_ids)} "
+                             "and at least one must be left to compute")
+        n = len(handle.block_hashes)
+        if n > handle.num_tokens // bs or hash_block_chain(token_ids[: n * bs], bs) != list(handle.block_hashes):
+            raise ValueError("KV handle's block hashes do not match the request's tokens")
+        if handle.layout != kv_layout_tag(self.kv_cache):
+            raise ValueError(f"KV layout {handle.layout!r} does not match this engine's {kv_layout_tag(self.kv_cache)!r}")
+        shape = (self.kv_cache.shape[0], -(-handle.num_tokens // bs), *self.kv_cache.shape[2:])
+        if handle.payload is not None and tuple(handle.payload.shape) != shape:
+            raise ValueError(f"KV payload has shape {tuple(handle.payload.shape)}, expected {shape}")
 
     def abort_request(self, request_ids) -> None:
         """Abort live requests (unknown ids are ignored); their blocks are freed at once."""
@@ -157,14 +187,22 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, sample, detokenize. Returns one delta per request that moved."""
         sched = self.scheduler.schedule()
+        outputs = [self._handed_back_output(req) for req in self.scheduler.take_handed_back()]
         if sched.is_empty:
-            return []
+            return outputs
         step_out = self.runner.execute(sched, self.scheduler.requests)
         self.num_computed_tokens += sched.num_scheduled_tokens
-        outputs = []
         for req in self.scheduler.update_from_output(sched, step_out):
             outputs.append(self._make_output(req, step_out.sampled[req.request_id]))
         return outputs
+
+    def _handed_back_output(self, req: Request) -> RequestOutput:
+        """DECODE role: a preempted request leaves with finish_reason "preempted" (no new tokens); the
+        router re-prefills prompt + the outputs it has already streamed."""
+        self._forget(req.request_id)
+        return RequestOutput(req.request_id, finished=True, finish_reason="preempted",
+                             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
+                             num_cached_tokens=req.num_cached_tokens)
 
     def _make_output(self, req: Request, sampled) -> RequestOutput:
         rid = req.request_id
@@ -178,7 +216,7 @@ class LLMEngine:
             req.stop_reason = stop
         handle = None
         if req.status == RequestStatus.FINISHED_PREFILLED:
-            handle = self.runner.export_kv(req, req.num_computed_tokens)
+            handle = self.runner.export_kv(req, req.num_computed_tokens, self.kv_export_device)
             self.scheduler.finish_requests(rid, RequestStatus.FINISHED_PREFILLED)
         finished = req.is_finished
         out = RequestOutput(

@@ -1,0 +1,268 @@
+"""DeepSeek-V3 decoder in plain PyTorch: multi-head latent attention (MLA) over a compressed paged KV
+cache, dense first layers, then MoE layers (shared + routed experts, grouped top-k sigmoid routing).
+
+Parameter names match Hugging Face 5.x ``DeepseekV3ForCausalLM``; :meth:`DeepseekV3ForCausalLM.load_weights`
+also takes the per-expert names of the released checkpoints and skips their multi-token-prediction
+(MTP) layers. The cache holds per token the normalized latent ``c_kv`` (``kv_lora_rank``) and the
+roped shared key ``k_pe`` (``qk_rope_head_dim``): [num_layers, num_blocks, block_size, R + P].
+Glossary of R, P, Dn, Dv: ``rayinfer.kernels.mla_attention``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from rayinfer.kernels.attention_metadata import AttentionMetadata
+from rayinfer.kernels.mla_attention import mla_decode, mla_prefill_ref, store_mla_kv
+from rayinfer.model.llama import RMSNorm
+from rayinfer.model.moe import ExpertParallelism, GatedMLP, MoEModelMixin, RoutedExperts, grouped_topk
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def deepseek_rope(config) -> tuple[torch.Tensor, float, float]:
+    """RoPE frequencies of the rope part of each head, and the two YaRN scalings.
+
+    Reads ``config.rope_parameters`` (transformers 5.x) or ``rope_scaling`` / ``rope_theta`` (4.x).
+
+    Returns:
+        (inv_freq [P // 2] float32, cos/sin multiplier, softmax-scale multiplier); both multipliers are
+        1.0 for the default rope type.
+    Raises:
+        ValueError: for a rope type other than "default" and "yarn".
+    Source: Peng et al., "YaRN" (2023); Hugging Face ``_compute_yarn_parameters`` and ``yarn_apply_mscale``.
+    """
+    params = dict(getattr(config, "rope_scaling", None) or {})
+    params.update(getattr(config, "rope_parameters", None) or {})
+    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    dim = config.qk_rope_head_dim
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    if kind in (None, "default"):
+        return inv_freq, 1.0, 1.0
+    if kind != "yarn":
+        raise ValueError(f"unsupported rope type {kind!r} for DeepSeek-V3 (supported: default, yarn)")
+    old_len = params["original_max_position_embeddings"]
+    factor = params.get("factor") or config.max_position_embeddings / old_len
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+    beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def correction_dim(num_rotations):
+        return dim * math.log(old_len / (num_rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = (inv_freq / factor) * (1 - extrapolation) + inv_freq * extrapolation
+    softmax_factor = _yarn_mscale(factor, mscale_all_dim) ** 2 if mscale_all_dim else 1.0
+    return inv_freq, float(attention_factor), softmax_factor
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool):
+    """Rotate the rope part of queries [T, H, P] and keys [T, 1, P] by cos/sin [T, P // 2].
+
+    ``interleave`` (``config.rope_interleave``, DeepSeek's checkpoint layout): pairs are (2i, 2i+1) and
+    the result is de-interleaved, evens' rotations then odds', exactly as Hugging Face's
+    ``apply_rotary_pos_emb_interleave``; otherwise rotate-half pairs (i, i + P/2). Queries and keys
+    get the same permutation, so their dot products are those of the interleaved rotation.
+    """
+    cos, sin = cos[:, None, :], sin[:, None, :]
+
+    def rotate(x):
+        if interleave:
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+            return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        x1, x2 = x.chunk(2, dim=-1)
+        c, s = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+        return x * c + torch.cat([-x2, x1], dim=-1) * s
+
+    return rotate(q), rotate(k)
+
+
+class DeepseekV3Attention(nn.Module):
+    """MLA with optional low-rank queries (``q_lora_rank``); see ``rayinfer.kernels.mla_attention``."""
+
+    def __init__(self, config, softmax_factor: float):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.q_lora_rank = config.q_lora_rank
+        self.kv_lora_rank = config.kv_lora_rank
+        self.nope_dim, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.interleave = getattr(config, "rope_interleave", True)
+        qk_dim = self.nope_dim + self.rope_dim
+        hidden, bias = config.hidden_size, getattr(config, "attention_bias", False)
+        if self.q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden, self.num_heads * qk_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden, self.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, 1e-6)  # Hugging Face's default eps, not rms_norm_eps
+            self.q_b_proj = nn.Linear(self.q_lora_rank, self.num_heads * qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.v_dim, hidden, bias=bias)
+        self.scale = qk_dim**-0.5 * softmax_factor
+
+    def forward(self, hidden, cos, sin, kv_cache, meta: AttentionMetadata):
+        """hidden [T, hidden_size] -> [T, hidden_size]; writes this step's latents into ``kv_cache`` (one layer).
+
+        Pure decode batches attend in the absorbed form (:func:`mla_decode`), others expanded
+        (:func:`mla_prefill_ref`).
+        """
+        t, heads = hidden.shape[0], self.num_heads
+        if self.q_lora_rank is None:
+            q = self.q_proj(hidden)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        q_nope, q_pe = q.view(t, heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv)
+        q_pe, k_pe = apply_rope(q_pe, k_pe[:, None, :], cos, sin, self.interleave)
+        store_mla_kv(c_kv, k_pe[:, 0], kv_cache, meta.slot_mapping)
+        if meta.is_decode_only:
+            w_kv_b = self.kv_b_proj.weight.view(heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+            q_latent = torch.einsum("thd,hdr->thr", q_nope, w_kv_b[:, : self.nope_dim])
+            out_latent = mla_decode(q_latent, q_pe.contiguous(), kv_cache, meta, self.scale)
+            out = torch.einsum("thr,hvr->thv", out_latent, w_kv_b[:, self.nope_dim :])
+        else:
+            out = mla_prefill_ref(q_nope, q_pe, kv_cache, meta, self.kv_b_proj.weight, self.scale)
+        return self.o_proj(out.reshape(t, heads * self.v_dim))
+
+
+class DeepseekV3TopkRouter(nn.Module):
+    """Router weights under Hugging Face names: ``weight`` [L, H] and ``e_score_correction_bias`` [L]."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(config.n_routed_experts, config.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(config.n_routed_experts))
+
+
+class DeepseekV3MoE(nn.Module):
+    """Shared experts plus routed experts chosen by grouped top-k sigmoid routing."""
+
+    def __init__(self, config, ep: ExpertParallelism, moe_layer: int):
+        super().__init__()
+        if config.n_routed_experts % config.n_group or config.n_routed_experts // config.n_group < 2:
+            raise ValueError(f"n_routed_experts={config.n_routed_experts} must split into n_group={config.n_group} "
+                             "groups of at least 2")
+        self.config = config
+        self.gate = DeepseekV3TopkRouter(config)
+        self.experts = RoutedExperts(
+            config.n_routed_experts, config.hidden_size, config.moe_intermediate_size,
+            group=ep.group, phy2log=ep.layer_phy2log(moe_layer, config.n_routed_experts),
+        )
+        self.shared_experts = GatedMLP(
+            config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, config.hidden_act
+        )
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [T, hidden_size] -> [T, hidden_size]; routing in float32 as Hugging Face."""
+        c = self.config
+        logits = F.linear(hidden.float(), self.gate.weight.float())
+        weights, ids = grouped_topk(
+            logits, self.gate.e_score_correction_bias.float(), c.num_experts_per_tok, c.n_group, c.topk_group,
+            c.norm_topk_prob, c.routed_scaling_factor,
+        )
+        return self.experts(hidden, ids, weights) + self.shared_experts(hidden)
+
+
+class DeepseekV3DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, ep: ExpertParallelism, softmax_factor: float):
+        super().__init__()
+        self.self_attn = DeepseekV3Attention(config, softmax_factor)
+        if layer_idx >= config.first_k_dense_replace:
+            self.mlp = DeepseekV3MoE(config, ep, layer_idx - config.first_k_dense_replace)
+        else:
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden, residual, cos, sin, kv_cache, meta):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DeepseekV3Model(nn.Module):
+    def __init__(self, config, ep: ExpertParallelism, softmax_factor: float):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DeepseekV3DecoderLayer(config, i, ep, softmax_factor) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DeepseekV3ForCausalLM(MoEModelMixin, nn.Module):
+    """DeepSeek-V3 with an LM head; the engine's model interface (see ``rayinfer.model.llama``).
+
+    The MTP head (``num_nextn_predict_layers``) is not built: its checkpoint layers are skipped by
+    :meth:`load_weights`. Expert parallelism as in ``Qwen3MoeForCausalLM`` (pass ``ep``).
+    """
+
+    def __init__(self, config, ep: ExpertParallelism | None = None):
+        """Raises: ValueError for an unsupported rope type, activation or expert grouping."""
+        super().__init__()
+        self.config = config
+        inv_freq, self.rope_factor, softmax_factor = deepseek_rope(config)
+        self.model = DeepseekV3Model(config, ep or ExpertParallelism(), softmax_factor)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """[num_layers, num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]: the compressed layout."""
+        c = self.config
+        return (c.num_hidden_layers, num_blocks, block_size, c.kv_lora_rank + c.qk_rope_head_dim)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Run the decoder over this step's new tokens.
+
+        Args:
+            input_ids: [T] int64 new tokens of all requests, concatenated (T may be 0 under EP).
+            positions: [T] int64 their positions.
+            kv_cache: the tensor of :meth:`kv_cache_shape`; written in place at ``meta.slot_mapping``.
+            meta: the step's :class:`AttentionMetadata`.
+        Returns:
+            hidden: [T, hidden_size], after the final norm.
+        Side effects: MoE layers count routed tokens (:meth:`expert_load`).
+        """
+        hidden = self.model.embed_tokens(input_ids)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        cos = (freqs.cos() * self.rope_factor).to(hidden.dtype)
+        sin = (freqs.sin() * self.rope_factor).to(hidden.dtype)
+        residual = None
+        for i, layer in enumerate(self.model.layers):
+            hidden, residual = layer(hidden, residual, cos, sin, kv_cache[i], meta)
+        hidden, _ = self.model.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] -> logits [N, vocab_size] float32."""
+        return self.lm_head(hidden).float()

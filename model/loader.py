@@ -1,0 +1,231 @@
+"""Resolve a model name, load its config and tokenizer, and build the model with real or dummy weights.
+
+A model is named by one of: the default model (``"SmolLM2-135M-Instruct"``, ``"default"`` or
+``"smollm2"``, any case; converted once, see :mod:`rayinfer.model.default_model`), a local Hugging
+Face-format directory (config.json + *.safetensors), or a built-in shape of
+:mod:`rayinfer.model.shapes` (``load_format="dummy"`` only). Only local paths ever reach transformers,
+so nothing is fetched from a model hub.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import torch
+import transformers
+from torch import nn
+
+from rayinfer.model.default_model import DEFAULT_MODEL, ensure_default_model
+from rayinfer.model.registry import get_model_class
+from rayinfer.model.shapes import SHAPES, shape_config
+
+DEFAULT_ALIASES = (DEFAULT_MODEL.lower(), "default", "smollm2")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def resolve_model(name_or_path: str | Path) -> Path | str:
+    """Map a model name to a local directory (converting the default model on first use) or a shape name.
+
+    Returns:
+        the model directory (a Path holding config.json), or the lower-case name of a built-in shape.
+    Raises:
+        ValueError: for anything else; the message lists what is accepted.
+    """
+    name = str(name_or_path)
+    if name.lower() in DEFAULT_ALIASES:
+        return ensure_default_model()
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model directory '{name}' has no config.json")
+        return path
+    if name.lower() in SHAPES:
+        return name.lower()
+    raise ValueError(
+        f"unknown model '{name}': expected {DEFAULT_MODEL!r} (or 'default'), a Hugging Face-format directory "
+        f"with config.json and *.safetensors, or a built-in shape for load_format='dummy': {sorted(SHAPES)}"
+    )
+
+
+def load_config(model: str | Path) -> transformers.PretrainedConfig:
+    """The Hugging Face config of ``model`` (see :func:`resolve_model`; raises its ValueError)."""
+    resolved = resolve_model(model)
+    if isinstance(resolved, str):
+        return shape_config(resolved)
+    return transformers.AutoConfig.from_pretrained(resolved, local_files_only=True)
+
+
+def parse_dtype(dtype: str | torch.dtype, device: str | torch.device | None = None) -> torch.dtype:
+    """Turn "float32" / "bfloat16" / "float16" (or fp32/bf16/fp16, or a torch.dtype) into a torch.dtype.
+
+    "auto" is float32 on CPU and bfloat16 on CUDA; with no device, CUDA counts when one is available.
+
+    Raises:
+        ValueError: naming ``dtype`` for anything else.
+    """
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype must be one of float32, bfloat16, float16, got {dtype}")
+        return dtype
+    if dtype == "auto":
+        kind = torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.bfloat16 if kind == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of 'auto', {', '.join(repr(k) for k in _DTYPES)}; got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def load_model(
+    model: str | Path,
+    dtype: str | torch.dtype,
+    device: str | torch.device,
+    load_format: str = "auto",
+    seed: int = 0,
+) -> nn.Module:
+    """Build the model class registered for ``model``'s architecture and fill its weights.
+
+    Parameters are created on the meta device, then allocated once on ``device`` in ``dtype`` (so a large
+    shape never materializes in float32 on the host); buffers such as RoPE's inv_freq stay float32.
+
+    Args:
+        model: a name or directory, see :func:`resolve_model`.
+        dtype: parameter dtype (see :func:`parse_dtype`).
+        device: where the parameters live.
+        load_format: "auto" / "safetensors" (the directory's *.safetensors, shards included) or "dummy"
+            (random weights: N(0, initializer_range or 0.02) for matrices, 1 for norms, 0 for biases).
+        seed: seed of dummy weights.
+    Returns:
+        the model in eval mode with ``requires_grad=False`` parameters; ``model.config`` is its HF config.
+    Raises:
+        ValueError: for a bad ``load_format`` or ``dtype`` (naming the field), an unknown model or
+            architecture, a shape without ``load_format="dummy"``, or checkpoint keys or shapes that do
+            not match the model (missing, unexpected, mis-shaped).
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    device = torch.device(device)
+    dtype = parse_dtype(dtype, device)
+    resolved = resolve_model(model)
+    if isinstance(resolved, str) and load_format != "dummy":
+        raise ValueError(f"model '{model}' is a built-in shape without weights: use load_format='dummy'")
+    config = load_config(resolved)
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    if arch is None:
+        raise ValueError(f"config of model '{model}' names no architectures")
+    with _params_on_meta():
+        net = get_model_class(arch)(config)
+    _materialize(net, dtype, device)
+    with torch.no_grad():
+        if load_format == "dummy":
+            _init_dummy(net, getattr(config, "initializer_range", None) or 0.02, seed, device)
+        else:
+            _load_safetensors(net, resolved)
+    return net.eval()
+
+
+def load_tokenizer(model: str | Path) -> transformers.PreTrainedTokenizerBase:
+    """The tokenizer of ``model`` from local files; a model without one borrows the default model's.
+
+    Raises:
+        ValueError: for an unknown model, or one without a tokenizer whose vocab_size is smaller than the
+            default tokenizer's (its token ids would fall outside the embedding).
+    """
+    resolved = resolve_model(model)
+    if isinstance(resolved, Path) and any((resolved / f).is_file() for f in _TOKENIZER_FILES):
+        return transformers.AutoTokenizer.from_pretrained(resolved, local_files_only=True)
+    vocab_size = load_config(resolved).vocab_size
+    tok = transformers.AutoTokenizer.from_pretrained(ensure_default_model(), local_files_only=True)
+    if len(tok) > vocab_size:
+        raise ValueError(f"model '{model}' has no tokenizer, and the default one ({len(tok)} tokens) does not "
+                         f"fit its vocab_size {vocab_size}")
+    return tok
+
+
+@contextlib.contextmanager
+def _params_on_meta():
+    """Register every new parameter on the meta device; buffers stay real (after accelerate's
+    ``init_empty_weights(include_buffers=False)``)."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        if param is not None and param.device.type != "meta":  # a meta param is kept: weight tying
+            param = nn.Parameter(param.to("meta"), requires_grad=False)
+        register(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def _materialize(net: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Allocate the meta parameters on ``device`` (floats in ``dtype``, tied ones once); move buffers."""
+    allocated: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id(meta) -> (meta kept alive, real)
+    for module in net.modules():
+        for name, p in module._parameters.items():
+            if p is None:
+                continue
+            if id(p) not in allocated:
+                real = torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype, device=device)
+                allocated[id(p)] = (p, nn.Parameter(real, requires_grad=False))
+            module._parameters[name] = allocated[id(p)][1]
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = b.to(device)
+
+
+def _init_dummy(net: nn.Module, std: float, seed: int, device: torch.device) -> None:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in net.named_parameters():
+        if p.ndim == 1 and "norm" in name:
+            p.fill_(1.0)
+        elif name.endswith("bias"):
+            p.zero_()
+        else:
+            p.normal_(0.0, std, generator=gen)
+
+
+def _checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of a directory: those of the shard index, else model.safetensors, else all."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return [path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model directory '{path}' has no *.safetensors weights (load_format='dummy' needs none)")
+    return files
+
+
+def _load_safetensors(net: nn.Module, path: Path) -> None:
+    """Copy every checkpoint tensor into the same-named parameter or persistent buffer, strictly."""
+    from safetensors import safe_open
+
+    targets = net.state_dict(keep_vars=True)  # tied names appear under each name, sharing one tensor
+    loaded: set[int] = set()
+    unexpected: list[str] = []
+    for file in _checkpoint_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                if key.endswith("inv_freq"):  # RoPE tables are recomputed from the config
+                    continue
+                if key not in targets:
+                    unexpected.append(key)
+                    continue
+                tensor, target = f.get_tensor(key), targets[key]
+                if tensor.shape != target.shape:
+                    raise ValueError(f"weight {key!r} in {file.name} has shape {tuple(tensor.shape)}, "
+                                     f"the model expects {tuple(target.shape)}")
+                target.copy_(tensor)
+                loaded.add(id(target))
+    missing = [k for k, t in targets.items() if id(t) not in loaded]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint in '{path}' does not match {type(net).__name__}: "
+                         f"missing {missing[:8]} ({len(missing)}), unexpected {unexpected[:8]} ({len(unexpected)})")

@@ -1,0 +1,439 @@
+"""Shared pieces of mixture-of-experts (MoE) models: routers, the routed-expert layer with expert
+parallelism and expert-load counting, and weight loading from Hugging Face names.
+
+Glossary:
+    logical expert: an expert of the checkpoint (``L = n_routed_experts`` / ``num_experts`` of them).
+    physical expert: a slot holding one logical expert's weights on some rank; with redundant experts
+        there are ``P > L`` slots and a hot logical expert has several replicas.
+    phy2log: [P] int64, the logical expert of each physical slot; rank r of an expert-parallel (EP)
+        group of size ep holds slots ``r * P/ep .. (r+1) * P/ep - 1``.
+    log2phy: [L, max_replicas] int64, the physical slots of each logical expert (-1 padded).
+    expert load: tokens routed to each logical expert, counted per MoE layer for EPLB.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+from rayinfer.kernels.activation import silu_and_mul
+from rayinfer.kernels.fused_moe import fused_moe
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU MLP ``down(silu(gate(x)) * up(x))`` with Hugging Face names (dense layers, shared experts)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu"):
+        """Raises: ValueError for an activation other than SiLU."""
+        super().__init__()
+        if hidden_act != "silu":
+            raise ValueError(f"hidden_act {hidden_act!r} is not supported (only 'silu')")
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H]."""
+        return self.down_proj(silu_and_mul(torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)))
+
+
+def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax top-k routing (Qwen3-MoE, Mixtral).
+
+    Args:
+        router_logits: [T, L], the hidden states' dtype.
+        top_k: experts per token.
+        renormalize: divide the k probabilities by their sum (``norm_topk_prob``).
+    Returns:
+        (topk_weights [T, k] in router_logits' dtype, topk_ids [T, k] int64).
+    Source: Hugging Face ``Qwen3MoeTopKRouter``.
+    """
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(router_logits.dtype), ids
+
+
+def grouped_topk(
+    router_logits: torch.Tensor,
+    e_score_correction_bias: torch.Tensor,
+    top_k: int,
+    num_groups: int,
+    topk_groups: int,
+    renormalize: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 routing: sigmoid scores, bias-corrected choice within the best expert groups.
+
+    Steps: 1. scores = sigmoid(logits); choice = scores + bias. 2. A group's score is the sum of its
+    two best choices; keep the ``topk_groups`` best groups. 3. Pick the ``top_k`` best choices inside
+    them. 4. Weights are the picked *uncorrected* scores, optionally renormalized (sum + 1e-20), times
+    ``routed_scaling_factor``.
+
+    Args:
+        router_logits: [T, L] float32.
+        e_score_correction_bias: [L] float32 (aux-loss-free load balancing bias).
+        top_k, num_groups (``n_group``), topk_groups (``topk_group``): as in the config; L must divide
+            into ``num_groups`` groups of at least two experts.
+        renormalize: ``norm_topk_prob``.
+        routed_scaling_factor: multiplies the weights.
+    Returns:
+        (topk_weights [T, k] float32, topk_ids [T, k] int64).
+    Source: DeepSeek-V3 technical report (2024), section 2.1.2; Hugging Face ``DeepseekV3TopkRouter``.
+    """
+    num_tokens, num_experts = router_logits.shape
+    scores = router_logits.sigmoid()
+    choice = scores + e_score_correction_bias
+    group_scores = choice.view(num_tokens, num_groups, -1).topk(2, dim=-1)[0].sum(dim=-1)
+    group_ids = torch.topk(group_scores, k=topk_groups, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_ids, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(-1, num_groups, num_experts // num_groups).reshape(num_tokens, -1)
+    choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+    ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids
+
+
+def log2phy_table(phy2log: torch.Tensor, num_logical: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Invert a physical-to-logical map.
+
+    Args:
+        phy2log: [P] int, logical expert of each physical slot.
+        num_logical: L.
+    Returns:
+        (log2phy [L, max_replicas] int64 padded with -1, in ascending slot order; replica_counts [L] int64).
+    Raises:
+        ValueError: if an entry is outside ``[0, L)`` or a logical expert has no slot.
+    """
+    phy2log = torch.as_tensor(phy2log, dtype=torch.int64).cpu()
+    if phy2log.dim() != 1 or (phy2log < 0).any() or (phy2log >= num_logical).any():
+        raise ValueError(f"phy2log must be 1-D with entries in [0, {num_logical}), got {phy2log.tolist()}")
+    slots: list[list[int]] = [[] for _ in range(num_logical)]
+    for p, e in enumerate(phy2log.tolist()):
+        slots[e].append(p)
+    missing = [e for e, s in enumerate(slots) if not s]
+    if missing:
+        raise ValueError(f"phy2log places no replica of logical experts {missing}")
+    width = max(len(s) for s in slots)
+    table = torch.tensor([s + [-1] * (width - len(s)) for s in slots], dtype=torch.int64)
+    return table, torch.tensor([len(s) for s in slots], dtype=torch.int64)
+
+
+@dataclass(frozen=True)
+class ExpertParallelism:
+    """How a model's routed experts are spread over ranks.
+
+    Attributes:
+        group: torch.distributed process group of the EP ranks (gloo or NCCL); None for one process.
+        num_physical_experts: P, slots over all ranks (P - L redundant); None means L.
+        phy2log: initial map, [P] for every MoE layer or [num_moe_layers, P]; None means
+            ``arange(P) % L``.
+    """
+
+    group: Any = None
+    num_physical_experts: int | None = None
+    phy2log: torch.Tensor | None = None
+
+    def layer_phy2log(self, moe_layer: int, num_logical: int) -> torch.Tensor:
+        num_physical = self.num_physical_experts or num_logical
+        if self.phy2log is None:
+            return torch.arange(num_physical) % num_logical
+        table = torch.as_tensor(self.phy2log, dtype=torch.int64)
+        return table if table.dim() == 1 else table[moe_layer]
+
+
+class RoutedExperts(nn.Module):
+    """The routed experts of one MoE layer, stacked, optionally spread over an expert-parallel group.
+
+    Parameters keep Hugging Face 5.x names so its ``state_dict`` loads as is at ep=1:
+    ``gate_up_proj`` [P_local, 2 * I, H] (gate rows, then up rows; ``w13``) and ``down_proj``
+    [P_local, H, I] (``w2``). Buffers: ``expert_counts`` [L] int64 (tokens routed to each logical
+    expert by this rank, for EPLB) and ``phy2log`` [P].
+
+    Expert-parallel forward (every rank of the group must call it at the same step, with any number
+    of tokens, zero included): 1. all-gather the tokens and their routing, padded to the largest
+    count; 2. map each (token, slot) to a physical replica, the ``row % replica_count``-th of its
+    logical expert (row = index in the gathered batch), deterministic on every rank; 3. compute the
+    contributions of this rank's slots; 4. sum over ranks (reduce-scatter on NCCL, all-reduce on gloo)
+    and keep this rank's rows. The result equals ep=1 up to float summation order.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        group: Any = None,
+        phy2log: torch.Tensor | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ):
+        """Args: num_experts L; sizes H and I; group and phy2log as in :class:`ExpertParallelism`.
+
+        Raises:
+            ValueError: if P is not a multiple of the group size or phy2log is invalid.
+        """
+        super().__init__()
+        self.num_logical_experts = num_experts
+        self.intermediate_size = intermediate_size
+        self.group = group
+        self.ep_size = dist.get_world_size(group) if group is not None else 1
+        self.ep_rank = dist.get_rank(group) if group is not None else 0
+        phy2log = torch.arange(num_experts) if phy2log is None else torch.as_tensor(phy2log, dtype=torch.int64)
+        self.num_physical_experts = phy2log.numel()
+        if self.num_physical_experts % self.ep_size:
+            raise ValueError(f"{self.num_physical_experts} physical experts do not split over {self.ep_size} ranks")
+        self.num_local_experts = self.num_physical_experts // self.ep_size
+        self.first_local = self.ep_rank * self.num_local_experts
+        kw = dict(dtype=dtype, device=device)
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_local_experts, 2 * intermediate_size, hidden_size, **kw))
+        self.down_proj = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, intermediate_size, **kw))
+        nn.init.normal_(self.gate_up_proj, std=0.02)
+        nn.init.normal_(self.down_proj, std=0.02)
+        counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+        self.register_buffer("expert_counts", counts, persistent=False)
+        for name in ("phy2log", "log2phy", "replica_counts"):  # filled by _set_placement
+            self.register_buffer(name, torch.empty(0, dtype=torch.int64, device=device), persistent=False)
+        self._set_placement(phy2log)
+
+    @property
+    def w13(self) -> torch.Tensor:
+        return self.gate_up_proj
+
+    @property
+    def w2(self) -> torch.Tensor:
+        return self.down_proj
+
+    def _set_placement(self, phy2log: torch.Tensor) -> None:
+        log2phy, replica_counts = log2phy_table(phy2log, self.num_logical_experts)
+        device = self.expert_counts.device
+        self.phy2log = torch.as_tensor(phy2log, dtype=torch.int64).to(device)
+        self.log2phy = log2phy.to(device)
+        self.replica_counts = replica_counts.to(device)
+
+    def _local_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """[N, k] logical ids (-1 = none) -> ids of this rank's slots, -1 where another rank computes."""
+        rows = torch.arange(topk_ids.shape[0], device=topk_ids.device)[:, None]
+        valid = topk_ids >= 0
+        logical = topk_ids.clamp(min=0)
+        physical = self.log2phy[logical, rows % self.replica_counts[logical]]
+        local = physical - self.first_local
+        mine = valid & (local >= 0) & (local < self.num_local_experts)
+        return torch.where(mine, local, torch.full_like(local, -1))
+
+    def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """Weighted sum of each token's routed experts; counts the tokens per logical expert.
+
+        Args:
+            hidden: [T, H] this rank's tokens.
+            topk_ids: [T, k] int64 logical expert ids.
+            topk_weights: [T, k] float routing weights.
+        Returns:
+            [T, H], hidden's dtype.
+        Side effects: ``expert_counts += bincount(topk_ids)``; under EP, collectives on ``group``.
+        """
+        ids = topk_ids.reshape(-1).long()
+        self.expert_counts.index_add_(0, ids, torch.ones_like(ids))
+        if self.group is None:
+            return fused_moe(hidden, self.w13, self.w2, self._local_ids(topk_ids), topk_weights)
+        num_tokens = topk_ids.shape[0]
+        sizes = self._all_gather(torch.tensor([num_tokens], dtype=torch.int64, device=hidden.device))
+        max_tokens = int(sizes.max())
+        if max_tokens == 0:
+            return torch.zeros_like(hidden)
+        pad = max_tokens - num_tokens
+        hidden_all = self._all_gather(F.pad(hidden, (0, 0, 0, pad)))
+        ids_all = self._all_gather(F.pad(topk_ids.long(), (0, 0, 0, pad), value=-1))
+        weights_all = self._all_gather(F.pad(topk_weights, (0, 0, 0, pad)))
+        partial = fused_moe(hidden_all, self.w13, self.w2, self._local_ids(ids_all), weights_all)
+        if dist.get_backend(self.group) == "nccl":
+            out = partial.new_empty((max_tokens, partial.shape[1]))
+            dist.reduce_scatter_tensor(out, partial, group=self.group)
+        else:  # gloo has no reduce-scatter
+            dist.all_reduce(partial, group=self.group)
+            out = partial[self.ep_rank * max_tokens : (self.ep_rank + 1) * max_tokens]
+        return out[:num_tokens]
+
+    def _all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(x) for _ in range(self.ep_size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts)
+
+    def read_expert_counts(self, reset: bool = False) -> torch.Tensor:
+        """Tokens this rank routed to each logical expert since the last reset: [L] int64 (a copy)."""
+        counts = self.expert_counts.clone()
+        if reset:
+            self.expert_counts.zero_()
+        return counts
+
+    def load_expert_weight(self, logical_id: int, kind: str, weight: torch.Tensor) -> None:
+        """Copy one checkpoint expert projection into every local slot that holds ``logical_id``.
+
+        Args:
+            logical_id: the expert index of the checkpoint name ``experts.{e}.{kind}.weight``.
+            kind: "gate_proj" or "up_proj" ([I, H]) or "down_proj" ([H, I]).
+        Raises:
+            ValueError: on a bad kind, id or shape.
+        """
+        if not 0 <= logical_id < self.num_logical_experts or kind not in ("gate_proj", "up_proj", "down_proj"):
+            raise ValueError(f"no expert weight {logical_id}.{kind}")
+        inter = self.intermediate_size
+        for slot in self._local_slots_of(logical_id):
+            if kind == "down_proj":
+                dst = self.down_proj.data[slot]
+            elif kind == "gate_proj":
+                dst = self.gate_up_proj.data[slot, :inter]
+            else:
+                dst = self.gate_up_proj.data[slot, inter:]
+            if dst.shape != weight.shape:
+                raise ValueError(f"expert {logical_id}.{kind}: expected {tuple(dst.shape)}, got {tuple(weight.shape)}")
+            dst.copy_(weight)
+
+    def load_stacked(self, name: str, weight: torch.Tensor) -> None:
+        """Copy a Hugging Face 5.x stacked tensor (``gate_up_proj`` [L, 2I, H] or ``down_proj`` [L, H, I]).
+
+        Raises:
+            ValueError: on a bad name or shape.
+        """
+        param = {"gate_up_proj": self.gate_up_proj, "down_proj": self.down_proj}.get(name)
+        if param is None or weight.shape != (self.num_logical_experts, *param.shape[1:]):
+            raise ValueError(f"stacked expert weight {name} of shape {tuple(weight.shape)} does not fit {self}")
+        local = self.phy2log[self.first_local : self.first_local + self.num_local_experts].to(weight.device)
+        param.data.copy_(weight[local])
+
+    def _local_slots_of(self, logical_id: int) -> list[int]:
+        local = self.phy2log[self.first_local : self.first_local + self.num_local_experts].tolist()
+        return [s for s, e in enumerate(local) if e == logical_id]
+
+    @torch.no_grad()
+    def update_placement(self, new_phy2log: torch.Tensor) -> None:
+        """Switch to a new physical-to-logical map, moving expert weights in place (collective).
+
+        Every rank of the group calls it with the same map at the same step. A slot whose logical expert
+        changes is filled from a replica on its own rank when there is one, else from the first old
+        replica (point-to-point send/recv). Parameters keep their storage; the map buffers are replaced
+        (a captured CUDA graph must be recaptured). Expert counts are logical and are kept.
+
+        Args:
+            new_phy2log: [P] int, P unchanged (EPLB keeps the slot count fixed).
+        Raises:
+            ValueError: if P changes or the map is invalid (nothing is modified then).
+        Source: after DeepSeek EPLB's rebalancing step and vLLM's ``rearrange_expert_weights_inplace``.
+        """
+        new = torch.as_tensor(new_phy2log, dtype=torch.int64).cpu()
+        if new.numel() != self.num_physical_experts:
+            raise ValueError(f"new phy2log has {new.numel()} slots, the layer has {self.num_physical_experts}")
+        log2phy_table(new, self.num_logical_experts)  # validates
+        old, new_list = self.phy2log.cpu().tolist(), new.tolist()
+        per = self.num_local_experts
+        replicas: dict[int, list[int]] = {}
+        for q, e in enumerate(old):
+            replicas.setdefault(e, []).append(q)
+        plan = []  # (new slot p, source rank, old source slot q), in ascending p on every rank
+        for p, e in enumerate(new_list):
+            if old[p] == e:
+                continue
+            same_rank = [q for q in replicas[e] if q // per == p // per]
+            q = same_rank[0] if same_rank else replicas[e][0]
+            plan.append((p, q // per, q))
+        me = self.ep_rank
+        sources = {q: self._pack(q - self.first_local) for _, src, q in plan if src == me}
+        received, pending = {}, []
+        for p, src, q in plan:
+            dst = p // per
+            if src == me and dst != me:
+                pending.append(dist.isend(sources[q], dist.get_global_rank(self.group, dst), group=self.group, tag=p))
+            elif dst == me and src != me:
+                received[p] = self.gate_up_proj.new_empty(self.gate_up_proj[0].numel() + self.down_proj[0].numel())
+                pending.append(dist.irecv(received[p], dist.get_global_rank(self.group, src), group=self.group, tag=p))
+        for work in pending:
+            work.wait()
+        for p, src, q in plan:
+            if p // per == me:
+                self._unpack(p - self.first_local, sources[q] if src == me else received[p])
+        self._set_placement(new)
+
+    def _pack(self, slot: int) -> torch.Tensor:
+        return torch.cat([self.gate_up_proj.data[slot].reshape(-1), self.down_proj.data[slot].reshape(-1)])
+
+    def _unpack(self, slot: int, flat: torch.Tensor) -> None:
+        n = self.gate_up_proj[slot].numel()
+        self.gate_up_proj.data[slot].copy_(flat[:n].view_as(self.gate_up_proj[slot]))
+        self.down_proj.data[slot].copy_(flat[n:].view_as(self.down_proj[slot]))
+
+
+class MoEModelMixin:
+    """Expert-load reading, rebalancing and Hugging Face weight loading for MoE models.
+
+    A model using it is an ``nn.Module`` with ``config.num_hidden_layers``; its routed-expert layers
+    are found as :class:`RoutedExperts` submodules in layer order.
+    """
+
+    def expert_layers(self) -> list[RoutedExperts]:
+        return [m for m in self.modules() if isinstance(m, RoutedExperts)]
+
+    def expert_load(self, reset: bool = False) -> torch.Tensor:
+        """This rank's tokens per logical expert of every MoE layer: [num_moe_layers, L] int64 (EPLB input)."""
+        return torch.stack([layer.read_expert_counts(reset) for layer in self.expert_layers()])
+
+    def update_expert_placement(self, phy2log: torch.Tensor) -> None:
+        """Apply EPLB's new map, [num_moe_layers, P], to every MoE layer (collective; see ``update_placement``)."""
+        layers = self.expert_layers()
+        if len(phy2log) != len(layers):
+            raise ValueError(f"phy2log has {len(phy2log)} rows for {len(layers)} MoE layers")
+        for layer, row in zip(layers, phy2log):
+            layer.update_placement(row)
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load Hugging Face-named tensors (a safetensors checkpoint or a 5.x ``state_dict``).
+
+        Accepts per-expert names (``...experts.{e}.gate_proj.weight``, as checkpoints store them) and
+        5.x stacked names (``...experts.gate_up_proj``); under EP only this rank's experts are kept.
+        Layers ``>= num_hidden_layers`` are DeepSeek's multi-token-prediction (MTP) modules
+        (``num_nextn_predict_layers``): skipped, as Hugging Face does, since we do not run MTP.
+
+        Returns:
+            names of the parameters and buffers written (experts as ``...experts.gate_up_proj`` etc.).
+        Raises:
+            KeyError: for a name the model does not have; ValueError: on a shape mismatch or an FP8
+            block-quantized checkpoint (``weight_scale_inv``; dequantize it first).
+        """
+        params = dict(self.named_parameters(remove_duplicate=False))
+        params.update(self.named_buffers(remove_duplicate=False))
+        experts = {name: m for name, m in self.named_modules() if isinstance(m, RoutedExperts)}
+        num_layers = self.config.num_hidden_layers
+        loaded: set[str] = set()
+        for name, tensor in named_tensors:
+            layer = re.match(r"model\.layers\.(\d+)\.", name)
+            if (layer and int(layer.group(1)) >= num_layers) or name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name.endswith("weight_scale_inv"):
+                raise ValueError(f"{name}: FP8 block-quantized checkpoints are not supported; dequantize first")
+            per_expert = re.fullmatch(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight", name)
+            stacked = re.fullmatch(r"(.*\.experts)\.(gate_up_proj|down_proj)", name)
+            if per_expert and per_expert.group(1) in experts:
+                prefix, e, kind = per_expert.groups()
+                experts[prefix].load_expert_weight(int(e), kind, tensor)
+                loaded.add(f"{prefix}.{'down_proj' if kind == 'down_proj' else 'gate_up_proj'}")
+            elif stacked and stacked.group(1) in experts:
+                experts[stacked.group(1)].load_stacked(stacked.group(2), tensor)
+                loaded.add(name)
+            elif name in params:
+                if params[name].shape != tensor.shape:
+                    raise ValueError(f"{name}: expected {tuple(params[name].shape)}, got {tuple(tensor.shape)}")
+                with torch.no_grad():
+                    params[name].copy_(tensor)
+                loaded.add(name)
+            else:
+                raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+        return loaded

@@ -1,0 +1,174 @@
+"""Qwen3-MoE decoder in plain PyTorch over the standard paged KV cache, with optional expert parallelism.
+
+Parameter names match Hugging Face 5.x ``Qwen3MoeForCausalLM`` (stacked experts), and
+:meth:`Qwen3MoeForCausalLM.load_weights` also takes per-expert checkpoint names. Attention is grouped-
+query attention with an RMSNorm over each head's queries and keys before RoPE; MoE layers route with
+softmax top-k (``norm_topk_prob``); ``decoder_sparse_step`` and ``mlp_only_layers`` pick the dense layers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from rayinfer.kernels.attention_metadata import AttentionMetadata
+from rayinfer.kernels.kv_write import store_kv
+from rayinfer.kernels.paged_attention import paged_attention
+from rayinfer.kernels.rotary import rope_inv_freq, rotary
+from rayinfer.model.llama import RMSNorm
+from rayinfer.model.moe import ExpertParallelism, GatedMLP, MoEModelMixin, RoutedExperts, softmax_topk
+
+
+class Qwen3MoeAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        bias = getattr(config, "attention_bias", False)
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.scale = self.head_dim**-0.5
+
+    def forward(self, hidden, positions, inv_freq, kv_cache, meta: AttentionMetadata):
+        """hidden [T, hidden_size] -> [T, hidden_size]; writes this step's K/V into ``kv_cache`` (one layer)."""
+        t, d = hidden.shape[0], self.head_dim
+        q = self.q_norm(self.q_proj(hidden).view(-1, d)).view(t, self.num_heads, d)
+        k = self.k_norm(self.k_proj(hidden).view(-1, d)).view(t, self.num_kv_heads, d)
+        v = self.v_proj(hidden).view(t, self.num_kv_heads, d)
+        q, k = rotary(q, k, positions, inv_freq)
+        store_kv(k, v, kv_cache, meta.slot_mapping)
+        out = paged_attention(q, kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(t, self.num_heads * d))
+
+
+class Qwen3MoeRouter(nn.Module):
+    """Router weights under the Hugging Face name ``mlp.gate.weight``: [num_experts, hidden_size]."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
+
+
+class Qwen3MoeSparseMoeBlock(nn.Module):
+    """Softmax top-k routing over the routed experts (no shared expert)."""
+
+    def __init__(self, config, ep: ExpertParallelism, moe_layer: int):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.gate = Qwen3MoeRouter(config)
+        self.experts = RoutedExperts(
+            config.num_experts, config.hidden_size, config.moe_intermediate_size,
+            group=ep.group, phy2log=ep.layer_phy2log(moe_layer, config.num_experts),
+        )
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [T, hidden_size] -> [T, hidden_size]."""
+        weights, ids = softmax_topk(F.linear(hidden, self.gate.weight), self.top_k, self.norm_topk_prob)
+        return self.experts(hidden, ids, weights)
+
+
+def _is_sparse(config, layer_idx: int) -> bool:
+    """Hugging Face's rule for which decoder layers are MoE."""
+    return (
+        layer_idx not in (getattr(config, "mlp_only_layers", None) or [])
+        and config.num_experts > 0
+        and (layer_idx + 1) % config.decoder_sparse_step == 0
+    )
+
+
+class Qwen3MoeDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, ep: ExpertParallelism, moe_layer: int):
+        super().__init__()
+        self.self_attn = Qwen3MoeAttention(config)
+        if _is_sparse(config, layer_idx):
+            self.mlp = Qwen3MoeSparseMoeBlock(config, ep, moe_layer)
+        else:
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden, residual, positions, inv_freq, kv_cache, meta):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, positions, inv_freq, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class Qwen3MoeModel(nn.Module):
+    def __init__(self, config, ep: ExpertParallelism):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        layers, moe_layer = [], 0
+        for i in range(config.num_hidden_layers):
+            layers.append(Qwen3MoeDecoderLayer(config, i, ep, moe_layer))
+            moe_layer += _is_sparse(config, i)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Qwen3MoeForCausalLM(MoEModelMixin, nn.Module):
+    """Qwen3-MoE with an LM head; the engine's model interface (see ``rayinfer.model.llama``).
+
+    Expert parallelism: pass ``ep`` (group, physical slots, initial phy2log); every rank of the group
+    must then run ``forward`` at every step, with zero tokens if it has none (the MoE layers meet in
+    collectives). Attention and dense weights are replicated; each rank keeps its own KV cache.
+    """
+
+    def __init__(self, config, ep: ExpertParallelism | None = None):
+        """Raises: ValueError for sliding-window attention, which this model does not implement."""
+        super().__init__()
+        if getattr(config, "use_sliding_window", False):
+            raise ValueError("Qwen3-MoE with use_sliding_window=True is not supported")
+        self.config = config
+        self.model = Qwen3MoeModel(config, ep or ExpertParallelism())
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+        head_dim = self.model.layers[0].self_attn.head_dim
+        rope_params = getattr(config, "rope_parameters", None) or {}
+        theta = rope_params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        scaling = getattr(config, "rope_scaling", None)
+        if scaling is None and rope_params.get("rope_type", "default") != "default":
+            scaling = rope_params
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """[num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim], as Llama."""
+        attn = self.model.layers[0].self_attn
+        return (len(self.model.layers), num_blocks, 2, block_size, attn.num_kv_heads, attn.head_dim)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Run the decoder over this step's new tokens.
+
+        Args:
+            input_ids: [T] int64 new tokens of all requests, concatenated (T may be 0 under EP).
+            positions: [T] int64 their positions.
+            kv_cache: the tensor of :meth:`kv_cache_shape`; written in place at ``meta.slot_mapping``.
+            meta: the step's :class:`AttentionMetadata`.
+        Returns:
+            hidden: [T, hidden_size], after the final norm.
+        Side effects: MoE layers count routed tokens (:meth:`expert_load`).
+        """
+        hidden = self.model.embed_tokens(input_ids)
+        residual = None
+        for i, layer in enumerate(self.model.layers):
+            hidden, residual = layer(hidden, residual, positions, self.inv_freq, kv_cache[i], meta)
+        hidden, _ = self.model.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] -> logits [N, vocab_size] float32."""
+        return self.lm_head(hidden).float()

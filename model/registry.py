@@ -1,0 +1,23 @@
+"""Which rayinfer class implements each Hugging Face architecture (``config.architectures[0]``)."""
+
+from __future__ import annotations
+
+import importlib
+
+# HF architecture name -> "module:Class". A plain dict: add a line per supported architecture.
+ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "rayinfer.model.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "rayinfer.model.llama:LlamaForCausalLM",
+}
+
+
+def get_model_class(arch: str) -> type:
+    """Import and return the model class registered for ``arch``.
+
+    Raises:
+        ValueError: if ``arch`` is not in :data:`ARCHITECTURES` (the message lists the supported ones).
+    """
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unsupported model architecture {arch!r}: supported are {sorted(ARCHITECTURES)}")
+    module, _, cls = ARCHITECTURES[arch].partition(":")
+    return getattr(importlib.import_module(module), cls)
