@@ -208,6 +208,19 @@ def _load_safetensors(net: nn.Module, path: Path) -> None:
     """Copy every checkpoint tensor into the same-named parameter or persistent buffer, strictly."""
     from safetensors import safe_open
 
+    if hasattr(net, "load_weights"):  # models whose checkpoint names differ (per-expert MoE weights, MTP)
+        def named_tensors():
+            for file in _checkpoint_files(path):
+                with safe_open(str(file), framework="pt") as f:
+                    for key in f.keys():
+                        yield key, f.get_tensor(key)
+
+        loaded_names = net.load_weights(named_tensors())
+        missing = sorted(set(net.state_dict()) - set(loaded_names))
+        if missing:
+            raise ValueError(f"checkpoint in '{path}' lacks {len(missing)} weights of {type(net).__name__}: "
+                             f"{missing[:8]}")
+        return
     targets = net.state_dict(keep_vars=True)  # tied names appear under each name, sharing one tensor
     loaded: set[int] = set()
     unexpected: list[str] = []

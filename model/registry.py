@@ -8,6 +8,8 @@ import importlib
 ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "rayinfer.model.llama:LlamaForCausalLM",
     "MistralForCausalLM": "rayinfer.model.llama:LlamaForCausalLM",
+    "DeepseekV3ForCausalLM": "rayinfer.model.deepseek_v3:DeepseekV3ForCausalLM",
+    "Qwen3MoeForCausalLM": "rayinfer.model.qwen3_moe:Qwen3MoeForCausalLM",
 }
 
 

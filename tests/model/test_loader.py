@@ -232,3 +232,27 @@ def test_failed_conversion_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         default_model.ensure_default_model(tmp_path)
     assert [p.name for p in (tmp_path / "models").iterdir() if not p.name.endswith(".lock")] == []
+
+
+def test_moe_checkpoint_directory_loads_through_load_weights(tmp_path):
+    """An HF save_pretrained MoE directory loads via the registry and matches HF logits."""
+    import transformers
+
+    from rayinfer.kernels.attention_metadata import AttentionMetadata
+    from rayinfer.model.loader import load_model
+
+    cfg = transformers.Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=96,
+                                      moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                      max_position_embeddings=128, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = transformers.Qwen3MoeForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path)
+    ours = load_model(str(tmp_path), torch.float32, "cpu")
+    ids = torch.randint(0, 128, (9,))
+    kv = torch.zeros(ours.kv_cache_shape(4, 4))
+    meta = AttentionMetadata.build([9], [9], [[0, 1, 2]], 4)
+    with torch.no_grad():
+        got = ours.compute_logits(ours(ids, torch.arange(9), kv, meta))
+        want = hf(ids[None]).logits[0]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

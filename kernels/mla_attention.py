@@ -1,0 +1,281 @@
+"""Multi-head latent attention (MLA) over a compressed paged KV cache.
+
+Glossary: R ``kv_lora_rank`` (width of the latent ``c_kv``), P ``qk_rope_head_dim`` (width of the
+shared roped key ``k_pe``), Dn ``qk_nope_head_dim``, Dv ``v_head_dim``, H query heads. One layer's
+cache is ``[num_blocks, block_size, R + P]``: per token the normalized latent, then the roped key,
+written by slot mapping. Two ways to attend over it (DeepSeek-V2 paper, section 2.1):
+
+- expanded (:func:`mla_prefill_ref`): ``kv_b_proj`` turns the context's latents into per-head keys
+  and values, then ordinary attention; cheap when many queries share the context (prefill);
+- absorbed (:func:`mla_decode`): the key up-projection is folded into the query
+  (``q_latent = q_nope @ W_UK``) and the value up-projection applied after, so attention runs as
+  multi-query attention straight over the latents (one shared "head" of width R + P, values of width
+  R); cheap when few queries read a long context (decode).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from rayinfer.kernels._triton_utils import tl, triton, use_triton
+from rayinfer.kernels.attention_metadata import AttentionMetadata
+
+
+def store_mla_kv_ref(
+    c_kv: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Scatter this step's latents and roped keys into one layer's compressed cache (in place).
+
+    Args:
+        c_kv: [T, R]; k_pe: [T, P]; cast to the cache's dtype.
+        kv_cache: [num_blocks, block_size, R + P].
+        slot_mapping: [T] int64, ``block_id * block_size + offset``; a negative slot skips the token.
+    """
+    block_size, rank = kv_cache.shape[1], c_kv.shape[1]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    blocks, offsets = slots // block_size, slots % block_size
+    kv_cache[blocks, offsets, :rank] = c_kv[keep].to(kv_cache.dtype)
+    kv_cache[blocks, offsets, rank:] = k_pe[keep].to(kv_cache.dtype)
+
+
+@triton.jit
+def _store_mla_kv_kernel(
+    c_ptr, pe_ptr, cache_ptr, slot_ptr, stride_ct, stride_pt, stride_cb, stride_cs,
+    RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token)
+    if slot < 0:
+        return
+    dst = cache_ptr + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+    r = tl.arange(0, BLOCK_R)
+    p = tl.arange(0, BLOCK_P)
+    c = tl.load(c_ptr + token * stride_ct + r, mask=r < RANK)
+    pe = tl.load(pe_ptr + token * stride_pt + p, mask=p < ROPE)
+    tl.store(dst + r, c.to(cache_ptr.dtype.element_ty), mask=r < RANK)
+    tl.store(dst + RANK + p, pe.to(cache_ptr.dtype.element_ty), mask=p < ROPE)
+
+
+def store_mla_kv(c_kv: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Same contract as :func:`store_mla_kv_ref`; a Triton kernel on CUDA tensors (no host sync)."""
+    if (
+        c_kv.dim() == 2
+        and k_pe.dim() == 2
+        and kv_cache.stride(-1) == 1
+        and use_triton(c_kv, k_pe, kv_cache, slot_mapping)
+    ):
+        if c_kv.shape[0] == 0:
+            return
+        c_kv = c_kv if c_kv.stride(-1) == 1 else c_kv.contiguous()
+        k_pe = k_pe if k_pe.stride(-1) == 1 else k_pe.contiguous()
+        rank, rope = c_kv.shape[1], k_pe.shape[1]
+        _store_mla_kv_kernel[(c_kv.shape[0],)](
+            c_kv, k_pe, kv_cache, slot_mapping, c_kv.stride(0), k_pe.stride(0), kv_cache.stride(0), kv_cache.stride(1),
+            RANK=rank, ROPE=rope, BLOCK_R=triton.next_power_of_2(rank), BLOCK_P=triton.next_power_of_2(rope),
+            BLOCK_SIZE=kv_cache.shape[1], num_warps=4,
+        )
+    else:
+        store_mla_kv_ref(c_kv, k_pe, kv_cache, slot_mapping)
+
+
+def _context(kv_cache: torch.Tensor, meta: AttentionMetadata, i: int) -> torch.Tensor:
+    """Request i's cached rows in position order: [seq_len, R + P]."""
+    block_size, seq_len = kv_cache.shape[1], meta.seq_lens_cpu[i]
+    blocks = meta.block_tables[i, : (seq_len + block_size - 1) // block_size].long()
+    return kv_cache[blocks].reshape(-1, kv_cache.shape[-1])[:seq_len]
+
+
+def _causal_mask(q_len: int, seq_len: int, device) -> torch.Tensor:
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
+    return q_pos[:, None] >= torch.arange(seq_len, device=device)[None, :]
+
+
+def mla_prefill_ref(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    kv_b_weight: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Expanded MLA: up-project each request's cached latents to keys and values, then causal attention.
+
+    The new tokens' latents must already be in the cache. Same causal rule as ``paged_attention_ref``:
+    query row j of request i sits at position ``seq_lens[i] - query_len_i + j``.
+
+    Args:
+        q_nope: [T, H, Dn]; q_pe: [T, H, P], roped.
+        kv_cache: [num_blocks, block_size, R + P] (one layer).
+        meta: the step's :class:`AttentionMetadata`.
+        kv_b_weight: [H * (Dn + Dv), R], the ``kv_b_proj`` weight (per head: Dn key rows, then Dv value rows).
+        scale: softmax scale.
+    Returns:
+        [T, H, Dv], q_nope's dtype.
+    Source: DeepSeek-V2 (2024), eq. 9-19; Hugging Face ``DeepseekV3Attention`` (``expand_kv``).
+    """
+    num_tokens, num_heads, nope_dim = q_nope.shape
+    rope_dim = q_pe.shape[-1]
+    rank = kv_cache.shape[-1] - rope_dim
+    v_dim = kv_b_weight.shape[0] // num_heads - nope_dim
+    out = q_nope.new_empty((num_tokens, num_heads, v_dim))
+    start = 0
+    for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        ctx = _context(kv_cache, meta, i).to(q_nope.dtype)
+        kv = F.linear(ctx[:, :rank], kv_b_weight).view(seq_len, num_heads, nope_dim + v_dim)
+        k_nope, v = kv.split([nope_dim, v_dim], dim=-1)
+        k = torch.cat([k_nope, ctx[:, None, rank:].expand(seq_len, num_heads, rope_dim)], dim=-1)
+        q = torch.cat([q_nope[start : start + q_len], q_pe[start : start + q_len]], dim=-1)
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+            attn_mask=_causal_mask(q_len, seq_len, q.device), scale=scale,
+        )
+        out[start : start + q_len] = o.transpose(0, 1)
+        start += q_len
+    return out
+
+
+def mla_decode_ref(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Absorbed MLA: multi-query attention of every head straight over the cached latents (plain torch).
+
+    Scores are ``scale * (q_latent . c_kv + q_pe . k_pe)``; the output is the softmax-weighted sum of
+    latents (apply ``W_UV`` after). Causal as :func:`mla_prefill_ref`, so it serves any query length,
+    though it pays off for decode.
+
+    Args:
+        q_latent: [T, H, R], ``q_nope`` times each head's key up-projection.
+        q_pe: [T, H, P], roped.
+        kv_cache: [num_blocks, block_size, R + P] (one layer).
+        meta: the step's :class:`AttentionMetadata`.
+        scale: softmax scale.
+    Returns:
+        [T, H, R], q_latent's dtype; accumulation in float32.
+    Source: DeepSeek-V2 (2024), section 2.1.3 (absorbing W_UK and W_UV); FlashMLA's decode layout.
+    """
+    num_heads, rank = q_latent.shape[1], q_latent.shape[2]
+    out = torch.empty_like(q_latent)
+    start = 0
+    for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        ctx = _context(kv_cache, meta, i).float()
+        q = torch.cat([q_latent[start : start + q_len], q_pe[start : start + q_len]], dim=-1).float().transpose(0, 1)
+        k = ctx[None].expand(num_heads, seq_len, ctx.shape[-1])
+        v = ctx[None, :, :rank].expand(num_heads, seq_len, rank)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=_causal_mask(q_len, seq_len, q.device), scale=scale)
+        out[start : start + q_len] = o.transpose(0, 1).to(q_latent.dtype)
+        start += q_len
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Triton kernel of the absorbed form. Program (t, g) computes query token t for a tile of BLOCK_H heads;
+# every head of the tile shares each latent tile read from the cache (MQA), streamed in BLOCK_N tokens
+# through the block table with an online base-2 softmax (FlashAttention-2). Not yet tuned: no split-KV,
+# and with many heads the context is read once per head tile.
+# ----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _mla_decode_kernel(
+    ql_ptr, qp_ptr, cache_ptr, out_ptr, req_of_token_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    num_heads, qk_scale,
+    stride_lt, stride_lh, stride_pt, stride_ph, stride_ot, stride_oh, stride_cb, stride_cs, stride_bt,
+    RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr,
+):
+    token = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    req = tl.load(req_of_token_ptr + token)
+    q_end = tl.load(query_start_loc_ptr + req + 1)
+    kv_hi = tl.load(seq_lens_ptr + req) - (q_end - token) + 1  # own position + 1
+    h_ok = heads < num_heads
+    r = tl.arange(0, BLOCK_R)
+    p = tl.arange(0, BLOCK_P)
+    r_ok = r < RANK
+    p_ok = p < ROPE
+    t64 = token.to(tl.int64)
+    ql = tl.load(ql_ptr + t64 * stride_lt + heads[:, None] * stride_lh + r[None, :],
+                 mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+    qp = tl.load(qp_ptr + t64 * stride_pt + heads[:, None] * stride_ph + p[None, :],
+                 mask=h_ok[:, None] & p_ok[None, :], other=0.0)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    table = block_tables_ptr + req.to(tl.int64) * stride_bt
+    for start in range(0, kv_hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < kv_hi
+        blk = tl.load(table + n // KV_BLOCK_SIZE, mask=n_ok, other=0)
+        rows = blk.to(tl.int64) * stride_cb + (n % KV_BLOCK_SIZE) * stride_cs
+        kl = tl.load(cache_ptr + rows[:, None] + r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+        kp = tl.load(cache_ptr + rows[:, None] + RANK + p[None, :], mask=n_ok[:, None] & p_ok[None, :], other=0.0)
+        if IEEE:
+            s = tl.dot(ql, tl.trans(kl), input_precision="ieee") + tl.dot(qp, tl.trans(kp), input_precision="ieee")
+        else:
+            s = tl.dot(ql, tl.trans(kl)) + tl.dot(qp, tl.trans(kp))
+        s = tl.where(n_ok[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: key 0 is visible to every query
+        prob = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(prob, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(prob, kl, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(prob.to(kl.dtype), kl)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    o_ptrs = out_ptr + t64 * stride_ot + heads[:, None] * stride_oh + r[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & r_ok[None, :])
+
+
+def mla_decode_triton(
+    q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Triton kernel of :func:`mla_decode_ref` (same contract; no host sync)."""
+    num_tokens, num_heads, rank = q_latent.shape
+    rope = q_pe.shape[-1]
+    out = torch.empty((num_tokens, num_heads, rank), dtype=q_latent.dtype, device=q_latent.device)
+    if num_tokens == 0 or meta.num_reqs == 0:
+        return out
+    q_latent = q_latent if q_latent.stride(-1) == 1 else q_latent.contiguous()
+    q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
+    query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
+    req_of_token = torch.repeat_interleave(
+        torch.arange(meta.num_reqs, dtype=torch.int32, device=q_latent.device), query_lens, output_size=num_tokens
+    )
+    block_r = max(16, triton.next_power_of_2(rank))
+    block_h = 16 if block_r >= 256 else max(16, min(32, triton.next_power_of_2(num_heads)))  # acc is [H, R] fp32
+    block_n = 16 if block_r >= 512 else 32
+    _mla_decode_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
+        q_latent, q_pe, kv_cache, out, req_of_token, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+        num_heads, scale * 1.4426950408889634,
+        q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), meta.block_tables.stride(0),
+        RANK=rank, ROPE=rope, BLOCK_R=block_r, BLOCK_P=max(16, triton.next_power_of_2(rope)),
+        BLOCK_H=block_h, BLOCK_N=block_n, KV_BLOCK_SIZE=kv_cache.shape[1], IEEE=q_latent.dtype == torch.float32,
+        num_warps=4, num_stages=2,
+    )
+    return out
+
+
+def mla_decode(
+    q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Same contract as :func:`mla_decode_ref`; the Triton kernel on CUDA tensors."""
+    if (
+        q_latent.dim() == 3
+        and kv_cache.dim() == 3
+        and q_latent.dtype == q_pe.dtype == kv_cache.dtype
+        and q_latent.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and kv_cache.stride(-1) == 1
+        and q_latent.shape[-1] + q_pe.shape[-1] == kv_cache.shape[-1]
+        and use_triton(q_latent, q_pe, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc)
+    ):
+        return mla_decode_triton(q_latent, q_pe, kv_cache, meta, scale)
+    return mla_decode_ref(q_latent, q_pe, kv_cache, meta, scale)

@@ -1,0 +1,136 @@
+"""MLA over the compressed cache: expanded and absorbed references against a per-token float64 loop,
+the store by hand, the Triton kernels against the references (interpreter on CPU, ``-m gpu`` on CUDA)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rayinfer.kernels._triton_utils import HAS_TRITON
+from rayinfer.kernels.attention_metadata import AttentionMetadata
+from rayinfer.kernels.mla_attention import mla_decode, mla_decode_ref, mla_prefill_ref, store_mla_kv, store_mla_kv_ref
+
+CUDA = torch.cuda.is_available()
+TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def make_batch(query_lens, seq_lens, block_size, num_blocks, seed=0, device="cpu"):
+    """Metadata with disjoint, shuffled block tables."""
+    gen = torch.Generator().manual_seed(seed)
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = []
+    for s in seq_lens:
+        n = -(-s // block_size)
+        tables.append(free[:n])
+        free = free[n:]
+    return AttentionMetadata.build(query_lens, seq_lens, tables, block_size, device=device)
+
+
+def loop_absorbed(q_latent, q_pe, cache, meta, scale):
+    """Per token and head, float64: softmax(scale * [q_latent, q_pe] . ctx) @ c_kv."""
+    rank = q_latent.shape[-1]
+    out = torch.zeros(q_latent.shape, dtype=torch.float64)
+    t = 0
+    for i, (q_len, s) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        bs = cache.shape[1]
+        ctx = torch.stack([cache[meta.block_tables[i, p // bs], p % bs] for p in range(s)]).double()
+        for j in range(q_len):
+            pos = s - q_len + j
+            for h in range(q_latent.shape[1]):
+                q = torch.cat([q_latent[t, h], q_pe[t, h]]).double()
+                p = torch.softmax(scale * (ctx[: pos + 1] @ q), dim=0)
+                out[t, h] = p @ ctx[: pos + 1, :rank]
+            t += 1
+    return out
+
+
+def test_decode_ref_matches_loop():
+    rank, rope, heads, bs = 24, 8, 3, 4
+    meta = make_batch([1, 4, 1], [5, 9, 1], bs, 12)
+    gen = torch.Generator().manual_seed(1)
+    cache = torch.randn(12, bs, rank + rope, generator=gen)
+    ql, qp = torch.randn(6, heads, rank, generator=gen), torch.randn(6, heads, rope, generator=gen)
+    got = mla_decode_ref(ql, qp, cache, meta, 0.2)
+    torch.testing.assert_close(got.double(), loop_absorbed(ql, qp, cache, meta, 0.2), atol=1e-5, rtol=1e-5)
+
+
+def test_absorbed_equals_expanded():
+    """Folding W_UK into the query and W_UV after the attention gives the expanded result."""
+    rank, rope, nope, v_dim, heads, bs = 32, 16, 12, 20, 4, 4
+    meta = make_batch([6, 1, 3], [6, 10, 7], bs, 16, seed=2)
+    gen = torch.Generator().manual_seed(3)
+    cache = torch.randn(16, bs, rank + rope, generator=gen)
+    w = torch.randn(heads * (nope + v_dim), rank, generator=gen) / rank**0.5
+    q_nope, q_pe = torch.randn(10, heads, nope, generator=gen), torch.randn(10, heads, rope, generator=gen)
+    expanded = mla_prefill_ref(q_nope, q_pe, cache, meta, w, 0.15)
+    wv = w.view(heads, nope + v_dim, rank)
+    q_latent = torch.einsum("thd,hdr->thr", q_nope, wv[:, :nope])
+    absorbed = torch.einsum("thr,hvr->thv", mla_decode_ref(q_latent, q_pe, cache, meta, 0.15), wv[:, nope:])
+    torch.testing.assert_close(absorbed, expanded, atol=1e-5, rtol=1e-5)
+
+
+def test_store_ref_by_hand():
+    cache = torch.zeros(3, 2, 5)
+    c, pe = torch.arange(6.0).view(2, 3), -torch.arange(4.0).view(2, 2) - 1
+    store_mla_kv_ref(c, pe, cache, torch.tensor([5, -1]))
+    assert cache[2, 1].tolist() == [0.0, 1.0, 2.0, -1.0, -2.0]
+    assert cache.count_nonzero() == 4
+
+
+def check_kernels(device, cases):
+    worst = 0.0
+    for i, (query_lens, seq_lens, heads, rank, rope, bs, dtype) in enumerate(cases):
+        nb = sum(-(-s // bs) for s in seq_lens) + 3
+        meta = make_batch(query_lens, seq_lens, bs, nb, seed=i, device=device)
+        gen = torch.Generator().manual_seed(i)
+        to = dict(device=device, dtype=dtype)
+        cache = torch.randn(nb, bs, rank + rope, generator=gen).to(**to)
+        t = sum(query_lens)
+        ql = torch.randn(t, heads, rank, generator=gen).to(**to)
+        qp = torch.randn(t, heads, rope, generator=gen).to(**to)
+        got, want = mla_decode(ql, qp, cache, meta, rank**-0.5), mla_decode_ref(ql, qp, cache, meta, rank**-0.5)
+        tol = TOL[dtype]
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol, msg=lambda m: f"case {i}: {m}")
+        worst = max(worst, (got.float() - want.float()).abs().max().item())
+        c, pe = torch.randn(t, rank, generator=gen).to(**to), torch.randn(t, rope, generator=gen).to(**to)
+        slots = meta.slot_mapping.clone()
+        slots[::3] = -1
+        a, b = cache.clone(), cache.clone()
+        store_mla_kv(c, pe, a, slots)
+        store_mla_kv_ref(c, pe, b, slots)
+        assert torch.equal(a, b), f"store case {i}"
+    return worst
+
+
+GPU_CASES = [
+    ([1] * 8, [100, 1, 517, 64, 3, 1000, 17, 256], 16, 512, 64, 64, torch.bfloat16),
+    ([1] * 4, [300, 20, 7, 64], 128, 512, 64, 16, torch.bfloat16),
+    ([5, 1, 12], [40, 9, 12], 16, 512, 64, 16, torch.float16),
+    ([1, 3], [33, 18], 4, 64, 32, 16, torch.float32),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_kernels_match_ref():
+    print(f"mla_decode: max abs err {check_kernels('cuda', GPU_CASES):.2e}")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_kernels_through_triton_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cmd = [sys.executable, __file__, "--interpret"]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+if __name__ == "__main__":
+    if "--interpret" in sys.argv:
+        f32 = torch.float32
+        check_kernels("cpu", [([1, 3, 1], [5, 9, 40], 4, 32, 16, 4, f32), ([2], [2], 20, 24, 8, 8, f32)])
+    else:
+        sys.exit(pytest.main([__file__, "-m", "gpu", "-q", *sys.argv[1:]]))

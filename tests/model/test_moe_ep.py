@@ -1,0 +1,177 @@
+"""Expert parallelism over gloo groups of 4 and 2 ranks (torch.multiprocessing, no Ray) equals one process.
+
+Each rank routes its own tokens (one rank of four has none) through a :class:`RoutedExperts` holding
+only its slice of the physical experts: identity placement, redundant experts (P > L), and after a
+placement update that moves weights between ranks. Then a whole tiny Qwen3-MoE with one request per
+rank (data-parallel attention, expert-parallel MoE) against the same model in one process.
+
+One spawn of 4 processes serves both sizes (the 2-rank group is global ranks 1 and 3, so group and
+global ranks differ), which halves the start-up time on a small machine. The ranks run this file
+through ``runpy`` under the name ``__ep_worker__`` (see the bottom), so they do not depend on how
+pytest imported the test module.
+"""
+
+from __future__ import annotations
+
+import runpy
+from datetime import timedelta
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rayinfer.kernels.attention_metadata import AttentionMetadata
+from rayinfer.model.moe import ExpertParallelism, RoutedExperts
+from rayinfer.model.qwen3_moe import Qwen3MoeForCausalLM
+
+NUM_EXPERTS, HIDDEN, INTER, TOP_K = 8, 32, 16, 2
+REDUNDANT = [0, 1, 2, 3, 4, 5, 6, 7, 3, 3, 5, 0]  # 12 slots: expert 3 three times, 0 and 5 twice
+REBALANCED = [7, 6, 5, 4, 3, 2, 1, 0, 1, 1, 2, 6]
+TOKENS_PER_RANK = {2: [7, 4], 4: [5, 0, 9, 3]}
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def test_expert_parallel_equals_one_process(tmp_path):
+    world_size = 4
+    ctx = torch.multiprocessing.get_context("spawn")
+    procs = []
+    for rank in range(world_size):
+        init = dict(EP_RANK=rank, EP_WORLD=world_size, EP_STORE=str(tmp_path / "store"))
+        kwargs = dict(init_globals=init, run_name="__ep_worker__")
+        proc = ctx.Process(target=runpy.run_path, args=(__file__,), kwargs=kwargs)
+        proc.start()
+        procs.append(proc)
+    for proc in procs:
+        proc.join(timeout=120)
+    hung = [proc for proc in procs if proc.is_alive()]
+    for proc in hung:
+        proc.kill()
+        proc.join()
+    assert not hung, f"{len(hung)} ranks hung"
+    assert [proc.exitcode for proc in procs] == [0] * world_size, "a rank failed: see its traceback in stderr"
+
+
+def test_redundant_experts_in_one_process():
+    """P > L without a group: replicas split tokens by row % replica count, output unchanged."""
+    torch.manual_seed(0)
+    full = RoutedExperts(NUM_EXPERTS, HIDDEN, INTER)
+    layer = RoutedExperts(NUM_EXPERTS, HIDDEN, INTER, phy2log=torch.tensor(REDUNDANT))
+    layer.load_stacked("gate_up_proj", full.gate_up_proj.data)
+    layer.load_stacked("down_proj", full.down_proj.data)
+    assert layer.log2phy[3].tolist() == [3, 8, 9] and layer.replica_counts.tolist() == [2, 1, 1, 3, 1, 2, 1, 1]
+    ids = torch.tensor([[3, -1]] * 4)
+    assert layer._local_ids(ids)[:, 0].tolist() == [3, 8, 9, 3] and (layer._local_ids(ids)[:, 1] == -1).all()
+    x, ids, w = torch.randn(9, HIDDEN), torch.rand(9, NUM_EXPERTS).topk(TOP_K, dim=-1)[1], torch.rand(9, TOP_K)
+    torch.testing.assert_close(layer(x, ids, w), full(x, ids, w), **TOL)
+    layer.update_placement(torch.tensor(REBALANCED))
+    assert torch.equal(layer.down_proj[8], full.down_proj[1])
+    assert torch.equal(layer.gate_up_proj[0], full.gate_up_proj[7])
+    torch.testing.assert_close(layer(x, ids, w), full(x, ids, w), **TOL)
+    with pytest.raises(ValueError, match="no replica"):
+        layer.update_placement(torch.tensor([0] * 12))
+    with pytest.raises(ValueError, match="entries"):
+        RoutedExperts(NUM_EXPERTS, HIDDEN, INTER, phy2log=torch.tensor(REDUNDANT[:-1] + [8]))
+
+
+def check_layer(group) -> None:
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    torch.manual_seed(0)
+    full = RoutedExperts(NUM_EXPERTS, HIDDEN, INTER)
+    counts = TOKENS_PER_RANK[world]
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(sum(counts), HIDDEN, generator=gen)
+    ids = torch.rand(sum(counts), NUM_EXPERTS, generator=gen).topk(TOP_K, dim=-1)[1]
+    w = torch.rand(sum(counts), TOP_K, generator=gen)
+    mine = slice(sum(counts[:rank]), sum(counts[: rank + 1]))
+    want = full(x[mine], ids[mine], w[mine])
+    all_counts = torch.bincount(ids.flatten(), minlength=NUM_EXPERTS)
+
+    for phy2log in [None, torch.tensor(REDUNDANT)]:
+        layer = RoutedExperts(NUM_EXPERTS, HIDDEN, INTER, group=group, phy2log=phy2log)
+        if phy2log is None:
+            layer.load_stacked("gate_up_proj", full.gate_up_proj.data)
+            layer.load_stacked("down_proj", full.down_proj.data)
+        else:  # per-expert checkpoint names: every local replica gets its copy
+            for e in range(NUM_EXPERTS):
+                layer.load_expert_weight(e, "gate_proj", full.gate_up_proj.data[e, :INTER])
+                layer.load_expert_weight(e, "up_proj", full.gate_up_proj.data[e, INTER:])
+                layer.load_expert_weight(e, "down_proj", full.down_proj.data[e])
+        assert layer.num_local_experts == layer.num_physical_experts // world
+        torch.testing.assert_close(layer(x[mine], ids[mine], w[mine]), want, **TOL)
+        local_counts = layer.read_expert_counts(reset=True)
+        assert local_counts.sum() == counts[rank] * TOP_K
+        dist.all_reduce(local_counts, group=group)
+        assert torch.equal(local_counts, all_counts)
+        assert layer.read_expert_counts().sum() == 0
+
+    layer.update_placement(torch.tensor(REBALANCED))
+    for slot in range(layer.num_local_experts):
+        e = REBALANCED[layer.first_local + slot]
+        assert torch.equal(layer.gate_up_proj[slot], full.gate_up_proj[e]), (rank, slot)
+        assert torch.equal(layer.down_proj[slot], full.down_proj[e]), (rank, slot)
+    torch.testing.assert_close(layer(x[mine], ids[mine], w[mine]), want, **TOL)
+    try:
+        layer.update_placement(torch.arange(NUM_EXPERTS))
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("a map with another slot count must be refused")
+
+
+def tiny_qwen3_config():
+    return SimpleNamespace(
+        vocab_size=96, hidden_size=HIDDEN, intermediate_size=48, moe_intermediate_size=INTER, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=1e-6, hidden_act="silu",
+        rope_theta=10000.0, tie_word_embeddings=False,
+    )
+
+
+def check_qwen3_model(group) -> None:
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    cfg = tiny_qwen3_config()
+    torch.manual_seed(0)
+    ref = Qwen3MoeForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0, 0.2)  # routers start at zero
+    ep = ExpertParallelism(group=group, num_physical_experts=len(REDUNDANT), phy2log=torch.tensor(REDUNDANT))
+    model = Qwen3MoeForCausalLM(cfg, ep).eval()
+    model.load_weights(ref.state_dict().items())
+
+    prompt_len = TOKENS_PER_RANK[world][rank]
+    tokens = torch.randint(0, cfg.vocab_size, (prompt_len + 2,), generator=torch.Generator().manual_seed(rank))
+    kv_ref, kv_ep = torch.zeros(ref.kv_cache_shape(8, 4)), torch.zeros(model.kv_cache_shape(8, 4))
+    table = [[6, 1, 4]]
+    steps = [(0, prompt_len), (prompt_len, prompt_len + 1), (prompt_len + 1, prompt_len + 2)]  # prefill, 2 decodes
+    with torch.no_grad():
+        for lo, hi in steps:
+            if prompt_len == 0:  # idle rank: still steps with no tokens, so the collectives line up
+                meta, lo, hi = AttentionMetadata.build([], [], [], 4), 0, 0
+            else:
+                meta = AttentionMetadata.build([hi - lo], [hi], table, 4)
+            ids, pos = tokens[lo:hi], torch.arange(lo, hi)
+            got = model.compute_logits(model(ids, pos, kv_ep, meta))
+            want = ref.compute_logits(ref(ids, pos, kv_ref, meta))
+            torch.testing.assert_close(got, want, **TOL)
+    load = model.expert_load()
+    assert (load.sum(1) == (prompt_len + 2 if prompt_len else 0) * TOP_K).all()
+
+
+def _worker(rank: int, world: int, store: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    try:
+        pair = dist.new_group([1, 3])  # collective: every rank calls it
+        for group in [dist.group.WORLD, pair]:
+            if dist.get_rank(group) >= 0:  # -1 on ranks outside the group
+                check_layer(group)
+                check_qwen3_model(group)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__ep_worker__":
+    _worker(globals()["EP_RANK"], globals()["EP_WORLD"], globals()["EP_STORE"])
