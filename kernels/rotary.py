@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from rayinfer.kernels._triton_utils import libdevice, tl, triton, use_libdevice, use_triton
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
     """Inverse frequencies of RoPE, [head_dim // 2] float32.
@@ -58,6 +60,95 @@ def rotary_ref(
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
+@triton.jit
+def _rotate_heads(
+    x_ptr, out_ptr, token, stride_xt, stride_xh, stride_ot, stride_oh, num_heads, cos, sin,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_HALF)
+    mask = (heads[:, None] < num_heads) & (dims[None, :] < HALF)
+    src = x_ptr + token * stride_xt + heads[:, None] * stride_xh + dims[None, :]
+    dst = out_ptr + token * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0)
+    dt = x1.dtype
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    # Each product and the sum are rounded to x's dtype, as the reference's ``q * cos + rot(q) * sin``.
+    o1 = (a * cos).to(dt).to(tl.float32) + (-b * sin).to(dt).to(tl.float32)
+    o2 = (b * cos).to(dt).to(tl.float32) + (a * sin).to(dt).to(tl.float32)
+    tl.store(dst, o1.to(dt), mask=mask)
+    tl.store(dst + HALF, o2.to(dt), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, inv_freq_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,
+    num_heads, num_kv_heads,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    dims = tl.arange(0, BLOCK_HALF)
+    inv_freq = tl.load(inv_freq_ptr + dims, mask=dims < HALF, other=0.0)
+    angle = tl.load(pos_ptr + token).to(tl.float32) * inv_freq
+    if USE_LIBDEVICE:  # correctly rounded like torch's cos/sin, also for large angles
+        cos = libdevice.cos(angle)
+        sin = libdevice.sin(angle)
+    else:
+        cos = tl.cos(angle)
+        sin = tl.sin(angle)
+    # The reference casts cos and sin to q's dtype before use.
+    dt = q_ptr.dtype.element_ty
+    cos = cos.to(dt).to(tl.float32)[None, :]
+    sin = sin.to(dt).to(tl.float32)[None, :]
+    _rotate_heads(q_ptr, q_out_ptr, token, stride_qt, stride_qh, stride_qot, stride_qoh, num_heads,
+                  cos, sin, HALF, BLOCK_HQ, BLOCK_HALF)
+    _rotate_heads(k_ptr, k_out_ptr, token, stride_kt, stride_kh, stride_kot, stride_koh, num_kv_heads,
+                  cos, sin, HALF, BLOCK_HK, BLOCK_HALF)
+
+
+def rotary_triton(q, k, positions, inv_freq):
+    """Triton kernel of :func:`rotary_ref`: one program per token rotates all its query and key heads."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    q_out, k_out = torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(
+        k, memory_format=torch.contiguous_format
+    )
+    if num_tokens == 0:
+        return q_out, k_out
+    half = head_dim // 2
+    inv_freq = inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
+    _rotary_kernel[(num_tokens,)](
+        q, k, q_out, k_out, positions.contiguous(), inv_freq,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+        num_heads, num_kv_heads,
+        HALF=half,
+        BLOCK_HALF=triton.next_power_of_2(half),
+        BLOCK_HQ=triton.next_power_of_2(num_heads),
+        BLOCK_HK=triton.next_power_of_2(num_kv_heads),
+        USE_LIBDEVICE=use_libdevice(),
+        num_warps=4,
+    )
+    return q_out, k_out
+
+
 def rotary(q, k, positions, inv_freq):
-    """Same contract as :func:`rotary_ref`; the GPU path may swap in a kernel."""
+    """Same contract as :func:`rotary_ref`; the Triton kernel on CUDA tensors."""
+    if (
+        q.dim() == 3
+        and k.dim() == 3
+        and q.shape[-1] % 2 == 0
+        and q.dtype == k.dtype
+        and q.shape[-1] == k.shape[-1]
+        and use_triton(q, k, positions)
+    ):
+        return rotary_triton(q, k, positions, inv_freq)
     return rotary_ref(q, k, positions, inv_freq)

@@ -1,0 +1,350 @@
+"""Time each Triton kernel against its torch reference at Llama-3-8B shapes, against the roofline.
+
+Usage (on a CUDA machine)::
+
+    python benchmarks/kernels.py [--out benchmarks/results/kernels-h200.json] [--git-rev REV] [--quick]
+
+The ceilings are measured in the same run: HBM bandwidth as a large device-to-device copy (bytes read
+plus written) and bf16 matrix throughput as an 8192^3 matmul on random data. For each case it reports
+the reference's and the kernel's median time (eager, L2 flushed between calls, launch included), the
+kernel's time per call inside a CUDA graph that walks several layers' worth of distinct buffers (no
+launch gaps, little L2 reuse), the fewest bytes the op must move (each input read once, each output
+written once) and the achieved share of the copy bandwidth; for prefill attention also FLOP/s against
+the matmul rate. Shapes: hidden 4096, 32 query / 8 KV heads of 128, intermediate 14336, vocab 128256,
+KV block 16, bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import torch
+
+from rayinfer.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from rayinfer.kernels.attention_metadata import AttentionMetadata
+from rayinfer.kernels.block_copy import copy_blocks_ref, copy_blocks_triton
+from rayinfer.kernels.kv_write import store_kv_ref, store_kv_triton
+from rayinfer.kernels.norm import rms_norm_ref, rms_norm_triton
+from rayinfer.kernels.paged_attention import paged_attention_ref, paged_attention_triton
+from rayinfer.kernels.rotary import rope_inv_freq, rotary_ref, rotary_triton
+from rayinfer.kernels.sampling import sample_ref, sample_triton
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB, BLOCK = 4096, 32, 8, 128, 14336, 128256, 16
+DT = torch.bfloat16
+ROTATE_BYTES = 256 << 20  # distinct buffers per graph so the 50 MB L2 holds little of them
+MAX_LAYERS = 32
+
+
+def bench_eager(fn, rep_ms: int = 60) -> float:
+    """Median milliseconds per call (triton's do_bench flushes L2 before each call)."""
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median")
+
+
+def bench_graph(fns, replays: int = 20) -> float | None:
+    """Microseconds per call of ``fns`` (one per layer) captured once in a CUDA graph and replayed."""
+    try:
+        for f in fns:
+            f()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for f in fns:
+                f()
+        graph.replay()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(3):
+            start.record()
+            for _ in range(replays):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / (replays * len(fns)))
+        del graph
+        return sorted(times)[1]
+    except Exception as exc:  # capture can fail for an op; eager numbers still stand
+        print(f"  graph capture failed: {exc!r}", file=sys.stderr)
+        return None
+
+
+def measure_ceilings() -> dict:
+    n = 1 << 30  # 2 GiB of bf16 each way
+    src = torch.randn(n // 2, device="cuda", dtype=torch.float32).view(DT)[:n]
+    dst = torch.empty_like(src)
+    ms = bench_eager(lambda: dst.copy_(src), rep_ms=200)
+    copy_gbps = 2 * src.numel() * src.element_size() / ms / 1e6
+    del src, dst
+    a = torch.randn(8192, 8192, device="cuda", dtype=DT)
+    b = torch.randn(8192, 8192, device="cuda", dtype=DT)
+    ms = bench_eager(lambda: a @ b, rep_ms=200)
+    tflops = 2 * 8192**3 / ms / 1e9
+    del a, b
+    torch.cuda.empty_cache()
+    return {"copy_GBps": copy_gbps, "matmul_bf16_TFLOPs": tflops}
+
+
+def layers_for(bytes_per_layer: int) -> int:
+    return max(1, min(MAX_LAYERS, math.ceil(ROTATE_BYTES / max(bytes_per_layer, 1))))
+
+
+def record(results, ceil, name, shape, ref_ms, kernel_ms, graph_us, bytes_moved, flops=None, err=None):
+    t_us = graph_us if graph_us is not None else kernel_ms * 1e3
+    row = {
+        "name": name,
+        "shape": shape,
+        "ref_ms": ref_ms,
+        "kernel_ms": kernel_ms,
+        "kernel_graph_us": graph_us,
+        "speedup_vs_ref": ref_ms / kernel_ms if ref_ms else None,
+        "bytes": bytes_moved,
+        "GBps": bytes_moved / t_us / 1e3,
+        "pct_of_copy_bw": 100 * bytes_moved / t_us / 1e3 / ceil["copy_GBps"],
+        "roofline_us": max(bytes_moved / ceil["copy_GBps"] / 1e3, (flops or 0) / ceil["matmul_bf16_TFLOPs"] / 1e6),
+        "max_abs_err_vs_ref": err,
+    }
+    if flops:
+        row["flops"] = flops
+        row["TFLOPs"] = flops / t_us / 1e6
+        row["pct_of_matmul_peak"] = 100 * row["TFLOPs"] / ceil["matmul_bf16_TFLOPs"]
+    results.append(row)
+    print(
+        f"{name:<34} ref {ref_ms:9.3f} ms | kernel {kernel_ms * 1e3:9.1f} us eager, "
+        f"{t_us:9.1f} us graph | x{row['speedup_vs_ref'] or 0:7.1f} | {row['GBps']:7.0f} GB/s "
+        f"{row['pct_of_copy_bw']:5.1f}% bw" + (f" | {row['TFLOPs']:6.1f} TFLOP/s" if flops else "")
+        + (f" | err {err:.1e}" if err is not None else ""),
+        flush=True,
+    )
+
+
+def _attention_setup(batch, query_len, ctx_len):
+    blocks_per_req = math.ceil(ctx_len / BLOCK)
+    num_blocks = batch * blocks_per_req
+    layers = layers_for(num_blocks * 2 * BLOCK * KV_HEADS * HEAD_DIM * 2)
+    cache = torch.randn((layers, num_blocks, 2, BLOCK, KV_HEADS, HEAD_DIM), device="cuda", dtype=DT)
+    perm = torch.randperm(num_blocks).tolist()
+    tables = [perm[i * blocks_per_req : (i + 1) * blocks_per_req] for i in range(batch)]
+    meta = AttentionMetadata.build([query_len] * batch, [ctx_len] * batch, tables, BLOCK, "cuda")
+    q = torch.randn((batch * query_len, HEADS, HEAD_DIM), device="cuda", dtype=DT)
+    return cache, meta, q
+
+
+def attention_case(results, ceil, batch, query_len, ctx_len, num_splits=None, label=None):
+    """``batch`` requests each computing ``query_len`` new tokens at context ``ctx_len``."""
+    cache, meta, q = _attention_setup(batch, query_len, ctx_len)
+    layers = cache.shape[0]
+    scale = HEAD_DIM**-0.5
+    kern = lambda i=0: paged_attention_triton(q, cache[i], meta, scale, num_splits=num_splits)  # noqa: E731
+    ref = lambda: paged_attention_ref(q, cache[0], meta, scale)  # noqa: E731
+    err = (kern().float() - ref().float()).abs().max().item()
+    ref_ms = bench_eager(ref)
+    kernel_ms = bench_eager(kern)
+    graph_us = bench_graph([lambda i=i: kern(i) for i in range(layers)])
+    kv_bytes = batch * ctx_len * KV_HEADS * HEAD_DIM * 2 * 2
+    qo_bytes = 2 * q.numel() * 2
+    visible = batch * sum(ctx_len - query_len + j + 1 for j in range(query_len))
+    flops = 4 * visible * HEADS * HEAD_DIM if query_len > 1 else None
+    name = label or (f"attn decode B={batch} ctx={ctx_len}" if query_len == 1 else f"attn prefill {query_len}")
+    shape = {"batch": batch, "query_len": query_len, "ctx_len": ctx_len, "num_splits": num_splits}
+    record(results, ceil, name, shape, ref_ms, kernel_ms, graph_us, kv_bytes + qo_bytes, flops, err)
+    del cache
+
+
+def sweep_prefill(ceil, query_len=4096) -> list[dict]:
+    """Graph time of prefill attention for several tile configurations."""
+    cache, meta, q = _attention_setup(1, query_len, query_len)
+    want = paged_attention_ref(q, cache[0], meta, HEAD_DIM**-0.5).float()
+    flops = 4 * (query_len * (query_len + 1) // 2) * HEADS * HEAD_DIM
+    rows = []
+    for bm, bn, warps, stages in [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)]:
+        for reverse in (True, False):
+            cfg = dict(block_q=bm // 4, block_n=bn, num_warps=warps, num_stages=stages, reverse=reverse)
+            try:
+                run = lambda i=0, cfg=cfg: paged_attention_triton(q, cache[i], meta, HEAD_DIM**-0.5, config=cfg)  # noqa: E731
+                err = (run().float() - want).abs().max().item()
+                us = bench_graph([lambda i=i: run(i) for i in range(cache.shape[0])])
+            except Exception as exc:
+                print(f"  prefill config {cfg} failed: {exc!r}", file=sys.stderr)
+                continue
+            rows.append({"config": {"block_m": bm, **cfg}, "graph_us": us, "TFLOPs": flops / us / 1e6, "err": err})
+            print(f"  prefill {bm}x{bn} w{warps} s{stages} rev={reverse}: {us:8.1f} us {flops / us / 1e6:6.1f} TFLOP/s err {err:.1e}", flush=True)
+    del cache
+    return rows
+
+
+def sweep_decode_splits(ceil) -> list[dict]:
+    """Graph time of decode attention against the split-KV factor (None: the default heuristic)."""
+    rows = []
+    for batch in (4, 8, 16, 32):
+        for ctx in (1024, 4096):
+            cache, meta, q = _attention_setup(batch, 1, ctx)
+            nbytes = batch * ctx * KV_HEADS * HEAD_DIM * 4
+            for splits in (None, 1, 2, 4, 8):
+                run = lambda i=0, n=splits: paged_attention_triton(q, cache[i], meta, HEAD_DIM**-0.5, num_splits=n)  # noqa: E731
+                us = bench_graph([lambda i=i: run(i) for i in range(cache.shape[0])])
+                pct = 100 * nbytes / us / 1e3 / ceil["copy_GBps"]
+                rows.append({"batch": batch, "ctx_len": ctx, "num_splits": splits, "graph_us": us, "pct_of_copy_bw": pct})
+                print(f"  decode B={batch} ctx={ctx} splits={splits}: {us:7.1f} us {pct:5.1f}% bw", flush=True)
+            del cache
+    return rows
+
+
+def store_kv_case(results, ceil, num_tokens):
+    num_blocks = max(64, math.ceil(num_tokens / BLOCK) * 2)
+    cache = torch.randn((num_blocks, 2, BLOCK, KV_HEADS, HEAD_DIM), device="cuda", dtype=DT)
+    layers = layers_for(num_tokens * KV_HEADS * HEAD_DIM * 2 * 2 * 2)
+    k = torch.randn((layers, num_tokens, KV_HEADS, HEAD_DIM), device="cuda", dtype=DT)
+    v = torch.randn_like(k)
+    slots = torch.randperm(num_blocks * BLOCK, device="cuda")[:num_tokens]
+    ref_ms = bench_eager(lambda: store_kv_ref(k[0], v[0], cache, slots))
+    kernel_ms = bench_eager(lambda: store_kv_triton(k[0], v[0], cache, slots))
+    graph_us = bench_graph([lambda i=i: store_kv_triton(k[i], v[i], cache, slots) for i in range(layers)])
+    record(results, ceil, f"store_kv T={num_tokens}", {"tokens": num_tokens}, ref_ms, kernel_ms, graph_us,
+           2 * 2 * k[0].numel() * 2)
+
+
+def rms_norm_case(results, ceil, num_tokens):
+    layers = layers_for(num_tokens * HIDDEN * 2 * 4)
+    x = torch.randn((layers, num_tokens, HIDDEN), device="cuda", dtype=DT)
+    res = torch.randn_like(x)
+    w = torch.randn(HIDDEN, device="cuda", dtype=DT)
+    err = (rms_norm_triton(x[0], w, 1e-5, res[0])[0].float() - rms_norm_ref(x[0], w, 1e-5, res[0])[0].float())
+    ref_ms = bench_eager(lambda: rms_norm_ref(x[0], w, 1e-5, res[0]))
+    kernel_ms = bench_eager(lambda: rms_norm_triton(x[0], w, 1e-5, res[0]))
+    graph_us = bench_graph([lambda i=i: rms_norm_triton(x[i], w, 1e-5, res[i]) for i in range(layers)])
+    record(results, ceil, f"rms_norm+residual T={num_tokens}", {"tokens": num_tokens}, ref_ms, kernel_ms,
+           graph_us, 4 * num_tokens * HIDDEN * 2, err=err.abs().max().item())
+
+
+def rotary_case(results, ceil, num_tokens):
+    layers = layers_for(num_tokens * (HEADS + KV_HEADS) * HEAD_DIM * 2 * 2)
+    q = torch.randn((layers, num_tokens, HEADS, HEAD_DIM), device="cuda", dtype=DT)
+    k = torch.randn((layers, num_tokens, KV_HEADS, HEAD_DIM), device="cuda", dtype=DT)
+    pos = torch.randint(0, 8192, (num_tokens,), device="cuda")
+    inv = rope_inv_freq(HEAD_DIM, 500000.0).cuda()
+    err = (rotary_triton(q[0], k[0], pos, inv)[0].float() - rotary_ref(q[0], k[0], pos, inv)[0].float()).abs().max()
+    ref_ms = bench_eager(lambda: rotary_ref(q[0], k[0], pos, inv))
+    kernel_ms = bench_eager(lambda: rotary_triton(q[0], k[0], pos, inv))
+    graph_us = bench_graph([lambda i=i: rotary_triton(q[i], k[i], pos, inv) for i in range(layers)])
+    record(results, ceil, f"rotary T={num_tokens}", {"tokens": num_tokens}, ref_ms, kernel_ms, graph_us,
+           2 * (q[0].numel() + k[0].numel()) * 2, err=err.item())
+
+
+def silu_case(results, ceil, num_tokens):
+    layers = layers_for(num_tokens * INTER * 3 * 2)
+    x = torch.randn((layers, num_tokens, 2 * INTER), device="cuda", dtype=DT)
+    err = (silu_and_mul_triton(x[0]).float() - silu_and_mul_ref(x[0]).float()).abs().max().item()
+    ref_ms = bench_eager(lambda: silu_and_mul_ref(x[0]))
+    kernel_ms = bench_eager(lambda: silu_and_mul_triton(x[0]))
+    graph_us = bench_graph([lambda i=i: silu_and_mul_triton(x[i]) for i in range(layers)])
+    record(results, ceil, f"silu_and_mul T={num_tokens}", {"tokens": num_tokens}, ref_ms, kernel_ms, graph_us,
+           3 * num_tokens * INTER * 2, err=err)
+
+
+def copy_blocks_case(results, ceil, num_pairs):
+    num_blocks = 4 * num_pairs
+    cache = torch.randn((32, num_blocks, 2, BLOCK, KV_HEADS, HEAD_DIM), device="cuda", dtype=DT)
+    ids = torch.randperm(num_blocks, device="cuda")
+    src, dst = ids[:num_pairs].clone(), ids[num_pairs : 2 * num_pairs].clone()
+    ref_ms = bench_eager(lambda: copy_blocks_ref(cache, src, dst))
+    kernel_ms = bench_eager(lambda: copy_blocks_triton(cache, src, dst))
+    graph_us = bench_graph([lambda: copy_blocks_triton(cache, src, dst)])
+    nbytes = 2 * 32 * num_pairs * cache[0, 0].numel() * 2
+    record(results, ceil, f"copy_blocks L=32 n={num_pairs}", {"layers": 32, "pairs": num_pairs}, ref_ms,
+           kernel_ms, graph_us, nbytes)
+
+
+def sampling_case(results, ceil, batch, full_filters):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn((batch, VOCAB), device="cuda", generator=gen) * 3
+    temperature = torch.full((batch,), 0.8, device="cuda")
+    top_k = torch.full((batch,), 50 if full_filters else 0, device="cuda", dtype=torch.int32)
+    top_p = torch.full((batch,), 0.9 if full_filters else 1.0, device="cuda")
+    min_p = torch.full((batch,), 0.05, device="cuda")
+    seeds = torch.arange(batch, device="cuda")
+    steps = torch.zeros(batch, dtype=torch.int64, device="cuda")
+    args = (logits, temperature, top_k, top_p, min_p, seeds, steps, full_filters, True)
+    same = torch.equal(sample_triton(*args), sample_ref(*args))
+    ref_ms = bench_eager(lambda: sample_ref(*args))
+    kernel_ms = bench_eager(lambda: sample_triton(*args))
+    graph_us = bench_graph([lambda: sample_triton(*args)])
+    label = "top-k/top-p/min-p (sort)" if full_filters else "min-p only"
+    record(results, ceil, f"sample B={batch} {label}", {"batch": batch, "vocab": VOCAB, "sort": full_filters},
+           ref_ms, kernel_ms, graph_us, batch * VOCAB * 4, err=0.0 if same else float("nan"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="benchmarks/results/kernels-h200.json")
+    parser.add_argument("--git-rev", default=None, help="revision of the code (default: git rev-parse HEAD)")
+    parser.add_argument("--quick", action="store_true", help="fewer cases")
+    parser.add_argument("--sweep", action="store_true", help="also sweep prefill tiles and decode split factors")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/kernels.py needs a CUDA device")
+    rev = args.git_rev
+    if rev is None:
+        try:
+            rev = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
+        except OSError:
+            rev = None
+    import triton
+
+    torch.manual_seed(0)
+    t0 = time.time()
+    ceil = measure_ceilings()
+    print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['matmul_bf16_TFLOPs']:.0f} TFLOP/s", flush=True)
+    results: list[dict] = []
+    for batch in (1, 32, 128):
+        for ctx in (1024, 4096):
+            attention_case(results, ceil, batch, 1, ctx)
+    attention_case(results, ceil, 1, 1, 4096, num_splits=1, label="attn decode B=1 ctx=4096 no-split")
+    attention_case(results, ceil, 8, 1, 4096)
+    attention_case(results, ceil, 1, 4096, 4096)
+    if not args.quick:
+        attention_case(results, ceil, 1, 2048, 4096, label="attn extend 2048 over 2048 prefix")
+    for t in (128, 4096):
+        store_kv_case(results, ceil, t)
+        rms_norm_case(results, ceil, t)
+        rotary_case(results, ceil, t)
+        silu_case(results, ceil, t)
+    copy_blocks_case(results, ceil, 64)
+    for batch in (1, 128):
+        sampling_case(results, ceil, batch, False)
+        sampling_case(results, ceil, batch, True)
+    sweeps = {}
+    if args.sweep:
+        sweeps["prefill_4096"] = sweep_prefill(ceil)
+        sweeps["decode_splits"] = sweep_decode_splits(ceil)
+    report = {
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "device": torch.cuda.get_device_name(),
+        "git_rev": rev,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "dtype": str(DT),
+        "ceilings": ceil,
+        "seconds": time.time() - t0,
+        "notes": "ref_ms/kernel_ms: eager median with L2 flushed, launch included; kernel_graph_us: per call in a "
+        "CUDA graph over distinct buffers; GBps and pct_of_copy_bw from the graph time and the fewest bytes.",
+        "results": results,
+        "sweeps": sweeps,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"wrote {args.out} in {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""The guarded Triton import and the dispatch rule shared by every kernel module.
+
+Kernel modules import ``triton``, ``tl`` and ``libdevice`` from here. On a machine without a working
+Triton the names are stand-ins whose ``jit`` leaves the function undecorated, so the modules still
+import (their ``@triton.jit`` functions are then never called: :func:`use_triton` is False).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    try:
+        from triton.language.extra import libdevice
+    except ImportError:  # older Triton: no portable libdevice module; kernels fall back to tl.*
+        libdevice = None
+    HAS_TRITON = True
+except Exception:  # ImportError, or a Triton that fails to load on a CPU-only machine
+    HAS_TRITON = False
+    libdevice = None
+
+    class _TritonStandIn:
+        """Just enough of ``triton`` for ``@triton.jit`` at import time."""
+
+        @staticmethod
+        def jit(fn=None, **_kwargs):
+            return fn if fn is not None else (lambda f: f)
+
+        @staticmethod
+        def cdiv(a: int, b: int) -> int:
+            return -(-a // b)
+
+        @staticmethod
+        def next_power_of_2(n: int) -> int:
+            return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+    triton = _TritonStandIn()
+    tl = None
+
+
+def is_interpreting() -> bool:
+    """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``).
+
+    Read from Triton's own switch: the interpreter lacks ``libdevice`` and bf16 ``tl.dot``, so kernels
+    take their portable branches under it.
+    """
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
+
+
+def use_triton(*tensors: torch.Tensor) -> bool:
+    """Whether the dispatchers should run the Triton kernel on these tensors.
+
+    True when Triton imported and every tensor is on a CUDA device, or when the interpreter is on
+    (then CPU tensors run through it, which tests use).
+    """
+    if not HAS_TRITON:
+        return False
+    if is_interpreting():
+        return True
+    return all(t.is_cuda for t in tensors)
+
+
+def use_libdevice() -> bool:
+    """Whether kernels may call ``libdevice`` (correctly rounded cos/sin/log matching torch on CUDA)."""
+    return libdevice is not None and not is_interpreting()
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device_index: int) -> int:
+    """Streaming multiprocessors of a CUDA device (132 on an H200); 1 on the interpreter."""
+    if is_interpreting() or not torch.cuda.is_available():
+        return 1
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def device_sms(t: torch.Tensor) -> int:
+    return num_sms(t.device.index if t.is_cuda and t.device.index is not None else 0)

@@ -1,0 +1,178 @@
+"""Paged attention: the reference against a dense causal softmax written out by hand, and the Triton
+kernel against the reference (on CUDA; on CPU through the Triton interpreter for small shapes).
+
+Run as a script (``python tests/kernels/test_paged_attention.py``) it runs its GPU tests through pytest;
+with ``--interpret`` (and ``TRITON_INTERPRET=1``) it runs the small interpreter checks.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rayinfer.kernels._triton_utils import HAS_TRITON
+from rayinfer.kernels.attention_metadata import AttentionMetadata
+from rayinfer.kernels.paged_attention import paged_attention, paged_attention_ref, paged_attention_triton
+
+CUDA = torch.cuda.is_available()
+TOL = {torch.float32: 2e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+def make_case(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, seed=0):
+    """Random q and cache, with each request's blocks scattered over a shuffled pool (+3 spare blocks)."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = [math.ceil(s / block_size) for s in seq_lens]
+    perm = torch.randperm(sum(counts) + 3, generator=gen).tolist()
+    tables, at = [], 0
+    for c in counts:
+        tables.append(perm[at : at + c])
+        at += c
+    kv = torch.randn((len(perm), 2, block_size, num_kv_heads, head_dim), generator=gen)
+    q = torch.randn((sum(query_lens), num_heads, head_dim), generator=gen)
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, device)
+    return q.to(device=device, dtype=dtype), kv.to(device=device, dtype=dtype), meta, tables
+
+
+def dense_causal_attention(q, kv, query_lens, seq_lens, tables, scale):
+    """Float64 attention written out: gather each key by position, mask the future, softmax by hand."""
+    block_size, num_kv_heads = kv.shape[2], kv.shape[3]
+    group = q.shape[1] // num_kv_heads
+    q, kv = q.double().cpu(), kv.double().cpu()
+    out = torch.zeros_like(q)
+    row = 0
+    for q_len, seq_len, table in zip(query_lens, seq_lens, tables):
+        keys = torch.stack([kv[table[p // block_size], 0, p % block_size] for p in range(seq_len)])
+        values = torch.stack([kv[table[p // block_size], 1, p % block_size] for p in range(seq_len)])
+        for j in range(q_len):
+            pos = seq_len - q_len + j
+            for h in range(q.shape[1]):
+                k = keys[: pos + 1, h // group]
+                v = values[: pos + 1, h // group]
+                scores = (k @ q[row + j, h]) * scale
+                w = torch.exp(scores - scores.max())
+                out[row + j, h] = (w[:, None] * v).sum(0) / w.sum()
+        row += q_len
+    return out
+
+
+# (query_lens, seq_lens): decode, prefill from scratch, chunked prefill over a cached prefix, mixed.
+REF_CASES = [
+    ([1, 1, 1, 1], [1, 17, 33, 64]),
+    ([20], [20]),
+    ([5, 9], [40, 9]),
+    ([1, 7, 1, 3], [50, 30, 16, 3]),
+]
+
+
+@pytest.mark.parametrize("query_lens,seq_lens", REF_CASES)
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 1)])
+def test_ref_matches_dense_causal_softmax(query_lens, seq_lens, num_heads, num_kv_heads):
+    q, kv, meta, tables = make_case(query_lens, seq_lens, num_heads, num_kv_heads, 16, 8, torch.float32, "cpu")
+    scale = 16**-0.5
+    got = paged_attention_ref(q, kv, meta, scale)
+    want = dense_causal_attention(q, kv, query_lens, seq_lens, tables, scale)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_dispatcher_uses_ref_on_cpu():
+    q, kv, meta, _ = make_case([3, 1], [3, 10], 4, 2, 16, 4, torch.float32, "cpu")
+    if os.environ.get("TRITON_INTERPRET", "0") == "0":
+        assert torch.equal(paged_attention(q, kv, meta, 0.25), paged_attention_ref(q, kv, meta, 0.25))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Kernel against reference. Each case: (query_lens, seq_lens, num_heads, num_kv_heads, num_splits).
+# ---------------------------------------------------------------------------------------------------
+
+
+def kernel_cases(long: bool):
+    n = 3000 if long else 300
+    return [
+        ([1] * 6, [1, 2, 15, 16, 17, n], 8, 2, None),  # decode, ragged lengths around block edges
+        ([1] * 3, [n, n // 2 + 3, 5], 8, 2, 5),  # decode, forced split-KV with empty splits
+        ([1] * 2, [n, 77], 12, 4, None),  # group of 3 (padded to 4)
+        ([2, 1, 3], [n, 40, 60], 8, 8, None),  # MHA, short extends (speculative-style)
+        ([n // 2], [n // 2], 8, 2, None),  # prefill from scratch
+        ([n // 3, 1, 19, 1], [n, 200, 19, 1], 8, 2, None),  # chunked prefill over a prefix + decodes
+        ([33, 5], [97, 5], 16, 2, None),  # group of 8
+    ]
+
+
+def check_kernel(device, dtype, head_dim, block_size, long=True, cases=None):
+    """Run the kernel (through the public dispatcher unless a split count is forced) against the ref."""
+    worst = 0.0
+    for i, (qls, sls, h, hkv, splits) in enumerate(cases or kernel_cases(long)):
+        q, kv, meta, _ = make_case(qls, sls, h, hkv, head_dim, block_size, dtype, device, seed=i)
+        scale = head_dim**-0.5
+        if splits is None:
+            got = paged_attention(q, kv, meta, scale)
+        else:
+            got = paged_attention_triton(q, kv, meta, scale, num_splits=splits)
+        want = paged_attention_ref(q, kv, meta, scale)
+        assert not torch.isnan(got).any(), f"case {i}: NaN"
+        tol = TOL[dtype]
+        msg = f"case {i} ({qls}, {sls}, {h}/{hkv}, {dtype}, d={head_dim}, bs={block_size})"
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol, msg=lambda m: f"{msg}: {m}")
+        worst = max(worst, (got.float() - want.float()).abs().max().item())
+    return worst
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_kernel_matches_ref(dtype, head_dim, block_size):
+    worst = check_kernel("cuda", dtype, head_dim, block_size)
+    print(f"paged_attention {dtype} d={head_dim} bs={block_size}: max abs err {worst:.2e}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_kernel_head_dim_not_power_of_two():
+    cases = [([1] * 3, [100, 7, 300], 8, 2, None), ([40, 1], [90, 33], 8, 2, None)]
+    check_kernel("cuda", torch.bfloat16, 80, 16, cases=cases)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_kernel_fp16_and_no_host_sync():
+    q, kv, meta, _ = make_case([1] * 4 + [50], [900, 3, 64, 1000, 300], 32, 8, 128, 16, torch.float16, "cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = paged_attention(q, kv, meta, 128**-0.5)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    want = paged_attention_ref(q, kv, meta, 128**-0.5)
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[torch.float16], rtol=TOL[torch.float16])
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_kernel_through_triton_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, __file__, "--interpret"], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+def _interpreter_checks():
+    small = [
+        ([1, 1, 1], [5, 40, 17], 4, 2, None),
+        ([1, 1], [300, 17], 4, 2, 3),
+        ([7, 1, 20], [7, 33, 50], 6, 2, None),
+        ([40], [40], 8, 2, None),
+    ]
+    worst = check_kernel("cpu", torch.float32, 32, 16, cases=small)
+    print(f"interpreter: max abs err {worst:.2e}")
+
+
+if __name__ == "__main__":
+    if "--interpret" in sys.argv:
+        _interpreter_checks()
+    else:
+        sys.exit(pytest.main([__file__, "-m", "gpu", "-q", *sys.argv[1:]]))

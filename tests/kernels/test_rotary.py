@@ -1,0 +1,90 @@
+"""Rotary embedding: the reference against complex rotation in float64, the kernel against the reference."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rayinfer.kernels._triton_utils import HAS_TRITON
+from rayinfer.kernels.rotary import rope_inv_freq, rotary, rotary_ref
+
+CUDA = torch.cuda.is_available()
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def make_case(num_tokens, num_heads, num_kv_heads, head_dim, dtype, device, max_pos=8192, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn((num_tokens, num_heads, head_dim), generator=gen)
+    k = torch.randn((num_tokens, num_kv_heads, head_dim), generator=gen)
+    pos = torch.randint(0, max_pos, (num_tokens,), generator=gen)
+    return q.to(device=device, dtype=dtype), k.to(device=device, dtype=dtype), pos.to(device)
+
+
+def test_ref_matches_complex_rotation():
+    q, k, pos = make_case(9, 4, 2, 32, torch.float32, "cpu", max_pos=2000)
+    inv_freq = rope_inv_freq(32, 10000.0)
+    angle = pos.double()[:, None] * inv_freq.double()[None, :]
+    rot = torch.polar(torch.ones_like(angle), angle)[:, None, :]  # e^{i theta}, [T, 1, D/2]
+
+    def rotate(x):
+        z = torch.complex(x[..., :16].double(), x[..., 16:].double()) * rot
+        return torch.cat([z.real, z.imag], dim=-1)
+
+    got_q, got_k = rotary_ref(q, k, pos, inv_freq)
+    torch.testing.assert_close(got_q.double(), rotate(q), atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(got_k.double(), rotate(k), atol=2e-4, rtol=1e-4)
+
+
+def check_kernel(device, cases):
+    worst = 0.0
+    for i, (t, h, hkv, d, dtype, theta, scaling) in enumerate(cases):
+        q, k, pos = make_case(t, h, hkv, d, dtype, device, max_pos=131072 if scaling else 8192, seed=i)
+        inv_freq = rope_inv_freq(d, theta, scaling).to(device)
+        got = rotary(q, k, pos, inv_freq)
+        want = rotary_ref(q, k, pos, inv_freq)
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype and g.shape == w.shape
+            tol = TOL[dtype]
+            torch.testing.assert_close(g.float(), w.float(), atol=tol, rtol=tol, msg=lambda m: f"case {i}: {m}")
+            worst = max(worst, (g.float() - w.float()).abs().max().item())
+    return worst
+
+
+GPU_CASES = [
+    (1, 32, 8, 128, torch.bfloat16, 500000.0, LLAMA3_SCALING),
+    (1000, 32, 8, 128, torch.bfloat16, 500000.0, LLAMA3_SCALING),
+    (77, 9, 3, 64, torch.bfloat16, 100000.0, None),  # SmolLM2-135M shape
+    (64, 12, 4, 80, torch.float16, 10000.0, None),
+    (200, 8, 8, 128, torch.float32, 10000.0, None),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_kernel_matches_ref():
+    print(f"rotary: max abs err {check_kernel('cuda', GPU_CASES):.2e}")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_kernel_through_triton_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, __file__, "--interpret"], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+if __name__ == "__main__":
+    if "--interpret" in sys.argv:
+        check_kernel("cpu", [(5, 4, 2, 32, torch.float32, 10000.0, None), (3, 3, 1, 48, torch.float32, 10000.0, None)])
+    else:
+        sys.exit(pytest.main([__file__, "-m", "gpu", "-q", *sys.argv[1:]]))
