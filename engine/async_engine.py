@@ -34,6 +34,7 @@ class AsyncLLMEngine:
         self._wake = threading.Event()
         self._stopped = False
         self._stats: dict = engine.stats()
+        self._grammars = None  # GrammarCompilerService, built on the first constrained request
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -42,9 +43,18 @@ class AsyncLLMEngine:
                        **kwargs) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its deltas until it finishes.
 
+        A ``params.response_format`` is compiled here (on a thread pool, cached) into the grammar
+        matcher the sampler applies, before the request is queued.
+
         Raises:
-            ValueError: if the engine rejects the request (the message names the problem).
+            ValueError: if the engine rejects the request (the message names the problem), or its
+                response_format is invalid, fails to compile or times out (a GrammarError).
         """
+        if params.response_format is not None and kwargs.get("grammar") is None:
+            compiler = self._grammars or await asyncio.to_thread(self.grammar_compiler)  # vocab scan: ~1 s once
+            kwargs["grammar"] = matcher = await compiler.matcher(params.response_format)
+            for token in (kwargs.get("output_token_ids") or []) if matcher is not None else []:
+                matcher.accept_token(token)  # DECODE role: tokens sampled on the prefill replica
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, stream)
@@ -76,6 +86,15 @@ class AsyncLLMEngine:
         except ValueError as e:
             result.error, result.finish_reason = str(e), "error"
         return result
+
+    def grammar_compiler(self):
+        """The replica's GrammarCompilerService (xgrammar, for the engine's tokenizer and vocab size)."""
+        if self._grammars is None:
+            from rayinfer.engine.structured_output import GrammarCompilerService
+
+            e = self.engine
+            self._grammars = GrammarCompilerService.from_tokenizer(e.tokenizer, e.vocab_size, e.eos_token_ids)
+        return self._grammars
 
     def abort(self, request_id: str) -> None:
         """Abort a request (thread-safe; unknown ids are ignored)."""

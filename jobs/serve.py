@@ -1,0 +1,67 @@
+"""Online service: the OpenAI-compatible app on Ray Serve, started on an embedded (or given) Ray.
+
+    python jobs/serve.py                                    # SmolLM2 on http://127.0.0.1:8000/v1
+    python jobs/serve.py port=8001 api_key=secret num_replicas=2 engine.num_kv_blocks=2048
+    RAY_ADDRESS=auto python jobs/serve.py host=0.0.0.0      # on a running cluster
+
+The same conf/serve.yaml is a Serve config file: ``serve run conf/serve.yaml``. Stops on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from rayinfer.serve.config import ServeConfig, register_configs
+
+logger = logging.getLogger("rayinfer.serve")
+
+
+def run(cfg: ServeConfig, blocking: bool = True) -> int:
+    """Start Serve with the app and wait until interrupted; returns the process exit code.
+
+    Raises:
+        ValueError: for an unknown model (before any actor starts).
+    """
+    import ray
+    from ray import serve
+
+    from rayinfer.model.loader import resolve_model
+    from rayinfer.serve.app import build_app_from_config
+
+    resolve_model(cfg.model.model)  # unknown model: ValueError now; converts the default model once
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, logging_level=logging.WARNING)
+    serve.start(http_options={"host": cfg.host, "port": cfg.port})
+    serve.run(build_app_from_config(cfg), name="rayinfer", route_prefix="/")
+    print(f"serving {cfg.model_name} at http://{cfg.host}:{cfg.port}/v1 (Ctrl-C to stop)", flush=True)
+    if not blocking:
+        return 0
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("shutting down", flush=True)
+    finally:
+        serve.shutdown()
+    return 0
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="serve")
+def main(dcfg: DictConfig) -> None:
+    try:
+        code = run(OmegaConf.to_object(dcfg))
+    except ValueError as e:  # bad config or unknown model: a clear message, no work done
+        print(f"error: {e}", file=sys.stderr)
+        code = 2
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    register_configs()
+    main()

@@ -1,0 +1,80 @@
+"""The online service's structured config (Hydra schema of ``conf/serve.yaml``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rayinfer.engine.config import EngineConfig, ModelConfig
+
+
+@dataclass
+class ServeConfig:
+    """Settings of the OpenAI-compatible Serve app.
+
+    Attributes:
+        model, engine: every engine replica's config (the ``conf/model`` and ``conf/engine`` groups).
+        served_model_name: the name clients put in ``model``; None takes ``model.model``.
+        host, port: where ``jobs/serve.py`` starts Serve's HTTP proxy.
+        api_key: when set, ``/v1/*`` needs ``Authorization: Bearer <api_key>`` (401 otherwise).
+        num_replicas: EngineActor replicas behind the ingress (data parallel, load balanced).
+        num_cpus_per_replica, num_gpus_per_replica: Ray resources of each EngineActor.
+        max_ongoing_requests: concurrent HTTP requests the ingress accepts (Serve's backpressure).
+        proxy_location, http_options, applications: the Serve config-file keys of the same YAML, read
+            by ``serve run conf/serve.yaml`` and ignored here.
+    """
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    num_replicas: int = 1
+    num_cpus_per_replica: float = 1.0
+    num_gpus_per_replica: float = 0.0
+    max_ongoing_requests: int = 1024
+    proxy_location: Any = None
+    http_options: Any = None
+    applications: Any = None
+
+    def __post_init__(self):
+        if not isinstance(self.num_replicas, int) or self.num_replicas <= 0:
+            raise ValueError(f"num_replicas must be a positive integer, got {self.num_replicas!r}")
+        if not isinstance(self.port, int) or not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65536), got {self.port!r}")
+        if self.max_ongoing_requests <= 0:
+            raise ValueError(f"max_ongoing_requests must be positive, got {self.max_ongoing_requests}")
+        if self.api_key is not None and not str(self.api_key):
+            raise ValueError("api_key must be non-empty when set")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model.model
+
+
+def register_configs() -> None:
+    """Register the schema as ``serve_schema`` (the first entry of conf/serve.yaml's defaults)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="serve_schema", node=ServeConfig)
+
+
+def compose_config(overrides: list[str] | None = None) -> ServeConfig:
+    """Compose ``conf/serve.yaml`` with Hydra overrides, outside ``@hydra.main`` (for ``serve run``).
+
+    Raises:
+        ValueError: for a bad override or value.
+    """
+    from hydra import compose, initialize_config_module
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    register_configs()
+    try:
+        with initialize_config_module(config_module="rayinfer.conf", version_base="1.3"):
+            cfg = compose(config_name="serve", overrides=list(overrides or []))
+        return OmegaConf.to_object(cfg)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ValueError(f"bad serve config: {e}") from None

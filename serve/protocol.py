@@ -1,0 +1,230 @@
+"""OpenAI request bodies (pydantic, only here at the HTTP boundary) and OpenAI-shaped errors.
+
+Scalars are strict (``"5"`` is not an integer, ``true`` is not a number), as the OpenAI API is; unknown
+fields are accepted and ignored so newer clients keep working. Responses are plain dicts built in
+``serve/serving_*.py``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+# ---------------------------------------------------------------------------------------------------
+# errors
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI error object: ``{"error": {message, type, param, code}}``.
+
+    Args:
+        message: what is wrong, for the user.
+        status: HTTP status (400 bad input, 401 auth, 404 unknown model, 500 server).
+        type: OpenAI error type (``invalid_request_error``, ``authentication_error``, ...).
+        param: the request field at fault, if any.
+        code: a machine-readable code, if any.
+    """
+
+    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def from_validation_error(e: ValidationError) -> APIError:
+    """The first pydantic error as a 400 naming the field (``messages.0.role``)."""
+    err = e.errors()[0]
+    param = ".".join(str(p) for p in err["loc"] if _is_field(p)) or None
+    msg = err["msg"]
+    if err["type"] == "missing":
+        msg = f"'{param}' is a required property"
+    elif param:
+        msg = f"{param}: {msg}"
+        if err["type"] not in ("extra_forbidden",) and "input" in err:
+            msg += f" (got {_short(err['input'])})"
+    return APIError(msg, param=param, code="invalid_type" if err["type"].endswith("_type") else None)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _is_field(part) -> bool:
+    """Keep field names and list indices of an error location; drop pydantic's union-member tags."""
+    return isinstance(part, int) or (re.fullmatch(r"[a-z_][a-z0-9_]*", str(part)) is not None
+                                     and part not in _TYPE_TAGS)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",
+                    "stop_token_ids", "n", "logprobs", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty", "response_format")
+
+
+def from_value_error(e: ValueError, default_param: str | None = None) -> APIError:
+    """A ValueError from SamplingParams or the engine as a 400, naming the field when it can."""
+    msg = str(e)
+    param = next((f for f in _SAMPLING_FIELDS if msg.startswith(f)), default_param)
+    return APIError(msg, param=param)
+
+
+# ---------------------------------------------------------------------------------------------------
+# request bodies
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDef(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_\-.]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingRequest(_Strict):
+    """Fields shared by chat and text completions (OpenAI's plus vLLM's extras)."""
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    response_format: dict[str, Any] | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    add_generation_prompt: bool = True
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+def parse_body(model: type[BaseModel], body: Any) -> BaseModel:
+    """Validate a decoded JSON body against a request model.
+
+    Raises:
+        APIError: 400 naming the first bad field.
+    """
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+
+
+def response_format_of(req: _SamplingRequest) -> dict | None:
+    """The request's output constraint as a ``SamplingParams.response_format`` dict (or None).
+
+    ``response_format`` wins; vLLM's ``guided_*`` fields are accepted as aliases.
+
+    Raises:
+        APIError: if more than one constraint is given.
+    """
+    given = [name for name in ("response_format", "guided_json", "guided_regex", "guided_grammar",
+                               "guided_choice") if getattr(req, name) is not None]
+    if len(given) > 1:
+        raise APIError(f"give at most one output constraint; got {', '.join(given)}", param=given[1])
+    if req.response_format is not None:
+        rf = req.response_format
+        if rf.get("type") == "text":
+            return None
+        return rf
+    if req.guided_json is not None:
+        return {"type": "json_schema", "json_schema": {"name": "guided_json", "schema": req.guided_json}}
+    if req.guided_regex is not None:
+        return {"type": "regex", "regex": req.guided_regex}
+    if req.guided_grammar is not None:
+        return {"type": "ebnf", "ebnf": req.guided_grammar}
+    if req.guided_choice is not None:
+        if not req.guided_choice:
+            raise APIError("guided_choice must not be empty", param="guided_choice")
+        return {"type": "regex", "regex": "(" + "|".join(re.escape(c) for c in req.guided_choice) + ")"}
+    return None

@@ -1,0 +1,193 @@
+"""``/v1/chat/completions``: chat template, tools, structured output, streaming and plain responses."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import AsyncIterator
+
+from rayinfer.serve.chat import render_chat
+from rayinfer.serve.protocol import APIError, ChatCompletionRequest, parse_body, response_format_of
+from rayinfer.serve.serving import (
+    ChoiceState,
+    OpenAIServing,
+    error_event,
+    finish_reason,
+    sse,
+    usage,
+)
+from rayinfer.serve.tools import (
+    ToolStreamParser,
+    parse_tool_calls,
+    prepare_messages,
+    template_renders_tools,
+    tool_call_format,
+)
+
+
+class ChatServing:
+    """Handles chat completion requests.
+
+    Args:
+        serving: the shared OpenAIServing (engine client, tokenizer, limits, metrics).
+    """
+
+    def __init__(self, serving: OpenAIServing):
+        self.serving = serving
+        self.template_has_tools = template_renders_tools(serving.tokenizer)
+
+    async def create(self, body: dict, arrival: float) -> dict | AsyncIterator[str]:
+        """Validate a request and run it.
+
+        Args:
+            body: the decoded JSON body.
+            arrival: ``time.perf_counter()`` when the request arrived (for TTFT).
+        Returns:
+            a ``chat.completion`` dict, or (``stream: true``) an iterator of SSE events.
+        Raises:
+            APIError: 400 for bad input (the message names the field), 404 for an unknown model.
+        """
+        s = self.serving
+        req: ChatCompletionRequest = parse_body(ChatCompletionRequest, body)
+        s.check_model(req.model)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        tool_choice = req.tool_choice.model_dump() if hasattr(req.tool_choice, "model_dump") else req.tool_choice
+        if tool_choice is not None and tool_choice != "none" and not tools:
+            raise APIError("tool_choice needs tools", param="tool_choice")
+        if tool_choice is None:
+            tool_choice = "auto" if tools else "none"
+        use_tools = bool(tools) and tool_choice != "none"
+        try:
+            forced = tool_call_format(tools, tool_choice, req.parallel_tool_calls) if use_tools else None
+        except ValueError as e:
+            raise APIError(str(e), param="tool_choice") from None
+        rf = response_format_of(req)
+        if forced is not None:
+            if rf is not None:
+                raise APIError("response_format cannot be combined with tool_choice required or named",
+                               param="response_format")
+            for t in tools:
+                s.check_response_format({"type": "json_schema", "json_schema": {
+                    "name": t["function"]["name"], "schema": t["function"].get("parameters") or {}}},
+                    param="tools")
+            rf = forced
+        s.check_response_format(rf)
+
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        messages = prepare_messages(messages, tools if use_tools else None, self.template_has_tools)
+        try:
+            prompt_ids = render_chat(s.tokenizer, messages, add_generation_prompt=req.add_generation_prompt,
+                                     tools=tools if use_tools and self.template_has_tools else None)
+        except ValueError as e:
+            raise APIError(str(e), param="messages") from None
+
+        max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
+        if max_tokens is None:
+            max_tokens, param = req.max_tokens, "max_tokens"
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
+            raise APIError(f"top_logprobs must be between 0 and 20, got {req.top_logprobs}", param="top_logprobs")
+        top_n = req.top_logprobs or 0
+        params = s.sampling_params(req, max_tokens=max_tokens, max_tokens_param=param,
+                                   logprobs=top_n if req.logprobs else None,
+                                   num_prompt_tokens=len(prompt_ids), prompt_param="messages",
+                                   response_format=rf, n=req.n)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        jobs = [(prompt_ids, p) for p in params]
+        tool_names = {t["function"]["name"] for t in tools} if use_tools else set()
+        ctx = _Context(request_id, int(time.time()), s.model_name, req, top_n, tool_names)
+        if req.stream:
+            stream, first = await s.start(request_id, jobs, arrival)
+            return self._stream(ctx, stream, first, len(prompt_ids), req.n)
+        states = await s.collect(request_id, jobs, arrival)
+        return self._response(ctx, states, len(prompt_ids))
+
+    # -- plain response ------------------------------------------------------------------------
+    def _response(self, ctx: "_Context", states: list[ChoiceState], num_prompt_tokens: int) -> dict:
+        choices = []
+        for st in states:
+            message = {"role": "assistant", "content": st.text, "refusal": None}
+            reason = finish_reason(st.finish_reason)
+            if ctx.tool_names:
+                content, calls = parse_tool_calls(st.text, ctx.tool_names)
+                if calls:
+                    message.update(content=content, tool_calls=calls)
+                    reason = "tool_calls" if reason == "stop" else reason
+            logprobs = ({"content": self.serving.chat_logprobs(st.logprobs, ctx.top_n)}
+                        if ctx.req.logprobs else None)
+            choices.append({"index": st.index, "message": message, "logprobs": logprobs, "finish_reason": reason})
+        return {
+            "id": ctx.request_id, "object": "chat.completion", "created": ctx.created, "model": ctx.model,
+            "choices": choices, "system_fingerprint": None,
+            "usage": usage(num_prompt_tokens, sum(len(st.token_ids) for st in states),
+                           max((st.num_cached_tokens for st in states), default=0)),
+        }
+
+    # -- streaming -----------------------------------------------------------------------------
+    def _chunk(self, ctx: "_Context", index: int, delta: dict, reason: str | None = None,
+               logprobs: list[dict] | None = None) -> str:
+        chunk = {"id": ctx.request_id, "object": "chat.completion.chunk", "created": ctx.created,
+                 "model": ctx.model, "system_fingerprint": None,
+                 "choices": [{"index": index, "delta": delta,
+                              "logprobs": {"content": logprobs} if logprobs is not None else None,
+                              "finish_reason": reason}]}
+        if ctx.include_usage:
+            chunk["usage"] = None
+        return sse(chunk)
+
+    async def _stream(self, ctx: "_Context", stream, first, num_prompt_tokens: int, n: int) -> AsyncIterator[str]:
+        """SSE events: a role delta per choice, content (or tool-call) deltas, a finish chunk per choice,
+        a usage chunk with ``stream_options.include_usage``, then ``[DONE]``."""
+        parsers = [ToolStreamParser(ctx.tool_names) if ctx.tool_names else None for _ in range(n)]
+        num_tokens = [0] * n
+        cached = 0
+        try:
+            for i in range(n):
+                yield self._chunk(ctx, i, {"role": "assistant", "content": ""})
+            pending = [first] if first is not None else []
+            while True:
+                if pending:
+                    i, out = pending.pop()
+                else:
+                    try:
+                        i, out = await stream.__anext__()
+                    except StopAsyncIteration:
+                        break
+                num_tokens[i] += len(out.new_token_ids)
+                text = parsers[i].feed(out.new_text) if parsers[i] else out.new_text
+                logprobs = (self.serving.chat_logprobs(out.new_logprobs or [], ctx.top_n)
+                            if ctx.req.logprobs else None)
+                if text or logprobs:
+                    yield self._chunk(ctx, i, {"content": text}, logprobs=logprobs)
+                if out.finished:
+                    cached = max(cached, out.num_cached_tokens)
+                    reason = finish_reason(out.finish_reason)
+                    if parsers[i]:
+                        rest, calls = parsers[i].finish()
+                        if rest:
+                            yield self._chunk(ctx, i, {"content": rest})
+                        if calls:
+                            reason = "tool_calls" if reason == "stop" else reason
+                            deltas = [{"index": k, **call} for k, call in enumerate(calls)]
+                            yield self._chunk(ctx, i, {"tool_calls": deltas})
+                    yield self._chunk(ctx, i, {}, reason=reason)
+            if ctx.include_usage:
+                yield sse({"id": ctx.request_id, "object": "chat.completion.chunk", "created": ctx.created,
+                           "model": ctx.model, "choices": [],
+                           "usage": usage(num_prompt_tokens, sum(num_tokens), cached)})
+        except Exception as e:  # after the 200 went out, an error can only travel as an event
+            yield error_event(e)
+        finally:
+            await stream.aclose()
+        yield sse("[DONE]")
+
+
+class _Context:
+    """Per-request facts the response builders need."""
+
+    def __init__(self, request_id: str, created: int, model: str, req: ChatCompletionRequest, top_n: int,
+                 tool_names: set[str]):
+        self.request_id, self.created, self.model, self.req = request_id, created, model, req
+        self.top_n, self.tool_names = top_n, tool_names
+        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)

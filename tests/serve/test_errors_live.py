@@ -1,0 +1,131 @@
+"""Bad input gets an OpenAI error object with the right status; the server keeps serving."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+
+@pytest.fixture(scope="module")
+def http(live_server):
+    with httpx.Client(base_url=live_server.base_url, timeout=60,
+                      headers={"Authorization": f"Bearer {live_server.api_key}"}) as c:
+        yield c
+
+
+def _check_error(resp: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+GOOD = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"max_tokens": 2}, "messages"),
+    ({"messages": [], "max_tokens": 2}, "messages"),
+    ({"messages": "hello"}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": 5}]}, None),
+    ({**GOOD, "max_tokens": 0}, "max_tokens"),
+    ({**GOOD, "max_tokens": -3}, "max_tokens"),
+    ({**GOOD, "max_tokens": "5"}, "max_tokens"),
+    ({**GOOD, "max_completion_tokens": 0}, "max_completion_tokens"),
+    ({**GOOD, "max_tokens": 10**6}, "max_tokens"),
+    ({**GOOD, "temperature": "hot"}, "temperature"),
+    ({**GOOD, "temperature": -1}, "temperature"),
+    ({**GOOD, "top_p": 1.5}, "top_p"),
+    ({**GOOD, "n": 0}, "n"),
+    ({**GOOD, "top_logprobs": 3}, "top_logprobs"),
+    ({**GOOD, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({**GOOD, "stop": 7}, "stop"),
+    ({**GOOD, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 3}}}},
+     "response_format"),
+    ({**GOOD, "tool_choice": "required"}, "tool_choice"),
+])
+def test_chat_bad_input_is_400(http, body, param):
+    _check_error(http.post("/v1/chat/completions", json=body), 400, param)
+
+
+def test_invalid_json_body_is_400(http):
+    err = _check_error(http.post("/v1/chat/completions", content=b'{"messages": [', headers={
+        "Content-Type": "application/json"}), 400)
+    assert "JSON" in err["message"]
+    _check_error(http.post("/v1/chat/completions", json=[1, 2]), 400)
+
+
+def test_prompt_longer_than_context_is_400(http, live_server):
+    long_text = "hello " * 1500  # > max_model_len tokens
+    err = _check_error(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": long_text}]}),
+                       400, "messages")
+    assert err["code"] == "context_length_exceeded"
+    _check_error(http.post("/v1/completions", json={"prompt": long_text, "max_tokens": 2}), 400, "prompt")
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "", "max_tokens": 2}, "prompt"),
+    ({"prompt": [], "max_tokens": 2}, "prompt"),
+    ({"prompt": [10**9], "max_tokens": 2}, None),
+    ({"prompt": "x", "logprobs": 9}, "logprobs"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": 3.5}, "prompt"),
+])
+def test_completions_bad_input_is_400(http, body, param):
+    _check_error(http.post("/v1/completions", json=body), 400, param)
+
+
+def test_unknown_model_is_404(http):
+    err = _check_error(http.post("/v1/chat/completions", json={**GOOD, "model": "gpt-17"}), 404, "model")
+    assert err["code"] == "model_not_found"
+    _check_error(http.post("/v1/completions", json={"prompt": "x", "model": "nope"}), 404, "model")
+
+
+def test_unknown_route_is_openai_shaped_404(http):
+    _check_error(http.get("/v1/nothing-here"), 404)
+
+
+def test_api_key_is_required(live_server):
+    with httpx.Client(base_url=live_server.base_url, timeout=30) as anon:
+        err = _check_error(anon.post("/v1/chat/completions", json=GOOD), 401)
+        assert err["type"] == "authentication_error"
+        _check_error(anon.get("/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
+        assert anon.get("/health").status_code == 200  # health and metrics stay open for probes
+
+
+def test_server_still_serves_after_errors(http):
+    r = http.post("/v1/chat/completions", json=GOOD)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
+
+
+def test_bad_requests_do_not_disturb_a_concurrent_stream(live_server):
+    import asyncio
+
+    headers = {"Authorization": f"Bearer {live_server.api_key}"}
+
+    async def good(client):
+        text = ""
+        async with client.stream("POST", "/v1/chat/completions", headers=headers, json={
+                **GOOD, "max_tokens": 12, "stream": True, "ignore_eos": True}) as resp:
+            assert resp.status_code == 200
+            async for line in resp.aiter_lines():
+                if line.startswith("data: {"):
+                    assert '"error"' not in line
+                    text += line
+        return text
+
+    async def bad(client, i):
+        body = [{"messages": []}, {**GOOD, "max_tokens": -1}, {**GOOD, "model": "x"},
+                {**GOOD, "response_format": {"type": "regex", "regex": "("}}][i % 4]
+        return (await client.post("/v1/chat/completions", headers=headers, json=body)).status_code
+
+    async def main():
+        async with httpx.AsyncClient(base_url=live_server.base_url, timeout=60) as client:
+            return await asyncio.gather(good(client), *[bad(client, i) for i in range(20)])
+
+    text, *codes = asyncio.run(main())
+    assert '"finish_reason": "length"' in text
+    assert sorted(set(codes)) == [400, 404]

@@ -1,0 +1,87 @@
+"""Request parsing, error shapes, config and the load client's statistics (no model, no Ray)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import yaml
+
+from rayinfer.serve.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_body,
+    response_format_of,
+)
+
+
+def test_parse_valid_chat_body_ignores_unknown_fields():
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "max_tokens": 3,
+            "some_new_openai_field": 1}
+    req = parse_body(ChatCompletionRequest, body)
+    assert req.messages[0].content[0].text == "hi" and req.max_tokens == 3
+
+
+@pytest.mark.parametrize("body,param", [
+    ({}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": 1}]}, "messages.0.content"),
+    ({"messages": [{"role": "user"}], "temperature": True}, "temperature"),
+    ({"messages": [{"role": "user"}], "stop": 7}, "stop"),
+    ({"messages": [{"role": "user"}], "max_tokens": 1.5}, "max_tokens"),
+    ({"messages": [{"role": "user"}], "tool_choice": "sometimes"}, "tool_choice"),
+])
+def test_bad_bodies_name_the_field(body, param):
+    with pytest.raises(APIError) as e:
+        parse_body(ChatCompletionRequest, body)
+    assert e.value.status == 400 and e.value.param == param
+    assert set(e.value.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_non_object_body_is_400():
+    with pytest.raises(APIError):
+        parse_body(CompletionRequest, [1, 2])
+
+
+def test_response_format_and_guided_aliases():
+    chat = lambda **kw: parse_body(ChatCompletionRequest, {"messages": [{"role": "user"}], **kw})  # noqa: E731
+    assert response_format_of(chat()) is None
+    assert response_format_of(chat(response_format={"type": "text"})) is None
+    assert response_format_of(chat(guided_regex="a+")) == {"type": "regex", "regex": "a+"}
+    assert response_format_of(chat(guided_json={"type": "object"}))["json_schema"]["schema"] == {"type": "object"}
+    assert response_format_of(chat(guided_choice=["a.b", "c"]))["regex"] == r"(a\.b|c)"
+    with pytest.raises(APIError, match="at most one"):
+        response_format_of(chat(guided_regex="a", response_format={"type": "json_object"}))
+
+
+def test_serve_yaml_is_both_a_serve_config_and_a_hydra_config():
+    from importlib.resources import files
+
+    from ray.serve.schema import ServeDeploySchema
+
+    from rayinfer.serve.config import compose_config
+
+    raw = yaml.safe_load(files("rayinfer.conf").joinpath("serve.yaml").read_text())
+    schema = ServeDeploySchema.model_validate(raw)
+    assert schema.applications[0].import_path == "rayinfer.serve.app:build_app"
+    cfg = compose_config(["port=9123", "api_key=k", "engine.num_kv_blocks=64"])
+    assert (cfg.port, cfg.api_key, cfg.engine.num_kv_blocks) == (9123, "k", 64)
+    assert compose_config([]).port == raw["http_options"]["port"]
+    with pytest.raises(ValueError):
+        compose_config(["num_replicas=0"])
+
+
+def test_bench_summary_percentiles():
+    from rayinfer.jobs.bench_serve import RequestResult, arrival_delays, summarize
+
+    results = [RequestResult(True, ttft=0.1 * i, latency=1.0 + 0.1 * i, itl=[0.01, 0.02], num_prompt_tokens=5,
+                             num_output_tokens=3) for i in range(1, 11)] + [RequestResult(False, error="boom")]
+    s = summarize(results, duration=2.0)
+    assert s["completed"] == 10 and s["failed"] == 1 and s["errors"] == ["boom"]
+    assert math.isclose(s["ttft_ms"]["median"], 550.0) and math.isclose(s["ttft_ms"]["p99"], 991.0)
+    assert math.isclose(s["tpot_ms"]["mean"], 500.0)  # (latency - ttft) / (3 - 1) = 0.5 s
+    assert math.isclose(s["output_throughput"], 15.0)
+    delays = arrival_delays(2000, rate=10.0, seed=0)
+    assert abs(sum(delays) / len(delays) - 0.1) < 0.01
+    assert arrival_delays(3, float("inf"), 0) == [0.0, 0.0, 0.0]
