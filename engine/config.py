@@ -56,6 +56,9 @@ class EngineConfig:
         max_num_batched_tokens: new tokens per step at most.
         enable_prefix_caching, enable_chunked_prefill: as named.
         role: "normal", "prefill" or "decode".
+        async_scheduling: schedule step N+1 while the device runs step N (None: on CUDA only).
+        enforce_eager: no CUDA graphs for decode.
+        debug_sync_guard: raise if launching a step synchronizes with the GPU (for tests).
     """
 
     device: str = "auto"
@@ -68,6 +71,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     role: str = "normal"
+    async_scheduling: bool | None = None
+    enforce_eager: bool = False
+    debug_sync_guard: bool = False
 
     def __post_init__(self):
         if self.device not in _DEVICES:
@@ -85,3 +91,32 @@ class EngineConfig:
             EngineRole(self.role)
         except ValueError:
             raise ValueError(f"role must be one of normal, prefill, decode; got {self.role!r}") from None
+
+
+@dataclass
+class EPConfig:
+    """Expert parallelism and its load balancer (EPLB) for a MoE model (``rayinfer.actors.ep_group``).
+
+    Attributes:
+        ep: expert-parallel ranks; each also runs attention data-parallel with its own requests.
+        num_redundant_experts: extra physical expert slots per MoE layer (P = L + this); P must split
+            evenly over the ``ep`` ranks.
+        eplb_interval: rebalance every this many steps; 0 never rebalances (loads are still counted).
+        eplb_window: steps of expert load each rank keeps; rebalancing and ``moe_lb`` use their sum.
+        num_nodes: nodes the ranks span (EPLB keeps expert groups on one node); must divide ``ep``.
+    """
+
+    ep: int = 1
+    num_redundant_experts: int = 0
+    eplb_interval: int = 0
+    eplb_window: int = 1000
+    num_nodes: int = 1
+
+    def __post_init__(self):
+        for name, low in (("ep", 1), ("num_redundant_experts", 0), ("eplb_interval", 0), ("eplb_window", 1),
+                          ("num_nodes", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if self.ep % self.num_nodes:
+            raise ValueError(f"num_nodes ({self.num_nodes}) must divide ep ({self.ep})")

@@ -71,7 +71,7 @@ class KVCacheManager:
         new_blocks = self.pool.allocate(max(num_needed, 0))
         req.block_ids.extend(new_blocks)
         if self.pool.enable_caching:
-            num_known = min(total, req.num_tokens)
+            num_known = min(total, req.num_known_tokens)
             self._update_hashes(req, num_known)
             for b in range(num_known // self.block_size):
                 self.pool.cache_block(req.block_ids[b], req.block_hashes[b])

@@ -42,11 +42,14 @@ class LLMEngine:
     Args:
         model_config: which model and dtype.
         engine_config: scheduling, KV cache, device and role.
+        model_kwargs: extra arguments of the model class (``{"ep": ExpertParallelism(...)}`` on an
+            expert-parallel rank; see :func:`rayinfer.model.loader.load_model`).
     Raises:
         ValueError: for an unknown model or a bad config (before any work is done).
     """
 
-    def __init__(self, model_config: ModelConfig | None = None, engine_config: EngineConfig | None = None):
+    def __init__(self, model_config: ModelConfig | None = None, engine_config: EngineConfig | None = None,
+                 model_kwargs: dict | None = None):
         from rayinfer.model.loader import load_model, load_tokenizer, parse_dtype
 
         self.model_config = model_config = model_config or ModelConfig()
@@ -57,7 +60,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(model_config.model)
         torch.manual_seed(model_config.seed)
         self.model = load_model(model_config.model, self.dtype, self.device, model_config.load_format,
-                                seed=model_config.seed)
+                                seed=model_config.seed, model_kwargs=model_kwargs)
         hf_config = self.model.config
         self.max_model_len = model_config.max_model_len or hf_config.max_position_embeddings
         self.vocab_size = hf_config.vocab_size
@@ -78,6 +81,12 @@ class LLMEngine:
         ))
         self.sampler = Sampler(self.vocab_size, model_config.seed)
         self.runner = ModelRunner(self.model, self.kv_cache, cfg.block_size, self.sampler)
+        self.runner.sync_guard = cfg.debug_sync_guard
+        on_cuda = self.device.type == "cuda"
+        self.async_scheduling = on_cuda if cfg.async_scheduling is None else cfg.async_scheduling
+        self._inflight = None  # (SchedulerOutput, PendingStep) launched but not yet processed
+        if on_cuda and not cfg.enforce_eager:
+            self.runner.capture_cuda_graphs(self.max_model_len, min(cfg.max_num_seqs, 512))
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.num_prompt_tokens = 0  # counters for metrics
         self.num_generation_tokens = 0
@@ -181,20 +190,56 @@ class LLMEngine:
         self.sampler.release(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._inflight is not None
 
     # -- the loop ------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Schedule, run the model, sample, detokenize. Returns one delta per request that moved."""
+    def step(self, run_empty: bool = False) -> list[RequestOutput]:
+        """Schedule, run the model, sample, detokenize. Returns one delta per request that moved.
+
+        ``run_empty``: when nothing is scheduled, still run the model over zero tokens (an expert-
+        parallel rank steps in lockstep with the others; its MoE layers are collectives).
+
+        With ``async_scheduling`` the step is pipelined: this call schedules and launches step N while
+        the device may still run step N-1, then processes step N-1's tokens. Inputs sampled by N-1 are
+        placeholders filled on the device; stop checks land one step late, and the extra token of a
+        request that finished meanwhile is dropped. A step whose sampling needs host state (grammar,
+        penalties, min_tokens) first drains the pipeline.
+        """
         sched = self.scheduler.schedule()
+        live = self.scheduler.requests
+        step_reqs = {s.request_id: live[s.request_id] for s in sched.scheduled}  # before anything finishes
         outputs = [self._handed_back_output(req) for req in self.scheduler.take_handed_back()]
-        if sched.is_empty:
-            return outputs
-        step_out = self.runner.execute(sched, self.scheduler.requests)
-        self.num_computed_tokens += sched.num_scheduled_tokens
-        for req in self.scheduler.update_from_output(sched, step_out):
-            outputs.append(self._make_output(req, step_out.sampled[req.request_id]))
+        prev = self._inflight
+        self._inflight = None
+        if prev is not None and (not self.async_scheduling or sched.is_empty or self._needs_drain(sched)):
+            outputs += self._process(*prev)
+            prev_step, prev = prev[1], None
+        else:
+            prev_step = prev[1] if prev is not None else None
+        if not sched.is_empty:
+            self.num_computed_tokens += sched.num_scheduled_tokens
+            launched = self.runner.execute_async(sched, step_reqs, prev_step)
+            if self.async_scheduling:
+                self._inflight = (sched, launched)
+            else:
+                outputs += self._process(sched, launched)
+        elif run_empty:
+            self.runner.execute_empty()
+        if prev is not None:
+            outputs += self._process(*prev)
         return outputs
+
+    def _needs_drain(self, sched) -> bool:
+        from rayinfer.engine.sampler import needs_host_state
+
+        reqs = self.scheduler.requests
+        return any(s.needs_sample and s.request_id in reqs and needs_host_state(reqs[s.request_id])
+                   for s in sched.scheduled)
+
+    def _process(self, sched, launched) -> list[RequestOutput]:
+        step_out = self.runner.finish(launched)
+        return [self._make_output(req, step_out.sampled[req.request_id])
+                for req in self.scheduler.update_from_output(sched, step_out)]
 
     def _handed_back_output(self, req: Request) -> RequestOutput:
         """DECODE role: a preempted request leaves with finish_reason "preempted" (no new tokens); the

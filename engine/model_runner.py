@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from rayinfer.engine.sampler import Sampler
-from rayinfer.engine.types import KVHandle, Request, SchedulerOutput, StepOutput
+from rayinfer.engine.block_pool import hash_block_chain
+from rayinfer.engine.sampler import Sampler, SamplerOutput
+from rayinfer.engine.types import PLACEHOLDER, KVHandle, Request, SchedulerOutput, StepOutput
 from rayinfer.kernels.attention_metadata import AttentionMetadata
 
 KV_LAYOUT_VERSION = "v1"
@@ -15,6 +18,25 @@ def kv_layout_tag(kv_cache: torch.Tensor) -> str:
     """Payload layout tag of a cache: version, axis names of one request's export, dtype."""
     axes = "L,N,2,bs,H,D" if kv_cache.dim() == 6 else "L,N,bs,C"
     return f"{KV_LAYOUT_VERSION}:{axes}:{str(kv_cache.dtype).removeprefix('torch.')}:bs={kv_cache.shape[2 if kv_cache.dim() == 6 else 2]}"
+
+
+@dataclass
+class PendingStep:
+    """A launched step whose sampled tokens may still be on the device.
+
+    Attributes:
+        sample_reqs: the requests that get a token, in row order.
+        rows: request id -> row of ``token_ids`` (the device tensor later steps read placeholders from).
+        token_ids: [num_sampled] int64 on the device.
+        host: the sampler's output, copied (asynchronously on CUDA) to host memory.
+        event: recorded after the copy (None on CPU).
+    """
+
+    sample_reqs: list[Request]
+    rows: dict[str, int] = field(default_factory=dict)
+    token_ids: torch.Tensor | None = None
+    host: SamplerOutput | None = None
+    event: object = None
 
 
 class ModelRunner:
@@ -33,46 +55,128 @@ class ModelRunner:
         self.block_size = block_size
         self.sampler = sampler
         self.device = kv_cache.device
+        self.graphs = None  # DecodeGraphs once captured
+        self.sync_guard = False  # raise on a hidden host sync while launching a step (tests)
+
+    def capture_cuda_graphs(self, max_model_len: int, max_num_seqs: int) -> None:
+        """Capture decode graphs (CUDA only)."""
+        from rayinfer.engine.cuda_graph import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self.model, self.kv_cache, self.block_size, max_model_len, max_num_seqs)
+        self.graphs.capture()
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, requests: dict[str, Request]) -> StepOutput:
-        """Run the step; returns a sampled token for each scheduled request with ``needs_sample``."""
+        """Run the step and wait; returns a sampled token for each request with ``needs_sample``."""
+        return self.finish(self.execute_async(sched, requests))
+
+    @torch.inference_mode()
+    def execute_async(self, sched: SchedulerOutput, requests: dict[str, Request],
+                      prev: PendingStep | None = None) -> PendingStep:
+        """Launch the step without waiting for the device.
+
+        Input tokens equal to ``PLACEHOLDER`` are the ones ``prev`` sampled; they are read from its
+        device tensor, so step N+1 can be launched before step N's tokens reach the host.
+
+        Raises:
+            RuntimeError: under ``sync_guard``, if launching the step synchronizes with the device.
+        """
+        from rayinfer.engine.sync_guard import no_host_sync
+
         for _, block_ids, handle in sched.kv_imports:
             self.import_kv(block_ids, handle)
-        input_ids, positions, sample_rows, sample_reqs = [], [], [], []
+        input_ids, positions, sample_rows, sample_reqs, holes = [], [], [], [], []
         for s in sched.scheduled:
+            for j, tok in enumerate(s.token_ids):
+                if tok == PLACEHOLDER:
+                    holes.append((len(input_ids) + j, prev.rows[s.request_id]))
             input_ids.extend(s.token_ids)
             positions.extend(range(s.start_pos, s.start_pos + s.num_new_tokens))
             if s.needs_sample:
                 sample_rows.append(len(input_ids) - 1)
                 sample_reqs.append(requests[s.request_id])
-        meta = AttentionMetadata.build(
-            [s.num_new_tokens for s in sched.scheduled],
-            [s.start_pos + s.num_new_tokens for s in sched.scheduled],
-            [list(s.block_ids) for s in sched.scheduled],
-            self.block_size,
-            self.device,
-        )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, pos, self.kv_cache, meta)
-        if not sample_rows:
+        query_lens = [s.num_new_tokens for s in sched.scheduled]
+        seq_lens = [s.start_pos + s.num_new_tokens for s in sched.scheduled]
+        cpu_meta = AttentionMetadata.build(query_lens, seq_lens, [list(s.block_ids) for s in sched.scheduled],
+                                           self.block_size, "cpu")
+        with no_host_sync(self.sync_guard):
+            ids = self._to_device(torch.tensor(input_ids, dtype=torch.long))
+            pos = self._to_device(torch.tensor(positions, dtype=torch.long))
+            meta = AttentionMetadata(
+                *(self._to_device(t) for t in (cpu_meta.query_start_loc, cpu_meta.seq_lens,
+                                               cpu_meta.block_tables, cpu_meta.slot_mapping)),
+                self.block_size, cpu_meta.query_lens_cpu, cpu_meta.seq_lens_cpu)
+            if holes:
+                at = self._to_device(torch.tensor([h[0] for h in holes], dtype=torch.long))
+                rows = self._to_device(torch.tensor([h[1] for h in holes], dtype=torch.long))
+                ids[at] = prev.token_ids[rows]
+            n = len(query_lens)
+            if self.graphs is not None and meta.is_decode_only and self.graphs.padded_size(n) is not None:
+                hidden = self.graphs.run(ids, pos, meta.slot_mapping, meta.seq_lens, meta.block_tables)
+            else:
+                hidden = self.model(ids, pos, self.kv_cache, meta)
+            step = PendingStep(sample_reqs)
+            if not sample_rows:
+                return step
+            logits = self.model.compute_logits(hidden[self._to_device(torch.tensor(sample_rows))])
+            out = self.sampler.sample(logits, sample_reqs)
+            step.rows = {r.request_id: i for i, r in enumerate(sample_reqs)}
+            step.token_ids = out.token_ids
+            if self.device.type == "cuda":
+                step.host = SamplerOutput(*(None if t is None else
+                                            torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                                            for t in (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)))
+                step.event = torch.cuda.Event()
+                step.event.record()
+            else:
+                step.host = out
+        return step
+
+    @torch.inference_mode()
+    def execute_empty(self) -> None:
+        """Run the model over zero tokens (nothing is sampled or written to the cache).
+
+        An expert-parallel rank with no scheduled work calls it so that it still meets the other ranks
+        in the MoE layers' collectives (see ``rayinfer.actors.ep_group``).
+        """
+        meta = AttentionMetadata.build([], [], [], self.block_size, self.device)
+        no_tokens = torch.empty(0, dtype=torch.long, device=self.device)
+        self.model(no_tokens, no_tokens, self.kv_cache, meta)
+
+    def finish(self, step: PendingStep) -> StepOutput:
+        """Wait for a launched step and return its sampled tokens (advancing grammar matchers)."""
+        if step.host is None:
             return StepOutput({})
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        sampled = self.sampler(logits, sample_reqs)
-        return StepOutput({r.request_id: t for r, t in zip(sample_reqs, sampled)})
+        if step.event is not None:
+            step.event.synchronize()
+        sampled = self.sampler.finish(step.host, step.sample_reqs)
+        return StepOutput({r.request_id: t for r, t in zip(step.sample_reqs, sampled)})
 
-    def export_kv(self, req: Request, num_tokens: int) -> KVHandle:
-        """Copy the KV of a request's first ``num_tokens`` tokens out of the cache (to CPU).
+    def export_kv(self, req: Request, num_tokens: int, device: str | torch.device = "cpu") -> KVHandle:
+        """Copy the KV of a request's first ``num_tokens`` tokens out of the cache.
 
+        Args:
+            req: the request (its block table and block hashes are read).
+            num_tokens: tokens to export; their blocks are ``ceil(num_tokens / block_size)``.
+            device: where the payload lands: "cpu" (object store) or the cache's device (kept on the
+                GPU for Ray Direct Transport).
         Returns:
-            a KVHandle whose payload is [L, n_blocks, ...] (the cache's per-block layout), on CPU.
+            a KVHandle whose payload is [L, n_blocks, ...] (the cache's per-block layout, its dtype), a
+            fresh contiguous tensor on ``device``.
         """
         num_blocks = -(-num_tokens // self.block_size)
         blocks = torch.tensor(req.block_ids[:num_blocks], dtype=torch.long, device=self.device)
-        payload = self.kv_cache[:, blocks].to("cpu", copy=True)
+        payload = self.kv_cache[:, blocks].to(device, copy=True)
         full = num_tokens // self.block_size
-        return KVHandle(req.request_id, list(req.block_hashes[:full]), num_tokens, kv_layout_tag(self.kv_cache), payload)
+        hashes = req.block_hashes[:full]
+        if len(hashes) < full:  # prefix caching off: the scheduler kept no hashes, the KV store needs them
+            hashes = hash_block_chain(req.all_token_ids[: full * self.block_size], self.block_size, req.cache_salt)
+        return KVHandle(req.request_id, list(hashes), num_tokens, kv_layout_tag(self.kv_cache), payload)
 
     def import_kv(self, block_ids, handle: KVHandle) -> None:
         """Write a handle's payload into the given blocks of the cache.

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from rayinfer.engine.kv_cache_manager import KVCacheManager
 from rayinfer.engine.types import (
+    PLACEHOLDER,
     EngineRole,
     Request,
     RequestStatus,
@@ -65,6 +66,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
+        self.handed_back: list[Request] = []  # DECODE role: preempted requests for the router to re-prefill
 
     # -- admission and removal ---------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -135,8 +137,12 @@ class Scheduler:
         imports = []
         while not preempted and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[0]
-            if req.kv_handle is not None:  # PD import: the handle's tokens arrive computed
-                hit_blocks, num_hit = [], req.kv_handle.num_tokens
+            if req.kv_handle is not None:  # PD import or stored prefix: the handle's tokens arrive computed
+                hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+                if num_hit >= req.kv_handle.num_tokens:  # the local prefix cache already covers it
+                    req.kv_handle = None
+                else:
+                    hit_blocks, num_hit = [], req.kv_handle.num_tokens
             elif req.num_computed_tokens:
                 hit_blocks, num_hit = [], 0
             else:
@@ -165,24 +171,43 @@ class Scheduler:
         for req, num_new in planned:
             start = req.num_computed_tokens
             req.num_computed_tokens += num_new
+            known = req.all_token_ids[start : start + num_new]
+            needs_sample = req.num_computed_tokens == req.num_tokens
             scheduled.append(ScheduledRequest(
                 request_id=req.request_id,
-                token_ids=tuple(req.all_token_ids[start : start + num_new]),
+                # tokens an in-flight step sampled are placeholders the model runner fills on the device
+                token_ids=tuple(known) + (PLACEHOLDER,) * (num_new - len(known)),
                 start_pos=start,
                 block_ids=tuple(req.block_ids),
-                needs_sample=req.num_computed_tokens == req.num_tokens,
+                needs_sample=needs_sample,
             ))
+            if needs_sample:
+                req.num_pending_tokens += 1
         finished, self._finished_ids = tuple(self._finished_ids), []
         return SchedulerOutput(tuple(scheduled), tuple(r.request_id for r in preempted), finished, tuple(imports))
 
     def _preempt(self, req: Request) -> None:
-        """Preemption by recompute: drop the KV, keep the tokens, requeue at the front."""
+        """Preemption by recompute: drop the KV, keep the tokens, requeue at the front.
+
+        A DECODE replica has no prefill path, so it never recomputes: the request leaves the scheduler
+        (status PREEMPTED) and joins ``handed_back``, which the engine drains into outputs that tell the
+        router to re-prefill prompt + outputs so far.
+        """
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
+        if self.config.role == EngineRole.DECODE:
+            del self.requests[req.request_id]
+            self.handed_back.append(req)
+            return
         self.waiting.appendleft(req)
+
+    def take_handed_back(self) -> list[Request]:
+        """DECODE role: the requests preempted since the last call (each returned once)."""
+        out, self.handed_back = self.handed_back, []
+        return out
 
     def update_from_output(self, sched: SchedulerOutput, out: StepOutput) -> list[Request]:
         """Append sampled tokens and finish requests that hit EOS, a stop token, max_tokens or the
@@ -195,8 +220,9 @@ class Scheduler:
         for s in sched.scheduled:
             req = self.requests.get(s.request_id)
             sampled = out.sampled.get(s.request_id)
-            if req is None or sampled is None or not s.needs_sample:
-                continue
+            if req is None or sampled is None or not s.needs_sample or req.is_finished:
+                continue  # aborted or finished while the step was in flight: the token is dropped
+            req.num_pending_tokens -= 1
             req.output_token_ids.append(sampled.token_id)
             updated.append(req)
             status = self._check_stop(req, sampled.token_id)

@@ -13,6 +13,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 
+PLACEHOLDER = -1  # token id of a sampled-but-not-yet-returned token in a scheduled step
+
+
 class EngineRole(str, enum.Enum):
     """What one replica does (after DeepSeek's engine types)."""
 
@@ -166,6 +169,7 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)  # of full blocks, in order
     status: RequestStatus = RequestStatus.WAITING
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    num_pending_tokens: int = 0  # sampled on the device by an in-flight step, not yet known here
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     grammar: Any = None  # an xgrammar GrammarMatcher when output is constrained
@@ -182,6 +186,12 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens the request has, including ones an in-flight step has sampled but not returned."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids are known on the host (``all_token_ids``)."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property

@@ -40,7 +40,7 @@ def test_top_k_top_p_min_p_restrict_support():
         (dict(top_p=float(probs[0] + probs[1]) - 1e-4), {0, 1}),
         (dict(min_p=float(probs[2] / probs[0]) - 1e-4), {0, 1, 2}),
     ]:
-        seen = {s(logits, [req("r", temperature=1.0, **params)])[0].token_id for _ in range(300)}
+        seen = {s(logits, [req(f"r{j}", temperature=1.0, **params)])[0].token_id for j in range(300)}
         assert seen == allowed, params
 
 
