@@ -34,18 +34,19 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         bias = getattr(config, "attention_bias", False)
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        # q, k and v in one GEMM (checkpoint's q_proj/k_proj/v_proj are stacked by load_weights)
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
         self.scale = self.head_dim**-0.5
         self.layer_idx = layer_idx
 
     def forward(self, hidden, positions, inv_freq, kv_cache, meta: AttentionMetadata):
         t = hidden.shape[0]
-        q = self.q_proj(hidden).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
         q, k = rotary(q, k, positions, inv_freq)
         store_kv(k, v, kv_cache, meta.slot_mapping)
         out = paged_attention(q, kv_cache, meta, self.scale)
@@ -56,12 +57,12 @@ class LlamaMLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        # gate and up in one GEMM whose output is silu_and_mul's [gate, up] input
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x):
-        return self.down_proj(silu_and_mul(torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -114,6 +115,53 @@ class LlamaForCausalLM(nn.Module):
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
             rope_scaling = rope_params
         self.register_buffer("inv_freq", rope_inv_freq(attn.head_dim, theta, rope_scaling), persistent=False)
+
+    # checkpoint name -> (fused parameter, shard index); shards are stacked along the output dim
+    _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def load_weights(self, named_tensors) -> set[str]:
+        """Load Hugging Face-named tensors, stacking q/k/v and gate/up into the fused projections.
+
+        Args:
+            named_tensors: iterable of (checkpoint name, tensor).
+        Returns:
+            the names (in this model's ``state_dict``) that were written.
+        Raises:
+            KeyError: for a name the model does not have; ValueError: on a shape mismatch.
+        """
+        params = self.state_dict(keep_vars=True)
+        loaded: set[str] = set()
+        shards: dict[str, set[int]] = {}  # fused parameter -> shards written
+        for name, tensor in named_tensors:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            parts = name.split(".")
+            target, offset = name, None
+            if len(parts) >= 2 and parts[-2] in self._STACKED:
+                fused, shard = self._STACKED[parts[-2]]
+                target = ".".join(parts[:-2] + [fused, parts[-1]])
+                module = self.get_submodule(".".join(parts[:-2]))
+                sizes = ([module.q_size, module.kv_size, module.kv_size] if fused == "qkv_proj"
+                         else [module.down_proj.in_features] * 2)
+                offset = (sum(sizes[:shard]), sizes[shard])
+            if target not in params:
+                raise KeyError(f"checkpoint weight {name!r} has no place in {type(self).__name__}")
+            dest = params[target] if offset is None else params[target].narrow(0, *offset)
+            if dest.shape != tensor.shape:
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+            with torch.no_grad():
+                dest.copy_(tensor)
+            if offset is None:
+                loaded.add(target)
+            else:
+                got = shards.setdefault(target, set())
+                got.add(shard)
+                if len(got) == (3 if fused == "qkv_proj" else 2):
+                    loaded.add(target)
+        if getattr(self.config, "tie_word_embeddings", False) and "model.embed_tokens.weight" in loaded:
+            loaded.add("lm_head.weight")
+        return loaded
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """[num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]: the versioned payload layout."""

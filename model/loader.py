@@ -86,6 +86,7 @@ def load_model(
     device: str | torch.device,
     load_format: str = "auto",
     seed: int = 0,
+    model_kwargs: dict | None = None,
 ) -> nn.Module:
     """Build the model class registered for ``model``'s architecture and fill its weights.
 
@@ -99,6 +100,8 @@ def load_model(
         load_format: "auto" / "safetensors" (the directory's *.safetensors, shards included) or "dummy"
             (random weights: N(0, initializer_range or 0.02) for matrices, 1 for norms, 0 for biases).
         seed: seed of dummy weights.
+        model_kwargs: extra keyword arguments of the model class, e.g. ``{"ep": ExpertParallelism(...)}``
+            for an expert-parallel rank of a MoE model (dummy weights then equal the one-process model's).
     Returns:
         the model in eval mode with ``requires_grad=False`` parameters; ``model.config`` is its HF config.
     Raises:
@@ -118,7 +121,7 @@ def load_model(
     if arch is None:
         raise ValueError(f"config of model '{model}' names no architectures")
     with _params_on_meta():
-        net = get_model_class(arch)(config)
+        net = get_model_class(arch)(config, **(model_kwargs or {}))
     _materialize(net, dtype, device)
     with torch.no_grad():
         if load_format == "dummy":
@@ -182,8 +185,15 @@ def _materialize(net: nn.Module, dtype: torch.dtype, device: torch.device) -> No
 
 def _init_dummy(net: nn.Module, std: float, seed: int, device: torch.device) -> None:
     gen = torch.Generator(device=device).manual_seed(seed)
+    # Routed experts are drawn for all logical experts and sliced, so that every expert-parallel rank
+    # (which holds only some slots, maybe replicas) gets the one-process model's weights.
+    experts = {name: m for name, m in net.named_modules() if hasattr(m, "load_stacked")}
     for name, p in net.named_parameters():
-        if p.ndim == 1 and "norm" in name:
+        owner, _, leaf = name.rpartition(".")
+        if owner in experts:
+            full = torch.empty((experts[owner].num_logical_experts, *p.shape[1:]), dtype=p.dtype, device=device)
+            experts[owner].load_stacked(leaf, full.normal_(0.0, std, generator=gen))
+        elif p.ndim == 1 and "norm" in name:
             p.fill_(1.0)
         elif name.endswith("bias"):
             p.zero_()
@@ -215,11 +225,14 @@ def _load_safetensors(net: nn.Module, path: Path) -> None:
                     for key in f.keys():
                         yield key, f.get_tensor(key)
 
-        loaded_names = net.load_weights(named_tensors())
+        try:
+            loaded_names = net.load_weights(named_tensors())
+        except KeyError as e:
+            raise ValueError(f"checkpoint in '{path}' has unexpected weights: {e.args[0]}") from None
         missing = sorted(set(net.state_dict()) - set(loaded_names))
         if missing:
-            raise ValueError(f"checkpoint in '{path}' lacks {len(missing)} weights of {type(net).__name__}: "
-                             f"{missing[:8]}")
+            raise ValueError(f"checkpoint in '{path}' does not match {type(net).__name__}: missing "
+                             f"{missing[:8]} ({len(missing)})")
         return
     targets = net.state_dict(keep_vars=True)  # tied names appear under each name, sharing one tensor
     loaded: set[int] = set()

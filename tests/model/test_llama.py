@@ -20,7 +20,7 @@ def test_llama_prefill_then_decode_matches_hf():
     cfg = tiny_config()
     ref = transformers.LlamaForCausalLM(cfg).eval()
     ours = LlamaForCausalLM(cfg).eval()
-    ours.load_state_dict(ref.state_dict(), strict=False)
+    ours.load_weights(ref.state_dict().items())
     block_size, num_blocks = 4, 16
     kv = torch.zeros(ours.kv_cache_shape(num_blocks, block_size))
     ids = torch.randint(0, 128, (11,))

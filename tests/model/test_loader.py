@@ -112,7 +112,7 @@ def test_dummy_weights_deterministic_per_seed():
     c = load_model("llama-tiny", "float32", "cpu", "dummy", seed=1)
     sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
-    assert not torch.equal(sa["model.layers.0.mlp.up_proj.weight"], sc["model.layers.0.mlp.up_proj.weight"])
+    assert not torch.equal(sa["model.layers.0.mlp.gate_up_proj.weight"], sc["model.layers.0.mlp.gate_up_proj.weight"])
     assert torch.equal(sa["model.norm.weight"], torch.ones(64))
     assert abs(sa["model.embed_tokens.weight"].std().item() - 0.02) < 1e-3
     logits = prefill_logits(a, torch.arange(20))
