@@ -1,0 +1,347 @@
+"""Benchmark one model on this machine against its roofline, and against Hugging Face transformers.
+
+    python jobs/bench.py                                   # scenario=llama-3-8b (GPU)
+    python jobs/bench.py --multirun scenario=llama-3-8b,smollm2
+    python jobs/bench.py scenario=llama-3-8b offline.num_prompts=1000     # the full offline workload
+    python jobs/bench.py scenario=tiny                     # llama-tiny on CPU in seconds (every code path)
+
+Sections (``sections=[offline,decode,prefill,hf]``): offline throughput of a seeded random workload
+(fixed 1000 in / 1000 out, and seeded random lengths) through the engine's step loop; decode step time
+at each batch x context, driving the model directly over the engine's KV cache; prefill of one sequence,
+chunked by ``engine.max_num_batched_tokens``; the offline workload (a subset) through HF ``generate`` on
+the same weights. Each value is printed beside its roofline (bandwidth and matmul rate measured in the
+same run) and written to ``benchmarks/results/bench-<scenario>-<device>-<time>.json``.
+Scenarios are presets (jobs/benchlib.py ``register_scenario``); command-line overrides win over them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from rayinfer.engine.config import EngineConfig, ModelConfig
+from rayinfer.jobs import benchlib as bl
+from rayinfer.jobs import roofline as rl
+
+SECTIONS = ("offline", "decode", "prefill", "hf")
+WORKLOADS = ("fixed", "mixed")
+_MAX_CPU_WEIGHT_BYTES = 8 << 30
+
+
+@dataclass
+class OfflineSpec:
+    """The offline workload: random token ids, ignore_eos, greedy; all requests submitted at once."""
+
+    num_prompts: int = 1000
+    input_len: int = 1000  # fixed workload
+    output_len: int = 1000
+    mixed_input_range: list[int] = field(default_factory=lambda: [50, 2000])  # inclusive, uniform
+    mixed_output_range: list[int] = field(default_factory=lambda: [50, 1000])
+    workloads: list[str] = field(default_factory=lambda: ["fixed", "mixed"])
+    seed: int = 0
+
+
+@dataclass
+class DecodeSpec:
+    """Decode step time at every (batch, context): context is tokens per request after the step."""
+
+    batches: list[int] = field(default_factory=lambda: [1, 8, 32, 128, 256])
+    contexts: list[int] = field(default_factory=lambda: [1024, 4096])
+    warmup: int = 3
+    iters: int = 10
+
+
+@dataclass
+class PrefillSpec:
+    """Prefill time of one sequence of each length, chunked by ``engine.max_num_batched_tokens``."""
+
+    lengths: list[int] = field(default_factory=lambda: [1024, 4096, 16384])
+    warmup: int = 1
+    iters: int = 3
+
+
+@dataclass
+class HFSpec:
+    """The offline workloads' first ``num_prompts`` prompts through HF ``generate``, ``batch_size`` at a time."""
+
+    num_prompts: int = 32
+    batch_size: int = 32
+    workloads: list[str] = field(default_factory=lambda: ["fixed"])
+
+
+@dataclass
+class CeilingSpec:
+    """Sizes of the bandwidth (copy) and matmul measurements; None: 2 GiB / 8192 on CUDA, 64 MiB / 512 on CPU."""
+
+    copy_mib: int | None = None
+    gemm_n: int | None = None
+    iters: int = 10
+
+
+@dataclass
+class BenchConfig:
+    """Schema of ``conf/bench.yaml`` (a scenario, then command-line overrides, on top)."""
+
+    scenario: str = "custom"
+    scenario_description: str = ""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    sections: list[str] = field(default_factory=lambda: list(SECTIONS))
+    offline: OfflineSpec = field(default_factory=OfflineSpec)
+    decode: DecodeSpec = field(default_factory=DecodeSpec)
+    prefill: PrefillSpec = field(default_factory=PrefillSpec)
+    hf: HFSpec = field(default_factory=HFSpec)
+    ceilings: CeilingSpec = field(default_factory=CeilingSpec)
+    out_dir: str = "benchmarks/results"
+    cpu_threads: int | None = None  # torch intra-op threads on CPU during the run; None: torch's default
+    git_rev: str | None = None  # recorded instead of asking git (a checkout copied without .git)
+
+    def __post_init__(self):
+        for name, values, known in (("sections", self.sections, SECTIONS),
+                                    ("offline.workloads", self.offline.workloads, WORKLOADS),
+                                    ("hf.workloads", self.hf.workloads, WORKLOADS)):
+            bad = [v for v in values if v not in known]
+            if bad:
+                raise ValueError(f"{name} has unknown entries {bad}; choose from {list(known)}")
+        for name, rng in (("mixed_input_range", self.offline.mixed_input_range),
+                          ("mixed_output_range", self.offline.mixed_output_range)):
+            if len(rng) != 2 or not 1 <= rng[0] <= rng[1]:
+                raise ValueError(f"offline.{name} must be [min, max] with 1 <= min <= max, got {list(rng)}")
+
+
+def _ms(value: float | None, digits: int) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f} ms"
+
+
+def _fmt_s(seconds: float) -> str:
+    return f"{seconds * 1e3:9.3f} ms" if seconds < 10 else f"{seconds:9.2f} s "
+
+
+def _line(name: str, measured: str, roof: dict | None, fraction: float | None) -> None:
+    extra = f"   roofline {_fmt_s(roof['roofline_s'])} ({roof['bound']})  {100 * fraction:5.1f}% of roofline" \
+        if roof else ""
+    print(f"  {name:<34} {measured}{extra}", flush=True)
+
+
+def _workload(cfg: BenchConfig, name: str, vocab_size: int) -> list[bl.WorkItem]:
+    o = cfg.offline
+    if name == "fixed":
+        return bl.fixed_workload(o.num_prompts, o.input_len, o.output_len, vocab_size, o.seed)
+    return bl.mixed_workload(o.num_prompts, tuple(o.mixed_input_range), tuple(o.mixed_output_range), vocab_size,
+                             o.seed + 1)
+
+
+def _offline(cfg, engine, cost, ceilings) -> dict[str, Any]:
+    results = {}
+    for name in cfg.offline.workloads:
+        items = _workload(cfg, name, engine.vocab_size)
+        summary = bl.run_offline(engine, items, request_prefix=name).summary()
+        roof = rl.offline_roofline(cost, [len(i.prompt_token_ids) for i in items], [i.max_tokens for i in items],
+                                   cfg.engine.max_num_seqs, ceilings)
+        fraction = roof["roofline_s"] / summary["elapsed_s"]
+        results[name] = {**summary, "roofline": roof, "roofline_fraction": fraction}
+        _line(f"offline {name} ({len(items)} requests)", f"{summary['output_tok_s']:10.1f} out tok/s "
+              f"(TTFT p50 {_ms(summary['median_ttft_ms'], 0)}, TPOT p50 {_ms(summary['median_tpot_ms'], 2)})",
+              roof, fraction)
+    return results
+
+
+def _decode(cfg, model, kv_cache, graphs, cost, ceilings, notes: list[str]) -> list[dict[str, Any]]:
+    rows = []
+    for context in cfg.decode.contexts:
+        for batch in cfg.decode.batches:
+            r = bl.time_decode_step(model, kv_cache, cfg.engine.block_size, batch, context, cfg.decode.warmup,
+                                    cfg.decode.iters, seed=batch * 7919 + context, graphs=graphs)
+            roof = rl.roofline(*rl.decode_step_cost(cost, batch, context), ceilings)
+            fraction = roof["roofline_s"] / r["step_s"]
+            rows.append({"batch": batch, "context": context, **r, "tok_s": batch / r["step_s"],
+                         "roofline": roof, "roofline_fraction": fraction})
+            tag = "  [KV aliased]" if r["kv_aliased"] else ""
+            eager = f" (eager {_fmt_s(r['eager_step_s']).strip()})" if r["path"] != "eager" else ""
+            _line(f"decode B={batch} ctx={context}{tag}", f"{_fmt_s(r['step_s'])}/step [{r['path']}]{eager}",
+                  roof, fraction)
+            if "graph_error" in r:
+                notes.append(f"decode B={batch} ctx={context}: CUDA graph replay failed ({r['graph_error']}); "
+                             "eager time reported")
+            if r["kv_aliased"]:
+                notes.append(f"decode B={batch} ctx={context}: {batch * context} KV tokens exceed the cache "
+                             f"({r['num_blocks']} blocks of {cfg.engine.block_size}); block tables wrap around "
+                             "onto the available blocks (same bytes read, shared physical blocks)")
+    return rows
+
+
+def _prefill(cfg, model, kv_cache, cost, ceilings, notes: list[str]) -> list[dict[str, Any]]:
+    rows = []
+    chunk = cfg.engine.max_num_batched_tokens
+    for n in cfg.prefill.lengths:
+        r = bl.time_prefill(model, kv_cache, cfg.engine.block_size, n, chunk, cfg.prefill.warmup,
+                            cfg.prefill.iters, seed=n)
+        roof = rl.roofline(*rl.prefill_cost(cost, n), ceilings)
+        fraction = roof["roofline_s"] / r["prefill_s"]
+        rows.append({"num_tokens": n, "chunk_size": chunk, **r, "tok_s": n / r["prefill_s"], "roofline": roof,
+                     "roofline_fraction": fraction})
+        _line(f"prefill {n} tokens ({r['num_chunks']} chunks)", f"{n / r['prefill_s']:10.1f} tok/s", roof, fraction)
+        if n > model.config.max_position_embeddings:
+            notes.append(f"prefill {n}: longer than max_position_embeddings "
+                         f"({model.config.max_position_embeddings}); timed all the same")
+        if r["kv_aliased"]:
+            notes.append(f"prefill {n}: more KV blocks than the cache holds; block ids wrap around")
+    return rows
+
+
+def _hf(cfg, model, cost, ceilings, offline: dict) -> dict[str, Any]:
+    results = {}
+    try:
+        hf = bl.hf_twin(model)
+    except Exception as e:  # another architecture without a mapping: the rest of the run still counts
+        print(f"  hf: skipped ({e!r})", flush=True)
+        return {"error": repr(e)}
+    for name in cfg.hf.workloads:
+        items = _workload(cfg, name, model.config.vocab_size)[: cfg.hf.num_prompts]
+        r = bl.hf_generate_throughput(hf, items, cfg.hf.batch_size)
+        roof = rl.offline_roofline(cost, [len(i.prompt_token_ids) for i in items], [i.max_tokens for i in items],
+                                   cfg.hf.batch_size, ceilings)
+        fraction = roof["roofline_s"] / r["elapsed_s"]
+        ours = offline.get(name, {}).get("output_tok_s")
+        results[name] = {**r, "roofline": roof, "roofline_fraction": fraction,
+                         "engine_over_hf": ours / r["output_tok_s"] if ours else None}
+        vs = f"; engine {ours / r['output_tok_s']:.2f}x" if ours else ""
+        _line(f"hf {name} ({len(items)} req, batch {cfg.hf.batch_size})",
+              f"{r['output_tok_s']:10.1f} out tok/s{vs}", roof, fraction)
+    del hf
+    return results
+
+
+def run(cfg: BenchConfig) -> dict[str, Any]:
+    """Run the configured sections, print each against its roofline, and write the result JSON.
+
+    A section that fails records ``{"error": ...}`` and the run goes on; the JSON is rewritten after each
+    section, so a run cut short keeps what it measured.
+
+    Returns:
+        the result dict (also written to ``cfg.out_dir``; its path under ``"path"``).
+    Raises:
+        ValueError: for a bad config, an unknown model or architecture, or a model too large for CPU.
+    """
+    from rayinfer.engine.llm_engine import resolve_device
+
+    on_cpu = resolve_device(cfg.engine.device).type == "cpu"
+    try:
+        with bl.torch_threads(cfg.cpu_threads if on_cpu else None):
+            return _run(cfg)
+    finally:
+        bl.release_device_memory()  # the next scenario of a multirun sizes its KV cache from free memory
+
+
+def _run(cfg: BenchConfig) -> dict[str, Any]:
+    from rayinfer.engine.llm_engine import LLMEngine, resolve_device
+    from rayinfer.model.loader import load_config, parse_dtype
+
+    t_start = time.perf_counter()
+    device = resolve_device(cfg.engine.device)
+    dtype = parse_dtype(cfg.model.dtype, device)
+    cost = rl.cost_model_for(load_config(cfg.model.model), dtype.itemsize)
+    weight_bytes = getattr(cost, "num_params", 0) * dtype.itemsize
+    if device.type == "cpu" and weight_bytes > _MAX_CPU_WEIGHT_BYTES:
+        raise ValueError(f"model {cfg.model.model!r} has {weight_bytes / 2**30:.1f} GiB of weights; on CPU use "
+                         "scenario=tiny (or engine.device=cuda on a GPU machine)")
+    result: dict[str, Any] = {"scenario": cfg.scenario, "description": cfg.scenario_description,
+                              **bl.run_metadata(device, cfg.git_rev), "dtype": str(dtype).removeprefix("torch."),
+                              "config": OmegaConf.to_container(OmegaConf.structured(cfg)),
+                              "num_params": getattr(cost, "num_params", None), "notes": []}
+    print(f"bench {cfg.scenario}: {cfg.model.model} ({result['dtype']}) on {result['device']}, "
+          f"git {result['git_rev']}{'+dirty' if result['git_dirty'] else ''}", flush=True)
+    cuda = device.type == "cuda"
+    path = result["path"] = str(result_path(Path(cfg.out_dir), cfg.scenario, result["device"]))
+    seconds = result["section_seconds"] = {}
+
+    def timed(name: str, fn) -> None:
+        """Run one section; a failure is recorded (and printed) and the run goes on; save after each."""
+        t0 = time.perf_counter()
+        try:
+            result[name] = fn()
+        except Exception as e:  # one broken section (an OOM, a kernel error) must not lose the others
+            traceback.print_exc()
+            result[name] = {"error": repr(e)}
+            bl.release_device_memory()
+        seconds[name] = time.perf_counter() - t0
+        result["seconds"] = time.perf_counter() - t_start
+        Path(path).write_text(json.dumps(result, indent=1, default=str) + "\n")
+
+    c = cfg.ceilings
+    timed("ceilings", lambda: rl.measure_ceilings(device, dtype, (c.copy_mib or (2048 if cuda else 64)) << 20,
+                                                  c.gemm_n or (8192 if cuda else 512), c.iters))
+    ceilings = result["ceilings"]
+    if "error" in ceilings:
+        raise RuntimeError(f"could not measure the ceilings: {ceilings['error']}")
+    print(f"  ceilings: {ceilings['bandwidth_Bps'] / 1e9:.1f} GB/s copy, {ceilings['matmul_flops'] / 1e12:.2f} "
+          f"TFLOP/s matmul ({ceilings['dtype']})", flush=True)
+    t0 = time.perf_counter()
+    engine = LLMEngine(cfg.model, cfg.engine)
+    bl.warm_up(engine, cfg.engine.block_size)
+    result["num_kv_blocks"] = engine.scheduler.config.num_blocks
+    seconds["load"] = time.perf_counter() - t0
+    if "offline" in cfg.sections:
+        timed("offline", lambda: _offline(cfg, engine, cost, ceilings))
+    graphs = getattr(engine.runner, "graphs", None)  # decode CUDA graphs, when the engine captured them
+    if "decode" in cfg.sections:
+        timed("decode", lambda: _decode(cfg, engine.model, engine.kv_cache, graphs, cost, ceilings,
+                                        result["notes"]))
+    if "prefill" in cfg.sections:
+        timed("prefill", lambda: _prefill(cfg, engine.model, engine.kv_cache, cost, ceilings, result["notes"]))
+    model = engine.model
+    del engine, graphs  # the HF run needs the KV cache's memory
+    bl.release_device_memory()
+    offline = result.get("offline", {})
+    if "hf" in cfg.sections:
+        timed("hf", lambda: _hf(cfg, model, cost, ceilings, offline if "error" not in offline else {}))
+    print(f"wrote {path} ({result['seconds']:.1f} s: " + ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items())
+          + ")", flush=True)
+    for note in result["notes"]:
+        print(f"  note: {note}")
+    return result
+
+
+def result_path(out_dir: Path, scenario: str, device: str) -> Path:
+    """A new file ``<out_dir>/bench-<scenario>-<device>-<YYYYmmdd-HHMMSS>.json`` (created empty)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", device).strip("-").lower() or "cpu"
+    stem = f"bench-{scenario}-{slug}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path, n = out_dir / f"{stem}.json", 1
+    while path.exists():
+        path, n = out_dir / f"{stem}-{n}.json", n + 1
+    path.touch()
+    return path
+
+
+def register_configs() -> None:
+    """Store the schema (``bench_schema``); scenarios were stored when benchlib registered them."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="bench_schema", node=BenchConfig)
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="bench")
+def main(dcfg: DictConfig) -> None:
+    try:
+        run(OmegaConf.to_object(dcfg))
+    except ValueError as e:  # bad config or model: clear message, non-zero exit, no result written
+        print(f"error: {e}", file=sys.stderr)
+        if HydraConfig.get().mode != RunMode.MULTIRUN:  # in a multirun, the next scenario still runs
+            sys.exit(2)
+
+
+if __name__ == "__main__":
+    register_configs()
+    main()

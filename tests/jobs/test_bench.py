@@ -1,0 +1,259 @@
+"""The benchmark: roofline arithmetic by hand, workloads, per-request timing, the HF twin, the tiny scenario."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from rayinfer.jobs import benchlib as bl
+from rayinfer.jobs import roofline as rl
+from rayinfer.model.shapes import shape_config
+
+ROOT = Path(__file__).resolve().parents[2]
+CEIL = {"bandwidth_Bps": 1e9, "matmul_flops": 1e12}
+
+
+@pytest.fixture(scope="module")
+def tiny_cost():
+    # llama-tiny: V=49152, H=64, I=128, L=2, 4 query / 2 KV heads of 16, tied embeddings; float32
+    return rl.cost_model_for(shape_config("llama-tiny"), 4)
+
+
+def test_dense_cost_of_llama_tiny_by_hand(tiny_cost):
+    c = tiny_cost
+    # per layer: q 64*64 + k, v 2*64*32 + o 64*64 + gate, up, down 3*64*128 = 36864 (+ 2 norms of 64)
+    assert c.layer_matmul_params == 4096 + 4096 + 4096 + 24576 == 36864
+    assert c.num_params == 49152 * 64 + 2 * (36864 + 128) + 64 == 3219776
+    assert c.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4 == 512  # layers * (k, v) * heads * dim * bytes
+    # weights once (layers, final norm, tied LM head) + 3 embedding rows, 4 bytes each
+    assert c.weight_bytes_read(3) == (73984 + 64 + 3145728 + 3 * 64) * 4 == 12879872
+
+    num_bytes, flops = rl.decode_step_cost(c, batch=3, context=100)
+    assert num_bytes == 12879872 + 300 * 512
+    # matmuls 2*L*36864*B + attention 4*L*heads*dim*(B*C) + LM head 2*H*V*B
+    assert flops == 2 * 2 * 36864 * 3 + 4 * 2 * 4 * 16 * 300 + 2 * 64 * 49152 * 3 == 19470336
+    num_bytes, flops = rl.prefill_cost(c, 10)  # causal: 10*11/2 = 55 (query, key) pairs, one logits row
+    assert flops == 2 * 2 * 36864 * 10 + 4 * 2 * 4 * 16 * 55 + 2 * 64 * 49152 == 7794176
+    assert num_bytes == (73984 + 64 + 3145728 + 640) * 4 + 10 * 512
+
+    r = rl.roofline(13033472, 19470336, CEIL)
+    assert r["memory_s"] == pytest.approx(13033472 / 1e9) and r["compute_s"] == pytest.approx(19470336 / 1e12)
+    assert r["bound"] == "memory" and r["roofline_s"] == r["memory_s"]
+
+
+def test_offline_roofline_by_hand(tiny_cost):
+    # one request, 3 prompt + 3 output tokens, one at a time: 5 tokens computed (15 causal pairs, 3 logits
+    # rows); 2 decode steps with contexts 4 and 5, each reading the weights once
+    r = rl.offline_roofline(tiny_cost, [3], [3], max_num_seqs=1, ceilings=CEIL)
+    assert r["flops"] == 2 * 2 * 36864 * 5 + 4 * 2 * 4 * 16 * 15 + 2 * 64 * 49152 * 3 == 19619328
+    assert r["num_decode_steps"] == 2
+    assert r["bytes"] == 2 * tiny_cost.weight_bytes_read(1) + (4 + 5) * 512 == 2 * 12879360 + 4608
+    assert r["output_tok_s"] == pytest.approx(3 / r["roofline_s"])
+    # batching 4 requests: still 2 steps of weights, 4x the KV
+    r4 = rl.offline_roofline(tiny_cost, [3] * 4, [3] * 4, max_num_seqs=4, ceilings=CEIL)
+    assert r4["num_decode_steps"] == 2 and r4["bytes"] == 2 * tiny_cost.weight_bytes_read(4) + 4 * 9 * 512
+    # room for 8 at a time, but each request still decodes its tokens one step after another
+    r2 = rl.offline_roofline(tiny_cost, [3, 3], [3, 3], max_num_seqs=8, ceilings=CEIL)
+    assert r2["num_decode_steps"] == 2 and r2["bytes"] == 2 * tiny_cost.weight_bytes_read(2) + 2 * 9 * 512
+    # 5 requests of 2 decode tokens, 2 at a time: 10 tokens need 5 steps of 2
+    assert rl.offline_roofline(tiny_cost, [3] * 5, [3] * 5, max_num_seqs=2, ceilings=CEIL)["num_decode_steps"] == 5
+
+
+def test_llama_3_8b_parameter_count():
+    c = rl.cost_model_for(shape_config("llama-3-8b"), 2)
+    assert c.num_params == 8_030_261_248  # Meta's published count
+    assert c.kv_bytes_per_token == 32 * 2 * 8 * 128 * 2  # 128 KiB per token in bf16
+
+
+def test_cost_model_matches_the_built_model(tiny_cost):
+    from rayinfer.model.loader import load_model
+
+    model = load_model("llama-tiny", "float32", "cpu", "dummy")
+    assert sum(p.numel() for p in model.parameters()) == tiny_cost.num_params
+
+
+def test_unknown_architecture_is_named():
+    cfg = shape_config("llama-tiny")
+    cfg.architectures = ["NopeForCausalLM"]
+    with pytest.raises(ValueError, match="NopeForCausalLM"):
+        rl.cost_model_for(cfg, 2)
+
+
+def test_workloads_are_seeded_and_in_range():
+    a = bl.fixed_workload(3, 5, 7, vocab_size=50, seed=1)
+    assert a == bl.fixed_workload(3, 5, 7, vocab_size=50, seed=1) != bl.fixed_workload(3, 5, 7, 50, seed=2)
+    assert all(len(i.prompt_token_ids) == 5 and i.max_tokens == 7 for i in a)
+    m = bl.mixed_workload(50, (2, 9), (1, 4), vocab_size=50, seed=0)
+    assert {len(i.prompt_token_ids) for i in m} <= set(range(2, 10)) and {i.max_tokens for i in m} <= {1, 2, 3, 4}
+    assert len({len(i.prompt_token_ids) for i in m}) > 3
+    assert all(0 <= t < 50 for i in m for t in i.prompt_token_ids)
+
+
+def test_decode_block_tables_alias_when_the_cache_is_short():
+    tables, aliased = bl.decode_block_tables(batch=2, context=33, block_size=16, num_blocks=10)
+    assert tables == [[0, 1, 2], [3, 4, 5]] and not aliased
+    tables, aliased = bl.decode_block_tables(batch=3, context=48, block_size=16, num_blocks=7)
+    assert tables == [[0, 1, 2], [3, 4, 5], [6, 0, 1]] and aliased
+
+
+def test_percentile():
+    assert bl.percentile([], 50) is None
+    assert bl.percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert bl.percentile([0.0, 10.0], 90) == pytest.approx(9.0)
+
+
+class _FakeEngine:
+    """One token per live request per step; the clock advances one second per step."""
+
+    def __init__(self, clock):
+        self.clock, self.live = clock, {}
+
+    def add_request(self, rid, prompt, params):
+        self.live[rid] = params.max_tokens
+
+    def has_unfinished_requests(self):
+        return bool(self.live)
+
+    def step(self):
+        from rayinfer.engine.types import RequestOutput
+
+        self.clock[0] += 1.0
+        outs = []
+        for rid in list(self.live)[:2]:  # at most two running requests, in arrival order
+            self.live[rid] -= 1
+            outs.append(RequestOutput(rid, new_token_ids=[1], finished=self.live[rid] == 0))
+            if not self.live[rid]:
+                del self.live[rid]
+        return outs
+
+    def stats(self):
+        return {"num_preemptions": 0}
+
+
+def test_run_offline_times_each_request_from_the_step_loop(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(bl.time, "perf_counter", lambda: clock[0])
+    items = [bl.WorkItem([1, 2], 3), bl.WorkItem([1], 2), bl.WorkItem([5, 6, 7], 2)]
+    run = bl.run_offline(_FakeEngine(clock), items)
+    # steps 1-2: requests 0 and 1; step 3: 0 (last) and 2; step 4: 2 (last)
+    t = run.timings
+    assert [(x.ttft_s, x.latency_s, x.num_output_tokens) for x in t] == [(1, 3, 3), (1, 2, 2), (3, 4, 2)]
+    assert [x.tpot_s for x in t] == [1.0, 1.0, 1.0]
+    s = run.summary()
+    assert s["num_output_tokens"] == 7 and s["num_prompt_tokens"] == 6 and run.num_steps == 4
+    assert s["elapsed_s"] == 4 and s["output_tok_s"] == 7 / 4 and s["median_ttft_ms"] == 1000.0
+    merged = bl.OfflineRun.merge([run, bl.OfflineRun(t[:1], 9.0, 2, {"num_preemptions": 1})])
+    assert merged.elapsed_s == 9.0 and len(merged.timings) == 4 and merged.stats["num_preemptions"] == 1
+
+
+def test_hf_twin_shares_weights_and_matches_logits():
+    from rayinfer.kernels.attention_metadata import AttentionMetadata
+    from rayinfer.model.loader import load_model
+
+    model = load_model("llama-tiny", "float32", "cpu", "dummy", seed=3)
+    hf = bl.hf_twin(model)
+    ours = dict(model.named_parameters())
+    assert hf.model.layers[1].mlp.down_proj.weight.data_ptr() == ours["model.layers.1.mlp.down_proj.weight"].data_ptr()
+    assert hf.model.embed_tokens.weight.data_ptr() == ours["model.embed_tokens.weight"].data_ptr()
+    ids = torch.randint(0, model.config.vocab_size, (12,), generator=torch.Generator().manual_seed(0))
+    kv = torch.zeros(model.kv_cache_shape(2, 16))
+    with torch.inference_mode():
+        ours = model.compute_logits(model(ids, torch.arange(12), kv, AttentionMetadata.build([12], [12], [[0]], 16)))
+        theirs = hf(input_ids=ids[None]).logits[0].float()
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    r = bl.hf_generate_throughput(hf, [bl.WorkItem([3, 4, 5], 3), bl.WorkItem([6], 2)], batch_size=2)
+    assert r["num_output_tokens"] == 5 and r["num_generated_tokens"] == 6 and r["output_tok_s"] > 0
+
+
+def test_tiny_scenario_end_to_end(tmp_path):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from rayinfer.jobs import bench
+
+    bench.register_configs()
+    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
+        dcfg = compose("bench", overrides=["scenario=tiny", f"out_dir={tmp_path}", "offline.num_prompts=3",
+                                           "git_rev=abc1234"])
+    cfg = OmegaConf.to_object(dcfg)
+    assert cfg.model.model == "llama-tiny" and cfg.engine.device == "cpu" and cfg.offline.num_prompts == 3
+
+    result = bench.run(cfg)
+    files = list(tmp_path.glob("bench-tiny-*.json"))
+    assert len(files) == 1 and str(files[0]) == result["path"]
+    saved = json.loads(files[0].read_text())
+    for key in ("scenario", "command", "device", "torch", "git_rev", "git_dirty", "ceilings", "offline", "decode",
+                "prefill", "hf", "config", "notes"):
+        assert key in saved, key
+    assert saved["scenario"] == "tiny" and saved["git_rev"] == "abc1234"
+    assert set(saved["section_seconds"]) == {"ceilings", "load", "offline", "decode", "prefill", "hf"}
+    assert saved["ceilings"]["bandwidth_Bps"] > 0 and saved["ceilings"]["matmul_flops"] > 0
+    fixed, mixed = saved["offline"]["fixed"], saved["offline"]["mixed"]
+    assert fixed["num_output_tokens"] == 3 * 6 and fixed["num_requests"] == 3
+    assert 0 < fixed["roofline_fraction"] and fixed["median_tpot_ms"] > 0 and mixed["num_requests"] == 3
+    assert [(d["batch"], d["context"]) for d in saved["decode"]] == [(1, 32), (4, 32), (1, 160), (4, 160)]
+    assert [d["kv_aliased"] for d in saved["decode"]] == [False, False, False, True]  # 4 * 10 blocks > 32
+    assert any("wrap around" in n for n in saved["notes"])
+    assert all(d["roofline"]["roofline_s"] > 0 and d["step_s"] > 0 for d in saved["decode"])
+    assert [(p["num_tokens"], p["num_chunks"]) for p in saved["prefill"]] == [(48, 1), (160, 3)]
+    assert saved["hf"]["fixed"]["num_output_tokens"] == 3 * 6 and saved["hf"]["mixed"]["output_tok_s"] > 0
+    assert saved["hf"]["fixed"]["engine_over_hf"] > 0
+
+
+def test_large_model_on_cpu_is_refused(tmp_path):
+    from rayinfer.engine.config import EngineConfig, ModelConfig
+    from rayinfer.jobs import bench
+
+    cfg = bench.BenchConfig(model=ModelConfig(model="llama-3-8b", dtype="bfloat16", load_format="dummy"),
+                            engine=EngineConfig(device="cpu"), out_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="scenario=tiny"):
+        bench.run(cfg)
+    with pytest.raises(ValueError, match="sections"):
+        bench.BenchConfig(sections=["offline", "decoder"])
+
+
+def test_a_failing_section_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
+    from rayinfer.engine.config import EngineConfig, ModelConfig
+    from rayinfer.jobs import bench
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel fell over")
+
+    monkeypatch.setattr(bl, "time_prefill", broken)
+    cfg = bench.BenchConfig(
+        scenario="broken", model=ModelConfig(model="llama-tiny", dtype="float32", load_format="dummy"),
+        engine=EngineConfig(device="cpu", num_kv_blocks=16), sections=["prefill", "decode"], out_dir=str(tmp_path),
+        decode=bench.DecodeSpec(batches=[2], contexts=[20], warmup=0, iters=1), cpu_threads=1,
+        ceilings=bench.CeilingSpec(copy_mib=1, gemm_n=32, iters=1))
+    result = bench.run(cfg)
+    saved = json.loads(Path(result["path"]).read_text())
+    assert "kernel fell over" in saved["prefill"]["error"]
+    assert saved["decode"][0]["step_s"] > 0 and "offline" not in saved and "hf" not in saved
+
+
+def test_decode_timing_takes_the_graph_path_when_there_is_one():
+    from rayinfer.kernels.attention_metadata import AttentionMetadata
+    from rayinfer.model.loader import load_model
+
+    model = load_model("llama-tiny", "float32", "cpu", "dummy")
+    kv = torch.zeros(model.kv_cache_shape(8, 16))
+
+    class FakeGraphs:  # engine/cuda_graph.py DecodeGraphs' interface, replayed eagerly
+        max_model_len, calls = 64, 0
+
+        def padded_size(self, n):
+            return 4 if n <= 4 else None
+
+        def run(self, ids, pos, slot_mapping, seq_lens, block_tables):
+            FakeGraphs.calls += 1
+            n = ids.shape[0]
+            meta = AttentionMetadata(torch.arange(n + 1, dtype=torch.int32), seq_lens, block_tables, slot_mapping,
+                                     16, [1] * n, seq_lens.tolist())
+            return model(ids, pos, kv, meta)
+
+    r = bl.time_decode_step(model, kv, 16, batch=2, context=40, warmup=0, iters=2, graphs=FakeGraphs())
+    assert r["path"] == "cuda_graph" and r["step_s"] == r["graph_step_s"] > 0 and FakeGraphs.calls == 2
+    assert r["eager_step_s"] > 0 and not r["kv_aliased"]
+    r = bl.time_decode_step(model, kv, 16, batch=8, context=40, warmup=0, iters=1, graphs=FakeGraphs())
+    assert r["path"] == "eager" and r["graph_step_s"] is None and r["kv_aliased"]  # 8 * 3 blocks > 8
