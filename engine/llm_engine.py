@@ -173,7 +173,8 @@ class LLMEngine:
         if n > handle.num_tokens // bs or hash_block_chain(token_ids[: n * bs], bs) != list(handle.block_hashes):
             raise ValueError("KV handle's block hashes do not match the request's tokens")
         if handle.layout != kv_layout_tag(self.kv_cache):
-            raise ValueError(f"KV layout {handle.layout!r} does not match this engine's {kv_layout_tag(self.kv_cache)!r}")
+            raise ValueError(f"KV layout {handle.layout!r} does not match this engine's "
+                             f"{kv_layout_tag(self.kv_cache)!r}")
         shape = (self.kv_cache.shape[0], -(-handle.num_tokens // bs), *self.kv_cache.shape[2:])
         if handle.payload is not None and tuple(handle.payload.shape) != shape:
             raise ValueError(f"KV payload has shape {tuple(handle.payload.shape)}, expected {shape}")

@@ -122,6 +122,9 @@ class Scheduler:
             if not cfg.enable_chunked_prefill and num_new < req.num_tokens - req.num_computed_tokens:
                 i += 1
                 continue
+            if cfg.role == EngineRole.PREFILL and req.num_pending_tokens:
+                i += 1  # its in-flight token ends the prefill (async scheduling): never decode here
+                continue
             while self.kv.allocate_slots(req, num_new) is None:
                 victim = self.running.pop()
                 self._preempt(victim)

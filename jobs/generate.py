@@ -2,6 +2,7 @@
 
     python jobs/generate.py                                  # built-in prompts, printed
     python jobs/generate.py input=prompts.jsonl output=out.jsonl model.dtype=float32
+    python jobs/generate.py parallel=1p1d                    # prefill/decode disaggregation (conf/parallel/)
     ray job submit --working-dir . -- python jobs/generate.py input=prompts.jsonl
 
 Input lines: ``{"id"?, "messages": [...]}`` (chat, rendered with the model's chat template) or
@@ -39,15 +40,52 @@ BUILTIN_PROMPTS = [
 
 @dataclass
 class ParallelSpec:
-    """Replicas of the batch job (data parallel NORMAL replicas)."""
+    """Replicas of the batch job: ``dp`` NORMAL replicas (topology "colocated"), or prefill and decode
+    replicas with a KV store between them (topology "pd"; see actors/pd.py and conf/parallel/)."""
 
     dp: int = 1
     num_cpus_per_replica: int | None = None  # None: the machine's CPUs split evenly
     num_gpus_per_replica: float = 0.0
+    topology: str = "colocated"  # "colocated" | "pd"
+    num_prefill: int = 1  # pd only
+    num_decode: int = 1  # pd only
+    kv_transport: str = "auto"  # pd only: auto | object_store | nccl | gloo
+    kv_store_max_gib: float | None = 2.0  # pd only
+    kv_store_ttl_s: float | None = None  # pd only
+    max_restarts: int = 3  # pd only: Ray restarts of each engine actor
 
     def __post_init__(self):
         if self.dp <= 0:
             raise ValueError(f"parallel.dp must be positive, got {self.dp}")
+        if self.topology not in ("colocated", "pd"):
+            raise ValueError(f"parallel.topology must be colocated or pd, got {self.topology!r}")
+
+    @property
+    def num_replicas(self) -> int:
+        return self.num_prefill + self.num_decode if self.topology == "pd" else self.dp
+
+
+def make_client(cfg: "GenerateConfig"):
+    """The job's client: EngineClient over ``dp`` NORMAL replicas, or PDClient for topology "pd".
+
+    Raises:
+        ValueError: for a bad parallel config.
+    """
+    import ray
+
+    p = cfg.parallel
+    num_cpus = p.num_cpus_per_replica or max(1, int(ray.available_resources().get("CPU", 1)) // p.num_replicas)
+    if p.topology == "pd":
+        from rayinfer.actors.pd import PDClient, PDConfig
+
+        return PDClient(cfg.model, cfg.engine, PDConfig(
+            num_prefill=p.num_prefill, num_decode=p.num_decode, kv_transport=p.kv_transport,
+            kv_store_max_gib=p.kv_store_max_gib, kv_store_ttl_s=p.kv_store_ttl_s, max_restarts=p.max_restarts,
+            num_cpus_per_replica=num_cpus, num_gpus_per_replica=p.num_gpus_per_replica))
+    from rayinfer.actors.client import EngineClient
+
+    return EngineClient(cfg.model, cfg.engine, num_replicas=p.dp, num_cpus_per_replica=num_cpus,
+                        num_gpus_per_replica=p.num_gpus_per_replica)
 
 
 @dataclass
@@ -151,11 +189,11 @@ def _read_done(*paths: Path) -> dict[str, dict]:
 
 def run(cfg: GenerateConfig) -> int:
     """Run the job; returns the process exit code (0 even when some lines failed)."""
+    import asyncio
+
     import ray
     from tqdm import tqdm
 
-    from rayinfer.actors.engine_actor import EngineActor
-    from rayinfer.actors.router import ReplicaLoadBalancer
     from rayinfer.model.loader import load_tokenizer, resolve_model
 
     resolve_model(cfg.model.model)  # unknown model: ValueError before any work; converts once
@@ -177,36 +215,33 @@ def run(cfg: GenerateConfig) -> int:
         if not ray.is_initialized():
             ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=True,
                      logging_level=logging.WARNING)
-        num_cpus = cfg.parallel.num_cpus_per_replica or max(1, int(ray.available_resources().get("CPU", 1))
-                                                             // cfg.parallel.dp)
-        replicas = [EngineActor.options(num_cpus=num_cpus, num_gpus=cfg.parallel.num_gpus_per_replica)
-                    .remote(cfg.model, cfg.engine, i) for i in range(cfg.parallel.dp)]
-        ray.get([r.ready.remote() for r in replicas])
-        balancer = ReplicaLoadBalancer(len(replicas), cfg.engine.block_size)
-        pending = {}
-        for j in todo:
-            r = balancer.pick(j.prompt_token_ids)
-            pending[replicas[r].complete.remote(j.id, j.prompt_token_ids, j.params)] = (j, r)
+        client = make_client(cfg)  # EngineClient or PDClient, by parallel.topology
         partial.parent.mkdir(parents=True, exist_ok=True)
         start, num_out = time.perf_counter(), 0
-        with partial.open("a") as sink, tqdm(total=len(todo), desc="generate", unit="req") as bar:
-            refs = list(pending)
-            while refs:
-                ready, refs = ray.wait(refs, num_returns=1)
-                for ref in ready:
-                    job, r = pending.pop(ref)
-                    balancer.done(r)
-                    rec = output_record(job, ray.get(ref))
-                    num_out += len(rec["output_token_ids"])
-                    sink.write(json.dumps(rec) + "\n")
-                    sink.flush()
-                    done[job.id] = rec
-                    bar.update(1)
+
+        async def one(job: LineJob):
+            return job, await client.complete(job.prompt_token_ids, job.params, request_id=job.id)
+
+        async def drive(sink, bar) -> int:
+            num_out = 0
+            for next_done in asyncio.as_completed([one(j) for j in todo]):
+                job, completion = await next_done
+                rec = output_record(job, completion)
+                num_out += len(rec["output_token_ids"])
+                sink.write(json.dumps(rec) + "\n")
+                sink.flush()
+                done[job.id] = rec
+                bar.update(1)
+            return num_out
+
+        try:
+            with partial.open("a") as sink, tqdm(total=len(todo), desc="generate", unit="req") as bar:
+                num_out = asyncio.run(drive(sink, bar))
+        finally:
+            client.shutdown()
         elapsed = time.perf_counter() - start
         print(f"generated {num_out} tokens for {len(todo)} requests in {elapsed:.1f} s "
               f"({num_out / max(elapsed, 1e-9):.1f} output tokens/s)")
-        for r in replicas:
-            ray.kill(r)
 
     records = [results.get(j.id) or done.get(j.id) or output_record(j) for j in jobs]
     tmp = out_path.with_name(out_path.name + ".tmp")

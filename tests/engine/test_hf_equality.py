@@ -29,6 +29,8 @@ def build_prompts(tok):
     raws = ["The quick brown fox", "def fibonacci(n):\n   ", "Paris is"]
     long_text = " ".join(f"Item {i}: the weather on day {i} was {'sunny' if i % 3 else 'rainy'}." for i in range(120))
     prompts = [render_chat(tok, c) for c in chats] + [encode_plain(tok, r) for r in raws]
+    # exactly two blocks long: its first decoded token needs a new block (forces preemption below)
+    prompts.append(encode_plain(tok, "Once upon a time, in a small village by the sea, " * 4)[:32])
     prompts.append(render_chat(tok, [{"role": "user", "content": long_text + "\nSummarize the weather."}]))
     assert len(prompts[-1]) > 1000
     return prompts

@@ -88,3 +88,13 @@ def test_local_prefix_cache_wins_over_an_equal_stored_prefix():
     s.add_request(Request("b", prompt, SamplingParams(max_tokens=4), kv_handle=stored))
     out = s.schedule()
     assert out.kv_imports == () and out.scheduled[0].start_pos == 8
+
+
+def test_prefill_role_never_schedules_past_its_in_flight_first_token():
+    s = make_sched(role=EngineRole.PREFILL)
+    s.add_request(Request("a", list(range(100, 106)), SamplingParams(max_tokens=4)))
+    first = s.schedule()  # async scheduling: the next step is planned before this one's token is back
+    assert s.schedule().is_empty
+    s.update_from_output(first, StepOutput({"a": SampledToken(7)}))
+    a = s.requests["a"]
+    assert a.status == RequestStatus.FINISHED_PREFILLED and a.num_computed_tokens == 6

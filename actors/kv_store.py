@@ -1,0 +1,87 @@
+"""KVStoreActor: a KV-cache store shared by replicas, outliving any of them (thin over KVStoreIndex).
+
+Each stored full block is one object in the Ray object store, put by this actor, so this actor owns it:
+a prefill or decode replica may die and the cached blocks stay readable. If this actor itself dies and
+restarts (``max_restarts``), it comes back empty and the objects it owned are gone; callers treat that
+as a cache miss (only cached data is lost, never a request).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import ray
+import torch
+
+from rayinfer.engine.kv_store_index import KVStoreIndex
+
+logger = logging.getLogger(__name__)
+
+
+class KVStoreActorImpl:
+    """Hash-chain prefix store of KV blocks.
+
+    Args:
+        max_blocks: blocks held at most (None: no block limit).
+        max_bytes: payload bytes held at most (None: no byte limit).
+        ttl_s: blocks idle this long expire (None: never).
+    """
+
+    def __init__(self, max_blocks: int | None = None, max_bytes: int | None = None, ttl_s: float | None = None):
+        self.index = KVStoreIndex(max_blocks=max_blocks, max_bytes=max_bytes, ttl_s=ttl_s)
+        self.layout: str | None = None  # the payload layout tag of the first put; others are refused
+        self.num_put_blocks = 0
+
+    def match(self, block_hashes: list[int]) -> int:
+        """Number of leading blocks of a chain that are stored (counts toward the hit rate)."""
+        return self.index.match(block_hashes)
+
+    def get(self, block_hashes: list[int]) -> tuple[str | None, list[ray.ObjectRef]]:
+        """The leading stored blocks of a chain.
+
+        Returns:
+            (layout tag, one ObjectRef per block, each to a tensor ``[L, 1, 2, bs, H, D]`` of that layout);
+            the refs are borrowed by the caller, so a later eviction does not pull them away.
+        """
+        return self.layout, self.index.get(block_hashes)
+
+    def put(self, block_hashes: list[int], start: int, payload: torch.Tensor, layout: str) -> int:
+        """Store blocks ``start .. start + payload.shape[1]`` of a chain (write-through after a prefill).
+
+        Args:
+            block_hashes: the chain from block 0, at least ``start + payload.shape[1]`` hashes.
+            start: chain index of the payload's first block.
+            payload: ``[L, n, 2, bs, H, D]`` (the layout named by ``layout``), on CPU.
+            layout: the payload's layout tag (``engine.model_runner.kv_layout_tag``).
+        Returns:
+            blocks newly stored (blocks already stored, past the capacity, or of another layout are not).
+        """
+        if self.layout is None:
+            self.layout = layout
+        if layout != self.layout:
+            logger.warning("KV store holds layout %s; refusing a put of %s", self.layout, layout)
+            return 0
+        n = payload.shape[1]
+        skip = 0
+        while skip < n and block_hashes[start + skip] in self.index:
+            skip += 1  # no object for blocks already stored
+        if skip == n:
+            self.index.get(block_hashes[: start + n])  # still a use: refresh the chain
+            return 0
+        per_block = payload[:, :1].numel() * payload.element_size()
+        refs = [ray.put(payload[:, i : i + 1].clone()) for i in range(skip, n)]
+        result = self.index.put(block_hashes, refs, per_block, start=start + skip)
+        self.num_put_blocks += len(result.added)
+        return len(result.added)
+
+    def stats(self) -> dict:
+        """The index's gauges and counters (``kv_store_*``), plus the role for per-replica metrics."""
+        return {"replica_id": "kv_store", "role": "kv_store", "kv_store_put_blocks": self.num_put_blocks,
+                **self.index.stats()}
+
+    def clear(self) -> None:
+        """Drop every stored block."""
+        self.index.clear()
+
+
+KVStoreActor = ray.remote(KVStoreActorImpl)

@@ -1,0 +1,216 @@
+"""KV transfer bandwidth between two engine-like actors, against the machine's copy bandwidth.
+
+Usage (on a machine with 2 GPUs; the NCCL transport needs ``pip install cupy-cuda12x``)::
+
+    python jobs/bench_kv_transfer.py                       # llama3-8b shape, bf16, nccl + object_store
+    python jobs/bench_kv_transfer.py --tokens 1024 8192 32768 --transports nccl object_store --repeats 10
+    python jobs/bench_kv_transfer.py --device cpu --shape smollm2 --transports gloo object_store --tokens 256
+
+What a PD handoff does, step by step, each timed on its own (median of ``--repeats``):
+
+1. export: gather the request's blocks out of a paged cache ``[L, num_blocks, 2, bs, H, D]`` into one
+   payload ``[L, n, 2, bs, H, D]`` (``ModelRunner.export_kv`` with the payload kept on the device);
+2. transfer: the payload from a sender actor to a receiver actor (one GPU each): Ray Direct Transport
+   (``tensor_transport="nccl"``, GPU to GPU) or the object store (device -> host, plasma, host ->
+   device);
+3. import: scatter the payload into the receiver's paged cache (``ModelRunner.import_kv``).
+
+Transfer times are reported raw and minus the round trip of a one-block payload (Ray's per-call
+latency; applied only where the payload takes most of the call), as GB/s, and against the ceilings
+measured in the same run: device-to-device copy on one GPU (bytes read + written), GPU-to-GPU peer
+copy (when one process sees two GPUs), and pinned device-to-host / host-to-device copies on the
+sender's GPU. Results go to ``--out`` as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import ray
+import torch
+
+SHAPES = {  # layers, kv heads, head dim
+    "llama3-8b": (32, 8, 128),
+    "llama3-70b": (80, 8, 128),
+    "smollm2": (30, 3, 64),
+}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_s(fn, device: torch.device, repeats: int) -> float:
+    fn()  # warm up
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+class _Side:
+    """One end of the transfer: a paged KV cache on one device, with export and import as the engine does."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: str, block_size: int, num_blocks: int, device: str):
+        self.device = torch.device("cuda:0" if device == "cuda" else "cpu")
+        layers, heads, dim = shape
+        self.cache = torch.randn(layers, num_blocks, 2, block_size, heads, dim, device=self.device).to(DTYPES[dtype])
+        self.payloads: dict[int, torch.Tensor] = {}
+
+    def export(self, num_blocks: int, repeats: int) -> float:
+        """Gather ``num_blocks`` scattered blocks into a payload (kept for ``send``); returns median seconds."""
+        idx = torch.randperm(self.cache.shape[1], device=self.device)[:num_blocks]
+        t = _median_s(lambda: self.cache[:, idx].contiguous(), self.device, repeats)
+        self.payloads[num_blocks] = self.cache[:, idx].contiguous()
+        return t
+
+    def send(self, num_blocks: int) -> torch.Tensor:
+        return self.payloads[num_blocks]
+
+    def send_to_host(self, num_blocks: int) -> torch.Tensor:
+        return self.payloads[num_blocks].to("cpu")  # what export_kv does for the object store
+
+    def receive(self, payload: torch.Tensor) -> tuple[int, float]:
+        """Import a payload into scattered blocks; returns (bytes, seconds spent moving it to the device)."""
+        t = time.perf_counter()
+        payload = payload.to(self.device, non_blocking=False)
+        _sync(self.device)
+        idx = torch.randperm(self.cache.shape[1], device=self.device)[: payload.shape[1]]
+        self.cache[:, idx] = payload
+        _sync(self.device)
+        return payload.numel() * payload.element_size(), time.perf_counter() - t
+
+    def import_time(self, num_blocks: int, repeats: int) -> float:
+        payload = self.payloads[num_blocks]
+        idx = torch.randperm(self.cache.shape[1], device=self.device)[:num_blocks]
+
+        def scatter():
+            self.cache[:, idx] = payload
+
+        return _median_s(scatter, self.device, repeats)
+
+    def ceilings(self, nbytes: int, repeats: int) -> dict[str, float]:
+        """GB/s of the copies a transfer is bounded by, on this actor's node."""
+        n = nbytes // 2
+        src = torch.empty(n, dtype=torch.float16, device=self.device)
+        dst = torch.empty_like(src)
+        out = {"device_copy_GBps": 2 * nbytes / _median_s(lambda: dst.copy_(src), self.device, repeats) / 1e9}
+        if self.device.type == "cuda":
+            host = torch.empty(n, dtype=torch.float16, pin_memory=True)
+            out["d2h_pinned_GBps"] = nbytes / _median_s(lambda: host.copy_(src), self.device, repeats) / 1e9
+            out["h2d_pinned_GBps"] = nbytes / _median_s(lambda: src.copy_(host), self.device, repeats) / 1e9
+        return out
+
+
+def _peer_copy_GBps(nbytes: int, repeats: int) -> float | None:
+    """GPU 0 -> GPU 1 copy in one process (NVLink / PCIe peer bandwidth), or None without two GPUs."""
+    if torch.cuda.device_count() < 2:
+        return None
+    src = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda:0")
+    dst = torch.empty_like(src, device="cuda:1")
+
+    def copy():
+        dst.copy_(src)
+        torch.cuda.synchronize("cuda:1")
+
+    return nbytes / _median_s(copy, torch.device("cuda:0"), repeats) / 1e9
+
+
+def _timed_transfer(sender, receiver, num_blocks: int, transport: str, repeats: int) -> float:
+    """Median seconds from submitting the send to the payload sitting in the receiver's cache."""
+    times = []
+    for i in range(repeats + 1):
+        t = time.perf_counter()
+        if transport == "object_store":
+            ref = sender.send_to_host.remote(num_blocks)
+        else:
+            ref = sender.send.options(tensor_transport=transport).remote(num_blocks)
+        ray.get(receiver.receive.remote(ref))
+        if i:  # the first is a warm-up (communicator and buffers)
+            times.append(time.perf_counter() - t)
+        del ref
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 16384])
+    ap.add_argument("--transports", nargs="+", default=None,
+                    help="nccl, gloo, object_store (default: nccl object_store on GPU, gloo object_store on CPU)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default="benchmarks/results/kv_transfer.json")
+    args = ap.parse_args()
+    transports = args.transports or (["nccl", "object_store"] if args.device == "cuda" else ["gloo", "object_store"])
+    max_blocks = -(-max(args.tokens) // args.block_size)
+    num_gpus = 1 if args.device == "cuda" else 0
+
+    ray.init(include_dashboard=False, ignore_reinit_error=True)
+    layers, heads, dim = SHAPES[args.shape]
+    per_token = layers * 2 * heads * dim * DTYPES[args.dtype].itemsize
+    peer = None
+    if args.device == "cuda":  # before the actors take the GPUs
+        peer = ray.get(ray.remote(num_gpus=min(2, int(ray.cluster_resources().get("GPU", 1))))(
+            _peer_copy_GBps).remote(max(args.tokens) * per_token, args.repeats))
+    Side = ray.remote(num_gpus=num_gpus, num_cpus=1, enable_tensor_transport=True)(_Side)
+    sender, receiver = (Side.remote(SHAPES[args.shape], args.dtype, args.block_size, max_blocks + 64, args.device)
+                        for _ in range(2))
+    collectives = [t for t in transports if t != "object_store"]
+    if collectives:
+        from ray.experimental.collective import create_collective_group
+
+        for backend in collectives:
+            create_collective_group([sender, receiver], backend=backend)
+    ceilings = ray.get(sender.ceilings.remote(max(args.tokens) * per_token, args.repeats))
+    ceilings["peer_copy_GBps"] = peer
+    ray.get(sender.export.remote(1, 1))
+    tiny = {t: _timed_transfer(sender, receiver, 1, t, args.repeats) for t in transports}  # ~latency
+    rows = []
+    print(f"{args.shape} {args.dtype} bs={args.block_size} on {args.device}: {per_token} B of KV per token; "
+          + ", ".join(f"{k} {v:.1f}" for k, v in ceilings.items() if v is not None) + " GB/s")
+    print(f"{'tokens':>7} {'MiB':>8} {'transport':>12} {'export ms':>10} {'xfer ms':>9} {'GB/s':>7} "
+          f"{'GB/s-lat':>9} {'import ms':>10} {'vs copy':>8} {'vs peer':>8}")
+    for tokens in args.tokens:
+        n = -(-tokens // args.block_size)
+        nbytes = n * args.block_size * per_token
+        export_s = ray.get(sender.export.remote(n, args.repeats))
+        ray.get(receiver.export.remote(n, 1))  # gives the receiver a payload of this size to scatter
+        import_s = ray.get(receiver.import_time.remote(n, args.repeats))
+        for transport in transports:
+            t = _timed_transfer(sender, receiver, n, transport, args.repeats)
+            gbps = nbytes / t / 1e9
+            # latency-corrected only where the payload dominates the call (else the difference is noise)
+            gbps_net = nbytes / (t - tiny[transport]) / 1e9 if t > 2 * tiny[transport] else gbps
+            row = {"tokens": tokens, "blocks": n, "bytes": nbytes, "transport": transport, "export_s": export_s,
+                   "transfer_s": t, "latency_s": tiny[transport], "import_s": import_s, "GBps": gbps,
+                   "GBps_minus_latency": gbps_net,
+                   "vs_device_copy": gbps_net / ceilings["device_copy_GBps"],
+                   "vs_peer_copy": gbps_net / peer if peer else None}
+            rows.append(row)
+            vs_peer = f"{row['vs_peer_copy']:8.3f}" if peer else f"{'-':>8}"
+            print(f"{tokens:7d} {nbytes / 2**20:8.1f} {transport:>12} {export_s * 1e3:10.2f} {t * 1e3:9.2f} "
+                  f"{gbps:7.2f} {gbps_net:9.2f} {import_s * 1e3:10.2f} {row['vs_device_copy']:8.3f} {vs_peer}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "host": platform.node(), "ray": ray.__version__,
+                               "torch": torch.__version__, "ceilings": ceilings, "rows": rows}, indent=1))
+    print(f"wrote {out}")
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

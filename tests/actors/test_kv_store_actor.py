@@ -1,0 +1,77 @@
+"""KVStoreActor on Ray without a model: round trip, blocks outlive their writer, a restart loses only cache."""
+
+import time
+
+import pytest
+import ray
+import torch
+
+from rayinfer.actors.kv_store import KVStoreActor
+from rayinfer.engine.block_pool import hash_block_chain
+
+LAYOUT = "v1:L,N,2,bs,H,D:float32:bs=4"
+
+
+def payload(n, seed=0, head_dim=2):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, n, 2, 4, 1, head_dim, generator=g)  # [L, n, 2, bs, H, D]
+
+
+@ray.remote(num_cpus=0)
+class Writer:
+    """Stands in for a prefill replica that writes its blocks through and then dies."""
+
+    def write(self, store, hashes, start, data):
+        return ray.get(store.put.remote(hashes, start, data, LAYOUT))
+
+
+@pytest.fixture
+def store(ray_cluster):
+    s = KVStoreActor.options(num_cpus=0, max_restarts=1).remote(max_blocks=8)
+    yield s
+    ray.kill(s, no_restart=True)
+
+
+def test_round_trip_and_prefix_match(store):
+    hashes = hash_block_chain(list(range(16)), 4)
+    data = payload(3)
+    assert ray.get(store.put.remote(hashes, 0, data[:, :3], LAYOUT)) == 3
+    assert ray.get(store.put.remote(hashes, 1, data[:, 1:3], LAYOUT)) == 0  # already stored
+    assert ray.get(store.match.remote(hashes)) == 3
+    layout, refs = ray.get(store.get.remote(hashes))
+    assert layout == LAYOUT and len(refs) == 3
+    assert torch.equal(torch.cat(ray.get(refs), dim=1), data)
+    assert ray.get(store.put.remote(hashes, 3, payload(1), "v1:other")) == 0  # another layout is refused
+    stats = ray.get(store.stats.remote())
+    assert stats["kv_store_blocks"] == 3 and stats["kv_store_hit_rate"] == 3 / 4
+    assert stats["kv_store_bytes"] == 3 * data[:, :1].numel() * 4
+
+
+def test_blocks_outlive_their_writer(store):
+    hashes = hash_block_chain(list(range(8)), 4)
+    data = payload(2, seed=1)
+    writer = Writer.remote()
+    assert ray.get(writer.write.remote(store, hashes, 0, data)) == 2
+    ray.kill(writer, no_restart=True)
+    _, refs = ray.get(store.get.remote(hashes))
+    assert torch.equal(torch.cat(ray.get(refs), dim=1), data)
+
+
+def test_a_restarted_store_comes_back_empty(store):
+    hashes = hash_block_chain(list(range(8)), 4)
+    ray.get(store.put.remote(hashes, 0, payload(2, head_dim=8192), LAYOUT))  # 512 KiB blocks: in plasma
+    _, refs = ray.get(store.get.remote(hashes))
+    ray.kill(store, no_restart=False)  # asynchronous: calls may still reach the old process for a moment
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if ray.get(store.match.remote(hashes), timeout=60) == 0:
+                break  # the restarted store: only cached data is gone
+        except ray.exceptions.RayActorError:
+            pass  # restarting
+        assert time.monotonic() < deadline, "the store did not come back empty"
+        time.sleep(0.2)
+    try:  # old refs: their owner died; a reader gets the data if a copy is still local, or a RayError
+        ray.get(refs, timeout=30)
+    except ray.exceptions.RayError:
+        pass
