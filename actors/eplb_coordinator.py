@@ -1,0 +1,70 @@
+"""EPLBCoordinator: gathers the EP ranks' expert-load windows and pushes new expert placements (thin; the
+policy is ``rayinfer.engine.eplb_policy.EPLBPolicy``)."""
+
+from __future__ import annotations
+
+import ray
+import torch
+
+from rayinfer.engine.config import EPConfig
+from rayinfer.engine.eplb_policy import EPLBPolicy
+
+
+class EPLBCoordinatorImpl:
+    """Every ``eplb_interval`` steps: sum the ranks' load windows, rebalance, push the map to every rank.
+
+    The EP group calls :meth:`on_step` between two lockstep steps, while no rank is stepping; the new
+    map is pushed with the step number at which every rank switches (before its next forward), so all
+    ranks move expert weights (a collective) and switch maps at the same step.
+
+    Args:
+        ranks: the EPRankActor handles, in EP-rank order.
+        config: the EP config (ep, redundant experts, interval, window, nodes).
+        num_moe_layers, num_logical, num_groups: the model's MoE shape (see :class:`EPLBPolicy`).
+    """
+
+    def __init__(self, ranks: list, config: EPConfig, num_moe_layers: int, num_logical: int, num_groups: int = 1):
+        self.ranks = list(ranks)
+        self.policy = EPLBPolicy(config, num_moe_layers, num_logical, num_groups)
+
+    def gather_load(self) -> torch.Tensor:
+        """The ranks' load windows summed: [num_moe_layers, L] int64."""
+        return torch.stack(ray.get([r.load_window.remote() for r in self.ranks])).sum(dim=0)
+
+    def on_step(self, num_steps: int) -> dict | None:
+        """After ``num_steps`` lockstep steps: rebalance when due.
+
+        Returns:
+            None when not due or the window is empty; else the decision's summary (moe_lb before and
+            expected after, whether the map changed).
+        Side effects: when the map changes, every rank gets it to apply before step ``num_steps``.
+        """
+        if not self.policy.is_due(num_steps):
+            return None
+        decision = self.policy.rebalance(self.gather_load(), num_steps)
+        if decision is None:
+            return None
+        if decision.changed:
+            ray.get([r.set_placement.remote(decision.phy2log, num_steps) for r in self.ranks])
+        return _summary(decision)
+
+    def stats(self) -> dict:
+        """``moe_lb`` of the current window under the current map, and the rebalances so far."""
+        history = self.policy.history
+        return {
+            "moe_lb": self.policy.balance(self.gather_load()),
+            "num_rebalances": sum(d.changed for d in history),
+            "eplb_history": [_summary(d) for d in history],
+        }
+
+    def placement(self) -> torch.Tensor:
+        """The current map, [num_moe_layers, P] int64."""
+        return self.policy.phy2log.clone()
+
+
+def _summary(decision) -> dict:
+    return {"num_steps": decision.num_steps, "changed": decision.changed, "moe_lb": decision.moe_lb,
+            "moe_lb_expected": decision.moe_lb_expected, "num_tokens": decision.num_tokens}
+
+
+EPLBCoordinator = ray.remote(num_cpus=0)(EPLBCoordinatorImpl)

@@ -1,0 +1,171 @@
+"""Expert parallelism as Ray actors (gloo on CPU): EP=2 and EP=4 groups equal one engine (greedy), and
+EPLB rebalances a skewed workload (moe_lb falls, outputs stay the same).
+
+The model is a tiny random Qwen3-MoE (16 experts, top-4) saved with ``save_pretrained`` (per-expert
+checkpoint names), so every rank loads identical weights. Its routing is skewed on purpose: every token
+embedding carries a constant component and the router rows of experts 8-15 favour it, so those experts
+get most tokens; under the initial map they sit on half of the ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from rayinfer.actors.ep_group import EPEngineGroup
+from rayinfer.engine.config import EngineConfig, EPConfig, ModelConfig
+from rayinfer.engine.types import SamplingParams
+
+NUM_EXPERTS = 16
+HOT_EXPERTS = list(range(8, 16))
+NUM_PROMPTS, MAX_TOKENS = 24, 16
+ENGINE = EngineConfig(device="cpu", num_kv_blocks=128, max_num_seqs=32)
+
+
+@pytest.fixture(scope="module")
+def model_config(tmp_path_factory) -> ModelConfig:
+    import transformers
+
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=49152, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=NUM_EXPERTS, num_experts_per_tok=4,
+        norm_topk_prob=True, decoder_sparse_step=1, max_position_embeddings=512, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.1)  # routers start at zero, and 0.02 gives near-ties everywhere
+        model.model.embed_tokens.weight[:, 0] += 0.3
+        model.lm_head.weight[:, 0] = 0.0  # the constant component skews routing, not the outputs
+        for layer in model.model.layers:
+            layer.mlp.gate.weight[HOT_EXPERTS, 0] = 1.0
+    path = tmp_path_factory.mktemp("tiny-qwen3-moe")
+    model.save_pretrained(path)
+    return ModelConfig(str(path), dtype="float32")
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """The one-engine reference runs in this process: one thread, since on a busy shared CPU every
+    parallel region of a multi-threaded op waits for a descheduled thread (the ranks are Ray actors
+    with one CPU, hence one thread, already)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _prompts(num: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(5, 30, (num,), generator=gen).tolist()
+    return [torch.randint(100, 40000, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return _prompts(NUM_PROMPTS)
+
+
+@pytest.fixture(scope="module")
+def reference(model_config, prompts) -> list[list[int]]:
+    """Greedy outputs of one engine (EP=1, every expert local)."""
+    from rayinfer.engine.llm_engine import LLMEngine
+
+    with _one_thread():
+        engine = LLMEngine(model_config, ENGINE)
+        done = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert all(c.error is None and len(c.output_token_ids) == MAX_TOKENS for c in done)
+    return [c.output_token_ids for c in done]
+
+
+def test_ep2_equals_ep1_with_idle_rank_and_bad_request(ray_cluster, model_config, prompts, reference):
+    """Requests of different lengths over 2 ranks holding 18 slots (experts 0 and 1 twice, no EPLB):
+    one rank runs out of work first and keeps stepping over zero tokens; an invalid request fails alone."""
+    lengths = [MAX_TOKENS if i % 2 else 4 + i // 2 for i in range(NUM_PROMPTS)]  # rank i % 2 gets request i
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    group = EPEngineGroup(model_config, ENGINE, EPConfig(ep=2, num_redundant_experts=2))
+    try:
+        done = group.generate(prompts + [[]], params + [params[0]])
+        assert done[-1].error == "prompt is empty" and done[-1].finish_reason == "error"
+        for i, c in enumerate(done[:-1]):
+            assert c.error is None and c.finish_reason == "length", (i, c.error)
+            assert c.output_token_ids == reference[i][: lengths[i]], i
+        stats = group.stats()
+        ranks = stats["ranks"]
+        assert [r["num_steps"] for r in ranks] == [stats["num_steps"]] * 2
+        assert [r["num_generation_tokens"] for r in ranks] == [sum(lengths[0::2]), sum(lengths[1::2])]
+        assert ranks[0]["num_empty_steps"] >= 1  # rank 0's last request ends a step before rank 1's
+        assert 1.0 <= stats["moe_lb"] < 2.0 and stats["num_rebalances"] == 0
+        assert not group.has_unfinished_requests() and group.step() == []
+        with pytest.raises(ValueError, match="given twice"):
+            group.add_requests([("again", prompts[0], params[0])] * 2)
+        assert not group.has_unfinished_requests()
+    finally:
+        group.shutdown()
+
+
+def test_ep4_eplb_balances_skewed_load_with_same_outputs(ray_cluster, model_config, prompts, reference):
+    """EP=4 with 16 redundant experts (8 slots per rank), rebalancing every 8 steps over an 8-step window:
+    the first window (initial map, hot experts on ranks 1 and 2) is badly balanced, the next (new map)
+    is not, and the outputs are those of one engine."""
+    ep_config = EPConfig(ep=4, num_redundant_experts=16, eplb_interval=8, eplb_window=8)
+    group = EPEngineGroup(model_config, ENGINE, ep_config)
+    try:
+        initial = group.placement()
+        done = group.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+        assert [c.output_token_ids for c in done] == reference
+        first, second = group.eplb_history[:2]
+        assert first["num_steps"] == 8 and first["changed"], group.eplb_history
+        assert first["moe_lb"] > 1.5 and first["moe_lb_expected"] < 1.15, group.eplb_history
+        assert second["num_steps"] == 16 and second["moe_lb"] < 1.15, group.eplb_history
+        stats = group.stats()
+        assert stats["moe_lb"] < 1.15 and stats["num_rebalances"] >= 1
+        maps = ray_cluster.get([rank.placement.remote() for rank in group.ranks])
+        assert all(torch.equal(m, maps[0]) for m in maps) and not torch.equal(maps[0], initial)
+        assert maps[0].shape == (2, 32)
+        hot_slots = torch.isin(maps[0], torch.tensor(HOT_EXPERTS)).sum(dim=1)
+        assert (hot_slots > 16).all(), (maps[0], group.eplb_history)  # the redundant slots went to hot experts
+    finally:
+        group.shutdown()
+
+
+def test_deepseek_v3_ep2_with_eplb_equals_ep1(ray_cluster, tmp_path):
+    """DeepSeek-V3 (MLA, shared experts, grouped top-k, an MTP layer in the checkpoint) over 2 ranks with
+    2 redundant experts, rebalanced (hierarchically, by expert group) every 4 steps."""
+    import transformers
+
+    from rayinfer.engine.llm_engine import LLMEngine
+
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=49152, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, kv_lora_rank=32,
+        q_lora_rank=48, qk_rope_head_dim=16, v_head_dim=24, qk_nope_head_dim=16, n_group=4, topk_group=2,
+        num_experts_per_tok=3, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        max_position_embeddings=512, initializer_range=0.1, num_nextn_predict_layers=1,
+    )
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.normal_(0, 0.1)
+    model.save_pretrained(tmp_path)
+    model_config = ModelConfig(str(tmp_path), dtype="float32")
+    prompts = [p[:12] for p in _prompts(8, seed=1)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    with _one_thread():
+        want = [c.output_token_ids for c in LLMEngine(model_config, ENGINE).generate(prompts, params)]
+    group = EPEngineGroup(model_config, ENGINE, EPConfig(ep=2, num_redundant_experts=2, eplb_interval=4,
+                                                         eplb_window=4))
+    try:
+        assert [c.output_token_ids for c in group.generate(prompts, params)] == want
+        assert [d["num_steps"] for d in group.eplb_history] == [4, 8] and group.eplb_history[0]["changed"]
+        assert group.placement().shape == (2, 10)
+    finally:
+        group.shutdown()

@@ -1,0 +1,79 @@
+"""jobs/bench_moe.py: the tiny CPU run writes complete JSON; the full shape is DeepSeek-V2-Lite's size."""
+
+import json
+
+import pytest
+import torch
+
+from rayinfer.jobs.bench_moe import TINY, V2_LITE_V3_ARCH, main, param_counts
+
+
+def test_tiny_run_writes_results(tmp_path):
+    out = tmp_path / "moe.json"
+    threads = torch.get_num_threads()
+    main(["--tiny", "--device", "cpu", "--reps", "1", "--out", str(out)])
+    assert torch.get_num_threads() == threads
+    data = json.loads(out.read_text())
+    assert data["command"] == f"python jobs/bench_moe.py --tiny --device cpu --reps 1 --out {out}"
+    assert data["device"].startswith("cpu") and "git_rev" in data and data["dtype"] == "torch.bfloat16"
+    assert data["ceilings"]["copy_GBps"] > 0 and data["ceilings"]["matmul_TFLOPs"] > 0
+    assert [r["batch"] for r in data["decode"]] == TINY["batches"]
+    assert [r["query_len"] for r in data["prefill"]] == TINY["prefill"]
+    moe_layers, experts = data["params"]["num_moe_layers"], data["shape"]["n_routed_experts"]
+    for row in data["decode"] + data["prefill"]:
+        assert row["ms"] > 0 and 0 < row["roofline_ms"] == max(row["roofline_mem_ms"], row["roofline_compute_ms"])
+        assert 1 <= row["routed_experts_read"] <= moe_layers * experts
+    assert data["decode"][0]["routed_experts_read"] <= moe_layers * data["shape"]["num_experts_per_tok"]
+    assert [r["num_tokens"] for r in data["fused_moe"]] == TINY["moe_tokens"]
+    assert all(r["kernel"] == "torch fallback" and r["max_abs_err_vs_ref"] < 1e-2 for r in data["fused_moe"])
+
+
+def test_v2_lite_shape_has_v2_lite_size():
+    import transformers
+
+    from rayinfer.model.deepseek_v3 import DeepseekV3ForCausalLM
+    from rayinfer.model.loader import _params_on_meta
+
+    with _params_on_meta():  # no memory: parameters on the meta device
+        model = DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**V2_LITE_V3_ARCH))
+    c = param_counts(model)
+    assert c["num_moe_layers"] == 26 and c["per_expert"] == 3 * 2048 * 1408
+    total = c["dense"] + c["embed"] + c["lm_head"] + c["num_moe_layers"] * 64 * c["per_expert"]
+    assert round(total / 1e9, 1) == 15.7  # DeepSeek-V2-Lite: 15.7B parameters
+
+
+def test_moe_cost_model_counts_the_model_by_hand():
+    """MoECost's parameter count equals the built model's; bytes and FLOPs follow the formulas."""
+    import transformers
+
+    from rayinfer.jobs.bench_moe import TINY_V3_ARCH, MoECost
+    from rayinfer.model.deepseek_v3 import DeepseekV3ForCausalLM
+    from rayinfer.model.loader import _params_on_meta
+
+    for shape in (TINY_V3_ARCH, V2_LITE_V3_ARCH, dict(TINY_V3_ARCH, q_lora_rank=24)):
+        config = transformers.DeepseekV3Config(**shape)
+        with _params_on_meta():
+            model = DeepseekV3ForCausalLM(config)
+        cost = MoECost.from_config(config, 2)
+        assert cost.num_params == sum(p.numel() for p in model.parameters()), shape
+    cost = MoECost.from_config(transformers.DeepseekV3Config(**TINY_V3_ARCH), 2)
+    assert cost.experts_touched(1) == 2 and 7.9 < cost.experts_touched(1000) <= 8
+    h, v = 64, 1024
+    one = cost.dense_params + v * h + h + 2 * 2 * cost.expert_params  # 2 MoE layers x top-2
+    assert cost.weight_bytes_read(1) == 2 * one
+    assert cost.kv_bytes_per_token == 3 * (32 + 16) * 2
+    active = cost.dense_params + 2 * 2 * cost.expert_params
+    assert cost.flops(10, 55, 1) == 2 * active * 10 + 2 * 3 * 4 * (16 + 16 + 16) * 55 + 2 * h * v
+
+
+def test_plugs_into_jobs_bench(tmp_path):
+    roofline = pytest.importorskip("rayinfer.jobs.roofline")
+    benchlib = pytest.importorskip("rayinfer.jobs.benchlib")
+    from rayinfer.jobs.bench_moe import MoECost, register_bench_plugins
+    from rayinfer.model.loader import load_config
+
+    register_bench_plugins(tmp_path / "v2-lite")
+    scenario = benchlib.SCENARIOS["deepseek-v2-lite"]
+    config = load_config(scenario.overrides["model"]["model"])
+    cost = roofline.cost_model_for(config, 2)
+    assert isinstance(cost, MoECost) and round(cost.num_params / 1e9, 1) == 15.7
