@@ -372,3 +372,70 @@ def _device_kind(device: str, ep: int) -> str:
     if device == "auto":
         return "gpu" if ray.cluster_resources().get("GPU", 0) >= ep else "cpu"
     return "gpu" if device == "cuda" else "cpu"
+
+
+class EPClient:
+    """The job-facing client of an :class:`EPEngineGroup`: ``complete``/``stats``/``shutdown`` like
+    EngineClient, with the group's lockstep loop on a background thread.
+
+    Args:
+        model_config, engine_config, ep_config: as :class:`EPEngineGroup`.
+    """
+
+    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, ep_config: EPConfig):
+        import queue
+        import threading
+
+        self.group = EPEngineGroup(model_config, engine_config, ep_config)
+        self._inbox: queue.Queue = queue.Queue()
+        self._waiters: dict[str, tuple] = {}
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="ep-loop", daemon=True)
+        self._thread.start()
+
+    async def complete(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str | None = None) -> Completion:
+        """Run one request to the end over the EP ranks (errors in ``Completion.error``)."""
+        import asyncio
+        import uuid
+
+        request_id = request_id or uuid.uuid4().hex
+        future = asyncio.get_running_loop().create_future()
+        self._inbox.put((request_id, list(prompt_token_ids), params, asyncio.get_running_loop(), future))
+        return await future
+
+    def _loop(self) -> None:
+        import queue
+
+        while not self._stopped:
+            batch = []
+            try:
+                while True:
+                    batch.append(self._inbox.get(block=not batch and not self.group.has_unfinished_requests(),
+                                                 timeout=0.2))
+            except queue.Empty:
+                pass
+            if batch:
+                for rid, prompt, _, loop, fut in batch:
+                    self._waiters[rid] = (Completion(rid, prompt), loop, fut)
+                errors = self.group.add_requests([(rid, prompt, params) for rid, prompt, params, _, _ in batch])
+                for rid, err in errors.items():
+                    result, loop, fut = self._waiters.pop(rid)
+                    result.error, result.finish_reason = err, "error"
+                    loop.call_soon_threadsafe(fut.set_result, result)
+            for out in self.group.step():
+                entry = self._waiters.get(out.request_id)
+                if entry is None:
+                    continue
+                entry[0].add(out)
+                if out.finished:
+                    result, loop, fut = self._waiters.pop(out.request_id)
+                    loop.call_soon_threadsafe(fut.set_result, result)
+
+    def stats(self) -> dict:
+        return self.group.stats()
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._thread.join(timeout=10)
+        self.group.shutdown()

@@ -53,20 +53,26 @@ class ParallelSpec:
     kv_store_max_gib: float | None = 2.0  # pd only
     kv_store_ttl_s: float | None = None  # pd only
     max_restarts: int = 3  # pd only: Ray restarts of each engine actor
+    ep: int = 1  # ep only: expert-parallel ranks of the MoE replica
+    num_redundant_experts: int = 0  # ep only
+    eplb_interval: int = 0  # ep only: rebalance every this many steps (0: never)
+    eplb_window: int = 1000  # ep only
+    num_nodes: int = 1  # ep only
 
     def __post_init__(self):
         if self.dp <= 0:
             raise ValueError(f"parallel.dp must be positive, got {self.dp}")
-        if self.topology not in ("colocated", "pd"):
-            raise ValueError(f"parallel.topology must be colocated or pd, got {self.topology!r}")
+        if self.topology not in ("colocated", "pd", "ep"):
+            raise ValueError(f"parallel.topology must be colocated, pd or ep, got {self.topology!r}")
 
     @property
     def num_replicas(self) -> int:
-        return self.num_prefill + self.num_decode if self.topology == "pd" else self.dp
+        return {"pd": self.num_prefill + self.num_decode, "ep": self.ep}.get(self.topology, self.dp)
 
 
 def make_client(cfg: "GenerateConfig"):
-    """The job's client: EngineClient over ``dp`` NORMAL replicas, or PDClient for topology "pd".
+    """The job's client: EngineClient over ``dp`` NORMAL replicas, PDClient for topology "pd", EPClient
+    (expert-parallel MoE replica with EPLB) for topology "ep".
 
     Raises:
         ValueError: for a bad parallel config.
@@ -82,6 +88,13 @@ def make_client(cfg: "GenerateConfig"):
             num_prefill=p.num_prefill, num_decode=p.num_decode, kv_transport=p.kv_transport,
             kv_store_max_gib=p.kv_store_max_gib, kv_store_ttl_s=p.kv_store_ttl_s, max_restarts=p.max_restarts,
             num_cpus_per_replica=num_cpus, num_gpus_per_replica=p.num_gpus_per_replica))
+    if p.topology == "ep":
+        from rayinfer.actors.ep_group import EPClient
+        from rayinfer.engine.config import EPConfig
+
+        return EPClient(cfg.model, cfg.engine, EPConfig(ep=p.ep, num_redundant_experts=p.num_redundant_experts,
+                                                        eplb_interval=p.eplb_interval, eplb_window=p.eplb_window,
+                                                        num_nodes=p.num_nodes))
     from rayinfer.actors.client import EngineClient
 
     return EngineClient(cfg.model, cfg.engine, num_replicas=p.dp, num_cpus_per_replica=num_cpus,

@@ -91,3 +91,37 @@ def test_bad_config_exits_nonzero_before_work(override, message):
                           text=True, timeout=300, cwd=ROOT)
     assert proc.returncode != 0
     assert message in proc.stderr + proc.stdout
+
+
+def test_job_with_expert_parallel_topology_equals_colocated(tmp_path, ray_cluster):
+    """parallel.topology=ep (2 EP ranks, redundant experts) answers like one colocated replica."""
+    import torch
+    import transformers
+
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=49152, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=512, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.1)
+    model.save_pretrained(tmp_path / "moe")
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"id": str(i), "prompt": p}) + "\n"
+                           for i, p in enumerate(["Hello there", "One two three four", "x"])))
+
+    def job(out, parallel):
+        c = GenerateConfig(input=str(inp), output=str(out), model=ModelConfig(str(tmp_path / "moe"), dtype="float32"),
+                           engine=EngineConfig(device="cpu", num_kv_blocks=64), parallel=parallel,
+                           sampling={"max_tokens": 6, "temperature": 0.0, "ignore_eos": True})
+        assert run(c) == 0
+        return [json.loads(x) for x in out.read_text().splitlines()]
+
+    ref = job(tmp_path / "ref.jsonl", ParallelSpec(dp=1, num_cpus_per_replica=1))
+    ep = job(tmp_path / "ep.jsonl", ParallelSpec(topology="ep", ep=2, num_redundant_experts=2, eplb_interval=2,
+                                                 eplb_window=4))
+    assert [r["output_token_ids"] for r in ep] == [r["output_token_ids"] for r in ref]
+    assert all(r["error"] is None and len(r["output_token_ids"]) == 6 for r in ep)
