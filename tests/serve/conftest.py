@@ -53,17 +53,12 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def ray_session():
-    import ray
-
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+def ray_session(ray_cluster):
+    """The session's Ray instance (tests/conftest.py), with Serve shut down after the serve tests."""
     yield
-    try:
-        from ray import serve
+    from ray import serve
 
-        serve.shutdown()
-    finally:
-        ray.shutdown()
+    serve.shutdown()
 
 
 @pytest.fixture(scope="session")
