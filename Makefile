@@ -19,6 +19,6 @@ run: setup
 	$(PY) jobs/generate.py
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 .PHONY: setup run test
