@@ -222,6 +222,8 @@ def run(cfg: GenerateConfig) -> int:
     partial = out_path.with_name(out_path.name + ".partial")
     done = _read_done(out_path, partial)
     todo = [j for j in jobs if j.error is None and j.id not in done]
+    if done:
+        print(f"skipping {sum(j.id in done for j in jobs)} lines already done in {out_path}")
     results: dict[str, dict] = {j.id: output_record(j) for j in jobs if j.error is not None}
 
     if todo:
@@ -283,7 +285,7 @@ def main(dcfg: DictConfig) -> None:
     try:
         cfg = OmegaConf.to_object(dcfg)
         code = run(cfg)
-    except ValueError as e:  # bad config or unknown model: clear message, non-zero exit, no work done
+    except (ValueError, FileNotFoundError) as e:  # bad config or unknown model: clear message, non-zero exit, no work done
         print(f"error: {e}", file=sys.stderr)
         code = 2
     sys.exit(code)
