@@ -15,7 +15,7 @@ from rayinfer.kernels._triton_utils import HAS_TRITON
 from rayinfer.kernels.fused_moe import fused_moe, fused_moe_ref, moe_align
 
 CUDA = torch.cuda.is_available()
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 3e-2}
 
 
 def make_case(num_tokens, num_experts, hidden, inter, top_k, dtype, device, seed=0, skip_every=0):
