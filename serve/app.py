@@ -65,8 +65,13 @@ class OpenAIIngress:
         self.model_name = cfg.model_name
         self.created = int(time.time())
         self.tokenizer = load_tokenizer(cfg.model.model)
-        self.client = EngineClient(cfg.model, cfg.engine, cfg.num_replicas, cfg.num_cpus_per_replica,
-                                   cfg.num_gpus_per_replica)
+        if cfg.parallel.topology == "colocated":
+            self.client = EngineClient(cfg.model, cfg.engine, cfg.num_replicas, cfg.num_cpus_per_replica,
+                                       cfg.num_gpus_per_replica)
+        else:  # prefill/decode disaggregation: PDClient has EngineClient's interface
+            from rayinfer.actors.topology import make_client
+
+            self.client = make_client(cfg.model, cfg.engine, cfg.parallel)
         self.metrics = ServeMetrics(self.model_name)
         self.serving = OpenAIServing(self.client, self.tokenizer, self.model_name, self.client.max_model_len,
                                      self.metrics)

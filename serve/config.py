@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rayinfer.actors.topology import ParallelSpec
 from rayinfer.engine.config import EngineConfig, ModelConfig
 
 
@@ -17,7 +18,10 @@ class ServeConfig:
         served_model_name: the name clients put in ``model``; None takes ``model.model``.
         host, port: where ``jobs/serve.py`` starts Serve's HTTP proxy.
         api_key: when set, ``/v1/*`` needs ``Authorization: Bearer <api_key>`` (401 otherwise).
-        num_replicas: EngineActor replicas behind the ingress (data parallel, load balanced).
+        num_replicas: EngineActor replicas behind the ingress (data parallel, load balanced), for the
+            colocated topology.
+        parallel: the replica topology (``conf/parallel``): colocated, or "pd" (prefill/decode
+            disaggregation with a KV store, e.g. ``parallel=1p1d``).
         num_cpus_per_replica, num_gpus_per_replica: Ray resources of each EngineActor.
         max_ongoing_requests: concurrent HTTP requests the ingress accepts (Serve's backpressure).
         proxy_location, http_options, applications: the Serve config-file keys of the same YAML, read
@@ -26,6 +30,7 @@ class ServeConfig:
 
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    parallel: ParallelSpec = field(default_factory=ParallelSpec)
     served_model_name: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
@@ -45,6 +50,9 @@ class ServeConfig:
             raise ValueError(f"port must be in [0, 65536), got {self.port!r}")
         if self.max_ongoing_requests <= 0:
             raise ValueError(f"max_ongoing_requests must be positive, got {self.max_ongoing_requests}")
+        if self.parallel.topology == "ep":
+            raise ValueError("parallel.topology=ep is not served yet (the EP group has no streaming client); "
+                             "use jobs/generate.py")
         if self.api_key is not None and not str(self.api_key):
             raise ValueError("api_key must be non-empty when set")
 
