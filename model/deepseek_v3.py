@@ -18,7 +18,7 @@ from torch.nn import functional as F
 
 from rayinfer.kernels.attention_metadata import AttentionMetadata
 from rayinfer.kernels.mla_attention import mla_decode, mla_prefill_ref, store_mla_kv
-from rayinfer.model.llama import RMSNorm
+from rayinfer.model.llama import PreNormDecoderLayer, RMSNorm
 from rayinfer.model.moe import ExpertParallelism, GatedMLP, MoEModelMixin, RoutedExperts, grouped_topk
 
 
@@ -184,7 +184,7 @@ class DeepseekV3MoE(nn.Module):
         return self.experts(hidden, ids, weights) + self.shared_experts(hidden)
 
 
-class DeepseekV3DecoderLayer(nn.Module):
+class DeepseekV3DecoderLayer(PreNormDecoderLayer):
     def __init__(self, config, layer_idx: int, ep: ExpertParallelism, softmax_factor: float):
         super().__init__()
         self.self_attn = DeepseekV3Attention(config, softmax_factor)
@@ -194,16 +194,6 @@ class DeepseekV3DecoderLayer(nn.Module):
             self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, hidden, residual, cos, sin, kv_cache, meta):
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, cos, sin, kv_cache, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
 
 
 class DeepseekV3Model(nn.Module):

@@ -65,23 +65,33 @@ class LlamaMLP(nn.Module):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
-class LlamaDecoderLayer(nn.Module):
+class PreNormDecoderLayer(nn.Module):
+    """A pre-norm decoder layer, ``x + attn(norm(x))`` then ``+ mlp(norm(.))``, with each residual add
+    fused into the next norm. Subclasses set ``self_attn``, ``mlp``, ``input_layernorm`` and
+    ``post_attention_layernorm``; ``attn_args`` go to ``self_attn`` unchanged (positions/RoPE tables,
+    the layer's KV cache, the step's AttentionMetadata).
+
+    Returns ``(mlp output, residual)``: the caller adds them in the next layer's (or the final) norm.
+    """
+
+    def forward(self, hidden, residual, *attn_args):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, *attn_args)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaDecoderLayer(PreNormDecoderLayer):
     def __init__(self, config, layer_idx: int):
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_idx)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, hidden, residual, positions, inv_freq, kv_cache, meta):
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, positions, inv_freq, kv_cache, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):

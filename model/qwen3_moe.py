@@ -16,7 +16,7 @@ from rayinfer.kernels.attention_metadata import AttentionMetadata
 from rayinfer.kernels.kv_write import store_kv
 from rayinfer.kernels.paged_attention import paged_attention
 from rayinfer.kernels.rotary import rope_inv_freq, rotary
-from rayinfer.model.llama import RMSNorm
+from rayinfer.model.llama import PreNormDecoderLayer, RMSNorm
 from rayinfer.model.moe import ExpertParallelism, GatedMLP, MoEModelMixin, RoutedExperts, softmax_topk
 
 
@@ -83,7 +83,7 @@ def _is_sparse(config, layer_idx: int) -> bool:
     )
 
 
-class Qwen3MoeDecoderLayer(nn.Module):
+class Qwen3MoeDecoderLayer(PreNormDecoderLayer):
     def __init__(self, config, layer_idx: int, ep: ExpertParallelism, moe_layer: int):
         super().__init__()
         self.self_attn = Qwen3MoeAttention(config)
@@ -93,16 +93,6 @@ class Qwen3MoeDecoderLayer(nn.Module):
             self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, hidden, residual, positions, inv_freq, kv_cache, meta):
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, positions, inv_freq, kv_cache, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
 
 
 class Qwen3MoeModel(nn.Module):
