@@ -102,29 +102,70 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class LlamaForCausalLM(nn.Module):
-    """Llama decoder with an LM head; the engine's model interface.
+class PagedCausalLM(nn.Module):
+    """The engine's model interface for decoders with GQA attention over the standard paged cache
+    (shared by every model in ``rayinfer.model`` that uses it; DeepSeek-V3's MLA has its own cache):
 
-    Interface (shared by every model in ``rayinfer.model``):
         ``kv_cache_shape(num_blocks, block_size)`` -> shape of the whole cache tensor,
         ``forward(input_ids, positions, kv_cache, meta)`` -> hidden states,
         ``compute_logits(hidden)`` -> float32 logits.
+
+    Subclasses build ``self.model`` (``embed_tokens``, ``layers`` of :class:`PreNormDecoderLayer` whose
+    attention takes ``(positions, inv_freq, kv_cache, meta)``, ``norm``) and then call
+    :meth:`_init_head`.
     """
 
-    def __init__(self, config):
-        super().__init__()
-        self.config = config
-        self.model = LlamaModel(config)
+    def _init_head(self, config) -> None:
+        """LM head (tied to the embeddings when the config says so) and the RoPE frequencies."""
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
-        attn = self.model.layers[0].self_attn
         rope_scaling = getattr(config, "rope_scaling", None)
         rope_params = getattr(config, "rope_parameters", None) or {}
         theta = rope_params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
             rope_scaling = rope_params
-        self.register_buffer("inv_freq", rope_inv_freq(attn.head_dim, theta, rope_scaling), persistent=False)
+        head_dim = self.model.layers[0].self_attn.head_dim
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, rope_scaling), persistent=False)
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """[num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]: the versioned payload layout."""
+        attn = self.model.layers[0].self_attn
+        return (len(self.model.layers), num_blocks, 2, block_size, attn.num_kv_heads, attn.head_dim)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Run the decoder over this step's new tokens.
+
+        Args:
+            input_ids: [T] int64 new tokens of all requests, concatenated (T may be 0 under EP).
+            positions: [T] int64 their positions.
+            kv_cache: the tensor of :meth:`kv_cache_shape`; written in place at ``meta.slot_mapping``.
+            meta: the step's :class:`AttentionMetadata`.
+        Returns:
+            hidden: [T, hidden_size], after the final norm.
+        """
+        hidden = self.model.embed_tokens(input_ids)
+        residual = None
+        for i, layer in enumerate(self.model.layers):
+            hidden, residual = layer(hidden, residual, positions, self.inv_freq, kv_cache[i], meta)
+        hidden, _ = self.model.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] -> logits [N, vocab_size] float32."""
+        return self.lm_head(hidden).float()
+
+
+class LlamaForCausalLM(PagedCausalLM):
+    """Llama decoder with an LM head (see :class:`PagedCausalLM` for the interface)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self._init_head(config)
 
     # checkpoint name -> (fused parameter, shard index); shards are stacked along the output dim
     _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -172,32 +213,3 @@ class LlamaForCausalLM(nn.Module):
         if getattr(self.config, "tie_word_embeddings", False) and "model.embed_tokens.weight" in loaded:
             loaded.add("lm_head.weight")
         return loaded
-
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """[num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]: the versioned payload layout."""
-        attn = self.model.layers[0].self_attn
-        return (len(self.model.layers), num_blocks, 2, block_size, attn.num_kv_heads, attn.head_dim)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        """Run the decoder over this step's new tokens.
-
-        Args:
-            input_ids: [T] int64 new tokens of all requests, concatenated.
-            positions: [T] int64 their positions.
-            kv_cache: the tensor of :meth:`kv_cache_shape`; written in place at ``meta.slot_mapping``.
-            meta: the step's :class:`AttentionMetadata`.
-        Returns:
-            hidden: [T, hidden_size], after the final norm.
-        """
-        hidden = self.model.embed_tokens(input_ids)
-        residual = None
-        for i, layer in enumerate(self.model.layers):
-            hidden, residual = layer(hidden, residual, positions, self.inv_freq, kv_cache[i], meta)
-        hidden, _ = self.model.norm(hidden, residual)
-        return hidden
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] -> logits [N, vocab_size] float32."""
-        return self.lm_head(hidden).float()

@@ -15,8 +15,8 @@ from torch.nn import functional as F
 from rayinfer.kernels.attention_metadata import AttentionMetadata
 from rayinfer.kernels.kv_write import store_kv
 from rayinfer.kernels.paged_attention import paged_attention
-from rayinfer.kernels.rotary import rope_inv_freq, rotary
-from rayinfer.model.llama import PreNormDecoderLayer, RMSNorm
+from rayinfer.kernels.rotary import rotary
+from rayinfer.model.llama import PagedCausalLM, PreNormDecoderLayer, RMSNorm
 from rayinfer.model.moe import ExpertParallelism, GatedMLP, MoEModelMixin, RoutedExperts, softmax_topk
 
 
@@ -107,7 +107,7 @@ class Qwen3MoeModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class Qwen3MoeForCausalLM(MoEModelMixin, nn.Module):
+class Qwen3MoeForCausalLM(MoEModelMixin, PagedCausalLM):
     """Qwen3-MoE with an LM head; the engine's model interface (see ``rayinfer.model.llama``).
 
     Expert parallelism: pass ``ep`` (group, physical slots, initial phy2log); every rank of the group
@@ -122,43 +122,5 @@ class Qwen3MoeForCausalLM(MoEModelMixin, nn.Module):
             raise ValueError("Qwen3-MoE with use_sliding_window=True is not supported")
         self.config = config
         self.model = Qwen3MoeModel(config, ep or ExpertParallelism())
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
-        head_dim = self.model.layers[0].self_attn.head_dim
-        rope_params = getattr(config, "rope_parameters", None) or {}
-        theta = rope_params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        scaling = getattr(config, "rope_scaling", None)
-        if scaling is None and rope_params.get("rope_type", "default") != "default":
-            scaling = rope_params
-        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+        self._init_head(config)
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """[num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim], as Llama."""
-        attn = self.model.layers[0].self_attn
-        return (len(self.model.layers), num_blocks, 2, block_size, attn.num_kv_heads, attn.head_dim)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        """Run the decoder over this step's new tokens.
-
-        Args:
-            input_ids: [T] int64 new tokens of all requests, concatenated (T may be 0 under EP).
-            positions: [T] int64 their positions.
-            kv_cache: the tensor of :meth:`kv_cache_shape`; written in place at ``meta.slot_mapping``.
-            meta: the step's :class:`AttentionMetadata`.
-        Returns:
-            hidden: [T, hidden_size], after the final norm.
-        Side effects: MoE layers count routed tokens (:meth:`expert_load`).
-        """
-        hidden = self.model.embed_tokens(input_ids)
-        residual = None
-        for i, layer in enumerate(self.model.layers):
-            hidden, residual = layer(hidden, residual, positions, self.inv_freq, kv_cache[i], meta)
-        hidden, _ = self.model.norm(hidden, residual)
-        return hidden
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] -> logits [N, vocab_size] float32."""
-        return self.lm_head(hidden).float()
