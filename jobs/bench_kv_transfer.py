@@ -160,6 +160,9 @@ def main() -> None:
     num_gpus = 1 if args.device == "cuda" else 0
 
     ray.init(include_dashboard=False, ignore_reinit_error=True)
+    if args.device == "cuda" and ray.cluster_resources().get("GPU", 0) < 2:
+        raise SystemExit("bench_kv_transfer needs 2 GPUs (sender and receiver take one each); "
+                         f"this cluster has {ray.cluster_resources().get('GPU', 0):g}")
     layers, heads, dim = SHAPES[args.shape]
     per_token = layers * 2 * heads * dim * DTYPES[args.dtype].itemsize
     peer = None
