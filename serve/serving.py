@@ -255,6 +255,15 @@ class OpenAIServing:
         return result
 
 
+async def with_first(first, stream):
+    """Yield ``first`` (the item :meth:`OpenAIServing.start` already took off ``stream``, or None) and
+    then the rest of ``stream``."""
+    if first is not None:
+        yield first
+    async for item in stream:
+        yield item
+
+
 def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0) -> dict:
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
             "total_tokens": num_prompt_tokens + num_completion_tokens,

@@ -15,6 +15,7 @@ from rayinfer.serve.serving import (
     finish_reason,
     sse,
     usage,
+    with_first,
 )
 from rayinfer.serve.tools import (
     ToolStreamParser,
@@ -145,15 +146,7 @@ class ChatServing:
         try:
             for i in range(n):
                 yield self._chunk(ctx, i, {"role": "assistant", "content": ""})
-            pending = [first] if first is not None else []
-            while True:
-                if pending:
-                    i, out = pending.pop()
-                else:
-                    try:
-                        i, out = await stream.__anext__()
-                    except StopAsyncIteration:
-                        break
+            async for i, out in with_first(first, stream):
                 num_tokens[i] += len(out.new_token_ids)
                 text = parsers[i].feed(out.new_text) if parsers[i] else out.new_text
                 logprobs = (self.serving.chat_logprobs(out.new_logprobs or [], ctx.top_n)

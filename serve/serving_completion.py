@@ -7,7 +7,7 @@ import uuid
 from typing import AsyncIterator
 
 from rayinfer.serve.protocol import APIError, CompletionRequest, parse_body, response_format_of
-from rayinfer.serve.serving import ChoiceState, OpenAIServing, error_event, finish_reason, sse, usage
+from rayinfer.serve.serving import ChoiceState, OpenAIServing, error_event, finish_reason, sse, usage, with_first
 
 
 class CompletionServing:
@@ -114,15 +114,7 @@ class CompletionServing:
             return sse(body)
 
         try:
-            pending = [first] if first is not None else []
-            while True:
-                if pending:
-                    i, out = pending.pop()
-                else:
-                    try:
-                        i, out = await stream.__anext__()
-                    except StopAsyncIteration:
-                        break
+            async for i, out in with_first(first, stream):
                 num_tokens += len(out.new_token_ids)
                 text, echoed = out.new_text, None
                 if req.echo and not started[i]:
