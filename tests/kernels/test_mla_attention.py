@@ -3,8 +3,6 @@ the store by hand, the Triton kernels against the references (interpreter on CPU
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
 import pytest
@@ -121,11 +119,8 @@ def test_kernels_match_ref():
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-def test_kernels_through_triton_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, __file__, "--interpret"]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stdout + run.stderr
+def test_kernels_through_triton_interpreter(run_interpreted):
+    run_interpreted(__file__)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,6 @@ token for token."""
 from __future__ import annotations
 
 import math
-import os
-import subprocess
 import sys
 
 import pytest
@@ -196,10 +194,8 @@ def test_kernel_no_host_sync():
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-def test_kernel_through_triton_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run([sys.executable, __file__, "--interpret"], env=env, capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stdout + run.stderr
+def test_kernel_through_triton_interpreter(run_interpreted):
+    run_interpreted(__file__)
 
 
 if __name__ == "__main__":

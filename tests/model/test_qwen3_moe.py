@@ -5,7 +5,6 @@ import pytest
 import torch
 import transformers
 
-from rayinfer.kernels.attention_metadata import AttentionMetadata
 from rayinfer.model.qwen3_moe import Qwen3MoeForCausalLM
 
 BLOCK_SIZE = 4
@@ -31,43 +30,13 @@ def make_pair(cfg, seed=0):
     return ref, ours
 
 
-def run_schedule(model, seqs, tables, schedule):
-    """Feed each request's tokens step by step through the paged cache; logits per request."""
-    kv = torch.zeros(model.kv_cache_shape(16, BLOCK_SIZE))
-    done, logits = [0] * len(seqs), [[] for _ in seqs]
-    for step in schedule:
-        meta = AttentionMetadata.build([n for _, n in step], [done[r] + n for r, n in step],
-                                       [tables[r] for r, _ in step], BLOCK_SIZE)
-        ids = torch.cat([seqs[r][done[r] : done[r] + n] for r, n in step])
-        pos = torch.cat([torch.arange(done[r], done[r] + n) for r, n in step])
-        out = model.compute_logits(model(ids, pos, kv, meta)).split([n for _, n in step])
-        for (r, n), lg in zip(step, out):
-            logits[r].append(lg)
-            done[r] += n
-    return [torch.cat(lg) for lg in logits]
-
-
-def greedy(model, prompt, num_new, chunks):
-    """Prefill in ``chunks``, then decode ``num_new`` tokens by argmax."""
-    kv = torch.zeros(model.kv_cache_shape(16, BLOCK_SIZE))
-    table, tokens, done = TABLES[0] + [12, 13, 14], prompt.tolist(), 0
-    for n in chunks + [1] * (num_new - 1):
-        meta = AttentionMetadata.build([n], [done + n], [table], BLOCK_SIZE)
-        ids = torch.tensor(tokens[done : done + n])
-        logits = model.compute_logits(model(ids, torch.arange(done, done + n), kv, meta))
-        done += n
-        if done >= len(prompt):  # a prefill chunk before the last predicts nothing new
-            tokens.append(int(logits[-1].argmax()))
-    return tokens[len(prompt) :]
-
-
 @pytest.mark.parametrize("extra", [{}, dict(decoder_sparse_step=2, mlp_only_layers=[], norm_topk_prob=False,
                                             tie_word_embeddings=True)])
-def test_prefill_then_decode_matches_hf(extra):
+def test_prefill_then_decode_matches_hf(extra, paged):
     ref, ours = make_pair(tiny_config(**extra))
     seqs = [torch.randint(0, 128, (14,)), torch.randint(0, 128, (12,))]
     with torch.no_grad():
-        got = run_schedule(ours, seqs, TABLES, SCHEDULE)
+        got = paged.run_schedule(ours, seqs, TABLES, SCHEDULE, BLOCK_SIZE)
         for s, g in zip(seqs, got):
             torch.testing.assert_close(g, ref(s[None]).logits[0], rtol=1e-4, atol=1e-4)
     load = ours.expert_load(reset=True)
@@ -76,12 +45,12 @@ def test_prefill_then_decode_matches_hf(extra):
     assert ours.expert_load().sum() == 0
 
 
-def test_greedy_generation_matches_hf():
+def test_greedy_generation_matches_hf(paged):
     ref, ours = make_pair(tiny_config(), seed=1)
     prompt = torch.randint(0, 128, (8,))
     with torch.no_grad():
         want = ref.generate(prompt[None], max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
-        got = greedy(ours, prompt, 16, chunks=[5, 3])
+        got = paged.greedy(ours, prompt, 16, [5, 3], TABLES[0] + [12, 13, 14], BLOCK_SIZE)
     assert got == want[0, 8:].tolist()
 
 
