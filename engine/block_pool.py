@@ -146,9 +146,3 @@ class KVBlockPool:
         if block_hash not in self.hash_to_block:
             self.hash_to_block[block_hash] = block_id
             block.block_hash = block_hash
-
-    def reset_prefix_cache(self) -> None:
-        """Forget all cached hashes (e.g. after new weights); blocks in use are untouched."""
-        self.hash_to_block.clear()
-        for block in self.blocks:
-            block.block_hash = None

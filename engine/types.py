@@ -114,9 +114,6 @@ class SamplingParams:
             raise ValueError(f"unknown sampling field(s): {', '.join(unknown)}")
         return cls(**data)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
 
 def _check_number(name, value, lo=None, hi=None, lo_open=False):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
