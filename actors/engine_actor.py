@@ -37,9 +37,13 @@ class EngineActorImpl:
             replica_id: the replica's id in stats.
             kv_store: PREFILL role: the KVStoreActor that new full blocks are written through to.
             kv_transport: "object_store" (payloads exported to CPU) or a Ray Direct Transport name
-                ("nccl", "gloo"): payloads stay on the cache's device for :meth:`pop_kv`.
+                ("nccl", "cuda_ipc", "gloo"): payloads stay on the cache's device for :meth:`pop_kv`.
         """
+        from rayinfer.actors.kv_transport import prepare_transport
+
         logging.basicConfig(level=logging.INFO)
+        prepare_transport(kv_transport)
+        self.kv_transport = kv_transport
         self.replica_id = replica_id
         self.engine = AsyncLLMEngine(LLMEngine(model_config, engine_config))
         self.kv_store = kv_store
@@ -136,8 +140,9 @@ class EngineActorImpl:
     def pop_kv(self, request_id: str) -> torch.Tensor:
         """The KV payload a :meth:`prefill` exported, ``[L, n_blocks, 2, bs, H, D]``; removed here.
 
-        Call it as ``.options(tensor_transport="nccl")`` to keep the payload on the GPU (Ray Direct
-        Transport); otherwise it travels through the object store, owned by the caller.
+        Call it as ``.options(tensor_transport="nccl")`` (or "cuda_ipc", "gloo") to keep the payload on
+        the device (Ray Direct Transport); otherwise it travels through the object store, owned by the
+        caller.
 
         Raises:
             KeyError: for an unknown request (never prefilled here, already popped, or expired).
@@ -155,6 +160,8 @@ class EngineActorImpl:
             the payload's size in bytes.
         """
         self._kv_in = _fresh(self._kv_in)
+        if self.kv_transport == "cuda_ipc":  # a view of the prefill replica's memory: copy it out now
+            kv_payload = kv_payload.clone()
         self._kv_in[request_id] = (time.monotonic(), kv_payload)
         return kv_payload.numel() * kv_payload.element_size()
 

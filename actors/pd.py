@@ -14,10 +14,12 @@ re-prefilled the same way. Tokens are streamed to the caller exactly once becaus
 the tokens already streamed. Text is detokenized here, once per request, so stop strings that span a
 handoff are still found.
 
-Ray Direct Transport: all replicas join one collective group; transfers run one at a time per actor
-(collective send/recv must pair up in order, which async actors do not guarantee). A restarted actor is
-outside the group, so its KV goes through the object store; a failed transfer makes Ray kill both ends
-for good and destroy the group, so this client then uses the object store for every transfer.
+Ray Direct Transport (``actors/kv_transport.py``): over nccl/gloo all replicas join one collective
+group and transfers run one at a time per actor (collective send/recv must pair up in order, which
+async actors do not guarantee); over cuda_ipc (replicas sharing a GPU) the decode replica maps the
+prefill replica's device buffer, no group needed. A restarted actor is outside the group, so its KV
+goes through the object store; a failed transfer makes Ray kill both ends for good and destroy the
+group, so this client then uses the object store for every transfer.
 
 Same interface as EngineClient (``generate``, ``complete``, ``stats``, ``shutdown``, ``max_model_len``),
 so the batch job and Serve take either.
@@ -37,6 +39,7 @@ import ray
 
 from rayinfer.actors.engine_actor import EngineActor, EngineActorImpl
 from rayinfer.actors.kv_store import KVStoreActor
+from rayinfer.actors.kv_transport import COLLECTIVE_TRANSPORTS, KV_TRANSPORTS, prepare_transport, resolve_kv_transport
 from rayinfer.actors.router import DecodeBalancer, PrefillBalancer
 from rayinfer.engine.config import EngineConfig, ModelConfig
 from rayinfer.engine.detokenizer import IncrementalDetokenizer
@@ -44,7 +47,6 @@ from rayinfer.engine.kv_store_index import block_hashes
 from rayinfer.engine.types import Completion, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
-KV_TRANSPORTS = ("auto", "object_store", "nccl", "gloo")
 _GIB = 1 << 30
 
 
@@ -54,8 +56,8 @@ class PDConfig:
 
     Attributes:
         num_prefill, num_decode: replicas of each role.
-        kv_transport: "auto" (nccl when replicas hold GPUs, else the object store), "object_store",
-            "nccl" or "gloo" (Ray Direct Transport; all replicas join one collective group).
+        kv_transport: "auto" (nccl when each replica holds a GPU, cuda_ipc when they share GPUs, else
+            the object store), "object_store", "nccl", "cuda_ipc" or "gloo" (see actors/kv_transport.py).
         kv_store_max_blocks, kv_store_max_gib, kv_store_ttl_s: KV store limits (None: no limit).
         max_restarts: Ray restarts of each engine actor (-1: forever).
         max_retries: re-prefills of one request after actor failures before it fails.
@@ -83,13 +85,6 @@ class PDConfig:
             raise ValueError(f"kv_transport must be one of {KV_TRANSPORTS}, got {self.kv_transport!r}")
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
-
-
-def resolve_kv_transport(kv_transport: str, num_gpus_per_replica: float) -> str:
-    """"auto" -> "nccl" when every replica holds a GPU, else "object_store"; others pass through."""
-    if kv_transport == "auto":
-        return "nccl" if num_gpus_per_replica >= 1 else "object_store"
-    return kv_transport
 
 
 @dataclass
@@ -124,6 +119,7 @@ class PDClient:
 
         self.config = cfg = config or PDConfig()
         self.transport = resolve_kv_transport(cfg.kv_transport, cfg.num_gpus_per_replica)
+        prepare_transport(self.transport)
         pcfg = dataclasses.replace(engine_config, role="prefill", **cfg.prefill_overrides)
         dcfg = dataclasses.replace(engine_config, role="decode", **cfg.decode_overrides)
         self.block_size = engine_config.block_size
@@ -142,7 +138,7 @@ class PDClient:
                                                          kv_transport=self.transport)
                         for i in range(cfg.num_decode)]
         self.info = ray.get([r.ready.remote() for r in self.prefills + self.decodes])
-        if self.transport != "object_store":
+        if self.transport in COLLECTIVE_TRANSPORTS:
             from ray.experimental.collective import create_collective_group
 
             create_collective_group(self.prefills + self.decodes, backend=self.transport)
@@ -269,7 +265,11 @@ class PDClient:
             decode = await self._replica("decode", dticket.replica)
             rdt = (self._rdt_ok and ticket.replica not in self._restarted["prefill"]
                    and dticket.replica not in self._restarted["decode"])
-            if rdt:  # one collective transfer at a time per actor: send/recv pairs must line up
+            if rdt and self.transport not in COLLECTIVE_TRANSPORTS:  # one-sided (cuda_ipc): no pairing
+                payload = replica.pop_kv.options(tensor_transport=self.transport).remote(erid)
+                await decode.receive_kv.remote(erid, payload)
+                payload = None
+            elif rdt:  # one collective transfer at a time per actor: send/recv pairs must line up
                 async with self._rdt_lock("prefill", ticket.replica), self._rdt_lock("decode", dticket.replica):
                     payload = replica.pop_kv.options(tensor_transport=self.transport).remote(erid)
                     await decode.receive_kv.remote(erid, payload)

@@ -19,7 +19,7 @@ class ParallelSpec:
     topology: str = "colocated"  # "colocated" | "pd"
     num_prefill: int = 1  # pd only
     num_decode: int = 1  # pd only
-    kv_transport: str = "auto"  # pd only: auto | object_store | nccl | gloo
+    kv_transport: str = "auto"  # pd only: auto | object_store | nccl | cuda_ipc | gloo
     kv_store_max_gib: float | None = 2.0  # pd only
     kv_store_ttl_s: float | None = None  # pd only
     max_restarts: int = 3  # pd only: Ray restarts of each engine actor

@@ -1,8 +1,9 @@
 """KV transfer bandwidth between two engine-like actors, against the machine's copy bandwidth.
 
-Usage (on a machine with 2 GPUs; the NCCL transport needs ``pip install cupy-cuda12x``)::
+Usage::
 
-    python jobs/bench_kv_transfer.py                       # llama3-8b shape, bf16, nccl + object_store
+    python jobs/bench_kv_transfer.py                       # llama3-8b shape, bf16; 2+ GPUs: nccl + object_store,
+                                                           # 1 GPU (two actors sharing it): cuda_ipc + object_store
     python jobs/bench_kv_transfer.py --tokens 1024 8192 32768 --transports nccl object_store --repeats 10
     python jobs/bench_kv_transfer.py --device cpu --shape smollm2 --transports gloo object_store --tokens 256
 
@@ -11,8 +12,8 @@ What a PD handoff does, step by step, each timed on its own (median of ``--repea
 1. export: gather the request's blocks out of a paged cache ``[L, num_blocks, 2, bs, H, D]`` into one
    payload ``[L, n, 2, bs, H, D]`` (``ModelRunner.export_kv`` with the payload kept on the device);
 2. transfer: the payload from a sender actor to a receiver actor (one GPU each): Ray Direct Transport
-   (``tensor_transport="nccl"``, GPU to GPU) or the object store (device -> host, plasma, host ->
-   device);
+   (``tensor_transport="nccl"`` between two GPUs, ``"cuda_ipc"`` between two actors on one GPU) or
+   the object store (device -> host, plasma, host -> device);
 3. import: scatter the payload into the receiver's paged cache (``ModelRunner.import_kv``).
 
 Transfer times are reported raw and minus the round trip of a one-block payload (Ray's per-call
@@ -62,7 +63,12 @@ def _median_s(fn, device: torch.device, repeats: int) -> float:
 class _Side:
     """One end of the transfer: a paged KV cache on one device, with export and import as the engine does."""
 
-    def __init__(self, shape: tuple[int, ...], dtype: str, block_size: int, num_blocks: int, device: str):
+    def __init__(self, shape: tuple[int, ...], dtype: str, block_size: int, num_blocks: int, device: str,
+                 transports: tuple[str, ...] = ()):
+        from rayinfer.actors.kv_transport import prepare_transport
+
+        for t in transports:
+            prepare_transport(t)
         self.device = torch.device("cuda:0" if device == "cuda" else "cpu")
         layers, heads, dim = shape
         self.cache = torch.randn(layers, num_blocks, 2, block_size, heads, dim, device=self.device).to(DTYPES[dtype])
@@ -85,6 +91,8 @@ class _Side:
         """Import a payload into scattered blocks; returns (bytes, seconds spent moving it to the device)."""
         t = time.perf_counter()
         payload = payload.to(self.device, non_blocking=False)
+        if payload.is_cuda and payload.device == self.device and not payload.is_contiguous():
+            payload = payload.contiguous()
         _sync(self.device)
         idx = torch.randperm(self.cache.shape[1], device=self.device)[: payload.shape[1]]
         self.cache[:, idx] = payload
@@ -150,19 +158,27 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 16384])
     ap.add_argument("--transports", nargs="+", default=None,
-                    help="nccl, gloo, object_store (default: nccl object_store on GPU, gloo object_store on CPU)")
+                    help="nccl, cuda_ipc, gloo, object_store (default: nccl or cuda_ipc, and object_store, on "
+                         "GPU; gloo object_store on CPU)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default="benchmarks/results/kv_transfer.json")
     args = ap.parse_args()
-    transports = args.transports or (["nccl", "object_store"] if args.device == "cuda" else ["gloo", "object_store"])
     max_blocks = -(-max(args.tokens) // args.block_size)
-    num_gpus = 1 if args.device == "cuda" else 0
-
     ray.init(include_dashboard=False, ignore_reinit_error=True)
-    if args.device == "cuda" and ray.cluster_resources().get("GPU", 0) < 2:
-        raise SystemExit("bench_kv_transfer needs 2 GPUs (sender and receiver take one each); "
-                         f"this cluster has {ray.cluster_resources().get('GPU', 0):g}")
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if args.device == "cuda" and gpus < 1:
+        raise SystemExit("bench_kv_transfer --device cuda needs a GPU; this cluster has none")
+    shared = args.device == "cuda" and gpus < 2  # one GPU: sender and receiver share it
+    num_gpus = (0.5 if shared else 1) if args.device == "cuda" else 0
+    default = ["cuda_ipc" if shared else "nccl", "object_store"] if args.device == "cuda" else ["gloo", "object_store"]
+    transports = args.transports or default
+    if shared and "nccl" in transports:
+        raise SystemExit("nccl needs one GPU per actor (NCCL refuses two ranks on one device); use cuda_ipc")
+    from rayinfer.actors.kv_transport import prepare_transport
+
+    for t in transports:
+        prepare_transport(t)
     layers, heads, dim = SHAPES[args.shape]
     per_token = layers * 2 * heads * dim * DTYPES[args.dtype].itemsize
     peer = None
@@ -170,9 +186,9 @@ def main() -> None:
         peer = ray.get(ray.remote(num_gpus=min(2, int(ray.cluster_resources().get("GPU", 1))))(
             _peer_copy_GBps).remote(max(args.tokens) * per_token, args.repeats))
     Side = ray.remote(num_gpus=num_gpus, num_cpus=1, enable_tensor_transport=True)(_Side)
-    sender, receiver = (Side.remote(SHAPES[args.shape], args.dtype, args.block_size, max_blocks + 64, args.device)
-                        for _ in range(2))
-    collectives = [t for t in transports if t != "object_store"]
+    sender, receiver = (Side.remote(SHAPES[args.shape], args.dtype, args.block_size, max_blocks + 64, args.device,
+                                    tuple(transports)) for _ in range(2))
+    collectives = [t for t in transports if t in ("nccl", "gloo")]
     if collectives:
         from ray.experimental.collective import create_collective_group
 

@@ -138,7 +138,7 @@ def _attend_tile(
 def _paged_attention_kernel(
     q_ptr, kv_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-    num_reqs, num_heads, num_splits, split_size, qk_scale,
+    num_reqs, num_heads, num_splits, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ckv, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -178,7 +178,9 @@ def _paged_attention_kernel(
 
     kv_lo = 0
     kv_hi = ctx_len + tl.minimum(q_len, tile_first + BLOCK_Q)  # last row's position + 1
-    if USE_SPLITS:
+    if USE_SPLITS:  # this request's keys in num_splits equal parts (whole tiles): sized at run time, so a
+        # graph captured for the longest context still spreads a short one over every split
+        split_size = tl.cdiv(tl.cdiv(kv_hi, num_splits), BLOCK_N) * BLOCK_N
         kv_lo = split * split_size
         kv_hi = tl.minimum(kv_hi, kv_lo + split_size)
     # Keys up to the tile's first query position are visible to every row: no mask needed there.
@@ -279,9 +281,10 @@ def paged_attention_triton(
     Args:
         num_splits: split-KV factor; by default chosen from the batch shape. Used only when every
             request's queries fit one tile (decode and short extends).
-        max_seq_len: bound on every ``seq_lens`` entry (default ``meta.max_seq_len``). The split size
-            is derived from it and baked into the launch, so a CUDA graph captured once and replayed
-            for longer contexts must pass the longest context it will see (with a fixed num_splits).
+        max_seq_len: bound on every ``seq_lens`` entry (default ``meta.max_seq_len``); it picks the
+            split count, which is baked into the launch (a CUDA graph captured once passes the longest
+            context it will replay). Each request's split size is computed in the kernel from its own
+            length, so a short context still uses every split.
         config: tile override for benchmarks: keys block_q, block_n, num_warps, num_stages, reverse.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -306,8 +309,7 @@ def paged_attention_triton(
         num_splits = 1
     elif num_splits is None:
         num_splits = _choose_num_splits(num_reqs * num_kv_heads, max_seq_len, device_sms(q))
-    split_size = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
-    num_splits = max(1, triton.cdiv(max_seq_len, split_size))
+    num_splits = max(1, min(num_splits, triton.cdiv(max_seq_len, block_n)))
     use_splits = num_splits > 1
     if use_splits:
         part_out = torch.empty((num_tokens, num_heads, num_splits, block_d), dtype=torch.float32, device=q.device)
@@ -317,7 +319,7 @@ def paged_attention_triton(
     _paged_attention_kernel[(grid_x, num_kv_heads, num_splits)](
         q, kv_cache, out, part_out, part_lse,
         meta.query_start_loc, meta.seq_lens, meta.block_tables,
-        num_reqs, num_heads, num_splits, split_size, scale * 1.4426950408889634,
+        num_reqs, num_heads, num_splits, scale * 1.4426950408889634,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), meta.block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n,

@@ -152,3 +152,102 @@ def rotary(q, k, positions, inv_freq):
     ):
         return rotary_triton(q, k, positions, inv_freq)
     return rotary_ref(q, k, positions, inv_freq)
+
+
+# -- RoPE fused with the KV-cache write -------------------------------------------------------------
+def rotary_store_kv_ref(q, k, v, positions, inv_freq, kv_cache, slot_mapping) -> torch.Tensor:
+    """RoPE on ``q`` and ``k``, then ``k`` and ``v`` written into the paged cache (plain torch).
+
+    Args:
+        q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim].
+        positions: [T] int64; inv_freq: [head_dim // 2] float32 (:func:`rope_inv_freq`).
+        kv_cache: one layer, [num_blocks, 2, block_size, num_kv_heads, head_dim] (written in place).
+        slot_mapping: [T] int64 cache slots; negative skips the token (CUDA-graph padding).
+    Returns:
+        the rotated queries, [T, num_heads, head_dim], q's dtype.
+    """
+    from rayinfer.kernels.kv_write import store_kv_ref
+
+    q, k = rotary_ref(q, k, positions, inv_freq)
+    store_kv_ref(k, v, kv_cache, slot_mapping)
+    return q
+
+
+@triton.jit
+def _rotary_store_kv_kernel(
+    q_ptr, k_ptr, v_ptr, q_out_ptr, cache_ptr, pos_ptr, slot_ptr, inv_freq_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_qot, stride_qoh,
+    stride_cb, stride_ckv, stride_cs, stride_ch,
+    num_heads, num_kv_heads,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    KV_BLOCK_SIZE: tl.constexpr, USE_LIBDEVICE: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    dims = tl.arange(0, BLOCK_HALF)
+    inv_freq = tl.load(inv_freq_ptr + dims, mask=dims < HALF, other=0.0)
+    angle = tl.load(pos_ptr + token).to(tl.float32) * inv_freq
+    if USE_LIBDEVICE:
+        cos = libdevice.cos(angle)
+        sin = libdevice.sin(angle)
+    else:
+        cos = tl.cos(angle)
+        sin = tl.sin(angle)
+    dt = q_ptr.dtype.element_ty
+    cos = cos.to(dt).to(tl.float32)[None, :]
+    sin = sin.to(dt).to(tl.float32)[None, :]
+    _rotate_heads(q_ptr, q_out_ptr, token, stride_qt, stride_qh, stride_qot, stride_qoh, num_heads,
+                  cos, sin, HALF, BLOCK_HQ, BLOCK_HALF)
+    slot = tl.load(slot_ptr + token)
+    if slot >= 0:  # negative: a padding row of a CUDA-graph batch, nothing to cache
+        dst = cache_ptr + (slot // KV_BLOCK_SIZE) * stride_cb + (slot % KV_BLOCK_SIZE) * stride_cs
+        # keys: rotated straight into the cache (the "token" stride of the destination is 0)
+        _rotate_heads(k_ptr, dst, token, stride_kt, stride_kh, 0, stride_ch, num_kv_heads,
+                      cos, sin, HALF, BLOCK_HK, BLOCK_HALF)
+        heads = tl.arange(0, BLOCK_HK)
+        full = tl.arange(0, 2 * BLOCK_HALF)
+        mask = (heads[:, None] < num_kv_heads) & (full[None, :] < 2 * HALF)
+        v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + full[None, :], mask=mask)
+        tl.store(dst + stride_ckv + heads[:, None] * stride_ch + full[None, :], v.to(cache_ptr.dtype.element_ty),
+                 mask=mask)
+
+
+def rotary_store_kv_triton(q, k, v, positions, inv_freq, kv_cache, slot_mapping) -> torch.Tensor:
+    """Triton kernel of :func:`rotary_store_kv_ref`: one program per token (one launch instead of two)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if num_tokens == 0:
+        return q_out
+    half = head_dim // 2
+    inv_freq = inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
+    _rotary_store_kv_kernel[(num_tokens,)](
+        q, k, v, q_out, kv_cache, positions.contiguous(), slot_mapping, inv_freq,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q_out.stride(0), q_out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        num_heads, num_kv_heads,
+        HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
+        BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HK=triton.next_power_of_2(num_kv_heads),
+        KV_BLOCK_SIZE=kv_cache.shape[2], USE_LIBDEVICE=use_libdevice(), num_warps=4,
+    )
+    return q_out
+
+
+def rotary_store_kv(q, k, v, positions, inv_freq, kv_cache, slot_mapping) -> torch.Tensor:
+    """Same contract as :func:`rotary_store_kv_ref`; the fused Triton kernel on CUDA tensors whose
+    ``head_dim // 2`` is a power of two, else :func:`rotary` then ``store_kv`` (each dispatched)."""
+    if (
+        q.dim() == 3 and k.dim() == 3 and kv_cache.dim() == 5
+        and q.dtype == k.dtype == v.dtype == kv_cache.dtype
+        and q.shape[-1] % 2 == 0 and q.shape[-1] == k.shape[-1] == kv_cache.shape[-1]
+        and triton.next_power_of_2(q.shape[-1] // 2) == q.shape[-1] // 2
+        and kv_cache.stride(-1) == 1
+        and use_triton(q, k, v, positions, kv_cache, slot_mapping)
+    ):
+        return rotary_store_kv_triton(q, k, v, positions, inv_freq, kv_cache, slot_mapping)
+    from rayinfer.kernels.kv_write import store_kv
+
+    q, k = rotary(q, k, positions, inv_freq)  # each step's own kernel (or reference) dispatch
+    store_kv(k, v, kv_cache, slot_mapping)
+    return q

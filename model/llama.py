@@ -11,10 +11,9 @@ from torch import nn
 
 from rayinfer.kernels.activation import silu_and_mul
 from rayinfer.kernels.attention_metadata import AttentionMetadata
-from rayinfer.kernels.kv_write import store_kv
 from rayinfer.kernels.norm import rms_norm
 from rayinfer.kernels.paged_attention import paged_attention
-from rayinfer.kernels.rotary import rope_inv_freq, rotary
+from rayinfer.kernels.rotary import rope_inv_freq, rotary_store_kv
 
 
 class RMSNorm(nn.Module):
@@ -47,8 +46,7 @@ class LlamaAttention(nn.Module):
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        q, k = rotary(q, k, positions, inv_freq)
-        store_kv(k, v, kv_cache, meta.slot_mapping)
+        q = rotary_store_kv(q, k, v, positions, inv_freq, kv_cache, meta.slot_mapping)
         out = paged_attention(q, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 

@@ -13,9 +13,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from rayinfer.kernels.attention_metadata import AttentionMetadata
-from rayinfer.kernels.kv_write import store_kv
 from rayinfer.kernels.paged_attention import paged_attention
-from rayinfer.kernels.rotary import rotary
+from rayinfer.kernels.rotary import rotary_store_kv
 from rayinfer.model.llama import PagedCausalLM, PreNormDecoderLayer, RMSNorm
 from rayinfer.model.moe import ExpertParallelism, GatedMLP, MoEModelMixin, RoutedExperts, softmax_topk
 
@@ -41,8 +40,7 @@ class Qwen3MoeAttention(nn.Module):
         q = self.q_norm(self.q_proj(hidden).view(-1, d)).view(t, self.num_heads, d)
         k = self.k_norm(self.k_proj(hidden).view(-1, d)).view(t, self.num_kv_heads, d)
         v = self.v_proj(hidden).view(t, self.num_kv_heads, d)
-        q, k = rotary(q, k, positions, inv_freq)
-        store_kv(k, v, kv_cache, meta.slot_mapping)
+        q = rotary_store_kv(q, k, v, positions, inv_freq, kv_cache, meta.slot_mapping)
         out = paged_attention(q, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * d))
 

@@ -131,6 +131,22 @@ def test_kernel_matches_ref(dtype, head_dim, block_size):
     print(f"paged_attention {dtype} d={head_dim} bs={block_size}: max abs err {worst:.2e}")
 
 
+def check_graph_splits(device, dtype, head_dim=32):
+    """A CUDA graph bakes the split count for its longest context; shorter ones spread over every split."""
+    q, kv, meta, _ = make_case([1] * 4, [5, 300, 17, 64], 4, 2, head_dim, 16, dtype, device, seed=7)
+    want = paged_attention_ref(q, kv, meta, head_dim**-0.5)
+    for splits in (3, 16):
+        got = paged_attention_triton(q, kv, meta, head_dim**-0.5, num_splits=splits, max_seq_len=4096)
+        torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype],
+                                   msg=lambda m: f"{splits} splits: {m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_kernel_graph_split_count():
+    check_graph_splits("cuda", torch.bfloat16, 128)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_kernel_head_dim_not_power_of_two():
@@ -165,6 +181,7 @@ def _interpreter_checks():
         ([40], [40], 8, 2, None),
     ]
     worst = check_kernel("cpu", torch.float32, 32, 16, cases=small)
+    check_graph_splits("cpu", torch.float32)
     print(f"interpreter: max abs err {worst:.2e}")
 
 

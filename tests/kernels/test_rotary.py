@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rayinfer.kernels._triton_utils import HAS_TRITON
-from rayinfer.kernels.rotary import rope_inv_freq, rotary, rotary_ref
+from rayinfer.kernels.rotary import rope_inv_freq, rotary, rotary_ref, rotary_store_kv, rotary_store_kv_ref
 
 CUDA = torch.cuda.is_available()
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -60,6 +60,31 @@ def check_kernel(device, cases):
     return worst
 
 
+def check_fused(device, cases):
+    """rotary_store_kv against the reference: rotated queries, and the cache (padding slots untouched)."""
+    for i, (t, h, hkv, d, dtype, theta, scaling) in enumerate(cases):
+        q, k, pos = make_case(t, h, hkv, d, dtype, device, seed=10 + i)
+        gen = torch.Generator().manual_seed(i)
+        v = torch.randn((t, hkv, d), generator=gen).to(device=device, dtype=dtype)
+        num_blocks, block_size = -(-t // 4) + 2, 4
+        slots = torch.randperm(num_blocks * block_size, generator=gen)[:t]
+        slots[::3] = -1  # padding rows
+        slots = slots.to(device)
+        cache = torch.randn((num_blocks, 2, block_size, hkv, d), generator=gen).to(device=device, dtype=dtype)
+        want_cache = cache.clone()
+        inv_freq = rope_inv_freq(d, theta, scaling).to(device)
+        got_q = rotary_store_kv(q, k, v, pos, inv_freq, cache, slots)
+        want_q = rotary_store_kv_ref(q, k, v, pos, inv_freq, want_cache, slots)
+        tol = TOL[dtype]
+        torch.testing.assert_close(got_q.float(), want_q.float(), atol=tol, rtol=tol, msg=lambda m: f"case {i}: {m}")
+        torch.testing.assert_close(cache.float(), want_cache.float(), atol=tol, rtol=tol,
+                                   msg=lambda m: f"case {i} cache: {m}")
+        untouched = torch.ones(num_blocks * block_size, dtype=torch.bool, device=device)
+        untouched[slots[slots >= 0]] = False
+        flat = lambda c: c.transpose(1, 2).reshape(num_blocks * block_size, -1)  # noqa: E731
+        assert torch.equal(flat(cache)[untouched], flat(want_cache)[untouched]), f"case {i}: padding wrote"
+
+
 GPU_CASES = [
     (1, 32, 8, 128, torch.bfloat16, 500000.0, LLAMA3_SCALING),
     (1000, 32, 8, 128, torch.bfloat16, 500000.0, LLAMA3_SCALING),
@@ -73,6 +98,7 @@ GPU_CASES = [
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_kernel_matches_ref():
     print(f"rotary: max abs err {check_kernel('cuda', GPU_CASES):.2e}")
+    check_fused("cuda", GPU_CASES)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
@@ -83,5 +109,6 @@ def test_kernel_through_triton_interpreter(run_interpreted):
 if __name__ == "__main__":
     if "--interpret" in sys.argv:
         check_kernel("cpu", [(5, 4, 2, 32, torch.float32, 10000.0, None), (3, 3, 1, 48, torch.float32, 10000.0, None)])
+        check_fused("cpu", [(7, 4, 2, 32, torch.float32, 10000.0, None), (3, 3, 1, 48, torch.float32, 10000.0, None)])
     else:
         sys.exit(pytest.main([__file__, "-m", "gpu", "-q", *sys.argv[1:]]))
