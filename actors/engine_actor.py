@@ -147,6 +147,8 @@ class EngineActorImpl:
         Raises:
             KeyError: for an unknown request (never prefilled here, already popped, or expired).
         """
+        if self.kv_transport == "cuda_ipc" and torch.cuda.is_available():
+            torch.cuda.ipc_collect()  # free earlier payloads whose receivers have let go of their IPC views
         return self._kv_out.pop(request_id)[1]
 
     def receive_kv(self, request_id: str, kv_payload: torch.Tensor) -> int:

@@ -41,6 +41,9 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
 
 
+KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn"}  # name -> torch dtype name (None: the model's)
+
+
 @dataclass
 class EngineConfig:
     """Scheduling, KV-cache and device settings of one replica.
@@ -51,7 +54,10 @@ class EngineConfig:
         num_kv_blocks: KV blocks; None sizes the pool from ``kv_cache_memory_gib`` (CPU) or
             ``gpu_memory_utilization`` (GPU).
         kv_cache_memory_gib: KV-cache memory on CPU (GiB).
-        gpu_memory_utilization: fraction of GPU memory the replica may use (weights + KV + activations).
+        kv_cache_dtype: "auto" (the model's dtype) or "fp8" (float8_e4m3fn, scale 1: half the bytes of
+            bf16 per token; keys and values are rounded on write and widened on read).
+        gpu_memory_utilization: fraction of the GPU's memory this replica may use (weights + KV +
+            activations), bounded by what is free; replicas sharing a GPU each take their own fraction.
         max_num_seqs: running requests at most.
         max_num_batched_tokens: new tokens per step at most.
         enable_prefix_caching, enable_chunked_prefill: as named.
@@ -65,6 +71,7 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_gib: float = 1.0
+    kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.85
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -85,6 +92,8 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.kv_cache_memory_gib <= 0:
             raise ValueError(f"kv_cache_memory_gib must be positive, got {self.kv_cache_memory_gib}")
         try:

@@ -24,6 +24,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
         self.tokenizer = tokenizer
         self.params = params
+        self._decode = _backend_decode(tokenizer) or tokenizer.decode  # (ids, skip_special_tokens)
         self.ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -31,25 +32,23 @@ class IncrementalDetokenizer:
         self.num_emitted = 0
         self.stop_holdback = max((len(s) for s in params.stop), default=1) - 1
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
-
     def add_tokens(self, token_ids: list[int]) -> str | None:
         """Append tokens; returns the matched stop string if one now occurs (text is cut before it,
         or after it with ``include_stop_str_in_output``), else None."""
+        ids, decode, skip_special = self.ids, self._decode, self.params.skip_special_tokens
         for token in token_ids:
-            self.ids.append(token)
-            prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
-            new_text = self._decode(self.ids[self.prefix_offset :])
+            ids.append(token)
+            prefix_text = decode(ids[self.prefix_offset : self.read_offset], skip_special)
+            new_text = decode(ids[self.prefix_offset :], skip_special)
             if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
                 continue
-            delta = new_text[len(prefix_text) :]
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            self.prefix_offset, self.read_offset = self.read_offset, len(ids)
             start = max(len(self.output_text) - self.stop_holdback, 0)
-            self.output_text += delta
-            stop = self._find_stop(start)
-            if stop is not None:
-                return stop
+            self.output_text += new_text[len(prefix_text) :]
+            if self.params.stop:
+                stop = self._find_stop(start)
+                if stop is not None:
+                    return stop
         return None
 
     def _find_stop(self, start: int) -> str | None:
@@ -73,3 +72,16 @@ class IncrementalDetokenizer:
         delta = self.output_text[self.num_emitted : end]
         self.num_emitted = end
         return delta
+
+
+def _backend_decode(tokenizer):
+    """The Rust tokenizer's ``decode`` when ``tokenizer.decode`` of a token list returns exactly its result
+    (a fast tokenizer that cleans up no spaces), else None; it skips transformers' per-call overhead."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+    cls = type(tokenizer)
+    if (isinstance(tokenizer, PreTrainedTokenizerFast) and cls.decode is PreTrainedTokenizerBase.decode
+            and cls._decode is PreTrainedTokenizerFast._decode and not tokenizer.clean_up_tokenization_spaces):
+        return tokenizer.backend_tokenizer.decode
+    return None

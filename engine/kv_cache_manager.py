@@ -61,26 +61,38 @@ class KVCacheManager:
         Returns:
             the newly allocated block ids, or None (and no change) if the pool cannot hold them.
         """
+        pool, block_ids = self.pool, req.block_ids
         total = req.num_computed_tokens + num_new_tokens
-        num_needed = self.blocks_needed(total) - len(req.block_ids) - len(computed_blocks)
-        num_evictable_hits = sum(1 for b in computed_blocks if self.pool.blocks[b].ref_cnt == 0)
-        if num_needed > self.pool.num_free_blocks - num_evictable_hits:
+        num_needed = self.blocks_needed(total) - len(block_ids) - len(computed_blocks)
+        if computed_blocks:
+            num_evictable_hits = sum(1 for b in computed_blocks if pool.blocks[b].ref_cnt == 0)
+            if num_needed > pool.num_free_blocks - num_evictable_hits:
+                return None
+            pool.touch(computed_blocks)
+            block_ids.extend(computed_blocks)
+        elif num_needed > pool.num_free_blocks:
             return None
-        self.pool.touch(computed_blocks)
-        req.block_ids.extend(computed_blocks)
-        new_blocks = self.pool.allocate(max(num_needed, 0))
-        req.block_ids.extend(new_blocks)
-        if self.pool.enable_caching:
-            num_known = min(total, req.num_known_tokens)
-            self._update_hashes(req, num_known)
-            for b in range(num_known // self.block_size):
-                self.pool.cache_block(req.block_ids[b], req.block_hashes[b])
+        new_blocks = []
+        if num_needed > 0:
+            new_blocks = pool.allocate(num_needed)
+            block_ids.extend(new_blocks)
+        num_full = min(total, req.num_known_tokens) // self.block_size
+        if pool.enable_caching and req.num_registered_blocks < num_full:
+            self._update_hashes(req, num_full * self.block_size)
+            for b in range(req.num_registered_blocks, num_full):
+                pool.cache_block(block_ids[b], req.block_hashes[b])
+            # a registered block keeps its hash while held; a duplicate is retried on the next call
+            done = req.num_registered_blocks
+            while done < num_full and pool.blocks[block_ids[done]].block_hash is not None:
+                done += 1
+            req.num_registered_blocks = done
         return new_blocks
 
     def free(self, req: Request) -> None:
         """Release a request's blocks, tail first (so its tail is evicted before shared prefixes)."""
         self.pool.free(reversed(req.block_ids))
         req.block_ids = []
+        req.num_registered_blocks = 0
 
     @property
     def usage(self) -> float:

@@ -8,7 +8,7 @@ import math
 import torch
 
 from rayinfer.engine.block_pool import hash_block_chain
-from rayinfer.engine.config import EngineConfig, ModelConfig
+from rayinfer.engine.config import KV_CACHE_DTYPES, EngineConfig, ModelConfig
 from rayinfer.engine.detokenizer import IncrementalDetokenizer
 from rayinfer.engine.model_runner import ModelRunner, kv_layout_tag
 from rayinfer.engine.sampler import Sampler
@@ -56,6 +56,8 @@ class LLMEngine:
         self.engine_config = cfg = engine_config or EngineConfig()
         self.device = resolve_device(cfg.device)
         self.dtype = parse_dtype(model_config.dtype, self.device)
+        kv_name = KV_CACHE_DTYPES[cfg.kv_cache_dtype]
+        self.kv_dtype = getattr(torch, kv_name) if kv_name else self.dtype
         self.role = EngineRole(cfg.role)
         self.tokenizer = load_tokenizer(model_config.model)
         torch.manual_seed(model_config.seed)
@@ -67,7 +69,10 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(hf_config, self.tokenizer)
 
         num_blocks = cfg.num_kv_blocks or self._auto_num_blocks()
-        self.kv_cache = torch.zeros(self.model.kv_cache_shape(num_blocks, cfg.block_size), dtype=self.dtype,
+        if self.kv_dtype != self.dtype and not getattr(self.model, "supports_fp8_kv_cache", False):
+            raise ValueError(f"kv_cache_dtype={cfg.kv_cache_dtype!r} is not supported by {type(self.model).__name__} "
+                             "(fp8 KV needs the paged-attention models: Llama, Qwen3-MoE)")
+        self.kv_cache = torch.zeros(self.model.kv_cache_shape(num_blocks, cfg.block_size), dtype=self.kv_dtype,
                                     device=self.device)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=cfg.max_num_seqs,
@@ -97,11 +102,14 @@ class LLMEngine:
 
     def _auto_num_blocks(self) -> int:
         cfg = self.engine_config
-        per_block = math.prod(self.model.kv_cache_shape(1, cfg.block_size)) * self.dtype.itemsize
+        per_block = math.prod(self.model.kv_cache_shape(1, cfg.block_size)) * self.kv_dtype.itemsize
         if self.device.type == "cuda":
+            # this replica's share of the whole GPU minus what it already holds (weights), within what is
+            # free: replicas sharing a GPU (PD over cuda_ipc) each pass their own fraction
             free, total = torch.cuda.mem_get_info(self.device)
             activation_reserve = 2 * _GIB
-            budget = total * cfg.gpu_memory_utilization - (total - free) - activation_reserve
+            own = torch.cuda.memory_reserved(self.device)
+            budget = min(total * cfg.gpu_memory_utilization - own, free) - activation_reserve
         else:
             budget = cfg.kv_cache_memory_gib * _GIB
         num_blocks = int(budget // per_block)
@@ -251,30 +259,32 @@ class LLMEngine:
                              num_cached_tokens=req.num_cached_tokens)
 
     def _make_output(self, req: Request, sampled) -> RequestOutput:
-        rid = req.request_id
+        rid, token = req.request_id, sampled.token_id
         self.num_generation_tokens += 1
-        if req.num_output_tokens == 1:
-            self.num_prompt_tokens += req.num_prompt_tokens
+        num_output = len(req.output_token_ids)
+        if num_output == 1:
+            self.num_prompt_tokens += len(req.prompt_token_ids)
         detok = self.detokenizers[rid]
-        stop = detok.add_tokens([sampled.token_id])
+        stop = detok.add_tokens([token])
         if stop is not None and not req.is_finished:
             self.scheduler.finish_requests(rid, RequestStatus.FINISHED_STOPPED)
             req.stop_reason = stop
         handle = None
-        if req.status == RequestStatus.FINISHED_PREFILLED:
+        prefilled = req.status == RequestStatus.FINISHED_PREFILLED
+        if prefilled:
             handle = self.runner.export_kv(req, req.num_computed_tokens, self.kv_export_device)
             self.scheduler.finish_requests(rid, RequestStatus.FINISHED_PREFILLED)
         finished = req.is_finished
         out = RequestOutput(
             request_id=rid,
-            new_token_ids=[sampled.token_id],
+            new_token_ids=[token],
             new_text=detok.take_delta(finished),
             new_logprobs=[sampled] if req.params.logprobs is not None else None,
             finished=finished,
-            finish_reason=req.finish_reason if req.status != RequestStatus.FINISHED_PREFILLED else "prefilled",
+            finish_reason="prefilled" if prefilled else req.finish_reason if finished else None,
             stop_reason=req.stop_reason,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_output_tokens=req.num_output_tokens,
+            num_prompt_tokens=len(req.prompt_token_ids),
+            num_output_tokens=num_output,
             num_cached_tokens=req.num_cached_tokens,
             kv_handle=handle,
         )

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from rayinfer.engine.block_pool import hash_block_chain
 from rayinfer.engine.sampler import Sampler, SamplerOutput
+from rayinfer.engine.staging import to_device
 from rayinfer.engine.types import PLACEHOLDER, KVHandle, Request, SchedulerOutput, StepOutput
-from rayinfer.kernels.attention_metadata import AttentionMetadata
+from rayinfer.kernels.attention_metadata import AttentionMetadata, PaddedBlockTables, host_arrays
 
 KV_LAYOUT_VERSION = "v1"
 
@@ -56,6 +59,7 @@ class ModelRunner:
         self.sampler = sampler
         self.device = kv_cache.device
         self.graphs = None  # DecodeGraphs once captured
+        self.padded_tables = PaddedBlockTables()  # reused rows of unchanged block tables across steps
         self.sync_guard = False  # raise on a hidden host sync while launching a step (tests)
 
     def capture_cuda_graphs(self, max_model_len: int, max_num_seqs: int) -> None:
@@ -64,11 +68,6 @@ class ModelRunner:
 
         self.graphs = DecodeGraphs(self.model, self.kv_cache, self.block_size, max_model_len, max_num_seqs)
         self.graphs.capture()
-
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        if self.device.type != "cuda":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, requests: dict[str, Request]) -> StepOutput:
@@ -90,40 +89,37 @@ class ModelRunner:
 
         for _, block_ids, handle in sched.kv_imports:
             self.import_kv(block_ids, handle)
-        input_ids, positions, sample_rows, sample_reqs, holes = [], [], [], [], []
-        for s in sched.scheduled:
-            for j, tok in enumerate(s.token_ids):
-                if tok == PLACEHOLDER:
-                    holes.append((len(input_ids) + j, prev.rows[s.request_id]))
-            input_ids.extend(s.token_ids)
-            positions.extend(range(s.start_pos, s.start_pos + s.num_new_tokens))
-            if s.needs_sample:
-                sample_rows.append(len(input_ids) - 1)
-                sample_reqs.append(requests[s.request_id])
-        query_lens = [s.num_new_tokens for s in sched.scheduled]
-        seq_lens = [s.start_pos + s.num_new_tokens for s in sched.scheduled]
-        cpu_meta = AttentionMetadata.build(query_lens, seq_lens, [list(s.block_ids) for s in sched.scheduled],
-                                           self.block_size, "cpu")
-        with no_host_sync(self.sync_guard):
-            ids = self._to_device(torch.tensor(input_ids, dtype=torch.long))
-            pos = self._to_device(torch.tensor(positions, dtype=torch.long))
-            meta = AttentionMetadata(
-                *(self._to_device(t) for t in (cpu_meta.query_start_loc, cpu_meta.seq_lens,
-                                               cpu_meta.block_tables, cpu_meta.slot_mapping)),
-                self.block_size, cpu_meta.query_lens_cpu, cpu_meta.seq_lens_cpu)
-            if holes:
-                at = self._to_device(torch.tensor([h[0] for h in holes], dtype=torch.long))
-                rows = self._to_device(torch.tensor([h[1] for h in holes], dtype=torch.long))
-                ids[at] = prev.token_ids[rows]
-            n = len(query_lens)
-            if self.graphs is not None and meta.is_decode_only and self.graphs.padded_size(n) is not None:
+        scheduled = sched.scheduled
+        query_lens = [len(s.token_ids) for s in scheduled]
+        seq_lens = [s.start_pos + q for s, q in zip(scheduled, query_lens)]
+        tables = [s.block_ids for s in scheduled]
+        padded = self.padded_tables.pad([s.request_id for s in scheduled], tables)
+        starts, *meta_arrays, positions = host_arrays(query_lens, seq_lens, tables, self.block_size, padded)
+        num_tokens = len(positions)
+        input_ids = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in scheduled), np.int64, num_tokens)
+        sample_idx = [i for i, s in enumerate(scheduled) if s.needs_sample]
+        sample_reqs = [requests[scheduled[i].request_id] for i in sample_idx]
+        extra = []  # [rows of the placeholders, their rows in prev.token_ids], [the rows to sample]
+        holes = (input_ids == PLACEHOLDER).nonzero()[0]
+        if holes.size:  # filled from the previous step's sampled tokens, on the device
+            hole_reqs = np.searchsorted(starts, holes, side="right") - 1
+            extra += [holes, np.array([prev.rows[scheduled[i].request_id] for i in hole_reqs.tolist()], np.int64)]
+        all_sampled = len(sample_idx) == num_tokens  # then the sampled rows are all rows, in order
+        if sample_idx and not all_sampled:
+            extra.append(starts[1:][sample_idx].astype(np.int64) - 1)
+        with no_host_sync(self.sync_guard):  # one host-to-device copy for all inputs
+            ids, pos, *dev = to_device([input_ids, positions, starts, *meta_arrays, *extra], self.device)
+            meta, extra = AttentionMetadata(*dev[:4], self.block_size, query_lens, seq_lens), dev[4:]
+            if holes.size:
+                ids[extra[0]] = prev.token_ids[extra[1]]
+            if self.graphs is not None and meta.is_decode_only and self.graphs.padded_size(len(scheduled)) is not None:
                 hidden = self.graphs.run(ids, pos, meta.slot_mapping, meta.seq_lens, meta.block_tables)
             else:
                 hidden = self.model(ids, pos, self.kv_cache, meta)
             step = PendingStep(sample_reqs)
-            if not sample_rows:
+            if not sample_idx:
                 return step
-            logits = self.model.compute_logits(hidden[self._to_device(torch.tensor(sample_rows))])
+            logits = self.model.compute_logits(hidden if all_sampled else hidden[extra[-1]])
             out = self.sampler.sample(logits, sample_reqs)
             step.rows = {r.request_id: i for i, r in enumerate(sample_reqs)}
             step.token_ids = out.token_ids

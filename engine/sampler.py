@@ -11,8 +11,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from rayinfer.engine.staging import to_device
 from rayinfer.engine.types import Request, SampledToken
 from rayinfer.kernels.sampling import sample
 
@@ -44,7 +46,7 @@ def needs_host_state(req: Request) -> bool:
     """True when sampling this request reads host-side state that the previous step may not have
     produced yet (grammar matcher, output tokens for penalties or min_tokens)."""
     p = req.params
-    return req.grammar is not None or p.needs_penalties or req.num_output_tokens < p.min_tokens
+    return req.grammar is not None or len(req.output_token_ids) < p.min_tokens or p.needs_penalties
 
 
 class Sampler:
@@ -91,20 +93,18 @@ class Sampler:
             if grammar_rows:
                 _apply_grammar(logits, reqs, grammar_rows)
         ps = [r.params for r in reqs]
-
-        def vec(values, dtype):
-            t = torch.tensor(values, dtype=dtype)
-            return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
-
+        n = len(reqs)
         token_ids = sample(
             logits,
-            vec([p.temperature for p in ps], torch.float32),
-            vec([p.top_k for p in ps], torch.int32),
-            vec([p.top_p for p in ps], torch.float32),
-            vec([p.min_p for p in ps], torch.float32),
-            vec([self._seed(r) for r in reqs], torch.int64),
-            # the output position being drawn (a pending token counts: in-flight steps sampled it)
-            vec([r.num_output_tokens + max(r.num_pending_tokens - 1, 0) for r in reqs], torch.int64),
+            *to_device([
+                np.fromiter([p.temperature for p in ps], np.float32, n),
+                np.fromiter([p.top_k for p in ps], np.int32, n),
+                np.fromiter([p.top_p for p in ps], np.float32, n),
+                np.fromiter([p.min_p for p in ps], np.float32, n),
+                np.fromiter([self._seed(r) for r in reqs], np.int64, n),
+                # the output position being drawn (a pending token counts: in-flight steps sampled it)
+                np.fromiter([len(r.output_token_ids) + max(r.num_pending_tokens - 1, 0) for r in reqs], np.int64, n),
+            ], dev),
             use_top_k_top_p=any(p.top_k or p.top_p < 1.0 for p in ps),
             use_min_p=any(p.min_p > 0 for p in ps),
         )

@@ -112,21 +112,21 @@ class Scheduler:
         planned: list[tuple[Request, int]] = []
         preempted: list[Request] = []
 
+        running, kv = self.running, self.kv
+        chunked, prefill_role = cfg.enable_chunked_prefill, cfg.role == EngineRole.PREFILL
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if num_new <= 0:
+        while i < len(running) and budget > 0:
+            req = running[i]
+            num_left = req.num_tokens - req.num_computed_tokens
+            num_new = min(num_left, budget)
+            if num_new <= 0 or (not chunked and num_new < num_left):
                 i += 1
                 continue
-            if not cfg.enable_chunked_prefill and num_new < req.num_tokens - req.num_computed_tokens:
-                i += 1
-                continue
-            if cfg.role == EngineRole.PREFILL and req.num_pending_tokens:
+            if prefill_role and req.num_pending_tokens:
                 i += 1  # its in-flight token ends the prefill (async scheduling): never decode here
                 continue
-            while self.kv.allocate_slots(req, num_new) is None:
-                victim = self.running.pop()
+            while kv.allocate_slots(req, num_new) is None:
+                victim = running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
@@ -173,13 +173,14 @@ class Scheduler:
         scheduled = []
         for req, num_new in planned:
             start = req.num_computed_tokens
-            req.num_computed_tokens += num_new
-            known = req.all_token_ids[start : start + num_new]
-            needs_sample = req.num_computed_tokens == req.num_tokens
+            end = req.num_computed_tokens = start + num_new
+            known = req.known_token_ids(start, end)
+            if len(known) < num_new:  # tokens an in-flight step sampled: the model runner fills them on the device
+                known += [PLACEHOLDER] * (num_new - len(known))
+            needs_sample = end == req.num_tokens
             scheduled.append(ScheduledRequest(
                 request_id=req.request_id,
-                # tokens an in-flight step sampled are placeholders the model runner fills on the device
-                token_ids=tuple(known) + (PLACEHOLDER,) * (num_new - len(known)),
+                token_ids=tuple(known),
                 start_pos=start,
                 block_ids=tuple(req.block_ids),
                 needs_sample=needs_sample,
@@ -220,10 +221,13 @@ class Scheduler:
             the requests that got a token this step (finished ones included, with their status set).
         """
         updated = []
+        requests, sampled_tokens = self.requests, out.sampled
         for s in sched.scheduled:
-            req = self.requests.get(s.request_id)
-            sampled = out.sampled.get(s.request_id)
-            if req is None or sampled is None or not s.needs_sample or req.is_finished:
+            if not s.needs_sample:
+                continue
+            req = requests.get(s.request_id)
+            sampled = sampled_tokens.get(s.request_id)
+            if req is None or sampled is None or req.status.is_finished:
                 continue  # aborted or finished while the step was in flight: the token is dropped
             req.num_pending_tokens -= 1
             req.output_token_ids.append(sampled.token_id)
@@ -235,7 +239,7 @@ class Scheduler:
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         p = req.params
-        if req.num_output_tokens >= p.min_tokens:
+        if len(req.output_token_ids) >= p.min_tokens:
             if not p.ignore_eos and token in req.eos_token_ids:
                 req.stop_reason = None
                 return RequestStatus.FINISHED_STOPPED

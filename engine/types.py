@@ -36,7 +36,10 @@ class RequestStatus(str, enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.PREEMPTED)
+        return self not in _UNFINISHED
+
+
+_UNFINISHED = frozenset((RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.PREEMPTED))
 
 
 @dataclass
@@ -164,6 +167,7 @@ class Request:
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)  # the block table
     block_hashes: list[int] = field(default_factory=list)  # of full blocks, in order
+    num_registered_blocks: int = 0  # leading blocks of block_ids already registered in the prefix cache
     status: RequestStatus = RequestStatus.WAITING
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     num_pending_tokens: int = 0  # sampled on the device by an in-flight step, not yet known here
@@ -194,6 +198,15 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def known_token_ids(self, start: int, end: int) -> list[int]:
+        """``all_token_ids[start:end]`` (0 <= start) without copying the whole token list."""
+        p = len(self.prompt_token_ids)
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
 
     @property
     def is_finished(self) -> bool:

@@ -3,6 +3,7 @@
     python jobs/bench.py                                   # scenario=llama-3-8b (GPU)
     python jobs/bench.py --multirun scenario=llama-3-8b,smollm2
     python jobs/bench.py scenario=llama-3-8b offline.num_prompts=1000     # the full offline workload
+    python jobs/bench.py engine.kv_cache_dtype=fp8 sections=[offline]     # with an fp8 KV cache
     python jobs/bench.py scenario=tiny                     # llama-tiny on CPU in seconds (every code path)
 
 Sections (``sections=[offline,decode,prefill,hf]``): offline throughput of a seeded random workload
@@ -251,7 +252,8 @@ def _run(cfg: BenchConfig) -> dict[str, Any]:
     t_start = time.perf_counter()
     device = resolve_device(cfg.engine.device)
     dtype = parse_dtype(cfg.model.dtype, device)
-    cost = rl.cost_model_for(load_config(cfg.model.model), dtype.itemsize)
+    kv_bytes = 1 if cfg.engine.kv_cache_dtype == "fp8" else None
+    cost = rl.cost_model_for(load_config(cfg.model.model), dtype.itemsize, kv_bytes)
     weight_bytes = getattr(cost, "num_params", 0) * dtype.itemsize
     if device.type == "cpu" and weight_bytes > _MAX_CPU_WEIGHT_BYTES:
         raise ValueError(f"model {cfg.model.model!r} has {weight_bytes / 2**30:.1f} GiB of weights; on CPU use "

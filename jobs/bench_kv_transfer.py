@@ -199,6 +199,15 @@ def main() -> None:
     ray.get(sender.export.remote(1, 1))
     tiny = {t: _timed_transfer(sender, receiver, 1, t, args.repeats) for t in transports}  # ~latency
     rows = []
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save(rows):
+        out.write_text(json.dumps({"args": vars(args), "host": platform.node(), "ray": ray.__version__,
+                                   "torch": torch.__version__, "gpus": gpus, "shared_gpu": shared,
+                                   "ceilings": ceilings, "rows": rows}, indent=1))
+
+    save(rows)
     print(f"{args.shape} {args.dtype} bs={args.block_size} on {args.device}: {per_token} B of KV per token; "
           + ", ".join(f"{k} {v:.1f}" for k, v in ceilings.items() if v is not None) + " GB/s")
     print(f"{'tokens':>7} {'MiB':>8} {'transport':>12} {'export ms':>10} {'xfer ms':>9} {'GB/s':>7} "
@@ -220,13 +229,10 @@ def main() -> None:
                    "vs_device_copy": gbps_net / ceilings["device_copy_GBps"],
                    "vs_peer_copy": gbps_net / peer if peer else None}
             rows.append(row)
+            save(rows)  # after every row: a run cut short keeps what it measured
             vs_peer = f"{row['vs_peer_copy']:8.3f}" if peer else f"{'-':>8}"
             print(f"{tokens:7d} {nbytes / 2**20:8.1f} {transport:>12} {export_s * 1e3:10.2f} {t * 1e3:9.2f} "
                   f"{gbps:7.2f} {gbps_net:9.2f} {import_s * 1e3:10.2f} {row['vs_device_copy']:8.3f} {vs_peer}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "host": platform.node(), "ray": ray.__version__,
-                               "torch": torch.__version__, "ceilings": ceilings, "rows": rows}, indent=1))
     print(f"wrote {out}")
     ray.shutdown()
 

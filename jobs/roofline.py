@@ -9,6 +9,8 @@ tests/jobs/test_bench.py.
 
 from __future__ import annotations
 
+import dataclasses
+
 import statistics
 import time
 from dataclasses import dataclass
@@ -107,6 +109,7 @@ class DenseDecoderCost:
     vocab_size: int
     tie_word_embeddings: bool
     dtype_bytes: int
+    kv_dtype_bytes: int | None = None  # the KV cache's element size when it differs (fp8 KV: 1)
 
     @classmethod
     def from_config(cls, config, dtype_bytes: int) -> "DenseDecoderCost":
@@ -139,7 +142,7 @@ class DenseDecoderCost:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * (self.kv_dtype_bytes or self.dtype_bytes)
 
     def weight_bytes_read(self, num_tokens: int) -> int:
         """Every layer, the final norm and the LM head once, plus one embedding row per token (bytes)."""
@@ -163,8 +166,9 @@ def register_cost_model(architecture: str, factory: Callable[[Any, int], CostMod
     COST_MODELS[architecture] = factory
 
 
-def cost_model_for(config, dtype_bytes: int) -> CostModel:
-    """The cost model of ``config.architectures[0]``.
+def cost_model_for(config, dtype_bytes: int, kv_dtype_bytes: int | None = None) -> CostModel:
+    """The cost model of ``config.architectures[0]``; ``kv_dtype_bytes`` sets the KV cache's element size
+    where the model's cost class has that field (else KV is counted in ``dtype_bytes``).
 
     Raises:
         ValueError: for an architecture with no registered cost model (naming the known ones).
@@ -173,7 +177,10 @@ def cost_model_for(config, dtype_bytes: int) -> CostModel:
     if arch not in COST_MODELS:
         raise ValueError(f"no roofline cost model for architecture {arch!r}; known: {sorted(COST_MODELS)} "
                          "(add one with benchlib.register_cost_model)")
-    return COST_MODELS[arch](config, dtype_bytes)
+    cost = COST_MODELS[arch](config, dtype_bytes)
+    if kv_dtype_bytes and hasattr(cost, "kv_dtype_bytes"):
+        cost = dataclasses.replace(cost, kv_dtype_bytes=kv_dtype_bytes)
+    return cost
 
 
 def decode_step_cost(cost: CostModel, batch: int, context: int) -> tuple[int, int]:

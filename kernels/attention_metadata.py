@@ -6,8 +6,11 @@ and host-side lists, so kernels and the plain-torch references read the same fie
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
+from typing import Sequence
 
+import numpy as np
 import torch
 
 
@@ -58,42 +61,112 @@ class AttentionMetadata:
 
     @staticmethod
     def build(
-        query_lens: list[int],
-        seq_lens: list[int],
-        block_tables: list[list[int]],
+        query_lens: Sequence[int],
+        seq_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
         block_size: int,
         device: torch.device | str = "cpu",
     ) -> "AttentionMetadata":
-        """Build the metadata of one step from host lists.
+        """Build the metadata of one step from host lists (see :func:`host_arrays`).
 
         Args:
             query_lens: new tokens per request.
             seq_lens: context length per request after the step (>= its query length).
-            block_tables: physical block ids per request, covering at least ``seq_lens[i]`` tokens.
+            block_tables: physical block ids per request (lists or tuples), covering at least
+                ``seq_lens[i]`` tokens.
             block_size: tokens per block.
         Raises:
             ValueError: if the lists disagree in length or a block table is too short.
         """
-        if not (len(query_lens) == len(seq_lens) == len(block_tables)):
-            raise ValueError("query_lens, seq_lens and block_tables must have one entry per request")
-        slots: list[int] = []
-        for q, s, table in zip(query_lens, seq_lens, block_tables):
-            if q > s or len(table) * block_size < s:
-                raise ValueError(f"request with query_len={q}, seq_len={s} has {len(table)} blocks")
-            for pos in range(s - q, s):
-                slots.append(table[pos // block_size] * block_size + pos % block_size)
-        width = max((len(t) for t in block_tables), default=0) or 1
-        padded = [t + [0] * (width - len(t)) for t in block_tables]
-        starts = [0]
-        for q in query_lens:
-            starts.append(starts[-1] + q)
+        arrays = host_arrays(query_lens, seq_lens, block_tables, block_size)
         dev = torch.device(device)
-        return AttentionMetadata(
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_size=block_size,
-            query_lens_cpu=list(query_lens),
-            seq_lens_cpu=list(seq_lens),
-        )
+        return AttentionMetadata(*(torch.from_numpy(a).to(dev) for a in arrays[:4]), block_size, list(query_lens),
+                                 list(seq_lens))
+
+
+def host_arrays(
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+    padded_tables: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The tensors of :meth:`AttentionMetadata.build` as numpy arrays (vectorized; new ones, except
+    ``padded_tables`` itself when given), and the positions.
+
+    Args:
+        query_lens, seq_lens, block_tables, block_size: as for :meth:`AttentionMetadata.build`.
+        padded_tables: ``block_tables`` already zero-padded, [B, longest table or 1] int32 (see
+            :class:`PaddedBlockTables`); None pads them here.
+    Returns:
+        query_start_loc [B + 1] int32, seq_lens [B] int32, block_tables [B, longest table or 1] int32,
+        slot_mapping [T] int64, and positions [T] int64 (of each new token in its request).
+    Raises:
+        ValueError: if the lists disagree in length or a block table is too short.
+    """
+    num_reqs = len(seq_lens)
+    if not (len(query_lens) == num_reqs == len(block_tables)):
+        raise ValueError("query_lens, seq_lens and block_tables must have one entry per request")
+    q = np.fromiter(query_lens, np.int64, num_reqs)
+    s = np.fromiter(seq_lens, np.int64, num_reqs)
+    num_blocks = np.fromiter(map(len, block_tables), np.int64, num_reqs)
+    bad = ((q > s) | (num_blocks * block_size < s)).nonzero()[0]
+    if bad.size:
+        i = bad[0]
+        raise ValueError(f"request with query_len={q[i]}, seq_len={s[i]} has {num_blocks[i]} blocks")
+    tables = pad_block_tables(block_tables, num_blocks) if padded_tables is None else padded_tables
+    starts = np.zeros(num_reqs + 1, np.int64)
+    np.cumsum(q, out=starts[1:])
+    offsets = np.repeat(s - q - starts[:-1], q)  # per token: its position minus its row (constant per request)
+    positions = offsets + np.arange(starts[-1])
+    req_of_token = np.repeat(np.arange(num_reqs), q)
+    slots = tables[req_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    return starts.astype(np.int32), s.astype(np.int32), tables, slots, positions
+
+
+def pad_block_tables(block_tables: Sequence[Sequence[int]], num_blocks: np.ndarray) -> np.ndarray:
+    """[B, max(num_blocks) or 1] int32 block tables, each row zero-padded; ``num_blocks``: [B] int64 lengths."""
+    width = int(num_blocks.max(initial=0)) or 1
+    flat = np.fromiter(itertools.chain.from_iterable(block_tables), np.int32, int(num_blocks.sum()))
+    if flat.size == num_blocks.size * width:  # every table has the same length
+        return flat.reshape(num_blocks.size, width)
+    out = np.zeros((num_blocks.size, width), np.int32)
+    out[np.arange(width) < num_blocks[:, None]] = flat
+    return out
+
+
+class PaddedBlockTables:
+    """Pads the block tables of consecutive steps, copying the rows of tables unchanged since the last
+    call instead of converting them again (a decode step changes few: one block per ``block_size``
+    tokens). Rows are looked up by key (the request id) and reused only if the table is equal."""
+
+    def __init__(self):
+        self._rows: dict = {}  # key -> row of the last result
+        self._tables: list = []  # the last call's tables
+        self._last = np.zeros((0, 1), np.int32)
+
+    def pad(self, keys: Sequence, block_tables: Sequence[Sequence[int]]) -> np.ndarray:
+        """[B, longest table or 1] int32, each row a table zero-padded (a fresh array each call)."""
+        num_blocks = np.fromiter(map(len, block_tables), np.int64, len(block_tables))
+        width = int(num_blocks.max(initial=0)) or 1
+        rows, last_tables = self._rows, self._tables
+        src, stale = [], []
+        for i, (key, table) in enumerate(zip(keys, block_tables)):
+            j = rows.get(key)
+            if j is None or last_tables[j] != table:
+                stale.append(i)
+                j = 0
+            src.append(j)
+        if len(stale) == len(src):
+            out = pad_block_tables(block_tables, num_blocks)
+        else:
+            last = self._last
+            if last.shape[1] < width:
+                last = np.pad(last, ((0, 0), (0, width - last.shape[1])))
+            out = last[src, :width]
+            for i in stale:
+                out[i] = 0
+                out[i, : num_blocks[i]] = block_tables[i]
+        self._rows = {key: i for i, key in enumerate(keys)}
+        self._tables, self._last = list(block_tables), out
+        return out

@@ -12,7 +12,8 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_
 
     Args:
         k, v: [T, num_kv_heads, head_dim], the cache's dtype or castable to it.
-        kv_cache: [num_blocks, 2, block_size, num_kv_heads, head_dim]; index 0 keys, 1 values.
+        kv_cache: [num_blocks, 2, block_size, num_kv_heads, head_dim]; index 0 keys, 1 values; any
+            float dtype, float8_e4m3fn included (values rounded to it).
         slot_mapping: [T] int64, ``block_id * block_size + offset``; a negative slot skips the token
             (padding rows of a CUDA-graph batch).
     """
@@ -31,6 +32,7 @@ def _store_kv_kernel(
     stride_cb, stride_ckv, stride_cs, stride_ch,
     num_kv_heads,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    VIA_FP32: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token)
@@ -44,6 +46,9 @@ def _store_kv_kernel(
     dst = cache_ptr + block * stride_cb + offset * stride_cs + heads[:, None] * stride_ch + dims[None, :]
     k = tl.load(k_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
     v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+    if VIA_FP32:  # an fp8 cache: convert down from float32
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
     tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + stride_ckv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
@@ -67,6 +72,7 @@ def store_kv_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, sl
         BLOCK_SIZE=kv_cache.shape[2],
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        VIA_FP32=kv_cache.dtype == torch.float8_e4m3fn,
         num_warps=4,
     )
 

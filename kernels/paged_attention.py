@@ -24,7 +24,8 @@ def paged_attention_ref(
 
     Args:
         q: [T, num_heads, head_dim].
-        kv_cache: [num_blocks, 2, block_size, num_kv_heads, head_dim] (one layer).
+        kv_cache: [num_blocks, 2, block_size, num_kv_heads, head_dim] (one layer); q's dtype or
+            float8_e4m3fn (an fp8 KV cache, widened on load).
         meta: the step's :class:`AttentionMetadata`.
         scale: softmax scale, usually ``head_dim ** -0.5``.
     Returns:
@@ -89,7 +90,7 @@ def _attend_tile(
     acc, m_i, l_i, q, table, kv_base, start, kv_hi, q_pos, qk_scale,
     stride_cb, stride_ckv, stride_cs, dims, dim_ok,
     BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, KV_CAST: tl.constexpr,
 ):
     n = start + tl.arange(0, BLOCK_N)
     n_ok = n < kv_hi
@@ -112,6 +113,9 @@ def _attend_tile(
     else:
         k = tl.load(k_ptrs, mask=dim_ok[None, :], other=0.0)
         v = tl.load(k_ptrs + stride_ckv, mask=dim_ok[None, :], other=0.0)
+    if KV_CAST:  # an fp8 cache: widen to the queries' dtype for the tensor cores
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -144,6 +148,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
     ONE_TILE: tl.constexpr, REVERSE: tl.constexpr, USE_SPLITS: tl.constexpr, IEEE: tl.constexpr,
+    KV_CAST: tl.constexpr,
 ):
     program = tl.program_id(0)
     if REVERSE:  # the last query tiles see the most keys: start them first to shorten the tail
@@ -178,7 +183,7 @@ def _paged_attention_kernel(
 
     kv_lo = 0
     kv_hi = ctx_len + tl.minimum(q_len, tile_first + BLOCK_Q)  # last row's position + 1
-    if USE_SPLITS:  # this request's keys in num_splits equal parts (whole tiles): sized at run time, so a
+    if USE_SPLITS:  # this request's keys in num_splits equal parts (whole tiles), sized at run time: a
         # graph captured for the longest context still spreads a short one over every split
         split_size = tl.cdiv(tl.cdiv(kv_hi, num_splits), BLOCK_N) * BLOCK_N
         kv_lo = split * split_size
@@ -195,12 +200,12 @@ def _paged_attention_kernel(
     for start in range(kv_lo, full_hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, table, kv_base, start, kv_hi, q_pos, qk_scale, stride_cb, stride_ckv, stride_cs,
-            dims, dim_ok, BLOCK_N, KV_BLOCK_SIZE, False, EVEN_D, IEEE,
+            dims, dim_ok, BLOCK_N, KV_BLOCK_SIZE, False, EVEN_D, IEEE, KV_CAST,
         )
     for start in range(full_hi, kv_hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, table, kv_base, start, kv_hi, q_pos, qk_scale, stride_cb, stride_ckv, stride_cs,
-            dims, dim_ok, BLOCK_N, KV_BLOCK_SIZE, True, EVEN_D, IEEE,
+            dims, dim_ok, BLOCK_N, KV_BLOCK_SIZE, True, EVEN_D, IEEE, KV_CAST,
         )
 
     if USE_SPLITS:
@@ -325,7 +330,7 @@ def paged_attention_triton(
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n,
         HEAD_DIM=head_dim, BLOCK_D=block_d, KV_BLOCK_SIZE=block_size,
         ONE_TILE=one_tile, REVERSE=bool(cfg["reverse"]) and not one_tile, USE_SPLITS=use_splits, IEEE=is_fp32,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        KV_CAST=kv_cache.dtype != q.dtype, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if use_splits:
         _merge_splits_kernel[(num_tokens, num_heads)](
@@ -339,7 +344,7 @@ def _triton_applies(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     return (
         q.dim() == 3
         and kv_cache.dim() == 5
-        and q.dtype == kv_cache.dtype
+        and kv_cache.dtype in (q.dtype, torch.float8_e4m3fn)
         and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
         and q.shape[1] % kv_cache.shape[3] == 0
         and q.shape[2] == kv_cache.shape[4]

@@ -63,7 +63,7 @@ def rotary_ref(
 @triton.jit
 def _rotate_heads(
     x_ptr, out_ptr, token, stride_xt, stride_xh, stride_ot, stride_oh, num_heads, cos, sin,
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, CAST_OUT: tl.constexpr = False,
 ):
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_HALF)
@@ -78,8 +78,13 @@ def _rotate_heads(
     # Each product and the sum are rounded to x's dtype, as the reference's ``q * cos + rot(q) * sin``.
     o1 = (a * cos).to(dt).to(tl.float32) + (-b * sin).to(dt).to(tl.float32)
     o2 = (b * cos).to(dt).to(tl.float32) + (a * sin).to(dt).to(tl.float32)
-    tl.store(dst, o1.to(dt), mask=mask)
-    tl.store(dst + HALF, o2.to(dt), mask=mask)
+    if CAST_OUT:  # into an fp8 cache: round to x's dtype first (as the reference), then down from fp32
+        elt = out_ptr.dtype.element_ty
+        tl.store(dst, o1.to(dt).to(tl.float32).to(elt), mask=mask)
+        tl.store(dst + HALF, o2.to(dt).to(tl.float32).to(elt), mask=mask)
+    else:
+        tl.store(dst, o1.to(dt), mask=mask)
+        tl.store(dst + HALF, o2.to(dt), mask=mask)
 
 
 @triton.jit
@@ -161,7 +166,8 @@ def rotary_store_kv_ref(q, k, v, positions, inv_freq, kv_cache, slot_mapping) ->
     Args:
         q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim].
         positions: [T] int64; inv_freq: [head_dim // 2] float32 (:func:`rope_inv_freq`).
-        kv_cache: one layer, [num_blocks, 2, block_size, num_kv_heads, head_dim] (written in place).
+        kv_cache: one layer, [num_blocks, 2, block_size, num_kv_heads, head_dim] (written in place);
+            q's dtype, or float8_e4m3fn (keys and values rounded to q's dtype, then to fp8).
         slot_mapping: [T] int64 cache slots; negative skips the token (CUDA-graph padding).
     Returns:
         the rotated queries, [T, num_heads, head_dim], q's dtype.
@@ -180,7 +186,7 @@ def _rotary_store_kv_kernel(
     stride_cb, stride_ckv, stride_cs, stride_ch,
     num_heads, num_kv_heads,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-    KV_BLOCK_SIZE: tl.constexpr, USE_LIBDEVICE: tl.constexpr,
+    KV_BLOCK_SIZE: tl.constexpr, USE_LIBDEVICE: tl.constexpr, KV_CAST: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     dims = tl.arange(0, BLOCK_HALF)
@@ -195,24 +201,29 @@ def _rotary_store_kv_kernel(
     dt = q_ptr.dtype.element_ty
     cos = cos.to(dt).to(tl.float32)[None, :]
     sin = sin.to(dt).to(tl.float32)[None, :]
-    _rotate_heads(q_ptr, q_out_ptr, token, stride_qt, stride_qh, stride_qot, stride_qoh, num_heads,
-                  cos, sin, HALF, BLOCK_HQ, BLOCK_HALF)
+    if tl.program_id(1) == 0:  # program (t, 0) rotates the queries, (t, 1) writes keys and values
+        _rotate_heads(q_ptr, q_out_ptr, token, stride_qt, stride_qh, stride_qot, stride_qoh, num_heads,
+                      cos, sin, HALF, BLOCK_HQ, BLOCK_HALF)
+        return
     slot = tl.load(slot_ptr + token)
     if slot >= 0:  # negative: a padding row of a CUDA-graph batch, nothing to cache
         dst = cache_ptr + (slot // KV_BLOCK_SIZE) * stride_cb + (slot % KV_BLOCK_SIZE) * stride_cs
         # keys: rotated straight into the cache (the "token" stride of the destination is 0)
         _rotate_heads(k_ptr, dst, token, stride_kt, stride_kh, 0, stride_ch, num_kv_heads,
-                      cos, sin, HALF, BLOCK_HK, BLOCK_HALF)
+                      cos, sin, HALF, BLOCK_HK, BLOCK_HALF, KV_CAST)
         heads = tl.arange(0, BLOCK_HK)
         full = tl.arange(0, 2 * BLOCK_HALF)
         mask = (heads[:, None] < num_kv_heads) & (full[None, :] < 2 * HALF)
         v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + full[None, :], mask=mask)
+        if KV_CAST:
+            v = v.to(tl.float32)
         tl.store(dst + stride_ckv + heads[:, None] * stride_ch + full[None, :], v.to(cache_ptr.dtype.element_ty),
                  mask=mask)
 
 
 def rotary_store_kv_triton(q, k, v, positions, inv_freq, kv_cache, slot_mapping) -> torch.Tensor:
-    """Triton kernel of :func:`rotary_store_kv_ref`: one program per token (one launch instead of two)."""
+    """Triton kernel of :func:`rotary_store_kv_ref`: one launch instead of two; per token one program
+    rotates the queries and another rotates the keys into the cache and copies the values."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
@@ -221,7 +232,7 @@ def rotary_store_kv_triton(q, k, v, positions, inv_freq, kv_cache, slot_mapping)
         return q_out
     half = head_dim // 2
     inv_freq = inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
-    _rotary_store_kv_kernel[(num_tokens,)](
+    _rotary_store_kv_kernel[(num_tokens, 2)](
         q, k, v, q_out, kv_cache, positions.contiguous(), slot_mapping, inv_freq,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         q_out.stride(0), q_out.stride(1),
@@ -229,7 +240,8 @@ def rotary_store_kv_triton(q, k, v, positions, inv_freq, kv_cache, slot_mapping)
         num_heads, num_kv_heads,
         HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HK=triton.next_power_of_2(num_kv_heads),
-        KV_BLOCK_SIZE=kv_cache.shape[2], USE_LIBDEVICE=use_libdevice(), num_warps=4,
+        KV_BLOCK_SIZE=kv_cache.shape[2], USE_LIBDEVICE=use_libdevice(), KV_CAST=kv_cache.dtype != q.dtype,
+        num_warps=4,
     )
     return q_out
 
@@ -239,7 +251,7 @@ def rotary_store_kv(q, k, v, positions, inv_freq, kv_cache, slot_mapping) -> tor
     ``head_dim // 2`` is a power of two, else :func:`rotary` then ``store_kv`` (each dispatched)."""
     if (
         q.dim() == 3 and k.dim() == 3 and kv_cache.dim() == 5
-        and q.dtype == k.dtype == v.dtype == kv_cache.dtype
+        and q.dtype == k.dtype == v.dtype and kv_cache.dtype in (q.dtype, torch.float8_e4m3fn)
         and q.shape[-1] % 2 == 0 and q.shape[-1] == k.shape[-1] == kv_cache.shape[-1]
         and triton.next_power_of_2(q.shape[-1] // 2) == q.shape[-1] // 2
         and kv_cache.stride(-1) == 1

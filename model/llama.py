@@ -111,7 +111,12 @@ class PagedCausalLM(nn.Module):
     Subclasses build ``self.model`` (``embed_tokens``, ``layers`` of :class:`PreNormDecoderLayer` whose
     attention takes ``(positions, inv_freq, kv_cache, meta)``, ``norm``) and then call
     :meth:`_init_head`.
+
+    ``supports_fp8_kv_cache``: the attention path (``rotary_store_kv``, ``paged_attention``) accepts a
+    float8_e4m3fn cache (``EngineConfig.kv_cache_dtype="fp8"``).
     """
+
+    supports_fp8_kv_cache = True
 
     def _init_head(self, config) -> None:
         """LM head (tied to the embeddings when the config says so) and the RoPE frequencies."""

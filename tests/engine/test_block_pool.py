@@ -78,3 +78,22 @@ def test_manager_refuses_when_pool_is_short():
     r = make_req("r", range(12))
     assert kv.allocate_slots(r, 12) is None
     assert r.block_ids == [] and kv.pool.num_free_blocks == 2
+
+
+
+def test_manager_registers_a_duplicate_block_once_the_original_is_evicted():
+    kv = KVCacheManager(num_blocks=7, block_size=4)
+    a, b = make_req("a", range(8)), make_req("b", range(8))
+    h0, h1 = hash_block_chain(list(range(8)), 4)
+    kv.allocate_slots(a, 8)
+    kv.allocate_slots(b, 8)  # computed again (no prefix lookup): its equal blocks stay unregistered
+    assert (a.block_ids, b.block_ids) == ([0, 1], [2, 3])
+    assert (kv.pool.get_cached_block(h0), kv.pool.get_cached_block(h1)) == (0, 1)
+    kv.free(a)  # free queue: 4, 5, 6, 1, 0
+    kv.allocate_slots(make_req("c", range(100, 116)), 16)  # takes 4, 5, 6, 1: h1 is evicted
+    assert (kv.pool.get_cached_block(h0), kv.pool.get_cached_block(h1)) == (0, None)
+    b.num_computed_tokens = 8
+    b.output_token_ids.append(5)
+    assert kv.allocate_slots(b, 1) == [0]  # evicts h0; both of b's blocks are registered now
+    assert (kv.pool.get_cached_block(h0), kv.pool.get_cached_block(h1)) == (2, 3)
+    assert b.num_registered_blocks == 2

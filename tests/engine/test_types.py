@@ -44,3 +44,12 @@ def test_request_derived_lengths():
     r.output_token_ids += [7, 8]
     assert (r.num_prompt_tokens, r.num_output_tokens, r.num_tokens) == (3, 2, 5)
     assert r.all_token_ids == [1, 2, 3, 7, 8]
+
+
+def test_known_token_ids_is_a_slice_of_all_token_ids():
+    r = Request("r", [1, 2, 3], SamplingParams())
+    r.output_token_ids += [7, 8]
+    for start in range(6):
+        for end in range(start, 8):
+            assert r.known_token_ids(start, end) == r.all_token_ids[start:end]
+

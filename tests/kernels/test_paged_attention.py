@@ -143,6 +143,20 @@ def check_graph_splits(device, dtype, head_dim=32):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kernel_fp8_cache(dtype):
+    """An fp8 KV cache (float8_e4m3fn) is widened on load: the kernel equals the reference over it."""
+    for i, (qls, sls, h, hkv, splits) in enumerate(kernel_cases(long=True)):
+        q, kv, meta, _ = make_case(qls, sls, h, hkv, 128, 16, dtype, "cuda", seed=i)
+        kv = kv.to(torch.float8_e4m3fn)
+        got = paged_attention_triton(q, kv, meta, 128**-0.5, num_splits=splits)
+        want = paged_attention_ref(q, kv, meta, 128**-0.5)
+        torch.testing.assert_close(got.float(), want.float(), atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16],
+                                   msg=lambda m: f"case {i}: {m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_kernel_graph_split_count():
     check_graph_splits("cuda", torch.bfloat16, 128)
 

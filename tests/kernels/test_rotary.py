@@ -60,8 +60,9 @@ def check_kernel(device, cases):
     return worst
 
 
-def check_fused(device, cases):
-    """rotary_store_kv against the reference: rotated queries, and the cache (padding slots untouched)."""
+def check_fused(device, cases, cache_dtype=None):
+    """rotary_store_kv against the reference: rotated queries, and the cache (padding slots untouched);
+    ``cache_dtype`` float8_e4m3fn checks an fp8 cache."""
     for i, (t, h, hkv, d, dtype, theta, scaling) in enumerate(cases):
         q, k, pos = make_case(t, h, hkv, d, dtype, device, seed=10 + i)
         gen = torch.Generator().manual_seed(i)
@@ -70,18 +71,21 @@ def check_fused(device, cases):
         slots = torch.randperm(num_blocks * block_size, generator=gen)[:t]
         slots[::3] = -1  # padding rows
         slots = slots.to(device)
-        cache = torch.randn((num_blocks, 2, block_size, hkv, d), generator=gen).to(device=device, dtype=dtype)
+        cache = torch.randn((num_blocks, 2, block_size, hkv, d), generator=gen).to(device=device,
+                                                                                   dtype=cache_dtype or dtype)
         want_cache = cache.clone()
         inv_freq = rope_inv_freq(d, theta, scaling).to(device)
         got_q = rotary_store_kv(q, k, v, pos, inv_freq, cache, slots)
         want_q = rotary_store_kv_ref(q, k, v, pos, inv_freq, want_cache, slots)
         tol = TOL[dtype]
         torch.testing.assert_close(got_q.float(), want_q.float(), atol=tol, rtol=tol, msg=lambda m: f"case {i}: {m}")
-        torch.testing.assert_close(cache.float(), want_cache.float(), atol=tol, rtol=tol,
+        ctol = tol if cache_dtype is None else 0.13  # one fp8 step (3 mantissa bits) apart at most
+        torch.testing.assert_close(cache.float(), want_cache.float(), atol=ctol, rtol=ctol,
                                    msg=lambda m: f"case {i} cache: {m}")
         untouched = torch.ones(num_blocks * block_size, dtype=torch.bool, device=device)
         untouched[slots[slots >= 0]] = False
-        flat = lambda c: c.transpose(1, 2).reshape(num_blocks * block_size, -1)  # noqa: E731
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[cache.element_size()]
+        flat = lambda c: c.view(bits).transpose(1, 2).reshape(num_blocks * block_size, -1)  # noqa: E731
         assert torch.equal(flat(cache)[untouched], flat(want_cache)[untouched]), f"case {i}: padding wrote"
 
 
@@ -99,6 +103,7 @@ GPU_CASES = [
 def test_kernel_matches_ref():
     print(f"rotary: max abs err {check_kernel('cuda', GPU_CASES):.2e}")
     check_fused("cuda", GPU_CASES)
+    check_fused("cuda", GPU_CASES, torch.float8_e4m3fn)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
