@@ -43,7 +43,14 @@ def resolve_kv_transport(kv_transport: str, num_gpus_per_replica: float) -> str:
     return "cuda_ipc" if num_gpus_per_replica > 0 else "object_store"
 
 
-def _torch_nccl_group_class():
+def torch_group_class(name: str, torch_backend: str):
+    """A Ray collective group class named ``name`` over ``torch.distributed``'s ``torch_backend``.
+
+    Rendezvous and every operation are Ray's ``TorchGLOOGroup``'s (they call ``torch.distributed`` with
+    this group); only the process group's backend differs. With "nccl", tensors must be on the process's
+    current CUDA device. ``torch_group_class("NCCL", "nccl")`` is :class:`TorchNCCLGroup`; tests build a
+    "gloo" one to run the same code on CPU.
+    """
     import torch
     import torch.distributed as dist
     from ray.experimental import internal_kv
@@ -53,23 +60,16 @@ def _torch_nccl_group_class():
         get_master_address_metadata_key,
     )
 
-    class TorchNCCLGroup(TorchGLOOGroup):
-        """Ray collective group over ``torch.distributed``'s NCCL backend (no CuPy).
-
-        Rendezvous and every operation are Ray's ``TorchGLOOGroup``'s (they call ``torch.distributed``
-        with this group); only the process group's backend differs. Tensors must be on the process's
-        current CUDA device.
-        """
-
+    class TorchDistGroup(TorchGLOOGroup):
         def __init__(self, world_size: int, rank: int, group_name: str, gloo_timeout: int | None = None):
             if not dist.is_initialized():
                 self._rendezvous(group_name, rank, gloo_timeout)
                 key = get_master_address_metadata_key(group_name)
                 addr, port = internal_kv._internal_kv_get(key).decode().split(":")
                 os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, port
-                device = torch.device("cuda", torch.cuda.current_device())
-                dist.init_process_group(backend="nccl", init_method="env://", world_size=world_size, rank=rank,
-                                        device_id=device)
+                device = torch.device("cuda", torch.cuda.current_device()) if torch_backend == "nccl" else None
+                dist.init_process_group(backend=torch_backend, init_method="env://", world_size=world_size,
+                                        rank=rank, device_id=device)
                 if rank == 0:
                     try:
                         internal_kv._internal_kv_del(key)
@@ -78,15 +78,17 @@ def _torch_nccl_group_class():
             BaseGroup.__init__(self, world_size, rank, group_name)
             self._is_default_group = group_name == "default"
             self._pg = dist.group.WORLD if self._is_default_group else dist.new_group(list(range(world_size)),
-                                                                                       backend="nccl")
+                                                                                       backend=torch_backend)
 
         @classmethod
         def backend(cls):
-            return "NCCL"
+            return name
 
         @classmethod
         def check_backend_availability(cls) -> bool:
-            return dist.is_available() and dist.is_nccl_available() and torch.cuda.is_available()
+            if not dist.is_available():
+                return False
+            return torch_backend != "nccl" or (dist.is_nccl_available() and torch.cuda.is_available())
 
         def send(self, tensor, send_options) -> None:
             dist.send(self._check_tensor_input(tensor), dst=send_options.dst_rank, group=self._pg)
@@ -94,7 +96,8 @@ def _torch_nccl_group_class():
         def recv(self, tensor, recv_options) -> None:
             dist.recv(self._check_tensor_input(tensor), src=recv_options.src_rank, group=self._pg)
 
-    return TorchNCCLGroup
+    TorchDistGroup.__name__ = TorchDistGroup.__qualname__ = f"Torch{name}Group"
+    return TorchDistGroup
 
 
 def ensure_nccl_backend() -> str:
@@ -113,7 +116,7 @@ def ensure_nccl_backend() -> str:
     if _global_registry.check("NCCL"):
         return "ray"
     _global_registry._map.pop("NCCL", None)  # registered but unusable (no CuPy): replace it
-    register_collective_backend("NCCL", _torch_nccl_group_class())
+    register_collective_backend("NCCL", torch_group_class("NCCL", "nccl"))
     logger.info("Ray's NCCL collective group needs CuPy; using torch.distributed's NCCL backend")
     return "torch"
 
