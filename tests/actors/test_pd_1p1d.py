@@ -2,6 +2,7 @@
 pass over a shared-prefix workload loads its prefixes from the store instead of computing them."""
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -55,3 +56,29 @@ def test_bad_request_is_rejected_for_that_request_only(pd, client, cases, refere
     bad, good = asyncio.run(main())
     assert bad.finish_reason == "error" and "token ids" in bad.error
     assert good.error is None and good.output_token_ids == reference[cases[0].request_id][0]
+
+
+def test_seeded_sampling_equals_colocated_across_hand_backs(ray_cluster, pd, cases):
+    """Seeded random sampling draws by (seed, output position, token), so a request split across replicas
+    (first token on the prefill replica, the rest on the decode replica, re-prefilled when the decode
+    replica hands it back) samples what one engine does."""
+    from rayinfer.engine.llm_engine import LLMEngine
+    from rayinfer.engine.types import SamplingParams
+
+    seeded = [dataclasses.replace(c, request_id=f"seeded-{i}",
+                                  params=SamplingParams(temperature=0.9, top_p=0.95, seed=1000 + i, max_tokens=12))
+              for i, c in enumerate(cases[:5])]
+    engine = LLMEngine(pd.model, pd.engine_config())
+    want = {c.request_id: c.output_token_ids for c in engine.generate(
+        [c.prompt_token_ids for c in seeded], [c.params for c in seeded], [c.request_id for c in seeded])}
+    # a decode pool too small for all of them at once: it preempts and hands requests back
+    small = PDClient(pd.model, pd.engine_config(enable_prefix_caching=False),
+                     PDConfig(1, 1, decode_overrides={"num_kv_blocks": 16}))
+    try:
+        streams = asyncio.run(pd.stream_all(small, seeded, "~s"))
+        for rid, outs in streams.items():
+            assert outs[-1].error is None, outs[-1].error
+            assert [t for o in outs for t in o.new_token_ids] == want[rid.split("~")[0]], rid
+        assert small.num_handbacks > 0
+    finally:
+        small.shutdown()
