@@ -18,7 +18,7 @@ from torch.nn import functional as F
 
 from rayinfer.kernels.attention_metadata import AttentionMetadata
 from rayinfer.kernels.mla_attention import mla_decode, mla_prefill_ref, store_mla_kv
-from rayinfer.model.llama import PreNormDecoderLayer, RMSNorm
+from rayinfer.model.llama import PagedCausalLM, PreNormDecoderLayer, RMSNorm
 from rayinfer.model.moe import ExpertParallelism, GatedMLP, MoEModelMixin, RoutedExperts, grouped_topk
 
 
@@ -206,12 +206,15 @@ class DeepseekV3Model(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class DeepseekV3ForCausalLM(MoEModelMixin, nn.Module):
-    """DeepSeek-V3 with an LM head; the engine's model interface (see ``rayinfer.model.llama``).
+class DeepseekV3ForCausalLM(MoEModelMixin, PagedCausalLM):
+    """DeepSeek-V3 with an LM head; the engine's model interface (:class:`PagedCausalLM`'s forward over
+    MLA's compressed cache). MoE layers count routed tokens as they run (:meth:`expert_load`).
 
     The MTP head (``num_nextn_predict_layers``) is not built: its checkpoint layers are skipped by
     :meth:`load_weights`. Expert parallelism as in ``Qwen3MoeForCausalLM`` (pass ``ep``).
     """
+
+    supports_fp8_kv_cache = False  # MLA's cache and kernels are the model's dtype only
 
     def __init__(self, config, ep: ExpertParallelism | None = None):
         """Raises: ValueError for an unsupported rope type, activation or expert grouping."""
@@ -229,30 +232,7 @@ class DeepseekV3ForCausalLM(MoEModelMixin, nn.Module):
         c = self.config
         return (c.num_hidden_layers, num_blocks, block_size, c.kv_lora_rank + c.qk_rope_head_dim)
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        """Run the decoder over this step's new tokens.
-
-        Args:
-            input_ids: [T] int64 new tokens of all requests, concatenated (T may be 0 under EP).
-            positions: [T] int64 their positions.
-            kv_cache: the tensor of :meth:`kv_cache_shape`; written in place at ``meta.slot_mapping``.
-            meta: the step's :class:`AttentionMetadata`.
-        Returns:
-            hidden: [T, hidden_size], after the final norm.
-        Side effects: MoE layers count routed tokens (:meth:`expert_load`).
-        """
-        hidden = self.model.embed_tokens(input_ids)
+    def rope_args(self, positions: torch.Tensor, hidden: torch.Tensor) -> tuple:
+        """(cos, sin) [T, qk_rope_head_dim / 2] in the hidden dtype, YaRN's magnitude factor applied."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        cos = (freqs.cos() * self.rope_factor).to(hidden.dtype)
-        sin = (freqs.sin() * self.rope_factor).to(hidden.dtype)
-        residual = None
-        for i, layer in enumerate(self.model.layers):
-            hidden, residual = layer(hidden, residual, cos, sin, kv_cache[i], meta)
-        hidden, _ = self.model.norm(hidden, residual)
-        return hidden
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] -> logits [N, vocab_size] float32."""
-        return self.lm_head(hidden).float()
+        return (freqs.cos() * self.rope_factor).to(hidden.dtype), (freqs.sin() * self.rope_factor).to(hidden.dtype)

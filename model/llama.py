@@ -101,16 +101,17 @@ class LlamaModel(nn.Module):
 
 
 class PagedCausalLM(nn.Module):
-    """The engine's model interface for decoders with GQA attention over the standard paged cache
-    (shared by every model in ``rayinfer.model`` that uses it; DeepSeek-V3's MLA has its own cache):
+    """The engine's model interface, shared by every decoder in ``rayinfer.model``:
 
         ``kv_cache_shape(num_blocks, block_size)`` -> shape of the whole cache tensor,
         ``forward(input_ids, positions, kv_cache, meta)`` -> hidden states,
         ``compute_logits(hidden)`` -> float32 logits.
 
-    Subclasses build ``self.model`` (``embed_tokens``, ``layers`` of :class:`PreNormDecoderLayer` whose
-    attention takes ``(positions, inv_freq, kv_cache, meta)``, ``norm``) and then call
-    :meth:`_init_head`.
+    Subclasses build ``self.model`` (``embed_tokens``, ``layers`` of :class:`PreNormDecoderLayer`,
+    ``norm``) and an ``lm_head`` (:meth:`_init_head` for the GQA models). Each layer's attention takes
+    ``(*rope_args(positions, hidden), kv_cache, meta)``: here the positions and inverse frequencies over
+    the standard paged cache; DeepSeek-V3's MLA overrides :meth:`rope_args` and :meth:`kv_cache_shape`
+    (its compressed cache).
 
     ``supports_fp8_kv_cache``: the attention path (``rotary_store_kv``, ``paged_attention``) accepts a
     float8_e4m3fn cache (``EngineConfig.kv_cache_dtype="fp8"``).
@@ -150,11 +151,16 @@ class PagedCausalLM(nn.Module):
             hidden: [T, hidden_size], after the final norm.
         """
         hidden = self.model.embed_tokens(input_ids)
+        rope = self.rope_args(positions, hidden)
         residual = None
         for i, layer in enumerate(self.model.layers):
-            hidden, residual = layer(hidden, residual, positions, self.inv_freq, kv_cache[i], meta)
+            hidden, residual = layer(hidden, residual, *rope, kv_cache[i], meta)
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
+
+    def rope_args(self, positions: torch.Tensor, hidden: torch.Tensor) -> tuple:
+        """What every layer's attention takes for RoPE: (positions [T] int64, inv_freq [head_dim/2] fp32)."""
+        return positions, self.inv_freq
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab_size] float32."""
