@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from rayinfer.engine.sync_guard import no_host_sync
 from rayinfer.kernels._triton_utils import HAS_TRITON
 from rayinfer.kernels.kv_write import store_kv, store_kv_ref
 
@@ -74,11 +75,8 @@ def test_kernel_matches_ref():
 def test_kernel_no_host_sync():
     k, v, cache, slots = make_case(64, 16, 16, 8, 128, torch.bfloat16, "cuda")
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         store_kv(k, v, cache, slots)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")

@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 
+from rayinfer.engine.sync_guard import no_host_sync
 from rayinfer.kernels._triton_utils import HAS_TRITON
 from rayinfer.kernels.attention_metadata import AttentionMetadata
 from rayinfer.kernels.paged_attention import paged_attention, paged_attention_ref, paged_attention_triton
@@ -173,11 +174,8 @@ def test_kernel_head_dim_not_power_of_two():
 def test_kernel_fp16_and_no_host_sync():
     q, kv, meta, _ = make_case([1] * 4 + [50], [900, 3, 64, 1000, 300], 32, 8, 128, 16, torch.float16, "cuda")
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         got = paged_attention(q, kv, meta, 128**-0.5)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
     want = paged_attention_ref(q, kv, meta, 128**-0.5)
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[torch.float16], rtol=TOL[torch.float16])
 

@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from rayinfer.engine.sync_guard import no_host_sync
 from rayinfer.kernels._triton_utils import HAS_TRITON
 from rayinfer.kernels.sampling import allowed_token_mask, request_keys, sample, sample_ref, uniform_noise
 
@@ -186,11 +187,8 @@ def test_kernel_no_host_sync():
     temperature, top_k, top_p, min_p = (t.cuda() for t in _params([FILTER_ROWS[i % 8] for i in range(batch)]))
     seeds = torch.arange(batch, device="cuda")
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         sample(logits, temperature, top_k, top_p, min_p, seeds, seeds)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
