@@ -45,7 +45,17 @@ def greedy(model, prompt, num_new, chunks, table, block_size):
     return tokens[len(prompt) :]
 
 
+def assert_matches_hf(ref, ours, seqs, tables, schedule, block_size, tol=1e-4):
+    """Every position's logits of ``ours`` through the paged cache equal the HF model ``ref``'s over each
+    whole sequence (rtol = atol = ``tol``)."""
+    with torch.no_grad():
+        got = run_schedule(ours, seqs, tables, schedule, block_size)
+        for s, g in zip(seqs, got):
+            torch.testing.assert_close(g, ref(s[None]).logits[0], rtol=tol, atol=tol)
+
+
 @pytest.fixture
 def paged():
-    """``paged.run_schedule(...)`` and ``paged.greedy(...)`` (test modules cannot import each other)."""
-    return SimpleNamespace(run_schedule=run_schedule, greedy=greedy)
+    """``paged.run_schedule(...)``, ``paged.greedy(...)``, ``paged.assert_matches_hf(...)`` (test modules
+    cannot import each other)."""
+    return SimpleNamespace(run_schedule=run_schedule, greedy=greedy, assert_matches_hf=assert_matches_hf)

@@ -35,10 +35,7 @@ def make_pair(cfg, seed=0):
 def test_prefill_then_decode_matches_hf(extra, paged):
     ref, ours = make_pair(tiny_config(**extra))
     seqs = [torch.randint(0, 128, (14,)), torch.randint(0, 128, (12,))]
-    with torch.no_grad():
-        got = paged.run_schedule(ours, seqs, TABLES, SCHEDULE, BLOCK_SIZE)
-        for s, g in zip(seqs, got):
-            torch.testing.assert_close(g, ref(s[None]).logits[0], rtol=1e-4, atol=1e-4)
+    paged.assert_matches_hf(ref, ours, seqs, TABLES, SCHEDULE, BLOCK_SIZE)
     load = ours.expert_load(reset=True)
     num_moe = 2 if not extra else 1
     assert load.shape == (num_moe, 8) and (load.sum(1) == 26 * 2).all()
