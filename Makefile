@@ -3,7 +3,8 @@
 #   make test   # set up .venv, then run the test suite (CPU)
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# torch first, pinned to the CPU build this project is tested with (a wider range would pull a CUDA build)
+# torch first, pinned to the version this project is tested with (pip takes the CPU build where its index
+# offers one, as the PyTorch CPU index or a local wheel does; override TORCH_SPEC for another build)
 TORCH_SPEC ?= torch==2.13.*
 
 $(VENV)/.installed: pyproject.toml
