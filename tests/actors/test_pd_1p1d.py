@@ -66,14 +66,16 @@ def test_seeded_sampling_equals_colocated_across_hand_backs(ray_cluster, pd, cas
     from rayinfer.engine.types import SamplingParams
 
     seeded = [dataclasses.replace(c, request_id=f"seeded-{i}",
-                                  params=SamplingParams(temperature=0.9, top_p=0.95, seed=1000 + i, max_tokens=12))
+                                  params=SamplingParams(temperature=0.9, top_p=0.95, seed=1000 + i,
+                                                        max_tokens=48, ignore_eos=True))
               for i, c in enumerate(cases[:5])]
     engine = LLMEngine(pd.model, pd.engine_config())
     want = {c.request_id: c.output_token_ids for c in engine.generate(
         [c.prompt_token_ids for c in seeded], [c.params for c in seeded], [c.request_id for c in seeded])}
-    # a decode pool too small for all of them at once: it preempts and hands requests back
+    # a decode pool too small for all of them at once: each grows to 8 blocks over 48 decode steps, so any
+    # two that overlap exhaust the 12 blocks and the decode replica hands one back
     small = PDClient(pd.model, pd.engine_config(enable_prefix_caching=False),
-                     PDConfig(1, 1, decode_overrides={"num_kv_blocks": 16}))
+                     PDConfig(1, 1, decode_overrides={"num_kv_blocks": 12}))
     try:
         streams = asyncio.run(pd.stream_all(small, seeded, "~s"))
         for rid, outs in streams.items():
