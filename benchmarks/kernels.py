@@ -30,6 +30,7 @@ import torch
 from rayinfer.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from rayinfer.kernels.attention_metadata import AttentionMetadata
 from rayinfer.kernels.block_copy import copy_blocks_ref, copy_blocks_triton
+from rayinfer.kernels.gemv import linear_triton, silu_and_mul_linear_triton
 from rayinfer.kernels.kv_write import store_kv_ref, store_kv_triton
 from rayinfer.kernels.norm import rms_norm_ref, rms_norm_triton
 from rayinfer.kernels.paged_attention import paged_attention_ref, paged_attention_triton
@@ -282,12 +283,91 @@ def sampling_case(results, ceil, batch, full_filters):
            ref_ms, kernel_ms, graph_us, batch * VOCAB * 4, err=0.0 if same else float("nan"))
 
 
+GEMV_SHAPES = {"o": (HIDDEN, HIDDEN), "down": (HIDDEN, INTER)}
+GEMV_PROLOGUE = {"o": None, "down": "silu_and_mul"}
+
+
+def _gemv_fns(name, config):
+    """Per-layer callables of (cuBLAS with the separate SiLU kernel where the shape has it, the one-row
+    Triton GEMV) for one shape, over distinct weights, and the weight bytes."""
+    n, k = GEMV_SHAPES[name]
+    ws = [torch.randn((n, k), device="cuda", dtype=DT) / k**0.5 for _ in range(layers_for(n * k * 2))]
+    if GEMV_PROLOGUE[name] == "silu_and_mul":
+        x = torch.randn((1, 2 * k), device="cuda", dtype=DT)
+        base = [lambda w=w: torch.nn.functional.linear(silu_and_mul_triton(x), w) for w in ws]
+        fused = [lambda w=w: silu_and_mul_linear_triton(x, w, config=config) for w in ws]
+    else:
+        x = torch.randn((1, k), device="cuda", dtype=DT)
+        base = [lambda w=w: torch.nn.functional.linear(x, w) for w in ws]
+        fused = [lambda w=w: linear_triton(x, w, config=config) for w in ws]
+    return base, fused, n * k * 2
+
+
+def sweep_gemv(ceil) -> list[dict]:
+    """Graph time per call of the one-row GEMVs (tile configurations; None: the default) against cuBLAS
+    (plus the separate SiLU kernel for the down projection) at Llama-3-8B's o_proj and down_proj."""
+    configs = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st)
+               for bn in (4, 8) for bk in (1024, 2048) for w, st in ((8, 3), (8, 4), (16, 3))]
+    rows = []
+    for name in GEMV_SHAPES:
+        base, _, nbytes = _gemv_fns(name, None)
+        base_us = bench_graph(base)
+        for cfg in [None, *configs]:
+            try:
+                us = bench_graph(_gemv_fns(name, cfg)[1])
+            except Exception as exc:
+                print(f"  gemv {name} {cfg} failed: {exc!r}", file=sys.stderr)
+                continue
+            if us is None:
+                continue
+            pct = 100 * nbytes / us / 1e3 / ceil["copy_GBps"]
+            rows.append({"shape": name, "m": 1, "config": cfg, "graph_us": us, "cublas_us": base_us, "pct_of_copy_bw": pct})
+            print(f"  gemv {name} {cfg}: {us:7.1f} us ({pct:5.1f}% bw) cublas {base_us:7.1f} us", flush=True)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_decode_tiles(ceil) -> list[dict]:
+    """Graph time of decode attention for key-tile sizes, warps and stages, bf16 and fp8 caches."""
+    rows = []
+    for batch, ctx in ((256, 1536),):
+        cache, meta, q = _attention_setup(batch, 1, ctx)
+        for kv_dtype in (DT, torch.float8_e4m3fn):
+            c = cache if kv_dtype == DT else cache.to(kv_dtype)
+            nbytes = batch * ctx * KV_HEADS * HEAD_DIM * 2 * c.element_size()
+            want = paged_attention_ref(q, c[0], meta, HEAD_DIM**-0.5).float()
+            if kv_dtype == DT:
+                continue
+            for bn, warps, stages, f16 in [(128, 4, 3, True), (128, 8, 3, True), (128, 8, 4, True), (256, 4, 2, True),
+                                           (256, 8, 2, True), (256, 8, 3, True), (64, 4, 4, True)]:
+                if True:
+                    cfg = dict(block_q=4, block_n=bn, num_warps=warps, num_stages=stages, kv_f16=f16)
+                    try:
+                        run = lambda i=0, cfg=cfg: paged_attention_triton(q, c[i], meta, HEAD_DIM**-0.5, config=cfg)  # noqa: E731
+                        err = (run().float() - want).abs().max().item()
+                        us = bench_graph([lambda i=i: run(i) for i in range(c.shape[0])])
+                    except Exception as exc:
+                        print(f"  decode config {cfg} failed: {exc!r}", file=sys.stderr)
+                        continue
+                    pct = 100 * nbytes / us / 1e3 / ceil["copy_GBps"]
+                    rows.append({"batch": batch, "ctx_len": ctx, "kv_dtype": str(kv_dtype), "config": cfg,
+                                 "graph_us": us, "pct_of_copy_bw": pct, "err": err})
+                    print(f"  decode B={batch} ctx={ctx} {kv_dtype} {bn} w{warps} s{stages} f16={f16}: {us:7.1f} us "
+                          f"{pct:5.1f}% bw err {err:.1e}", flush=True)
+            del c
+        del cache
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results/kernels-h200.json")
     parser.add_argument("--git-rev", default=None, help="revision of the code (default: git rev-parse HEAD)")
     parser.add_argument("--quick", action="store_true", help="fewer cases")
     parser.add_argument("--sweep", action="store_true", help="also sweep prefill tiles and decode split factors")
+    parser.add_argument("--only-sweeps", nargs="*", default=None,
+                        help="skip the kernel table; run these sweeps (gemv, decode_tiles, prefill, decode_splits)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA device")
@@ -304,6 +384,16 @@ def main() -> None:
     ceil = measure_ceilings()
     print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['matmul_bf16_TFLOPs']:.0f} TFLOP/s", flush=True)
     results: list[dict] = []
+    sweeps = {}
+    if args.only_sweeps is not None:
+        funcs = {"gemv": sweep_gemv, "decode_tiles": sweep_decode_tiles, "prefill": sweep_prefill,
+                 "decode_splits": sweep_decode_splits}
+        for name in args.only_sweeps:
+            sweeps[name] = funcs[name](ceil)
+            with open(args.out, "w") as f:  # after each sweep, so a cut-off run keeps what it measured
+                json.dump({"command": " ".join(sys.argv), "git_rev": rev, "device": torch.cuda.get_device_name(),
+                           "ceilings": ceil, "sweeps": sweeps}, f, indent=1)
+        return
     for batch in (1, 32, 128):
         for ctx in (1024, 4096):
             attention_case(results, ceil, batch, 1, ctx)
@@ -321,7 +411,6 @@ def main() -> None:
     for batch in (1, 128):
         sampling_case(results, ceil, batch, False)
         sampling_case(results, ceil, batch, True)
-    sweeps = {}
     if args.sweep:
         sweeps["prefill_4096"] = sweep_prefill(ceil)
         sweeps["decode_splits"] = sweep_decode_splits(ceil)

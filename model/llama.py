@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rayinfer.kernels.activation import silu_and_mul
 from rayinfer.kernels.attention_metadata import AttentionMetadata
+from rayinfer.kernels.gemv import linear, silu_and_mul_linear
 from rayinfer.kernels.norm import rms_norm
 from rayinfer.kernels.paged_attention import paged_attention
 from rayinfer.kernels.rotary import rope_inv_freq, rotary_store_kv
@@ -48,7 +48,8 @@ class LlamaAttention(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         q = rotary_store_kv(q, k, v, positions, inv_freq, kv_cache, meta.slot_mapping)
         out = paged_attention(q, kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        # one row (batch-1 decode on the GPU): a GEMV without cuBLAS's split-K reduction kernel
+        return linear(out.reshape(t, self.q_size), self.o_proj.weight, self.o_proj.bias)
 
 
 class LlamaMLP(nn.Module):
@@ -60,7 +61,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x):
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        # silu_and_mul then down_proj: one fused GEMV for a single row on the GPU, else two kernels
+        return silu_and_mul_linear(self.gate_up_proj(x), self.down_proj.weight, self.down_proj.bias)
 
 
 class PreNormDecoderLayer(nn.Module):

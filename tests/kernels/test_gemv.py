@@ -1,0 +1,105 @@
+"""Single-row GEMV kernels (plain, SiLU-and-mul prologue) against their references."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from rayinfer.kernels._triton_utils import HAS_TRITON
+from rayinfer.kernels.gemv import (
+    gemv_applies,
+    linear,
+    linear_triton,
+    silu_and_mul_linear,
+    silu_and_mul_linear_ref,
+    silu_and_mul_linear_triton,
+)
+
+CUDA = torch.cuda.is_available()
+TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 3e-2}
+
+
+def make_case(n, k, dtype, device, seed, bias=False, gated=False):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn((1, 2 * k if gated else k), generator=gen)
+    w = torch.randn((n, k), generator=gen) / k**0.5
+    b = torch.randn(n, generator=gen) if bias else None
+    to = lambda t: None if t is None else t.to(device=device, dtype=dtype)  # noqa: E731
+    return to(x), to(w), to(b)
+
+
+def close(got, want, what):
+    tol = TOL[want.dtype]
+    assert got.dtype == want.dtype and got.shape == want.shape, what
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol, msg=lambda m: f"{what}: {m}")
+    return (got.float() - want.float()).abs().max().item()
+
+
+def check_kernels(device, cases, plain, gated, config=None):
+    """Each case through both kernels against the references; returns the largest abs error."""
+    worst = 0.0
+    for i, (n, k, dtype, bias) in enumerate(cases):
+        x, w, b = make_case(n, k, dtype, device, i, bias)
+        worst = max(worst, close(plain(x, w, b, **config or {}), torch.nn.functional.linear(x, w, b), f"case {i} linear"))
+        xg, w, b = make_case(n, k, dtype, device, 100 + i, bias, gated=True)
+        got = gated(xg, w, b, **config or {})
+        worst = max(worst, close(got, silu_and_mul_linear_ref(xg, w, b), f"case {i} silu_and_mul_linear"))
+    return worst
+
+
+def test_ref_is_silu_then_linear():
+    x, w, b = make_case(40, 64, torch.float32, "cpu", 0, bias=True, gated=True)
+    gate, up = x[:, :64].double(), x[:, 64:].double()
+    want = (gate * torch.sigmoid(gate) * up) @ w.double().T + b.double()
+    torch.testing.assert_close(silu_and_mul_linear_ref(x, w, b).double(), want, atol=1e-4, rtol=1e-4)
+
+
+def test_dispatch_rules():
+    """CPU tensors (no interpreter) take the references; more than one row or float32 stays on cuBLAS."""
+    x, w, _ = make_case(32, 64, torch.bfloat16, "cpu", 1)
+    assert not gemv_applies(x, w)
+    assert torch.equal(linear(x, w), torch.nn.functional.linear(x, w))
+    xg, w, _ = make_case(32, 64, torch.bfloat16, "cpu", 2, gated=True)
+    assert torch.equal(silu_and_mul_linear(xg, w), silu_and_mul_linear_ref(xg, w))
+    if CUDA:
+        x, w, _ = make_case(32, 64, torch.bfloat16, "cuda", 3)
+        assert gemv_applies(x, w)
+        assert not gemv_applies(torch.cat([x, x]), w)
+        assert not gemv_applies(x.float(), w.float())
+
+
+GPU_CASES = [  # (N, K, dtype, bias): Llama-3-8B's o_proj and down_proj, SmolLM2 widths, odd shapes
+    (4096, 4096, torch.bfloat16, False),
+    (4096, 14336, torch.bfloat16, False),
+    (576, 1536, torch.float16, True),
+    (1000, 300, torch.bfloat16, False),  # neither N nor K a tile multiple
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_kernels_match_refs_on_gpu():
+    from rayinfer.engine.sync_guard import no_host_sync
+
+    x, w, _ = make_case(4096, 4096, torch.bfloat16, "cuda", 0)
+    with no_host_sync():
+        linear(x, w), silu_and_mul_linear(torch.cat([x, x], 1), w)
+    print(f"gemv: max abs err {check_kernels('cuda', GPU_CASES, linear_triton, silu_and_mul_linear_triton):.2e}")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_kernel_through_triton_interpreter(run_interpreted):
+    run_interpreted(__file__)
+
+
+if __name__ == "__main__":
+    if "--interpret" in sys.argv:
+        cases = [(48, 64, torch.float32, False), (40, 100, torch.float32, True)]
+        small = {"config": dict(block_n=16, block_k=64, num_warps=4, num_stages=2)}
+        err = max(check_kernels("cpu", cases, linear_triton, silu_and_mul_linear_triton),
+                  check_kernels("cpu", cases, linear_triton, silu_and_mul_linear_triton, small))
+        print(f"max abs err {err:.2e}")
+    else:
+        sys.exit(pytest.main([__file__, "-m", "gpu", "-q", *sys.argv[1:]]))
