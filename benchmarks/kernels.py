@@ -4,6 +4,9 @@ Usage (on a CUDA machine)::
 
     python benchmarks/kernels.py [--out benchmarks/results/kernels-h200.json] [--git-rev REV] [--quick]
 
+``--only-sweeps gemv decode_tiles`` skips the table and sweeps tile configurations instead (the
+one-row GEMV against cuBLAS; decode attention per batch shape and KV dtype), writing JSON after each.
+
 The ceilings are measured in the same run: HBM bandwidth as a large device-to-device copy (bytes read
 plus written) and bf16 matrix throughput as an 8192^3 matmul on random data. For each case it reports
 the reference's and the kernel's median time (eager, L2 flushed between calls, launch included), the
@@ -330,30 +333,28 @@ def sweep_gemv(ceil) -> list[dict]:
 def sweep_decode_tiles(ceil) -> list[dict]:
     """Graph time of decode attention for key-tile sizes, warps and stages, bf16 and fp8 caches."""
     rows = []
-    for batch, ctx in ((256, 1536),):
+    for batch, ctx in ((1, 1024), (32, 1024), (256, 1536)):
         cache, meta, q = _attention_setup(batch, 1, ctx)
         for kv_dtype in (DT, torch.float8_e4m3fn):
             c = cache if kv_dtype == DT else cache.to(kv_dtype)
             nbytes = batch * ctx * KV_HEADS * HEAD_DIM * 2 * c.element_size()
             want = paged_attention_ref(q, c[0], meta, HEAD_DIM**-0.5).float()
-            if kv_dtype == DT:
-                continue
-            for bn, warps, stages, f16 in [(128, 4, 3, True), (128, 8, 3, True), (128, 8, 4, True), (256, 4, 2, True),
-                                           (256, 8, 2, True), (256, 8, 3, True), (64, 4, 4, True)]:
-                if True:
-                    cfg = dict(block_q=4, block_n=bn, num_warps=warps, num_stages=stages, kv_f16=f16)
-                    try:
-                        run = lambda i=0, cfg=cfg: paged_attention_triton(q, c[i], meta, HEAD_DIM**-0.5, config=cfg)  # noqa: E731
-                        err = (run().float() - want).abs().max().item()
-                        us = bench_graph([lambda i=i: run(i) for i in range(c.shape[0])])
-                    except Exception as exc:
-                        print(f"  decode config {cfg} failed: {exc!r}", file=sys.stderr)
-                        continue
-                    pct = 100 * nbytes / us / 1e3 / ceil["copy_GBps"]
-                    rows.append({"batch": batch, "ctx_len": ctx, "kv_dtype": str(kv_dtype), "config": cfg,
-                                 "graph_us": us, "pct_of_copy_bw": pct, "err": err})
-                    print(f"  decode B={batch} ctx={ctx} {kv_dtype} {bn} w{warps} s{stages} f16={f16}: {us:7.1f} us "
-                          f"{pct:5.1f}% bw err {err:.1e}", flush=True)
+            tiles = [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 8, 3), (256, 4, 2)]
+            variants = [(*t, True) for t in tiles] + ([(128, 4, 3, False)] if kv_dtype != DT else [])
+            for bn, warps, stages, f16 in variants:  # f16=False: an fp8 cache widened to bf16 instead of fp16
+                cfg = dict(block_q=4, block_n=bn, num_warps=warps, num_stages=stages, kv_f16=f16)
+                try:
+                    run = lambda i=0, cfg=cfg: paged_attention_triton(q, c[i], meta, HEAD_DIM**-0.5, config=cfg)  # noqa: E731
+                    err = (run().float() - want).abs().max().item()
+                    us = bench_graph([lambda i=i: run(i) for i in range(c.shape[0])])
+                except Exception as exc:
+                    print(f"  decode config {cfg} failed: {exc!r}", file=sys.stderr)
+                    continue
+                pct = 100 * nbytes / us / 1e3 / ceil["copy_GBps"]
+                rows.append({"batch": batch, "ctx_len": ctx, "kv_dtype": str(kv_dtype), "config": cfg,
+                             "graph_us": us, "pct_of_copy_bw": pct, "err": err})
+                print(f"  decode B={batch} ctx={ctx} {kv_dtype} {bn} w{warps} s{stages} f16={f16}: {us:7.1f} us "
+                      f"{pct:5.1f}% bw err {err:.1e}", flush=True)
             del c
         del cache
         torch.cuda.empty_cache()
