@@ -163,6 +163,14 @@ def attention_case(results, ceil, batch, query_len, ctx_len, num_splits=None, la
     del cache
 
 
+def _time_config(q, cache, meta, want, **kwargs):
+    """(max abs error against ``want``, graph us per layer) of the attention kernel over every layer of
+    ``cache`` with ``kwargs`` (``config=...`` or ``num_splits=...``)."""
+    run = lambda i=0: paged_attention_triton(q, cache[i], meta, HEAD_DIM**-0.5, **kwargs)  # noqa: E731
+    err = (run().float() - want).abs().max().item() if want is not None else None
+    return err, bench_graph([lambda i=i: run(i) for i in range(cache.shape[0])])
+
+
 def sweep_prefill(ceil, query_len=4096) -> list[dict]:
     """Graph time of prefill attention for several tile configurations."""
     cache, meta, q = _attention_setup(1, query_len, query_len)
@@ -173,9 +181,7 @@ def sweep_prefill(ceil, query_len=4096) -> list[dict]:
         for reverse in (True, False):
             cfg = dict(block_q=bm // 4, block_n=bn, num_warps=warps, num_stages=stages, reverse=reverse)
             try:
-                run = lambda i=0, cfg=cfg: paged_attention_triton(q, cache[i], meta, HEAD_DIM**-0.5, config=cfg)  # noqa: E731
-                err = (run().float() - want).abs().max().item()
-                us = bench_graph([lambda i=i: run(i) for i in range(cache.shape[0])])
+                err, us = _time_config(q, cache, meta, want, config=cfg)
             except Exception as exc:
                 print(f"  prefill config {cfg} failed: {exc!r}", file=sys.stderr)
                 continue
@@ -193,8 +199,7 @@ def sweep_decode_splits(ceil) -> list[dict]:
             cache, meta, q = _attention_setup(batch, 1, ctx)
             nbytes = batch * ctx * KV_HEADS * HEAD_DIM * 4
             for splits in (None, 1, 2, 4, 8):
-                run = lambda i=0, n=splits: paged_attention_triton(q, cache[i], meta, HEAD_DIM**-0.5, num_splits=n)  # noqa: E731
-                us = bench_graph([lambda i=i: run(i) for i in range(cache.shape[0])])
+                _, us = _time_config(q, cache, meta, None, num_splits=splits)
                 pct = 100 * nbytes / us / 1e3 / ceil["copy_GBps"]
                 rows.append({"batch": batch, "ctx_len": ctx, "num_splits": splits, "graph_us": us, "pct_of_copy_bw": pct})
                 print(f"  decode B={batch} ctx={ctx} splits={splits}: {us:7.1f} us {pct:5.1f}% bw", flush=True)
@@ -344,9 +349,7 @@ def sweep_decode_tiles(ceil) -> list[dict]:
             for bn, warps, stages, f16 in variants:  # f16=False: an fp8 cache widened to bf16 instead of fp16
                 cfg = dict(block_q=4, block_n=bn, num_warps=warps, num_stages=stages, kv_f16=f16)
                 try:
-                    run = lambda i=0, cfg=cfg: paged_attention_triton(q, c[i], meta, HEAD_DIM**-0.5, config=cfg)  # noqa: E731
-                    err = (run().float() - want).abs().max().item()
-                    us = bench_graph([lambda i=i: run(i) for i in range(c.shape[0])])
+                    err, us = _time_config(q, c, meta, want, config=cfg)
                 except Exception as exc:
                     print(f"  decode config {cfg} failed: {exc!r}", file=sys.stderr)
                     continue

@@ -88,14 +88,10 @@ def _rotate_heads(
 
 
 @triton.jit
-def _rotary_kernel(
-    q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, inv_freq_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,
-    num_heads, num_kv_heads,
-    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-    USE_LIBDEVICE: tl.constexpr,
-):
-    token = tl.program_id(0).to(tl.int64)
+def _cos_sin(pos_ptr, inv_freq_ptr, q_ptr, token, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+             USE_LIBDEVICE: tl.constexpr):
+    """cos and sin of one token's angles, [1, BLOCK_HALF] float32, rounded to q's dtype first as the
+    reference casts them."""
     dims = tl.arange(0, BLOCK_HALF)
     inv_freq = tl.load(inv_freq_ptr + dims, mask=dims < HALF, other=0.0)
     angle = tl.load(pos_ptr + token).to(tl.float32) * inv_freq
@@ -105,10 +101,20 @@ def _rotary_kernel(
     else:
         cos = tl.cos(angle)
         sin = tl.sin(angle)
-    # The reference casts cos and sin to q's dtype before use.
     dt = q_ptr.dtype.element_ty
-    cos = cos.to(dt).to(tl.float32)[None, :]
-    sin = sin.to(dt).to(tl.float32)[None, :]
+    return cos.to(dt).to(tl.float32)[None, :], sin.to(dt).to(tl.float32)[None, :]
+
+
+@triton.jit
+def _rotary_kernel(
+    q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, inv_freq_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,
+    num_heads, num_kv_heads,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    cos, sin = _cos_sin(pos_ptr, inv_freq_ptr, q_ptr, token, HALF, BLOCK_HALF, USE_LIBDEVICE)
     _rotate_heads(q_ptr, q_out_ptr, token, stride_qt, stride_qh, stride_qot, stride_qoh, num_heads,
                   cos, sin, HALF, BLOCK_HQ, BLOCK_HALF)
     _rotate_heads(k_ptr, k_out_ptr, token, stride_kt, stride_kh, stride_kot, stride_koh, num_kv_heads,
@@ -189,18 +195,7 @@ def _rotary_store_kv_kernel(
     KV_BLOCK_SIZE: tl.constexpr, USE_LIBDEVICE: tl.constexpr, KV_CAST: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    dims = tl.arange(0, BLOCK_HALF)
-    inv_freq = tl.load(inv_freq_ptr + dims, mask=dims < HALF, other=0.0)
-    angle = tl.load(pos_ptr + token).to(tl.float32) * inv_freq
-    if USE_LIBDEVICE:
-        cos = libdevice.cos(angle)
-        sin = libdevice.sin(angle)
-    else:
-        cos = tl.cos(angle)
-        sin = tl.sin(angle)
-    dt = q_ptr.dtype.element_ty
-    cos = cos.to(dt).to(tl.float32)[None, :]
-    sin = sin.to(dt).to(tl.float32)[None, :]
+    cos, sin = _cos_sin(pos_ptr, inv_freq_ptr, q_ptr, token, HALF, BLOCK_HALF, USE_LIBDEVICE)
     if tl.program_id(1) == 0:  # program (t, 0) rotates the queries, (t, 1) writes keys and values
         _rotate_heads(q_ptr, q_out_ptr, token, stride_qt, stride_qh, stride_qot, stride_qoh, num_heads,
                       cos, sin, HALF, BLOCK_HQ, BLOCK_HALF)
