@@ -33,7 +33,7 @@ import torch
 from rayinfer.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from rayinfer.kernels.attention_metadata import AttentionMetadata
 from rayinfer.kernels.block_copy import copy_blocks_ref, copy_blocks_triton
-from rayinfer.kernels.gemv import linear_triton, silu_and_mul_linear_triton
+from rayinfer.kernels.gemv import fused_linear_triton, linear_triton, silu_and_mul_linear_triton
 from rayinfer.kernels.kv_write import store_kv_ref, store_kv_triton
 from rayinfer.kernels.norm import rms_norm_ref, rms_norm_triton
 from rayinfer.kernels.paged_attention import paged_attention_ref, paged_attention_triton
@@ -291,31 +291,42 @@ def sampling_case(results, ceil, batch, full_filters):
            ref_ms, kernel_ms, graph_us, batch * VOCAB * 4, err=0.0 if same else float("nan"))
 
 
-GEMV_SHAPES = {"o": (HIDDEN, HIDDEN), "down": (HIDDEN, INTER)}
-GEMV_PROLOGUE = {"o": None, "down": "silu_and_mul"}
+GEMV_SHAPES = {"o": (HIDDEN, HIDDEN), "down": (HIDDEN, INTER), "qkv": (HIDDEN + 2 * KV_HEADS * HEAD_DIM, HIDDEN),
+               "gate_up": (2 * INTER, HIDDEN)}
+GEMV_PROLOGUE = {"o": None, "down": "silu_and_mul", "qkv": "rms_norm", "gate_up": "rms_norm"}
 
 
 def _gemv_fns(name, config):
-    """Per-layer callables of (cuBLAS with the separate SiLU kernel where the shape has it, the one-row
-    Triton GEMV) for one shape, over distinct weights, and the weight bytes."""
+    """Per-layer callables of (the unfused kernels: RMSNorm or SiLU kernel where the shape has one, then
+    cuBLAS; the one-row Triton GEMV with that prologue) for one shape, over distinct weights, and the
+    weight bytes."""
     n, k = GEMV_SHAPES[name]
     ws = [torch.randn((n, k), device="cuda", dtype=DT) / k**0.5 for _ in range(layers_for(n * k * 2))]
+    F = torch.nn.functional
     if GEMV_PROLOGUE[name] == "silu_and_mul":
         x = torch.randn((1, 2 * k), device="cuda", dtype=DT)
-        base = [lambda w=w: torch.nn.functional.linear(silu_and_mul_triton(x), w) for w in ws]
+        base = [lambda w=w: F.linear(silu_and_mul_triton(x), w) for w in ws]
         fused = [lambda w=w: silu_and_mul_linear_triton(x, w, config=config) for w in ws]
+    elif GEMV_PROLOGUE[name] == "rms_norm":
+        x = torch.randn((1, k), device="cuda", dtype=DT)
+        nw = torch.rand(k, device="cuda", dtype=DT) + 0.5
+        base = [lambda w=w: F.linear(rms_norm_triton(x, nw, 1e-5), w) for w in ws]
+        fused = [lambda w=w: fused_linear_triton(x, w, norm_weight=nw, eps=1e-5, config=config) for w in ws]
     else:
         x = torch.randn((1, k), device="cuda", dtype=DT)
-        base = [lambda w=w: torch.nn.functional.linear(x, w) for w in ws]
+        base = [lambda w=w: F.linear(x, w) for w in ws]
         fused = [lambda w=w: linear_triton(x, w, config=config) for w in ws]
     return base, fused, n * k * 2
 
 
 def sweep_gemv(ceil) -> list[dict]:
-    """Graph time per call of the one-row GEMVs (tile configurations; None: the default) against cuBLAS
-    (plus the separate SiLU kernel for the down projection) at Llama-3-8B's o_proj and down_proj."""
+    """Graph time per call of the one-row GEMVs (tile configurations; None: the default) against the
+    unfused kernels at Llama-3-8B's four projections. Consecutive calls in the graph are independent, so
+    with PDL (``pdl`` True, the default on Hopper) one call's weight stream overlaps the previous call's
+    tail as it does between a decode layer's kernels."""
     configs = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st)
-               for bn in (4, 8) for bk in (1024, 2048) for w, st in ((8, 3), (8, 4), (16, 3))]
+               for bn in (4, 8, 16) for bk in (1024, 2048) for w, st in ((8, 3), (8, 4), (4, 3))]
+    configs += [dict(pdl=False)]
     rows = []
     for name in GEMV_SHAPES:
         base, _, nbytes = _gemv_fns(name, None)
@@ -329,8 +340,9 @@ def sweep_gemv(ceil) -> list[dict]:
             if us is None:
                 continue
             pct = 100 * nbytes / us / 1e3 / ceil["copy_GBps"]
-            rows.append({"shape": name, "m": 1, "config": cfg, "graph_us": us, "cublas_us": base_us, "pct_of_copy_bw": pct})
-            print(f"  gemv {name} {cfg}: {us:7.1f} us ({pct:5.1f}% bw) cublas {base_us:7.1f} us", flush=True)
+            rows.append({"shape": name, "m": 1, "config": cfg, "graph_us": us, "unfused_us": base_us,
+                         "pct_of_copy_bw": pct})
+            print(f"  gemv {name} {cfg}: {us:7.1f} us ({pct:5.1f}% bw) unfused {base_us:7.1f} us", flush=True)
         torch.cuda.empty_cache()
     return rows
 

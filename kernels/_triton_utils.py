@@ -20,10 +20,15 @@ try:
         from triton.language.extra import libdevice
     except ImportError:  # older Triton: no portable libdevice module; kernels fall back to tl.*
         libdevice = None
+    try:  # grid dependency control, for programmatic dependent launch (Hopper and later)
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    except ImportError:  # an older Triton: no-ops, and use_pdl() is False
+        gdc_launch_dependents = gdc_wait = None
     HAS_TRITON = True
 except Exception:  # ImportError, or a Triton that fails to load on a CPU-only machine
     HAS_TRITON = False
     libdevice = None
+    gdc_launch_dependents = gdc_wait = None
 
     class _TritonStandIn:
         """Just enough of ``triton`` for ``@triton.jit`` at import time."""
@@ -81,3 +86,35 @@ def num_sms(device_index: int) -> int:
 
 def device_sms(t: torch.Tensor) -> int:
     return num_sms(t.device.index if t.is_cuda and t.device.index is not None else 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_supported(device_index: int) -> bool:
+    if not HAS_TRITON or gdc_wait is None or is_interpreting() or not torch.cuda.is_available():
+        return False
+    from rayinfer import envs
+
+    if not envs.pdl_enabled():
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+
+        if "launch_pdl" not in CUDAOptions.__dataclass_fields__:
+            return False
+    except Exception:  # not the NVIDIA backend (ROCm) or an older Triton
+        return False
+    return torch.version.cuda is not None and torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def use_pdl(t: torch.Tensor) -> bool:
+    """Whether kernels on ``t``'s device launch with programmatic dependent launch (PDL).
+
+    True on Hopper and later GPUs with a Triton that has ``launch_pdl`` and ``gdc_wait``, unless the
+    environment sets ``RAYINFER_PDL=0``. A kernel launched so may start while the previous kernel
+    in the stream still runs (after all of that kernel's programs called ``gdc_launch_dependents``);
+    it must call ``gdc_wait`` before it reads anything an earlier kernel wrote and before it writes
+    anything, and every program must call it (the wait is what orders it after all earlier
+    kernels). Weights may be read before the wait: no kernel writes them during a step.
+    Source: CUDA programming guide, "Programmatic Dependent Launch and Synchronization".
+    """
+    return t.is_cuda and _pdl_supported(t.device.index if t.device.index is not None else torch.cuda.current_device())

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rayinfer.kernels._triton_utils import tl, triton, use_triton
+from rayinfer.kernels._triton_utils import gdc_launch_dependents, gdc_wait, tl, triton, use_pdl, use_triton
 from rayinfer.kernels.activation import silu_and_mul, silu_and_mul_ref
 
 
@@ -37,35 +37,100 @@ def silu_and_mul_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     return F.linear(silu_and_mul_ref(x), weight, bias)
 
 
+def fused_linear_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    silu_and_mul_input: bool = False,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A linear layer with its neighbours of a pre-norm decoder layer fused in (plain torch).
+
+    ``y = linear(pre(x), weight, bias)`` where ``pre`` is ``rms_norm(x, norm_weight, eps)`` when
+    ``norm_weight`` is given, ``silu(gate) * up`` of ``x = cat([gate, up], -1)`` when
+    ``silu_and_mul_input``, else the identity; with ``residual``, returns ``residual + y``.
+
+    Args:
+        x: [M, K] ([M, 2K] with ``silu_and_mul_input``); weight: [N, K]; bias: [N] or None;
+        norm_weight: [K] or None; residual: [M, N] or None.
+    Returns:
+        [M, N] in x's dtype (this reference does not write ``residual``; the kernel updates it in place).
+    Raises:
+        ValueError: with both ``norm_weight`` and ``silu_and_mul_input``.
+    """
+    if norm_weight is not None and silu_and_mul_input:
+        raise ValueError("fused_linear: a norm prologue and a SiLU-and-mul prologue are exclusive")
+    if norm_weight is not None:
+        from rayinfer.kernels.norm import rms_norm_ref
+
+        x = rms_norm_ref(x, norm_weight, eps)
+    elif silu_and_mul_input:
+        x = silu_and_mul_ref(x)
+    y = F.linear(x, weight, bias)
+    return y if residual is None else residual + y
+
+
+@triton.jit
+def _gemv_input(x_ptr, norm_w_ptr, ks, k_ok, K, ss, SILU_AND_MUL: tl.constexpr, RMS_NORM: tl.constexpr):
+    """One K tile of the GEMV's input row after its prologue, float32, and the running sum of squares."""
+    if SILU_AND_MUL:  # silu(gate) * up, rounded twice as the reference's two ops
+        g = tl.load(x_ptr + ks, mask=k_ok, other=0.0)
+        u = tl.load(x_ptr + K + ks, mask=k_ok, other=0.0)
+        gf = g.to(tl.float32)
+        act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+        a = (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype).to(tl.float32)
+    else:
+        a = tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+        if RMS_NORM:  # x * norm_weight now, times 1/rms(x) after the loop: one pass over x
+            ss += a * a
+            a = a * tl.load(norm_w_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+    return a, ss
+
+
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, bias_ptr, y_ptr, N, K, stride_wn,
-    SILU_AND_MUL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+    x_ptr, w_ptr, bias_ptr, norm_w_ptr, res_ptr, y_ptr, N, K, stride_wn, eps,
+    SILU_AND_MUL: tl.constexpr, RMS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
+    USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
+    if USE_PDL:  # let the next kernel's programs start once all of ours have
+        gdc_launch_dependents()
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     rk = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # The first weight tile is requested before waiting for the previous kernel: weights are constant,
+    # so under PDL their stream starts while that kernel finishes.
+    k_ok = rk < K
+    if EVEN_N and EVEN_K:
+        w = tl.load(w_rows + rk[None, :])
+    else:
+        w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+    if USE_PDL:
+        gdc_wait()
+    ss = tl.zeros([BLOCK_K], tl.float32)
+    a, ss = _gemv_input(x_ptr, norm_w_ptr, rk, k_ok, K, ss, SILU_AND_MUL, RMS_NORM)
+    acc = tl.sum(w.to(tl.float32) * a[None, :], 1)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         ks = k0 + rk
         k_ok = ks < K
-        if SILU_AND_MUL:  # silu(gate) * up, rounded twice as the reference's two ops
-            g = tl.load(x_ptr + ks, mask=k_ok, other=0.0)
-            u = tl.load(x_ptr + K + ks, mask=k_ok, other=0.0)
-            gf = g.to(tl.float32)
-            act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
-            a = (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
-        else:
-            a = tl.load(x_ptr + ks, mask=k_ok, other=0.0)
+        a, ss = _gemv_input(x_ptr, norm_w_ptr, ks, k_ok, K, ss, SILU_AND_MUL, RMS_NORM)
         if EVEN_N and EVEN_K:
             w = tl.load(w_rows + ks[None, :])
         else:
             w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * a.to(tl.float32)[None, :], 1)
+        acc += tl.sum(w.to(tl.float32) * a[None, :], 1)
+    if RMS_NORM:
+        acc = acc * tl.rsqrt(tl.sum(ss, 0) / K + eps)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+    if ADD_RESIDUAL:  # the linear output is rounded to the model dtype first, as the reference's add
+        r = tl.load(res_ptr + rn, mask=n_ok, other=0.0)
+        acc = acc.to(r.dtype).to(tl.float32) + r.to(tl.float32)
     tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -78,31 +143,46 @@ def _block_k(k: int) -> int:
     return 2048 if k >= 8192 else 1024
 
 
-def _launch(x, weight, bias, silu_and_mul_prologue, config=None):
+def fused_linear_triton(x, weight, bias=None, *, norm_weight=None, eps=1e-6, silu_and_mul_input=False,
+                        residual=None, config=None):
+    """Triton kernel of :func:`fused_linear_ref` for one row (x: [1, K] or [1, 2K]).
+
+    With ``residual`` ([1, N], x's dtype) the sum is written into ``residual`` in place and returned.
+    ``config`` overrides the tiles (block_n, block_k, num_warps, num_stages) and ``pdl`` (bool).
+    """
+    if norm_weight is not None and silu_and_mul_input:
+        raise ValueError("fused_linear: a norm prologue and a SiLU-and-mul prologue are exclusive")
     n, k = weight.shape
     assert x.shape[0] == 1, "the GEMV kernel takes one row"
     if x.stride(-1) != 1:
         x = x.contiguous()
-    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    if residual is not None:
+        assert residual.shape == (1, n) and residual.stride(-1) == 1 and residual.dtype == x.dtype
+        y = residual
+    else:
+        y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     cfg = {**DEFAULT_CONFIG, **(config or {})}
+    pdl = bool(cfg.get("pdl", use_pdl(x)))
     block_k = min(cfg.get("block_k") or _block_k(k), max(16, triton.next_power_of_2(k)))
     _gemv_kernel[(triton.cdiv(n, cfg["block_n"]),)](
-        x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
-        SILU_AND_MUL=silu_and_mul_prologue, HAS_BIAS=bias is not None,
+        x, weight, bias if bias is not None else weight, norm_weight if norm_weight is not None else weight,
+        y, y, n, k, weight.stride(0), float(eps),
+        SILU_AND_MUL=silu_and_mul_input, RMS_NORM=norm_weight is not None, HAS_BIAS=bias is not None,
+        ADD_RESIDUAL=residual is not None, USE_PDL=pdl,
         BLOCK_N=cfg["block_n"], BLOCK_K=block_k, EVEN_N=n % cfg["block_n"] == 0, EVEN_K=k % block_k == 0,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if pdl else {}),
     )
     return y
 
 
 def linear_triton(x, weight, bias=None, config=None):
     """Triton kernel of :func:`linear_ref` for one row (x: [1, K]); ``config`` overrides the tiles."""
-    return _launch(x, weight, bias, False, config)
+    return fused_linear_triton(x, weight, bias, config=config)
 
 
 def silu_and_mul_linear_triton(x, weight, bias=None, config=None):
     """Triton kernel of :func:`silu_and_mul_linear_ref` for one row (x: [1, 2K])."""
-    return _launch(x, weight, bias, True, config)
+    return fused_linear_triton(x, weight, bias, silu_and_mul_input=True, config=config)
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -133,3 +213,23 @@ def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     if gemv_applies(x, weight):
         return silu_and_mul_linear_triton(x, weight, bias)
     return F.linear(silu_and_mul(x), weight, bias)
+
+
+def fused_linear(x, weight, bias=None, *, norm_weight=None, eps=1e-6, silu_and_mul_input=False, residual=None):
+    """Same contract as :func:`fused_linear_ref`, except that ``residual``, when given, is updated in
+    place on the GPU path; one Triton kernel when :func:`gemv_applies`, else the unfused kernels
+    (RMSNorm, activation, cuBLAS, add)."""
+    if gemv_applies(x, weight) and (residual is None or (residual.dtype == x.dtype and residual.stride(-1) == 1)):
+        return fused_linear_triton(x, weight, bias, norm_weight=norm_weight, eps=eps,
+                                   silu_and_mul_input=silu_and_mul_input, residual=residual)
+    if norm_weight is not None:
+        from rayinfer.kernels.norm import rms_norm
+
+        x = rms_norm(x, norm_weight, eps)
+    elif silu_and_mul_input:
+        x = silu_and_mul(x)
+    y = F.linear(x, weight, bias)
+    if residual is None:
+        return y
+    residual.add_(y)
+    return residual

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rayinfer.kernels._triton_utils import device_sms, tl, triton, use_triton
+from rayinfer.kernels._triton_utils import device_sms, gdc_launch_dependents, gdc_wait, tl, triton, use_pdl, use_triton
 from rayinfer.kernels.attention_metadata import AttentionMetadata
 
 
@@ -148,8 +148,11 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
     ONE_TILE: tl.constexpr, REVERSE: tl.constexpr, USE_SPLITS: tl.constexpr, IEEE: tl.constexpr,
-    KV_CAST: tl.constexpr, KV_F16: tl.constexpr,
+    KV_CAST: tl.constexpr, KV_F16: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    if USE_PDL:  # programmatic dependent launch: see _triton_utils.use_pdl
+        gdc_launch_dependents()
+        gdc_wait()
     program = tl.program_id(0)
     if REVERSE:  # the last query tiles see the most keys: start them first to shorten the tail
         program = tl.num_programs(0) - 1 - program
@@ -226,8 +229,11 @@ def _paged_attention_kernel(
 @triton.jit
 def _merge_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, num_heads, num_splits, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     base = (token * num_heads + head) * num_splits
@@ -336,6 +342,8 @@ def paged_attention_triton(
         part_lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
+    pdl = use_pdl(q)
+    pdl_opts = {"launch_pdl": True} if pdl else {}
     _paged_attention_kernel[(grid_x, num_kv_heads, num_splits)](
         q, kv_cache, out, part_out, part_lse,
         meta.query_start_loc, meta.seq_lens, meta.block_tables,
@@ -345,13 +353,14 @@ def paged_attention_triton(
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n,
         HEAD_DIM=head_dim, BLOCK_D=block_d, KV_BLOCK_SIZE=block_size,
         ONE_TILE=one_tile, REVERSE=bool(cfg["reverse"]) and not one_tile, USE_SPLITS=use_splits, IEEE=is_fp32,
-        KV_CAST=kv_cast, KV_F16=kv_cast and not is_fp32 and bool(cfg["kv_f16"]),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        KV_CAST=kv_cast, KV_F16=kv_cast and not is_fp32 and bool(cfg["kv_f16"]), USE_PDL=pdl,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_opts,
     )
     if use_splits:
         _merge_splits_kernel[(num_tokens, num_heads)](
             part_out, part_lse, out, num_heads, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits), USE_PDL=pdl,
+            num_warps=4, **pdl_opts,
         )
     return out
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from rayinfer import envs
 from rayinfer.kernels.attention_metadata import AttentionMetadata
-from rayinfer.kernels.gemv import linear, silu_and_mul_linear
+from rayinfer.kernels.gemv import fused_linear, gemv_applies, linear, silu_and_mul_linear
 from rayinfer.kernels.norm import rms_norm
 from rayinfer.kernels.paged_attention import paged_attention
 from rayinfer.kernels.rotary import rope_inv_freq, rotary_store_kv
@@ -41,15 +42,20 @@ class LlamaAttention(nn.Module):
         self.layer_idx = layer_idx
 
     def forward(self, hidden, positions, inv_freq, kv_cache, meta: AttentionMetadata):
-        t = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        out = self.attend(self.qkv_proj(hidden), positions, inv_freq, kv_cache, meta)
+        # one row (batch-1 decode on the GPU): a GEMV without cuBLAS's split-K reduction kernel
+        return linear(out, self.o_proj.weight, self.o_proj.bias)
+
+    def attend(self, qkv, positions, inv_freq, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """RoPE, KV-cache write and paged attention of the QKV projection's output [T, q + 2 kv];
+        returns the attention output [T, num_heads * head_dim] (before o_proj)."""
+        t = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         q = rotary_store_kv(q, k, v, positions, inv_freq, kv_cache, meta.slot_mapping)
-        out = paged_attention(q, kv_cache, meta, self.scale)
-        # one row (batch-1 decode on the GPU): a GEMV without cuBLAS's split-K reduction kernel
-        return linear(out.reshape(t, self.q_size), self.o_proj.weight, self.o_proj.bias)
+        return paged_attention(q, kv_cache, meta, self.scale).reshape(t, self.q_size)
 
 
 class LlamaMLP(nn.Module):
@@ -92,6 +98,25 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward_one_row(self, h, positions, inv_freq, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """The layer for one token (batch-1 decode) in four GEMV launches plus attention.
+
+        ``h`` [1, hidden] is the residual stream itself, updated in place and returned. Each RMSNorm
+        runs in the prologue of the projection after it (QKV, gate/up) and each residual add in the
+        epilogue of the projection before it (o_proj, down_proj), so the layer launches no norm,
+        activation or add kernel (see ``kernels.gemv.fused_linear``). Same result as :meth:`forward`
+        up to rounding (the normalized input is not rounded to the model dtype).
+        """
+        attn, mlp = self.self_attn, self.mlp
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        qkv = fused_linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight=norm1.weight, eps=norm1.eps)
+        out = attn.attend(qkv, positions, inv_freq, kv_cache, meta)
+        fused_linear(out, attn.o_proj.weight, attn.o_proj.bias, residual=h)
+        gate_up = fused_linear(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, norm_weight=norm2.weight,
+                               eps=norm2.eps)
+        fused_linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias, silu_and_mul_input=True, residual=h)
+        return h
 
 
 class LlamaModel(nn.Module):
@@ -170,13 +195,32 @@ class PagedCausalLM(nn.Module):
 
 
 class LlamaForCausalLM(PagedCausalLM):
-    """Llama decoder with an LM head (see :class:`PagedCausalLM` for the interface)."""
+    """Llama decoder with an LM head (see :class:`PagedCausalLM` for the interface).
+
+    ``one_row_fusion``: a step of one token on the GPU in bf16/fp16 (batch-1 decode) runs each layer
+    through :meth:`LlamaDecoderLayer.forward_one_row` (norms and residual adds fused into the GEMVs);
+    on unless the environment sets ``RAYINFER_ONE_ROW_FUSION=0``.
+    """
 
     def __init__(self, config):
         super().__init__()
         self.config = config
+        self.one_row_fusion = envs.one_row_fusion()
         self.model = LlamaModel(config)
         self._init_head(config)
+
+    def forward(self, input_ids, positions, kv_cache, meta):
+        w = self.model.layers[0].self_attn.qkv_proj.weight
+        # w[:1] stands in for the [1, hidden] embedding row: same dtype and device
+        if input_ids.shape[0] == 1 and self.one_row_fusion and gemv_applies(w[:1], w):
+            return self.forward_one_row(self.model.embed_tokens(input_ids), positions, kv_cache, meta)
+        return super().forward(input_ids, positions, kv_cache, meta)
+
+    def forward_one_row(self, hidden, positions, kv_cache, meta) -> torch.Tensor:
+        """:meth:`forward` for one token from its embedding ``hidden`` [1, hidden_size] (overwritten)."""
+        for i, layer in enumerate(self.model.layers):
+            layer.forward_one_row(hidden, positions, self.inv_freq, kv_cache[i], meta)
+        return self.model.norm(hidden)
 
     # checkpoint name -> (fused parameter, shard index); shards are stacked along the output dim
     _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),

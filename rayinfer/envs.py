@@ -3,6 +3,10 @@
 Variables:
     RAYINFER_CACHE_DIR: root of rayinfer's caches (converted models live under ``<root>/models``);
         default ``platformdirs.user_cache_dir("rayinfer")``.
+    RAYINFER_PDL: "0" turns off programmatic dependent launch of the Triton kernels (on by default
+        where the GPU and Triton support it; see ``kernels._triton_utils.use_pdl``).
+    RAYINFER_ONE_ROW_FUSION: "0" runs a one-token Llama step through the generic layer instead of
+        the fused-GEMV one (``model.llama.LlamaDecoderLayer.forward_one_row``); for A/B benchmarks.
 """
 
 from __future__ import annotations
@@ -19,3 +23,20 @@ def cache_dir() -> Path:
     import platformdirs
 
     return Path(platformdirs.user_cache_dir("rayinfer"))
+
+
+def _flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
+
+def pdl_enabled() -> bool:
+    """RAYINFER_PDL (default on): whether Triton kernels may use programmatic dependent launch."""
+    return _flag("RAYINFER_PDL", True)
+
+
+def one_row_fusion() -> bool:
+    """RAYINFER_ONE_ROW_FUSION (default on): whether a one-token Llama step takes the fused-GEMV layers."""
+    return _flag("RAYINFER_ONE_ROW_FUSION", True)

@@ -1,4 +1,5 @@
-"""Single-row GEMV kernels (plain, SiLU-and-mul prologue) against their references."""
+"""Single-row GEMV kernels (plain; SiLU-and-mul or RMSNorm prologue; residual-add epilogue) against
+their references."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import torch
 
 from rayinfer.kernels._triton_utils import HAS_TRITON
 from rayinfer.kernels.gemv import (
+    fused_linear,
+    fused_linear_ref,
+    fused_linear_triton,
     gemv_applies,
     linear,
     linear_triton,
@@ -46,7 +50,45 @@ def check_kernels(device, cases, plain, gated, config=None):
         xg, w, b = make_case(n, k, dtype, device, 100 + i, bias, gated=True)
         got = gated(xg, w, b, **config or {})
         worst = max(worst, close(got, silu_and_mul_linear_ref(xg, w, b), f"case {i} silu_and_mul_linear"))
+    return max(worst, check_fused(device, cases, config))
+
+
+def check_fused(device, cases, config=None):
+    """The RMSNorm prologue and the in-place residual epilogue (alone and with each prologue)."""
+    worst = 0.0
+    for i, (n, k, dtype, bias) in enumerate(cases):
+        gen = torch.Generator().manual_seed(200 + i)
+        norm_w = (torch.rand(k, generator=gen) + 0.5).to(device=device, dtype=dtype)
+        residual = torch.randn((1, n), generator=gen).to(device=device, dtype=dtype)
+        for prologue in ("norm", "silu", None):
+            x, w, b = make_case(n, k, dtype, device, 300 + i, bias, gated=prologue == "silu")
+            x = x * 3.0  # an RMS far from 1, so a missing normalization shows
+            kw = dict(norm_weight=norm_w if prologue == "norm" else None, eps=1e-5, silu_and_mul_input=prologue == "silu")
+            worst = max(worst, close(fused_linear_triton(x, w, b, **kw, config=config), fused_linear_ref(x, w, b, **kw),
+                                     f"case {i} {prologue} prologue"))
+            res = residual.clone()
+            got = fused_linear_triton(x, w, b, **kw, residual=res, config=config)
+            assert got.data_ptr() == res.data_ptr(), "the residual is updated in place"
+            worst = max(worst, close(got, fused_linear_ref(x, w, b, **kw, residual=residual),
+                                     f"case {i} {prologue} prologue + residual"))
     return worst
+
+
+def test_fused_ref_composes_the_unfused_ops():
+    """The reference equals RMSNorm/SiLU, then linear, then the add, each from its own reference."""
+    from rayinfer.kernels.norm import rms_norm_ref
+
+    x, w, b = make_case(24, 32, torch.float32, "cpu", 5, bias=True)
+    nw, r = torch.rand(32) + 0.5, torch.randn(1, 24)
+    want = torch.nn.functional.linear(rms_norm_ref(x, nw, 1e-6), w, b) + r
+    torch.testing.assert_close(fused_linear_ref(x, w, b, norm_weight=nw, residual=r), want)
+    with pytest.raises(ValueError, match="exclusive"):
+        fused_linear_ref(x, w, norm_weight=nw, silu_and_mul_input=True)
+    # the dispatcher's fallback (CPU) updates the residual in place, like the kernel
+    res = r.clone()
+    out = fused_linear(x, w, b, norm_weight=nw, residual=res)
+    assert out is res
+    torch.testing.assert_close(res, want)
 
 
 def test_ref_is_silu_then_linear():
@@ -75,6 +117,7 @@ GPU_CASES = [  # (N, K, dtype, bias): Llama-3-8B's o_proj and down_proj, SmolLM2
     (4096, 14336, torch.bfloat16, False),
     (576, 1536, torch.float16, True),
     (1000, 300, torch.bfloat16, False),  # neither N nor K a tile multiple
+    (6144, 4096, torch.bfloat16, False),  # QKV
 ]
 
 
@@ -86,6 +129,7 @@ def test_kernels_match_refs_on_gpu():
     x, w, _ = make_case(4096, 4096, torch.bfloat16, "cuda", 0)
     with no_host_sync():
         linear(x, w), silu_and_mul_linear(torch.cat([x, x], 1), w)
+        fused_linear(x, w, norm_weight=x[0], residual=torch.zeros_like(x))
     print(f"gemv: max abs err {check_kernels('cuda', GPU_CASES, linear_triton, silu_and_mul_linear_triton):.2e}")
 
 
@@ -96,7 +140,7 @@ def test_kernel_through_triton_interpreter(run_interpreted):
 
 if __name__ == "__main__":
     if "--interpret" in sys.argv:
-        cases = [(48, 64, torch.float32, False), (40, 100, torch.float32, True)]
+        cases = [(48, 64, torch.float32, False), (40, 100, torch.float32, True), (37, 2048, torch.float32, True)]
         small = {"config": dict(block_n=16, block_k=64, num_warps=4, num_stages=2)}
         err = max(check_kernels("cpu", cases, linear_triton, silu_and_mul_linear_triton),
                   check_kernels("cpu", cases, linear_triton, silu_and_mul_linear_triton, small))
