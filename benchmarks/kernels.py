@@ -347,6 +347,68 @@ def sweep_gemv(ceil) -> list[dict]:
     return rows
 
 
+GEMV_CONFIG_SETS = {  # per weight shape (n, k) -> tiles; None: the module's _choose_config
+    "default": None,
+    "w4_k2048": {"*": dict(block_n=8, block_k=2048, num_warps=4, num_stages=3)},
+    "per_shape": {(HIDDEN, HIDDEN): dict(block_n=8, block_k=2048, num_warps=8, num_stages=3),
+                  (HIDDEN + 2 * KV_HEADS * HEAD_DIM, HIDDEN): dict(block_n=8, block_k=2048, num_warps=4, num_stages=3),
+                  (2 * INTER, HIDDEN): dict(block_n=16, block_k=1024, num_warps=4, num_stages=3),
+                  (HIDDEN, INTER): dict(block_n=8, block_k=2048, num_warps=4, num_stages=3)},
+}
+
+
+def sweep_decode_step(ceil) -> list[dict]:
+    """Whole Llama-3-8B decode steps (dummy bf16 weights, context 1K) in a CUDA graph, for each way of
+    launching: PDL off / on / on with the GEMV's late trigger, and GEMV tile sets (GEMV_CONFIG_SETS).
+    Batch 1 takes the fused one-row layers; batch 128 shows PDL's effect on the other Triton kernels."""
+    import rayinfer.kernels._triton_utils as tu
+    from rayinfer.engine.config import EngineConfig, ModelConfig
+    from rayinfer.engine.llm_engine import LLMEngine
+    from rayinfer.jobs import benchlib as bl
+    from rayinfer.kernels import gemv
+
+    engine = LLMEngine(ModelConfig("llama-3-8b", "bfloat16", "dummy", max_model_len=4096),
+                       EngineConfig(device="cuda", max_num_seqs=128, gpu_memory_utilization=0.6))
+    model, kv = engine.model, engine.kv_cache
+    block_size = kv.shape[3]
+    weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed" not in n)
+    choose = gemv._choose_config
+    rows = []
+    variants = [(pdl, late, name) for pdl, late in (("0", False), ("1", False), ("1", True)) for name in GEMV_CONFIG_SETS]
+    for batch in (1, 128):
+        tables, _ = bl.decode_block_tables(batch, 1024, block_size, kv.shape[1])
+        ids, pos, meta = bl._step_inputs([1] * batch, [1024] * batch, tables, block_size, model.config.vocab_size,
+                                         kv.device, torch.Generator().manual_seed(0))
+        for pdl, late, name in variants if batch == 1 else [("0", False, "default"), ("1", False, "default")]:
+            os.environ["RAYINFER_PDL"] = pdl
+            tu._pdl_supported.cache_clear()
+            table = GEMV_CONFIG_SETS[name]
+
+            def pick(n, k, table=table, late=late):
+                cfg = choose(n, k)
+                if table is not None:
+                    cfg.update(table.get((n, k), table.get("*", {})))
+                return {**cfg, "pdl_late": late}
+
+            gemv._choose_config = pick
+            try:
+                with torch.inference_mode():
+                    us = bench_graph([lambda: model.compute_logits(model(ids, pos, kv, meta))], replays=30)
+            finally:
+                gemv._choose_config = choose
+            if us is None:
+                continue
+            ms = us / 1e3
+            roof_ms = (weight_bytes + batch * 1024 * 2 * KV_HEADS * HEAD_DIM * 2 * 32) / ceil["copy_GBps"] / 1e6
+            rows.append({"batch": batch, "ctx_len": 1024, "pdl": pdl == "1", "pdl_late": late, "gemv_configs": name,
+                         "step_ms": ms, "roofline_ms": roof_ms, "pct_of_roofline": 100 * roof_ms / ms})
+            print(f"  decode step B={batch} pdl={pdl} late={late} gemv={name}: {ms:.3f} ms "
+                  f"({100 * roof_ms / ms:.1f}% of {roof_ms:.3f} ms)", flush=True)
+    os.environ.pop("RAYINFER_PDL", None)
+    tu._pdl_supported.cache_clear()
+    return rows
+
+
 def sweep_decode_tiles(ceil) -> list[dict]:
     """Graph time of decode attention for key-tile sizes, warps and stages, bf16 and fp8 caches."""
     rows = []
@@ -383,7 +445,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer cases")
     parser.add_argument("--sweep", action="store_true", help="also sweep prefill tiles and decode split factors")
     parser.add_argument("--only-sweeps", nargs="*", default=None,
-                        help="skip the kernel table; run these sweeps (gemv, decode_tiles, prefill, decode_splits)")
+                        help="skip the kernel table; run these sweeps (gemv, decode_tiles, prefill, decode_splits, decode_step)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA device")
@@ -403,7 +465,7 @@ def main() -> None:
     sweeps = {}
     if args.only_sweeps is not None:
         funcs = {"gemv": sweep_gemv, "decode_tiles": sweep_decode_tiles, "prefill": sweep_prefill,
-                 "decode_splits": sweep_decode_splits}
+                 "decode_splits": sweep_decode_splits, "decode_step": sweep_decode_step}
         for name in args.only_sweeps:
             sweeps[name] = funcs[name](ceil)
             with open(args.out, "w") as f:  # after each sweep, so a cut-off run keeps what it measured

@@ -51,8 +51,8 @@ def _rms_norm_kernel(
     USE_PDL: tl.constexpr = False,
 ):
     if USE_PDL:  # programmatic dependent launch: see _triton_utils.use_pdl
-        gdc_launch_dependents()
         gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols

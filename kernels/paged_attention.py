@@ -151,8 +151,8 @@ def _paged_attention_kernel(
     KV_CAST: tl.constexpr, KV_F16: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     if USE_PDL:  # programmatic dependent launch: see _triton_utils.use_pdl
-        gdc_launch_dependents()
         gdc_wait()
+        gdc_launch_dependents()
     program = tl.program_id(0)
     if REVERSE:  # the last query tiles see the most keys: start them first to shorten the tail
         program = tl.num_programs(0) - 1 - program
@@ -232,8 +232,8 @@ def _merge_splits_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     if USE_PDL:
-        gdc_launch_dependents()
         gdc_wait()
+        gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     base = (token * num_heads + head) * num_splits

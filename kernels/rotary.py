@@ -204,8 +204,8 @@ def _rotary_store_kv_kernel(
     KV_BLOCK_SIZE: tl.constexpr, USE_LIBDEVICE: tl.constexpr, KV_CAST: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     if USE_PDL:  # programmatic dependent launch: see _triton_utils.use_pdl
-        gdc_launch_dependents()
         gdc_wait()
+        gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     cos, sin = _cos_sin(pos_ptr, inv_freq_ptr, q_ptr, token, HALF, BLOCK_HALF, USE_LIBDEVICE)
     if tl.program_id(1) == 0:  # program (t, 0) rotates the queries, (t, 1) writes keys and values
