@@ -384,8 +384,8 @@ def sweep_decode_step(ceil) -> list[dict]:
             tu._pdl_supported.cache_clear()
             table = GEMV_CONFIG_SETS[name]
 
-            def pick(n, k, table=table, late=late):
-                cfg = choose(n, k)
+            def pick(n, k, pdl=True, table=table, late=late):
+                cfg = choose(n, k, False)  # the tiles without PDL: the "default" set measured at 39b8af0
                 if table is not None:
                     cfg.update(table.get((n, k), table.get("*", {})))
                 return {**cfg, "pdl_late": late}

@@ -1,21 +1,27 @@
-"""Single-row linear layers (GEMV) for batch-1 decode, with SiLU-and-mul fused into the down projection.
+"""Single-row linear layers (GEMV) for batch-1 decode, with the layer's norms, activation and residual
+adds fused in.
 
-At batch 1 a linear layer only streams its weight, and cuBLAS splits some of Llama's shapes over K and
-adds a reduction kernel (o_proj and down_proj of Llama-3-8B). These kernels keep one program per
-``BLOCK_N`` output features over the whole K (no second kernel), multiply-add on the CUDA cores (a
-one-row tile on the tensor cores would be 15/16 padding) and, for the down projection, compute
-``silu(gate) * up`` in the prologue from the gate/up projection's output, saving the activation kernel
-(as TensorRT-LLM's and vLLM's decode paths fuse it).
+At batch 1 a linear layer only streams its weight, and what costs is the kernels around it: cuBLAS
+splits some of Llama's shapes over K and adds a reduction kernel, and each RMSNorm, SiLU and residual
+add is a launch of its own. These kernels keep one program per ``BLOCK_N`` output features over the
+whole K (no second kernel) and multiply-add on the CUDA cores (a one-row tile on the tensor cores would
+be 15/16 padding). :func:`fused_linear` adds, as TensorRT-LLM's and vLLM's decode paths fuse them:
 
-Measured on an H200 at Llama-3-8B shapes (``benchmarks/kernels.py --only-sweeps gemv``, graph time per
-call): o_proj 10.4-10.8 us against cuBLAS's 12.6-12.8, down_proj with SiLU 30.8 us against 32.3-32.9
-for the SiLU kernel plus cuBLAS; a batch-1 Llama-3-8B decode step went from 4.76 to 4.52 ms together
-with the split-decode attention tiles. The QKV and gate/up projections stay on cuBLAS, which streams those at 86-95% of
-the copy bandwidth (a fused-RMSNorm variant of this kernel ran 7-10% slower there), and so does every
-batch above 1 (a tensor-core variant for 2-16 rows lost to cuBLAS at every shape).
+- an RMSNorm prologue in one pass: the program accumulates ``sum(x^2)`` beside ``W @ (x * w_norm)`` and
+  scales by ``1/rms(x)`` at the end (every program reads all of x anyway);
+- a SiLU-and-mul prologue (``silu(gate) * up`` from the gate/up projection's output);
+- a residual-add epilogue that writes ``residual + y`` into the residual stream in place;
+- programmatic dependent launch (:func:`rayinfer.kernels._triton_utils.use_pdl`): the first weight tile
+  is requested before waiting on the previous kernel, so the weight stream starts during its tail.
+
+:meth:`rayinfer.model.llama.LlamaDecoderLayer.forward_one_row` builds a whole layer from four of these
+plus RoPE/KV write and attention. On an H200 a batch-1 Llama-3-8B decode step takes 4.08 ms with them
+(PDL, ``benchmarks/kernels.py --only-sweeps decode_step``), 4.32 without PDL, 4.52 for the earlier
+layer (norm kernels, QKV and gate/up on cuBLAS, this GEMV for o_proj and down_proj only). Every batch
+above 1 stays on cuBLAS (a tensor-core variant for 2-16 rows lost to cuBLAS at every shape).
 
 Each function has a plain-torch reference (``*_ref``) and a dispatcher that runs the Triton kernel
-when :func:`gemv_applies` holds and cuBLAS (plus the activation kernel) otherwise.
+when :func:`gemv_applies` holds and the unfused kernels otherwise.
 """
 
 from __future__ import annotations
@@ -138,11 +144,21 @@ def _gemv_kernel(
     tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
-def _choose_config(n: int, k: int) -> dict:
-    """Tiles for an [n, k] weight. H200 sweep winners (benchmarks/kernels.py --only-sweeps gemv): 8 rows
-    per program, 8 warps, 3 stages; K tiles of 1024 columns below K = 8192 (o_proj, K = 4096: 10.4-10.8
-    us, 11.2 with 2048) and of 2048 above (down_proj, K = 14336: 30.8 us, 33.0 with 1024)."""
-    return dict(block_n=8, block_k=2048 if k >= 8192 else 1024, num_warps=8, num_stages=3, pdl_late=False)
+def _choose_config(n: int, k: int, pdl: bool = True) -> dict:
+    """Tiles for an [n, k] weight, from whole batch-1 Llama-3-8B decode steps on an H200
+    (``benchmarks/kernels.py --only-sweeps decode_step``, results in
+    ``benchmarks/results/decode-step-variants-h200.json``).
+
+    Under PDL, 4 warps per program for QKV (n = 1.5 k), gate/up (n = 7 k, 16 rows, 1024-column K tiles)
+    and down_proj (k = 3.5 n), 8 for o_proj (square), 2048-column K tiles: 4.08 ms per step, against
+    4.21 with the tiles below. Without PDL those 4-warp tiles lose (5.20 ms against 4.32), so a GPU
+    without it keeps 8 rows, 8 warps, 3 stages, K tiles of 1024 below K = 8192 and of 2048 above.
+    """
+    if not pdl:
+        return dict(block_n=8, block_k=2048 if k >= 8192 else 1024, num_warps=8, num_stages=3, pdl_late=False)
+    if n >= 4 * k:
+        return dict(block_n=16, block_k=1024, num_warps=4, num_stages=3, pdl_late=False)
+    return dict(block_n=8, block_k=2048, num_warps=8 if n == k else 4, num_stages=3, pdl_late=False)
 
 
 def fused_linear_triton(x, weight, bias=None, *, norm_weight=None, eps=1e-6, silu_and_mul_input=False,
@@ -164,8 +180,8 @@ def fused_linear_triton(x, weight, bias=None, *, norm_weight=None, eps=1e-6, sil
         y = residual
     else:
         y = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    cfg = {**_choose_config(n, k), **(config or {})}
-    pdl = bool(cfg.get("pdl", use_pdl(x)))
+    pdl = bool((config or {}).get("pdl", use_pdl(x)))
+    cfg = {**_choose_config(n, k, pdl), **(config or {})}
     block_k = min(cfg["block_k"], max(16, triton.next_power_of_2(k)))
     _gemv_kernel[(triton.cdiv(n, cfg["block_n"]),)](
         x, weight, bias if bias is not None else weight, norm_weight if norm_weight is not None else weight,
