@@ -253,21 +253,23 @@ _MAX_SPLITS = 64
 _MIN_SPLIT_TOKENS = 128
 
 
+_MAX_SPLITS_PDL = 8
+
+
 def _choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int, pdl: bool = False) -> int:
-    """Split-KV factor: about two programs per multiprocessor (half a program under PDL), >= 128 keys
-    per split.
+    """Split-KV factor: about two programs per multiprocessor, >= 128 keys per split, and at most 8
+    splits under programmatic dependent launch.
 
     Measured on an H200 (Llama-3-8B heads, bf16): batch 1-16 gain 1.5-8x from splitting; batch 32
     (256 programs) gains ~7% from 2 splits at 4K context and nothing at 1K; more splits than that lose.
-    Under programmatic dependent launch many splits cost: a batch-1 decode step (1K context, graph
-    captured for 8192) took 4.07 ms with 8 splits, 4.37 with 16 and 4.62 with 33 (without PDL, 4.32
-    with 8 and 4.36 with 33).
+    Under PDL many splits cost: a batch-1 decode step (1K context, graph captured for 8192) took 4.07 ms
+    with 8 splits, 4.37 with 16 and 4.62 with 33 (without PDL, 4.32 with 8 and 4.36 with 33), while
+    batch 8 and 32 at 4K context lost 3% and 7% when cut to 2 and 1 splits.
     """
-    target = num_sms // 2 if pdl else 2 * num_sms
-    if num_programs >= target or max_seq_len < 2 * _MIN_SPLIT_TOKENS:
+    if num_programs >= 2 * num_sms or max_seq_len < 2 * _MIN_SPLIT_TOKENS:
         return 1
-    want = triton.cdiv(target, num_programs)
-    return max(1, min(want, max_seq_len // _MIN_SPLIT_TOKENS, _MAX_SPLITS))
+    want = triton.cdiv(2 * num_sms, num_programs)
+    return max(1, min(want, max_seq_len // _MIN_SPLIT_TOKENS, _MAX_SPLITS_PDL if pdl else _MAX_SPLITS))
 
 
 def _choose_config(max_query_len: int, group_pad: int, block_d: int, is_fp32: bool, kv_bytes: int = 2) -> dict:
