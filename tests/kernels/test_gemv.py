@@ -112,6 +112,29 @@ def test_dispatch_rules():
         assert not gemv_applies(x.float(), w.float())
 
 
+def test_pdl_switch(monkeypatch):
+    """PDL is off on CPU tensors, under the interpreter, and wherever RAYINFER_PDL=0; the GEMV tiles
+    depend on it (4 warps for the tall shapes only under PDL)."""
+    from rayinfer import envs
+    from rayinfer.kernels import _triton_utils as tu
+    from rayinfer.kernels.gemv import _choose_config
+
+    assert not tu.use_pdl(torch.zeros(1))
+    monkeypatch.setenv("RAYINFER_PDL", "0")
+    tu._pdl_supported.cache_clear()
+    assert not envs.pdl_enabled() and not tu._pdl_supported(0)
+    monkeypatch.setenv("RAYINFER_PDL", "1")
+    assert envs.pdl_enabled()
+    tu._pdl_supported.cache_clear()
+    if CUDA:
+        major = torch.cuda.get_device_capability()[0]
+        assert tu.use_pdl(torch.zeros(1, device="cuda")) == (major >= 9 and tu.gdc_wait is not None)
+    assert _choose_config(6144, 4096, pdl=True)["num_warps"] == 4
+    assert _choose_config(6144, 4096, pdl=False)["num_warps"] == 8
+    assert _choose_config(28672, 4096, pdl=True)["block_n"] == 16
+    tu._pdl_supported.cache_clear()
+
+
 GPU_CASES = [  # (N, K, dtype, bias): Llama-3-8B's o_proj and down_proj, SmolLM2 widths, odd shapes
     (4096, 4096, torch.bfloat16, False),
     (4096, 14336, torch.bfloat16, False),
