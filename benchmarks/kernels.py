@@ -359,7 +359,7 @@ GEMV_CONFIG_SETS = {  # per weight shape (n, k) -> tiles; None: the module's _ch
 
 def sweep_decode_step(ceil) -> list[dict]:
     """Whole Llama-3-8B decode steps (dummy bf16 weights, context 1K) in a CUDA graph, for each way of
-    launching: PDL off / on / on with the GEMV's late trigger, and GEMV tile sets (GEMV_CONFIG_SETS).
+    launching: PDL off / on, and GEMV tile sets (GEMV_CONFIG_SETS; "default" is the set without PDL).
     Batch 1 takes the fused one-row layers; batch 128 shows PDL's effect on the other Triton kernels."""
     import rayinfer.kernels._triton_utils as tu
     from rayinfer.engine.config import EngineConfig, ModelConfig
@@ -374,21 +374,21 @@ def sweep_decode_step(ceil) -> list[dict]:
     weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed" not in n)
     choose = gemv._choose_config
     rows = []
-    variants = [(pdl, late, name) for pdl, late in (("0", False), ("1", False), ("1", True)) for name in GEMV_CONFIG_SETS]
+    variants = [(pdl, name) for pdl in ("0", "1") for name in GEMV_CONFIG_SETS]
     for batch in (1, 128):
         tables, _ = bl.decode_block_tables(batch, 1024, block_size, kv.shape[1])
         ids, pos, meta = bl._step_inputs([1] * batch, [1024] * batch, tables, block_size, model.config.vocab_size,
                                          kv.device, torch.Generator().manual_seed(0))
-        for pdl, late, name in variants if batch == 1 else [("0", False, "default"), ("1", False, "default")]:
+        for pdl, name in variants if batch == 1 else [("0", "default"), ("1", "default")]:
             os.environ["RAYINFER_PDL"] = pdl
             tu._pdl_supported.cache_clear()
             table = GEMV_CONFIG_SETS[name]
 
-            def pick(n, k, pdl=True, table=table, late=late):
-                cfg = choose(n, k, False)  # the tiles without PDL: the "default" set measured at 39b8af0
+            def pick(n, k, pdl=True, table=table):
+                cfg = choose(n, k, False)
                 if table is not None:
                     cfg.update(table.get((n, k), table.get("*", {})))
-                return {**cfg, "pdl_late": late}
+                return cfg
 
             gemv._choose_config = pick
             try:
@@ -400,9 +400,9 @@ def sweep_decode_step(ceil) -> list[dict]:
                 continue
             ms = us / 1e3
             roof_ms = (weight_bytes + batch * 1024 * 2 * KV_HEADS * HEAD_DIM * 2 * 32) / ceil["copy_GBps"] / 1e6
-            rows.append({"batch": batch, "ctx_len": 1024, "pdl": pdl == "1", "pdl_late": late, "gemv_configs": name,
+            rows.append({"batch": batch, "ctx_len": 1024, "pdl": pdl == "1", "gemv_configs": name,
                          "step_ms": ms, "roofline_ms": roof_ms, "pct_of_roofline": 100 * roof_ms / ms})
-            print(f"  decode step B={batch} pdl={pdl} late={late} gemv={name}: {ms:.3f} ms "
+            print(f"  decode step B={batch} pdl={pdl} gemv={name}: {ms:.3f} ms "
                   f"({100 * roof_ms / ms:.1f}% of {roof_ms:.3f} ms)", flush=True)
     os.environ.pop("RAYINFER_PDL", None)
     tu._pdl_supported.cache_clear()
