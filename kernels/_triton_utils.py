@@ -12,6 +12,8 @@ import os
 
 import torch
 
+from rayinfer import envs
+
 try:
     import triton
     import triton.language as tl
@@ -92,8 +94,6 @@ def device_sms(t: torch.Tensor) -> int:
 def _pdl_supported(device_index: int) -> bool:
     if not HAS_TRITON or gdc_wait is None or is_interpreting() or not torch.cuda.is_available():
         return False
-    from rayinfer import envs
-
     if not envs.pdl_enabled():
         return False
     try:
@@ -110,11 +110,28 @@ def use_pdl(t: torch.Tensor) -> bool:
     """Whether kernels on ``t``'s device launch with programmatic dependent launch (PDL).
 
     True on Hopper and later GPUs with a Triton that has ``launch_pdl`` and ``gdc_wait``, unless the
-    environment sets ``RAYINFER_PDL=0``. A kernel launched so may start while the previous kernel
-    in the stream still runs (after all of that kernel's programs called ``gdc_launch_dependents``);
-    it must call ``gdc_wait`` before it reads anything an earlier kernel wrote and before it writes
-    anything, and every program must call it (the wait is what orders it after all earlier
-    kernels). Weights may be read before the wait: no kernel writes them during a step.
+    environment sets ``RAYINFER_PDL=0``. A kernel launched so (``**pdl_launch(True)``) may start
+    while the previous kernel in the stream still runs; every one of its programs must call
+    :func:`pdl_wait` before it reads anything an earlier kernel wrote and before it writes anything
+    (the wait is what orders it after all earlier kernels). Weights may be read before the wait: no
+    kernel writes them during a step.
     Source: CUDA programming guide, "Programmatic Dependent Launch and Synchronization".
     """
     return t.is_cuda and _pdl_supported(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """In a kernel launched with :func:`pdl_launch`: wait until the previous kernel has finished and its
+    writes are visible, then let the next kernel start (once all programs got here). Triggering before
+    the own wait would let a whole chain of kernels start at once, each holding multiprocessor slots.
+    A no-op when ``USE_PDL`` is False."""
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+def pdl_launch(enabled: bool) -> dict:
+    """Launch keyword arguments for a kernel with a ``USE_PDL`` constexpr (default False) that calls
+    :func:`pdl_wait`: ``USE_PDL=True, launch_pdl=True`` when ``enabled`` (see :func:`use_pdl`), else none."""
+    return {"USE_PDL": True, "launch_pdl": True} if enabled else {}

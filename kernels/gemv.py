@@ -29,8 +29,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rayinfer.kernels._triton_utils import gdc_launch_dependents, gdc_wait, tl, triton, use_pdl, use_triton
+from rayinfer.kernels._triton_utils import pdl_launch, pdl_wait, tl, triton, use_pdl, use_triton
 from rayinfer.kernels.activation import silu_and_mul, silu_and_mul_ref
+from rayinfer.kernels.norm import rms_norm, rms_norm_ref
 
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -70,8 +71,6 @@ def fused_linear_ref(
     if norm_weight is not None and silu_and_mul_input:
         raise ValueError("fused_linear: a norm prologue and a SiLU-and-mul prologue are exclusive")
     if norm_weight is not None:
-        from rayinfer.kernels.norm import rms_norm_ref
-
         x = rms_norm_ref(x, norm_weight, eps)
     elif silu_and_mul_input:
         x = silu_and_mul_ref(x)
@@ -100,8 +99,8 @@ def _gemv_input(x_ptr, norm_w_ptr, ks, k_ok, K, ss, SILU_AND_MUL: tl.constexpr, 
 def _gemv_kernel(
     x_ptr, w_ptr, bias_ptr, norm_w_ptr, res_ptr, y_ptr, N, K, stride_wn, eps,
     SILU_AND_MUL: tl.constexpr, RMS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
-    USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
@@ -114,13 +113,9 @@ def _gemv_kernel(
         w = tl.load(w_rows + rk[None, :])
     else:
         w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-    if USE_PDL:
-        gdc_wait()
-        # Then the next kernel may start, once all our programs got here. Triggering before our own wait
-        # would let a whole chain of kernels start at once, each holding multiprocessor slots while it
-        # waits (in the gemv sweep, down_proj went from 30.9 to 37.2 us that way); triggering after the
-        # loop instead of here lost 0.1-0.27 ms per batch-1 step (decode_step sweep).
-        gdc_launch_dependents()
+    # Triggering the next kernel before our own wait cost down_proj 30.9 -> 37.2 us in the gemv sweep;
+    # triggering it after the loop instead of here lost 0.1-0.27 ms per batch-1 step (decode_step sweep).
+    pdl_wait(USE_PDL)
     ss = tl.zeros([BLOCK_K], tl.float32)
     a, ss = _gemv_input(x_ptr, norm_w_ptr, rk, k_ok, K, ss, SILU_AND_MUL, RMS_NORM)
     acc = tl.sum(w.to(tl.float32) * a[None, :], 1)
@@ -186,9 +181,9 @@ def fused_linear_triton(x, weight, bias=None, *, norm_weight=None, eps=1e-6, sil
         x, weight, bias if bias is not None else weight, norm_weight if norm_weight is not None else weight,
         y, y, n, k, weight.stride(0), float(eps),
         SILU_AND_MUL=silu_and_mul_input, RMS_NORM=norm_weight is not None, HAS_BIAS=bias is not None,
-        ADD_RESIDUAL=residual is not None, USE_PDL=pdl,
+        ADD_RESIDUAL=residual is not None,
         BLOCK_N=cfg["block_n"], BLOCK_K=block_k, EVEN_N=n % cfg["block_n"] == 0, EVEN_K=k % block_k == 0,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if pdl else {}),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(pdl),
     )
     return y
 
@@ -220,29 +215,25 @@ def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as :func:`linear_ref`; the Triton GEMV when :func:`gemv_applies`, else cuBLAS."""
-    if gemv_applies(x, weight):
-        return linear_triton(x, weight, bias)
-    return F.linear(x, weight, bias)
+    return fused_linear(x, weight, bias)
 
 
 def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as :func:`silu_and_mul_linear_ref`; one fused kernel when :func:`gemv_applies`,
     else the activation kernel and cuBLAS."""
-    if gemv_applies(x, weight):
-        return silu_and_mul_linear_triton(x, weight, bias)
-    return F.linear(silu_and_mul(x), weight, bias)
+    return fused_linear(x, weight, bias, silu_and_mul_input=True)
 
 
 def fused_linear(x, weight, bias=None, *, norm_weight=None, eps=1e-6, silu_and_mul_input=False, residual=None):
     """Same contract as :func:`fused_linear_ref`, except that ``residual``, when given, is updated in
-    place on the GPU path; one Triton kernel when :func:`gemv_applies`, else the unfused kernels
+    place (and returned); one Triton kernel when :func:`gemv_applies`, else the unfused kernels
     (RMSNorm, activation, cuBLAS, add)."""
     if gemv_applies(x, weight) and (residual is None or (residual.dtype == x.dtype and residual.stride(-1) == 1)):
         return fused_linear_triton(x, weight, bias, norm_weight=norm_weight, eps=eps,
                                    silu_and_mul_input=silu_and_mul_input, residual=residual)
+    if norm_weight is not None and silu_and_mul_input:
+        raise ValueError("fused_linear: a norm prologue and a SiLU-and-mul prologue are exclusive")
     if norm_weight is not None:
-        from rayinfer.kernels.norm import rms_norm
-
         x = rms_norm(x, norm_weight, eps)
     elif silu_and_mul_input:
         x = silu_and_mul(x)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rayinfer.kernels._triton_utils import gdc_launch_dependents, gdc_wait, tl, triton, use_pdl, use_triton
+from rayinfer.kernels._triton_utils import pdl_launch, pdl_wait, tl, triton, use_pdl, use_triton
 
 _MAX_FUSED_HIDDEN = 65536  # one row per program, held in registers
 
@@ -50,9 +50,7 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
-    if USE_PDL:  # programmatic dependent launch: see _triton_utils.use_pdl
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -86,7 +84,6 @@ def rms_norm_triton(x, weight, eps, residual=None):
     if num_tokens > 0:
         block = triton.next_power_of_2(hidden)
         num_warps = min(16, max(1, block // 512))
-        pdl = use_pdl(x)
         _rms_norm_kernel[(num_tokens,)](
             x,
             residual if residual is not None else x,
@@ -101,9 +98,8 @@ def rms_norm_triton(x, weight, eps, residual=None):
             float(eps),
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
-            USE_PDL=pdl,
             num_warps=num_warps,
-            **({"launch_pdl": True} if pdl else {}),
+            **pdl_launch(use_pdl(x)),
         )
     return out if residual is None else (out, new_residual)
 

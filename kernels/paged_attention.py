@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rayinfer.kernels._triton_utils import device_sms, gdc_launch_dependents, gdc_wait, tl, triton, use_pdl, use_triton
+from rayinfer.kernels._triton_utils import device_sms, pdl_launch, pdl_wait, tl, triton, use_pdl, use_triton
 from rayinfer.kernels.attention_metadata import AttentionMetadata
 
 
@@ -150,9 +150,7 @@ def _paged_attention_kernel(
     ONE_TILE: tl.constexpr, REVERSE: tl.constexpr, USE_SPLITS: tl.constexpr, IEEE: tl.constexpr,
     KV_CAST: tl.constexpr, KV_F16: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
-    if USE_PDL:  # programmatic dependent launch: see _triton_utils.use_pdl
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_wait(USE_PDL)
     program = tl.program_id(0)
     if REVERSE:  # the last query tiles see the most keys: start them first to shorten the tail
         program = tl.num_programs(0) - 1 - program
@@ -231,9 +229,7 @@ def _merge_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, num_heads, num_splits, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
-    if USE_PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_wait(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     base = (token * num_heads + head) * num_splits
@@ -320,6 +316,7 @@ def paged_attention_triton(
     num_reqs = meta.num_reqs
     if num_tokens == 0 or num_reqs == 0:
         return out
+    pdl = use_pdl(q)
     if q.stride(-1) != 1:
         q = q.contiguous()
     group = num_heads // num_kv_heads
@@ -337,7 +334,7 @@ def paged_attention_triton(
     if not one_tile:
         num_splits = 1
     elif num_splits is None:
-        num_splits = _choose_num_splits(num_reqs * num_kv_heads, max_seq_len, device_sms(q), use_pdl(q))
+        num_splits = _choose_num_splits(num_reqs * num_kv_heads, max_seq_len, device_sms(q), pdl)
     num_splits = max(1, min(num_splits, triton.cdiv(max_seq_len, block_n)))
     use_splits = num_splits > 1
     if use_splits and not is_fp32 and "block_n" not in (config or {}):
@@ -349,8 +346,6 @@ def paged_attention_triton(
         part_lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
-    pdl = use_pdl(q)
-    pdl_opts = {"launch_pdl": True} if pdl else {}
     _paged_attention_kernel[(grid_x, num_kv_heads, num_splits)](
         q, kv_cache, out, part_out, part_lse,
         meta.query_start_loc, meta.seq_lens, meta.block_tables,
@@ -360,14 +355,14 @@ def paged_attention_triton(
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n,
         HEAD_DIM=head_dim, BLOCK_D=block_d, KV_BLOCK_SIZE=block_size,
         ONE_TILE=one_tile, REVERSE=bool(cfg["reverse"]) and not one_tile, USE_SPLITS=use_splits, IEEE=is_fp32,
-        KV_CAST=kv_cast, KV_F16=kv_cast and not is_fp32 and bool(cfg["kv_f16"]), USE_PDL=pdl,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_opts,
+        KV_CAST=kv_cast, KV_F16=kv_cast and not is_fp32 and bool(cfg["kv_f16"]),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(pdl),
     )
     if use_splits:
         _merge_splits_kernel[(num_tokens, num_heads)](
             part_out, part_lse, out, num_heads, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits), USE_PDL=pdl,
-            num_warps=4, **pdl_opts,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
+            num_warps=4, **pdl_launch(pdl),
         )
     return out
 

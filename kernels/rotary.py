@@ -7,9 +7,9 @@ import math
 import torch
 
 from rayinfer.kernels._triton_utils import (
-    gdc_launch_dependents,
-    gdc_wait,
     libdevice,
+    pdl_launch,
+    pdl_wait,
     tl,
     triton,
     use_libdevice,
@@ -203,9 +203,7 @@ def _rotary_store_kv_kernel(
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     KV_BLOCK_SIZE: tl.constexpr, USE_LIBDEVICE: tl.constexpr, KV_CAST: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
-    if USE_PDL:  # programmatic dependent launch: see _triton_utils.use_pdl
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_wait(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     cos, sin = _cos_sin(pos_ptr, inv_freq_ptr, q_ptr, token, HALF, BLOCK_HALF, USE_LIBDEVICE)
     if tl.program_id(1) == 0:  # program (t, 0) rotates the queries, (t, 1) writes keys and values
@@ -239,7 +237,6 @@ def rotary_store_kv_triton(q, k, v, positions, inv_freq, kv_cache, slot_mapping)
         return q_out
     half = head_dim // 2
     inv_freq = inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
-    pdl = use_pdl(q)
     _rotary_store_kv_kernel[(num_tokens, 2)](
         q, k, v, q_out, kv_cache, positions.contiguous(), slot_mapping, inv_freq,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -249,7 +246,7 @@ def rotary_store_kv_triton(q, k, v, positions, inv_freq, kv_cache, slot_mapping)
         HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HK=triton.next_power_of_2(num_kv_heads),
         KV_BLOCK_SIZE=kv_cache.shape[2], USE_LIBDEVICE=use_libdevice(), KV_CAST=kv_cache.dtype != q.dtype,
-        USE_PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}),
+        num_warps=4, **pdl_launch(use_pdl(q)),
     )
     return q_out
 
