@@ -2,13 +2,14 @@
 #   make run    # set up .venv, then answer the built-in prompts with SmolLM2 on CPU (jobs/generate.py)
 #   make test   # set up .venv, then run the test suite (CPU)
 VENV ?= .venv
+PYTHON ?= python3
 PY := $(VENV)/bin/python
 # torch first, pinned to the version this project is tested with (pip takes the CPU build where its index
 # offers one, as the PyTorch CPU index or a local wheel does; override TORCH_SPEC for another build)
 TORCH_SPEC ?= torch==2.13.*
 
 $(VENV)/.installed: pyproject.toml
-	python3 -m venv $(VENV)
+	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q '$(TORCH_SPEC)'
 	$(PY) -m pip install -q -e '.[test]'
