@@ -68,14 +68,23 @@ def fused_linear_ref(
     Raises:
         ValueError: with both ``norm_weight`` and ``silu_and_mul_input``.
     """
-    if norm_weight is not None and silu_and_mul_input:
-        raise ValueError("fused_linear: a norm prologue and a SiLU-and-mul prologue are exclusive")
-    if norm_weight is not None:
-        x = rms_norm_ref(x, norm_weight, eps)
-    elif silu_and_mul_input:
-        x = silu_and_mul_ref(x)
+    x = _prologue(x, norm_weight, eps, silu_and_mul_input, rms_norm_ref, silu_and_mul_ref)
     y = F.linear(x, weight, bias)
     return y if residual is None else residual + y
+
+
+def _check_prologue(norm_weight: torch.Tensor | None, silu_and_mul_input: bool) -> None:
+    if norm_weight is not None and silu_and_mul_input:
+        raise ValueError("fused_linear: a norm prologue and a SiLU-and-mul prologue are exclusive")
+
+
+def _prologue(x, norm_weight, eps, silu_and_mul_input, norm_fn, act_fn) -> torch.Tensor:
+    """``fused_linear``'s prologue applied on its own, through ``norm_fn`` / ``act_fn`` (the plain-torch
+    references or the dispatching kernels)."""
+    _check_prologue(norm_weight, silu_and_mul_input)
+    if norm_weight is not None:
+        return norm_fn(x, norm_weight, eps)
+    return act_fn(x) if silu_and_mul_input else x
 
 
 @triton.jit
@@ -163,8 +172,7 @@ def fused_linear_triton(x, weight, bias=None, *, norm_weight=None, eps=1e-6, sil
     ``config`` overrides the tiles (block_n, block_k, num_warps, num_stages) and ``pdl`` (bool: launch
     with programmatic dependent launch; default :func:`use_pdl`).
     """
-    if norm_weight is not None and silu_and_mul_input:
-        raise ValueError("fused_linear: a norm prologue and a SiLU-and-mul prologue are exclusive")
+    _check_prologue(norm_weight, silu_and_mul_input)
     n, k = weight.shape
     assert x.shape[0] == 1, "the GEMV kernel takes one row"
     if x.stride(-1) != 1:
@@ -231,12 +239,7 @@ def fused_linear(x, weight, bias=None, *, norm_weight=None, eps=1e-6, silu_and_m
     if gemv_applies(x, weight) and (residual is None or (residual.dtype == x.dtype and residual.stride(-1) == 1)):
         return fused_linear_triton(x, weight, bias, norm_weight=norm_weight, eps=eps,
                                    silu_and_mul_input=silu_and_mul_input, residual=residual)
-    if norm_weight is not None and silu_and_mul_input:
-        raise ValueError("fused_linear: a norm prologue and a SiLU-and-mul prologue are exclusive")
-    if norm_weight is not None:
-        x = rms_norm(x, norm_weight, eps)
-    elif silu_and_mul_input:
-        x = silu_and_mul(x)
+    x = _prologue(x, norm_weight, eps, silu_and_mul_input, rms_norm, silu_and_mul)
     y = F.linear(x, weight, bias)
     if residual is None:
         return y
