@@ -1,6 +1,6 @@
 # Two commands on a fresh machine with Python 3.11:
 #   make run    # set up .venv, then answer the built-in prompts with SmolLM2 on CPU (jobs/generate.py)
-#   make test   # set up .venv, then run the test suite (CPU)
+#   make test   # set up .venv, then type-check the public modules (pyright) and run the test suite (CPU)
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
@@ -21,6 +21,7 @@ run: setup
 	$(PY) jobs/generate.py
 
 test: setup
+	$(VENV)/bin/pyright
 	$(PY) -m pytest -q --durations=25
 
 .PHONY: setup run test

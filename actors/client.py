@@ -1,86 +1,217 @@
-"""EngineClient: the caller's side of a set of engine replicas (used by the batch job and Serve)."""
+"""Clients of a fleet (the ``EngineClient`` protocol, ``rayinfer.engine.protocol``), and how to start one.
+
+    client = make_client(model_config, engine_config, parallel)   # starts a Router (owned) and connects
+    async for out in client.generate(prompt_ids, params): ...
+    client.shutdown()                                              # stops the fleet it started
+
+    router = start_fleet(model_config, engine_config, parallel)   # a fleet shared by many clients
+    client = await connect(router)                                 # (Serve: each ingress replica connects)
+
+The client runs in the caller's process and streams tokens from the replicas directly; the Router
+actor (``rayinfer.actors.router``) owns the replicas and the balancers, so every client shares one view
+of load. ``connect`` picks the client class by the fleet's topology.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import uuid
+from contextlib import aclosing
 from typing import AsyncIterator
 
 import ray
+import ray.exceptions
 
-from rayinfer.actors.engine_actor import EngineActor
-from rayinfer.actors.router import ReplicaLoadBalancer
+from rayinfer.actors.router import FleetInfo, RouterActor, check_supported
 from rayinfer.engine.config import EngineConfig, ModelConfig
+from rayinfer.engine.errors import EngineInternalError, InvalidRequestError, RayInferError
+from rayinfer.engine.protocol import EngineClient, FleetStats
 from rayinfer.engine.types import Completion, RequestOutput, SamplingParams
+from rayinfer.placement.parallel_config import ParallelConfig
 
 
-class EngineClient:
-    """Starts NORMAL replicas as EngineActors and routes requests to them.
+async def unwrap(ref):
+    """Await a Ray ref; rayinfer's own errors (bad request, unsupported, ...) come back as themselves,
+    not wrapped in Ray's RayTaskError."""
+    try:
+        return await ref
+    except ray.exceptions.RayTaskError as e:
+        if isinstance(e.cause, RayInferError):
+            raise e.cause from None
+        if isinstance(e.cause, ValueError):  # a validation error raised below rayinfer's types
+            raise InvalidRequestError(str(e.cause)) from None
+        raise
 
-    Args:
-        model_config, engine_config: every replica's config.
-        num_replicas: data-parallel NORMAL replicas.
-        num_cpus_per_replica, num_gpus_per_replica: Ray resources of each EngineActor.
-    """
 
-    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, num_replicas: int = 1,
-                 num_cpus_per_replica: float = 1, num_gpus_per_replica: float = 0):
-        self.replicas = [
-            EngineActor.options(num_cpus=num_cpus_per_replica, num_gpus=num_gpus_per_replica,
-                                max_concurrency=4096).remote(model_config, engine_config, i)
-            for i in range(num_replicas)
-        ]
-        self.info = ray.get([r.ready.remote() for r in self.replicas])
-        self.max_model_len = self.info[0]["max_model_len"]
-        self.balancer = ReplicaLoadBalancer(num_replicas, engine_config.block_size)
+class _FleetClient:
+    """What every topology's client shares: the router, the fleet's facts, complete, stats, shutdown."""
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                       **kwargs) -> AsyncIterator[RequestOutput]:
-        """Stream a request's deltas from the replica the balancer picks.
+    def __init__(self, router, info: FleetInfo, owned: bool = False):
+        self.router = router
+        self.info = info
+        self.max_model_len = info.max_model_len
+        self.owned = owned
 
-        If the consumer stops early (client disconnect, cancellation), the request is aborted on its
-        replica and its KV blocks are freed.
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                 request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        raise NotImplementedError
 
-        Raises:
-            ValueError: when the engine rejects the request (Ray's wrapper is unwrapped).
-        """
-        request_id = request_id or uuid.uuid4().hex
-        idx = self.balancer.pick(prompt_token_ids)
-        replica = self.replicas[idx]
-        gen = replica.generate.options(num_returns="streaming").remote(request_id, prompt_token_ids, params, **kwargs)
-        finished = False
+    async def complete(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str | None = None) -> Completion:
+        """Run one request to the end; a rejected or failed request comes back with ``error`` set."""
+        result = Completion(request_id or uuid.uuid4().hex, list(prompt_token_ids))
         try:
-            async for ref in gen:
-                try:
-                    out = await ref
-                except ray.exceptions.RayTaskError as e:
-                    if isinstance(e.cause, ValueError):
-                        finished = True
-                        raise ValueError(str(e.cause)) from None
-                    raise
-                yield out
-                if out.finished:
-                    finished = True
-        finally:
-            self.balancer.done(idx)
-            if not finished:
-                replica.abort.remote(request_id)
-                ray.cancel(gen)
+            async for out in self.generate(prompt_token_ids, params, result.request_id):
+                result.add(out)
+        except (RayInferError, ValueError) as e:
+            result.error, result.finish_reason = str(e), "error"
+        except ray.exceptions.RayError as e:
+            result.error, result.finish_reason = f"internal error: {type(e).__name__}", "error"
+        return result
 
-    async def complete(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                       **kwargs) -> Completion:
-        """Run one request to the end (errors in ``Completion.error``)."""
-        request_id = request_id or uuid.uuid4().hex
-        idx = self.balancer.pick(prompt_token_ids)
-        try:
-            return await self.replicas[idx].complete.remote(request_id, prompt_token_ids, params, **kwargs)
-        finally:
-            self.balancer.done(idx)
+    async def stats(self) -> FleetStats:
+        return await self.router.stats.remote()
 
-    async def stats(self) -> list[dict]:
-        """Each replica's gauges and counters."""
-        return await asyncio.gather(*[r.stats.remote() for r in self.replicas])
+    async def flush(self) -> None:
+        """PD: wait until the prefill replicas' write-through puts reached the KV store."""
+        await self.router.flush.remote()
 
     def shutdown(self) -> None:
-        for r in self.replicas:
-            ray.kill(r)
+        """Stop the fleet when this client started it (``make_client``); otherwise only let go."""
+        if self.owned:
+            try:
+                ray.get(self.router.shutdown.remote(), timeout=60)
+            except ray.exceptions.RayError:
+                pass
+            ray.kill(self.router)
+
+
+async def _stream(gen, abort, what: str) -> AsyncIterator[RequestOutput]:
+    """Yield the deltas of a Ray streaming call until the finished one; if the consumer leaves first,
+    ``abort()`` the request and cancel the call (its KV blocks are freed).
+
+    Raises:
+        RayInferError: as the replica raised it (a rejected request).
+        EngineInternalError: ``what`` failed (dead actor, lost object).
+    """
+    finished = False
+    try:
+        async for ref in gen:
+            try:
+                out = await unwrap(ref)
+            except RayInferError:
+                finished = True
+                raise
+            except ray.exceptions.RayError as e:
+                finished = True
+                raise EngineInternalError(f"{what} failed: {type(e).__name__}") from e
+            yield out
+            if out.finished:
+                finished = True
+    finally:
+        if not finished:
+            abort()
+            ray.cancel(gen)
+
+
+class ColocatedClient(_FleetClient):
+    """Data-parallel NORMAL replicas: the router picks, the client streams from the replica."""
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's deltas from the replica the router picks (see ``EngineClient.generate``)."""
+        request_id = request_id or uuid.uuid4().hex
+        idx = await granted(self.router.pick.remote(list(prompt_token_ids[: self.info.block_size])),
+                            lambda i: self.router.release.remote(i))
+        replica = self.info.replicas[idx]
+        try:
+            gen = replica.generate.options(num_returns="streaming").remote(request_id, prompt_token_ids, params)
+            async with aclosing(_stream(gen, lambda: replica.abort.remote(request_id), f"replica {idx}")) as outs:
+                async for out in outs:
+                    yield out
+        finally:
+            self.router.release.remote(idx)
+
+
+class EPClient(_FleetClient):
+    """The expert-parallel replica: requests stream through the router, which runs the lockstep loop."""
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's deltas from the EP ranks (see ``EngineClient.generate``)."""
+        request_id = request_id or uuid.uuid4().hex
+        gen = self.router.generate.options(num_returns="streaming").remote(request_id, list(prompt_token_ids),
+                                                                           params)
+        async with aclosing(_stream(gen, lambda: self.router.abort.remote(request_id), "the EP replica")) as outs:
+            async for out in outs:
+                yield out
+
+
+async def granted(ref, release):
+    """Await a grant from the router (a replica pick, a ticket); if the caller is cancelled meanwhile,
+    ``release`` what the router grants, so its count of in-flight requests stays true."""
+    try:
+        return await ref
+    except asyncio.CancelledError:
+        async def give_back():
+            try:
+                release(await ref)
+            except Exception:  # noqa: BLE001 - the pick failed: nothing was granted
+                pass
+
+        asyncio.get_running_loop().create_task(give_back())
+        raise
+
+
+def client_for(router, info: FleetInfo, owned: bool = False) -> EngineClient:
+    """The client class of ``info.topology`` over a started fleet."""
+    if info.topology == "pd":
+        from rayinfer.actors.pd import PDClient
+
+        return PDClient(router, info, owned)
+    return (EPClient if info.topology == "ep" else ColocatedClient)(router, info, owned)
+
+
+async def connect(router, owned: bool = False) -> EngineClient:
+    """The client for a fleet (started here if it was not yet), by its topology.
+
+    Args:
+        router: a RouterActor handle.
+        owned: whether the client's ``shutdown`` stops the fleet.
+    Raises:
+        TimeoutError, ValueError: when the fleet cannot start (see ``Router.start``).
+    """
+    return client_for(router, await unwrap(router.start.remote()), owned)
+
+
+def start_fleet(model_config: ModelConfig, engine_config: EngineConfig, parallel: ParallelConfig):
+    """Start a Router actor for ``parallel`` (its replicas start on the first ``connect``).
+
+    Raises:
+        UnsupportedError: for a topology that is not run yet.
+    """
+    check_supported(parallel)
+    return RouterActor.remote(model_config, engine_config, parallel)
+
+
+def make_client(model_config: ModelConfig, engine_config: EngineConfig, parallel: ParallelConfig | None = None,
+                ) -> EngineClient:
+    """Start a fleet, wait until it is ready, and return a client that owns it (the batch job's and the
+    tests' way in; call it outside an event loop).
+
+    Raises:
+        UnsupportedError, ValueError: for a bad or unsupported config; TimeoutError: the cluster
+            cannot place the replicas (the message names the shortfall).
+    """
+    router = start_fleet(model_config, engine_config, parallel or ParallelConfig())
+    try:
+        try:
+            info: FleetInfo = ray.get(router.start.remote())  # pyright: ignore[reportAssignmentType]
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, (ValueError, TimeoutError, RayInferError)):
+                raise e.cause from None
+            raise
+        return client_for(router, info, owned=True)
+    except BaseException:
+        ray.kill(router)
+        raise

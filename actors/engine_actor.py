@@ -41,7 +41,6 @@ class EngineActorImpl:
         """
         from rayinfer.actors.kv_transport import prepare_transport
 
-        logging.basicConfig(level=logging.INFO)
         prepare_transport(kv_transport)
         self.kv_transport = kv_transport
         self.replica_id = replica_id

@@ -4,27 +4,48 @@ DeepSeek's layout: every EP rank is a whole engine (scheduler, KV cache, request
 is data-parallel), while the routed experts of each MoE layer are spread over the ranks and meet in
 the layer's collectives (gloo on CPU, NCCL on GPU). Because those collectives need every rank, all
 ranks run exactly one forward per step, a rank without work over zero tokens; the driver-side
-:class:`EPEngineGroup` issues every rank's ``step`` in one ``ray.get``. With ``eplb_interval`` set, an
+:class:`EPEngineGroup` issues every rank's ``step`` in one ``ray.get``. With ``eplb.interval`` set, an
 :class:`~rayinfer.actors.eplb_coordinator.EPLBCoordinator` rebalances the experts between steps.
 
-    group = EPEngineGroup(ModelConfig("path/to/moe"), EngineConfig(device="cpu"), EPConfig(ep=2))
+    group = EPEngineGroup(ModelConfig("path/to/moe"), EngineConfig(device="cpu"), ParallelConfig(ep=2))
     completions = group.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16))
     group.stats()["moe_lb"]; group.shutdown()
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
-from collections.abc import Mapping
+import queue
+import threading
 
 import ray
 import torch
+import torch.distributed as dist
+from ray.util import remove_placement_group
 
 from rayinfer.actors.eplb_coordinator import EPLBCoordinator
-from rayinfer.engine.config import EngineConfig, EPConfig, ModelConfig
-from rayinfer.engine.eplb_policy import ExpertLoadWindow, is_rebalance_step, placement_balance
+from rayinfer.engine.config import EngineConfig, ModelConfig
+from rayinfer.engine.errors import EngineInternalError, InvalidRequestError
+from rayinfer.engine.llm_engine import LLMEngine
+from rayinfer.engine.output_processor import OutputProcessor, RequestOutputProcessor
 from rayinfer.engine.types import Completion, RequestOutput, SamplingParams
+from rayinfer.model.loader import load_config, load_tokenizer
+from rayinfer.model.moe import ExpertParallelism
+from rayinfer.placement.bundles import replica_specs
+from rayinfer.placement.groups import (
+    collective_backend,
+    create_placement_group,
+    destroy_process_group,
+    free_port,
+    init_process_group,
+    node_ip,
+    scheduling_strategy_for,
+)
+from rayinfer.placement.parallel_config import ParallelConfig
+from rayinfer.policy.eplb_policy import ExpertLoadWindow, is_rebalance_step, placement_balance
+from rayinfer.policy.routing import StepVote, vote_step_kind
 
 logger = logging.getLogger(__name__)
 
@@ -42,12 +63,6 @@ def moe_shape(hf_config) -> tuple[int, int]:
     return int(num_logical), int(getattr(hf_config, "n_group", None) or 1)
 
 
-def ep_config_from_parallel(parallel: Mapping) -> EPConfig:
-    """The EPConfig in a Hydra ``parallel`` node (conf/parallel/ep*.yaml); other keys are ignored."""
-    names = {f.name for f in dataclasses.fields(EPConfig)}
-    return EPConfig(**{k: v for k, v in dict(parallel).items() if k in names})
-
-
 class EPRankImpl:
     """One EP rank: an LLMEngine whose MoE layers hold 1/ep of the physical experts.
 
@@ -56,22 +71,22 @@ class EPRankImpl:
 
     Args:
         ep_rank: this rank's index in the EP group (= its global rank in the group's process group).
-        config: the EP config.
+        config: the parallel config (``ep`` and its ``eplb`` section).
     """
 
-    def __init__(self, ep_rank: int, config: EPConfig):
+    def __init__(self, ep_rank: int, config: ParallelConfig):
         self.ep_rank = ep_rank
         self.config = config
         self.engine = None
         self.window: ExpertLoadWindow | None = None
         self.num_steps = 0  # lockstep steps completed (equal on every rank)
         self.num_empty_steps = 0  # steps this rank ran over zero tokens for the others
+        self.num_decode_steps = 0  # decode steps since this rank's last prefill (or mixed) step
+        self.num_steps_by_kind: dict[str, int] = {}  # "prefill" / "decode" / "mixed" -> steps
         self._pending: tuple[int, torch.Tensor] | None = None  # (apply before step n, phy2log)
 
     def address(self) -> tuple[str, int]:
         """(IP, free port) for the process group's rendezvous (asked of rank 0)."""
-        from rayinfer.placement.groups import free_port, node_ip
-
         return node_ip(), free_port()
 
     def start(self, model_config: ModelConfig, engine_config: EngineConfig, num_physical: int,
@@ -89,12 +104,6 @@ class EPRankImpl:
         Raises:
             ValueError: if the model is not a MoE model or P does not split over the ranks.
         """
-        import torch.distributed as dist
-
-        from rayinfer.engine.llm_engine import LLMEngine
-        from rayinfer.model.moe import ExpertParallelism
-        from rayinfer.placement.groups import init_process_group
-
         if backend == "nccl":
             torch.cuda.set_device(0)  # Ray exposes this rank's one GPU as device 0
         init_process_group(self.ep_rank, self.config.ep, master_addr, master_port, backend, timeout_s)
@@ -109,44 +118,60 @@ class EPRankImpl:
             raise ValueError(f"{type(model).__name__} has no routed-expert layers: not a MoE model")
         num_moe_layers = len(model.expert_layers())
         num_logical = model.expert_layers()[0].num_logical_experts
-        self.window = ExpertLoadWindow(self.config.eplb_window, num_moe_layers, num_logical, self.engine.device)
+        self.window = ExpertLoadWindow(self.config.eplb.window, num_moe_layers, num_logical, self.engine.device)
         return {"ep_rank": self.ep_rank, "num_moe_layers": num_moe_layers, "num_logical": num_logical,
                 "num_physical": num_physical, "device": str(self.engine.device),
                 "max_model_len": self.engine.max_model_len}
 
     # -- requests --------------------------------------------------------------------------------
-    def add_requests(self, requests: list[tuple[str, list[int], SamplingParams]]) -> dict[str, str]:
-        """Queue requests (id, prompt token ids, params); returns id -> error for those rejected."""
+    def add_requests(self, requests: list[tuple[str, list[int], SamplingParams]]) -> tuple[dict[str, str], StepVote]:
+        """Queue requests (id, prompt token ids, params).
+
+        Returns:
+            (id -> error for those rejected, this rank's step vote now).
+        """
         errors = {}
         for request_id, prompt_token_ids, params in requests:
             try:
                 self.engine.add_request(request_id, prompt_token_ids, params)
             except ValueError as e:
                 errors[request_id] = str(e)
-        return errors
+        return errors, self.vote()
+
+    def vote(self) -> StepVote:
+        """This rank's view before the next step (DeepSeek's DP step vote; see ``vote_step_kind``)."""
+        num_prefill_tokens, num_decode = self.engine.scheduler.pending_work()
+        return StepVote(num_prefill_tokens, num_decode, self.num_decode_steps)
 
     def abort(self, request_ids: list[str]) -> None:
         self.engine.abort_request(request_ids)
 
     # -- the lockstep step -----------------------------------------------------------------------
-    def step(self) -> tuple[list[RequestOutput], bool]:
-        """One lockstep step: switch expert placement if one is due now, run one forward (zero tokens
-        when nothing is scheduled), record the step's expert load.
+    def step(self, step_kind: str | None = None) -> tuple[list[RequestOutput], bool, StepVote, bool]:
+        """One lockstep step: switch expert placement if one is due now, run one forward of the group's
+        voted kind (zero tokens when this rank has none of it), record the step's expert load.
 
-        Every rank of the group must call it the same number of times (the MoE layers are collectives).
+        Every rank of the group must call it the same number of times with the same ``step_kind`` (the
+        MoE layers are collectives).
 
+        Args:
+            step_kind: "prefill", "decode", or None for both (``Scheduler.schedule``).
         Returns:
-            (the step's request outputs, whether this rank still has unfinished requests).
+            (the step's request outputs, whether this rank still has unfinished requests, its vote for
+            the next step, whether it computed any token).
         """
         if self._pending is not None and self._pending[0] == self.num_steps:
             self.engine.model.update_expert_placement(self._pending[1])  # collective, same step everywhere
             self._pending = None
         computed = self.engine.num_computed_tokens
-        outputs = self.engine.step(run_empty=True)
-        self.num_empty_steps += self.engine.num_computed_tokens == computed
+        outputs = self.engine.step(run_empty=True, step_kind=step_kind)
+        progressed = self.engine.num_computed_tokens != computed
+        self.num_empty_steps += not progressed
+        self.num_decode_steps = self.num_decode_steps + 1 if step_kind == "decode" else 0
+        self.num_steps_by_kind[step_kind or "mixed"] = self.num_steps_by_kind.get(step_kind or "mixed", 0) + 1
         self.window.record(self.engine.model.expert_load(reset=True))
         self.num_steps += 1
-        return outputs, self.engine.has_unfinished_requests()
+        return outputs, self.engine.has_unfinished_requests(), self.vote(), progressed
 
     # -- EPLB ------------------------------------------------------------------------------------
     def load_window(self) -> torch.Tensor:
@@ -175,12 +200,10 @@ class EPRankImpl:
 
     def stats(self) -> dict:
         return {"ep_rank": self.ep_rank, "num_steps": self.num_steps, "num_empty_steps": self.num_empty_steps,
-                **self.engine.stats()}
+                "num_steps_by_kind": dict(self.num_steps_by_kind), **self.engine.stats()}
 
     def shutdown(self) -> None:
         """Leave the process group (call on every rank together, or not at all)."""
-        from rayinfer.placement.groups import destroy_process_group
-
         destroy_process_group()
 
 
@@ -196,34 +219,35 @@ class EPEngineGroup:
             weights must be a checkpoint directory or ``load_format="dummy"`` (seeded: identical).
         engine_config: every rank's engine config (``device`` "cpu" uses gloo, "cuda" NCCL with one
             GPU per rank; "auto" picks cuda when the cluster has ``ep`` GPUs).
-        ep_config: ep size, redundant experts, EPLB interval and window.
+        parallel: ``ep`` and the ``eplb`` section (redundant experts, interval, window); its per-rank
+            resources (``num_cpus_per_replica``, one GPU per rank on "cuda").
         placement_strategy: Ray placement-group strategy of the ranks' bundles.
         timeout_s: seconds to wait for the placement group, for start-up, and for a collective.
+        max_decode_steps, min_prefill_tokens: the step vote's rules (``vote_step_kind``): a prefill step
+            once a rank decoded this many steps in a row, or once this many prompt tokens wait.
     Raises:
         ValueError: for a model without routed experts, or P not divisible by ep.
         TimeoutError: when the cluster cannot place the ranks.
     """
 
-    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, ep_config: EPConfig,
-                 placement_strategy: str = "PACK", timeout_s: float = 300.0):
-        from rayinfer.model.loader import load_config
-        from rayinfer.placement.bundles import replica_specs
-        from rayinfer.placement.groups import collective_backend, create_placement_group, scheduling_strategy_for
-        from rayinfer.placement.parallel_config import ParallelConfig
-
-        self.ep_config = ep_config
+    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, parallel: ParallelConfig,
+                 placement_strategy: str = "PACK", timeout_s: float = 300.0, max_decode_steps: int = 8,
+                 min_prefill_tokens: int = 512):
+        self.parallel = parallel
         num_logical, num_groups = moe_shape(load_config(model_config.model))
-        num_physical = num_logical + ep_config.num_redundant_experts
-        if num_physical % ep_config.ep:
-            raise ValueError(f"{num_logical} experts + num_redundant_experts={ep_config.num_redundant_experts} "
-                             f"do not split over ep={ep_config.ep} ranks")
-        device = _device_kind(engine_config.device, ep_config.ep)
-        parallel = ParallelConfig(ep=ep_config.ep, device=device)
-        self.placement_group = create_placement_group(parallel, strategy=placement_strategy, timeout_s=timeout_s)
-        (spec,) = replica_specs(parallel)
+        num_physical = num_logical + parallel.eplb.num_redundant_experts
+        if num_physical % parallel.ep:
+            raise ValueError(f"{num_logical} experts + eplb.num_redundant_experts="
+                             f"{parallel.eplb.num_redundant_experts} do not split over ep={parallel.ep} ranks")
+        device = _device_kind(engine_config.device, parallel.ep)
+        placed = dataclasses.replace(parallel, device=device, num_cpus_per_replica=parallel.num_cpus_per_replica or 1,
+                                     num_gpus_per_replica=1.0 if device == "gpu" else 0.0)
+        self.placement_group = create_placement_group(placed, strategy=placement_strategy, timeout_s=timeout_s)
+        (spec,) = replica_specs(placed)
         self.ranks = [
             EPRankActor.options(scheduling_strategy=scheduling_strategy_for(self.placement_group, info.rank),
-                                num_cpus=1, num_gpus=1 if device == "gpu" else 0).remote(info.ep_rank, ep_config)
+                                num_cpus=placed.num_cpus_per_replica,
+                                num_gpus=placed.num_gpus_per_replica).remote(info.ep_rank, parallel)
             for info in spec.ranks
         ]
         self.coordinator = None
@@ -232,17 +256,21 @@ class EPEngineGroup:
             self.info = ray.get([r.start.remote(model_config, engine_config, num_physical, addr, port,
                                                 collective_backend(device), timeout_s) for r in self.ranks],
                                 timeout=timeout_s)
-            if ep_config.eplb_interval > 0:
-                self.coordinator = EPLBCoordinator.remote(self.ranks, ep_config, self.info[0]["num_moe_layers"],
+            if parallel.eplb.interval > 0:
+                self.coordinator = EPLBCoordinator.remote(self.ranks, parallel, self.info[0]["num_moe_layers"],
                                                           num_logical, num_groups)
         except BaseException:
             self.shutdown()
             raise
         self.max_model_len = self.info[0]["max_model_len"]
+        self.tokenizer = load_tokenizer(model_config.model)
         self.num_steps = 0
         self._live: list[set[str]] = [set() for _ in self.ranks]  # request ids per rank
         self._busy = [False] * len(self.ranks)  # rank reported unfinished requests after its last step
         self._rank_of: dict[str, int] = {}
+        self._votes = [StepVote() for _ in self.ranks]  # each rank's view before the next step
+        self._progressed = True  # the last step computed tokens on some rank
+        self.max_decode_steps, self.min_prefill_tokens = max_decode_steps, min_prefill_tokens
         self.eplb_history: list[dict] = []
 
     # -- requests --------------------------------------------------------------------------------
@@ -269,7 +297,8 @@ class EPEngineGroup:
         refs = {r: self.ranks[r].add_requests.remote(batch) for r, batch in enumerate(batches) if batch}
         errors: dict[str, str] = {}
         for rank, ref in refs.items():
-            for rid, err in ray.get(ref).items():
+            rank_errors, self._votes[rank] = ray.get(ref)
+            for rid, err in rank_errors.items():
                 errors[rid] = err
                 self._forget(rid)
             self._busy[rank] = self._busy[rank] or bool(self._live[rank])
@@ -294,23 +323,30 @@ class EPEngineGroup:
 
     # -- the loop --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One lockstep step of every rank (one ``ray.get``), then EPLB when due.
+        """One lockstep step of every rank (one ``ray.get``), of the kind the ranks' votes give
+        (``vote_step_kind``: every rank runs the same kind, a rank without such work a dummy step), then
+        EPLB when due.
 
         Returns:
             the outputs of all ranks; nothing runs (and [] returns) when no rank has work.
         """
         if not self.has_unfinished_requests():
             return []
-        results = ray.get([r.step.remote() for r in self.ranks])
+        kind = vote_step_kind(self._votes, self.max_decode_steps, self.min_prefill_tokens)
+        # a mixed step when the vote is idle but a rank is still busy, or when the last voted step moved no
+        # rank (prompts that cannot be admitted until decodes free KV blocks must not stall the group)
+        step_kind = None if kind == "idle" or not self._progressed else kind
+        results = ray.get([r.step.remote(step_kind) for r in self.ranks])
         self.num_steps += 1
         outputs = []
-        for rank, (outs, busy) in enumerate(results):
-            self._busy[rank] = busy
+        self._progressed = any(r[3] for r in results)
+        for rank, (outs, busy, vote, _) in enumerate(results):
+            self._busy[rank], self._votes[rank] = busy, vote
             for out in outs:
                 if out.finished:
                     self._forget(out.request_id)
             outputs.extend(outs)
-        if self.coordinator is not None and is_rebalance_step(self.num_steps, self.ep_config.eplb_interval):
+        if self.coordinator is not None and is_rebalance_step(self.num_steps, self.parallel.eplb.interval):
             summary = ray.get(self.coordinator.on_step.remote(self.num_steps))
             if summary is not None:
                 self.eplb_history.append(summary)
@@ -320,15 +356,23 @@ class EPEngineGroup:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  request_ids: list[str] | None = None) -> list[Completion]:
-        """Run prompts to completion over the ranks (as ``LLMEngine.generate``; errors in ``error``)."""
+        """Run prompts to completion over the ranks (as ``LLMEngine.generate``, text and stop strings
+        included; errors in ``error``)."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         ids = request_ids or [f"gen-{i}" for i in range(len(prompts))]
         results = {rid: Completion(rid, list(p)) for rid, p in zip(ids, prompts)}
+        processor = OutputProcessor(self.tokenizer)
+        for rid, prompt, p in zip(ids, prompts, params_list):
+            processor.add_request(rid, prompt, p)
         errors = self.add_requests(list(zip(ids, prompts, params_list)))
         for rid, err in errors.items():
             results[rid].error, results[rid].finish_reason = err, "error"
+            processor.abort_request(rid)
         while self.has_unfinished_requests():
-            for out in self.step():
+            processed = processor.process_outputs(self.step())
+            if processed.reqs_to_abort:
+                self.abort(processed.reqs_to_abort)
+            for out in processed.request_outputs:
                 results[out.request_id].add(out)
         return [results[rid] for rid in ids]
 
@@ -341,7 +385,7 @@ class EPEngineGroup:
         """Per-rank engine stats, lockstep steps, and ``moe_lb`` (max/mean rank load over the last window).
 
         ``moe_lb`` is computed from the ranks' load windows under the current map, each expert's load
-        split evenly over its replicas (``placement.eplb.rank_loads``); a window that spans a map
+        split evenly over its replicas (``policy.eplb.rank_loads``); a window that spans a map
         switch is measured under the newer map.
         """
         ranks = ray.get([r.stats.remote() for r in self.ranks])
@@ -356,8 +400,6 @@ class EPEngineGroup:
 
     def shutdown(self) -> None:
         """Kill the ranks and the coordinator, and free the placement group."""
-        from ray.util import remove_placement_group
-
         for actor in [*getattr(self, "ranks", []), self.coordinator]:
             if actor is not None:
                 ray.kill(actor)
@@ -374,63 +416,91 @@ def _device_kind(device: str, ep: int) -> str:
     return "gpu" if device == "cuda" else "cpu"
 
 
-class EPClient:
-    """The job-facing client of an :class:`EPEngineGroup`: ``complete``/``stats``/``shutdown`` like
-    EngineClient, with the group's lockstep loop on a background thread.
+class EPLoop:
+    """The lockstep loop of an :class:`EPEngineGroup` on a background thread, with asyncio streams per
+    request (the Router runs it; requests of every client share the group).
+
+    Outputs leave the ranks as token deltas; text, stop strings and ``min_tokens`` are applied here by
+    one :class:`~rayinfer.engine.output_processor.RequestOutputProcessor` per request, on the caller's loop.
 
     Args:
-        model_config, engine_config, ep_config: as :class:`EPEngineGroup`.
+        model_config, engine_config, parallel: as :class:`EPEngineGroup`.
     """
 
-    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, ep_config: EPConfig):
-        import queue
-        import threading
-
-        self.group = EPEngineGroup(model_config, engine_config, ep_config)
+    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, parallel: ParallelConfig):
+        self.group = EPEngineGroup(model_config, engine_config, parallel)
+        self.max_model_len = self.group.max_model_len
+        self.tokenizer = self.group.tokenizer
         self._inbox: queue.Queue = queue.Queue()
-        self._waiters: dict[str, tuple] = {}
+        self._streams: dict[str, tuple] = {}  # request id -> (loop, asyncio.Queue)
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="ep-loop", daemon=True)
         self._thread.start()
 
-    async def complete(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None) -> Completion:
-        """Run one request to the end over the EP ranks (errors in ``Completion.error``)."""
-        import asyncio
-        import uuid
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+        """Stream one request's deltas (text included) from the lockstep loop.
 
-        request_id = request_id or uuid.uuid4().hex
-        future = asyncio.get_running_loop().create_future()
-        self._inbox.put((request_id, list(prompt_token_ids), params, asyncio.get_running_loop(), future))
-        return await future
+        Raises:
+            InvalidRequestError: the rank rejected the request.
+        """
+        loop = asyncio.get_running_loop()
+        stream: asyncio.Queue = asyncio.Queue()
+        processor = RequestOutputProcessor(self.tokenizer, request_id, list(prompt_token_ids), params)
+        self._streams[request_id] = (loop, stream)
+        self._inbox.put(("add", request_id, list(prompt_token_ids), params))
+        engine_done = False  # the ranks finished or rejected it: nothing to abort there
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, Exception):
+                    engine_done = True
+                    raise item
+                engine_done = item.finished
+                out = processor.process(item)
+                if out is None:
+                    continue
+                yield out
+                if out.finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not engine_done:  # the consumer left, or a stop string ended it here
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def _deliver(self, request_id: str, item) -> None:
+        entry = self._streams.get(request_id)
+        if entry is not None:
+            loop, stream = entry
+            loop.call_soon_threadsafe(stream.put_nowait, item)
 
     def _loop(self) -> None:
-        import queue
-
         while not self._stopped:
-            batch = []
+            adds, aborts = [], []
             try:
                 while True:
-                    batch.append(self._inbox.get(block=not batch and not self.group.has_unfinished_requests(),
-                                                 timeout=0.2))
+                    msg = self._inbox.get(block=not adds and not aborts and not self.group.has_unfinished_requests(),
+                                          timeout=0.2)
+                    (adds if msg[0] == "add" else aborts).append(msg)
             except queue.Empty:
                 pass
-            if batch:
-                for rid, prompt, _, loop, fut in batch:
-                    self._waiters[rid] = (Completion(rid, prompt), loop, fut)
-                errors = self.group.add_requests([(rid, prompt, params) for rid, prompt, params, _, _ in batch])
+            if aborts:
+                self.group.abort([m[1] for m in aborts])
+            if adds:
+                errors = self.group.add_requests([(rid, prompt, params) for _, rid, prompt, params in adds])
                 for rid, err in errors.items():
-                    result, loop, fut = self._waiters.pop(rid)
-                    result.error, result.finish_reason = err, "error"
-                    loop.call_soon_threadsafe(fut.set_result, result)
-            for out in self.group.step():
-                entry = self._waiters.get(out.request_id)
-                if entry is None:
-                    continue
-                entry[0].add(out)
-                if out.finished:
-                    result, loop, fut = self._waiters.pop(out.request_id)
-                    loop.call_soon_threadsafe(fut.set_result, result)
+                    self._deliver(rid, InvalidRequestError(err))
+            try:
+                outputs = self.group.step()
+            except Exception as e:  # noqa: BLE001 - fail the requests in flight, keep the loop
+                logger.exception("EP step failed")
+                for rid in list(self._streams):
+                    self._deliver(rid, EngineInternalError(f"EP step failed: {type(e).__name__}: {e}"))
+                continue
+            for out in outputs:
+                self._deliver(out.request_id, out)
 
     def stats(self) -> dict:
         return self.group.stats()

@@ -1,17 +1,17 @@
 """EPLBCoordinator: gathers the EP ranks' expert-load windows and pushes new expert placements (thin; the
-policy is ``rayinfer.engine.eplb_policy.EPLBPolicy``)."""
+policy is ``rayinfer.policy.eplb_policy.EPLBPolicy``)."""
 
 from __future__ import annotations
 
 import ray
 import torch
 
-from rayinfer.engine.config import EPConfig
-from rayinfer.engine.eplb_policy import EPLBPolicy
+from rayinfer.placement.parallel_config import ParallelConfig
+from rayinfer.policy.eplb_policy import EPLBPolicy
 
 
 class EPLBCoordinatorImpl:
-    """Every ``eplb_interval`` steps: sum the ranks' load windows, rebalance, push the map to every rank.
+    """Every ``eplb.interval`` steps: sum the ranks' load windows, rebalance, push the map to every rank.
 
     The EP group calls :meth:`on_step` between two lockstep steps, while no rank is stepping; the new
     map is pushed with the step number at which every rank switches (before its next forward), so all
@@ -19,11 +19,11 @@ class EPLBCoordinatorImpl:
 
     Args:
         ranks: the EPRankActor handles, in EP-rank order.
-        config: the EP config (ep, redundant experts, interval, window, nodes).
+        config: the parallel config (``ep`` and its ``eplb`` section).
         num_moe_layers, num_logical, num_groups: the model's MoE shape (see :class:`EPLBPolicy`).
     """
 
-    def __init__(self, ranks: list, config: EPConfig, num_moe_layers: int, num_logical: int, num_groups: int = 1):
+    def __init__(self, ranks: list, config: ParallelConfig, num_moe_layers: int, num_logical: int, num_groups: int = 1):
         self.ranks = list(ranks)
         self.policy = EPLBPolicy(config, num_moe_layers, num_logical, num_groups)
 

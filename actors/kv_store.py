@@ -13,7 +13,7 @@ import logging
 import ray
 import torch
 
-from rayinfer.engine.kv_store_index import KVStoreIndex
+from rayinfer.policy.kv_store_index import KVStoreIndex
 
 logger = logging.getLogger(__name__)
 

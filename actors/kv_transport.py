@@ -1,6 +1,6 @@
 """How a KV payload moves from a prefill replica to a decode replica.
 
-Transports (``PDConfig.kv_transport``):
+Transports (``ParallelConfig.pd.kv_transport``):
 
 - ``object_store``: the payload is copied to host memory and put in Ray's object store (works across
   machines; outlives the prefill actor).
@@ -19,7 +19,6 @@ which ships with every CUDA build of torch.
 from __future__ import annotations
 
 import logging
-import os
 
 logger = logging.getLogger(__name__)
 
@@ -66,10 +65,10 @@ def torch_group_class(name: str, torch_backend: str):
                 self._rendezvous(group_name, rank, gloo_timeout)
                 key = get_master_address_metadata_key(group_name)
                 addr, port = internal_kv._internal_kv_get(key).decode().split(":")
-                os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, port
                 device = torch.device("cuda", torch.cuda.current_device()) if torch_backend == "nccl" else None
-                dist.init_process_group(backend=torch_backend, init_method="env://", world_size=world_size,
-                                        rank=rank, device_id=device)
+                # the rendezvous address goes in the init URL: no process-wide MASTER_* variables written
+                dist.init_process_group(backend=torch_backend, init_method=f"tcp://{addr}:{port}",
+                                        world_size=world_size, rank=rank, device_id=device)
                 if rank == 0:
                     try:
                         internal_kv._internal_kv_del(key)

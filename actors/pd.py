@@ -1,332 +1,255 @@
-"""PDClient: prefill/decode disaggregation over Ray actors, with a KV-cache store between them.
+"""PDClient: a request's prefill/decode disaggregation over a fleet's prefill and decode replicas.
 
-Per request (DESIGN.md "Disaggregated"):
-    store.match(block hashes) -> store.get -> pick a prefill replica (PrefillBalancer) -> prefill: load
-    the stored prefix, compute the rest, sample the first token, write new full blocks through to the
-    store -> pop_kv (object store, or Ray Direct Transport GPU to GPU) -> pick a decode replica
-    (DecodeBalancer) -> decode: import the KV, stream tokens.
+Per request: look up the stored prefix (KVStoreActor.match/get) -> the router picks a prefill replica ->
+prefill: load the stored prefix, compute the rest, sample the first token, write new full blocks through
+to the store -> the router picks a decode replica -> the KV moves (a ref through the object store, handed
+to the decode task; or Ray Direct Transport GPU to GPU, run by the router) -> decode: import the KV,
+stream tokens. Text is detokenized here, once per request, so stop strings that span a handoff are found.
 
-Ownership: the payload ref comes back from ``pop_kv``, so this client (its caller) owns it and it
-outlives the prefill actor; stored blocks are owned by the KVStoreActor. A decode replica that must
-preempt hands the request back ("preempted") and it is re-prefilled from prompt + outputs so far; a
-prefill or decode actor that dies is restarted by Ray (``max_restarts``) and its in-flight requests are
-re-prefilled the same way. Tokens are streamed to the caller exactly once because every leg starts from
-the tokens already streamed. Text is detokenized here, once per request, so stop strings that span a
-handoff are still found.
-
-Ray Direct Transport (``actors/kv_transport.py``): over nccl/gloo all replicas join one collective
-group and transfers run one at a time per actor (collective send/recv must pair up in order, which
-async actors do not guarantee); over cuda_ipc (replicas sharing a GPU) the decode replica maps the
-prefill replica's device buffer, no group needed. A restarted actor is outside the group, so its KV
-goes through the object store; a failed transfer makes Ray kill both ends for good and destroy the
-group, so this client then uses the object store for every transfer.
-
-Same interface as EngineClient (``generate``, ``complete``, ``stats``, ``shutdown``, ``max_model_len``),
-so the batch job and Serve take either.
+This is the shell: one ``rayinfer.policy.pd.PDRequest`` per request makes every decision (legs, retries,
+hand-backs, cleanups, leaving RDT); ``generate`` feeds it events and carries out its actions. Balancers,
+failed-replica bookkeeping and RDT transfers belong to the Router (``rayinfer.actors.router``), so every
+client of a fleet shares them. The client owns the payload refs of object-store transfers (they outlive
+the prefill actor); the KVStoreActor owns stored blocks; Ray restarts dead engine actors.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import uuid
-import weakref
+from collections import deque
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 import ray
+import ray.exceptions
 
-from rayinfer.actors.engine_actor import EngineActor, EngineActorImpl
-from rayinfer.actors.kv_store import KVStoreActor
-from rayinfer.actors.kv_transport import COLLECTIVE_TRANSPORTS, KV_TRANSPORTS, prepare_transport, resolve_kv_transport
-from rayinfer.actors.router import DecodeBalancer, PrefillBalancer
-from rayinfer.engine.config import EngineConfig, ModelConfig
+from rayinfer.actors.client import _FleetClient, granted, unwrap
+from rayinfer.actors.router import FleetInfo
 from rayinfer.engine.detokenizer import IncrementalDetokenizer
-from rayinfer.engine.kv_store_index import block_hashes
-from rayinfer.engine.types import Completion, RequestOutput, SamplingParams
+from rayinfer.engine.errors import InvalidRequestError
+from rayinfer.engine.types import KVHandle, RequestOutput, SamplingParams
+from rayinfer.policy import pd as P
+from rayinfer.policy.kv_store_index import block_hashes
+from rayinfer.policy.routing import DecodeTicket, PrefillTicket
 
 logger = logging.getLogger(__name__)
-_GIB = 1 << 30
 
 
 @dataclass
-class PDConfig:
-    """Topology of a disaggregated deployment.
+class _Leg:
+    """The Ray side of one leg, which the state machine does not hold."""
 
-    Attributes:
-        num_prefill, num_decode: replicas of each role.
-        kv_transport: "auto" (nccl when each replica holds a GPU, cuda_ipc when they share GPUs, else
-            the object store), "object_store", "nccl", "cuda_ipc" or "gloo" (see actors/kv_transport.py).
-        kv_store_max_blocks, kv_store_max_gib, kv_store_ttl_s: KV store limits (None: no limit).
-        max_restarts: Ray restarts of each engine actor (-1: forever).
-        max_retries: re-prefills of one request after actor failures before it fails.
-        num_cpus_per_replica, num_gpus_per_replica: Ray resources of each engine actor.
-        prefill_overrides, decode_overrides: EngineConfig fields set on one role only.
-    """
-
-    num_prefill: int = 1
-    num_decode: int = 1
-    kv_transport: str = "auto"
-    kv_store_max_blocks: int | None = None
-    kv_store_max_gib: float | None = 2.0
-    kv_store_ttl_s: float | None = None
-    max_restarts: int = 3
-    max_retries: int = 5
-    num_cpus_per_replica: float = 1
-    num_gpus_per_replica: float = 0
-    prefill_overrides: dict = field(default_factory=dict)
-    decode_overrides: dict = field(default_factory=dict)
-
-    def __post_init__(self):
-        if self.num_prefill <= 0 or self.num_decode <= 0:
-            raise ValueError(f"num_prefill and num_decode must be positive, got {self.num_prefill}, {self.num_decode}")
-        if self.kv_transport not in KV_TRANSPORTS:
-            raise ValueError(f"kv_transport must be one of {KV_TRANSPORTS}, got {self.kv_transport!r}")
-        if self.max_retries < 0:
-            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+    engine_request_id: str = ""
+    hashes: list[int] = field(default_factory=list)
+    layout: str | None = None
+    refs: list = field(default_factory=list)  # ObjectRefs of the stored leading blocks
+    prefill_ticket: PrefillTicket | None = None  # kept after its release: it names the replica
+    prefill: Any = None  # its ActorHandle
+    kv_handle: KVHandle | None = None
+    decode_ticket: DecodeTicket | None = None
+    decode: Any = None
+    decode_grown: int = 0  # tokens decoded on the ticket's replica, reported at its release
+    rdt: bool = False  # the router allows Ray Direct Transport for this leg's replicas
+    payload: Any = None  # the object-store ObjectRef of the KV, kept until the leg ends
+    stream: Any = None  # the decode's ObjectRefGenerator
+    error: Exception | None = None  # the last failure, for _report_failure
 
 
 @dataclass
-class _Stream:
-    """One request as the client sees it across its legs."""
+class _Run:
+    """One request as the shell sees it across its legs."""
 
-    request_id: str
     prompt: list[int]
     params: SamplingParams
     detok: IncrementalDetokenizer
-    outputs: list[int] = field(default_factory=list)
-    num_cached_tokens: int | None = None
+    leg: _Leg = field(default_factory=_Leg)
+    logprobs: list | None = None  # of the replica output the next Emit sends
 
 
-class _HandedBack(Exception):
-    """A decode replica preempted the request; re-prefill it."""
-
-
-class PDClient:
-    """Starts prefill and decode EngineActors and a KVStoreActor, and runs requests through them.
+class PDClient(_FleetClient):
+    """Runs requests through a PD fleet's prefill and decode replicas (an ``EngineClient``).
 
     Args:
-        model_config: every replica's model.
-        engine_config: every replica's engine settings (``role`` is set per replica).
-        config: the topology.
-    Raises:
-        ValueError: for a bad config (before any actor starts).
+        router: the fleet's RouterActor.
+        info: the started fleet (``Router.start``): replicas, KV store, transport, block size.
+        owned: whether ``shutdown`` stops the fleet.
     """
 
-    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, config: PDConfig | None = None):
+    def __init__(self, router, info: FleetInfo, owned: bool = False):
         from rayinfer.model.loader import load_tokenizer
 
-        self.config = cfg = config or PDConfig()
-        self.transport = resolve_kv_transport(cfg.kv_transport, cfg.num_gpus_per_replica)
-        prepare_transport(self.transport)
-        pcfg = dataclasses.replace(engine_config, role="prefill", **cfg.prefill_overrides)
-        dcfg = dataclasses.replace(engine_config, role="decode", **cfg.decode_overrides)
-        self.block_size = engine_config.block_size
-        max_bytes = int(cfg.kv_store_max_gib * _GIB) if cfg.kv_store_max_gib else None
-        self.store = KVStoreActor.options(num_cpus=0, max_restarts=-1).remote(
-            cfg.kv_store_max_blocks, max_bytes, cfg.kv_store_ttl_s)
-        actor_cls = EngineActor
-        if self.transport != "object_store":
-            actor_cls = ray.remote(enable_tensor_transport=True)(EngineActorImpl)
-        opts = dict(num_cpus=cfg.num_cpus_per_replica, num_gpus=cfg.num_gpus_per_replica,
-                    max_restarts=cfg.max_restarts, max_concurrency=4096)
-        self.prefills = [actor_cls.options(**opts).remote(model_config, pcfg, i, kv_store=self.store,
-                                                          kv_transport=self.transport)
-                         for i in range(cfg.num_prefill)]
-        self.decodes = [actor_cls.options(**opts).remote(model_config, dcfg, cfg.num_prefill + i,
-                                                         kv_transport=self.transport)
-                        for i in range(cfg.num_decode)]
-        self.info = ray.get([r.ready.remote() for r in self.prefills + self.decodes])
-        if self.transport in COLLECTIVE_TRANSPORTS:
-            from ray.experimental.collective import create_collective_group
+        super().__init__(router, info, owned)
+        self.prefills, self.decodes, self.store = info.prefills, info.decodes, info.kv_store
+        self.transport = info.kv_transport or "object_store"
+        self.block_size = info.block_size
+        self.max_retries = info.max_retries
+        self.tokenizer = load_tokenizer(info.model)
+        self.kv_state = P.KVTransportState(rdt_ok=self.transport != "object_store")
+        self.num_retries = 0  # legs this client re-ran after an actor failure
+        self.num_handbacks = 0  # legs this client re-ran after a decode replica preempted
 
-            create_collective_group(self.prefills + self.decodes, backend=self.transport)
-        self._rdt_locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> (role, idx) -> Lock
-        self.max_model_len = self.info[0]["max_model_len"]
-        num_decode_blocks = min(i["num_blocks"] for i in self.info[cfg.num_prefill:])
-        self.prefill_lb = PrefillBalancer(cfg.num_prefill)
-        self.decode_lb = DecodeBalancer(cfg.num_decode, dcfg.max_num_seqs, num_decode_blocks * self.block_size)
-        self.tokenizer = load_tokenizer(model_config.model)
-        self._suspects: dict[str, set[int]] = {"prefill": set(), "decode": set()}
-        # replicas that failed once: a restarted actor is outside the RDT collective group, so its KV
-        # goes through the object store from then on
-        self._restarted: dict[str, set[int]] = {"prefill": set(), "decode": set()}
-        # a failed RDT transfer makes Ray kill both ends and destroy the group: object store from then on
-        self._rdt_ok = self.transport != "object_store"
-        self._probes: set[asyncio.Task] = set()
-        self.num_retries = 0  # legs re-run after an actor failure
-        self.num_handbacks = 0  # legs re-run after a decode replica preempted
+    @property
+    def _rdt_ok(self) -> bool:  # False for good once a transfer over RDT failed
+        return self.kv_state.rdt_ok
 
     # -- the caller's side ----------------------------------------------------------------------
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                       **kwargs) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's deltas: prefill on one replica, decode on another, retried on failures.
 
-        If the consumer stops early, the request is aborted on its decode replica.
+        If the consumer stops early (or the task is cancelled), the state machine's cleanups run: the request
+        is aborted on its decode replica, exported KV is dropped, tickets are given back.
 
         Raises:
-            ValueError: when an engine rejects the request, or for keyword arguments this client does
-                not take.
+            InvalidRequestError: when an engine rejects the request.
         """
-        if kwargs:
-            raise ValueError(f"PDClient.generate takes no {', '.join(sorted(kwargs))}")
-        rid = request_id or uuid.uuid4().hex
-        st = _Stream(rid, list(prompt_token_ids), params,
-                     IncrementalDetokenizer(self.tokenizer, list(prompt_token_ids), params))
-        failures = leg = 0
-        while True:
-            erid = f"{rid}@{leg}"  # a fresh engine-side id per leg: a late copy never collides
-            leg += 1
-            legs = self._run_legs(st, erid)
-            try:
-                async for out in legs:
-                    yield out
-                    if out.finished:
-                        return
-            except _HandedBack:
-                self.num_handbacks += 1
-            except ray.exceptions.RayError as e:
-                failures += 1
+        prompt = list(prompt_token_ids)
+        req = P.PDRequest(request_id or uuid.uuid4().hex, prompt, self.block_size, self.max_retries,
+                          self.kv_state)
+        run = _Run(prompt, params, IncrementalDetokenizer(self.tokenizer, prompt, params))
+        actions = deque(req.handle(P.Start()))
+        try:
+            while actions or not req.is_finished:
+                if not actions:  # decoding, and nothing else to do: the next event is the stream's
+                    actions.extend(req.handle(await self._next_decode_output(run)))
+                    continue
+                action = actions.popleft()
+                if isinstance(action, P.Emit):
+                    yield self._output(req, run, action)
+                    if not action.finished:
+                        actions.extend(req.handle(P.Emitted()))
+                elif isinstance(action, P.Fail):
+                    if action.rejected:
+                        raise InvalidRequestError(action.message)
+                    yield RequestOutput(req.request_id, finished=True, finish_reason="error", error=action.message,
+                                        num_prompt_tokens=len(prompt), num_output_tokens=req.num_output_tokens)
+                else:
+                    event = await self._execute(req, run, action)
+                    if event is not None:
+                        actions.extend(req.handle(event))
+        finally:
+            if not req.is_finished:  # the consumer left, the task was cancelled, or a bug raised here
+                for action in req.handle(P.Abort()):
+                    await self._execute(req, run, action)
+
+    # -- carrying out the state machine's actions ------------------------------------------------
+    async def _execute(self, req: P.PDRequest, run: _Run, action) -> P.Event | None:
+        """Carry out one action (not Emit or Fail); returns the event it ends in, if any."""
+        leg = run.leg
+        match action:
+            case P.LookupStore():
+                run.leg = leg = _Leg()
+                leg.hashes = block_hashes(list(action.token_ids), self.block_size)
+                leg.layout, leg.refs = await self._stored(leg.hashes)
+                return P.StoreLookupDone(len(leg.refs))
+            case P.RunPrefill():
+                return await self._prefill(run, action)
+            case P.ReleasePrefill():
+                if leg.prefill_ticket is not None:  # None: cancelled inside the pick
+                    await self._release_prefill(leg.prefill_ticket)
+            case P.Transfer():
+                return await self._transfer(leg, action)
+            case P.RunDecode():
+                leg.stream = leg.decode.decode.options(num_returns="streaming").remote(
+                    leg.engine_request_id, run.prompt, run.params, list(action.output_token_ids), leg.kv_handle,
+                    leg.payload)
+            case P.GrowDecode():
+                await self._grow_decode(leg, action.num_tokens)
+            case P.ReleaseDecode():
+                if leg.decode_ticket is not None:
+                    await self._release_decode(leg)
+            case P.AbortDecode():
+                if leg.decode is not None:  # None: it failed (or was cancelled) before the replica answered
+                    leg.decode.abort.remote(leg.engine_request_id)
+            case P.DropKV():
+                leg.prefill.pop_kv.remote(leg.engine_request_id)  # its result (the payload) is dropped at once
+            case P.ReportFailure():
+                ticket = leg.prefill_ticket if action.role == "prefill" else leg.decode_ticket
+                if ticket is not None:
+                    await self._report_failure(action.role, ticket.replica, leg.error)
+            case P.UseObjectStore():
+                if self.kv_state.rdt_ok:
+                    logger.error("a KV transfer over %s failed (%s); using the object store from now on",
+                                 self.transport, type(leg.error).__name__)
+                self.kv_state.rdt_ok = False
+            case P.Backoff():
+                logger.warning("request %s: leg %s failed (%s); re-prefilling %d tokens", req.request_id,
+                               leg.engine_request_id, type(leg.error).__name__, req.num_tokens)
+                await asyncio.sleep(action.delay_s)
+                return P.BackoffElapsed()
+            case _:
+                raise RuntimeError(f"PDClient cannot carry out {action!r}")
+        return None
+
+    async def _prefill(self, run: _Run, action: P.RunPrefill) -> P.Event:
+        if action.reason in ("retry", "handback"):
+            if action.reason == "retry":
                 self.num_retries += 1
-                if failures > self.config.max_retries:
-                    yield self._error(st, f"gave up after {failures} failed attempts: {e}")
-                    return
-                logger.warning("request %s: leg %s failed (%s); re-prefilling %d tokens", rid, erid,
-                               type(e).__name__, len(st.prompt) + len(st.outputs))
-                await asyncio.sleep(min(0.05 * 2**failures, 2.0))
-            finally:
-                await legs.aclose()  # runs its cleanup now (abort on the decode replica), not at GC
-
-    async def complete(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                       **kwargs) -> Completion:
-        """Run one request to the end; a rejected request comes back with ``error`` set (never raises)."""
-        result = Completion(request_id or uuid.uuid4().hex, list(prompt_token_ids))
-        try:
-            async for out in self.generate(prompt_token_ids, params, result.request_id, **kwargs):
-                result.add(out)
-        except ValueError as e:
-            result.error, result.finish_reason = str(e), "error"
-        return result
-
-    async def stats(self) -> list[dict]:
-        """Each replica's gauges and counters (with ``role``), then the KV store's (``kv_store_*``)."""
-        actors = self.prefills + self.decodes
-        results = await asyncio.gather(*[a.stats.remote() for a in actors], self.store.stats.remote(),
-                                       return_exceptions=True)
-        out = []
-        for info, r in zip(self.info + [{"replica_id": "kv_store", "role": "kv_store"}], results):
-            if isinstance(r, Exception):
-                out.append({"replica_id": info["replica_id"], "role": info["role"], "error": str(r)})
             else:
-                out.append({"role": info["role"], **r})
-        out[-1]["num_retries"], out[-1]["num_handbacks"] = self.num_retries, self.num_handbacks
-        return out
-
-    async def flush(self) -> None:
-        """Wait until every prefill replica's write-through puts reached the store (for tests, benchmarks)."""
-        await asyncio.gather(*[p.flush_kv_writes.remote() for p in self.prefills], return_exceptions=True)
-
-    def shutdown(self) -> None:
-        for a in self.prefills + self.decodes + [self.store]:
-            ray.kill(a, no_restart=True)
-
-    # -- one prefill leg and one decode leg ------------------------------------------------------
-    async def _run_legs(self, st: _Stream, erid: str) -> AsyncIterator[RequestOutput]:
-        """Prefill prompt + outputs so far, then decode; raises _HandedBack or a RayError to re-run."""
-        tokens = st.prompt + st.outputs
-        hashes = block_hashes(tokens, self.block_size)
-        layout, refs = await self._stored(hashes)
-        ticket = self.prefill_lb.pick(len(tokens), len(refs) * self.block_size, self._suspects["prefill"])
+                self.num_handbacks += 1
+            self.router.count_leg.remote(action.reason == "handback")
+        leg = run.leg
+        leg.engine_request_id = erid = action.engine_request_id
         try:
-            replica = await self._replica("prefill", ticket.replica)
-            out = await _unwrap(replica.prefill.remote(erid, st.prompt, st.params, list(st.outputs),
-                                                       (hashes[: len(refs)], layout, refs)))
-        except ray.exceptions.RayActorError as e:
-            self._suspect("prefill", ticket.replica, e)
-            raise
-        finally:
-            self.prefill_lb.done(ticket)
-        if st.num_cached_tokens is None:
-            st.num_cached_tokens = out.num_cached_tokens
-        handle = out.kv_handle
-        emitted = self._emit(st, out, out.finish_reason != "prefilled")
-        try:
-            yield emitted
-        except GeneratorExit:
-            if handle is not None:
-                replica.pop_kv.remote(erid)  # drop the exported payload now rather than at its TTL
-            raise
-        if emitted.finished:
-            return
-        dticket = self.decode_lb.pick(len(st.prompt) + len(st.outputs), self._suspects["decode"])
-        decode, clean, rdt = None, False, False
-        try:
-            decode = await self._replica("decode", dticket.replica)
-            rdt = (self._rdt_ok and ticket.replica not in self._restarted["prefill"]
-                   and dticket.replica not in self._restarted["decode"])
-            if rdt and self.transport not in COLLECTIVE_TRANSPORTS:  # one-sided (cuda_ipc): no pairing
-                payload = replica.pop_kv.options(tensor_transport=self.transport).remote(erid)
-                await decode.receive_kv.remote(erid, payload)
-                payload = None
-            elif rdt:  # one collective transfer at a time per actor: send/recv pairs must line up
-                async with self._rdt_lock("prefill", ticket.replica), self._rdt_lock("decode", dticket.replica):
-                    payload = replica.pop_kv.options(tensor_transport=self.transport).remote(erid)
-                    await decode.receive_kv.remote(erid, payload)
-                payload = None
-            else:
-                payload = replica.pop_kv.remote(erid)
-            gen = decode.decode.options(num_returns="streaming").remote(
-                erid, st.prompt, st.params, list(st.outputs), handle, payload)
-            async for ref in gen:
-                out = await _unwrap(ref)
-                if out.finish_reason == "preempted":
-                    clean = True
-                    raise _HandedBack()
-                self.decode_lb.grow(dticket, len(out.new_token_ids))
-                emitted = self._emit(st, out, out.finished)
-                clean = emitted.finished and out.finished
-                yield emitted
-                if emitted.finished:
-                    return
-        except ray.exceptions.RayActorError as e:
-            clean = True
-            self._suspect("decode", dticket.replica, e)
-            self._suspect("prefill", ticket.replica, e)  # pop_kv's actor may be the one that died
-            if rdt and self._rdt_ok:
-                logger.error("a KV transfer over %s failed (%s); using the object store from now on",
-                             self.transport, type(e).__name__)
-                self._rdt_ok = False
-            raise
-        finally:
-            self.decode_lb.done(dticket)
-            if not clean and decode is not None:  # the consumer left, or a stop string ended it here
-                decode.abort.remote(erid)
+            leg.prefill_ticket = await self._pick_prefill(action.num_tokens, action.num_cached_tokens)
+            leg.prefill = self.prefills[leg.prefill_ticket.replica]
+            stored = (leg.hashes[: len(leg.refs)], leg.layout, leg.refs)
+            out = await unwrap(leg.prefill.prefill.remote(erid, run.prompt, run.params,
+                                                          list(action.output_token_ids), stored))
+        except (ray.exceptions.RayError, ValueError) as e:
+            leg.error = e
+            return P.PrefillFailed(_failure_kind(e), str(e))
+        leg.kv_handle = out.kv_handle
+        run.logprobs = out.new_logprobs
+        return P.PrefillDone(tuple(out.new_token_ids), out.finish_reason, out.stop_reason, out.num_cached_tokens,
+                             out.error, run.detok.add_tokens(out.new_token_ids))
 
-    def _emit(self, st: _Stream, out: RequestOutput, engine_finished: bool) -> RequestOutput:
-        """Fold a replica's delta into the request and re-detokenize it here (stop strings included)."""
-        st.outputs.extend(out.new_token_ids)
-        stop = st.detok.add_tokens(out.new_token_ids)
-        finished, reason, stop_reason = engine_finished, out.finish_reason, out.stop_reason
-        if stop is not None and not finished:
-            finished, reason, stop_reason = True, "stop", stop
+    async def _transfer(self, leg: _Leg, action: P.Transfer) -> P.Event:
+        """Pick a decode replica and move the leg's exported KV there: over Ray Direct Transport (run by
+        the router, which orders transfers per replica) or as an object-store ref for the decode task."""
+        rdt = False
+        assert leg.prefill_ticket is not None  # a transfer follows a prefill of this leg
+        prefill_replica = leg.prefill_ticket.replica
+        try:
+            leg.decode_ticket, leg.rdt = await self._pick_decode(action.num_tokens, prefill_replica)
+            decode_replica = leg.decode_ticket.replica
+            leg.decode = self.decodes[decode_replica]
+            rdt = action.may_use_rdt and leg.rdt
+            if rdt:
+                await unwrap(self.router.transfer_kv.remote(prefill_replica, decode_replica, leg.engine_request_id))
+            else:  # the decode task resolves the ref through the object store
+                leg.payload = leg.prefill.pop_kv.remote(leg.engine_request_id)
+        except ray.exceptions.RayError as e:
+            leg.error = e
+            return P.TransferFailed(_failure_kind(e), str(e), rdt)
+        return P.TransferDone(rdt)
+
+    async def _next_decode_output(self, run: _Run) -> P.Event:
+        leg = run.leg
+        try:
+            out = await unwrap(await leg.stream.__anext__())
+        except StopAsyncIteration:
+            leg.error = RuntimeError("the decode stream ended before the request finished")
+            return P.DecodeFailed(P.FailureKind.ERROR, str(leg.error))
+        except (ray.exceptions.RayError, ValueError) as e:
+            leg.error = e
+            return P.DecodeFailed(_failure_kind(e), str(e))
+        if out.finish_reason == "preempted":
+            return P.DecodePreempted()
+        run.logprobs = out.new_logprobs
+        return P.DecodeOutput(tuple(out.new_token_ids), out.finished, out.finish_reason, out.stop_reason, out.error,
+                              run.detok.add_tokens(out.new_token_ids))
+
+    def _output(self, req: P.PDRequest, run: _Run, emit: P.Emit) -> RequestOutput:
+        """The caller's delta for an Emit; the text comes from this request's detokenizer (stop strings cut)."""
+        logprobs, run.logprobs = run.logprobs, None
         return RequestOutput(
-            request_id=st.request_id,
-            new_token_ids=list(out.new_token_ids),
-            new_text=st.detok.take_delta(finished),
-            new_logprobs=out.new_logprobs,
-            finished=finished,
-            finish_reason=reason if finished else None,
-            stop_reason=stop_reason if finished else None,
-            num_prompt_tokens=len(st.prompt),
-            num_output_tokens=len(st.outputs),
-            num_cached_tokens=st.num_cached_tokens or 0,
-            error=out.error,
-        )
-
-    def _error(self, st: _Stream, message: str) -> RequestOutput:
-        return RequestOutput(st.request_id, finished=True, finish_reason="error", error=message,
-                             num_prompt_tokens=len(st.prompt), num_output_tokens=len(st.outputs))
+            request_id=req.request_id, new_token_ids=list(emit.token_ids), new_logprobs=logprobs,
+            new_text=run.detok.take_delta(emit.finished), finished=emit.finished, finish_reason=emit.finish_reason,
+            stop_reason=emit.stop_reason, num_prompt_tokens=len(run.prompt), error=emit.error,
+            num_output_tokens=req.num_output_tokens, num_cached_tokens=req.num_cached_tokens)
 
     async def _stored(self, hashes: list[int]) -> tuple[str | None, list]:
         """(layout, refs) of the stored leading blocks; a store that is down is a miss."""
@@ -341,52 +264,38 @@ class PDClient:
             logger.warning("KV store unavailable (%s); computing the prompt in full", type(e).__name__)
             return None, []
 
-    def _rdt_lock(self, role: str, idx: int) -> asyncio.Lock:
-        """The lock that keeps one Ray Direct Transport transfer at a time on a replica (per event loop)."""
-        locks = self._rdt_locks.setdefault(asyncio.get_running_loop(), {})
-        return locks.setdefault((role, idx), asyncio.Lock())
+    # -- the router's side: balancers and failed replicas, shared by every client of the fleet ----
+    async def _pick_prefill(self, num_tokens: int, num_cached_tokens: int) -> PrefillTicket:
+        return await granted(self.router.pick_prefill.remote(num_tokens, num_cached_tokens),
+                              lambda t: self.router.release_prefill.remote(t))
 
-    # -- failed replicas -------------------------------------------------------------------------
-    def _suspect(self, role: str, idx: int, error: ray.exceptions.RayActorError) -> None:
-        """Keep a replica out of new picks until its ``ready`` answers again (after Ray restarts it).
+    async def _release_prefill(self, ticket: PrefillTicket) -> None:
+        self.router.release_prefill.remote(ticket)
 
-        Only when ``error`` names this replica's actor (or names none).
-        """
-        actor = (self.prefills if role == "prefill" else self.decodes)[idx]
-        culprit = getattr(error, "actor_id", None)
-        if idx in self._suspects[role] or (culprit is not None and culprit != actor._actor_id.hex()):
-            return
-        self._suspects[role].add(idx)
-        self._restarted[role].add(idx)
+    async def _pick_decode(self, num_tokens: int, prefill_replica: int) -> tuple[DecodeTicket, bool]:
+        return await granted(self.router.pick_decode.remote(num_tokens, prefill_replica),
+                              lambda t: self.router.release_decode.remote(t[0]))
 
-        async def probe():
-            for attempt in range(60):
-                try:
-                    await actor.ready.remote()
-                    self._suspects[role].discard(idx)
-                    return
-                except ray.exceptions.ActorUnavailableError:  # restarting: ask again
-                    await asyncio.sleep(min(0.1 * 2**attempt, 5.0))
-                except ray.exceptions.RayError:
-                    return  # gone for good: stays out (balancers ignore the exclusion if all are out)
+    async def _grow_decode(self, leg: _Leg, num_tokens: int) -> None:
+        leg.decode_grown += num_tokens  # reported once, at the release (no call per token)
 
-        task = asyncio.get_running_loop().create_task(probe())
-        self._probes.add(task)
-        task.add_done_callback(self._probes.discard)
+    async def _release_decode(self, leg: _Leg) -> None:
+        self.router.release_decode.remote(leg.decode_ticket, leg.decode_grown)
+        leg.decode_grown = 0
 
-    async def _replica(self, role: str, idx: int):
-        """The actor, after waiting for it to come back if it is restarting (every replica was out)."""
-        actor = (self.prefills if role == "prefill" else self.decodes)[idx]
-        if idx in self._suspects[role]:
-            await actor.ready.remote()
-        return actor
+    async def _report_failure(self, role: str, replica_index: int, error: Exception | None) -> None:
+        """Tell the router a replica failed (it keeps the replica out of picks until it answers again)."""
+        cause = getattr(error, "cause", None) or error
+        actor_id = getattr(cause, "actor_id", None)
+        self.router.report_failure.remote(role, replica_index, actor_id)
 
 
-async def _unwrap(ref):
-    """Await a ref; an engine's ValueError (bad request) comes back as itself, not wrapped by Ray."""
-    try:
-        return await ref
-    except ray.exceptions.RayTaskError as e:
-        if isinstance(e.cause, ValueError):
-            raise ValueError(str(e.cause)) from None
-        raise
+def _failure_kind(error: Exception) -> P.FailureKind:
+    """How the state machine treats an error: the engine rejected the request, the actor failed (also when
+    the router reports a transfer whose actor failed), or other."""
+    if isinstance(error, ValueError):
+        return P.FailureKind.REJECTED
+    cause = getattr(error, "cause", None) if isinstance(error, ray.exceptions.RayTaskError) else error
+    if isinstance(cause, ray.exceptions.RayActorError):
+        return P.FailureKind.REPLICA
+    return P.FailureKind.ERROR

@@ -1,246 +1,407 @@
-"""Replica load balancing policies (pure, no Ray inside).
+"""Router: the one owner of a fleet of engine replicas and of its load balancers (a Ray actor).
 
-Colocated NORMAL replicas: least-loaded choice with prefix affinity (:class:`ReplicaLoadBalancer`).
-Disaggregated: :class:`PrefillBalancer` (queued compute, stored-prefix credit, length buckets) and
-:class:`DecodeBalancer` (running requests and KV tokens even). Data-parallel NORMAL replicas that share
-collectives: :func:`vote_step_kind`.
+The fleet is started once, by the batch job or by Serve's ``EngineFleet`` deployment, and any number of
+clients (Serve ingress replicas, the job's driver) share it and its one view of load:
+
+- colocated: ``dp`` NORMAL replicas; clients ask :meth:`Router.pick` for a replica (prefix affinity,
+  least in flight; ``rayinfer.policy.routing.ReplicaLoadBalancer``) and stream from it directly;
+- pd: prefill and decode replicas and a KV store; clients run each request's PD state machine
+  (``rayinfer.actors.pd``) and ask the router for prefill and decode tickets; KV transfers over Ray
+  Direct Transport run here, one at a time per replica (collective send/recv pairs must line up, so
+  one process must order them);
+- ep: one expert-parallel replica whose ranks step in lockstep; its step loop runs here on a thread and
+  requests stream through :meth:`Router.generate`.
+
+Data between clients and replicas flows directly where it can (tokens of colocated and PD requests
+never pass through the router); the router only decides. Each replica is placed by a placement group
+whose bundles come from the ParallelConfig (``rayinfer.placement``); a cluster that cannot grant them
+fails start-up with a message that names what is missing.
 """
 
 from __future__ import annotations
 
-import bisect
-from dataclasses import dataclass
+import asyncio
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
 
-from rayinfer.engine.block_pool import hash_block_chain
+import ray
+import ray.exceptions
+from ray.experimental.collective import create_collective_group
+from ray.util import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rayinfer.actors.engine_actor import EngineActor, EngineActorImpl
+from rayinfer.actors.kv_store import KVStoreActor
+from rayinfer.actors.kv_transport import COLLECTIVE_TRANSPORTS, prepare_transport, resolve_kv_transport
+from rayinfer.engine.config import EngineConfig, ModelConfig
+from rayinfer.engine.errors import EngineInternalError, UnsupportedError
+from rayinfer.engine.protocol import EPStats, FleetStats, KVStoreStats, ReplicaStats
+from rayinfer.engine.types import RequestOutput, SamplingParams
+from rayinfer.placement.bundles import rank_resources
+from rayinfer.placement.parallel_config import ParallelConfig
+from rayinfer.policy.routing import DecodeBalancer, DecodeTicket, PrefillBalancer, PrefillTicket, ReplicaLoadBalancer
 
-class ReplicaLoadBalancer:
-    """Picks a replica for each request (pure policy; no Ray inside).
+logger = logging.getLogger(__name__)
+_GIB = 1 << 30
 
-    Load is the number of requests in flight; among replicas whose load is within ``affinity_slack`` of
-    the least loaded, the one that last served the request's first prompt block wins (so shared system
-    prompts keep hitting one replica's prefix cache).
-
-    Args:
-        num_replicas: replicas to balance.
-        block_size: tokens per block used for the affinity key.
-        affinity_slack: extra in-flight requests tolerated for a prefix-affine replica.
-    """
-
-    def __init__(self, num_replicas: int, block_size: int = 16, affinity_slack: int = 4):
-        if num_replicas <= 0:
-            raise ValueError(f"num_replicas must be positive, got {num_replicas}")
-        self.in_flight = [0] * num_replicas
-        self.block_size = block_size
-        self.affinity_slack = affinity_slack
-        self._affinity: dict[int, int] = {}
-
-    def pick(self, prompt_token_ids: list[int]) -> int:
-        """Choose a replica and count the request against it."""
-        least = min(range(len(self.in_flight)), key=lambda i: self.in_flight[i])
-        key = hash_block_chain(prompt_token_ids[: self.block_size], self.block_size)
-        choice = least
-        if key:
-            pref = self._affinity.get(key[0])
-            if pref is not None and self.in_flight[pref] <= self.in_flight[least] + self.affinity_slack:
-                choice = pref
-            self._affinity[key[0]] = choice
-        self.in_flight[choice] += 1
-        return choice
-
-    def done(self, replica: int) -> None:
-        self.in_flight[replica] -= 1
-
-
-# -- prefill/decode disaggregation ---------------------------------------------------------------
 
 @dataclass
-class PrefillTicket:
-    """A prefill counted against a replica until ``PrefillBalancer.done``.
+class FleetInfo:
+    """What a client needs to talk to the fleet (picklable; handles stay valid across actor restarts).
 
     Attributes:
-        replica: the chosen replica.
-        cost: the request's estimated compute (token-equivalents; see ``PrefillBalancer.cost``).
-        bucket: the request's context-length bucket.
+        topology: "colocated", "pd" or "ep".
+        max_model_len: context limit in tokens.
+        block_size: tokens per KV block.
+        replicas: NORMAL replicas (colocated), or prefill replicas then decode replicas (pd).
+        num_prefill: how many of ``replicas`` are prefill replicas (pd).
+        kv_store: the KVStoreActor (pd), else None.
+        kv_transport: the resolved KV transport (pd), else None.
+        model: the model name or path (for the client's tokenizer).
+        max_retries: PD: re-prefills of one request after replica failures before it fails.
     """
 
-    replica: int
-    cost: float
-    bucket: int
+    topology: str
+    max_model_len: int
+    block_size: int
+    replicas: list = field(default_factory=list)
+    num_prefill: int = 0
+    kv_store: Any = None
+    kv_transport: str | None = None
+    model: str = ""
+    max_retries: int = 0
+
+    @property
+    def prefills(self) -> list:
+        return self.replicas[: self.num_prefill]
+
+    @property
+    def decodes(self) -> list:
+        return self.replicas[self.num_prefill:] if self.topology == "pd" else []
 
 
-class PrefillBalancer:
-    """Picks a prefill replica: least queued compute, stored-prefix hits credited, lengths bucketed.
+def check_supported(parallel: ParallelConfig) -> None:
+    """Refuse parallel configs that the placement maps but no topology runs yet.
 
-    A prefill's compute is its new tokens (linear layers) plus the attention over its context, so the
-    cost of computing tokens ``num_cached .. num_tokens`` is
-    ``(num_tokens - num_cached) + (num_tokens**2 - num_cached**2) / (2 * attn_tokens)``, where
-    ``attn_tokens`` is the context length at which a token's attention costs as much as its linear
-    layers. Blocks the KV store already holds are loaded, not computed, so they are credited (they cut
-    both terms). Requests are bucketed by total context length; among replicas with equal queued compute
-    the one holding fewest requests of the same bucket wins, which spreads long prompts over replicas
-    (after DeepSeek's prefill load balancer: balance core-attention compute and tokens per replica).
+    Raises:
+        UnsupportedError: naming the field.
+    """
+    if parallel.cp > 1:
+        raise UnsupportedError("parallel.cp > 1 (context parallelism) is not run by any topology yet", "cp")
+    if parallel.ep > 1 and (parallel.dp > 1 or parallel.is_disaggregated):
+        raise UnsupportedError("parallel.ep > 1 runs one expert-parallel replica: keep dp = 1 and no "
+                               "num_prefill/num_decode", "ep")
+
+
+class Router:
+    """Starts the fleet of a ParallelConfig and answers its clients' routing questions.
 
     Args:
-        num_replicas: prefill replicas.
-        bucket_bounds: increasing context lengths that split the buckets (``b`` bounds give ``b + 1``).
-        attn_tokens: see above (about params / (2 * layers * hidden) for a dense model).
+        model_config: every replica's model.
+        engine_config: every replica's engine (``role`` is set per replica for PD).
+        parallel: the topology, sections and per-rank resources.
     Raises:
-        ValueError: for no replicas, unsorted bounds or a non-positive ``attn_tokens``.
+        UnsupportedError: for a topology that is not run yet (see :func:`check_supported`).
+        ValueError: for a bad config.
     """
 
-    def __init__(self, num_replicas: int, bucket_bounds: tuple[int, ...] = (1024, 4096, 16384),
-                 attn_tokens: float = 8192.0):
-        if num_replicas <= 0:
-            raise ValueError(f"num_replicas must be positive, got {num_replicas}")
-        if list(bucket_bounds) != sorted(set(bucket_bounds)):
-            raise ValueError(f"bucket_bounds must be strictly increasing, got {bucket_bounds}")
-        if attn_tokens <= 0:
-            raise ValueError(f"attn_tokens must be positive, got {attn_tokens}")
-        self.bucket_bounds = tuple(bucket_bounds)
-        self.attn_tokens = attn_tokens
-        self.queued_cost = [0.0] * num_replicas
-        self.bucket_counts = [[0] * (len(bucket_bounds) + 1) for _ in range(num_replicas)]
+    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, parallel: ParallelConfig):
+        check_supported(parallel)
+        self.model_config, self.engine_config, self.parallel = model_config, engine_config, parallel
+        self.topology = parallel.topology
+        self.info: FleetInfo | None = None
+        self._placement_groups: list = []
+        # colocated
+        self.balancer: ReplicaLoadBalancer | None = None
+        # pd
+        self.prefill_lb: PrefillBalancer | None = None
+        self.decode_lb: DecodeBalancer | None = None
+        self._suspects: dict[str, set[int]] = {"prefill": set(), "decode": set()}
+        self._restarted: dict[str, set[int]] = {"prefill": set(), "decode": set()}
+        self._rdt_ok = False
+        self._rdt_locks: dict[tuple[str, int], asyncio.Lock] = {}
+        self._probes: set[asyncio.Task] = set()
+        self.num_retries = 0
+        self.num_handbacks = 0
+        # ep
+        self.ep_loop = None
 
-    def bucket(self, num_tokens: int) -> int:
-        """Index of the length bucket: ``[0, b0) -> 0, [b0, b1) -> 1, ...``."""
-        return bisect.bisect_right(self.bucket_bounds, num_tokens)
+    # -- typed access to what start() built (a call before start() is a bug: EngineInternalError) --
+    @property
+    def fleet(self) -> FleetInfo:
+        if self.info is None:
+            raise EngineInternalError("the fleet is not started (call Router.start first)")
+        return self.info
 
-    def cost(self, num_tokens: int, num_cached_tokens: int = 0) -> float:
-        """Estimated compute of a prefill of ``num_tokens`` whose first ``num_cached_tokens`` are stored."""
-        c = min(num_cached_tokens, num_tokens)
-        return (num_tokens - c) + (num_tokens * num_tokens - c * c) / (2 * self.attn_tokens)
+    def _lb(self, kind: str):
+        lb = {"colocated": self.balancer, "prefill": self.prefill_lb, "decode": self.decode_lb}[kind]
+        if lb is None:
+            raise EngineInternalError(f"this fleet ({self.topology}) has no {kind} balancer")
+        return lb
 
-    def pick(self, num_tokens: int, num_cached_tokens: int = 0, exclude: set[int] | frozenset = frozenset()
-             ) -> PrefillTicket:
-        """Choose a replica and count the prefill against it.
+    # -- start-up --------------------------------------------------------------------------------
+    async def start(self) -> FleetInfo:
+        """Place and start every replica and wait until their models are loaded (idempotent).
 
-        Args:
-            num_tokens: the request's context (prompt plus any outputs being re-prefilled).
-            num_cached_tokens: leading tokens the KV store holds.
-            exclude: replicas to avoid (e.g. restarting); ignored if it would exclude all.
-        Returns:
-            the ticket to pass to :meth:`done`. Ties: fewer same-bucket requests, then lower index.
+        Raises:
+            TimeoutError: the cluster cannot grant a replica's bundle; the message names the shortfall.
         """
-        candidates = [r for r in range(len(self.queued_cost)) if r not in exclude] or range(len(self.queued_cost))
-        b = self.bucket(num_tokens)
-        r = min(candidates, key=lambda i: (self.queued_cost[i], self.bucket_counts[i][b], i))
-        ticket = PrefillTicket(r, self.cost(num_tokens, num_cached_tokens), b)
-        self.queued_cost[r] += ticket.cost
-        self.bucket_counts[r][b] += 1
+        if self.info is not None:
+            return self.info
+        p, cfg = self.parallel, self.engine_config
+        if self.topology == "ep":
+            from rayinfer.actors.ep_group import EPLoop
+
+            self.ep_loop = await asyncio.to_thread(EPLoop, self.model_config, cfg, self._resolved(p))
+            self.info = FleetInfo("ep", self.ep_loop.max_model_len, cfg.block_size, model=self.model_config.model)
+            return self.info
+        if self.topology == "pd":
+            await self._start_pd()
+        else:
+            replicas = [await self._place(EngineActor, i, self.model_config, cfg, i) for i in range(p.dp)]
+            info = await asyncio.gather(*[r.ready.remote() for r in replicas])
+            self.balancer = ReplicaLoadBalancer(p.dp, cfg.block_size)
+            self.info = FleetInfo("colocated", info[0]["max_model_len"], cfg.block_size, replicas,
+                                  model=self.model_config.model)
+        logger.info("fleet ready: %s, %d replica(s)", self.topology, len(self.fleet.replicas))
+        return self.fleet
+
+    def _resolved(self, p: ParallelConfig) -> ParallelConfig:
+        """``p`` with ``num_cpus_per_replica`` set: None splits the cluster's CPUs over the ranks."""
+        if p.num_cpus_per_replica is not None:
+            return p
+        cpus = ray.available_resources().get("CPU", 1.0)
+        return dataclasses.replace(p, num_cpus_per_replica=float(max(1, math.floor(cpus / p.world_size))))
+
+    async def _place(self, actor_cls, replica_id: int, *args, **kwargs):
+        """One replica of one rank in a placement group of its own (so it restarts in place)."""
+        p = self._resolved(self.parallel)
+        bundle = rank_resources(p)
+        pg = placement_group([bundle], strategy="PACK", name="")
+        self._placement_groups.append(pg)
+        timeout = p.placement_timeout_s
+        try:
+            await asyncio.wait_for(pg.ready(), timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(
+                f"cannot place replica {replica_id}: it needs {bundle} and the cluster has "
+                f"{_fmt(ray.available_resources())} free of {_fmt(ray.cluster_resources())} after "
+                f"{timeout:.0f} s (lower parallel.num_cpus_per_replica / num_gpus_per_replica or the replica "
+                "count, or add nodes)") from None
+        opts = dict(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0.0), max_restarts=p.max_restarts,
+                    max_concurrency=4096,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
+                                                                         placement_group_bundle_index=0))
+        return actor_cls.options(**opts).remote(*args, **kwargs)  # pyright: ignore[reportCallIssue]
+
+    async def _start_pd(self) -> None:
+        p, pd, cfg = self.parallel, self.parallel.pd, self.engine_config
+        transport = resolve_kv_transport(pd.kv_transport, p.num_gpus_per_replica)
+        prepare_transport(transport)
+        pcfg = dataclasses.replace(cfg, role="prefill", **pd.prefill_overrides)
+        dcfg = dataclasses.replace(cfg, role="decode", **pd.decode_overrides)
+        max_bytes = int(pd.kv_store_max_gib * _GIB) if pd.kv_store_max_gib else None
+        store = KVStoreActor.options(num_cpus=0, max_restarts=-1).remote(pd.kv_store_max_blocks, max_bytes,
+                                                                       pd.kv_store_ttl_s)
+        actor_cls = EngineActor if transport == "object_store" else ray.remote(  # pyright: ignore[reportCallIssue]
+            enable_tensor_transport=True)(EngineActorImpl)
+        prefills = [await self._place(actor_cls, i, self.model_config, pcfg, i, kv_store=store,
+                                      kv_transport=transport) for i in range(p.num_prefill)]
+        decodes = [await self._place(actor_cls, p.num_prefill + i, self.model_config, dcfg, p.num_prefill + i,
+                                     kv_transport=transport) for i in range(p.num_decode)]
+        info = await asyncio.gather(*[r.ready.remote() for r in prefills + decodes])
+        if transport in COLLECTIVE_TRANSPORTS:
+            await asyncio.to_thread(create_collective_group, prefills + decodes,  # pyright: ignore[reportArgumentType]
+                                    backend=transport)
+        self._rdt_ok = transport != "object_store"
+        num_decode_blocks = min(i["num_blocks"] for i in info[p.num_prefill:])
+        self.prefill_lb = PrefillBalancer(p.num_prefill)
+        self.decode_lb = DecodeBalancer(p.num_decode, dcfg.max_num_seqs, num_decode_blocks * cfg.block_size)
+        self.info = FleetInfo("pd", info[0]["max_model_len"], cfg.block_size, prefills + decodes, p.num_prefill,
+                              store, transport, self.model_config.model, pd.max_retries)
+
+    # -- colocated -------------------------------------------------------------------------------
+    def pick(self, prompt_prefix: list[int]) -> int:
+        """A NORMAL replica for a request whose prompt starts with ``prompt_prefix`` (its first block is
+        enough); counted against it until :meth:`release`."""
+        return self._lb("colocated").pick(prompt_prefix)
+
+    def release(self, replica: int) -> None:
+        self._lb("colocated").done(replica)
+
+    def in_flight(self) -> list[int]:
+        """Requests each replica holds by the balancers' count (NORMAL replicas, or prefill then decode
+        replicas), as every client of this router sees it."""
+        if self.balancer is not None:
+            return list(self.balancer.in_flight)
+        if self.prefill_lb is not None:
+            return [sum(b) for b in self.prefill_lb.bucket_counts] + list(self._lb("decode").num_running)
+        return []
+
+    # -- pd --------------------------------------------------------------------------------------
+    async def pick_prefill(self, num_tokens: int, num_cached_tokens: int) -> PrefillTicket:
+        """A prefill replica (its restart awaited when every replica is out); see PrefillBalancer."""
+        ticket = self._lb("prefill").pick(num_tokens, num_cached_tokens, self._suspects["prefill"])
+        await self._await_ready("prefill", ticket.replica)
         return ticket
 
-    def done(self, ticket: PrefillTicket) -> None:
-        """The prefill left its replica (finished or failed)."""
-        self.queued_cost[ticket.replica] = max(self.queued_cost[ticket.replica] - ticket.cost, 0.0)
-        self.bucket_counts[ticket.replica][ticket.bucket] -= 1
+    def release_prefill(self, ticket: PrefillTicket) -> None:
+        self._lb("prefill").done(ticket)
+
+    async def pick_decode(self, num_tokens: int, prefill_replica: int) -> tuple[DecodeTicket, bool]:
+        """A decode replica, and whether the KV may move by Ray Direct Transport from ``prefill_replica``
+        (no: either end restarted since the collective group formed, or an RDT transfer failed)."""
+        ticket = self._lb("decode").pick(num_tokens, self._suspects["decode"])
+        await self._await_ready("decode", ticket.replica)
+        rdt = (self._rdt_ok and prefill_replica not in self._restarted["prefill"]
+               and ticket.replica not in self._restarted["decode"])
+        return ticket, rdt
+
+    def release_decode(self, ticket: DecodeTicket, num_tokens_grown: int = 0) -> None:
+        self._lb("decode").grow(ticket, num_tokens_grown)
+        self._lb("decode").done(ticket)
+
+    async def transfer_kv(self, prefill_replica: int, decode_replica: int, request_id: str) -> None:
+        """Move a prefilled request's KV to a decode replica over Ray Direct Transport.
+
+        Collective transports run one transfer at a time per replica. A failure turns RDT off for the
+        fleet (Ray kills both ends and the group); the caller retries the request.
+
+        Raises:
+            ray.exceptions.RayError: the transfer failed.
+        """
+        prefill, decode = self.fleet.prefills[prefill_replica], self.fleet.decodes[decode_replica]
+        transport = self.fleet.kv_transport
+        try:
+            if transport in COLLECTIVE_TRANSPORTS:
+                async with self._lock("prefill", prefill_replica), self._lock("decode", decode_replica):
+                    payload = prefill.pop_kv.options(tensor_transport=transport).remote(request_id)
+                    await decode.receive_kv.remote(request_id, payload)
+            else:  # one-sided (cuda_ipc): no pairing
+                payload = prefill.pop_kv.options(tensor_transport=transport).remote(request_id)
+                await decode.receive_kv.remote(request_id, payload)
+        except ray.exceptions.RayError as e:
+            if self._rdt_ok:
+                logger.error("a KV transfer over %s failed (%s); using the object store from now on",
+                             transport, type(e).__name__)
+            self._rdt_ok = False
+            raise
+
+    def report_failure(self, role: str, replica: int, actor_id: str | None) -> None:
+        """A client saw a replica fail: keep it out of new picks until its ``ready`` answers again.
+
+        Only when ``actor_id`` names this replica's actor (or names none). A restarted actor is outside
+        the RDT collective group, so its KV goes through the object store from then on.
+        """
+        actor = (self.fleet.prefills if role == "prefill" else self.fleet.decodes)[replica]
+        if replica in self._suspects[role] or (actor_id is not None and actor_id != actor._actor_id.hex()):
+            return
+        self._suspects[role].add(replica)
+        self._restarted[role].add(replica)
+
+        async def probe():
+            for attempt in range(60):
+                try:
+                    await actor.ready.remote()
+                    self._suspects[role].discard(replica)
+                    return
+                except ray.exceptions.ActorUnavailableError:  # restarting: ask again
+                    await asyncio.sleep(min(0.1 * 2**attempt, 5.0))
+                except ray.exceptions.RayError:
+                    return  # gone for good: stays out (balancers ignore the exclusion if all are out)
+
+        task = asyncio.get_running_loop().create_task(probe())
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
+
+    def count_leg(self, handed_back: bool) -> None:
+        """A client re-ran a PD leg: after a decode hand-back, or after a failure."""
+        if handed_back:
+            self.num_handbacks += 1
+        else:
+            self.num_retries += 1
+
+    async def _await_ready(self, role: str, replica: int) -> None:
+        if replica in self._suspects[role]:  # every replica was out: wait for this one to come back
+            actor = (self.fleet.prefills if role == "prefill" else self.fleet.decodes)[replica]
+            await actor.ready.remote()
+
+    def _lock(self, role: str, replica: int) -> asyncio.Lock:
+        return self._rdt_locks.setdefault((role, replica), asyncio.Lock())
+
+    # -- ep --------------------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """EP topology: stream a request's token deltas from the lockstep loop (a Ray generator).
+
+        Raises:
+            InvalidRequestError: the rank rejected the request.
+            UnsupportedError: for another topology (its clients stream from the replicas directly).
+        """
+        if self.ep_loop is None:
+            raise UnsupportedError(f"Router.generate streams the ep topology only, not {self.topology}")
+        async for out in self.ep_loop.generate(request_id, prompt_token_ids, params):
+            yield out
+
+    def abort(self, request_id: str) -> None:
+        """EP topology: abort a request (unknown ids are ignored)."""
+        if self.ep_loop is not None:
+            self.ep_loop.abort(request_id)
+
+    # -- stats and shutdown ----------------------------------------------------------------------
+    async def stats(self) -> FleetStats:
+        """Every replica's stats; a replica that cannot answer is reported with ``error`` set."""
+        info = self.fleet
+        if self.ep_loop is not None:
+            raw = await asyncio.to_thread(self.ep_loop.stats)
+            ranks = [ReplicaStats.from_dict(r, replica_id=r["ep_rank"], role="normal") for r in raw["ranks"]]
+            ep = EPStats(raw["ep"], raw["num_steps"], raw["moe_lb"], raw["num_rebalances"],
+                         raw.get("eplb_history", []))
+            return FleetStats("ep", ranks, ep=ep)
+        calls = [r.stats.remote() for r in info.replicas]
+        if info.kv_store is not None:
+            calls.append(info.kv_store.stats.remote())
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        replicas = []
+        for i, r in enumerate(results[: len(info.replicas)]):
+            role = "normal" if info.topology == "colocated" else ("prefill" if i < info.num_prefill else "decode")
+            if isinstance(r, BaseException):
+                replicas.append(ReplicaStats(replica_id=i, role=role, error=f"{type(r).__name__}: {r}"))
+            else:
+                replicas.append(ReplicaStats.from_dict(r, replica_id=i, role=role))
+        store = None
+        if info.kv_store is not None:
+            r = results[-1]
+            store = (KVStoreStats(error=f"{type(r).__name__}: {r}") if isinstance(r, BaseException)
+                     else KVStoreStats.from_dict(r))
+        return FleetStats(info.topology, replicas, store, num_retries=self.num_retries,
+                          num_handbacks=self.num_handbacks)
+
+    async def flush(self) -> None:
+        """PD: wait until every prefill replica's write-through puts reached the store (tests, benchmarks)."""
+        if self.info is not None and self.info.topology == "pd":
+            await asyncio.gather(*[p.flush_kv_writes.remote() for p in self.info.prefills],
+                                 return_exceptions=True)
+
+    def shutdown(self) -> None:
+        """Kill every replica (no restart) and free their placement groups."""
+        if self.ep_loop is not None:
+            self.ep_loop.shutdown()
+            self.ep_loop = None
+        if self.info is not None:
+            for actor in self.info.replicas + ([self.info.kv_store] if self.info.kv_store is not None else []):
+                ray.kill(actor, no_restart=True)
+        for pg in self._placement_groups:
+            remove_placement_group(pg)
+        self._placement_groups = []
 
 
-@dataclass
-class DecodeTicket:
-    """A request running on a decode replica; ``num_tokens`` grows with ``DecodeBalancer.grow``."""
-
-    replica: int
-    num_tokens: int
+def _fmt(resources: dict) -> str:
+    keys = [k for k in ("CPU", "GPU", "NPU", "memory") if k in resources]
+    return "{" + ", ".join(f"{k}: {resources[k]:g}" for k in keys) + "}"
 
 
-class DecodeBalancer:
-    """Picks a decode replica so that running requests and KV tokens stay even, both at once.
-
-    A replica's load after taking a request is ``(running + 1) / max_num_seqs + (kv_tokens + n) /
-    kv_capacity``: each term is the fraction of that capacity in use, so neither count can run ahead.
-
-    Args:
-        num_replicas: decode replicas.
-        max_num_seqs: running requests a replica holds at most.
-        kv_capacity: KV tokens a replica holds (blocks x block size).
-    Raises:
-        ValueError: for no replicas or a non-positive capacity.
-    """
-
-    def __init__(self, num_replicas: int, max_num_seqs: int, kv_capacity: int):
-        if num_replicas <= 0:
-            raise ValueError(f"num_replicas must be positive, got {num_replicas}")
-        if max_num_seqs <= 0 or kv_capacity <= 0:
-            raise ValueError(f"max_num_seqs and kv_capacity must be positive, got {max_num_seqs}, {kv_capacity}")
-        self.max_num_seqs, self.kv_capacity = max_num_seqs, kv_capacity
-        self.num_running = [0] * num_replicas
-        self.kv_tokens = [0] * num_replicas
-
-    def load(self, replica: int, num_tokens: int = 0, num_requests: int = 0) -> float:
-        """The replica's load with ``num_requests`` more requests holding ``num_tokens`` more KV tokens."""
-        return ((self.num_running[replica] + num_requests) / self.max_num_seqs
-                + (self.kv_tokens[replica] + num_tokens) / self.kv_capacity)
-
-    def pick(self, num_tokens: int, exclude: set[int] | frozenset = frozenset()) -> DecodeTicket:
-        """Choose the replica with the least load after taking the request (ties: lower index)."""
-        candidates = [r for r in range(len(self.num_running)) if r not in exclude] or range(len(self.num_running))
-        r = min(candidates, key=lambda i: (self.load(i, num_tokens, 1), i))
-        self.num_running[r] += 1
-        self.kv_tokens[r] += num_tokens
-        return DecodeTicket(r, num_tokens)
-
-    def grow(self, ticket: DecodeTicket, num_tokens: int = 1) -> None:
-        """The request's KV grew by ``num_tokens`` (a decoded token)."""
-        ticket.num_tokens += num_tokens
-        self.kv_tokens[ticket.replica] += num_tokens
-
-    def done(self, ticket: DecodeTicket) -> None:
-        """The request left its replica (finished, preempted or failed)."""
-        self.num_running[ticket.replica] -= 1
-        self.kv_tokens[ticket.replica] -= ticket.num_tokens
-
-
-# -- data-parallel NORMAL replicas: one kind of step for the whole group --------------------------
-
-@dataclass(frozen=True)
-class StepVote:
-    """One rank's view before a step.
-
-    Attributes:
-        num_prefill_tokens: prompt tokens waiting to be computed on this rank.
-        num_decode_requests: running requests that would decode this step.
-        num_decode_steps: decode steps this rank ran since its last prefill step.
-    """
-
-    num_prefill_tokens: int = 0
-    num_decode_requests: int = 0
-    num_decode_steps: int = 0
-
-    def to_list(self) -> list[int]:
-        """The vote as ints, for an all-gather across ranks (``[3]`` per rank)."""
-        return [self.num_prefill_tokens, self.num_decode_requests, self.num_decode_steps]
-
-
-def vote_step_kind(votes: list[StepVote], max_decode_steps: int = 8, min_prefill_tokens: int = 512) -> str:
-    """The kind of the next step for every rank of a data-parallel group: "prefill", "decode" or "idle".
-
-    Ranks of one group run MoE collectives together, whose prefill and decode variants differ, so every
-    rank must run the same kind of step (a rank with nothing of that kind runs a dummy step). All ranks
-    all-gather their votes and call this function on the same list, so they agree without a leader
-    (after DeepSeek's engine notes). Rules, in order:
-
-    1. no rank has work: "idle";
-    2. no rank has decode work: "prefill"; no rank has prefill work: "decode";
-    3. both: "prefill" once some rank has decoded ``max_decode_steps`` steps since its last prefill (a
-       bound on time to first token) or the group's waiting prompt tokens reach ``min_prefill_tokens``
-       (a prefill step worth its cost to decode latency); else "decode".
-
-    Args:
-        votes: one :class:`StepVote` per rank, in rank order.
-    Raises:
-        ValueError: for an empty list.
-    """
-    if not votes:
-        raise ValueError("votes must hold one StepVote per rank")
-    prefill = sum(v.num_prefill_tokens for v in votes)
-    decode = sum(v.num_decode_requests for v in votes)
-    if not prefill and not decode:
-        return "idle"
-    if not decode:
-        return "prefill"
-    if not prefill:
-        return "decode"
-    if max(v.num_decode_steps for v in votes) >= max_decode_steps or prefill >= min_prefill_tokens:
-        return "prefill"
-    return "decode"
+RouterActor = ray.remote(num_cpus=0, max_concurrency=10000)(Router)  # pyright: ignore[reportCallIssue]

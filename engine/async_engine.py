@@ -2,8 +2,10 @@
 
 The model step is blocking CPU/GPU work; running it on a dedicated thread keeps the caller's event loop
 (a Ray async actor, a Serve replica) free to accept requests, stream outputs and handle aborts while a
-step runs. Requests and aborts cross to the loop thread through a queue; outputs come back with
-``loop.call_soon_threadsafe``.
+step runs. Requests and aborts cross to the loop thread through a queue; the core's token-id deltas come
+back with ``loop.call_soon_threadsafe``, and each stream turns them into text on the caller's event loop
+(:class:`~rayinfer.engine.output_processor.RequestOutputProcessor`), so detokenization and stop strings
+never hold up a step.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import threading
 from typing import AsyncIterator
 
 from rayinfer.engine.llm_engine import LLMEngine
+from rayinfer.engine.output_processor import RequestOutputProcessor
 from rayinfer.engine.types import Completion, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -30,7 +33,9 @@ class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._inbox: queue.Queue = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # loop thread only: each live request's stream, bound when its "add" is taken from the inbox, so a
+        # request id reused after an abort never receives the aborted request's late deltas
+        self._live: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
         self._stopped = False
         self._stats: dict = engine.stats()
@@ -41,10 +46,12 @@ class AsyncLLMEngine:
     # -- caller side (event loop) --------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        **kwargs) -> AsyncIterator[RequestOutput]:
-        """Submit a request and yield its deltas until it finishes.
+        """Submit a request and yield its deltas (with text) until it finishes.
 
         A ``params.response_format`` is compiled here (on a thread pool, cached) into the grammar
-        matcher the sampler applies, before the request is queued.
+        matcher the sampler applies, before the request is queued. The core's deltas are detokenized
+        here; a stop string ends the stream and aborts the request in the core (tokens the core
+        produced after it are dropped).
 
         Raises:
             ValueError: if the engine rejects the request (the message names the problem), or its
@@ -55,10 +62,10 @@ class AsyncLLMEngine:
             kwargs["grammar"] = matcher = await compiler.matcher(params.response_format)
             for token in (kwargs.get("output_token_ids") or []) if matcher is not None else []:
                 matcher.accept_token(token)  # DECODE role: tokens sampled on the prefill replica
-        loop = asyncio.get_running_loop()
+        processor = RequestOutputProcessor(self.engine.tokenizer, request_id, prompt_token_ids, params,
+                                           kwargs.get("output_token_ids"))
         stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (loop, stream)
-        self._inbox.put(("add", request_id, prompt_token_ids, params, kwargs))
+        self._inbox.put(("add", request_id, prompt_token_ids, params, kwargs, (asyncio.get_running_loop(), stream)))
         self._wake.set()
         finished = False
         try:
@@ -67,12 +74,17 @@ class AsyncLLMEngine:
                 if isinstance(item, Exception):
                     finished = True
                     raise item
-                yield item
-                if item.finished:
+                out = processor.process(item)
+                if out is None:
+                    continue
+                if out.finished:
                     finished = True
+                    if processor.needs_core_abort:  # a stop string: the core does not know it ended
+                        self.abort(request_id)
+                yield out
+                if out.finished:
                     return
         finally:
-            self._streams.pop(request_id, None)
             if not finished:  # the consumer went away (client disconnect, cancel): free the request
                 self.abort(request_id)
 
@@ -112,10 +124,14 @@ class AsyncLLMEngine:
 
     # -- loop thread ---------------------------------------------------------------------------
     def _deliver(self, request_id: str, item) -> None:
-        entry = self._streams.get(request_id)
-        if entry is not None:
-            loop, stream = entry
-            loop.call_soon_threadsafe(stream.put_nowait, item)
+        """Send a core delta or an exception to the request's stream; the last one unbinds it."""
+        entry = self._live.get(request_id)
+        if entry is None:
+            return
+        if isinstance(item, Exception) or item.finished:
+            del self._live[request_id]
+        loop, stream = entry
+        loop.call_soon_threadsafe(stream.put_nowait, item)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -124,13 +140,17 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
             if msg[0] == "add":
-                _, rid, prompt, params, kwargs = msg
+                _, rid, prompt, params, kwargs, entry = msg
                 try:
                     self.engine.add_request(rid, prompt, params, **kwargs)
                 except ValueError as e:
-                    self._deliver(rid, e)
+                    loop, stream = entry
+                    loop.call_soon_threadsafe(stream.put_nowait, e)
+                else:
+                    self._live[rid] = entry
             else:
                 self.engine.abort_request(msg[1])
+                self._live.pop(msg[1], None)
 
     def _run(self) -> None:
         while not self._stopped:

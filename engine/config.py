@@ -100,32 +100,3 @@ class EngineConfig:
             EngineRole(self.role)
         except ValueError:
             raise ValueError(f"role must be one of normal, prefill, decode; got {self.role!r}") from None
-
-
-@dataclass
-class EPConfig:
-    """Expert parallelism and its load balancer (EPLB) for a MoE model (``rayinfer.actors.ep_group``).
-
-    Attributes:
-        ep: expert-parallel ranks; each also runs attention data-parallel with its own requests.
-        num_redundant_experts: extra physical expert slots per MoE layer (P = L + this); P must split
-            evenly over the ``ep`` ranks.
-        eplb_interval: rebalance every this many steps; 0 never rebalances (loads are still counted).
-        eplb_window: steps of expert load each rank keeps; rebalancing and ``moe_lb`` use their sum.
-        num_nodes: nodes the ranks span (EPLB keeps expert groups on one node); must divide ``ep``.
-    """
-
-    ep: int = 1
-    num_redundant_experts: int = 0
-    eplb_interval: int = 0
-    eplb_window: int = 1000
-    num_nodes: int = 1
-
-    def __post_init__(self):
-        for name, low in (("ep", 1), ("num_redundant_experts", 0), ("eplb_interval", 0), ("eplb_window", 1),
-                          ("num_nodes", 1)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-        if self.ep % self.num_nodes:
-            raise ValueError(f"num_nodes ({self.num_nodes}) must divide ep ({self.ep})")

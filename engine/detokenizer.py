@@ -8,20 +8,29 @@ _CONTEXT_TOKENS = 5  # prompt tokens decoded with the output so leading spaces a
 
 
 class IncrementalDetokenizer:
-    """Turns a request's growing token list into text deltas.
+    """Turns a request's growing token list into text deltas and finds its stop strings.
 
     Decoding a window ``ids[prefix_offset:]`` and diffing it against ``ids[prefix_offset:read_offset]``
     keeps each step O(window); text that ends in U+FFFD (an incomplete UTF-8 sequence) is held back
     until the next token completes it (after vLLM's ``detokenize_incrementally``). With stop strings,
     the last ``max(len(stop)) - 1`` characters are held back until they cannot start a stop string.
 
+    Stop strings are matched only on tokens after the first ``params.min_tokens`` output tokens, and a
+    match must end in text such a token added (it may begin earlier); the sampler bans EOS and stop
+    token ids for the same first ``min_tokens`` tokens (after vLLM v1's detokenizer).
+
     Args:
         tokenizer: a Hugging Face tokenizer (``decode``).
-        prompt_token_ids: the prompt (its tail gives context to the first output tokens).
-        params: the request's sampling params (stop, include_stop_str_in_output, skip_special_tokens).
+        prompt_token_ids: the tokens before the output this detokenizer will see (their tail gives
+            context to the first output tokens).
+        params: the request's sampling params (stop, include_stop_str_in_output, skip_special_tokens,
+            min_tokens).
+        num_output_tokens: output tokens already generated and included at the end of
+            ``prompt_token_ids`` (a request resumed after a prefill elsewhere); they count towards
+            ``min_tokens`` but their text is not emitted.
     """
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams, num_output_tokens: int = 0):
         self.tokenizer = tokenizer
         self.params = params
         self._decode = _backend_decode(tokenizer) or tokenizer.decode  # (ids, skip_special_tokens)
@@ -30,31 +39,37 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
         self.output_text = ""
         self.num_emitted = 0
+        self.num_output_tokens = num_output_tokens
         self.stop_holdback = max((len(s) for s in params.stop), default=1) - 1
 
     def add_tokens(self, token_ids: list[int]) -> str | None:
-        """Append tokens; returns the matched stop string if one now occurs (text is cut before it,
-        or after it with ``include_stop_str_in_output``), else None."""
-        ids, decode, skip_special = self.ids, self._decode, self.params.skip_special_tokens
+        """Append tokens; returns the matched stop string if one now occurs, else None.
+
+        On a match the text is cut before the stop string (after it with ``include_stop_str_in_output``)
+        and the tokens after the matching one are not consumed (``num_output_tokens`` tells how many were).
+        """
+        ids, decode, p = self.ids, self._decode, self.params
         for token in token_ids:
             ids.append(token)
-            prefix_text = decode(ids[self.prefix_offset : self.read_offset], skip_special)
-            new_text = decode(ids[self.prefix_offset :], skip_special)
+            self.num_output_tokens += 1
+            prefix_text = decode(ids[self.prefix_offset : self.read_offset], p.skip_special_tokens)
+            new_text = decode(ids[self.prefix_offset :], p.skip_special_tokens)
             if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
                 continue
             self.prefix_offset, self.read_offset = self.read_offset, len(ids)
-            start = max(len(self.output_text) - self.stop_holdback, 0)
+            checked = len(self.output_text)
             self.output_text += new_text[len(prefix_text) :]
-            if self.params.stop:
-                stop = self._find_stop(start)
+            if p.stop and self.num_output_tokens > p.min_tokens:
+                stop = self._find_stop(checked)
                 if stop is not None:
                     return stop
         return None
 
-    def _find_stop(self, start: int) -> str | None:
+    def _find_stop(self, checked: int) -> str | None:
+        """The stop string that occurs first among those ending after ``output_text[:checked]``."""
         best = None
         for s in self.params.stop:
-            idx = self.output_text.find(s, start)
+            idx = self.output_text.find(s, max(checked - len(s) + 1, 0))
             if idx != -1 and (best is None or idx < best[0]):
                 best = (idx, s)
         if best is None:

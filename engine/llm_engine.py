@@ -1,4 +1,8 @@
-"""One replica's engine: requests in, token and text deltas out. No Ray inside."""
+"""One replica's engine core: requests in, token-id deltas out. No Ray inside.
+
+Text (detokenization, stop strings) is made outside the step loop by
+:mod:`rayinfer.engine.output_processor`; :meth:`LLMEngine.generate` shows the wiring.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +13,9 @@ import torch
 
 from rayinfer.engine.block_pool import hash_block_chain
 from rayinfer.engine.config import KV_CACHE_DTYPES, EngineConfig, ModelConfig
-from rayinfer.engine.detokenizer import IncrementalDetokenizer
+from rayinfer.engine.errors import InvalidRequestError
 from rayinfer.engine.model_runner import ModelRunner, kv_layout_tag
+from rayinfer.engine.output_processor import OutputProcessor
 from rayinfer.engine.sampler import Sampler
 from rayinfer.engine.scheduler import Scheduler, SchedulerConfig
 from rayinfer.engine.types import (
@@ -37,32 +42,51 @@ def resolve_device(device: str) -> torch.device:
 
 
 class LLMEngine:
-    """A single replica: tokenizer, model, paged KV cache, scheduler, sampler, detokenizers.
+    """A single replica's core: model, paged KV cache, scheduler, sampler; token ids in and out.
+
+    The model and tokenizer are loaded from ``model_config`` unless given (tests inject a tiny model).
 
     Args:
-        model_config: which model and dtype.
+        model_config: which model and dtype; with ``model`` given, only ``max_model_len`` and ``seed``
+            (of unseeded sampling) are read, and the name in logs.
         engine_config: scheduling, KV cache, device and role.
         model_kwargs: extra arguments of the model class (``{"ep": ExpertParallelism(...)}`` on an
             expert-parallel rank; see :func:`rayinfer.model.loader.load_model`).
+        model: a built model with the engine's interface (:class:`rayinfer.model.llama.PagedCausalLM`:
+            ``config``, ``kv_cache_shape``, ``forward``, ``compute_logits``), in eval mode; the engine
+            runs on its parameters' device and dtype.
+        tokenizer: a Hugging Face tokenizer for ``model`` (``decode``, ``eos_token_id``, what the
+            grammar compiler reads); None loads ``model_config.model``'s.
     Raises:
-        ValueError: for an unknown model or a bad config (before any work is done).
+        ValueError: for an unknown model or a bad config (before any work is done), or an injected
+            model on another device than ``engine_config.device`` names.
     """
 
     def __init__(self, model_config: ModelConfig | None = None, engine_config: EngineConfig | None = None,
-                 model_kwargs: dict | None = None):
+                 model_kwargs: dict | None = None, *, model=None, tokenizer=None):
         from rayinfer.model.loader import load_model, load_tokenizer, parse_dtype
 
         self.model_config = model_config = model_config or ModelConfig()
         self.engine_config = cfg = engine_config or EngineConfig()
-        self.device = resolve_device(cfg.device)
-        self.dtype = parse_dtype(model_config.dtype, self.device)
+        if model is None:
+            self.device = resolve_device(cfg.device)
+            self.dtype = parse_dtype(model_config.dtype, self.device)
+        else:
+            if model_kwargs:
+                raise ValueError("model_kwargs apply to a loaded model, not an injected one")
+            weight = next(model.parameters())
+            self.device, self.dtype = weight.device, weight.dtype
+            if cfg.device != "auto" and torch.device(cfg.device).type != self.device.type:
+                raise ValueError(f"engine_config.device={cfg.device!r} but the given model is on {self.device}")
         kv_name = KV_CACHE_DTYPES[cfg.kv_cache_dtype]
         self.kv_dtype = getattr(torch, kv_name) if kv_name else self.dtype
         self.role = EngineRole(cfg.role)
-        self.tokenizer = load_tokenizer(model_config.model)
-        torch.manual_seed(model_config.seed)
-        self.model = load_model(model_config.model, self.dtype, self.device, model_config.load_format,
-                                seed=model_config.seed, model_kwargs=model_kwargs)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_config.model)
+        if model is None:
+            torch.manual_seed(model_config.seed)
+            model = load_model(model_config.model, self.dtype, self.device, model_config.load_format,
+                               seed=model_config.seed, model_kwargs=model_kwargs)
+        self.model = model
         hf_config = self.model.config
         self.max_model_len = model_config.max_model_len or hf_config.max_position_embeddings
         self.vocab_size = hf_config.vocab_size
@@ -89,10 +113,9 @@ class LLMEngine:
         self.runner.sync_guard = cfg.debug_sync_guard
         on_cuda = self.device.type == "cuda"
         self.async_scheduling = on_cuda if cfg.async_scheduling is None else cfg.async_scheduling
-        self._inflight = None  # (SchedulerOutput, PendingStep) launched but not yet processed
+        self._inflight = None  # (SchedulerOutput, PendingStep, its requests) launched but not yet processed
         if on_cuda and not cfg.enforce_eager:
             self.runner.capture_cuda_graphs(self.max_model_len, min(cfg.max_num_seqs, 512))
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.num_prompt_tokens = 0  # counters for metrics
         self.num_generation_tokens = 0
         self.num_computed_tokens = 0
@@ -135,57 +158,60 @@ class LLMEngine:
                 all tokens so far when a preempted or failed request is re-prefilled); a grammar is
                 advanced over them.
         Raises:
-            ValueError: naming the problem (empty or too-long prompt, token id out of range, max_tokens
-                beyond the context, more KV blocks than the pool holds, duplicate id, missing handle, a
-                handle that covers every token or whose block hashes do not match the tokens, output
-                tokens the grammar rejects).
+            InvalidRequestError: naming the problem, with ``param`` "prompt" (empty or too long, a token
+                id out of range), "max_tokens" (beyond the context), "n", "response_format" (output
+                tokens the grammar rejects) or None (more KV blocks than the pool holds, duplicate id,
+                missing handle, a handle that covers every token or whose block hashes, layout or
+                payload shape do not match).
         """
         if not prompt_token_ids:
-            raise ValueError("prompt is empty")
+            raise InvalidRequestError("prompt is empty", "prompt")
         if any((not isinstance(t, int)) or t < 0 or t >= self.vocab_size for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.vocab_size})", "prompt")
         if params.n != 1:
-            raise ValueError("the engine takes n=1 per request; fan out n > 1 above it")
+            raise InvalidRequestError("the engine takes n=1 per request; fan out n > 1 above it", "n")
         n = len(prompt_token_ids)
         if n >= self.max_model_len:
-            raise ValueError(f"prompt has {n} tokens but the context limit (max_model_len) is "
-                             f"{self.max_model_len}; no room for output")
+            raise InvalidRequestError(f"prompt has {n} tokens but the context limit (max_model_len) is "
+                                      f"{self.max_model_len}; no room for output", "prompt")
         if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
-                             f"limit of {self.max_model_len} tokens")
+            raise InvalidRequestError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                                      f"context limit of {self.max_model_len} tokens", "max_tokens")
         limit = min(n + (params.max_tokens or self.max_model_len), self.max_model_len)
         blocks = self.scheduler.kv.blocks_needed(limit)
         if blocks > self.scheduler.config.num_blocks:
-            raise ValueError(f"request may need {blocks} KV blocks but the pool holds "
-                             f"{self.scheduler.config.num_blocks}")
+            raise InvalidRequestError(f"request may need {blocks} KV blocks but the pool holds "
+                                      f"{self.scheduler.config.num_blocks}")
         if self.role == EngineRole.DECODE and kv_handle is None:
-            raise ValueError("a decode-only replica admits requests only with a KV handle")
+            raise InvalidRequestError("a decode-only replica admits requests only with a KV handle")
+        if request_id in self.scheduler.requests:
+            raise InvalidRequestError(f"duplicate request id {request_id!r}")
         all_ids = list(prompt_token_ids) + list(output_token_ids or [])
         if kv_handle is not None:
             self._check_handle(kv_handle, all_ids)
         if grammar is not None:
             for t in output_token_ids or []:
                 if not grammar.accept_token(t):
-                    raise ValueError(f"output token {t} is not allowed by the request's response_format")
+                    raise InvalidRequestError(f"output token {t} is not allowed by the request's "
+                                              "response_format", "response_format")
         req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids,
                       grammar=grammar, kv_handle=kv_handle, output_token_ids=list(output_token_ids or []))
         self.scheduler.add_request(req)
-        self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, req.all_token_ids, params)
 
     def _check_handle(self, handle: KVHandle, token_ids: list[int]) -> None:
         bs = self.engine_config.block_size
         if not 0 < handle.num_tokens < len(token_ids):
-            raise ValueError(f"KV handle covers {handle.num_tokens} tokens; the request has {len(token_ids)} "
-                             "and at least one must be left to compute")
+            raise InvalidRequestError(f"KV handle covers {handle.num_tokens} tokens; the request has "
+                                      f"{len(token_ids)} and at least one must be left to compute")
         n = len(handle.block_hashes)
         if n > handle.num_tokens // bs or hash_block_chain(token_ids[: n * bs], bs) != list(handle.block_hashes):
-            raise ValueError("KV handle's block hashes do not match the request's tokens")
+            raise InvalidRequestError("KV handle's block hashes do not match the request's tokens")
         if handle.layout != kv_layout_tag(self.kv_cache):
-            raise ValueError(f"KV layout {handle.layout!r} does not match this engine's "
-                             f"{kv_layout_tag(self.kv_cache)!r}")
+            raise InvalidRequestError(f"KV layout {handle.layout!r} does not match this engine's "
+                                      f"{kv_layout_tag(self.kv_cache)!r}")
         shape = (self.kv_cache.shape[0], -(-handle.num_tokens // bs), *self.kv_cache.shape[2:])
         if handle.payload is not None and tuple(handle.payload.shape) != shape:
-            raise ValueError(f"KV payload has shape {tuple(handle.payload.shape)}, expected {shape}")
+            raise InvalidRequestError(f"KV payload has shape {tuple(handle.payload.shape)}, expected {shape}")
 
     def abort_request(self, request_ids) -> None:
         """Abort live requests (unknown ids are ignored); their blocks are freed at once."""
@@ -195,18 +221,25 @@ class LLMEngine:
             self._forget(rid)
 
     def _forget(self, request_id: str) -> None:
-        self.detokenizers.pop(request_id, None)
         self.sampler.release(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._inflight is not None
 
     # -- the loop ------------------------------------------------------------------------------
-    def step(self, run_empty: bool = False) -> list[RequestOutput]:
-        """Schedule, run the model, sample, detokenize. Returns one delta per request that moved.
+    def step(self, run_empty: bool = False, step_kind: str | None = None) -> list[RequestOutput]:
+        """Schedule, run the model, sample. Returns one core delta per request that moved.
+
+        A delta has the step's token ids and logprobs, ``new_text`` empty, and the core's finish
+        reasons: "length", "stop" (EOS: ``stop_reason`` None; a stop token id: that id; a finished
+        grammar), "prefilled" (PREFILL role, with ``kv_handle``) or "preempted" (DECODE role, no tokens).
+        Stop strings are not checked here: an :class:`~rayinfer.engine.output_processor.OutputProcessor`
+        does, and its caller aborts the request (:meth:`generate` shows how).
 
         ``run_empty``: when nothing is scheduled, still run the model over zero tokens (an expert-
         parallel rank steps in lockstep with the others; its MoE layers are collectives).
+        ``step_kind``: None, "prefill", "decode" or "idle": which work to plan (``Scheduler.schedule``;
+        the group-voted kind of a lockstep step).
 
         With ``async_scheduling`` the step is pipelined: this call schedules and launches step N while
         the device may still run step N-1, then processes step N-1's tokens. Inputs sampled by N-1 are
@@ -214,7 +247,7 @@ class LLMEngine:
         request that finished meanwhile is dropped. A step whose sampling needs host state (grammar,
         penalties, min_tokens) first drains the pipeline.
         """
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule() if step_kind is None else self.scheduler.schedule(step_kind)
         live = self.scheduler.requests
         step_reqs = {s.request_id: live[s.request_id] for s in sched.scheduled}  # before anything finishes
         outputs = [self._handed_back_output(req) for req in self.scheduler.take_handed_back()]
@@ -229,9 +262,9 @@ class LLMEngine:
             self.num_computed_tokens += sched.num_scheduled_tokens
             launched = self.runner.execute_async(sched, step_reqs, prev_step)
             if self.async_scheduling:
-                self._inflight = (sched, launched)
+                self._inflight = (sched, launched, step_reqs)
             else:
-                outputs += self._process(sched, launched)
+                outputs += self._process(sched, launched, step_reqs)
         elif run_empty:
             self.runner.execute_empty()
         if prev is not None:
@@ -245,8 +278,13 @@ class LLMEngine:
         return any(s.needs_sample and s.request_id in reqs and needs_host_state(reqs[s.request_id])
                    for s in sched.scheduled)
 
-    def _process(self, sched, launched) -> list[RequestOutput]:
+    def _process(self, sched, launched, step_reqs: dict[str, Request]) -> list[RequestOutput]:
         step_out = self.runner.finish(launched)
+        live = self.scheduler.requests
+        for rid in [rid for rid, req in step_reqs.items() if live.get(rid) is not req]:
+            # aborted while in flight (a stop string found outside the core) and its id already reused:
+            # the token belongs to the old request, not to the new one of the same id
+            step_out.sampled.pop(rid, None)
         return [self._make_output(req, step_out.sampled[req.request_id])
                 for req in self.scheduler.update_from_output(sched, step_out)]
 
@@ -264,11 +302,6 @@ class LLMEngine:
         num_output = len(req.output_token_ids)
         if num_output == 1:
             self.num_prompt_tokens += len(req.prompt_token_ids)
-        detok = self.detokenizers[rid]
-        stop = detok.add_tokens([token])
-        if stop is not None and not req.is_finished:
-            self.scheduler.finish_requests(rid, RequestStatus.FINISHED_STOPPED)
-            req.stop_reason = stop
         handle = None
         prefilled = req.status == RequestStatus.FINISHED_PREFILLED
         if prefilled:
@@ -278,7 +311,6 @@ class LLMEngine:
         out = RequestOutput(
             request_id=rid,
             new_token_ids=[token],
-            new_text=detok.take_delta(finished),
             new_logprobs=[sampled] if req.params.logprobs is not None else None,
             finished=finished,
             finish_reason="prefilled" if prefilled else req.finish_reason if finished else None,
@@ -294,24 +326,31 @@ class LLMEngine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  request_ids: list[str] | None = None) -> list[Completion]:
-        """Run prompts to completion (a convenience for tests and offline jobs).
+        """Run prompts to completion with text and stop strings (a convenience for tests and offline jobs).
 
         Args:
             prompts: token-id lists.
             params: one SamplingParams for all, or one per prompt.
+            request_ids: one per prompt (default ``gen-<i>``).
         Returns:
             one Completion per prompt, in order; a prompt rejected by validation gets ``error`` set.
         """
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         ids = request_ids or [f"gen-{i}" for i in range(len(prompts))]
         results = {rid: Completion(rid, list(p)) for rid, p in zip(ids, prompts)}
+        processor = OutputProcessor(self.tokenizer)
         for rid, prompt, p in zip(ids, prompts, params_list):
             try:
                 self.add_request(rid, prompt, p)
             except ValueError as e:
                 results[rid].error, results[rid].finish_reason = str(e), "error"
+                continue
+            processor.add_request(rid, prompt, p)
         while self.has_unfinished_requests():
-            for out in self.step():
+            processed = processor.process_outputs(self.step())
+            if processed.reqs_to_abort:
+                self.abort_request(processed.reqs_to_abort)
+            for out in processed.request_outputs:
                 results[out.request_id].add(out)
         return [results[rid] for rid in ids]
 

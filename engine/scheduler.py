@@ -104,9 +104,33 @@ class Scheduler:
         return len(self.running)
 
     # -- the step ------------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def pending_work(self) -> tuple[int, int]:
+        """(prompt tokens still to compute, requests that would decode one token): the two counts of a
+        data-parallel rank's step vote (``rayinfer.policy.routing.StepVote``)."""
+        num_prefill_tokens = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        num_decode = 0
+        for r in self.running:
+            num_left = r.num_tokens - r.num_computed_tokens
+            if _is_decode(r, num_left):
+                num_decode += 1
+            else:
+                num_prefill_tokens += max(num_left, 0)
+        return num_prefill_tokens, num_decode
+
+    def schedule(self, step_kind: str | None = None) -> SchedulerOutput:
         """Plan one step. Side effects: allocates blocks, advances ``num_computed_tokens`` of every
-        scheduled request, moves admitted requests to running and preempted ones back to waiting."""
+        scheduled request, moves admitted requests to running and preempted ones back to waiting.
+
+        Args:
+            step_kind: None plans all work (chunked prefill mixes prompt chunks and decodes in one
+                step); "prefill" only prompt work (admissions and partly computed prompts); "decode"
+                only one-token decodes; "idle" nothing. Data-parallel ranks whose MoE layers run
+                collectives agree on the kind by a vote (``rayinfer.policy.routing.vote_step_kind``).
+        Raises:
+            ValueError: for another step_kind.
+        """
+        if step_kind not in (None, "prefill", "decode", "idle"):
+            raise ValueError(f"step_kind must be None, prefill, decode or idle; got {step_kind!r}")
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         planned: list[tuple[Request, int]] = []
@@ -125,6 +149,9 @@ class Scheduler:
             if prefill_role and req.num_pending_tokens:
                 i += 1  # its in-flight token ends the prefill (async scheduling): never decode here
                 continue
+            if step_kind is not None and (step_kind == "idle" or (step_kind == "decode") != _is_decode(req, num_left)):
+                i += 1  # not this step's kind
+                continue
             while kv.allocate_slots(req, num_new) is None:
                 victim = running.pop()
                 self._preempt(victim)
@@ -138,7 +165,8 @@ class Scheduler:
             i += 1
 
         imports = []
-        while not preempted and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+        admit = step_kind in (None, "prefill")
+        while admit and not preempted and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[0]
             if req.kv_handle is not None:  # PD import or stored prefix: the handle's tokens arrive computed
                 hit_blocks, num_hit = self.kv.get_computed_blocks(req)
@@ -263,3 +291,8 @@ class Scheduler:
             req.status = status
             return
         self.finish_requests(req.request_id, status)
+
+
+def _is_decode(req: Request, num_left: int) -> bool:
+    """Whether a running request's next work is one decoded token (its whole prompt is computed)."""
+    return num_left == 1 and req.num_computed_tokens >= req.num_prompt_tokens

@@ -25,13 +25,19 @@ import logging
 import threading
 from typing import Any
 
+from rayinfer.engine.errors import InvalidRequestError
+
 logger = logging.getLogger(__name__)
 
 _TYPES = ("text", "json_object", "json_schema", "regex", "ebnf", "grammar", "structural_tag")
 
 
-class GrammarError(ValueError):
-    """A response format that is malformed, fails to compile, or takes too long to compile."""
+class GrammarError(InvalidRequestError):
+    """A response format that is malformed, fails to compile, or takes too long to compile (param
+    ``response_format``)."""
+
+    def __init__(self, message: str, param: str | None = "response_format"):
+        super().__init__(message, param)
 
 
 def canonical_key(response_format: dict) -> str:

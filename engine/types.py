@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from rayinfer.engine.errors import InvalidRequestError
+
 
 PLACEHOLDER = -1  # token id of a sampled-but-not-yet-returned token in a scheduled step
 
@@ -86,7 +88,8 @@ class SamplingParams:
             _check_int("max_tokens", self.max_tokens, lo=1)
         _check_int("min_tokens", self.min_tokens, lo=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+            raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+                                      "min_tokens")
         _check_int("n", self.n, lo=1)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, lo=0, hi=20)
@@ -94,11 +97,11 @@ class SamplingParams:
         _check_number("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
         _check_number("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True)
         if not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError("stop must be a string or a list of non-empty strings")
+            raise InvalidRequestError("stop must be a string or a list of non-empty strings", "stop")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be a list of non-negative integers")
+            raise InvalidRequestError("stop_token_ids must be a list of non-negative integers", "stop_token_ids")
         if self.response_format is not None and not isinstance(self.response_format, dict):
-            raise ValueError("response_format must be an object with a 'type' field")
+            raise InvalidRequestError("response_format must be an object with a 'type' field", "response_format")
 
     @property
     def is_greedy(self) -> bool:
@@ -114,22 +117,22 @@ class SamplingParams:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"unknown sampling field(s): {', '.join(unknown)}")
+            raise InvalidRequestError(f"unknown sampling field(s): {', '.join(unknown)}", unknown[0])
         return cls(**data)
 
 
 def _check_number(name, value, lo=None, hi=None, lo_open=False):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
+        raise InvalidRequestError(f"{name} must be a finite number, got {value!r}", name)
     if lo is not None and (value < lo or (lo_open and value == lo)):
-        raise ValueError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {value}")
+        raise InvalidRequestError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {value}", name)
     if hi is not None and value > hi:
-        raise ValueError(f"{name} must be <= {hi}, got {value}")
+        raise InvalidRequestError(f"{name} must be <= {hi}, got {value}", name)
 
 
 def _check_int(name, value, lo=None, hi=None):
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise InvalidRequestError(f"{name} must be an integer, got {value!r}", name)
     _check_number(name, value, lo=lo, hi=hi)
 
 
@@ -281,13 +284,18 @@ class StepOutput:
 class RequestOutput:
     """What the caller sees of a request after a step (a delta, plus totals).
 
+    ``LLMEngine.step`` returns core deltas (token ids, ``new_text`` empty, the core's finish reasons);
+    an ``OutputProcessor`` turns them into the deltas callers stream (text, stop strings).
+
     Attributes:
         request_id: the request.
         new_token_ids: tokens produced this step.
-        new_text: detokenized text added this step (never a broken UTF-8 sequence).
+        new_text: detokenized text added this step (never a broken UTF-8 sequence); empty in a core delta.
         new_logprobs: per new token, a SampledToken with its logprob and top logprobs (if asked).
         finished: whether the request ended this step.
-        finish_reason: "stop", "length", "abort", "error", or None.
+        finish_reason: "stop", "length", "abort", "error", "prefilled" (PREFILL role, with ``kv_handle``),
+            "preempted" (DECODE role: re-prefill elsewhere), or None.
+        stop_reason: on "stop", the stop string or stop token id that ended it (None for EOS).
         num_prompt_tokens, num_output_tokens, num_cached_tokens: usage counts.
         error: a message when the request failed (finish_reason "error").
     """

@@ -520,7 +520,7 @@ _GPU_ENGINE = {"max_num_seqs": 256, "max_num_batched_tokens": 8192}
 register_scenario(Scenario(
     "llama-3-8b", "Llama-3-8B shape, dummy bf16 weights, on the GPU",
     {"model": {"model": "llama-3-8b", "dtype": "bfloat16", "load_format": "dummy", "max_model_len": 8192},
-     "engine": dict(_GPU_ENGINE), "offline": {"num_prompts": 1000}},  # the workload: 1000 x 1000/1000
+     "engine": dict(_GPU_ENGINE), "offline": {"num_prompts": 1000}},  # the headline workload: 1000 x 1000/1000
 ))
 register_scenario(Scenario(
     "smollm2", "SmolLM2-135M-Instruct, real weights, on the GPU",

@@ -25,8 +25,8 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from rayinfer.actors.topology import ParallelSpec, make_client  # noqa: F401 (re-exported)
 from rayinfer.engine.config import EngineConfig, ModelConfig
+from rayinfer.placement.parallel_config import ParallelConfig
 
 logger = logging.getLogger("rayinfer.generate")
 
@@ -47,7 +47,7 @@ class GenerateConfig:
     output: str | None = None
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
-    parallel: ParallelSpec = field(default_factory=ParallelSpec)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     sampling: dict[str, Any] = field(default_factory=dict)  # defaults for every line
     print_outputs: bool | None = None  # None: print when there is no input file
 
@@ -166,9 +166,12 @@ def run(cfg: GenerateConfig) -> int:
 
     if todo:
         if not ray.is_initialized():
-            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=True,
+            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False,
+                     logging_config=ray.LoggingConfig(encoding="TEXT", log_level="INFO"), log_to_driver=True,
                      logging_level=logging.WARNING)
-        client = make_client(cfg.model, cfg.engine, cfg.parallel)  # by parallel.topology
+        from rayinfer.actors.client import make_client
+
+        client = make_client(cfg.model, cfg.engine, cfg.parallel)  # a fleet by parallel.topology
         partial.parent.mkdir(parents=True, exist_ok=True)
         start, num_out = time.perf_counter(), 0
 
@@ -223,7 +226,7 @@ def main(dcfg: DictConfig) -> None:
     try:
         cfg = OmegaConf.to_object(dcfg)
         code = run(cfg)
-    except (ValueError, FileNotFoundError) as e:  # bad config or unknown model: clear message, non-zero exit, no work done
+    except (ValueError, FileNotFoundError, TimeoutError) as e:  # bad config, unknown model, unplaceable: clear message, non-zero exit, no work done
         print(f"error: {e}", file=sys.stderr)
         code = 2
     sys.exit(code)

@@ -1,7 +1,7 @@
 """Online service: the OpenAI-compatible app on Ray Serve, started on an embedded (or given) Ray.
 
     python jobs/serve.py                                    # SmolLM2 on http://127.0.0.1:8000/v1
-    python jobs/serve.py port=8001 api_key=secret num_replicas=2 engine.num_kv_blocks=2048
+    python jobs/serve.py port=8001 api_key=secret parallel.dp=2 engine.num_kv_blocks=2048
     RAY_ADDRESS=auto python jobs/serve.py host=0.0.0.0      # on a running cluster
 
 The same conf/serve.yaml is a Serve config file: ``serve run conf/serve.yaml``. Stops on Ctrl-C.
@@ -36,7 +36,8 @@ def run(cfg: ServeConfig, blocking: bool = True) -> int:
 
     resolve_model(cfg.model.model)  # unknown model: ValueError now; converts the default model once
     if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, logging_level=logging.WARNING)
+        ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False,
+                     logging_config=ray.LoggingConfig(encoding="TEXT", log_level="INFO"), logging_level=logging.WARNING)
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
     serve.run(build_app_from_config(cfg), name="rayinfer", route_prefix="/")
     print(f"serving {cfg.model_name} at http://{cfg.host}:{cfg.port}/v1 (Ctrl-C to stop)", flush=True)

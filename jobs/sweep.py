@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rayinfer.engine.config import EngineConfig, ModelConfig
 from rayinfer.jobs import benchlib as bl
+from rayinfer.placement.parallel_config import ParallelConfig
 
 X_KEY, Y_KEY = "median_tpot_ms", "output_tok_s_per_unit"
 
@@ -49,23 +50,12 @@ class SweepWorkload:
 
 
 @dataclass
-class SweepParallel:
-    """Data-parallel NORMAL replicas; each takes one GPU on CUDA (``dp`` may not exceed the GPUs)."""
-
-    dp: int = 1
-
-    def __post_init__(self):
-        if self.dp <= 0:
-            raise ValueError(f"parallel.dp must be positive, got {self.dp}")
-
-
-@dataclass
 class SweepConfig:
     """Schema of ``conf/sweep.yaml``."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
-    parallel: SweepParallel = field(default_factory=SweepParallel)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # colocated dp only (checked in run_replicas)
     workload: SweepWorkload = field(default_factory=SweepWorkload)
     csv: str = "benchmarks/results/sweep.csv"  # conf/sweep.yaml: <hydra.sweep.dir>/sweep.csv
     label: str | None = None  # a run's name in the CSV and plot; None: its command-line overrides
@@ -89,7 +79,14 @@ def run_replicas(cfg: SweepConfig, items: list[bl.WorkItem], device_type: str) -
 
     Raises:
         ValueError: if dp replicas need more GPUs than this machine has.
+        UnsupportedError: for a topology other than colocated (the sweep times requests in the engines'
+            step loops, which only colocated replicas run alone).
     """
+    from rayinfer.engine.errors import UnsupportedError
+
+    if cfg.parallel.topology != "colocated":
+        raise UnsupportedError(f"the sweep runs colocated replicas (parallel.dp); got topology "
+                               f"{cfg.parallel.topology}", "parallel")
     dp = cfg.parallel.dp
     shards = [items[r::dp] for r in range(dp)]
     threads = cfg.cpu_threads or max(1, (os.cpu_count() or 1) // dp)

@@ -1,4 +1,6 @@
-"""Parallel configs -> placement-group bundles, rank maps and collective groups; the EPLB algorithm.
+"""Parallel configs -> placement-group bundles, rank maps and collective groups.
+
+The EPLB algorithm lives in ``rayinfer.policy.eplb``.
 
 Pure parts are re-exported here; ``rayinfer.placement.groups`` (Ray and torch.distributed) is
 imported on its own by the code that creates placement groups or joins collectives.
@@ -14,7 +16,6 @@ from rayinfer.placement.bundles import (
     rank_map,
     replica_specs,
 )
-from rayinfer.placement.eplb import moe_load_balance, rank_loads, rebalance_experts
 from rayinfer.placement.parallel_config import ParallelConfig
 
 __all__ = [
@@ -24,10 +25,7 @@ __all__ = [
     "bundle_resources",
     "cp_groups",
     "ep_groups",
-    "moe_load_balance",
     "placement_bundles",
-    "rank_loads",
     "rank_map",
-    "rebalance_experts",
     "replica_specs",
 ]

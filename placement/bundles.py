@@ -57,8 +57,8 @@ class ReplicaSpec:
         return len(self.ranks)
 
 
-def bundle_resources(device: str) -> dict[str, float]:
-    """Ray resources of one rank's bundle: one CPU, plus one accelerator on "gpu"/"npu".
+def bundle_resources(device: str, num_cpus: float = 1.0, num_accelerators: float = 1.0) -> dict[str, float]:
+    """Ray resources of one rank's bundle: ``num_cpus`` CPUs, plus ``num_accelerators`` on "gpu"/"npu".
 
     Raises:
         ValueError: for a device other than "cpu", "gpu", "npu".
@@ -66,12 +66,19 @@ def bundle_resources(device: str) -> dict[str, float]:
     if device not in _ACCELERATOR_RESOURCE:
         raise ValueError(f"device must be one of cpu, gpu, npu; got {device!r}")
     accelerator = _ACCELERATOR_RESOURCE[device]
-    return {"CPU": 1.0} if accelerator is None else {accelerator: 1.0, "CPU": 1.0}
+    cpus = float(num_cpus)
+    return {"CPU": cpus} if accelerator is None else {accelerator: float(num_accelerators), "CPU": cpus}
+
+
+def rank_resources(cfg: ParallelConfig) -> dict[str, float]:
+    """One rank's bundle under ``cfg``: its ``num_cpus_per_replica`` (1 when unset) CPUs and, on an
+    accelerator, its ``num_gpus_per_replica`` (1 when unset) devices."""
+    return bundle_resources(cfg.device_kind, cfg.num_cpus_per_replica or 1.0, cfg.num_gpus_per_replica or 1.0)
 
 
 def placement_bundles(cfg: ParallelConfig) -> list[dict[str, float]]:
     """The placement-group bundle list: ``cfg.world_size`` bundles, bundle i for global rank i."""
-    return [bundle_resources(cfg.device) for _ in range(cfg.world_size)]
+    return [rank_resources(cfg) for _ in range(cfg.world_size)]
 
 
 def replica_roles(cfg: ParallelConfig) -> list[tuple[EngineRole, int]]:

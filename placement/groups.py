@@ -13,6 +13,7 @@ import datetime
 import socket
 
 import ray
+import ray.exceptions
 import torch.distributed as dist
 from ray.util import placement_group as _ray_placement_group
 from ray.util import remove_placement_group
@@ -154,7 +155,9 @@ def init_process_group(
 
 def new_group(ranks: list[int], backend: str | None = None) -> dist.ProcessGroup:
     """Sub-group of the default group; every member of the default group must call it, same order."""
-    return dist.new_group(ranks=sorted(ranks), backend=backend)
+    group = dist.new_group(ranks=sorted(ranks), backend=backend)
+    assert isinstance(group, dist.ProcessGroup)  # new_group returns a group to every member
+    return group
 
 
 def new_subgroups(groups: list[list[int]], rank: int, backend: str | None = None) -> dist.ProcessGroup | None:

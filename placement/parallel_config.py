@@ -1,4 +1,8 @@
-"""How one deployment is laid out: replica count and roles, and each replica's context/expert parallel sizes.
+"""The one parallel config of a deployment: replicas and roles, each replica's context/expert-parallel
+sizes, the PD, EPLB and encoder sections, and the Ray resources of each rank.
+
+Every topology, the batch job, Serve and the placement code read only :class:`ParallelConfig` (Hydra
+schema of ``conf/parallel/*.yaml``; the YAML files only override it).
 
 Vocabulary (one rank = one device = one placement-group bundle, since tp is reserved at 1):
 
@@ -8,60 +12,176 @@ Vocabulary (one rank = one device = one placement-group bundle, since tp is rese
 - ep (expert parallel): the MoE layers' physical experts are split over ``ep`` ranks, and those
   same ranks run attention data-parallel (each serves its own requests), DeepSeek style.
 - A replica therefore spans ``cp * ep`` ranks laid out as a ``[cp, ep]`` grid, ep fastest.
+
+Topologies (:attr:`ParallelConfig.topology`): "colocated" (``dp`` NORMAL replicas), "pd"
+(``num_prefill`` + ``num_decode`` > 0) and "ep" (``ep`` > 1: one MoE replica of ``ep`` rank actors).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import FrozenInstanceError, dataclass, field
+from typing import Any
 
-DEVICE_KINDS = ("cpu", "gpu", "npu")
+DEVICE_KINDS = ("auto", "cpu", "gpu", "npu")
+KV_TRANSPORTS = ("auto", "object_store", "nccl", "gloo", "cuda_ipc")
+TOPOLOGIES = ("colocated", "pd", "ep")
 
 
-@dataclass(frozen=True)
-class ParallelConfig:
-    """Parallel sizes and device kind of a deployment; validates itself on construction.
+class _Sealed:
+    """Frozen after ``__post_init__``: assigning a field then raises ``FrozenInstanceError``.
 
-    Args:
-        dp: number of colocated NORMAL replicas (data parallel). Must stay 1 when disaggregated,
-            where ``num_prefill`` and ``num_decode`` count the replicas instead.
-        cp: context-parallel size inside each replica.
-        ep: expert-parallel size inside each replica (also its attention data-parallel size).
+    Not ``@dataclass(frozen=True)``: OmegaConf makes a frozen dataclass a read-only node, so Hydra could
+    not apply YAML files or command-line overrides to the schema. Build a changed copy with
+    ``dataclasses.replace``.
+    """
+
+    def _seal(self) -> None:
+        object.__setattr__(self, "_sealed", True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if getattr(self, "_sealed", False):
+            raise FrozenInstanceError(f"cannot assign to field {name!r} of a sealed {type(self).__name__}")
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenInstanceError(f"cannot delete field {name!r} of {type(self).__name__}")
+
+
+def _check_int(name: str, value: Any, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
+
+
+@dataclass
+class PDSection(_Sealed):
+    """Prefill/decode disaggregation settings (used when ``num_prefill`` and ``num_decode`` are > 0).
+
+    Attributes:
+        kv_transport: "auto" (nccl when each replica holds a whole GPU, cuda_ipc when replicas share
+            GPUs, else the object store), "object_store", "nccl", "cuda_ipc" or "gloo"
+            (``rayinfer.actors.kv_transport``).
+        kv_store_max_blocks, kv_store_max_gib, kv_store_ttl_s: KV store limits (None: no limit).
+        max_retries: re-prefills of one request after actor failures before it fails.
+        prefill_overrides, decode_overrides: EngineConfig fields set on one role only.
+    """
+
+    kv_transport: str = "auto"
+    kv_store_max_blocks: int | None = None
+    kv_store_max_gib: float | None = 2.0
+    kv_store_ttl_s: float | None = None
+    max_retries: int = 5
+    prefill_overrides: dict[str, Any] = field(default_factory=dict)
+    decode_overrides: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kv_transport not in KV_TRANSPORTS:
+            raise ValueError(f"pd.kv_transport must be one of {KV_TRANSPORTS}; got {self.kv_transport!r}")
+        _check_int("pd.max_retries", self.max_retries, 0)
+        if self.kv_store_max_blocks is not None:
+            _check_int("pd.kv_store_max_blocks", self.kv_store_max_blocks, 1)
+        for name in ("kv_store_max_gib", "kv_store_ttl_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"pd.{name} must be positive or null; got {value!r}")
+        self._seal()
+
+
+@dataclass
+class EPLBSection(_Sealed):
+    """Expert-parallel load balancer settings (after DeepSeek EPLB; ``rayinfer.policy.eplb_policy``).
+
+    Attributes:
+        num_redundant_experts: extra physical expert slots per MoE layer (P = L + this); P must split
+            evenly over the ``ep`` ranks.
+        interval: rebalance every this many steps; 0 never rebalances (loads are still counted).
+        window: steps of expert load each rank keeps; rebalancing and ``moe_lb`` use their sum.
+    """
+
+    num_redundant_experts: int = 0
+    interval: int = 0
+    window: int = 1000
+
+    def __post_init__(self) -> None:
+        _check_int("eplb.num_redundant_experts", self.num_redundant_experts, 0)
+        _check_int("eplb.interval", self.interval, 0)
+        _check_int("eplb.window", self.window, 1)
+        self._seal()
+
+
+@dataclass
+class EncoderSection(_Sealed):
+    """Vision-encoder replicas (role ENCODE) in front of prefill; reserved for vision-language models.
+
+    Attributes:
+        num_encoders: encoder replicas; must be 0 until a vision-language model is supported.
+    """
+
+    num_encoders: int = 0
+
+    def __post_init__(self) -> None:
+        _check_int("encoder.num_encoders", self.num_encoders, 0)
+        if self.num_encoders:
+            raise ValueError("encoder.num_encoders must be 0: no vision-language model is supported yet")
+        self._seal()
+
+
+@dataclass
+class ParallelConfig(_Sealed):
+    """Parallel sizes, roles, sections and per-rank resources of a deployment; validates itself and is
+    frozen once built (``dataclasses.replace`` makes a changed copy).
+
+    Attributes:
+        dp: colocated NORMAL replicas (data parallel). Must stay 1 when disaggregated, where
+            ``num_prefill`` and ``num_decode`` count the replicas instead.
+        cp: context-parallel size inside each replica (placement only; no topology runs cp > 1 yet).
+        ep: expert-parallel size of the MoE replica (also its attention data-parallel size).
         tp: tensor-parallel size; reserved, must be 1.
-        device: "cpu", "gpu" or "npu".
-        num_prefill: PREFILL replicas; > 0 together with ``num_decode`` turns on prefill/decode
-            disaggregation. 0/0 means colocated NORMAL replicas.
-        num_decode: DECODE replicas (see ``num_prefill``).
+        num_prefill, num_decode: PREFILL and DECODE replicas; both > 0 turns on disaggregation.
+        device: "auto" ("gpu" when ``num_gpus_per_replica`` > 0, else "cpu"), "cpu", "gpu" or "npu":
+            the accelerator each bundle reserves.
+        num_cpus_per_replica: CPUs of each rank's actor (a replica of one rank: the replica's); None
+            splits the cluster's CPUs evenly over the ranks.
+        num_gpus_per_replica: GPUs of each rank's actor; a fraction lets replicas share a GPU (PD over
+            cuda_ipc).
+        max_restarts: Ray restarts of each engine actor (-1: forever).
+        placement_timeout_s: seconds to wait for the cluster to grant a replica's bundles before
+            start-up fails with a message naming the shortfall.
         devices_per_node: devices on one node, when known. Replicas and EP groups must then either
             fit inside one node or span whole nodes, so that node counts are exact.
-
+        pd, eplb, encoder: the sections above.
     Raises:
         ValueError: naming the offending field, for any size < 1 (< 0 for num_prefill/num_decode),
-            tp != 1, an unknown device, only one of num_prefill/num_decode set, dp != 1 together
-            with disaggregation, or a replica/EP group that straddles node boundaries.
+            tp != 1, an unknown device, only one of num_prefill/num_decode set, dp != 1 together with
+            disaggregation, GPUs with device=cpu, or a replica/EP group that straddles node boundaries.
+            Combinations the placement maps but no topology runs yet (cp > 1, ep > 1 with dp > 1 or
+            with disaggregation) are refused when the fleet starts (``rayinfer.actors.router.check_supported``).
     """
 
     dp: int = 1
     cp: int = 1
     ep: int = 1
     tp: int = 1
-    device: str = "cpu"
     num_prefill: int = 0
     num_decode: int = 0
+    device: str = "auto"
+    num_cpus_per_replica: float | None = None
+    num_gpus_per_replica: float = 0.0
+    max_restarts: int = 3
+    placement_timeout_s: float = 120.0
     devices_per_node: int | None = None
+    pd: PDSection = field(default_factory=PDSection)
+    eplb: EPLBSection = field(default_factory=EPLBSection)
+    encoder: EncoderSection = field(default_factory=EncoderSection)
 
     def __post_init__(self) -> None:
         for name in ("dp", "cp", "ep", "tp"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
+            _check_int(name, getattr(self, name), 1)
         if self.tp != 1:
             raise ValueError(f"tp is reserved and must be 1 for now; got {self.tp}")
         if self.device not in DEVICE_KINDS:
             raise ValueError(f"device must be one of {', '.join(DEVICE_KINDS)}; got {self.device!r}")
         for name in ("num_prefill", "num_decode"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0; got {value!r}")
+            _check_int(name, getattr(self, name), 0)
         if (self.num_prefill > 0) != (self.num_decode > 0):
             missing = "num_decode" if self.num_prefill > 0 else "num_prefill"
             raise ValueError(
@@ -69,11 +189,20 @@ class ParallelConfig:
                 f"num_decode={self.num_decode}); set both, or both to 0 for colocated replicas"
             )
         if self.is_disaggregated and self.dp != 1:
-            raise ValueError(
-                f"dp must be 1 when num_prefill/num_decode are set (they count the replicas); "
-                f"got dp={self.dp}"
-            )
+            raise ValueError(f"dp must be 1 when num_prefill/num_decode are set (they count the replicas); "
+                             f"got dp={self.dp}")
+        if self.num_cpus_per_replica is not None and not self.num_cpus_per_replica > 0:
+            raise ValueError(f"num_cpus_per_replica must be positive or null; got {self.num_cpus_per_replica!r}")
+        if not isinstance(self.num_gpus_per_replica, (int, float)) or self.num_gpus_per_replica < 0:
+            raise ValueError(f"num_gpus_per_replica must be >= 0; got {self.num_gpus_per_replica!r}")
+        if self.device == "cpu" and self.num_gpus_per_replica > 0:
+            raise ValueError("num_gpus_per_replica must be 0 with device=cpu")
+        if not isinstance(self.max_restarts, int) or self.max_restarts < -1:
+            raise ValueError(f"max_restarts must be an integer >= -1; got {self.max_restarts!r}")
+        if not self.placement_timeout_s > 0:
+            raise ValueError(f"placement_timeout_s must be positive; got {self.placement_timeout_s!r}")
         self._check_node_fit()
+        self._seal()
 
     def _check_node_fit(self) -> None:
         n = self.devices_per_node
@@ -88,6 +217,20 @@ class ParallelConfig:
                 raise ValueError(
                     f"devices_per_node={n} does not fit a {what} of {size} ranks: one must divide the other"
                 )
+
+    @property
+    def topology(self) -> str:
+        """"pd" when disaggregated, "ep" when ``ep`` > 1, else "colocated" (see :data:`TOPOLOGIES`)."""
+        if self.is_disaggregated:
+            return "pd"
+        return "ep" if self.ep > 1 else "colocated"
+
+    @property
+    def device_kind(self) -> str:
+        """The bundles' device: ``device``, with "auto" resolved from ``num_gpus_per_replica``."""
+        if self.device != "auto":
+            return self.device
+        return "gpu" if self.num_gpus_per_replica > 0 else "cpu"
 
     @property
     def is_disaggregated(self) -> bool:

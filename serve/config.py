@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rayinfer.actors.topology import ParallelSpec
 from rayinfer.engine.config import EngineConfig, ModelConfig
+from rayinfer.placement.parallel_config import ParallelConfig
 
 
 @dataclass
@@ -18,11 +18,11 @@ class ServeConfig:
         served_model_name: the name clients put in ``model``; None takes ``model.model``.
         host, port: where ``jobs/serve.py`` starts Serve's HTTP proxy.
         api_key: when set, ``/v1/*`` needs ``Authorization: Bearer <api_key>`` (401 otherwise).
-        num_replicas: EngineActor replicas behind the ingress (data parallel, load balanced), for the
-            colocated topology.
-        parallel: the replica topology (``conf/parallel``): colocated, or "pd" (prefill/decode
-            disaggregation with a KV store, e.g. ``parallel=1p1d``).
-        num_cpus_per_replica, num_gpus_per_replica: Ray resources of each EngineActor.
+        parallel: the fleet behind the ingress (``conf/parallel``): ``parallel.dp`` colocated replicas,
+            prefill/decode disaggregation (``parallel=1p1d``) or an expert-parallel MoE replica
+            (``parallel=ep2``), with each rank's Ray resources.
+        num_ingress_replicas: Serve replicas of the HTTP ingress; all share the one fleet (started once
+            by the ``EngineFleet`` deployment) and its balancers.
         max_ongoing_requests: concurrent HTTP requests the ingress accepts (Serve's backpressure).
         proxy_location, http_options, applications: the Serve config-file keys of the same YAML, read
             by ``serve run conf/serve.yaml`` and ignored here.
@@ -30,29 +30,24 @@ class ServeConfig:
 
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
-    parallel: ParallelSpec = field(default_factory=ParallelSpec)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     served_model_name: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
-    num_replicas: int = 1
-    num_cpus_per_replica: float = 1.0
-    num_gpus_per_replica: float = 0.0
+    num_ingress_replicas: int = 1
     max_ongoing_requests: int = 1024
     proxy_location: Any = None
     http_options: Any = None
     applications: Any = None
 
     def __post_init__(self):
-        if not isinstance(self.num_replicas, int) or self.num_replicas <= 0:
-            raise ValueError(f"num_replicas must be a positive integer, got {self.num_replicas!r}")
+        if not isinstance(self.num_ingress_replicas, int) or self.num_ingress_replicas <= 0:
+            raise ValueError(f"num_ingress_replicas must be a positive integer, got {self.num_ingress_replicas!r}")
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65536), got {self.port!r}")
         if self.max_ongoing_requests <= 0:
             raise ValueError(f"max_ongoing_requests must be positive, got {self.max_ongoing_requests}")
-        if self.parallel.topology == "ep":
-            raise ValueError("parallel.topology=ep is not served yet (the EP group has no streaming client); "
-                             "use jobs/generate.py")
         if self.api_key is not None and not str(self.api_key):
             raise ValueError("api_key must be non-empty when set")
 
@@ -83,6 +78,9 @@ def compose_config(overrides: list[str] | None = None) -> ServeConfig:
     try:
         with initialize_config_module(config_module="rayinfer.conf", version_base="1.3"):
             cfg = compose(config_name="serve", overrides=list(overrides or []))
-        return OmegaConf.to_object(cfg)
+        result = OmegaConf.to_object(cfg)
     except (HydraException, OmegaConfBaseException) as e:
         raise ValueError(f"bad serve config: {e}") from None
+    if not isinstance(result, ServeConfig):
+        raise ValueError(f"bad serve config: composed a {type(result).__name__}, not a ServeConfig")
+    return result

@@ -7,6 +7,7 @@ counts) are read from ``EngineClient.stats()`` at scrape time and exposed per re
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -31,6 +32,9 @@ _ENGINE_METRICS = (
     ("num_preemptions", "rayinfer_num_preemptions", "Requests preempted (KV freed, recomputed later).", "counter"),
     ("num_prompt_tokens", "rayinfer_prompt_tokens", "Prompt tokens of requests that started decoding.", "counter"),
     ("num_generation_tokens", "rayinfer_generation_tokens", "Generated tokens.", "counter"),
+    ("kv_store_blocks", "rayinfer_kv_store_blocks", "Blocks held by the KV store (PD).", "gauge"),
+    ("kv_store_hit_rate", "rayinfer_kv_store_hit_rate", "KV store lookups that hit (0..1).", "gauge"),
+    ("moe_lb", "rayinfer_moe_lb", "Expert-parallel balance: max rank load / mean (1 is even).", "gauge"),
 )
 
 
@@ -106,10 +110,21 @@ class ServeMetrics:
         """Count a finished HTTP request (outcome: a finish reason, ``error_<status>``, ``cancelled``)."""
         self.requests.labels(self.model_name, endpoint, outcome).inc()
 
-    def set_engine_stats(self, stats: list[dict]) -> None:
-        """Replace the engine snapshot exposed at the next scrape (one dict per replica)."""
+    def set_engine_stats(self, stats) -> None:
+        """Replace the engine snapshot exposed at the next scrape.
+
+        Args:
+            stats: the fleet's :class:`~rayinfer.engine.protocol.FleetStats`; replicas that could not
+                answer are left out (their gauges vanish rather than freeze), the KV store's counters are
+                exposed as a replica named "kv_store", the EP balance as replica "ep".
+        """
+        rows = [r.to_dict() for r in stats.replicas if r.error is None]
+        if stats.kv_store is not None and stats.kv_store.error is None:
+            rows.append({"replica_id": "kv_store", **dataclasses.asdict(stats.kv_store)})
+        if stats.ep is not None:
+            rows.append({"replica_id": "ep", "moe_lb": stats.ep.moe_lb, "num_rebalances": stats.ep.num_rebalances})
         with self._engine.lock:
-            self._engine.snapshot = list(stats)
+            self._engine.snapshot = rows
 
     def render(self) -> bytes:
         """The registry in Prometheus text format."""

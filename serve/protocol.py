@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from rayinfer.engine.errors import EngineInternalError, OverloadedError, RayInferError
+
 # ---------------------------------------------------------------------------------------------------
 # errors
 
@@ -64,16 +66,24 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",
-                    "stop_token_ids", "n", "logprobs", "presence_penalty", "frequency_penalty",
-                    "repetition_penalty", "response_format")
+def from_error(e: Exception, default_param: str | None = None) -> APIError:
+    """One of rayinfer's errors (``rayinfer.engine.errors``) as an OpenAI error, by its type: invalid or
+    unsupported -> 400 with ``param`` from the error; overloaded -> 503; internal -> 500 (the message
+    carries no detail; the caller logs it). A bare ValueError (validation below our types) is a 400.
+    """
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, OverloadedError):
+        return APIError(str(e), status=503, type="overloaded_error", code="overloaded")
+    if isinstance(e, EngineInternalError) or not isinstance(e, (RayInferError, ValueError)):
+        return APIError("internal error", status=500, type="internal_error")
+    param = getattr(e, "param", None) or default_param
+    return APIError(str(e), status=getattr(e, "status", 400), param=param)
 
 
 def from_value_error(e: ValueError, default_param: str | None = None) -> APIError:
-    """A ValueError from SamplingParams or the engine as a 400, naming the field when it can."""
-    msg = str(e)
-    param = next((f for f in _SAMPLING_FIELDS if msg.startswith(f)), default_param)
-    return APIError(msg, param=param)
+    """A validation error (SamplingParams, the engine) as a 400 naming its ``param`` (see :func:`from_error`)."""
+    return from_error(e, default_param)
 
 
 # ---------------------------------------------------------------------------------------------------

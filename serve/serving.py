@@ -11,7 +11,7 @@ from typing import Any, AsyncIterator
 
 from rayinfer.engine.structured_output import GrammarError, check_response_format
 from rayinfer.engine.types import RequestOutput, SampledToken, SamplingParams
-from rayinfer.serve.protocol import APIError, from_value_error
+from rayinfer.serve.protocol import APIError, from_error, from_value_error
 
 _DONE = object()
 
@@ -275,10 +275,12 @@ def finish_reason(reason: str | None) -> str | None:
     return {"abort": "stop", "error": "stop"}.get(reason, reason)
 
 
-def _engine_error(e: ValueError) -> APIError:
-    if isinstance(e, GrammarError) or "response_format" in str(e):
-        return APIError(str(e), param="response_format", code="invalid_response_format")
-    return from_value_error(e)
+def _engine_error(e: Exception) -> APIError:
+    """An engine-side error as an OpenAI error, by its type (``serve.protocol.from_error``)."""
+    err = from_error(e)
+    if isinstance(e, GrammarError):
+        err.code = "invalid_response_format"
+    return err
 
 
 def _finite(x: float | None) -> float | None:
@@ -289,8 +291,4 @@ def _finite(x: float | None) -> float | None:
 
 def error_event(err: Exception) -> str:
     """An SSE event carrying an OpenAI error object (an error after the stream started)."""
-    if isinstance(err, APIError):
-        return sse(err.body())
-    if isinstance(err, ValueError):
-        return sse(_engine_error(err).body())
-    return sse(APIError(f"internal error: {err}", status=500, type="internal_error").body())
+    return sse(_engine_error(err).body())

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from rayinfer.actors.ep_group import EPEngineGroup
-from rayinfer.engine.config import EngineConfig, EPConfig, ModelConfig
+from rayinfer.engine.config import EngineConfig, ModelConfig
+from rayinfer.placement.parallel_config import EPLBSection, ParallelConfig
 from rayinfer.engine.types import SamplingParams
 
 NUM_EXPERTS = 16
@@ -89,7 +90,7 @@ def test_ep2_equals_ep1_with_idle_rank_and_bad_request(ray_cluster, model_config
     one rank runs out of work first and keeps stepping over zero tokens; an invalid request fails alone."""
     lengths = [MAX_TOKENS if i % 2 else 4 + i // 2 for i in range(NUM_PROMPTS)]  # rank i % 2 gets request i
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
-    group = EPEngineGroup(model_config, ENGINE, EPConfig(ep=2, num_redundant_experts=2))
+    group = EPEngineGroup(model_config, ENGINE, ParallelConfig(ep=2, eplb=EPLBSection(num_redundant_experts=2)))
     try:
         done = group.generate(prompts + [[]], params + [params[0]])
         assert done[-1].error == "prompt is empty" and done[-1].finish_reason == "error"
@@ -114,7 +115,7 @@ def test_ep4_eplb_balances_skewed_load_with_same_outputs(ray_cluster, model_conf
     """EP=4 with 16 redundant experts (8 slots per rank), rebalancing every 8 steps over an 8-step window:
     the first window (initial map, hot experts on ranks 1 and 2) is badly balanced, the next (new map)
     is not, and the outputs are those of one engine."""
-    ep_config = EPConfig(ep=4, num_redundant_experts=16, eplb_interval=8, eplb_window=8)
+    ep_config = ParallelConfig(ep=4, eplb=EPLBSection(num_redundant_experts=16, interval=8, window=8))
     group = EPEngineGroup(model_config, ENGINE, ep_config)
     try:
         initial = group.placement()
@@ -161,8 +162,8 @@ def test_deepseek_v3_ep2_with_eplb_equals_ep1(ray_cluster, tmp_path):
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     with _one_thread():
         want = [c.output_token_ids for c in LLMEngine(model_config, ENGINE).generate(prompts, params)]
-    group = EPEngineGroup(model_config, ENGINE, EPConfig(ep=2, num_redundant_experts=2, eplb_interval=4,
-                                                         eplb_window=4))
+    group = EPEngineGroup(model_config, ENGINE, ParallelConfig(
+        ep=2, eplb=EPLBSection(num_redundant_experts=2, interval=4, window=4)))
     try:
         assert [c.output_token_ids for c in group.generate(prompts, params)] == want
         assert [d["num_steps"] for d in group.eplb_history] == [4, 8] and group.eplb_history[0]["changed"]

@@ -1,28 +1,40 @@
-"""conf/parallel/ep*.yaml are valid EP configs (no Ray needed)."""
+"""conf/parallel/*.yaml are valid ParallelConfigs of the topology their name says (no Ray needed)."""
 
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
-from rayinfer.actors.ep_group import ep_config_from_parallel, moe_shape
-from rayinfer.engine.config import EPConfig
+from rayinfer.actors.ep_group import moe_shape
+from rayinfer.placement.parallel_config import ParallelConfig
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "parallel"
 
 
+def load(name: str) -> ParallelConfig:
+    """The YAML merged into the structured schema, as Hydra does (a misspelt key raises)."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ParallelConfig), OmegaConf.load(CONF / f"{name}.yaml")))
+
+
 @pytest.mark.parametrize("name, ep", [("ep2", 2), ("ep4", 4)])
-def test_parallel_yaml_is_an_ep_config(name, ep):
-    node = OmegaConf.load(CONF / f"{name}.yaml")
-    assert node.topology == "ep"
-    cfg = ep_config_from_parallel(node)
-    assert cfg.ep == ep and cfg.eplb_interval > 0 and cfg.eplb_window > 0
-    assert (64 + cfg.num_redundant_experts) % cfg.ep == 0  # fits DeepSeek-V2-Lite's 64 experts
-    # every other key is a field of the structured schema (Hydra would reject a misspelt one)
-    merged = OmegaConf.merge(OmegaConf.structured(EPConfig), {k: v for k, v in node.items() if k != "topology"})
-    assert OmegaConf.to_object(merged) == cfg
+def test_ep_yaml(name, ep):
+    cfg = load(name)
+    assert cfg.topology == "ep" and cfg.ep == ep and cfg.eplb.interval > 0 and cfg.eplb.window > 0
+    assert (64 + cfg.eplb.num_redundant_experts) % cfg.ep == 0  # fits DeepSeek-V2-Lite's 64 experts
+
+
+@pytest.mark.parametrize("name, topology, num_replicas", [
+    ("colocated", "colocated", 1), ("1p1d", "pd", 2), ("2p1d", "pd", 3), ("2p2d", "pd", 4)])
+def test_other_yamls(name, topology, num_replicas):
+    cfg = load(name)
+    assert (cfg.topology, cfg.num_replicas) == (topology, num_replicas)
+
+
+def test_misspelt_key_is_rejected():
+    with pytest.raises(Exception, match="eplb_interval"):
+        OmegaConf.merge(OmegaConf.structured(ParallelConfig), {"eplb_interval": 3})
     with pytest.raises(ValueError, match="ep"):
-        ep_config_from_parallel({**OmegaConf.to_container(node), "ep": 0})
+        OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ParallelConfig), {"ep": 0}))
 
 
 def test_moe_shape():

@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from rayinfer.actors.pd import PDClient, PDConfig
+from rayinfer.actors.client import make_client
+from rayinfer.placement.parallel_config import ParallelConfig, PDSection
 
 pytestmark = pytest.mark.slow
 
@@ -16,15 +17,16 @@ def client(ray_cluster, pd):
     # prefix caching off on the replicas: every prefix hit comes from the KV store; KV moves by Ray Direct
     # Transport over gloo (the nccl path's code on CPU); a small decode pool makes the decode replica
     # preempt (hand requests back) under load
-    c = PDClient(pd.model, pd.engine_config(enable_prefix_caching=False),
-                 PDConfig(1, 1, kv_transport="gloo", decode_overrides={"num_kv_blocks": 21}))
+    c = make_client(pd.model, pd.engine_config(enable_prefix_caching=False),
+                    ParallelConfig(num_prefill=1, num_decode=1, num_cpus_per_replica=1,
+                                   pd=PDSection(kv_transport="gloo", decode_overrides={"num_kv_blocks": 21})))
     yield c
     c.shutdown()
 
 
 def prefill_stats(client):
     stats = asyncio.run(client.stats())
-    return [s for s in stats if s["role"] == "prefill"][0], stats[-1]
+    return stats.by_role("prefill")[0], stats.kv_store
 
 
 def test_1p1d_equals_colocated_and_second_pass_hits_the_store(pd, client, cases, reference):
@@ -32,17 +34,17 @@ def test_1p1d_equals_colocated_and_second_pass_hits_the_store(pd, client, cases,
     pd.check_streams(first, reference)
     asyncio.run(client.flush())
     prefill1, store1 = prefill_stats(client)
-    assert store1["kv_store_blocks"] > 0
+    assert store1.kv_store_blocks > 0
 
     second = asyncio.run(pd.stream_all(client, cases, "~b"))
     pd.check_streams(second, reference)
     prefill2, store2 = prefill_stats(client)
-    computed1 = prefill1["num_computed_tokens"]
-    computed2 = prefill2["num_computed_tokens"] - computed1
-    assert store2["kv_store_hit_rate"] > 0 and store2["kv_store_hits"] > store1["kv_store_hits"]
+    computed1 = prefill1.num_computed_tokens
+    computed2 = prefill2.num_computed_tokens - computed1
+    assert store2.kv_store_hit_rate > 0 and store2.kv_store_hits > store1.kv_store_hits
     assert computed2 < computed1 / 2, (computed1, computed2)
     print(f"prefill tokens computed: pass 1 {computed1}, pass 2 {computed2}; store hit rate "
-          f"{store2['kv_store_hit_rate']:.2f}; hand-backs {client.num_handbacks}")
+          f"{store2.kv_store_hit_rate:.2f}; hand-backs {client.num_handbacks}")
 
 
 def test_bad_request_is_rejected_for_that_request_only(pd, client, cases, reference):
@@ -74,8 +76,9 @@ def test_seeded_sampling_equals_colocated_across_hand_backs(ray_cluster, pd, cas
         [c.prompt_token_ids for c in seeded], [c.params for c in seeded], [c.request_id for c in seeded])}
     # a decode pool too small for all of them at once: each grows to 8 blocks over 48 decode steps, so any
     # two that overlap exhaust the 12 blocks and the decode replica hands one back
-    small = PDClient(pd.model, pd.engine_config(enable_prefix_caching=False),
-                     PDConfig(1, 1, decode_overrides={"num_kv_blocks": 12}))
+    small = make_client(pd.model, pd.engine_config(enable_prefix_caching=False),
+                        ParallelConfig(num_prefill=1, num_decode=1, num_cpus_per_replica=1,
+                                       pd=PDSection(decode_overrides={"num_kv_blocks": 12})))
     try:
         streams = asyncio.run(pd.stream_all(small, seeded, "~s"))
         for rid, outs in streams.items():

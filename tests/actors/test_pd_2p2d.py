@@ -7,14 +7,16 @@ import dataclasses
 import pytest
 import ray
 
-from rayinfer.actors.pd import PDClient, PDConfig
+from rayinfer.actors.client import make_client
+from rayinfer.placement.parallel_config import ParallelConfig
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def client(ray_cluster, pd):
-    c = PDClient(pd.model, pd.engine_config(), PDConfig(2, 2, max_restarts=2))
+    c = make_client(pd.model, pd.engine_config(),
+                    ParallelConfig(num_prefill=2, num_decode=2, max_restarts=2, num_cpus_per_replica=1))
     yield c
     c.shutdown()
 

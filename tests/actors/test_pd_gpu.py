@@ -40,18 +40,19 @@ def gpu_reference(cases):
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_1p1d_over_device_transport_equals_colocated(ray_cluster, pd, cases, gpu_reference, transport):
-    from rayinfer.actors.pd import PDClient, PDConfig
+    from rayinfer.actors.client import make_client
+    from rayinfer.placement.parallel_config import ParallelConfig, PDSection
 
     gpus = 0.5 if transport == "cuda_ipc" else 1
-    client = PDClient(MODEL, engine_config(enable_prefix_caching=False),
-                      PDConfig(1, 1, kv_transport=transport, num_gpus_per_replica=gpus))
+    client = make_client(MODEL, engine_config(enable_prefix_caching=False),
+                         ParallelConfig(num_prefill=1, num_decode=1, num_cpus_per_replica=1, num_gpus_per_replica=gpus,
+                                        pd=PDSection(kv_transport=transport)))
     try:
         assert client.transport == transport and client._rdt_ok
         streams = asyncio.run(pd.stream_all(client, cases, f"~{transport}"))
         pd.check_streams(streams, gpu_reference)
         assert client._rdt_ok, "a device transfer failed and the client fell back to the object store"
         stats = asyncio.run(client.stats())
-        decode = [s for s in stats if s.get("role") == "decode"][0]
-        assert decode["num_generation_tokens"] > 0
+        assert stats.by_role("decode")[0].num_generation_tokens > 0
     finally:
         client.shutdown()

@@ -110,3 +110,29 @@ def test_prefill_role_holds_blocks_after_first_token():
     run_step(s)
     assert r.status == RequestStatus.FINISHED_PREFILLED and r.block_ids and not s.running
     assert s.schedule().is_empty
+
+
+def test_step_kind_filters_work_and_pending_work_counts_it():
+    """A data-parallel rank's voted step kind: "decode" runs only one-token decodes, "prefill" only prompt
+    work (admissions and unfinished prompt chunks), "idle" nothing; pending_work() is the rank's vote."""
+    import pytest
+
+    s = make_sched(max_num_batched_tokens=8)
+    s.add_request(req("a", 5))
+    run_step(s)  # a's prompt done: it decodes next
+    s.add_request(req("b", 12, base=500))
+    assert s.pending_work() == (12, 1)
+    assert s.schedule("idle").is_empty and s.pending_work() == (12, 1)
+    out = s.schedule("decode")
+    assert [(x.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1)]
+    s.update_from_output(out, StepOutput({"a": SampledToken(7)}))
+    out = s.schedule("prefill")  # b's first chunk only; a waits
+    assert [(x.request_id, x.num_new_tokens) for x in out.scheduled] == [("b", 8)]
+    s.update_from_output(out, StepOutput({}))
+    assert s.pending_work() == (4, 1)
+    out = s.schedule("prefill")  # b's last chunk (4 tokens), still prompt work
+    assert [(x.request_id, x.num_new_tokens) for x in out.scheduled] == [("b", 4)]
+    s.update_from_output(out, StepOutput({"b": SampledToken(7)}))
+    assert s.pending_work() == (0, 2)
+    with pytest.raises(ValueError, match="step_kind"):
+        s.schedule("both")

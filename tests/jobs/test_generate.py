@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from rayinfer.engine.config import EngineConfig, ModelConfig
-from rayinfer.jobs.generate import GenerateConfig, ParallelSpec, parse_lines, run
+from rayinfer.jobs.generate import GenerateConfig, parse_lines, run
+from rayinfer.placement.parallel_config import EPLBSection, ParallelConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,7 +63,7 @@ def test_job_end_to_end_with_errors_and_resume(tmp_path, ray_cluster):
     inp.write_text("\n".join(json.dumps(x) for x in lines) + "\n{not json\n")
     out = tmp_path / "out.jsonl"
     cfg = GenerateConfig(input=str(inp), output=str(out), model=ModelConfig(dtype="float32"),
-                         engine=EngineConfig(device="cpu", num_kv_blocks=256), parallel=ParallelSpec(dp=1),
+                         engine=EngineConfig(device="cpu", num_kv_blocks=256), parallel=ParallelConfig(dp=1),
                          sampling={"max_tokens": 8, "temperature": 0.0})
     assert run(cfg) == 0
     recs = [json.loads(x) for x in out.read_text().splitlines()]
@@ -94,7 +95,7 @@ def test_bad_config_exits_nonzero_before_work(override, message):
 
 
 def test_job_with_expert_parallel_topology_equals_colocated(tmp_path, ray_cluster):
-    """parallel.topology=ep (2 EP ranks, redundant experts) answers like one colocated replica."""
+    """parallel.ep=2 (2 EP ranks, redundant experts) answers like one colocated replica."""
     import torch
     import transformers
 
@@ -120,8 +121,8 @@ def test_job_with_expert_parallel_topology_equals_colocated(tmp_path, ray_cluste
         assert run(c) == 0
         return [json.loads(x) for x in out.read_text().splitlines()]
 
-    ref = job(tmp_path / "ref.jsonl", ParallelSpec(dp=1, num_cpus_per_replica=1))
-    ep = job(tmp_path / "ep.jsonl", ParallelSpec(topology="ep", ep=2, num_redundant_experts=2, eplb_interval=2,
-                                                 eplb_window=4))
+    ref = job(tmp_path / "ref.jsonl", ParallelConfig(dp=1, num_cpus_per_replica=1))
+    ep = job(tmp_path / "ep.jsonl", ParallelConfig(
+        ep=2, eplb=EPLBSection(num_redundant_experts=2, interval=2, window=4)))
     assert [r["output_token_ids"] for r in ep] == [r["output_token_ids"] for r in ref]
     assert all(r["error"] is None and len(r["output_token_ids"]) == 6 for r in ep)

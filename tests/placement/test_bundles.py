@@ -25,6 +25,9 @@ def test_bundle_resources_per_device():
 
 def test_placement_bundles_one_per_rank():
     assert placement_bundles(ParallelConfig(dp=2, ep=2, device="gpu")) == [{"GPU": 1.0, "CPU": 1.0}] * 4
+    # a rank's resources come from the config: CPUs per rank, a fraction of a GPU (replicas sharing one)
+    assert placement_bundles(ParallelConfig(num_prefill=1, num_decode=1, num_cpus_per_replica=2,
+                                            num_gpus_per_replica=0.5)) == [{"GPU": 0.5, "CPU": 2.0}] * 2
 
 
 def test_dp2_ep4_on_8_devices():

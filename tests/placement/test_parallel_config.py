@@ -54,3 +54,40 @@ def test_frozen():
 def test_invalid_config_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         ParallelConfig(**kwargs)
+
+
+def test_topology_and_device_kind():
+    assert ParallelConfig().topology == "colocated"
+    assert ParallelConfig(dp=3).topology == "colocated"
+    assert ParallelConfig(num_prefill=2, num_decode=1).topology == "pd"
+    assert ParallelConfig(ep=2).topology == "ep"
+    assert ParallelConfig().device_kind == "cpu"
+    assert ParallelConfig(num_gpus_per_replica=0.5).device_kind == "gpu"
+    assert ParallelConfig(device="npu").device_kind == "npu"
+
+
+def test_sections_validate_and_copy():
+    import dataclasses
+
+    from rayinfer.placement.parallel_config import EncoderSection, EPLBSection, PDSection
+
+    cfg = ParallelConfig(num_prefill=1, num_decode=1, pd=PDSection(kv_transport="gloo", max_retries=2),
+                         eplb=EPLBSection(num_redundant_experts=2, interval=10))
+    assert (cfg.pd.kv_transport, cfg.pd.max_retries, cfg.eplb.interval) == ("gloo", 2, 10)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.pd.max_retries = 3
+    assert dataclasses.replace(cfg, dp=1, num_prefill=2).num_replicas == 3
+    for section, kwargs, field in [(PDSection, dict(kv_transport="tcp"), "pd.kv_transport"),
+                                   (PDSection, dict(max_retries=-1), "pd.max_retries"),
+                                   (PDSection, dict(kv_store_max_gib=0), "pd.kv_store_max_gib"),
+                                   (EPLBSection, dict(window=0), "eplb.window"),
+                                   (EncoderSection, dict(num_encoders=1), "encoder.num_encoders")]:
+        with pytest.raises(ValueError, match=field):
+            section(**kwargs)
+    for kwargs, field in [(dict(num_gpus_per_replica=-1), "num_gpus_per_replica"),
+                          (dict(device="cpu", num_gpus_per_replica=1), "num_gpus_per_replica"),
+                          (dict(num_cpus_per_replica=0), "num_cpus_per_replica"),
+                          (dict(max_restarts=-2), "max_restarts"),
+                          (dict(placement_timeout_s=0), "placement_timeout_s")]:
+        with pytest.raises(ValueError, match=field):
+            ParallelConfig(**kwargs)

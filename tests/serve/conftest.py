@@ -29,9 +29,10 @@ class LiveServer:
         return self.base_url + "/v1"
 
     def engine_stats(self) -> list[dict]:
+        """Each replica's stats as a dict (``FleetStats.replicas``)."""
         from ray import serve
 
-        return serve.get_app_handle(self.app_name).engine_stats.remote().result()
+        return [r.to_dict() for r in serve.get_app_handle(self.app_name).engine_stats.remote().result().replicas]
 
     def wait_all_blocks_free(self, timeout_s: float = 30.0) -> list[dict]:
         """Poll until every replica has no requests and all KV blocks free; returns the last stats."""
@@ -66,6 +67,7 @@ def live_server(ray_session) -> LiveServer:
     from ray import serve
 
     from rayinfer.engine.config import EngineConfig, ModelConfig
+    from rayinfer.placement.parallel_config import ParallelConfig
     from rayinfer.serve.app import build_app_from_config
     from rayinfer.serve.config import ServeConfig
 
@@ -73,7 +75,7 @@ def live_server(ray_session) -> LiveServer:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     cfg = ServeConfig(model=ModelConfig(max_model_len=MAX_MODEL_LEN),
                       engine=EngineConfig(device="cpu", num_kv_blocks=NUM_KV_BLOCKS, max_num_seqs=64),
-                      api_key=API_KEY, num_replicas=1, num_cpus_per_replica=2)
+                      api_key=API_KEY, parallel=ParallelConfig(dp=1, num_cpus_per_replica=2))
     serve.run(build_app_from_config(cfg), name="rayinfer-test", route_prefix="/")
     return LiveServer(f"http://127.0.0.1:{port}", API_KEY, cfg.model_name, "rayinfer-test")
 

@@ -10,14 +10,14 @@ QUESTIONS = ["What is the capital of France?", "Name three fruits.", "What is 7 
 def pd_server(live_server):
     from ray import serve
 
-    from rayinfer.actors.topology import ParallelSpec
     from rayinfer.engine.config import EngineConfig, ModelConfig
+    from rayinfer.placement.parallel_config import ParallelConfig
     from rayinfer.serve.app import build_app_from_config
     from rayinfer.serve.config import ServeConfig
 
     cfg = ServeConfig(model=ModelConfig(max_model_len=1024), engine=EngineConfig(device="cpu", num_kv_blocks=512),
                       api_key=live_server.api_key,
-                      parallel=ParallelSpec(topology="pd", num_prefill=1, num_decode=1, num_cpus_per_replica=1))
+                      parallel=ParallelConfig(num_prefill=1, num_decode=1, num_cpus_per_replica=1))
     serve.run(build_app_from_config(cfg), name="rayinfer-pd", route_prefix="/pd")
     yield openai.OpenAI(base_url=live_server.base_url + "/pd/v1", api_key=live_server.api_key, max_retries=0,
                         timeout=120)

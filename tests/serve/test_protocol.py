@@ -69,7 +69,7 @@ def test_serve_yaml_is_both_a_serve_config_and_a_hydra_config():
     assert (cfg.port, cfg.api_key, cfg.engine.num_kv_blocks) == (9123, "k", 64)
     assert compose_config([]).port == raw["http_options"]["port"]
     with pytest.raises(ValueError):
-        compose_config(["num_replicas=0"])
+        compose_config(["num_ingress_replicas=0"])
 
 
 def test_bench_summary_percentiles():

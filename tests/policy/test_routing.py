@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from rayinfer.actors.router import (
+from rayinfer.policy.routing import (
     DecodeBalancer,
     PrefillBalancer,
     ReplicaLoadBalancer,

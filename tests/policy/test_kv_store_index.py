@@ -3,7 +3,7 @@
 import pytest
 
 from rayinfer.engine.block_pool import hash_block_chain
-from rayinfer.engine.kv_store_index import KVStoreIndex, block_hashes
+from rayinfer.policy.kv_store_index import KVStoreIndex, block_hashes
 
 
 class Clock:

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from rayinfer.placement.eplb import (
+from rayinfer.policy.eplb import (
     balanced_packing,
     moe_load_balance,
     rank_loads,

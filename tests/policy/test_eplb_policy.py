@@ -4,8 +4,8 @@ checked by hand."""
 import pytest
 import torch
 
-from rayinfer.engine.config import EPConfig
-from rayinfer.engine.eplb_policy import EPLBPolicy, ExpertLoadWindow, is_rebalance_step, placement_balance
+from rayinfer.placement.parallel_config import EPLBSection, ParallelConfig
+from rayinfer.policy.eplb_policy import EPLBPolicy, ExpertLoadWindow, is_rebalance_step, placement_balance
 
 
 def test_window_keeps_the_last_w_steps():
@@ -30,7 +30,7 @@ def test_window_keeps_the_last_w_steps():
 ])
 def test_rebalance_interval(num_steps, interval, due):
     assert is_rebalance_step(num_steps, interval) is due
-    policy = EPLBPolicy(EPConfig(ep=2, eplb_interval=interval), num_moe_layers=1, num_logical=4)
+    policy = EPLBPolicy(ParallelConfig(ep=2, eplb=EPLBSection(interval=interval)), num_moe_layers=1, num_logical=4)
     assert policy.is_due(num_steps) is due
 
 
@@ -47,7 +47,7 @@ def test_rebalance_splits_hot_experts_and_records_history():
     """Two hot experts start on one rank; with no redundancy they are split, with two redundant slots
     each gets a second copy."""
     load = torch.tensor([[100, 100, 0, 0], [0, 0, 100, 100]])  # layer 0: rank 0 hot; layer 1: rank 1 hot
-    policy = EPLBPolicy(EPConfig(ep=2, eplb_interval=10), num_moe_layers=2, num_logical=4)
+    policy = EPLBPolicy(ParallelConfig(ep=2, eplb=EPLBSection(interval=10)), num_moe_layers=2, num_logical=4)
     assert policy.phy2log.tolist() == [[0, 1, 2, 3]] * 2
     assert policy.balance(load) == pytest.approx(2.0)
     decision = policy.rebalance(load, num_steps=10)
@@ -61,7 +61,7 @@ def test_rebalance_splits_hot_experts_and_records_history():
     assert policy.rebalance(torch.zeros(2, 4, dtype=torch.int64), num_steps=30) is None
     assert len(policy.history) == 2
 
-    redundant = EPLBPolicy(EPConfig(ep=2, num_redundant_experts=2), num_moe_layers=1, num_logical=4)
+    redundant = EPLBPolicy(ParallelConfig(ep=2, eplb=EPLBSection(num_redundant_experts=2)), num_moe_layers=1, num_logical=4)
     assert redundant.phy2log.tolist() == [[0, 1, 2, 3, 0, 1]]  # ExpertParallelism's initial map
     decision = redundant.rebalance(torch.tensor([[90, 90, 10, 10]]), num_steps=1)
     assert torch.bincount(decision.phy2log[0], minlength=4).tolist() == [2, 2, 1, 1]
@@ -70,8 +70,10 @@ def test_rebalance_splits_hot_experts_and_records_history():
 
 def test_policy_and_config_validation():
     with pytest.raises(ValueError, match="do not split over ep=4"):
-        EPLBPolicy(EPConfig(ep=4, num_redundant_experts=1), num_moe_layers=1, num_logical=8)
-    for bad in (dict(ep=0), dict(num_redundant_experts=-1), dict(eplb_interval=-1), dict(eplb_window=0),
-                dict(ep=True), dict(ep=4, num_nodes=3)):
-        with pytest.raises(ValueError, match=next(iter(bad)) if "num_nodes" not in bad else "num_nodes"):
-            EPConfig(**bad)
+        EPLBPolicy(ParallelConfig(ep=4, eplb=EPLBSection(num_redundant_experts=1)), num_moe_layers=1, num_logical=8)
+    for bad in (dict(num_redundant_experts=-1), dict(interval=-1), dict(window=0), dict(interval=True)):
+        with pytest.raises(ValueError, match=f"eplb.{next(iter(bad))}"):
+            EPLBSection(**bad)
+    for bad in (dict(ep=0), dict(ep=True), dict(ep=6, devices_per_node=4)):
+        with pytest.raises(ValueError, match="ep" if "devices_per_node" not in bad else "devices_per_node"):
+            ParallelConfig(**bad)

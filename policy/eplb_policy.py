@@ -3,7 +3,7 @@
 Plain classes on CPU tensors (no Ray): the EP ranks keep an :class:`ExpertLoadWindow` each, and the
 ``EPLBCoordinator`` actor drives an :class:`EPLBPolicy` with their summed windows.
 
-Glossary (see also ``rayinfer.model.moe`` and ``rayinfer.placement.eplb``):
+Glossary (see also ``rayinfer.model.moe`` and ``rayinfer.policy.eplb``):
     L           logical experts of a MoE layer; P = L + redundant physical slots, P / ep per rank.
     load        tokens routed to each logical expert: [num_moe_layers, L] int64.
     load window the last W steps' loads of one rank (a ring buffer); the coordinator sums it over ranks.
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rayinfer.engine.config import EPConfig
-from rayinfer.placement.eplb import moe_load_balance, rank_loads, rebalance_experts
+from rayinfer.placement.parallel_config import ParallelConfig
+from rayinfer.policy.eplb import moe_load_balance, rank_loads, rebalance_experts
 
 
 class ExpertLoadWindow:
@@ -99,25 +99,26 @@ class EPLBDecision:
 
 
 class EPLBPolicy:
-    """Every ``config.eplb_interval`` steps, rebalance the experts of every MoE layer for the last window.
+    """Every ``config.eplb.interval`` steps, rebalance the experts of every MoE layer for the last window.
 
     Args:
-        config: ep size, redundant experts, interval, window, nodes.
+        config: the parallel config: ``ep``, the ``eplb`` section (redundant experts, interval), and
+            ``ep_num_nodes`` (nodes the EP group spans).
         num_moe_layers: MoE layers of the model.
         num_logical: L, routed experts per layer.
         num_groups: expert groups of the routing (DeepSeek ``n_group``; 1 for plain top-k).
     Raises:
         ValueError: if P = L + redundant does not split over ``config.ep`` ranks.
-    Source: the rebalancing step of DeepSeek EPLB (``placement.eplb.rebalance_experts``).
+    Source: the rebalancing step of DeepSeek EPLB (``policy.eplb.rebalance_experts``).
     """
 
-    def __init__(self, config: EPConfig, num_moe_layers: int, num_logical: int, num_groups: int = 1):
+    def __init__(self, config: ParallelConfig, num_moe_layers: int, num_logical: int, num_groups: int = 1):
         self.config = config
         self.num_logical = num_logical
         self.num_groups = num_groups
-        self.num_physical = num_logical + config.num_redundant_experts
+        self.num_physical = num_logical + config.eplb.num_redundant_experts
         if self.num_physical % config.ep:
-            raise ValueError(f"{num_logical} experts + num_redundant_experts={config.num_redundant_experts} = "
+            raise ValueError(f"{num_logical} experts + eplb.num_redundant_experts={config.eplb.num_redundant_experts} = "
                              f"{self.num_physical} physical experts do not split over ep={config.ep} ranks")
         initial = torch.arange(self.num_physical, dtype=torch.int64) % num_logical  # as ExpertParallelism
         self.phy2log = initial.expand(num_moe_layers, self.num_physical).clone()
@@ -125,7 +126,7 @@ class EPLBPolicy:
 
     def is_due(self, num_steps: int) -> bool:
         """True when a rebalance is due after ``num_steps`` completed steps."""
-        return is_rebalance_step(num_steps, self.config.eplb_interval)
+        return is_rebalance_step(num_steps, self.config.eplb.interval)
 
     def balance(self, load: torch.Tensor) -> float:
         """moe_lb of ``load`` [num_moe_layers, L] under the current map."""
@@ -145,7 +146,7 @@ class EPLBPolicy:
         if int(load.sum()) == 0:
             return None
         before = self.balance(load)
-        new, _, _ = rebalance_experts(load, self.num_physical, self.num_groups, self.config.num_nodes,
+        new, _, _ = rebalance_experts(load, self.num_physical, self.num_groups, self.config.ep_num_nodes,
                                       self.config.ep)
         changed = not torch.equal(new, self.phy2log)
         self.phy2log = new

@@ -1,0 +1,159 @@
+"""The client protocol every topology implements, and the typed stats it reports.
+
+``EngineClient`` is what the batch job, Serve and the benchmarks speak: colocated replicas
+(``rayinfer.actors.client.ColocatedClient``), prefill/decode disaggregation (``rayinfer.actors.pd.PDClient``)
+and the expert-parallel replica (``rayinfer.actors.client.EPClient``) implement all of it, streaming
+included. Errors are those of ``rayinfer.engine.errors``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, AsyncIterator, Protocol, runtime_checkable
+
+from rayinfer.engine.types import Completion, RequestOutput, SamplingParams
+
+
+@dataclass
+class ReplicaStats:
+    """One engine replica's gauges and counters (a snapshot as of its last step).
+
+    Attributes:
+        replica_id: the replica's index in the fleet (or EP rank).
+        role: "normal", "prefill" or "decode".
+        num_running, num_waiting: requests in the scheduler.
+        kv_cache_usage: fraction of KV blocks in use, [0, 1].
+        prefix_cache_hit_rate: hit tokens / queried tokens of the prefix cache, [0, 1].
+        prefix_cache_queries, prefix_cache_hits: token counts behind that rate.
+        num_preemptions: requests preempted so far.
+        num_prompt_tokens, num_generation_tokens, num_computed_tokens: token counters.
+        num_free_blocks, num_blocks: KV blocks free and in the pool.
+        error: set (and the gauges zero) when the replica could not be asked (dead or restarting).
+    """
+
+    replica_id: int = 0
+    role: str = "normal"
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_hit_rate: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_computed_tokens: int = 0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+    error: str | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], **extra: Any) -> "ReplicaStats":
+        """From an engine's ``stats()`` dict (unknown keys are ignored) plus ``extra`` fields."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in {**data, **extra}.items() if k in names})
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class KVStoreStats:
+    """The KV store's gauges and counters (blocks, bytes, lookups)."""
+
+    kv_store_blocks: int = 0
+    kv_store_bytes: int = 0
+    kv_store_queries: int = 0
+    kv_store_hits: int = 0
+    kv_store_hit_rate: float = 0.0
+    kv_store_evicted: int = 0
+    kv_store_expired: int = 0
+    kv_store_put_blocks: int = 0
+    error: str | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "KVStoreStats":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass
+class EPStats:
+    """The expert-parallel replica's balance.
+
+    Attributes:
+        ep: EP ranks.
+        num_steps: lockstep steps run.
+        moe_lb: max rank load / mean rank load over the load window (1.0 is perfect balance).
+        num_rebalances: expert maps changed by EPLB so far.
+        eplb_history: one summary per EPLB decision (num_steps, changed, moe_lb, moe_lb_expected, num_tokens).
+    """
+
+    ep: int = 1
+    num_steps: int = 0
+    moe_lb: float = 1.0
+    num_rebalances: int = 0
+    eplb_history: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class FleetStats:
+    """What ``EngineClient.stats()`` returns: every replica, plus the topology's own parts.
+
+    Attributes:
+        topology: "colocated", "pd" or "ep".
+        replicas: one entry per engine replica (prefill first, then decode, for PD; EP ranks for EP).
+        kv_store: the KV store (PD), else None.
+        ep: the expert-parallel balance (EP), else None.
+        num_retries: PD legs re-run after an actor failure.
+        num_handbacks: PD legs re-run after a decode replica preempted a request.
+    """
+
+    topology: str = "colocated"
+    replicas: list[ReplicaStats] = field(default_factory=list)
+    kv_store: KVStoreStats | None = None
+    ep: EPStats | None = None
+    num_retries: int = 0
+    num_handbacks: int = 0
+
+    def by_role(self, role: str) -> list[ReplicaStats]:
+        """The replicas of one role."""
+        return [r for r in self.replicas if r.role == role]
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """The caller's side of a fleet of engine replicas, whatever its topology.
+
+    Attributes:
+        max_model_len: the context limit in tokens (prompt + output).
+    """
+
+    max_model_len: int
+
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                 request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream one request's deltas (``params.n`` must be 1; callers fan out ``n``).
+
+        Leaving the iterator early (client disconnect, cancellation) aborts the request and frees its
+        KV blocks.
+
+        Raises:
+            InvalidRequestError: the request is rejected (bad prompt, parameter, grammar).
+            UnsupportedError: the topology cannot run it.
+            EngineInternalError: a replica failed and retries did not help.
+        """
+        ...
+
+    async def complete(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str | None = None) -> Completion:
+        """Run one request to the end; a rejected or failed request comes back with ``error`` set."""
+        ...
+
+    async def stats(self) -> FleetStats:
+        """Every replica's gauges and counters (a dead replica is reported with ``error`` set)."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop what this client started (the fleet, when it owns it)."""
+        ...

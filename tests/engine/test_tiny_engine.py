@@ -1,0 +1,154 @@
+"""The engine core over an injected tiny random Llama (CPU, float32): greedy output equals a step-by-step
+Hugging Face reference cold, with prefix-cache hits, chunked prefill and pipelined scheduling; stop strings
+end requests outside the core, which drops what it produced after them."""
+
+import asyncio
+
+import pytest
+
+from rayinfer.engine.async_engine import AsyncLLMEngine
+from rayinfer.engine.errors import InvalidRequestError
+from rayinfer.engine.types import SamplingParams
+
+NUM_NEW = 10
+TIE = 1e-4  # a near tie in the reference may flip under another float32 summation order
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    texts = ["The quick brown fox jumps over the lazy dog because it wants to see what is there.",
+             "Once upon a time", "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
+             "Les élèves ont été très contents de la sortie au musée, 日本語も少し。"]
+    return [tokenizer.encode(t) for t in texts]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_reference, prompts):
+    return [tiny_reference(p, NUM_NEW) for p in prompts]
+
+
+def check_equal(completions, refs):
+    for c, (ref_ids, gaps) in zip(completions, refs):
+        assert c.error is None, c.error
+        for k, (got, want) in enumerate(zip(c.output_token_ids, ref_ids)):
+            if got != want:
+                assert gaps[k] < TIE, f"{c.request_id}: token {k} differs ({got} vs {want}), gap {gaps[k]}"
+                break
+        else:
+            assert len(c.output_token_ids) == len(ref_ids)
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+
+
+def test_greedy_matches_step_by_step_reference(tiny_engine, prompts, reference):
+    check_equal(tiny_engine().generate(prompts, GREEDY), reference)
+
+
+@pytest.mark.parametrize("engine_kw", [dict(max_num_batched_tokens=8), dict(async_scheduling=True)],
+                         ids=["chunked-prefill", "async-scheduling"])
+def test_greedy_matches_reference_chunked_and_pipelined(tiny_engine, prompts, reference, engine_kw):
+    check_equal(tiny_engine(**engine_kw).generate(prompts, GREEDY), reference)
+
+
+def test_prefix_cache_hit_gives_the_cold_output(tiny_engine, prompts, reference):
+    engine = tiny_engine()
+    cold = engine.generate(prompts, GREEDY)
+    warm = engine.generate(prompts, GREEDY, request_ids=[f"again-{i}" for i in range(len(prompts))])
+    # every full block of the prompt hits but the one holding its last token (its logits are needed)
+    assert [c.num_cached_tokens for c in warm] == [(len(p) - 1) // 4 * 4 for p in prompts]
+    assert [c.output_token_ids for c in warm] == [c.output_token_ids for c in cold]
+    check_equal(warm, reference)
+
+
+def test_core_deltas_carry_token_ids_not_text(tiny_engine, prompts):
+    engine = tiny_engine()
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, stop=["e"], logprobs=2)
+    engine.add_request("r", prompts[0], params)
+    deltas = []
+    while engine.has_unfinished_requests():
+        deltas += engine.step()
+    assert [len(d.new_token_ids) for d in deltas] == [1, 1, 1]
+    assert all(d.new_text == "" for d in deltas)  # stop strings are not the core's business
+    assert [d.finished for d in deltas] == [False, False, True] and deltas[-1].finish_reason == "length"
+    assert all(len(d.new_logprobs) == 1 and len(d.new_logprobs[0].top_logprobs) == 2 for d in deltas)
+
+
+def _stop_case(engine, prompt):
+    """A stop string from the middle of the prompt's greedy text, and that text cut before it."""
+    free = engine.generate([prompt], GREEDY)[0]
+    text = free.text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip() and text.find(stop) > 0
+    return stop, text[: text.find(stop)], free.output_token_ids
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_generate_stops_on_a_stop_string_and_drops_later_tokens(tiny_engine, tokenizer, prompts, async_scheduling):
+    engine = tiny_engine(async_scheduling=async_scheduling)
+    stop, want_text, free_ids = _stop_case(engine, prompts[0])
+    c = engine.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True,
+                                                       stop=[stop]))[0]
+    assert (c.text, c.finish_reason, c.stop_reason) == (want_text, "stop", stop)
+    n = len(c.output_token_ids)
+    assert n < NUM_NEW and c.output_token_ids == free_ids[:n]
+    assert stop in tokenizer.decode(c.output_token_ids) and stop not in tokenizer.decode(c.output_token_ids[:-1])
+    stats = engine.stats()
+    assert not engine.has_unfinished_requests() and stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def test_async_engine_stops_on_a_stop_string_and_aborts_in_the_core(tiny_engine, tokenizer, prompts):
+    core = tiny_engine(async_scheduling=True)
+    stop, want_text, free_ids = _stop_case(core, prompts[0])
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True, stop=[stop])
+
+    async def run():
+        engine = AsyncLLMEngine(core)
+        try:
+            outs = [o async for o in engine.generate("s", prompts[0], params)]
+            done = await engine.complete("c", prompts[0], params)
+            for _ in range(200):  # the abort crosses to the loop thread
+                if not core.has_unfinished_requests():
+                    break
+                await asyncio.sleep(0.01)
+            return outs, done
+        finally:
+            engine.shutdown()
+
+    outs, done = asyncio.run(run())
+    assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+    assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == stop
+    assert "".join(o.new_text for o in outs) == want_text == done.text
+    ids = [t for o in outs for t in o.new_token_ids]
+    assert ids == done.output_token_ids == free_ids[: len(ids)]
+    assert not core.has_unfinished_requests()
+    assert core.stats()["num_free_blocks"] == core.stats()["num_blocks"]
+
+
+def test_reused_id_never_gets_the_aborted_requests_in_flight_token(tiny_engine, prompts):
+    engine = tiny_engine(async_scheduling=True)
+    want = engine.generate([prompts[1]], GREEDY, request_ids=["cold"])[0].output_token_ids
+    engine.add_request("x", prompts[0], GREEDY)
+    assert engine.step() == []  # launched, not yet processed (pipelined)
+    engine.abort_request("x")  # e.g. a stop string found outside the core
+    engine.add_request("x", prompts[1], GREEDY)
+    got = []
+    while engine.has_unfinished_requests():
+        got += [t for o in engine.step() if o.request_id == "x" for t in o.new_token_ids]
+    assert got == want
+
+
+def test_add_request_errors_name_the_field(tiny_engine):
+    engine = tiny_engine()
+    cases = [([], GREEDY, "prompt"), ([10**9], GREEDY, "prompt"), ([1] * 600, GREEDY, "prompt"),
+             ([1, 2], SamplingParams(max_tokens=511), "max_tokens"), ([1, 2], SamplingParams(n=2), "n")]
+    for prompt, params, param in cases:
+        with pytest.raises(InvalidRequestError) as e:
+            engine.add_request("bad", prompt, params)
+        assert e.value.param == param and isinstance(e.value, ValueError)
+    engine.add_request("dup", [1, 2], GREEDY)
+    with pytest.raises(InvalidRequestError, match="duplicate request id 'dup'"):
+        engine.add_request("dup", [1, 2], GREEDY)
+    with pytest.raises(InvalidRequestError, match="KV blocks") as e:
+        engine.add_request("big", [1] * 300, SamplingParams(max_tokens=8))  # 77 blocks of 4 > 64
+    assert e.value.param is None
