@@ -102,6 +102,10 @@ def test_ep2_equals_ep1_with_idle_rank_and_bad_request(ray_cluster, model_config
         assert [r["num_steps"] for r in ranks] == [stats["num_steps"]] * 2
         assert [r["num_generation_tokens"] for r in ranks] == [sum(lengths[0::2]), sum(lengths[1::2])]
         assert ranks[0]["num_empty_steps"] >= 1  # rank 0's last request ends a step before rank 1's
+        # every step was of one voted kind on all ranks (DeepSeek's DP step vote): prefill steps for the
+        # prompts, then decode steps; the same counts on both ranks
+        kinds = [r["num_steps_by_kind"] for r in ranks]
+        assert kinds[0] == kinds[1] and kinds[0].get("prefill", 0) >= 1 and kinds[0].get("decode", 0) >= 1, kinds
         assert 1.0 <= stats["moe_lb"] < 2.0 and stats["num_rebalances"] == 0
         assert not group.has_unfinished_requests() and group.step() == []
         with pytest.raises(ValueError, match="given twice"):
