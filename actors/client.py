@@ -133,6 +133,23 @@ class ColocatedClient(_FleetClient):
             self.router.release.remote(idx)
 
 
+    async def complete(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str | None = None) -> Completion:
+        """Run one request to the end on the replica the router picks, in one call (no per-token
+        stream: the batch job's path); a rejected or failed request comes back with ``error`` set."""
+        request_id = request_id or uuid.uuid4().hex
+        idx = await granted(self.router.pick.remote(list(prompt_token_ids[: self.info.block_size])),
+                            lambda i: self.router.release.remote(i))
+        try:
+            return await unwrap(self.info.replicas[idx].complete.remote(request_id, prompt_token_ids, params))
+        except ray.exceptions.RayError as e:
+            result = Completion(request_id, list(prompt_token_ids))
+            result.error, result.finish_reason = f"internal error: replica {idx} failed ({type(e).__name__})", "error"
+            return result
+        finally:
+            self.router.release.remote(idx)
+
+
 class EPClient(_FleetClient):
     """The expert-parallel replica: requests stream through the router, which runs the lockstep loop."""
 

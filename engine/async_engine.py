@@ -11,6 +11,7 @@ never hold up a step.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -70,20 +71,28 @@ class AsyncLLMEngine:
         finished = False
         try:
             while True:
-                item = await stream.get()
-                if isinstance(item, Exception):
-                    finished = True
-                    raise item
-                out = processor.process(item)
-                if out is None:
-                    continue
-                if out.finished:
+                items = [await stream.get()]
+                while not stream.empty():  # deltas that queued while the consumer was busy: one output
+                    items.append(stream.get_nowait())
+                merged, error = None, None
+                for item in items:
+                    if isinstance(item, Exception):
+                        error = item
+                        break
+                    out = processor.process(item)
+                    if out is not None:
+                        merged = out if merged is None else merge_outputs(merged, out)
+                if merged is not None and merged.finished:
                     finished = True
                     if processor.needs_core_abort:  # a stop string: the core does not know it ended
                         self.abort(request_id)
-                yield out
-                if out.finished:
-                    return
+                if merged is not None:
+                    yield merged
+                    if merged.finished:
+                        return
+                if error is not None:
+                    finished = True
+                    raise error
         finally:
             if not finished:  # the consumer went away (client disconnect, cancel): free the request
                 self.abort(request_id)
@@ -171,3 +180,15 @@ class AsyncLLMEngine:
             for out in outputs:
                 self._deliver(out.request_id, out)
             self._stats = self.engine.stats()
+
+
+def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One output for two consecutive outputs of a request: tokens, text and logprobs joined, the later
+    one's finish, counts and handle kept. A consumer slower than the step loop (a Ray stream, an HTTP
+    client) then gets one item per wake-up instead of one per step."""
+    logprobs = None
+    if first.new_logprobs is not None or later.new_logprobs is not None:
+        logprobs = list(first.new_logprobs or []) + list(later.new_logprobs or [])
+    return dataclasses.replace(later, new_token_ids=list(first.new_token_ids) + list(later.new_token_ids),
+                               new_text=first.new_text + later.new_text, new_logprobs=logprobs,
+                               error=later.error or first.error)

@@ -31,14 +31,25 @@ from rayinfer.jobs import benchlib as bl
 from rayinfer.placement.parallel_config import ParallelConfig
 
 
-async def run_client(client, items: list[bl.WorkItem]) -> bl.OfflineRun:
-    """Send every item at once through ``client.generate`` and time each request's deltas."""
+async def run_client(client, items: list[bl.WorkItem], mode: str = "stream") -> bl.OfflineRun:
+    """Send every item at once through the client and time each request.
+
+    Args:
+        mode: "stream" (``client.generate``: TTFT and TPOT from the deltas as they reach the caller) or
+            "complete" (``client.complete``: one answer per request, as the batch job asks; latency only).
+    """
     start = time.perf_counter()
 
     async def one(i: int, item: bl.WorkItem) -> bl.RequestTiming:
         t = bl.RequestTiming(len(item.prompt_token_ids))
         params = SamplingParams(temperature=0.0, max_tokens=item.max_tokens, ignore_eos=True)
-        async for out in client.generate(item.prompt_token_ids, params, f"bench-{i}"):
+        if mode == "complete":
+            done = await client.complete(item.prompt_token_ids, params, f"bench-{mode}-{i}")
+            if done.error:
+                raise RuntimeError(f"request {i} failed: {done.error}")
+            t.num_output_tokens, t.latency_s = len(done.output_token_ids), time.perf_counter() - start
+            return t
+        async for out in client.generate(item.prompt_token_ids, params, f"bench-{mode}-{i}"):
             if out.error:
                 raise RuntimeError(f"request {i} failed: {out.error}")
             if out.new_token_ids:
@@ -77,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--parallel", nargs="*", default=[], help="ParallelConfig fields, e.g. dp=1 num_gpus_per_replica=1")
     p.add_argument("--skip-engine", action="store_true", help="measure the fleet only")
+    p.add_argument("--modes", nargs="+", default=["complete", "stream"], choices=["complete", "stream"],
+                   help="how the fleet is asked: complete (the batch job) and/or stream (Serve)")
     p.add_argument("--out-dir", default="benchmarks/results")
     p.add_argument("--git-rev", default=None, help="revision to record (a checkout copied without .git)")
     args = p.parse_args(argv)
@@ -114,15 +127,17 @@ def main(argv: list[str] | None = None) -> int:
     client = make_client(model, engine, parallel)
     try:
         asyncio.run(run_client(client, items[:2]))  # warm-up: CUDA graphs, first-call paths
-        run = asyncio.run(run_client(client, items))
-        result["fleet"] = {**run.summary(), "stats": {"num_preemptions": sum(
-            r.num_preemptions for r in asyncio.run(client.stats()).replicas)}}
+        for mode in args.modes:
+            run = asyncio.run(run_client(client, items, mode))
+            result[f"fleet_{mode}"] = fleet = run.summary()
+            print(f"fleet ({parallel.topology}, {mode}): {fleet['output_tok_s']:.0f} output tok/s", flush=True)
+            if "engine_in_process" in result:
+                ratio = fleet["output_tok_s"] / result["engine_in_process"]["output_tok_s"]
+                result[f"fleet_{mode}_over_engine"] = ratio
+                print(f"  / in-process engine: {ratio:.3f}", flush=True)
+        result["num_preemptions"] = sum(r.num_preemptions for r in asyncio.run(client.stats()).replicas)
     finally:
         client.shutdown()
-    print(f"fleet ({parallel.topology}): {result['fleet']['output_tok_s']:.0f} output tok/s", flush=True)
-    if "engine_in_process" in result:
-        result["fleet_over_engine"] = result["fleet"]["output_tok_s"] / result["engine_in_process"]["output_tok_s"]
-        print(f"fleet / in-process engine: {result['fleet_over_engine']:.3f}")
 
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -160,8 +160,8 @@ class RequestTiming:
 
     @property
     def tpot_s(self) -> float | None:
-        """Mean seconds per output token after the first; None with fewer than two."""
-        if self.num_output_tokens < 2:
+        """Mean seconds per output token after the first; None with fewer than two or no TTFT."""
+        if self.num_output_tokens < 2 or self.ttft_s is None or self.latency_s is None:
             return None
         return (self.latency_s - self.ttft_s) / (self.num_output_tokens - 1)
 
