@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from contextlib import aclosing
-from typing import AsyncIterator
+from typing import AsyncGenerator, AsyncIterator
 
 import ray
 import ray.exceptions
@@ -86,7 +86,7 @@ class _FleetClient:
             ray.kill(self.router)
 
 
-async def _stream(gen, abort, what: str) -> AsyncIterator[RequestOutput]:
+async def _stream(gen, abort, what: str) -> AsyncGenerator[RequestOutput, None]:
     """Yield the deltas of a Ray streaming call until the finished one; if the consumer leaves first,
     ``abort()`` the request and cancel the call (its KV blocks are freed).
 
