@@ -19,6 +19,9 @@ from rayinfer.engine.types import Request, SampledToken
 from rayinfer.kernels.sampling import sample
 
 
+_2_63, _2_64 = 1 << 63, 1 << 64
+
+
 @dataclass
 class SamplerOutput:
     """One step's draws, possibly still on the device.
@@ -66,8 +69,10 @@ class Sampler:
         self.seeds.pop(request_id, None)
 
     def _seed(self, req: Request) -> int:
+        """The request's seed as a signed 64-bit integer: any integer seed is taken modulo 2**64 (so a
+        seed past int64, or ``seed + i`` of the ``n``-th choice, never fails a step)."""
         if req.params.seed is not None:
-            return req.params.seed
+            return (req.params.seed + _2_63) % _2_64 - _2_63
         seed = self.seeds.get(req.request_id)
         if seed is None:
             seed = self.seeds[req.request_id] = self._seed_rng.getrandbits(62)
@@ -98,7 +103,8 @@ class Sampler:
             logits,
             *to_device([
                 np.fromiter([p.temperature for p in ps], np.float32, n),
-                np.fromiter([p.top_k for p in ps], np.int32, n),
+                # top_k >= vocab filters nothing: clamp so any integer fits int32
+                np.fromiter([min(p.top_k, self.vocab_size) for p in ps], np.int32, n),
                 np.fromiter([p.top_p for p in ps], np.float32, n),
                 np.fromiter([p.min_p for p in ps], np.float32, n),
                 np.fromiter([self._seed(r) for r in reqs], np.int64, n),

@@ -152,3 +152,25 @@ def test_add_request_errors_name_the_field(tiny_engine):
     with pytest.raises(InvalidRequestError, match="KV blocks") as e:
         engine.add_request("big", [1] * 300, SamplingParams(max_tokens=8))  # 77 blocks of 4 > 64
     assert e.value.param is None
+
+
+def test_huge_seed_and_top_k_run_beside_others(tiny_engine, tokenizer):
+    """Any integer seed (past int64, or seed + i of an n-th choice) is taken modulo 2**64 and any top_k
+    past the vocabulary filters nothing: such requests never fail a step, theirs or their neighbours'."""
+    from rayinfer.engine.types import SamplingParams
+
+    engine = tiny_engine()
+    prompt = tokenizer.encode("The sky is")
+    sampled = dict(temperature=1.0, max_tokens=6, ignore_eos=True)
+    done = engine.generate(
+        [prompt] * 5,
+        [SamplingParams(seed=2**64 + 7, **sampled), SamplingParams(seed=7, **sampled),
+         SamplingParams(seed=-(2**63) - 1, **sampled), SamplingParams(top_k=2**31, seed=3, **sampled),
+         SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)],
+        ["wrapped", "plain", "negative", "top-k", "greedy"])
+    assert all(c.error is None and len(c.output_token_ids) == 6 for c in done), [c.error for c in done]
+    assert done[0].output_token_ids == done[1].output_token_ids  # 2**64 + 7 is seed 7
+    unfiltered = tiny_engine().generate([prompt], SamplingParams(top_k=0, seed=3, **sampled))[0]
+    assert done[3].output_token_ids == unfiltered.output_token_ids  # top_k past the vocabulary: no filter
+    greedy = tiny_engine().generate([prompt], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0]
+    assert done[4].output_token_ids == greedy.output_token_ids  # the neighbours are untouched

@@ -128,3 +128,21 @@ def test_completions_stream_matches_plain(client, model):
     chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == plain
     assert chunks[-1].usage.completion_tokens >= 1
+
+
+def test_seeds_past_int64_and_huge_top_k_are_served(client, model):
+    """Seeds are taken modulo 2**64 (README), top_k past the vocabulary filters nothing: such requests
+    are answered, and so are the requests beside them."""
+    import concurrent.futures
+
+    kw = dict(model=model, prompt="The sky is", max_tokens=3, temperature=1.0)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(client.completions.create, seed=2**63, **kw),
+                   pool.submit(client.completions.create, seed=2**63 - 1, n=2, **kw),
+                   pool.submit(client.completions.create, seed=-(2**63) - 1, **kw),
+                   pool.submit(client.completions.create, seed=1, extra_body={"top_k": 2**31}, **kw)]
+        answers = [f.result() for f in futures]
+    assert [len(a.choices) for a in answers] == [1, 2, 1, 1]
+    assert all(c.finish_reason == "length" for a in answers for c in a.choices)
+    wrapped = client.completions.create(seed=2**64 + 5, **kw).choices[0].text
+    assert wrapped == client.completions.create(seed=5, **kw).choices[0].text
