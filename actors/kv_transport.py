@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import logging
 
+from rayinfer.placement.parallel_config import KV_TRANSPORTS
+
 logger = logging.getLogger(__name__)
 
-KV_TRANSPORTS = ("auto", "object_store", "nccl", "gloo", "cuda_ipc")
 COLLECTIVE_TRANSPORTS = ("nccl", "gloo")
 
 

@@ -113,6 +113,7 @@ class Router:
         self.model_config, self.engine_config, self.parallel = model_config, engine_config, parallel
         self.topology = parallel.topology
         self.info: FleetInfo | None = None
+        self._placed = parallel  # with num_cpus_per_replica resolved, in start()
         self._placement_groups: list = []
         # colocated
         self.balancer: ReplicaLoadBalancer | None = None
@@ -152,10 +153,11 @@ class Router:
         if self.info is not None:
             return self.info
         p, cfg = self.parallel, self.engine_config
+        self._placed = self._resolved(p)  # once: later replicas must not see the CPUs earlier ones took
         if self.topology == "ep":
             from rayinfer.actors.ep_group import EPLoop
 
-            self.ep_loop = await asyncio.to_thread(EPLoop, self.model_config, cfg, self._resolved(p))
+            self.ep_loop = await asyncio.to_thread(EPLoop, self.model_config, cfg, self._placed)
             self.info = FleetInfo("ep", self.ep_loop.max_model_len, cfg.block_size, model=self.model_config.model)
             return self.info
         if self.topology == "pd":
@@ -178,7 +180,7 @@ class Router:
 
     async def _place(self, actor_cls, replica_id: int, *args, **kwargs):
         """One replica of one rank in a placement group of its own (so it restarts in place)."""
-        p = self._resolved(self.parallel)
+        p = self._placed
         bundle = rank_resources(p)
         pg = placement_group([bundle], strategy="PACK", name="")
         self._placement_groups.append(pg)
