@@ -12,6 +12,7 @@ from typing import AsyncIterator
 import ray
 import torch
 
+from rayinfer.actors.kv_transport import COLLECTIVE_TRANSPORTS, KVTransferAgent
 from rayinfer.engine.async_engine import AsyncLLMEngine
 from rayinfer.engine.config import EngineConfig, ModelConfig
 from rayinfer.engine.llm_engine import LLMEngine
@@ -19,7 +20,8 @@ from rayinfer.engine.model_runner import kv_layout_tag
 from rayinfer.engine.types import Completion, KVHandle, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
-_KV_OUT_TTL_S = 300.0  # a stashed payload nobody took (its router died) is dropped after this
+_KV_IN_TTL_S = 120.0  # a received payload nobody decoded (its client left) is dropped after this
+_GIB = 1 << 30
 
 
 class EngineActorImpl:
@@ -36,27 +38,30 @@ class EngineActorImpl:
             model_config, engine_config: the replica's configs (``engine_config.role`` picks the role).
             replica_id: the replica's id in stats.
             kv_store: PREFILL role: the KVStoreActor that new full blocks are written through to.
-            kv_transport: "object_store" (payloads exported to CPU) or a Ray Direct Transport name
-                ("nccl", "cuda_ipc", "gloo"): payloads stay on the cache's device for :meth:`pop_kv`.
+            kv_transport: "object_store", "cuda_ipc" (Ray Direct Transport, :meth:`pop_kv`), or "nccl" /
+                "gloo" (the fleet's transfer group, :meth:`send_kv` / :meth:`recv_kv`).
         """
-        from rayinfer.actors.kv_transport import prepare_transport
-
-        prepare_transport(kv_transport)
         self.kv_transport = kv_transport
         self.replica_id = replica_id
         self.engine = AsyncLLMEngine(LLMEngine(model_config, engine_config))
         self.kv_store = kv_store
-        if kv_transport != "object_store":
-            self.engine.engine.kv_export_device = self.engine.engine.device
-        self._kv_out: dict[str, tuple[float, torch.Tensor]] = {}  # PREFILL: exported payloads to pop
+        e = self.engine.engine
+        budget = max(int(engine_config.kv_transfer_buffer_gib * _GIB), 1 << 20)
+        self.transfer = KVTransferAgent(e.device, budget) if kv_transport in COLLECTIVE_TRANSPORTS else None
         self._kv_in: dict[str, tuple[float, torch.Tensor]] = {}  # DECODE: received payloads to decode
         self._kv_writes: list[concurrent.futures.Future] = []  # write-through puts not yet known to be done
+        self._store_gathers: dict[str, concurrent.futures.Future] = {}  # write-through copies still reading blocks
+        self._store_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-store-write")
+        self.num_store_writes_skipped = 0
 
     def ready(self) -> dict:
         """Returns the replica's static facts once the model is loaded."""
         e = self.engine.engine
         return {"replica_id": self.replica_id, "role": e.role.value, "max_model_len": e.max_model_len,
-                "device": str(e.device), "num_blocks": e.scheduler.config.num_blocks}
+                "device": str(e.device), "num_blocks": e.scheduler.config.num_blocks,
+                "max_num_seqs": e.scheduler.config.max_num_seqs,
+                "transfer_budget_blocks": (self.transfer.budget.capacity // _block_bytes(e.kv_cache)
+                                           if self.transfer is not None else 0)}
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        **kwargs) -> AsyncIterator[RequestOutput]:
@@ -70,13 +75,15 @@ class EngineActorImpl:
         return await self.engine.complete(request_id, prompt_token_ids, params, **kwargs)
 
     def abort(self, request_id: str) -> None:
+        self._kv_in.pop(request_id, None)
         self.engine.abort(request_id)
 
     # -- prefill/decode disaggregation -----------------------------------------------------------
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       output_token_ids: list[int] | None = None,
                       stored: tuple[list[int], str | None, list] | None = None) -> RequestOutput:
-        """PREFILL role: compute a request's tokens and sample the next one; keep its KV for :meth:`pop_kv`.
+        """PREFILL role: compute a request's tokens and sample the next one; its KV stays parked in the pool
+        for :meth:`send_kv` (nccl, gloo), :meth:`pop_kv` (cuda_ipc) or :meth:`export_kv` (object store).
 
         Blocks the KV store holds are loaded instead of computed; new full blocks are written through
         to the store afterwards (without waiting for it).
@@ -90,7 +97,7 @@ class EngineActorImpl:
                 the leading blocks of prompt + outputs; unreadable or mismatched blocks are recomputed.
         Returns:
             the one output: the sampled token, ``finish_reason`` "prefilled" with ``kv_handle`` (payload
-            None; fetch it with :meth:`pop_kv`), or a real finish reason (stop, length) with no handle.
+            None: the KV is parked here), or a real finish reason (stop, length) with no handle.
         Raises:
             ValueError: if the engine rejects the request.
         """
@@ -99,12 +106,8 @@ class EngineActorImpl:
         async for out in self.engine.generate(request_id, prompt_token_ids, params,
                                               output_token_ids=output_token_ids, kv_handle=handle):
             pass
-        kv = out.kv_handle
-        if kv is not None:
-            self._kv_out = _fresh(self._kv_out)
-            self._kv_out[request_id] = (time.monotonic(), kv.payload)
-            self._write_through(kv, len(handle.block_hashes) if handle else 0)
-            out.kv_handle = dataclasses.replace(kv, payload=None)
+        if out is not None and out.kv_handle is not None:
+            self._write_through(out.kv_handle, len(handle.block_hashes) if handle else 0)
         return out
 
     async def _load_stored(self, request_id: str, stored) -> KVHandle | None:
@@ -122,49 +125,147 @@ class EngineActorImpl:
         return KVHandle(request_id, list(hashes[: len(blocks)]), len(blocks) * bs, layout, torch.cat(blocks, dim=1))
 
     def _write_through(self, kv: KVHandle, num_stored: int) -> None:
+        """Copy a prefilled request's new full blocks to host memory and put them in the KV store, on a
+        thread of its own; the request's blocks stay parked until the copy is done. Skipped (it is a
+        cache) while earlier copies are still queued, so the store never holds transfers up."""
         full = len(kv.block_hashes)
         if self.kv_store is None or full <= num_stored:
             return
-        self._kv_writes = [f for f in self._kv_writes if not f.done()]
-        payload = kv.payload[:, num_stored:full].to("cpu").contiguous()
-        ref = self.kv_store.put.remote(kv.block_hashes[:full], num_stored, payload, kv.layout)
-        self._kv_writes.append(ref.future())
+        self._store_gathers = {k: f for k, f in self._store_gathers.items() if not f.done()}
+        if len(self._store_gathers) >= 4:
+            self.num_store_writes_skipped += 1
+            return
+        engine, rid = self.engine.engine, kv.request_id
+
+        def copy() -> torch.Tensor:
+            payload = engine.gather_kv([rid])  # the parked blocks, on the cache's device
+            return payload[:, num_stored:full].to("cpu").contiguous()
+
+        future = self._store_executor.submit(copy)
+        self._store_gathers[rid] = future
+        loop = asyncio.get_running_loop()
+
+        def put(f: concurrent.futures.Future) -> None:
+            if f.exception() is None and self.kv_store is not None:
+                ref = self.kv_store.put.remote(kv.block_hashes[:full], num_stored, f.result(), kv.layout)
+                self._kv_writes.append(ref.future())
+
+        future.add_done_callback(lambda f: loop.call_soon_threadsafe(put, f))
+
+    async def _store_copy_done(self, request_ids: list[str]) -> None:
+        """Wait for write-through copies still reading these requests' parked blocks."""
+        pending = [self._store_gathers.pop(r) for r in request_ids if r in self._store_gathers]
+        if pending:
+            await asyncio.gather(*[asyncio.wrap_future(f) for f in pending], return_exceptions=True)
 
     async def flush_kv_writes(self) -> int:
         """Wait for this replica's write-through puts; returns blocks they stored (failed puts count 0)."""
+        await self._store_copy_done(list(self._store_gathers))
+        await asyncio.sleep(0)  # let the puts of finished copies be issued
         writes, self._kv_writes = self._kv_writes, []
         results = await asyncio.gather(*[asyncio.wrap_future(f) for f in writes], return_exceptions=True)
         return sum(r for r in results if isinstance(r, int))
 
-    def pop_kv(self, request_id: str) -> torch.Tensor:
-        """The KV payload a :meth:`prefill` exported, ``[L, n_blocks, 2, bs, H, D]``; removed here.
+    async def release_kv(self, request_ids: list[str]) -> None:
+        """PREFILL role: free parked KV nobody will take (a request that ended at its first token)."""
+        await self._store_copy_done(request_ids)
+        self.engine.release_kv(request_ids)
 
-        Call it as ``.options(tensor_transport="nccl")`` (or "cuda_ipc", "gloo") to keep the payload on
-        the device (Ray Direct Transport); otherwise it travels through the object store, owned by the
-        caller.
+    async def export_kv(self, request_id: str) -> torch.Tensor:
+        """PREFILL role: a parked request's payload ``[L, n_blocks, 2, bs, H, D]`` in host memory, its blocks
+        freed (the object-store transport: the caller's ref outlives this actor).
 
         Raises:
-            KeyError: for an unknown request (never prefilled here, already popped, or expired).
+            KeyError: for a request not parked here (never prefilled here, released or expired).
         """
-        if self.kv_transport == "cuda_ipc" and torch.cuda.is_available():
+        payload = await asyncio.to_thread(self.engine.engine.gather_kv, [request_id], None, "cpu")
+        await self.release_kv([request_id])
+        return payload
+
+    def pop_kv(self, request_id: str) -> torch.Tensor:
+        """PREFILL role: a parked request's payload on the cache's device, its blocks freed; called as
+        ``.options(tensor_transport="cuda_ipc")`` (Ray Direct Transport between actors sharing a GPU).
+
+        Raises:
+            KeyError: for a request not parked here.
+        """
+        if torch.cuda.is_available():
             torch.cuda.ipc_collect()  # free earlier payloads whose receivers have let go of their IPC views
-        return self._kv_out.pop(request_id)[1]
+        payload = self.engine.engine.gather_kv([request_id])
+        if request_id in self._store_gathers:  # rare: its write-through copy still reads the blocks
+            self._store_gathers.pop(request_id).result()
+        self.engine.release_kv([request_id])
+        return payload
 
     def receive_kv(self, request_id: str, kv_payload: torch.Tensor) -> int:
-        """DECODE role: take a payload ahead of :meth:`decode` (the Ray Direct Transport path).
-
-        Pass the ObjectRef from :meth:`pop_kv` positionally so Ray moves it (GPU to GPU over nccl). The
-        caller runs one such transfer at a time per actor: collective send/recv pairs must match in
-        order, which concurrent transfers on async actors do not guarantee.
-
-        Returns:
-            the payload's size in bytes.
-        """
+        """DECODE role: take a payload ahead of :meth:`decode` (the cuda_ipc path: pass the ObjectRef from
+        :meth:`pop_kv` positionally). Returns the payload's size in bytes."""
         self._kv_in = _fresh(self._kv_in)
         if self.kv_transport == "cuda_ipc":  # a view of the prefill replica's memory: copy it out now
             kv_payload = kv_payload.clone()
         self._kv_in[request_id] = (time.monotonic(), kv_payload)
         return kv_payload.numel() * kv_payload.element_size()
+
+    # -- the transfer group (nccl, gloo) -----------------------------------------------------------
+    def transfer_address(self) -> tuple[str, int]:
+        """(node IP, a free port) for the transfer group's rendezvous (asked of rank 0)."""
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    async def join_transfer_group(self, address: str, port: int, world_size: int, rank: int) -> None:
+        """Join the fleet's KV transfer group as ``rank`` (all replicas call it at once)."""
+        assert self.transfer is not None, "join_transfer_group needs kv_transport nccl or gloo"
+        await self.transfer.join(self.kv_transport, address, port, world_size, rank)
+
+    def parked_blocks(self, request_ids: list[str]) -> list[int]:
+        """PREFILL role: the number of parked blocks of each request; 0 for one not parked here."""
+        parked = self.engine.engine.parked
+        return [len(parked[r].block_ids) if r in parked else 0 for r in request_ids]
+
+    async def send_kv(self, request_ids: list[str], dst_rank: int) -> int:
+        """PREFILL role: send the parked KV of ``request_ids`` (in order, as one payload) to ``dst_rank``,
+        then free their blocks. Runs on the transfer thread; returns the bytes sent.
+
+        Raises:
+            KeyError: a request is not parked here (check with :meth:`parked_blocks` first: the
+                receiver is already waiting for the whole batch).
+        """
+        assert self.transfer is not None, "send_kv needs kv_transport nccl or gloo"
+        e = self.engine.engine
+        await self._store_copy_done(request_ids)
+        num_blocks = sum(len(e.parked[r].block_ids) for r in request_ids)
+        shape = (e.kv_cache.shape[0], num_blocks, *e.kv_cache.shape[2:])
+        nbytes = await self.transfer.send(lambda out: e.gather_kv(request_ids, out=out), shape, e.kv_cache.dtype,
+                                          dst_rank)
+        self.engine.release_kv(request_ids)
+        return nbytes
+
+    async def reserve_kv(self, num_blocks: int) -> int:
+        """DECODE role: wait until a batch of ``num_blocks`` blocks fits the receive budget and take it;
+        returns the bytes reserved (pass them to :meth:`recv_kv`)."""
+        assert self.transfer is not None, "reserve_kv needs kv_transport nccl or gloo"
+        cache = self.engine.engine.kv_cache
+        nbytes = num_blocks * _block_bytes(cache)
+        await self.transfer.budget.acquire(nbytes)
+        return nbytes
+
+    async def recv_kv(self, request_ids: list[str], num_blocks: list[int], src_rank: int, nbytes_reserved: int) -> int:
+        """DECODE role: receive one batch from ``src_rank`` (the requests' blocks, in order) and keep each
+        request's part for its :meth:`decode`; returns the bytes received."""
+        assert self.transfer is not None, "recv_kv needs kv_transport nccl or gloo"
+        cache = self.engine.engine.kv_cache
+        shape = (cache.shape[0], sum(num_blocks), *cache.shape[2:])
+        payload = await self.transfer.recv(shape, cache.dtype, src_rank, nbytes_reserved)
+        self._kv_in = _fresh(self._kv_in)
+        now, start = time.monotonic(), 0
+        for rid, n in zip(request_ids, num_blocks):
+            self._kv_in[rid] = (now, payload[:, start:start + n])
+            start += n
+        return payload.numel() * payload.element_size()
 
     async def decode(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      output_token_ids: list[int], kv_handle: KVHandle,
@@ -190,13 +291,22 @@ class EngineActorImpl:
             yield out
 
     def stats(self) -> dict:
-        return {"replica_id": self.replica_id, **self.engine.stats()}
+        out = {"replica_id": self.replica_id, **self.engine.stats(), "num_parked_kv": len(self.engine.engine.parked),
+               "num_store_writes_skipped": self.num_store_writes_skipped}
+        if self.transfer is not None:
+            out.update(self.transfer.stats())
+        return out
+
+
+def _block_bytes(kv_cache: torch.Tensor) -> int:
+    """Bytes of one block across all layers of a ``[L, num_blocks, ...]`` cache."""
+    return kv_cache[:, 0].numel() * kv_cache.element_size()
 
 
 def _fresh(stash: dict[str, tuple[float, torch.Tensor]]) -> dict[str, tuple[float, torch.Tensor]]:
-    """A payload stash without entries older than the TTL (their router gave up or died)."""
+    """A payload stash without entries older than the TTL (their client gave up or died)."""
     now = time.monotonic()
-    return {k: v for k, v in stash.items() if now - v[0] < _KV_OUT_TTL_S}
+    return {k: v for k, v in stash.items() if now - v[0] < _KV_IN_TTL_S}
 
 
 EngineActor = ray.remote(EngineActorImpl)

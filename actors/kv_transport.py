@@ -2,29 +2,41 @@
 
 Transports (``ParallelConfig.pd.kv_transport``):
 
-- ``object_store``: the payload is copied to host memory and put in Ray's object store (works across
-  machines; outlives the prefill actor).
-- ``nccl``: Ray Direct Transport GPU to GPU through a collective group of all replicas; each replica
-  holds its own GPU (NCCL refuses two ranks on one device: "Duplicate GPU detected").
+- ``nccl``: a transfer group of all prefill and decode replicas over ``torch.distributed``'s NCCL
+  backend (:class:`KVTransferAgent`); each replica holds its own GPU (NCCL refuses two ranks on one
+  device). The router batches the requests waiting to move between a pair of replicas into one
+  send/recv: the prefill side gathers their blocks straight from its KV pool into one staging buffer,
+  the decode side receives them into one payload that its engine imports block by block.
+- ``gloo``: the same group and code over gloo, between CPU actors (how the nccl path is tested on CPU).
 - ``cuda_ipc``: Ray Direct Transport between actors that share one GPU: the receiver maps the sender's
   device buffer through a CUDA IPC handle and copies it into its own cache (device to device, no host
   hop, no collective group).
-- ``gloo``: Ray Direct Transport between CPU actors (the collective code path of ``nccl``, on CPU).
+- ``object_store``: the payload is copied to host memory and put in Ray's object store (works across
+  machines; outlives the prefill actor).
 
-Ray's own NCCL collective group needs CuPy. Where CuPy is missing, :func:`ensure_nccl_backend` registers
-:class:`TorchNCCLGroup` instead: the same Ray collective API over ``torch.distributed``'s NCCL backend,
-which ships with every CUDA build of torch.
+Memory: a prefilled request's KV stays in the prefill replica's pool (parked) until it is sent, so a
+backlog of transfers holds the prefill replica's blocks and its scheduler admits fewer new prompts
+(back-pressure); a decode replica reserves a received batch's bytes from a budget
+(``pd.transfer_buffer_gib``, kept out of its KV pool) before the batch is sent, and gets them back when
+the engine has imported every request of the batch.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import datetime
 import logging
+import weakref
+from typing import Callable
+
+import torch
 
 from rayinfer.placement.parallel_config import KV_TRANSPORTS
 
 logger = logging.getLogger(__name__)
 
-COLLECTIVE_TRANSPORTS = ("nccl", "gloo")
+COLLECTIVE_TRANSPORTS = ("nccl", "gloo")  # moved by KVTransferAgent, batched by the router
 
 
 def resolve_kv_transport(kv_transport: str, num_gpus_per_replica: float) -> str:
@@ -43,85 +55,149 @@ def resolve_kv_transport(kv_transport: str, num_gpus_per_replica: float) -> str:
     return "cuda_ipc" if num_gpus_per_replica > 0 else "object_store"
 
 
-def torch_group_class(name: str, torch_backend: str):
-    """A Ray collective group class named ``name`` over ``torch.distributed``'s ``torch_backend``.
+class ByteBudget:
+    """Bytes in use out of a capacity, awaited on an event loop (a decode replica's received payloads).
 
-    Rendezvous and every operation are Ray's ``TorchGLOOGroup``'s (they call ``torch.distributed`` with
-    this group); only the process group's backend differs. With "nccl", tensors must be on the process's
-    current CUDA device. ``torch_group_class("NCCL", "nccl")`` is :class:`TorchNCCLGroup`; tests build a
-    "gloo" one to run the same code on CPU.
+    A request for more than the whole capacity is granted when nothing else is in use (so one oversized
+    batch cannot wait forever). ``peak`` is the most ever in use.
     """
-    import torch
-    import torch.distributed as dist
-    from ray.experimental import internal_kv
-    from ray.util.collective.collective_group.base_collective_group import BaseGroup
-    from ray.util.collective.collective_group.torch_gloo_collective_group import (
-        TorchGLOOGroup,
-        get_master_address_metadata_key,
-    )
 
-    class TorchDistGroup(TorchGLOOGroup):
-        def __init__(self, world_size: int, rank: int, group_name: str, gloo_timeout: int | None = None):
-            if not dist.is_initialized():
-                self._rendezvous(group_name, rank, gloo_timeout)
-                key = get_master_address_metadata_key(group_name)
-                addr, port = internal_kv._internal_kv_get(key).decode().split(":")
-                device = torch.device("cuda", torch.cuda.current_device()) if torch_backend == "nccl" else None
-                # the rendezvous address goes in the init URL: no process-wide MASTER_* variables written
-                dist.init_process_group(backend=torch_backend, init_method=f"tcp://{addr}:{port}",
-                                        world_size=world_size, rank=rank, device_id=device)
-                if rank == 0:
-                    try:
-                        internal_kv._internal_kv_del(key)
-                    except Exception:  # already gone
-                        pass
-            BaseGroup.__init__(self, world_size, rank, group_name)
-            self._is_default_group = group_name == "default"
-            self._pg = dist.group.WORLD if self._is_default_group else dist.new_group(list(range(world_size)),
-                                                                                       backend=torch_backend)
+    def __init__(self, capacity: int):
+        if capacity <= 0:
+            raise ValueError(f"budget capacity must be positive, got {capacity}")
+        self.capacity, self.used, self.peak = capacity, 0, 0
+        self._cond: asyncio.Condition | None = None
 
-        @classmethod
-        def backend(cls):
-            return name
+    def _condition(self) -> asyncio.Condition:
+        if self._cond is None:
+            self._cond = asyncio.Condition()
+        return self._cond
 
-        @classmethod
-        def check_backend_availability(cls) -> bool:
-            if not dist.is_available():
-                return False
-            return torch_backend != "nccl" or (dist.is_nccl_available() and torch.cuda.is_available())
+    async def acquire(self, nbytes: int) -> None:
+        """Wait until ``nbytes`` fit, then take them."""
+        cond = self._condition()
+        async with cond:
+            await cond.wait_for(lambda: self.used + nbytes <= self.capacity or self.used == 0)
+            self.used += nbytes
+            self.peak = max(self.peak, self.used)
 
-        def send(self, tensor, send_options) -> None:
-            dist.send(self._check_tensor_input(tensor), dst=send_options.dst_rank, group=self._pg)
-
-        def recv(self, tensor, recv_options) -> None:
-            dist.recv(self._check_tensor_input(tensor), src=recv_options.src_rank, group=self._pg)
-
-    TorchDistGroup.__name__ = TorchDistGroup.__qualname__ = f"Torch{name}Group"
-    return TorchDistGroup
+    async def release(self, nbytes: int) -> None:
+        cond = self._condition()
+        async with cond:
+            self.used -= nbytes
+            cond.notify_all()
 
 
-def ensure_nccl_backend() -> str:
-    """Make Ray's "NCCL" collective backend usable in this process; call it on the driver and in every
-    actor before the collective group is created.
+class KVTransferAgent:
+    """One replica's end of a PD fleet's KV transfer group (``torch.distributed``, NCCL or gloo).
 
-    Returns:
-        "ray" when Ray's own (CuPy) group is available, "torch" when :class:`TorchNCCLGroup` was
-        registered in its place.
+    Every send and receive runs on the agent's own thread (and on GPU its own CUDA stream), one at a time,
+    so the actor's event loop keeps serving other requests and the engine keeps stepping while KV moves;
+    the router runs one batch at a time per replica (send/recv pairs then always line up).
+
+    Args:
+        device: the KV cache's device.
+        budget_bytes: receive budget (decode side): bytes of received payloads not yet imported.
     """
-    import ray.util.collective  # noqa: F401  (registers Ray's backends first)
-    from ray.util.collective.backend_registry import _global_registry, register_collective_backend
 
-    if _global_registry.is_registered("NCCL") and _global_registry.get("NCCL").__name__ == "TorchNCCLGroup":
-        return "torch"
-    if _global_registry.check("NCCL"):
-        return "ray"
-    _global_registry._map.pop("NCCL", None)  # registered but unusable (no CuPy): replace it
-    register_collective_backend("NCCL", torch_group_class("NCCL", "nccl"))
-    logger.info("Ray's NCCL collective group needs CuPy; using torch.distributed's NCCL backend")
-    return "torch"
+    def __init__(self, device: torch.device, budget_bytes: int):
+        self.device = device
+        self.budget = ByteBudget(budget_bytes)
+        self.rank: int | None = None
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-transfer")
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._staging: torch.Tensor | None = None  # sender: one flat buffer, grown to the largest batch
+        self.num_batches = self.num_bytes_sent = self.num_bytes_received = 0
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def join(self, backend: str, address: str, port: int, world_size: int, rank: int,
+                   timeout_s: float = 300.0) -> None:
+        """Join the group (every member calls this at once). Raises RuntimeError on a rendezvous failure."""
+        import torch.distributed as dist
+
+        def init():
+            kwargs = {"device_id": self.device} if backend == "nccl" else {}
+            dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", world_size=world_size,
+                                    rank=rank, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+
+        await self._run(init)
+        self.rank = rank
+
+    async def send(self, gather: Callable[[torch.Tensor], torch.Tensor], shape: tuple[int, ...],
+                   dtype: torch.dtype, dst: int) -> int:
+        """Gather a batch's KV into the staging buffer (``gather(out)`` fills ``out`` of ``shape``) and send
+        it to rank ``dst``; returns the bytes sent once the send has completed (the blocks may be freed)."""
+        import torch.distributed as dist
+
+        def run() -> int:
+            numel = 1
+            for d in shape:
+                numel *= d
+            with _on(self._stream):
+                if self._staging is None or self._staging.dtype != dtype or self._staging.numel() < numel:
+                    self._staging = None
+                    self._staging = torch.empty(numel, dtype=dtype, device=self.device)
+                buf = self._staging[:numel].view(shape)
+                gather(buf)
+                dist.send(buf, dst)
+                if self._stream is not None:
+                    self._stream.synchronize()
+            return numel * buf.element_size()
+
+        nbytes = await self._run(run)
+        self.num_batches += 1
+        self.num_bytes_sent += nbytes
+        return nbytes
+
+    async def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, nbytes_reserved: int) -> torch.Tensor:
+        """Receive a batch's payload of ``shape`` from rank ``src`` into a new tensor.
+
+        The ``nbytes_reserved`` taken from :attr:`budget` are given back when the tensor (and every view
+        of it) is freed, i.e. once the engine imported all of the batch's requests.
+        """
+        import torch.distributed as dist
+
+        def run() -> torch.Tensor:
+            with _on(self._stream):
+                buf = torch.empty(shape, dtype=dtype, device=self.device)
+                dist.recv(buf, src)
+                if self._stream is not None:
+                    buf.record_stream(torch.cuda.default_stream(self.device))  # imported on the compute stream
+                    self._stream.synchronize()
+            return buf
+
+        try:
+            buf = await self._run(run)
+        except BaseException:
+            await self.budget.release(nbytes_reserved)
+            raise
+        loop = asyncio.get_running_loop()
+        budget = self.budget
+        weakref.finalize(buf, lambda: loop.call_soon_threadsafe(
+            lambda: asyncio.ensure_future(budget.release(nbytes_reserved))))
+        self.num_batches += 1
+        self.num_bytes_received += buf.numel() * buf.element_size()
+        return buf
+
+    def stats(self) -> dict:
+        return {"kv_transfer_batches": self.num_batches, "kv_transfer_bytes_sent": self.num_bytes_sent,
+                "kv_transfer_bytes_received": self.num_bytes_received,
+                "kv_transfer_budget_used": self.budget.used, "kv_transfer_budget_peak": self.budget.peak,
+                "kv_transfer_budget": self.budget.capacity}
 
 
-def prepare_transport(kv_transport: str) -> None:
-    """Per-process setup a transport needs before actors use it (driver and actors alike)."""
-    if kv_transport == "nccl":
-        ensure_nccl_backend()
+class _on:
+    """``torch.cuda.stream(stream)`` on GPU, nothing on CPU."""
+
+    def __init__(self, stream):
+        self._ctx = torch.cuda.stream(stream) if stream is not None else None
+
+    def __enter__(self):
+        if self._ctx is not None:
+            self._ctx.__enter__()
+
+    def __exit__(self, *exc):
+        if self._ctx is not None:
+            self._ctx.__exit__(*exc)

@@ -3,8 +3,8 @@
 Per request: look up the stored prefix (KVStoreActor.match/get) -> the router picks a prefill replica ->
 prefill: load the stored prefix, compute the rest, sample the first token, write new full blocks through
 to the store -> the router picks a decode replica -> the KV moves (a ref through the object store, handed
-to the decode task; or Ray Direct Transport GPU to GPU, run by the router) -> decode: import the KV,
-stream tokens. Text is detokenized here, once per request, so stop strings that span a handoff are found.
+to the decode task; or device to device, batched with other requests' KV by the router) -> decode: import
+the KV, stream tokens. Text is detokenized here, once per request, so stop strings that span a handoff are found.
 
 This is the shell: one ``rayinfer.policy.pd.PDRequest`` per request makes every decision (legs, retries,
 hand-backs, cleanups, leaving RDT); ``generate`` feeds it events and carries out its actions. Balancers,
@@ -164,7 +164,7 @@ class PDClient(_FleetClient):
                 if leg.decode is not None:  # None: it failed (or was cancelled) before the replica answered
                     leg.decode.abort.remote(leg.engine_request_id)
             case P.DropKV():
-                leg.prefill.pop_kv.remote(leg.engine_request_id)  # its result (the payload) is dropped at once
+                leg.prefill.release_kv.remote([leg.engine_request_id])
             case P.ReportFailure():
                 ticket = leg.prefill_ticket if action.role == "prefill" else leg.decode_ticket
                 if ticket is not None:
@@ -220,7 +220,7 @@ class PDClient(_FleetClient):
             if rdt:
                 await unwrap(self.router.transfer_kv.remote(prefill_replica, decode_replica, leg.engine_request_id))
             else:  # the decode task resolves the ref through the object store
-                leg.payload = leg.prefill.pop_kv.remote(leg.engine_request_id)
+                leg.payload = leg.prefill.export_kv.remote(leg.engine_request_id)
         except ray.exceptions.RayError as e:
             leg.error = e
             return P.TransferFailed(_failure_kind(e), str(e), rdt)

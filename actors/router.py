@@ -6,9 +6,10 @@ clients (Serve ingress replicas, the job's driver) share it and its one view of 
 - colocated: ``dp`` NORMAL replicas; clients ask :meth:`Router.pick` for a replica (prefix affinity,
   least in flight; ``rayinfer.policy.routing.ReplicaLoadBalancer``) and stream from it directly;
 - pd: prefill and decode replicas and a KV store; clients run each request's PD state machine
-  (``rayinfer.actors.pd``) and ask the router for prefill and decode tickets; KV transfers over Ray
-  Direct Transport run here, one at a time per replica (collective send/recv pairs must line up, so
-  one process must order them);
+  (``rayinfer.actors.pd``) and ask the router for prefill and decode tickets; KV transfers over the
+  fleet's transfer group (nccl, gloo) are batched here: the requests waiting to move between a pair of
+  replicas go as one send/recv, one batch at a time per replica (send/recv pairs must line up, so one
+  process orders them), each batch first reserving its bytes from the decode replica's budget;
 - ep: one expert-parallel replica whose ranks step in lockstep; its step loop runs here on a thread and
   requests stream through :meth:`Router.generate`.
 
@@ -24,18 +25,18 @@ import asyncio
 import dataclasses
 import logging
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 import ray
 import ray.exceptions
-from ray.experimental.collective import create_collective_group
 from ray.util import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rayinfer.actors.engine_actor import EngineActor, EngineActorImpl
 from rayinfer.actors.kv_store import KVStoreActor
-from rayinfer.actors.kv_transport import COLLECTIVE_TRANSPORTS, prepare_transport, resolve_kv_transport
+from rayinfer.actors.kv_transport import COLLECTIVE_TRANSPORTS, resolve_kv_transport
 from rayinfer.engine.config import EngineConfig, ModelConfig
 from rayinfer.engine.errors import EngineInternalError, UnsupportedError
 from rayinfer.engine.protocol import EPStats, FleetStats, KVStoreStats, ReplicaStats
@@ -124,6 +125,11 @@ class Router:
         self._restarted: dict[str, set[int]] = {"prefill": set(), "decode": set()}
         self._rdt_ok = False
         self._rdt_locks: dict[tuple[str, int], asyncio.Lock] = {}
+        self._transfer_queues: dict[tuple[int, int], deque] = {}  # (prefill, decode) -> waiting transfers
+        self._pumps: dict[tuple[int, int], asyncio.Task] = {}
+        self._budget_blocks: list[int] = []  # per decode replica: blocks one transfer batch may hold
+        self.num_transfer_batches = 0
+        self.num_transferred = 0
         self._probes: set[asyncio.Task] = set()
         self.num_retries = 0
         self.num_handbacks = 0
@@ -202,28 +208,36 @@ class Router:
     async def _start_pd(self) -> None:
         p, pd, cfg = self.parallel, self.parallel.pd, self.engine_config
         transport = resolve_kv_transport(pd.kv_transport, p.num_gpus_per_replica)
-        prepare_transport(transport)
-        pcfg = dataclasses.replace(cfg, role="prefill", **pd.prefill_overrides)
-        dcfg = dataclasses.replace(cfg, role="decode", **pd.decode_overrides)
+        group = transport in COLLECTIVE_TRANSPORTS
+        buffers = {"kv_transfer_buffer_gib": pd.transfer_buffer_gib} if group else {}
+        pcfg = dataclasses.replace(cfg, role="prefill", **buffers, **pd.prefill_overrides)
+        dcfg = dataclasses.replace(cfg, role="decode", **buffers, **pd.decode_overrides)
         max_bytes = int(pd.kv_store_max_gib * _GIB) if pd.kv_store_max_gib else None
         store = KVStoreActor.options(num_cpus=0, max_restarts=-1).remote(pd.kv_store_max_blocks, max_bytes,
                                                                        pd.kv_store_ttl_s)
-        actor_cls = EngineActor if transport == "object_store" else ray.remote(  # pyright: ignore[reportCallIssue]
+        actor_cls = EngineActor if transport != "cuda_ipc" else ray.remote(  # pyright: ignore[reportCallIssue]
             enable_tensor_transport=True)(EngineActorImpl)
         prefills = [await self._place(actor_cls, i, self.model_config, pcfg, i, kv_store=store,
                                       kv_transport=transport) for i in range(p.num_prefill)]
         decodes = [await self._place(actor_cls, p.num_prefill + i, self.model_config, dcfg, p.num_prefill + i,
                                      kv_transport=transport) for i in range(p.num_decode)]
         info = await asyncio.gather(*[r.ready.remote() for r in prefills + decodes])
-        if transport in COLLECTIVE_TRANSPORTS:
-            await asyncio.to_thread(create_collective_group, prefills + decodes,  # pyright: ignore[reportArgumentType]
-                                    backend=transport)
+        if group:  # replica i is rank i: prefill replicas first, then decode replicas
+            replicas = prefills + decodes
+            address, port = await replicas[0].transfer_address.remote()
+            await asyncio.gather(*[r.join_transfer_group.remote(address, port, len(replicas), rank)
+                                   for rank, r in enumerate(replicas)])
         self._rdt_ok = transport != "object_store"
-        num_decode_blocks = min(i["num_blocks"] for i in info[p.num_prefill:])
+        decode_info = info[p.num_prefill:]
+        self._budget_blocks = [i.get("transfer_budget_blocks", 0) for i in decode_info]
+        num_decode_blocks = min(i["num_blocks"] for i in decode_info)
         self.prefill_lb = PrefillBalancer(p.num_prefill)
-        self.decode_lb = DecodeBalancer(p.num_decode, dcfg.max_num_seqs, num_decode_blocks * cfg.block_size)
+        self.decode_lb = DecodeBalancer(p.num_decode, min(i["max_num_seqs"] for i in decode_info),
+                                        num_decode_blocks * cfg.block_size)
         self.info = FleetInfo("pd", info[0]["max_model_len"], cfg.block_size, prefills + decodes, p.num_prefill,
                               store, transport, self.model_config.model, pd.max_retries)
+        logger.info("pd fleet: %d prefill + %d decode replicas, KV over %s%s", p.num_prefill, p.num_decode,
+                    transport, f" (batches up to {pd.transfer_buffer_gib:g} GiB)" if group else "")
 
     # -- colocated -------------------------------------------------------------------------------
     def pick(self, prompt_prefix: list[int]) -> int:
@@ -267,30 +281,77 @@ class Router:
         self._lb("decode").done(ticket)
 
     async def transfer_kv(self, prefill_replica: int, decode_replica: int, request_id: str) -> None:
-        """Move a prefilled request's KV to a decode replica over Ray Direct Transport.
+        """Move a prefilled request's KV to a decode replica without the object store.
 
-        Collective transports run one transfer at a time per replica. A failure turns RDT off for the
-        fleet (Ray kills both ends and the group); the caller retries the request.
+        nccl / gloo: the request joins the pair's queue and moves in the next batch (every request
+        queued for the pair, up to the decode replica's transfer budget, as one send/recv); cuda_ipc:
+        one Ray Direct Transport call. A failure turns device transfers off for the fleet (a broken
+        group or a dead end); the caller retries the request.
 
         Raises:
             ray.exceptions.RayError: the transfer failed.
+            KeyError: the prefill replica holds no KV for the request (expired or dropped).
         """
         prefill, decode = self.fleet.prefills[prefill_replica], self.fleet.decodes[decode_replica]
-        transport = self.fleet.kv_transport
-        try:
-            if transport in COLLECTIVE_TRANSPORTS:
-                async with self._lock("prefill", prefill_replica), self._lock("decode", decode_replica):
-                    payload = prefill.pop_kv.options(tensor_transport=transport).remote(request_id)
-                    await decode.receive_kv.remote(request_id, payload)
-            else:  # one-sided (cuda_ipc): no pairing
-                payload = prefill.pop_kv.options(tensor_transport=transport).remote(request_id)
-                await decode.receive_kv.remote(request_id, payload)
-        except ray.exceptions.RayError as e:
-            if self._rdt_ok:
-                logger.error("a KV transfer over %s failed (%s); using the object store from now on",
-                             transport, type(e).__name__)
-            self._rdt_ok = False
+        if self.fleet.kv_transport in COLLECTIVE_TRANSPORTS:
+            pair = (prefill_replica, decode_replica)
+            future = asyncio.get_running_loop().create_future()
+            self._transfer_queues.setdefault(pair, deque()).append((request_id, future))
+            pump = self._pumps.get(pair)
+            if pump is None or pump.done():
+                self._pumps[pair] = asyncio.get_running_loop().create_task(self._pump(*pair))
+            await future
+            return
+        try:  # cuda_ipc: one-sided, no pairing
+            payload = prefill.pop_kv.options(tensor_transport="cuda_ipc").remote(request_id)
+            await decode.receive_kv.remote(request_id, payload)
+        except ray.exceptions.RayError:
+            self._device_transfer_failed("cuda_ipc")
             raise
+
+    async def _pump(self, prefill_replica: int, decode_replica: int) -> None:
+        """Move the pair's queued requests in batches until its queue is empty."""
+        queue = self._transfer_queues[(prefill_replica, decode_replica)]
+        prefill, decode = self.fleet.prefills[prefill_replica], self.fleet.decodes[decode_replica]
+        src, dst = prefill_replica, self.fleet.num_prefill + decode_replica  # ranks in the transfer group
+        while queue:
+            batch = [queue.popleft() for _ in range(len(queue))]
+            try:
+                ids = [rid for rid, _ in batch]
+                blocks = await prefill.parked_blocks.remote(ids)
+                for (rid, fut), n in zip(batch, blocks):
+                    if n == 0 and not fut.done():
+                        fut.set_exception(KeyError(f"no parked KV for request {rid!r} on prefill replica "
+                                                   f"{prefill_replica}"))
+                live = [(rid, fut, n) for (rid, fut), n in zip(batch, blocks) if n > 0]
+                # batches no larger than the decode budget; the rest goes back to the queue's front
+                cut = _fit([n for _, _, n in live], self._budget_blocks[decode_replica])
+                for rid, fut, n in reversed(live[cut:]):
+                    queue.appendleft((rid, fut))
+                live = live[:cut]
+                if not live:
+                    continue
+                ids, nums = [rid for rid, _, _ in live], [n for _, _, n in live]
+                reserved = await decode.reserve_kv.remote(sum(nums))
+                async with self._lock("prefill", prefill_replica), self._lock("decode", decode_replica):
+                    await asyncio.gather(prefill.send_kv.remote(ids, dst),
+                                         decode.recv_kv.remote(ids, nums, src, reserved))
+            except ray.exceptions.RayError as e:
+                self._device_transfer_failed(self.fleet.kv_transport or "")
+                for _, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(e)
+                continue
+            self.num_transfer_batches += 1
+            self.num_transferred += len(live)
+            for _, fut, _ in live:
+                if not fut.done():
+                    fut.set_result(None)
+
+    def _device_transfer_failed(self, transport: str) -> None:
+        if self._rdt_ok:
+            logger.error("a KV transfer over %s failed; using the object store from now on", transport)
+        self._rdt_ok = False
 
     def report_failure(self, role: str, replica: int, actor_id: str | None) -> None:
         """A client saw a replica fail: keep it out of new picks until its ``ready`` answers again.
@@ -399,6 +460,17 @@ class Router:
         for pg in self._placement_groups:
             remove_placement_group(pg)
         self._placement_groups = []
+
+
+def _fit(num_blocks: list[int], budget_blocks: int) -> int:
+    """How many leading requests (of ``num_blocks`` blocks each) one batch takes: as many as fit the
+    budget, and at least one (a request larger than the budget goes alone)."""
+    total = 0
+    for i, n in enumerate(num_blocks):
+        total += n
+        if total > budget_blocks and i > 0:
+            return i
+    return len(num_blocks)
 
 
 def _fmt(resources: dict) -> str:

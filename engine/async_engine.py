@@ -41,6 +41,7 @@ class AsyncLLMEngine:
         self._stopped = False
         self._stats: dict = engine.stats()
         self._grammars = None  # GrammarCompilerService, built on the first constrained request
+        self.parked_kv_ttl_s = 300.0  # PREFILL role: parked KV nobody took (its router died) is freed after this
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -122,6 +123,11 @@ class AsyncLLMEngine:
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
+    def release_kv(self, request_ids: list[str]) -> None:
+        """Free parked KV (PREFILL role) on the loop thread (thread-safe; unknown ids are ignored)."""
+        self._inbox.put(("release_kv", list(request_ids)))
+        self._wake.set()
+
     def stats(self) -> dict:
         """The engine's gauges and counters as of the last step."""
         return dict(self._stats)
@@ -157,6 +163,8 @@ class AsyncLLMEngine:
                     loop.call_soon_threadsafe(stream.put_nowait, e)
                 else:
                     self._live[rid] = entry
+            elif msg[0] == "release_kv":
+                self.engine.release_kv(msg[1])
             else:
                 self.engine.abort_request(msg[1])
                 self._live.pop(msg[1], None)
@@ -164,6 +172,8 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         while not self._stopped:
             self._drain_inbox()
+            if self.engine.parked:
+                self.engine.expire_kv(self.parked_kv_ttl_s)
             if not self.engine.has_unfinished_requests():
                 self._stats = self.engine.stats()
                 self._wake.wait(timeout=0.5)

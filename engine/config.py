@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from rayinfer.engine.types import EngineRole
@@ -58,13 +59,16 @@ class EngineConfig:
             bf16 per token; keys and values are rounded on write and widened on read).
         gpu_memory_utilization: fraction of the GPU's memory this replica may use (weights + KV +
             activations), bounded by what is free; replicas sharing a GPU each take their own fraction.
-        max_num_seqs: running requests at most.
-        max_num_batched_tokens: new tokens per step at most.
+        max_num_seqs: running requests at most; None picks by device (:meth:`for_device`).
+        max_num_batched_tokens: new tokens per step at most; None picks by device.
         enable_prefix_caching, enable_chunked_prefill: as named.
         role: "normal", "prefill" or "decode".
         async_scheduling: schedule step N+1 while the device runs step N (None: on CUDA only).
         enforce_eager: no CUDA graphs for decode.
         debug_sync_guard: raise if launching a step synchronizes with the GPU (for tests).
+        kv_transfer_buffer_gib: GPU memory kept out of the KV pool for PD transfer buffers (a prefill
+            replica's send staging, a decode replica's received payloads not yet imported); set by the
+            router from ``ParallelConfig.pd.transfer_buffer_gib``.
     """
 
     device: str = "auto"
@@ -73,19 +77,22 @@ class EngineConfig:
     kv_cache_memory_gib: float = 1.0
     kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.85
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     role: str = "normal"
     async_scheduling: bool | None = None
     enforce_eager: bool = False
     debug_sync_guard: bool = False
+    kv_transfer_buffer_gib: float = 0.0
 
     def __post_init__(self):
         if self.device not in _DEVICES:
             raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if name != "block_size" and getattr(self, name) is None:
+                continue
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
@@ -96,7 +103,28 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.kv_cache_memory_gib <= 0:
             raise ValueError(f"kv_cache_memory_gib must be positive, got {self.kv_cache_memory_gib}")
+        if not self.kv_transfer_buffer_gib >= 0:
+            raise ValueError(f"kv_transfer_buffer_gib must be >= 0, got {self.kv_transfer_buffer_gib}")
         try:
             EngineRole(self.role)
         except ValueError:
             raise ValueError(f"role must be one of normal, prefill, decode; got {self.role!r}") from None
+
+    def for_device(self, device_type: str, device_memory_gib: float = 0.0) -> "EngineConfig":
+        """This config with ``max_num_seqs`` / ``max_num_batched_tokens`` chosen where they are None.
+
+        GPUs of 40 GiB or more (A100-80G, H100, H200): 256 sequences and 8,192 tokens per step, the best
+        of the 8B-shape sweeps on an H200 (9,638 out tok/s against 6,583 with 64/2048); smaller GPUs: 128
+        and 4,096; CPU: 64 and 2,048 (a CPU step's time grows with its tokens, so smaller steps keep
+        streams smooth). Values the user set are kept.
+
+        Args:
+            device_type: "cuda" or "cpu" (anything else is treated as CPU).
+            device_memory_gib: the device's total memory (GPU only).
+        """
+        if device_type == "cuda":
+            seqs, tokens = (256, 8192) if device_memory_gib >= 40 else (128, 4096)
+        else:
+            seqs, tokens = 64, 2048
+        return dataclasses.replace(self, max_num_seqs=self.max_num_seqs or seqs,
+                                   max_num_batched_tokens=self.max_num_batched_tokens or tokens)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import math
+import time
+from typing import NamedTuple
 
 import torch
 
@@ -30,6 +32,14 @@ from rayinfer.engine.types import (
 
 logger = logging.getLogger(__name__)
 _GIB = 1 << 30
+
+
+class ParkedKV(NamedTuple):
+    """A prefilled request's KV left in the pool for a transfer: its blocks, tokens and when it was parked."""
+
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    since: float
 
 
 def resolve_device(device: str) -> torch.device:
@@ -78,6 +88,14 @@ class LLMEngine:
             self.device, self.dtype = weight.device, weight.dtype
             if cfg.device != "auto" and torch.device(cfg.device).type != self.device.type:
                 raise ValueError(f"engine_config.device={cfg.device!r} but the given model is on {self.device}")
+        chosen = cfg.max_num_seqs is None or cfg.max_num_batched_tokens is None
+        mem_gib = (torch.cuda.get_device_properties(self.device).total_memory / _GIB
+                   if self.device.type == "cuda" else 0.0)
+        self.engine_config = cfg = cfg.for_device(self.device.type, mem_gib)
+        if chosen:
+            logger.info("max_num_seqs=%d max_num_batched_tokens=%d (chosen for %s%s; set engine.max_num_seqs / "
+                        "engine.max_num_batched_tokens to override)", cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                        self.device.type, f", {mem_gib:.0f} GiB" if mem_gib else "")
         kv_name = KV_CACHE_DTYPES[cfg.kv_cache_dtype]
         self.kv_dtype = getattr(torch, kv_name) if kv_name else self.dtype
         self.role = EngineRole(cfg.role)
@@ -119,7 +137,9 @@ class LLMEngine:
         self.num_prompt_tokens = 0  # counters for metrics
         self.num_generation_tokens = 0
         self.num_computed_tokens = 0
-        self.kv_export_device = "cpu"  # where exported KV payloads land ("cuda" keeps them for RDT)
+        # PREFILL role: prefilled requests whose KV waits in the pool for a transfer (written on the engine
+        # thread; other threads read entries to gather their blocks, see gather_kv)
+        self.parked: dict[str, ParkedKV] = {}
         logger.info("engine ready: %s on %s (%s), %d KV blocks of %d", model_config.model, self.device,
                     self.dtype, num_blocks, cfg.block_size)
 
@@ -132,7 +152,8 @@ class LLMEngine:
             free, total = torch.cuda.mem_get_info(self.device)
             activation_reserve = 2 * _GIB
             own = torch.cuda.memory_reserved(self.device)
-            budget = min(total * cfg.gpu_memory_utilization - own, free) - activation_reserve
+            budget = (min(total * cfg.gpu_memory_utilization - own, free) - activation_reserve
+                      - cfg.kv_transfer_buffer_gib * _GIB)
         else:
             budget = cfg.kv_cache_memory_gib * _GIB
         num_blocks = int(budget // per_block)
@@ -218,7 +239,60 @@ class LLMEngine:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         for rid in ids:
+            self.parked.pop(rid, None)
             self._forget(rid)
+
+    # -- PD: parked KV (PREFILL role) ------------------------------------------------------------
+    def gather_kv(self, request_ids: list[str], out: torch.Tensor | None = None,
+                  device: torch.device | str | None = None) -> torch.Tensor:
+        """Copy the parked KV of ``request_ids`` (in order) into one payload ``[L, n, 2, bs, H, D]``.
+
+        Safe from any thread while the requests stay parked (parked blocks are never written, and are
+        freed only by :meth:`release_kv` / :meth:`expire_kv` on the engine thread).
+
+        Args:
+            request_ids: parked requests; ``n`` is the sum of their blocks.
+            out: a contiguous tensor of that shape and the cache's dtype on the cache's device to fill
+                (a reused staging buffer), or None for a new tensor.
+            device: where a new payload lands (default the cache's device); ignored with ``out``.
+        Raises:
+            KeyError: naming a request that is not parked here (never prefilled, released or expired).
+        """
+        blocks: list[int] = []
+        for rid in request_ids:
+            entry = self.parked.get(rid)
+            if entry is None:
+                raise KeyError(f"no parked KV for request {rid!r} (released, expired or never prefilled here)")
+            blocks.extend(entry.block_ids)
+        idx = torch.tensor(blocks, dtype=torch.long).to(self.device, non_blocking=True)
+        if out is not None:
+            return torch.index_select(self.kv_cache, 1, idx, out=out)
+        payload = torch.index_select(self.kv_cache, 1, idx)
+        return payload if device is None else payload.to(device)
+
+    def release_kv(self, request_ids: list[str]) -> None:
+        """Free parked requests' blocks (engine thread only; unknown ids are ignored). Full blocks stay in
+        the prefix cache until evicted."""
+        for rid in request_ids:
+            if self.parked.pop(rid, None) is not None:
+                self.scheduler.finish_requests(rid, RequestStatus.FINISHED_PREFILLED)
+
+    def take_kv(self, request_id: str, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Gather one parked request's payload onto ``device`` and free its blocks (engine thread only).
+
+        Raises:
+            KeyError: if the request is not parked here.
+        """
+        payload = self.gather_kv([request_id], device=device)
+        self.release_kv([request_id])
+        return payload
+
+    def expire_kv(self, ttl_s: float) -> list[str]:
+        """Release parked KV older than ``ttl_s`` seconds (nobody came for it); returns the ids."""
+        now = time.monotonic()
+        old = [rid for rid, e in self.parked.items() if now - e.since > ttl_s]
+        self.release_kv(old)
+        return old
 
     def _forget(self, request_id: str) -> None:
         self.sampler.release(request_id)
@@ -304,9 +378,10 @@ class LLMEngine:
             self.num_prompt_tokens += len(req.prompt_token_ids)
         handle = None
         prefilled = req.status == RequestStatus.FINISHED_PREFILLED
-        if prefilled:
-            handle = self.runner.export_kv(req, req.num_computed_tokens, self.kv_export_device)
-            self.scheduler.finish_requests(rid, RequestStatus.FINISHED_PREFILLED)
+        if prefilled:  # the KV stays in the pool, parked, until take_kv / release_kv
+            handle = self.runner.kv_handle(req, req.num_computed_tokens)
+            self.parked[rid] = ParkedKV(tuple(req.block_ids[: -(-handle.num_tokens // self.runner.block_size)]),
+                                        handle.num_tokens, time.monotonic())
         finished = req.is_finished
         out = RequestOutput(
             request_id=rid,

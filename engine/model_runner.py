@@ -153,26 +153,13 @@ class ModelRunner:
         sampled = self.sampler.finish(step.host, step.sample_reqs)
         return StepOutput({r.request_id: t for r, t in zip(step.sample_reqs, sampled)})
 
-    def export_kv(self, req: Request, num_tokens: int, device: str | torch.device = "cpu") -> KVHandle:
-        """Copy the KV of a request's first ``num_tokens`` tokens out of the cache.
-
-        Args:
-            req: the request (its block table and block hashes are read).
-            num_tokens: tokens to export; their blocks are ``ceil(num_tokens / block_size)``.
-            device: where the payload lands: "cpu" (object store) or the cache's device (kept on the
-                GPU for Ray Direct Transport).
-        Returns:
-            a KVHandle whose payload is [L, n_blocks, ...] (the cache's per-block layout, its dtype), a
-            fresh contiguous tensor on ``device``.
-        """
-        num_blocks = -(-num_tokens // self.block_size)
-        blocks = torch.tensor(req.block_ids[:num_blocks], dtype=torch.long, device=self.device)
-        payload = self.kv_cache[:, blocks].to(device, copy=True)
+    def kv_handle(self, req: Request, num_tokens: int) -> KVHandle:
+        """The handle (no payload) of a request's first ``num_tokens`` tokens: block hashes, layout."""
         full = num_tokens // self.block_size
         hashes = req.block_hashes[:full]
         if len(hashes) < full:  # prefix caching off: the scheduler kept no hashes, the KV store needs them
             hashes = hash_block_chain(req.all_token_ids[: full * self.block_size], self.block_size, req.cache_salt)
-        return KVHandle(req.request_id, list(hashes), num_tokens, kv_layout_tag(self.kv_cache), payload)
+        return KVHandle(req.request_id, list(hashes), num_tokens, kv_layout_tag(self.kv_cache))
 
     def import_kv(self, block_ids, handle: KVHandle) -> None:
         """Write a handle's payload into the given blocks of the cache.

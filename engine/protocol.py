@@ -28,6 +28,10 @@ class ReplicaStats:
         num_preemptions: requests preempted so far.
         num_prompt_tokens, num_generation_tokens, num_computed_tokens: token counters.
         num_free_blocks, num_blocks: KV blocks free and in the pool.
+        num_parked_kv: PREFILL role: prefilled requests whose KV waits in the pool for its transfer.
+        kv_transfer: nccl / gloo PD transports: ``kv_transfer_batches``, ``kv_transfer_bytes_sent``,
+            ``kv_transfer_bytes_received``, ``kv_transfer_budget`` (bytes), ``kv_transfer_budget_used`` and
+            ``kv_transfer_budget_peak`` (received bytes not yet imported, now and at most).
         error: set (and the gauges zero) when the replica could not be asked (dead or restarting).
     """
 
@@ -45,13 +49,16 @@ class ReplicaStats:
     num_computed_tokens: int = 0
     num_free_blocks: int = 0
     num_blocks: int = 0
+    num_parked_kv: int = 0
+    kv_transfer: dict[str, int] = field(default_factory=dict)
     error: str | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], **extra: Any) -> "ReplicaStats":
         """From an engine's ``stats()`` dict (unknown keys are ignored) plus ``extra`` fields."""
         names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in {**data, **extra}.items() if k in names})
+        transfer = {k: v for k, v in data.items() if k.startswith("kv_transfer_")}
+        return cls(**{k: v for k, v in {**data, **extra}.items() if k in names}, kv_transfer=transfer)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

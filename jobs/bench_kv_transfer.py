@@ -10,11 +10,13 @@ Usage::
 What a PD handoff does, step by step, each timed on its own (median of ``--repeats``):
 
 1. export: gather the request's blocks out of a paged cache ``[L, num_blocks, 2, bs, H, D]`` into one
-   payload ``[L, n, 2, bs, H, D]`` (``ModelRunner.export_kv`` with the payload kept on the device);
-2. transfer: the payload from a sender actor to a receiver actor (one GPU each): Ray Direct Transport
-   (``tensor_transport="nccl"`` between two GPUs, ``"cuda_ipc"`` between two actors on one GPU) or
-   the object store (device -> host, plasma, host -> device);
-3. import: scatter the payload into the receiver's paged cache (``ModelRunner.import_kv``).
+   payload ``[L, n, 2, bs, H, D]`` (``LLMEngine.gather_kv``);
+2. transfer: the payload from a sender actor to a receiver actor (one GPU each): nccl / gloo through the
+   KV transfer agents (``rayinfer.actors.kv_transport.KVTransferAgent``, what PD replicas use: gather into
+   the staging buffer, send, receive, scatter into blocks, in batches of at most
+   ``--transfer-buffer-gib``; the time includes export and import), ``cuda_ipc`` (Ray Direct Transport
+   between two actors on one GPU), or the object store (device -> host, plasma, host -> device);
+3. import: scatter the payload into the receiver's paged cache (as the engine imports it).
 
 Transfer times are reported raw and minus the round trip of a one-block payload (Ray's per-call
 latency; applied only where the payload takes most of the call), as GB/s, and against the ceilings
@@ -65,14 +67,42 @@ class _Side:
 
     def __init__(self, shape: tuple[int, ...], dtype: str, block_size: int, num_blocks: int, device: str,
                  transports: tuple[str, ...] = ()):
-        from rayinfer.actors.kv_transport import prepare_transport
+        from rayinfer.actors.kv_transport import KVTransferAgent
 
-        for t in transports:
-            prepare_transport(t)
         self.device = torch.device("cuda:0" if device == "cuda" else "cpu")
         layers, heads, dim = shape
         self.cache = torch.randn(layers, num_blocks, 2, block_size, heads, dim, device=self.device).to(DTYPES[dtype])
         self.payloads: dict[int, torch.Tensor] = {}
+        self.agent = KVTransferAgent(self.device, 1 << 40) if set(transports) & {"nccl", "gloo"} else None
+
+    def address(self) -> tuple[str, int]:
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            return ray.util.get_node_ip_address(), sock.getsockname()[1]
+
+    async def join(self, backend: str, address: str, port: int, rank: int) -> None:
+        assert self.agent is not None
+        await self.agent.join(backend, address, port, 2, rank)
+
+    async def agent_send(self, num_blocks: int) -> int:
+        """What a prefill replica's send_kv does: gather scattered blocks into the staging buffer, send."""
+        assert self.agent is not None
+        idx = torch.randperm(self.cache.shape[1], device=self.device)[:num_blocks]
+        shape = (self.cache.shape[0], num_blocks, *self.cache.shape[2:])
+        return await self.agent.send(lambda out: torch.index_select(self.cache, 1, idx, out=out), shape,
+                                     self.cache.dtype, 1)
+
+    async def agent_recv(self, num_blocks: int) -> int:
+        """What a decode replica's recv_kv and its engine's import do: receive, scatter into blocks."""
+        assert self.agent is not None
+        shape = (self.cache.shape[0], num_blocks, *self.cache.shape[2:])
+        payload = await self.agent.recv(shape, self.cache.dtype, 0, 0)
+        idx = torch.randperm(self.cache.shape[1], device=self.device)[:num_blocks]
+        self.cache[:, idx] = payload
+        _sync(self.device)
+        return payload.numel() * payload.element_size()
 
     def export(self, num_blocks: int, repeats: int) -> float:
         """Gather ``num_blocks`` scattered blocks into a payload (kept for ``send``); returns median seconds."""
@@ -135,11 +165,24 @@ def _peer_copy_GBps(nbytes: int, repeats: int) -> float | None:
     return nbytes / _median_s(copy, torch.device("cuda:0"), repeats) / 1e9
 
 
-def _timed_transfer(sender, receiver, num_blocks: int, transport: str, repeats: int) -> float:
-    """Median seconds from submitting the send to the payload sitting in the receiver's cache."""
+def _timed_transfer(sender, receiver, num_blocks: int, transport: str, repeats: int, chunk_blocks: int) -> float:
+    """Median seconds from submitting the send to the payload sitting in the receiver's cache.
+
+    nccl / gloo move the blocks as the PD router does: batches of at most ``chunk_blocks`` blocks
+    (``pd.transfer_buffer_gib``), one after another, each gathered from scattered blocks on the sender and
+    scattered into blocks on the receiver (export and import included in the time)."""
     times = []
     for i in range(repeats + 1):
         t = time.perf_counter()
+        if transport in ("nccl", "gloo"):
+            left = num_blocks
+            while left:
+                n = min(left, chunk_blocks)
+                ray.get([sender.agent_send.remote(n), receiver.agent_recv.remote(n)])
+                left -= n
+            if i:
+                times.append(time.perf_counter() - t)
+            continue
         if transport == "object_store":
             ref = sender.send_to_host.remote(num_blocks)
         else:
@@ -162,6 +205,8 @@ def main() -> None:
                          "GPU; gloo object_store on CPU)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--transfer-buffer-gib", type=float, default=4.0,
+                    help="nccl/gloo: the largest batch per send/recv, as pd.transfer_buffer_gib")
     ap.add_argument("--out", default="benchmarks/results/kv_transfer.json")
     args = ap.parse_args()
     max_blocks = -(-max(args.tokens) // args.block_size)
@@ -175,10 +220,6 @@ def main() -> None:
     transports = args.transports or default
     if shared and "nccl" in transports:
         raise SystemExit("nccl needs one GPU per actor (NCCL refuses two ranks on one device); use cuda_ipc")
-    from rayinfer.actors.kv_transport import prepare_transport
-
-    for t in transports:
-        prepare_transport(t)
     layers, heads, dim = SHAPES[args.shape]
     per_token = layers * 2 * heads * dim * DTYPES[args.dtype].itemsize
     peer = None
@@ -189,15 +230,16 @@ def main() -> None:
     sender, receiver = (Side.remote(SHAPES[args.shape], args.dtype, args.block_size, max_blocks + 64, args.device,
                                     tuple(transports)) for _ in range(2))
     collectives = [t for t in transports if t in ("nccl", "gloo")]
+    if len(collectives) > 1:
+        raise SystemExit("one of nccl / gloo per run (each actor joins one transfer group)")
     if collectives:
-        from ray.experimental.collective import create_collective_group
-
-        for backend in collectives:
-            create_collective_group([sender, receiver], backend=backend)
+        address, port = ray.get(sender.address.remote())
+        ray.get([sender.join.remote(collectives[0], address, port, 0), receiver.join.remote(collectives[0], address, port, 1)])
+    chunk_blocks = max(1, int(args.transfer_buffer_gib * 2**30) // (args.block_size * per_token))
     ceilings = ray.get(sender.ceilings.remote(max(args.tokens) * per_token, args.repeats))
     ceilings["peer_copy_GBps"] = peer
     ray.get(sender.export.remote(1, 1))
-    tiny = {t: _timed_transfer(sender, receiver, 1, t, args.repeats) for t in transports}  # ~latency
+    tiny = {t: _timed_transfer(sender, receiver, 1, t, args.repeats, chunk_blocks) for t in transports}  # ~latency
     rows = []
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -219,7 +261,7 @@ def main() -> None:
         ray.get(receiver.export.remote(n, 1))  # gives the receiver a payload of this size to scatter
         import_s = ray.get(receiver.import_time.remote(n, args.repeats))
         for transport in transports:
-            t = _timed_transfer(sender, receiver, n, transport, args.repeats)
+            t = _timed_transfer(sender, receiver, n, transport, args.repeats, chunk_blocks)
             gbps = nbytes / t / 1e9
             # latency-corrected only where the payload dominates the call (else the difference is noise)
             gbps_net = nbytes / (t - tiny[transport]) / 1e9 if t > 2 * tiny[transport] else gbps

@@ -62,6 +62,10 @@ class PDSection(_Sealed):
             (``rayinfer.actors.kv_transport``).
         kv_store_max_blocks, kv_store_max_gib, kv_store_ttl_s: KV store limits (None: no limit).
         max_retries: re-prefills of one request after actor failures before it fails.
+        transfer_buffer_gib: nccl / gloo transports: the largest KV batch one transfer moves, in GiB; each
+            prefill and decode replica keeps this much device memory out of its KV pool for the send
+            staging buffer / the received payloads not yet imported (a decode replica takes no more
+            batches while its received payloads fill it: back-pressure instead of out-of-memory).
         prefill_overrides, decode_overrides: EngineConfig fields set on one role only.
     """
 
@@ -70,6 +74,7 @@ class PDSection(_Sealed):
     kv_store_max_gib: float | None = 2.0
     kv_store_ttl_s: float | None = None
     max_retries: int = 5
+    transfer_buffer_gib: float = 4.0
     prefill_overrides: dict[str, Any] = field(default_factory=dict)
     decode_overrides: dict[str, Any] = field(default_factory=dict)
 
@@ -79,6 +84,8 @@ class PDSection(_Sealed):
         _check_int("pd.max_retries", self.max_retries, 0)
         if self.kv_store_max_blocks is not None:
             _check_int("pd.kv_store_max_blocks", self.kv_store_max_blocks, 1)
+        if not (isinstance(self.transfer_buffer_gib, (int, float)) and self.transfer_buffer_gib > 0):
+            raise ValueError(f"pd.transfer_buffer_gib must be positive; got {self.transfer_buffer_gib!r}")
         for name in ("kv_store_max_gib", "kv_store_ttl_s"):
             value = getattr(self, name)
             if value is not None and not value > 0:

@@ -1,8 +1,12 @@
-"""KV transport names: "auto" resolution, bad names, and the CuPy-free NCCL backend's registration."""
+"""KV transport names, the receive budget, and the transfer agents (gloo, the nccl path's code on CPU): a batch
+of scattered blocks arrives intact, and a receiver waiting for a batch keeps answering on its event loop."""
+
+import asyncio
+
 
 import pytest
 
-from rayinfer.actors.kv_transport import ensure_nccl_backend, resolve_kv_transport
+from rayinfer.actors.kv_transport import resolve_kv_transport
 
 
 @pytest.mark.parametrize("gpus, want", [(0, "object_store"), (0.5, "cuda_ipc"), (0.25, "cuda_ipc"), (1, "nccl"),
@@ -18,60 +22,88 @@ def test_explicit_names_pass_through_and_bad_names_are_named():
         resolve_kv_transport("rdma", 1)
 
 
-def test_nccl_backend_registered_without_cupy():
-    pytest.importorskip("ray")
-    from ray.util.collective.backend_registry import _global_registry
 
-    try:
-        import cupy  # noqa: F401
-        has_cupy = True
-    except ImportError:
-        has_cupy = False
-    which = ensure_nccl_backend()
-    assert _global_registry.is_registered("NCCL")
-    cls = _global_registry.get("NCCL")
-    assert cls.backend() == "NCCL"
-    if not has_cupy:
-        assert which == "torch" and cls.__name__ == "TorchNCCLGroup"
-    assert ensure_nccl_backend() == which  # idempotent: a second call keeps the same class
-    assert _global_registry.get("NCCL") is cls
+def test_byte_budget_waits_releases_and_lets_an_oversized_batch_through_alone():
+    from rayinfer.actors.kv_transport import ByteBudget
+
+    async def main():
+        budget = ByteBudget(100)
+        await budget.acquire(60)
+        second = asyncio.ensure_future(budget.acquire(50))  # 110 > 100: waits
+        await asyncio.sleep(0.05)
+        assert not second.done() and budget.used == 60
+        await budget.release(60)
+        await asyncio.wait_for(second, 5)
+        assert budget.used == 50
+        oversized = asyncio.ensure_future(budget.acquire(500))  # more than the capacity: only when empty
+        await asyncio.sleep(0.05)
+        assert not oversized.done()
+        await budget.release(50)
+        await asyncio.wait_for(oversized, 5)
+        assert budget.used == 500 and budget.peak == 500
+        await budget.release(500)
+        assert budget.used == 0
+
+    asyncio.run(main())
+    with pytest.raises(ValueError, match="capacity must be positive"):
+        ByteBudget(0)
 
 
-def test_torch_group_sends_between_two_actors(ray_cluster):
-    """The CuPy-free group's own code (rendezvous, process group, send/recv) on CPU: the same class as
-    TorchNCCLGroup built over gloo, used through Ray's collective API by two actors."""
+def test_agents_move_a_batch_over_gloo_while_the_receiver_keeps_serving(ray_cluster):
     import ray
     import torch
-    from ray.util import collective
-
-    name = "TORCHGLOOTEST"
-
-    def register():
-        from ray.util.collective.backend_registry import _global_registry, register_collective_backend
-
-        from rayinfer.actors.kv_transport import torch_group_class
-
-        if not _global_registry.is_registered(name):
-            register_collective_backend(name, torch_group_class(name, "gloo"))
 
     @ray.remote(num_cpus=0)
     class Peer:
         def __init__(self):
-            register()
+            from rayinfer.actors.kv_transport import KVTransferAgent
 
-        def send(self, n):
-            collective.send(torch.arange(n, dtype=torch.float32) * 3, 1, "kvtest")
-            return True
+            self.agent = KVTransferAgent(torch.device("cpu"), budget_bytes=1 << 20)
+            self.cache = torch.arange(2 * 8 * 2 * 4 * 3, dtype=torch.float32).view(2, 8, 2, 4, 3)  # [L, N, 2, bs, D]
 
-        def recv(self, n):
-            out = torch.zeros(n)
-            collective.recv(out, 0, "kvtest")
-            return out
+        def address(self):
+            import socket
 
-    register()
+            with socket.socket() as sock:
+                sock.bind(("", 0))
+                return ray.util.get_node_ip_address(), sock.getsockname()[1]
+
+        async def join(self, addr, port, rank):
+            await self.agent.join("gloo", addr, port, 2, rank, timeout_s=60)
+
+        async def send(self, blocks):
+            idx = torch.tensor(blocks)
+            shape = (2, len(blocks), 2, 4, 3)
+            return await self.agent.send(lambda out: torch.index_select(self.cache, 1, idx, out=out), shape,
+                                         torch.float32, 1)
+
+        async def recv(self, num_blocks):
+            nbytes = num_blocks * 2 * 2 * 4 * 3 * 4
+            await self.agent.budget.acquire(nbytes)
+            return await self.agent.recv((2, num_blocks, 2, 4, 3), torch.float32, 0, nbytes)
+
+        async def ping(self):
+            return self.agent.budget.used
+
     a, b = Peer.remote(), Peer.remote()
-    collective.create_collective_group([a, b], 2, [0, 1], backend=name, group_name="kvtest")
-    sent, got = ray.get([a.send.remote(1000), b.recv.remote(1000)], timeout=60)
-    assert sent and torch.equal(got, torch.arange(1000, dtype=torch.float32) * 3)
+    addr, port = ray.get(a.address.remote())
+    ray.get([a.join.remote(addr, port, 0), b.join.remote(addr, port, 1)], timeout=120)
+    blocks = [5, 1, 6, 6]
+    pending = b.recv.remote(len(blocks))  # waits on the agent's thread for a sender
+    for _ in range(5):  # the receiver's event loop answers meanwhile, with the batch's bytes reserved
+        assert ray.get(b.ping.remote(), timeout=10) == len(blocks) * 192  # 2 layers x 2 x 4 x 3 floats per block
+    ready, _ = ray.wait([pending], timeout=0.5)
+    assert not ready  # still in flight
+    sent = ray.get(a.send.remote(blocks), timeout=60)
+    got = ray.get(pending, timeout=60)
+    cache = torch.arange(2 * 8 * 2 * 4 * 3, dtype=torch.float32).view(2, 8, 2, 4, 3)
+    assert torch.equal(got, cache[:, blocks]) and sent == got.numel() * 4
+    # the payload went out of scope on the receiver (Ray returned a copy): its bytes are given back
+    for _ in range(50):
+        if ray.get(b.ping.remote()) == 0:
+            break
+        import time
+        time.sleep(0.1)
+    assert ray.get(b.ping.remote()) == 0
     for actor in (a, b):
         ray.kill(actor)

@@ -1,6 +1,8 @@
 """PREFILL and DECODE engines by hand, no Ray: export -> import continues token for token like a NORMAL
 engine, and a DECODE engine that runs out of blocks hands a request back for a re-prefill (SmolLM2, CPU)."""
 
+import dataclasses
+
 import pytest
 
 from rayinfer.engine.config import EngineConfig, ModelConfig
@@ -46,13 +48,21 @@ def test_prefill_export_decode_import_and_hand_back(engines):
         for rid in rids:
             prefill.add_request(rid, prompts[rid], params, output_token_ids=tokens[rid])
         for out in drain(prefill):
-            assert out.finish_reason == "prefilled" and out.kv_handle.num_tokens == 31 + len(tokens[out.request_id])
-            assert prefill.scheduler.kv.pool.num_free_blocks == 64  # exported, then freed
-            tokens[out.request_id] += out.new_token_ids
-            decode.add_request(out.request_id, prompts[out.request_id], params, kv_handle=out.kv_handle,
-                               output_token_ids=tokens[out.request_id])
+            rid = out.request_id
+            assert out.finish_reason == "prefilled" and out.kv_handle.num_tokens == 31 + len(tokens[rid])
+            assert out.kv_handle.payload is None and rid in prefill.parked  # the KV waits in the pool
+            parked = len(prefill.parked[rid].block_ids)
+            assert parked == -(-out.kv_handle.num_tokens // 16)
+            assert prefill.scheduler.kv.pool.num_free_blocks <= 64 - parked
+            free = prefill.scheduler.kv.pool.num_free_blocks
+            payload = prefill.take_kv(rid)
+            assert rid not in prefill.parked and prefill.scheduler.kv.pool.num_free_blocks == free + parked
+            tokens[rid] += out.new_token_ids
+            decode.add_request(rid, prompts[rid], params, kv_handle=dataclasses.replace(out.kv_handle, payload=payload),
+                               output_token_ids=tokens[rid])
 
     prefill_into_decode("ab")  # 32 tokens each: 2 + 2 of the decode engine's 6 blocks
+    assert prefill.scheduler.kv.pool.num_free_blocks == 64 and not prefill.scheduler.requests
     while decode.has_unfinished_requests():
         for out in decode.step():
             if out.finish_reason == "preempted":  # both reached 49 tokens: one 4th block too few
