@@ -239,8 +239,8 @@ class EngineActorImpl:
         await self._store_copy_done(request_ids)
         num_blocks = sum(len(e.parked[r].block_ids) for r in request_ids)
         shape = (e.kv_cache.shape[0], num_blocks, *e.kv_cache.shape[2:])
-        nbytes = await self.transfer.send(lambda out: e.gather_kv(request_ids, out=out), shape, e.kv_cache.dtype,
-                                          dst_rank)
+        nbytes = await self.transfer.send(lambda out, layers: e.gather_kv(request_ids, out=out, layers=layers),
+                                          shape, e.kv_cache.dtype, dst_rank)
         self.engine.release_kv(request_ids)
         return nbytes
 

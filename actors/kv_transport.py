@@ -27,6 +27,7 @@ import asyncio
 import concurrent.futures
 import datetime
 import logging
+import math
 import weakref
 from typing import Callable
 
@@ -105,8 +106,9 @@ class KVTransferAgent:
         self.budget = ByteBudget(budget_bytes)
         self.rank: int | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-transfer")
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._staging: torch.Tensor | None = None  # sender: one flat buffer, grown to the largest batch
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # sends and receives
+        self._gather_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._staging: torch.Tensor | None = None  # sender: [2, chunk numel], grown to the largest chunk
         self.num_batches = self.num_bytes_sent = self.num_bytes_received = 0
 
     async def _run(self, fn, *args):
@@ -118,33 +120,55 @@ class KVTransferAgent:
         import torch.distributed as dist
 
         def init():
-            kwargs = {"device_id": self.device} if backend == "nccl" else {}
+            device = self.device
+            if device.type == "cuda" and device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            kwargs = {"device_id": device} if backend == "nccl" else {}
             dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", world_size=world_size,
                                     rank=rank, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
 
         await self._run(init)
         self.rank = rank
 
-    async def send(self, gather: Callable[[torch.Tensor], torch.Tensor], shape: tuple[int, ...],
+    async def send(self, gather: Callable[[torch.Tensor, slice], object], shape: tuple[int, ...],
                    dtype: torch.dtype, dst: int) -> int:
-        """Gather a batch's KV into the staging buffer (``gather(out)`` fills ``out`` of ``shape``) and send
-        it to rank ``dst``; returns the bytes sent once the send has completed (the blocks may be freed)."""
+        """Send a batch's KV ``shape`` = ``[L, n, ...]`` to rank ``dst``, in layer chunks (:func:`layer_chunks`).
+
+        ``gather(out, layers)`` fills ``out`` (``[len(layers), n, ...]``, contiguous) with those layers of
+        the batch. On GPU the gather of chunk i+1 (its own stream) overlaps the send of chunk i, through
+        two staging buffers. Returns the bytes sent, once the last send completed (the blocks may be freed).
+        """
         import torch.distributed as dist
 
         def run() -> int:
-            numel = 1
-            for d in shape:
-                numel *= d
-            with _on(self._stream):
-                if self._staging is None or self._staging.dtype != dtype or self._staging.numel() < numel:
-                    self._staging = None
-                    self._staging = torch.empty(numel, dtype=dtype, device=self.device)
-                buf = self._staging[:numel].view(shape)
-                gather(buf)
-                dist.send(buf, dst)
-                if self._stream is not None:
-                    self._stream.synchronize()
-            return numel * buf.element_size()
+            chunks = layer_chunks(shape, dtype.itemsize)
+            per_layer = math.prod(shape[1:])
+            chunk_numel = max(c.stop - c.start for c in chunks) * per_layer
+            if self._staging is None or self._staging.dtype != dtype or self._staging.shape[1] < chunk_numel:
+                self._staging = None
+                self._staging = torch.empty(2, chunk_numel, dtype=dtype, device=self.device)
+            sent: list = [None, None]  # per staging buffer: the event of its last send
+            for i, layers in enumerate(chunks):
+                buf = self._staging[i % 2, : (layers.stop - layers.start) * per_layer].view(
+                    layers.stop - layers.start, *shape[1:])
+                if self._stream is None:
+                    gather(buf, layers)
+                    dist.send(buf, dst)
+                    continue
+                with torch.cuda.stream(self._gather_stream):
+                    if sent[i % 2] is not None:
+                        self._gather_stream.wait_event(sent[i % 2])  # its previous chunk has left
+                    gather(buf, layers)
+                    gathered = torch.cuda.Event()
+                    gathered.record(self._gather_stream)
+                with torch.cuda.stream(self._stream):
+                    self._stream.wait_event(gathered)
+                    dist.send(buf, dst)
+                    sent[i % 2] = torch.cuda.Event()
+                    sent[i % 2].record(self._stream)
+            if self._stream is not None:
+                self._stream.synchronize()
+            return math.prod(shape) * dtype.itemsize
 
         nbytes = await self._run(run)
         self.num_batches += 1
@@ -152,7 +176,8 @@ class KVTransferAgent:
         return nbytes
 
     async def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, nbytes_reserved: int) -> torch.Tensor:
-        """Receive a batch's payload of ``shape`` from rank ``src`` into a new tensor.
+        """Receive a batch's payload of ``shape`` from rank ``src`` into a new tensor (chunk by chunk, as
+        the sender sends them).
 
         The ``nbytes_reserved`` taken from :attr:`budget` are given back when the tensor (and every view
         of it) is freed, i.e. once the engine imported all of the batch's requests.
@@ -162,7 +187,8 @@ class KVTransferAgent:
         def run() -> torch.Tensor:
             with _on(self._stream):
                 buf = torch.empty(shape, dtype=dtype, device=self.device)
-                dist.recv(buf, src)
+                for layers in layer_chunks(shape, dtype.itemsize):
+                    dist.recv(buf[layers], src)
                 if self._stream is not None:
                     buf.record_stream(torch.cuda.default_stream(self.device))  # imported on the compute stream
                     self._stream.synchronize()
@@ -186,6 +212,20 @@ class KVTransferAgent:
                 "kv_transfer_bytes_received": self.num_bytes_received,
                 "kv_transfer_budget_used": self.budget.used, "kv_transfer_budget_peak": self.budget.peak,
                 "kv_transfer_budget": self.budget.capacity}
+
+
+CHUNK_BYTES = 256 << 20  # a batch is sent in layer chunks of about this size
+
+
+def layer_chunks(shape: tuple[int, ...], itemsize: int) -> list[slice]:
+    """The layer ranges a ``[L, n, ...]`` payload is sent in: about :data:`CHUNK_BYTES` each (whole layers),
+    so the sender's gather of one chunk overlaps the send of the previous one. Sender and receiver derive
+    the same ranges from the shape."""
+    num_layers = shape[0]
+    total = math.prod(shape) * itemsize
+    count = min(num_layers, max(1, total // CHUNK_BYTES))
+    step = -(-num_layers // count)
+    return [slice(i, min(i + step, num_layers)) for i in range(0, num_layers, step)]
 
 
 class _on:

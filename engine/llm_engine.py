@@ -244,8 +244,9 @@ class LLMEngine:
 
     # -- PD: parked KV (PREFILL role) ------------------------------------------------------------
     def gather_kv(self, request_ids: list[str], out: torch.Tensor | None = None,
-                  device: torch.device | str | None = None) -> torch.Tensor:
-        """Copy the parked KV of ``request_ids`` (in order) into one payload ``[L, n, 2, bs, H, D]``.
+                  device: torch.device | str | None = None, layers: slice | None = None) -> torch.Tensor:
+        """Copy the parked KV of ``request_ids`` (in order) into one payload ``[L, n, 2, bs, H, D]`` (or
+        only ``layers`` of it: ``[len(layers), n, ...]``).
 
         Safe from any thread while the requests stay parked (parked blocks are never written, and are
         freed only by :meth:`release_kv` / :meth:`expire_kv` on the engine thread).
@@ -264,10 +265,11 @@ class LLMEngine:
             if entry is None:
                 raise KeyError(f"no parked KV for request {rid!r} (released, expired or never prefilled here)")
             blocks.extend(entry.block_ids)
-        idx = torch.tensor(blocks, dtype=torch.long).to(self.device, non_blocking=True)
+        idx = torch.tensor(blocks, dtype=torch.long).to(self.device)
+        cache = self.kv_cache if layers is None else self.kv_cache[layers]
         if out is not None:
-            return torch.index_select(self.kv_cache, 1, idx, out=out)
-        payload = torch.index_select(self.kv_cache, 1, idx)
+            return torch.index_select(cache, 1, idx, out=out)
+        payload = torch.index_select(cache, 1, idx)
         return payload if device is None else payload.to(device)
 
     def release_kv(self, request_ids: list[str]) -> None:

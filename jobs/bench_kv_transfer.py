@@ -14,7 +14,8 @@ What a PD handoff does, step by step, each timed on its own (median of ``--repea
 2. transfer: the payload from a sender actor to a receiver actor (one GPU each): nccl / gloo through the
    KV transfer agents (``rayinfer.actors.kv_transport.KVTransferAgent``, what PD replicas use: gather into
    the staging buffer, send, receive, scatter into blocks, in batches of at most
-   ``--transfer-buffer-gib``; the time includes export and import), ``cuda_ipc`` (Ray Direct Transport
+   ``--transfer-buffer-gib``, each sent in layer chunks whose gather overlaps the previous chunk's send;
+   the time includes the export, not the import, which the decode engine runs at admission), ``cuda_ipc`` (Ray Direct Transport
    between two actors on one GPU), or the object store (device -> host, plasma, host -> device);
 3. import: scatter the payload into the receiver's paged cache (as the engine imports it).
 
@@ -91,17 +92,15 @@ class _Side:
         assert self.agent is not None
         idx = torch.randperm(self.cache.shape[1], device=self.device)[:num_blocks]
         shape = (self.cache.shape[0], num_blocks, *self.cache.shape[2:])
-        return await self.agent.send(lambda out: torch.index_select(self.cache, 1, idx, out=out), shape,
-                                     self.cache.dtype, 1)
+        return await self.agent.send(lambda out, layers: torch.index_select(self.cache[layers], 1, idx, out=out),
+                                     shape, self.cache.dtype, 1)
 
     async def agent_recv(self, num_blocks: int) -> int:
-        """What a decode replica's recv_kv and its engine's import do: receive, scatter into blocks."""
+        """What a decode replica's recv_kv does: receive the batch (its engine imports it later, at
+        admission: ``import ms`` in the table)."""
         assert self.agent is not None
         shape = (self.cache.shape[0], num_blocks, *self.cache.shape[2:])
         payload = await self.agent.recv(shape, self.cache.dtype, 0, 0)
-        idx = torch.randperm(self.cache.shape[1], device=self.device)[:num_blocks]
-        self.cache[:, idx] = payload
-        _sync(self.device)
         return payload.numel() * payload.element_size()
 
     def export(self, num_blocks: int, repeats: int) -> float:

@@ -49,14 +49,33 @@ def test_byte_budget_waits_releases_and_lets_an_oversized_batch_through_alone():
         ByteBudget(0)
 
 
+def test_layer_chunks_cover_every_layer_once():
+    from rayinfer.actors import kv_transport
+    from rayinfer.actors.kv_transport import layer_chunks
+
+    mib = 1 << 20
+    assert layer_chunks((32, 8, 2, 16, 8, 128), 2) == [slice(0, 32)]  # 8 MiB: one chunk
+    chunks = layer_chunks((32, 2048, 2, 16, 8, 128), 2)  # 4 GiB: 16 chunks of 2 layers
+    assert chunks == [slice(i, i + 2) for i in range(0, 32, 2)]
+    odd = layer_chunks((30, 4096, 2, 16, 3, 64), 4)  # 1.4 GiB, 30 layers
+    assert [i for c in odd for i in range(c.start, c.stop)] == list(range(30))
+    assert all(c.stop - c.start <= 30 for c in odd) and len(odd) > 1
+    assert kv_transport.CHUNK_BYTES == 256 * mib
+
+
 def test_agents_move_a_batch_over_gloo_while_the_receiver_keeps_serving(ray_cluster):
+    import time
+
     import ray
     import torch
 
     @ray.remote(num_cpus=0)
     class Peer:
         def __init__(self):
+            from rayinfer.actors import kv_transport
             from rayinfer.actors.kv_transport import KVTransferAgent
+
+            kv_transport.CHUNK_BYTES = 200  # send in layer chunks (1 layer of 4 blocks is 384 bytes): 2 here
 
             self.agent = KVTransferAgent(torch.device("cpu"), budget_bytes=1 << 20)
             self.cache = torch.arange(2 * 8 * 2 * 4 * 3, dtype=torch.float32).view(2, 8, 2, 4, 3)  # [L, N, 2, bs, D]
@@ -74,8 +93,8 @@ def test_agents_move_a_batch_over_gloo_while_the_receiver_keeps_serving(ray_clus
         async def send(self, blocks):
             idx = torch.tensor(blocks)
             shape = (2, len(blocks), 2, 4, 3)
-            return await self.agent.send(lambda out: torch.index_select(self.cache, 1, idx, out=out), shape,
-                                         torch.float32, 1)
+            return await self.agent.send(lambda out, layers: torch.index_select(self.cache[layers], 1, idx, out=out),
+                                         shape, torch.float32, 1)
 
         async def recv(self, num_blocks):
             nbytes = num_blocks * 2 * 2 * 4 * 3 * 4
@@ -90,8 +109,13 @@ def test_agents_move_a_batch_over_gloo_while_the_receiver_keeps_serving(ray_clus
     ray.get([a.join.remote(addr, port, 0), b.join.remote(addr, port, 1)], timeout=120)
     blocks = [5, 1, 6, 6]
     pending = b.recv.remote(len(blocks))  # waits on the agent's thread for a sender
+    want = len(blocks) * 192  # bytes reserved: 2 layers x 2 x 4 x 3 floats per block
+    for _ in range(100):  # (Ray may start the ping before the receive)
+        if ray.get(b.ping.remote(), timeout=10) == want:
+            break
+        time.sleep(0.05)
     for _ in range(5):  # the receiver's event loop answers meanwhile, with the batch's bytes reserved
-        assert ray.get(b.ping.remote(), timeout=10) == len(blocks) * 192  # 2 layers x 2 x 4 x 3 floats per block
+        assert ray.get(b.ping.remote(), timeout=10) == want
     ready, _ = ray.wait([pending], timeout=0.5)
     assert not ready  # still in flight
     sent = ray.get(a.send.remote(blocks), timeout=60)
@@ -102,7 +126,6 @@ def test_agents_move_a_batch_over_gloo_while_the_receiver_keeps_serving(ray_clus
     for _ in range(50):
         if ray.get(b.ping.remote()) == 0:
             break
-        import time
         time.sleep(0.1)
     assert ray.get(b.ping.remote()) == 0
     for actor in (a, b):
