@@ -285,9 +285,12 @@ class EngineActorImpl:
         """
         if kv_payload is None:
             kv_payload = self._kv_in.pop(request_id)[1]
-        handle = dataclasses.replace(kv_handle, payload=kv_payload)
-        async for out in self.engine.generate(request_id, prompt_token_ids, params,
-                                              output_token_ids=output_token_ids, kv_handle=handle):
+        stream = self.engine.generate(request_id, prompt_token_ids, params, output_token_ids=output_token_ids,
+                                      kv_handle=dataclasses.replace(kv_handle, payload=kv_payload))
+        # hold no reference to the payload while the request decodes: the engine drops its own once the KV
+        # is imported, and a received batch's transfer budget comes back when all its payloads are gone
+        del kv_payload
+        async for out in stream:
             yield out
 
     def stats(self) -> dict:

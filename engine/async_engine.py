@@ -69,6 +69,7 @@ class AsyncLLMEngine:
         stream: asyncio.Queue = asyncio.Queue()
         self._inbox.put(("add", request_id, prompt_token_ids, params, kwargs, (asyncio.get_running_loop(), stream)))
         self._wake.set()
+        kwargs = {}  # the engine owns them now (a KV payload is freed once imported, not when the stream ends)
         finished = False
         try:
             while True:

@@ -125,11 +125,11 @@ def test_decoding_goes_on_while_a_transfer_is_in_flight(pd, client, cases, refer
     from rayinfer.engine.types import SamplingParams
 
     prefill, decode = client.prefills[0], client.decodes[0]
-    # two requests that fit the decode pool together (no hand-back, so no transfer but the test's own
+    # two requests that fit the decode pool together (~8 blocks each of its 21) (no hand-back, so no transfer but the test's own
     # while the receive waits: the router orders every other transfer, and a send/recv out of order
     # would pair mismatched sizes)
     long = [c for c in cases if c.request_id.startswith("chat")][:2]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
     async def main():
         started = asyncio.Event()
@@ -146,6 +146,12 @@ def test_decoding_goes_on_while_a_transfer_is_in_flight(pd, client, cases, refer
 
         tasks = [asyncio.ensure_future(one(c)) for c in long]
         await asyncio.wait_for(started.wait(), 120)  # both are decoding on the decode replica
+        for _ in range(100):  # imported: their received payloads are freed and the budget is back
+            if (await decode.stats.remote())["kv_transfer_budget_used"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert (await decode.stats.remote())["kv_transfer_budget_used"] == 0
+        assert not any(t.done() for t in tasks)  # ...while they are still decoding
         # park one more request on the prefill replica, then have the decode replica wait for it
         out = await prefill.prefill.remote("held", cases[4].prompt_token_ids, params)
         assert out.finish_reason == "prefilled"
@@ -161,4 +167,4 @@ def test_decoding_goes_on_while_a_transfer_is_in_flight(pd, client, cases, refer
         return totals
 
     totals = asyncio.run(main())
-    assert totals == [24] * len(long)
+    assert totals == [40] * len(long)
