@@ -181,6 +181,9 @@ class ParallelConfig(_Sealed):
     encoder: EncoderSection = field(default_factory=EncoderSection)
 
     def __post_init__(self) -> None:
+        for name, cls in (("pd", PDSection), ("eplb", EPLBSection), ("encoder", EncoderSection)):
+            if isinstance(getattr(self, name), dict):  # a section given as a plain mapping (JSON, kwargs)
+                object.__setattr__(self, name, cls(**getattr(self, name)))
         for name in ("dp", "cp", "ep", "tp"):
             _check_int(name, getattr(self, name), 1)
         if self.tp != 1:
