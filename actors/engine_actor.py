@@ -132,25 +132,22 @@ class EngineActorImpl:
         if self.kv_store is None or full <= num_stored:
             return
         self._store_gathers = {k: f for k, f in self._store_gathers.items() if not f.done()}
+        self._kv_writes = [f for f in self._kv_writes if not f.done()]
         if len(self._store_gathers) >= 4:
             self.num_store_writes_skipped += 1
             return
-        engine, rid = self.engine.engine, kv.request_id
+        engine, rid, store = self.engine.engine, kv.request_id, self.kv_store
 
-        def copy() -> torch.Tensor:
-            payload = engine.gather_kv([rid])  # the parked blocks, on the cache's device
-            return payload[:, num_stored:full].to("cpu").contiguous()
+        def copy_and_put() -> None:
+            # the copy and the put's serialization of the payload (hundreds of MB for a long prompt of a
+            # large model) both happen here, never on the actor's event loop
+            blocks = engine.gather_kv([rid], layers=None)[:, num_stored:full]
+            host = torch.empty(blocks.shape, dtype=blocks.dtype, pin_memory=blocks.is_cuda)
+            host.copy_(blocks)
+            ref = store.put.remote(kv.block_hashes[:full], num_stored, host, kv.layout)
+            self._kv_writes.append(ref.future())
 
-        future = self._store_executor.submit(copy)
-        self._store_gathers[rid] = future
-        loop = asyncio.get_running_loop()
-
-        def put(f: concurrent.futures.Future) -> None:
-            if f.exception() is None and self.kv_store is not None:
-                ref = self.kv_store.put.remote(kv.block_hashes[:full], num_stored, f.result(), kv.layout)
-                self._kv_writes.append(ref.future())
-
-        future.add_done_callback(lambda f: loop.call_soon_threadsafe(put, f))
+        self._store_gathers[rid] = self._store_executor.submit(copy_and_put)
 
     async def _store_copy_done(self, request_ids: list[str]) -> None:
         """Wait for write-through copies still reading these requests' parked blocks."""
@@ -161,7 +158,6 @@ class EngineActorImpl:
     async def flush_kv_writes(self) -> int:
         """Wait for this replica's write-through puts; returns blocks they stored (failed puts count 0)."""
         await self._store_copy_done(list(self._store_gathers))
-        await asyncio.sleep(0)  # let the puts of finished copies be issued
         writes, self._kv_writes = self._kv_writes, []
         results = await asyncio.gather(*[asyncio.wrap_future(f) for f in writes], return_exceptions=True)
         return sum(r for r in results if isinstance(r, int))
