@@ -32,6 +32,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -44,6 +45,16 @@ SHAPES = {  # layers, kv heads, head dim
     "smollm2": (30, 3, 64),
 }
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _git_rev() -> str | None:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 def _sync(device: torch.device) -> None:
@@ -244,7 +255,9 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
 
     def save(rows):
-        out.write_text(json.dumps({"args": vars(args), "host": platform.node(), "ray": ray.__version__,
+        out.write_text(json.dumps({"command": "python " + " ".join(sys.argv), "git_rev": _git_rev(),
+                                   "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+                                   "args": vars(args), "host": platform.node(), "ray": ray.__version__,
                                    "torch": torch.__version__, "gpus": gpus, "shared_gpu": shared,
                                    "ceilings": ceilings, "rows": rows}, indent=1))
 
