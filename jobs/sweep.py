@@ -1,15 +1,18 @@
 """Capacity planning: a Hydra multirun over engine and parallel settings, one CSV row per configuration,
-then a Pareto plot of output tokens/s per GPU against median TPOT.
+then a Pareto plot of output tokens/s per GPU against median TPOT, one marker shape per topology.
 
     python jobs/sweep.py --multirun engine.max_num_seqs=8,32 engine.max_num_batched_tokens=256,1024 \\
         engine.block_size=16,32 parallel.dp=1,2
+    python jobs/sweep.py --multirun parallel=colocated,1p1d,2p1d,2p2d parallel.dp=1,2   # which split serves best
     python jobs/sweep.py plot=benchmarks/results/sweep-20260101-120000/sweep.csv     # re-plot a CSV
 
-Each run pushes the same seeded offline workload (random token ids, ignore_eos, all requests at time 0)
-through ``parallel.dp`` replicas (in this process for dp=1, Ray actors otherwise; one GPU each on CUDA)
-and times every request from the engine's step loop: TTFT is its first token's time, TPOT the mean gap
-of its later tokens. Rows go to ``<hydra.sweep.dir>/sweep.csv``; when the multirun ends,
-:class:`ParetoPlotCallback` writes ``pareto.png`` beside it (throughput per GPU, or per replica on CPU).
+Each run starts the fleet of its ``parallel`` config (colocated replicas, prefill/decode replicas, or an
+expert-parallel group; one GPU per replica on CUDA) and pushes the same seeded offline workload (random
+token ids, ignore_eos, all requests at time 0) through the client the batch job and Serve use, streamed:
+TTFT is the time its first token reached this process, TPOT the mean gap of its later tokens. Rows go to
+``<hydra.sweep.dir>/sweep.csv``; when the multirun ends, :class:`ParetoPlotCallback` writes ``pareto.png``
+beside it (throughput per GPU, or per replica on CPU). A config the fleet refuses (PD with ``dp`` > 1,
+more GPUs than the cluster has) prints its error and writes no row; the sweep goes on.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from rayinfer.jobs import benchlib as bl
 from rayinfer.placement.parallel_config import ParallelConfig
 
 X_KEY, Y_KEY = "median_tpot_ms", "output_tok_s_per_unit"
+TOPOLOGY_MARKERS = {"colocated": "o", "pd": "s", "ep": "^"}
 
 
 @dataclass
@@ -55,13 +59,13 @@ class SweepConfig:
 
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # colocated dp only (checked in run_replicas)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # any topology (conf/parallel/*.yaml)
     workload: SweepWorkload = field(default_factory=SweepWorkload)
     csv: str = "benchmarks/results/sweep.csv"  # conf/sweep.yaml: <hydra.sweep.dir>/sweep.csv
     label: str | None = None  # a run's name in the CSV and plot; None: its command-line overrides
     plot: str | None = None  # a sweep CSV: only write its Pareto plot (no measuring)
     png: str | None = None  # where the plot goes; None: pareto.png beside the CSV
-    cpu_threads: int | None = None  # torch threads per replica on CPU; None: the CPUs split evenly
+    cpu_threads: int | None = None  # CPUs per replica (parallel.num_cpus_per_replica); None: split evenly
     git_rev: str | None = None
 
 
@@ -73,47 +77,49 @@ def make_items(w: SweepWorkload, vocab_size: int) -> list[bl.WorkItem]:
     return bl.fixed_workload(w.num_prompts, w.input_len, w.output_len, vocab_size, w.seed)
 
 
-def run_replicas(cfg: SweepConfig, items: list[bl.WorkItem], device_type: str) -> bl.OfflineRun:
-    """Run ``items`` round-robin over ``cfg.parallel.dp`` replicas side by side; engines are built and
-    warmed up before the clock starts.
+def num_replicas(parallel: ParallelConfig) -> int:
+    """Engine replicas (or EP ranks) a topology runs: what one row's throughput is divided over."""
+    if parallel.topology == "pd":
+        return parallel.num_prefill + parallel.num_decode
+    return parallel.ep if parallel.topology == "ep" else parallel.dp
 
+
+def run_fleet(cfg: SweepConfig, items: list[bl.WorkItem], device_type: str) -> tuple[bl.OfflineRun, int]:
+    """Run ``items`` through the fleet of ``cfg.parallel`` (any topology), asked through the client the
+    batch job and Serve use (``make_client``): every request at once, streamed, timed as its deltas
+    reach this process. The fleet is started, and warmed up with one request, before the clock starts.
+
+    Returns:
+        the run and the replicas' preemptions.
     Raises:
-        ValueError: if dp replicas need more GPUs than this machine has.
-        UnsupportedError: for a topology other than colocated (the sweep times requests in the engines'
-            step loops, which only colocated replicas run alone).
+        ValueError: for a config the fleet refuses (e.g. more GPUs than the cluster has, after
+            ``parallel.placement_timeout_s``).
     """
-    from rayinfer.engine.errors import UnsupportedError
+    import asyncio
+    import dataclasses
 
-    if cfg.parallel.topology != "colocated":
-        raise UnsupportedError(f"the sweep runs colocated replicas (parallel.dp); got topology "
-                               f"{cfg.parallel.topology}", "parallel")
-    dp = cfg.parallel.dp
-    shards = [items[r::dp] for r in range(dp)]
-    threads = cfg.cpu_threads or max(1, (os.cpu_count() or 1) // dp)
-    if dp == 1:
-        try:
-            with bl.torch_threads(threads if device_type == "cpu" else None):
-                return bl.OfflineReplica(cfg.model, cfg.engine).run(shards[0])
-        finally:
-            bl.release_device_memory()  # the next job of the multirun sizes its KV cache from free memory
     import ray
-    import torch
 
-    num_gpus = 1 if device_type == "cuda" else 0
-    if num_gpus and torch.cuda.device_count() < dp:
-        raise ValueError(f"parallel.dp={dp} needs {dp} GPUs; this machine has {torch.cuda.device_count()}")
+    from rayinfer.actors.client import make_client
+    from rayinfer.jobs.bench_client import run_client
+
+    parallel = cfg.parallel
+    if device_type == "cuda" and not parallel.num_gpus_per_replica:
+        parallel = dataclasses.replace(parallel, num_gpus_per_replica=1.0)
+    if cfg.cpu_threads and parallel.num_cpus_per_replica is None:
+        parallel = dataclasses.replace(parallel, num_cpus_per_replica=float(cfg.cpu_threads))
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False,
                  logging_level=logging.WARNING)
-    num_cpus = max(1, min(threads, int(ray.available_resources().get("CPU", 1)) // dp))
-    actor_cls = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(bl.OfflineReplica)
-    actors = [actor_cls.remote(cfg.model, cfg.engine, threads) for _ in range(dp)]
+    client = make_client(cfg.model, cfg.engine, parallel)
     try:
-        ray.get([a.device.remote() for a in actors])  # built and warmed up
-        return bl.OfflineRun.merge(ray.get([a.run.remote(s) for a, s in zip(actors, shards)]))
+        asyncio.run(run_client(client, items[:1]))  # warm-up: first-call paths, CUDA graphs
+        result = asyncio.run(run_client(client, items, "stream"))
+        preemptions = sum(r.num_preemptions for r in asyncio.run(client.stats()).replicas)
     finally:
-        for a in actors:
-            ray.kill(a)
+        client.shutdown()
+        bl.release_device_memory()
+    return result, preemptions
 
 
 def measure(cfg: SweepConfig, label: str) -> dict[str, Any]:
@@ -128,13 +134,17 @@ def measure(cfg: SweepConfig, label: str) -> dict[str, Any]:
 
     device = resolve_device(cfg.engine.device)
     items = make_items(cfg.workload, load_config(cfg.model.model).vocab_size)
-    summary = run_replicas(cfg, items, device.type).summary()
-    units = cfg.parallel.dp
+    result, preemptions = run_fleet(cfg, items, device.type)
+    summary = result.summary()
+    p = cfg.parallel
+    replicas = num_replicas(p)
+    units = max(1, math.ceil(replicas * (p.num_gpus_per_replica or 1.0))) if device.type == "cuda" else replicas
     e, w = cfg.engine, cfg.workload
     rev, dirty = (cfg.git_rev, None) if cfg.git_rev else bl.git_revision()
     return {
         "label": label, "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), "model": cfg.model.model,
-        "dtype": cfg.model.dtype, "device": device.type, "dp": cfg.parallel.dp,
+        "dtype": cfg.model.dtype, "device": device.type, "topology": p.topology, "dp": p.dp,
+        "num_prefill": p.num_prefill, "num_decode": p.num_decode, "ep": p.ep,
         "unit": "gpu" if device.type == "cuda" else "replica", "num_units": units,
         "max_num_seqs": e.max_num_seqs, "max_num_batched_tokens": e.max_num_batched_tokens,
         "block_size": e.block_size, "num_kv_blocks": e.num_kv_blocks,
@@ -144,7 +154,7 @@ def measure(cfg: SweepConfig, label: str) -> dict[str, Any]:
         "output_tok_s": summary["output_tok_s"], "output_tok_s_per_unit": summary["output_tok_s"] / units,
         "median_ttft_ms": summary["median_ttft_ms"], "p90_ttft_ms": summary["p90_ttft_ms"],
         "median_tpot_ms": summary["median_tpot_ms"], "p90_tpot_ms": summary["p90_tpot_ms"],
-        "num_preemptions": summary["num_preemptions"], "git_rev": rev, "git_dirty": dirty,
+        "num_preemptions": preemptions, "git_rev": rev, "git_dirty": dirty,
         "command": " ".join(["python", *sys.argv]),
     }
 
@@ -210,7 +220,10 @@ def plot_pareto(rows: list[dict[str, Any]], png: Path, title: str = "") -> list[
     frontier = pareto_frontier(points)
     unit = rows[0].get("unit", "gpu") if rows else "gpu"
     fig, ax = plt.subplots(figsize=(8, 5.5))
-    ax.scatter([p[0] for p in points], [p[1] for p in points], color="tab:gray", label="configuration", zorder=2)
+    for topology in sorted({r.get("topology") or "colocated" for r in rows}):  # one marker shape each
+        idx = [i for i, r in enumerate(rows) if (r.get("topology") or "colocated") == topology]
+        ax.scatter([points[i][0] for i in idx], [points[i][1] for i in idx], color="tab:gray",
+                   marker=TOPOLOGY_MARKERS.get(topology, "D"), label=topology, zorder=2)
     ax.plot([points[i][0] for i in frontier], [points[i][1] for i in frontier], "o-", color="tab:red",
             label="Pareto frontier", zorder=3)
     for i, r in enumerate(rows):
@@ -318,7 +331,7 @@ def main(dcfg: DictConfig) -> None:
     try:
         run(OmegaConf.to_object(dcfg))
     except ValueError as e:  # a bad configuration (dp beyond the GPUs, a prompt too long): no row
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error [{_job_label()}]: {e}", file=sys.stderr)
     except Exception:  # one configuration that breaks (an OOM) must not end the sweep: no row
         traceback.print_exc()
         bl.release_device_memory()

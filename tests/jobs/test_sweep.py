@@ -50,19 +50,23 @@ def test_append_row_writes_one_header(tmp_path):
     assert path.read_text().splitlines() == ["a,b", "1,2", "3,4"]
 
 
-def test_two_config_sweep_writes_rows_and_a_pareto_png(tmp_path):
+def test_topology_sweep_writes_rows_and_a_pareto_png(tmp_path):
+    """colocated and 1P1D fleets through the batch job's client; PD with dp=2 is refused (no row)."""
     cmd = [sys.executable, str(ROOT / "jobs" / "sweep.py"), "--multirun", "model.model=llama-tiny",
            "model.load_format=dummy", "model.dtype=float32", "engine.device=cpu", "engine.num_kv_blocks=32",
-           "workload.num_prompts=3", "workload.input_len=12", "workload.output_len=3",
-           "engine.max_num_seqs=1,3", "cpu_threads=1", f"hydra.sweep.dir={tmp_path}"]
+           "workload.num_prompts=3", "workload.input_len=12", "workload.output_len=3", "engine.max_num_seqs=3",
+           "parallel=colocated,1p1d", "parallel.dp=1,2", "cpu_threads=1", f"hydra.sweep.dir={tmp_path}"]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "MPLBACKEND": "Agg"}
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with (tmp_path / "sweep.csv").open() as f:
         rows = list(csv.DictReader(f))
-    assert [r["label"] for r in rows] == ["max_num_seqs=1", "max_num_seqs=3"]
+    assert [r["label"] for r in rows] == ["parallel=colocated dp=1", "parallel=colocated dp=2",
+                                          "parallel=1p1d dp=1"]
+    assert [(r["topology"], r["num_units"]) for r in rows] == [("colocated", "1"), ("colocated", "2"), ("pd", "2")]
+    assert "error [parallel=1p1d dp=2]: dp must be 1" in proc.stderr  # the refused config says which and why
     for r in rows:
-        assert r["unit"] == "replica" and r["dp"] == "1" and r["num_output_tokens"] == "9"
+        assert r["unit"] == "replica" and r["num_output_tokens"] == "9"
         assert float(r["output_tok_s_per_unit"]) > 0 and float(r["median_tpot_ms"]) > 0
         assert float(r["median_ttft_ms"]) > 0
     png = tmp_path / "pareto.png"
