@@ -291,6 +291,7 @@ def _run(cfg: BenchConfig) -> dict[str, Any]:
           f"TFLOP/s matmul ({ceilings['dtype']})", flush=True)
     t0 = time.perf_counter()
     engine = LLMEngine(cfg.model, cfg.engine)
+    cfg.engine = engine.engine_config  # max_num_seqs / max_num_batched_tokens as chosen for the device
     bl.warm_up(engine, cfg.engine.block_size)
     result["num_kv_blocks"] = engine.scheduler.config.num_blocks
     seconds["load"] = time.perf_counter() - t0
