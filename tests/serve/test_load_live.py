@@ -63,7 +63,8 @@ def test_client_disconnect_aborts_and_frees_blocks(live_server, model):
 
 def test_metrics_endpoint_exposes_engine_and_latency_metrics(live_server, client, model):
     client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
-    text = httpx.get(live_server.base_url + "/metrics", timeout=30).text
+    text = httpx.get(live_server.base_url + "/metrics", timeout=30,
+                     headers={"Authorization": f"Bearer {live_server.api_key}"}).text
     for name in ("rayinfer_num_requests_running", "rayinfer_num_requests_waiting", "rayinfer_kv_cache_usage_perc",
                  "rayinfer_prefix_cache_hit_rate", "rayinfer_num_preemptions_total", "rayinfer_prompt_tokens_total",
                  "rayinfer_generation_tokens_total", "rayinfer_time_to_first_token_seconds_bucket",
