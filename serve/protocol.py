@@ -78,6 +78,9 @@ def from_error(e: Exception, default_param: str | None = None, request_id: str |
     """
     if isinstance(e, APIError):
         return e
+    cause = getattr(e, "cause", None)  # Ray's RayTaskError: its text is the remote traceback; map its cause
+    if isinstance(cause, Exception) and type(e).__name__.startswith("RayTaskError"):
+        return from_error(cause, default_param, request_id)
     ref = f" (request id {request_id})" if request_id else ""
     if isinstance(e, OverloadedError):
         return APIError(f"the server is overloaded; retry later{ref}", status=503, type="overloaded_error",

@@ -85,3 +85,23 @@ def test_bench_summary_percentiles():
     delays = arrival_delays(2000, rate=10.0, seed=0)
     assert abs(sum(delays) / len(delays) - 0.1) < 0.01
     assert arrival_delays(3, float("inf"), 0) == [0.0, 0.0, 0.0]
+
+
+def test_5xx_errors_carry_only_a_request_id_and_ray_task_errors_map_by_their_cause():
+    import ray.exceptions
+
+    from rayinfer.engine.errors import EngineInternalError, InvalidRequestError, OverloadedError
+    from rayinfer.serve.protocol import from_error
+
+    secret = "Memory on the node (IP: 10.0.0.7) was 61.2GB / 64GB"
+    for e, status in [(RuntimeError(secret), 500), (EngineInternalError(secret), 500), (OverloadedError(secret), 503),
+                      (KeyError(secret), 500)]:
+        err = from_error(e, request_id="cmpl-1")
+        assert err.status == status and secret not in err.message and err.message.endswith("(request id cmpl-1)")
+    try:
+        raise InvalidRequestError("prompt token id 99999 is out of the vocabulary", "prompt")
+    except InvalidRequestError as cause:
+        wrapped = ray.exceptions.RayTaskError("generate", "Traceback ...\n" + secret, cause).as_instanceof_cause()
+    assert isinstance(wrapped, ValueError) and secret in str(wrapped)
+    err = from_error(wrapped)
+    assert (err.status, err.param, err.message) == (400, "prompt", "prompt token id 99999 is out of the vocabulary")
