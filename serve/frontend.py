@@ -158,7 +158,9 @@ class OpenAIFrontend:
             completed = True
         finally:
             await events.aclose()  # type: ignore[attr-defined]  # on a disconnect: aborts the engine requests
-            if completed:
+            if completed and record.error_status is not None:  # an error event ended the stream
+                self.metrics.count_request(endpoint, f"error_{record.error_status}", "error")
+            elif completed:
                 self.metrics.count_request(endpoint, "ok", record.finish_reason)
             else:
                 self.metrics.count_request(endpoint, "abort", "abort")

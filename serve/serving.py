@@ -33,9 +33,11 @@ class RequestRecord:
 
     Attributes:
         finish_reasons: OpenAI finish reason per choice index, filled in as choices finish.
+        error_status: the HTTP status of an error that ended a stream after its 200, or None.
     """
 
     finish_reasons: dict[int, str | None] = field(default_factory=dict)
+    error_status: int | None = None
 
     @property
     def finish_reason(self) -> str | None:
@@ -357,7 +359,10 @@ def _finite(x: float | None) -> float | None:
     return max(float(x), -9999.0)  # -inf is not valid JSON; OpenAI reports -9999.0 for such tokens
 
 
-def error_event(err: Exception, request_id: str) -> str:
+def error_event(err: Exception, request_id: str, record: RequestRecord | None = None) -> str:
     """An SSE event carrying an OpenAI error object (an error after the stream started; a 5xx says
-    "internal error" and the request id, and its detail goes to the log)."""
-    return sse(_engine_error(err, request_id).body())
+    "internal error" and the request id, and its detail goes to the log); its status goes to ``record``."""
+    api_error = _engine_error(err, request_id)
+    if record is not None:
+        record.error_status = api_error.status
+    return sse(api_error.body())

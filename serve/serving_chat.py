@@ -187,7 +187,7 @@ class ChatServing:
                            "model": ctx.model, "choices": [],
                            "usage": usage(num_prompt_tokens, sum(num_tokens), cached)})
         except Exception as e:  # after the 200 went out, an error can only travel as an event
-            yield error_event(e, ctx.request_id)
+            yield error_event(e, ctx.request_id, ctx.record)
         finally:
             await stream.aclose()
         yield sse("[DONE]")

@@ -158,7 +158,7 @@ class CompletionServing:
             if include_usage:
                 yield sse({**ctx, "choices": [], "usage": usage(num_prompt_tokens, num_tokens, cached)})
         except Exception as e:  # after the 200 went out, an error can only travel as an event
-            yield error_event(e, ctx["id"])
+            yield error_event(e, ctx["id"], record)
         finally:
             await stream.aclose()
         yield sse("[DONE]")

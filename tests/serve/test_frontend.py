@@ -277,6 +277,7 @@ def test_an_engine_failure_mid_stream_is_an_error_event_without_detail(tokenizer
     err = events[-1]["error"]
     assert err["message"].startswith("internal error (request id chatcmpl-") and "memory" not in r.text.lower()
     assert any("10.0.0.7" in str(rec.exc_info[1]) for rec in caplog.records if rec.exc_info)
+    assert requests_total(fe) == {("chat", "error_500", "error"): 1.0}
 
 
 # -- 7. /metrics and the docs behind the key -------------------------------------------------------
@@ -434,3 +435,22 @@ def test_legacy_logprobs_keep_n_distinct_alternatives(tokenizer, stream):
     assert lp["tokens"][:3] == ["bytes:\\xf0\\x9f", "bytes:\\x8d", "bytes:\\x95"]
     # each emoji is one character: its three tokens start at 0, 0, 0, then 1, 1, 1, ...
     assert lp["text_offset"] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+
+
+def test_engine_gauges_vanish_when_the_fleet_cannot_answer(tokenizer):
+    fe, fake = make(tokenizer)
+    running = lambda: [s.value for f in text_string_to_metric_families(  # noqa: E731
+        call(fe, "GET", "/metrics", headers=AUTH).text) if f.name == "rayinfer_num_requests_running" for s in f.samples]
+
+    async def busy():
+        return FleetStats("colocated", [ReplicaStats(0, num_running=3)])
+
+    fake.stats = busy
+    assert running() == [3.0]
+
+    async def dead():
+        raise RuntimeError("the replica died")
+
+    fake.stats = dead
+    assert running() == []  # no gauge frozen at its last value
+    assert call(fe, "GET", "/health").status_code == 503
