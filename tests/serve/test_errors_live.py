@@ -93,7 +93,10 @@ def test_api_key_is_required(live_server):
         err = _check_error(anon.post("/v1/chat/completions", json=GOOD), 401)
         assert err["type"] == "authentication_error"
         _check_error(anon.get("/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
-        assert anon.get("/health").status_code == 200  # health and metrics stay open for probes
+        assert anon.get("/health").status_code == 200  # health stays open for probes
+        for path in ("/metrics", "/docs", "/openapi.json"):  # public_metrics_and_docs is off by default
+            _check_error(anon.get(path), 401)
+            assert anon.get(path, headers={"Authorization": f"Bearer {live_server.api_key}"}).status_code == 200
 
 
 def test_server_still_serves_after_errors(http):
