@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from typing import Any
 
 import httpx
 import pytest
+from fastapi.responses import StreamingResponse
 from prometheus_client.parser import text_string_to_metric_families
 
 from rayinfer.engine.config import ModelConfig
@@ -269,7 +271,7 @@ def test_an_engine_failure_mid_stream_is_an_error_event_without_detail(tokenizer
             yield out
             raise RuntimeError(MEMORY_REPORT)
 
-    fake.generate = fails_after_one
+    fake.generate = fails_after_one  # type: ignore[method-assign]  # pyright: ignore[reportAttributeAccessIssue]
     with caplog.at_level("ERROR"):
         r = call(fe, "POST", "/v1/chat/completions", json={**CHAT, "stream": True}, headers=AUTH)
     assert r.status_code == 200
@@ -338,7 +340,8 @@ def test_a_client_disconnect_counts_as_abort(tokenizer):
             await task
         # streaming: the server closes the event stream when the client hangs up
         response = await fe.handle("chat", _request({**CHAT, "stream": True}))
-        events = response.body_iterator
+        assert isinstance(response, StreamingResponse)
+        events: Any = response.body_iterator  # the frontend's async generator of SSE events
         first = await events.__anext__()
         assert '"role": "assistant"' in first
         await events.__anext__()  # the first token
