@@ -105,3 +105,19 @@ def test_5xx_errors_carry_only_a_request_id_and_ray_task_errors_map_by_their_cau
     assert isinstance(wrapped, ValueError) and secret in str(wrapped)
     err = from_error(wrapped)
     assert (err.status, err.param, err.message) == (400, "prompt", "prompt token id 99999 is out of the vocabulary")
+
+
+@pytest.mark.parametrize("field,value", [("max_request_bytes", 0), ("max_prompt_chars", -1),
+                                         ("max_prompt_chars", True), ("max_request_bytes", 1.5)])
+def test_serve_config_limits_must_be_positive_integers(field, value):
+    from rayinfer.serve.config import ServeConfig
+
+    with pytest.raises(ValueError, match=field):
+        ServeConfig(**{field: value})
+
+
+def test_serve_yaml_sets_the_documented_limits():
+    from rayinfer.serve.config import compose_config
+
+    cfg = compose_config(["max_prompt_chars=10", "public_metrics_and_docs=true"])
+    assert (cfg.max_request_bytes, cfg.max_prompt_chars, cfg.public_metrics_and_docs) == (8 * 2**20, 10, True)
