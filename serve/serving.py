@@ -9,7 +9,7 @@ import logging
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any, AsyncGenerator, AsyncIterator, Callable, TypeVar
+from typing import Any, AsyncGenerator, Callable, TypeVar
 
 from rayinfer.engine.structured_output import GrammarError, check_response_format
 from rayinfer.engine.types import RequestOutput, SampledToken, SamplingParams
