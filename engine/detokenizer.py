@@ -12,7 +12,9 @@ class IncrementalDetokenizer:
 
     Decoding a window ``ids[prefix_offset:]`` and diffing it against ``ids[prefix_offset:read_offset]``
     keeps each step O(window); text that ends in U+FFFD (an incomplete UTF-8 sequence) is held back
-    until the next token completes it (after vLLM's ``detokenize_incrementally``). With stop strings,
+    until a later token completes it or the request ends (after vLLM's ``detokenize_incrementally``).
+    The emitted text always equals ``decode(prompt + output)`` minus what ``decode(prompt)`` already
+    shows, also when the prompt ends inside a character that the output completes. With stop strings,
     the last ``max(len(stop)) - 1`` characters are held back until they cannot start a stop string.
 
     Stop strings are matched only on tokens after the first ``params.min_tokens`` output tokens, and a
@@ -41,6 +43,7 @@ class IncrementalDetokenizer:
         self.num_emitted = 0
         self.num_output_tokens = num_output_tokens
         self.stop_holdback = max((len(s) for s in params.stop), default=1) - 1
+        self.stopped = False  # a stop string matched
 
     def add_tokens(self, token_ids: list[int]) -> str | None:
         """Append tokens; returns the matched stop string if one now occurs, else None.
@@ -54,16 +57,37 @@ class IncrementalDetokenizer:
             self.num_output_tokens += 1
             prefix_text = decode(ids[self.prefix_offset : self.read_offset], p.skip_special_tokens)
             new_text = decode(ids[self.prefix_offset :], p.skip_special_tokens)
-            if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            if new_text.endswith("\ufffd"):
                 continue
-            self.prefix_offset, self.read_offset = self.read_offset, len(ids)
             checked = len(self.output_text)
-            self.output_text += new_text[len(prefix_text) :]
+            self._append(prefix_text, new_text)
             if p.stop and self.num_output_tokens > p.min_tokens:
                 stop = self._find_stop(checked)
                 if stop is not None:
                     return stop
         return None
+
+    def _append(self, prefix_text: str, new_text: str) -> None:
+        """Add the text the unread tokens make and mark them read.
+
+        The new text starts where ``new_text`` first differs from ``prefix_text``, not at
+        ``len(prefix_text)``: when the prompt ends inside a UTF-8 character (its text ends in U+FFFD),
+        the first output token that completes the character changes that U+FFFD, and the character
+        belongs to the output.
+        """
+        n, limit = 0, min(len(prefix_text), len(new_text))
+        while n < limit and prefix_text[n] == new_text[n]:
+            n += 1
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.output_text += new_text[n:]
+
+    def flush(self) -> None:
+        """At the end of the request: add the text of tokens held back because they end inside a
+        character (as U+FFFD, which the tokenizer's decode of the whole output shows too)."""
+        if self.read_offset < len(self.ids) and not self.stopped:
+            decode, skip = self._decode, self.params.skip_special_tokens
+            self._append(decode(self.ids[self.prefix_offset : self.read_offset], skip),
+                         decode(self.ids[self.prefix_offset :], skip))
 
     def _find_stop(self, checked: int) -> str | None:
         """The stop string that occurs first among those ending after ``output_text[:checked]``."""
@@ -75,12 +99,16 @@ class IncrementalDetokenizer:
         if best is None:
             return None
         idx, s = best
+        self.stopped = True
         self.output_text = self.output_text[: idx + len(s) if self.params.include_stop_str_in_output else idx]
         self.num_emitted = min(self.num_emitted, len(self.output_text))
         return s
 
     def take_delta(self, finished: bool) -> str:
-        """Text not yet emitted (all of it when ``finished``, else minus the stop-string hold-back)."""
+        """Text not yet emitted (all of it when ``finished``, tokens held back inside a character
+        included, else minus the stop-string hold-back)."""
+        if finished:
+            self.flush()
         end = len(self.output_text) if finished else max(len(self.output_text) - self.stop_holdback, 0)
         if end <= self.num_emitted:
             return ""

@@ -66,7 +66,7 @@ class LineJob:
 def parse_lines(lines: list[str], tokenizer, defaults: dict[str, Any]) -> list[LineJob]:
     """Parse JSONL lines into jobs; a bad line gets ``error`` set and never raises."""
     from rayinfer.engine.types import SamplingParams
-    from rayinfer.serve.chat import encode_plain, render_chat
+    from rayinfer.serve.chat import encode_plain, render_messages
 
     jobs, seen = [], set()
     for i, line in enumerate(lines):
@@ -92,7 +92,7 @@ def parse_lines(lines: list[str], tokenizer, defaults: dict[str, Any]) -> list[L
             if (messages is None) == (prompt is None):
                 raise ValueError("each line needs exactly one of 'messages' or 'prompt'")
             if messages is not None:
-                job.prompt_token_ids = render_chat(tokenizer, messages)
+                job.prompt_token_ids = render_messages(tokenizer, messages)
             elif not isinstance(prompt, str):
                 raise ValueError("'prompt' must be a string")
             elif not prompt:

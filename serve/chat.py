@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from rayinfer.serve.tools import prepare_messages, template_renders_tools
+
 _SENTINEL = "RAYINFERMSG{}X"
 _SENTINEL_RE = re.compile(r"RAYINFERMSG(\d+)X")
 
@@ -71,3 +73,35 @@ def render_chat(tokenizer, messages: list[dict[str, Any]], add_generation_prompt
 def encode_plain(tokenizer, text: str) -> list[int]:
     """Encode user text with special-token strings treated as ordinary text."""
     return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+
+
+def render_messages(tokenizer, messages: list[dict[str, Any]], tools: list[dict] | None = None,
+                    add_generation_prompt: bool = True) -> list[int]:
+    """OpenAI chat messages to prompt token ids, the one way the service and the batch job both render.
+
+    Maps OpenAI roles onto what the model's template knows (``developer`` is ``system``), writes tools
+    and tool turns into the prompt when the template cannot (``serve.tools.prepare_messages``), then
+    renders with :func:`render_chat`.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer with a ``chat_template``.
+        messages: ``[{"role": "system"|"developer"|"user"|"assistant"|"tool", "content": ..., ...}]``.
+        tools: OpenAI tool definitions to show the model, or None.
+        add_generation_prompt: end with the assistant turn's header.
+    Returns:
+        prompt token ids.
+    Raises:
+        ValueError: for malformed messages (naming the message) or a tokenizer without a template.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ValueError(f"messages[{i}] must be an object with a string 'role'")
+    has_tools = template_renders_tools(tokenizer)
+    try:
+        prepared = prepare_messages(messages, tools, has_tools)
+    except (KeyError, TypeError, AttributeError) as e:  # a tool call or tool turn of the wrong shape
+        raise ValueError(f"messages: a tool call or tool message is malformed ({type(e).__name__}: {e})") from None
+    return render_chat(tokenizer, prepared, add_generation_prompt=add_generation_prompt,
+                       tools=tools if tools and has_tools else None)

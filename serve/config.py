@@ -24,6 +24,14 @@ class ServeConfig:
         num_ingress_replicas: Serve replicas of the HTTP ingress; all share the one fleet (started once
             by the ``EngineFleet`` deployment) and its balancers.
         max_ongoing_requests: concurrent HTTP requests the ingress accepts (Serve's backpressure).
+        max_request_bytes: the largest request body accepted, in bytes; a larger one is refused with 413
+            before it is parsed.
+        max_prompt_chars: the most characters of prompt text one request may carry (every string in
+            chat ``messages`` and ``tools``, or in a completion ``prompt``); more is a 400 before any
+            tokenization.
+        public_metrics_and_docs: with ``api_key`` set, still serve ``/metrics``, ``/docs``,
+            ``/redoc`` and ``/openapi.json`` without the key (vLLM's behaviour). False (the default)
+            puts them behind the key; ``/health`` is always open.
         proxy_location, http_options, applications: the Serve config-file keys of the same YAML, read
             by ``serve run conf/serve.yaml`` and ignored here.
     """
@@ -37,6 +45,9 @@ class ServeConfig:
     api_key: str | None = None
     num_ingress_replicas: int = 1
     max_ongoing_requests: int = 1024
+    max_request_bytes: int = 8 * 2**20
+    max_prompt_chars: int = 2**20
+    public_metrics_and_docs: bool = False
     proxy_location: Any = None
     http_options: Any = None
     applications: Any = None
@@ -48,6 +59,10 @@ class ServeConfig:
             raise ValueError(f"port must be in [0, 65536), got {self.port!r}")
         if self.max_ongoing_requests <= 0:
             raise ValueError(f"max_ongoing_requests must be positive, got {self.max_ongoing_requests}")
+        for name in ("max_request_bytes", "max_prompt_chars"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.api_key is not None and not str(self.api_key):
             raise ValueError("api_key must be non-empty when set")
 

@@ -70,8 +70,9 @@ class ServeMetrics:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         labels = ["model_name"]
-        self.requests = Counter("rayinfer_requests", "Finished HTTP requests by endpoint and outcome.",
-                                ["model_name", "endpoint", "outcome"], registry=self.registry)
+        self.requests = Counter("rayinfer_requests", "Finished HTTP requests by endpoint, outcome and finish "
+                                "reason.", ["model_name", "endpoint", "outcome", "finish_reason"],
+                                registry=self.registry)
         self.ttft = Histogram("rayinfer_time_to_first_token_seconds", "Time to first token (TTFT).", labels,
                               buckets=_TTFT_BUCKETS, registry=self.registry)
         self.tpot = Histogram("rayinfer_time_per_output_token_seconds",
@@ -106,18 +107,30 @@ class ServeMetrics:
         self.request_prompt_tokens.labels(m).inc(num_prompt_tokens)
         self.request_generation_tokens.labels(m).inc(num_output_tokens)
 
-    def count_request(self, endpoint: str, outcome: str) -> None:
-        """Count a finished HTTP request (outcome: a finish reason, ``error_<status>``, ``cancelled``)."""
-        self.requests.labels(self.model_name, endpoint, outcome).inc()
+    def count_request(self, endpoint: str, outcome: str, finish_reason: str | None) -> None:
+        """Count a finished HTTP request.
+
+        Args:
+            endpoint: "chat" or "completions".
+            outcome: "ok", "error_<status>", or "abort" (the client disconnected first).
+            finish_reason: the first choice's OpenAI finish reason ("stop", "length", "tool_calls"),
+                "abort" for a disconnect (vLLM's label for it), "error" for an error.
+        """
+        self.requests.labels(self.model_name, endpoint, outcome, finish_reason or "none").inc()
 
     def set_engine_stats(self, stats) -> None:
         """Replace the engine snapshot exposed at the next scrape.
 
         Args:
-            stats: the fleet's :class:`~rayinfer.engine.protocol.FleetStats`; replicas that could not
-                answer are left out (their gauges vanish rather than freeze), the KV store's counters are
-                exposed as a replica named "kv_store", the EP balance as replica "ep".
+            stats: the fleet's :class:`~rayinfer.engine.protocol.FleetStats`, or None when the fleet could
+                not be asked (every engine gauge vanishes); replicas that could not answer are left out
+                (their gauges vanish rather than freeze), the KV store's counters are exposed as a
+                replica named "kv_store", the EP balance as replica "ep".
         """
+        if stats is None:
+            with self._engine.lock:
+                self._engine.snapshot = []
+            return
         rows = [r.to_dict() for r in stats.replicas if r.error is None]
         if stats.kv_store is not None and stats.kv_store.error is None:
             rows.append({"replica_id": "kv_store", **dataclasses.asdict(stats.kv_store)})

@@ -7,6 +7,7 @@ fields are accepted and ignored so newer clients keep working. Responses are pla
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Literal
 
@@ -66,24 +67,114 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def from_error(e: Exception, default_param: str | None = None) -> APIError:
+def from_error(e: Exception, default_param: str | None = None, request_id: str | None = None) -> APIError:
     """One of rayinfer's errors (``rayinfer.engine.errors``) as an OpenAI error, by its type: invalid or
-    unsupported -> 400 with ``param`` from the error; overloaded -> 503; internal -> 500 (the message
-    carries no detail; the caller logs it). A bare ValueError (validation below our types) is a 400.
+    unsupported -> 400 with ``param`` from the error; overloaded -> 503; internal or anything else ->
+    500. A bare ValueError (validation below our types) is a 400.
+
+    A 5xx body never carries the exception's text (a Ray error's text holds tracebacks, node addresses
+    and memory reports): it says "internal error" or "overloaded" and, when given, ``request_id``, so an
+    operator can find the detail, which the caller logs under that id.
     """
     if isinstance(e, APIError):
         return e
+    cause = getattr(e, "cause", None)  # Ray's RayTaskError: its text is the remote traceback; map its cause
+    if isinstance(cause, Exception) and type(e).__name__.startswith("RayTaskError"):
+        return from_error(cause, default_param, request_id)
+    ref = f" (request id {request_id})" if request_id else ""
     if isinstance(e, OverloadedError):
-        return APIError(str(e), status=503, type="overloaded_error", code="overloaded")
+        return APIError(f"the server is overloaded; retry later{ref}", status=503, type="overloaded_error",
+                        code="overloaded")
     if isinstance(e, EngineInternalError) or not isinstance(e, (RayInferError, ValueError)):
-        return APIError("internal error", status=500, type="internal_error")
+        return APIError(f"internal error{ref}", status=500, type="internal_error")
     param = getattr(e, "param", None) or default_param
-    return APIError(str(e), status=getattr(e, "status", 400), param=param)
+    status = getattr(e, "status", 400)
+    if status >= 500:
+        return APIError(f"internal error{ref}", status=status, type="internal_error")
+    return APIError(str(e), status=status, param=param)
 
 
 def from_value_error(e: ValueError, default_param: str | None = None) -> APIError:
     """A validation error (SamplingParams, the engine) as a 400 naming its ``param`` (see :func:`from_error`)."""
     return from_error(e, default_param)
+
+
+# ---------------------------------------------------------------------------------------------------
+# raw bodies
+
+MAX_JSON_DEPTH = 100  # nesting of arrays/objects in a request body; deeper is a 400 (no schema needs more)
+_SURROGATE_RE = re.compile("[\ud800-\udfff]")
+
+
+def parse_json_body(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """Decode a request body and check that every string in it is text a tokenizer can take.
+
+    Args:
+        raw: the body bytes (UTF-8 JSON).
+        max_depth: the deepest nesting of arrays and objects accepted.
+    Returns:
+        the decoded JSON value.
+    Raises:
+        APIError: 400 ``invalid_json`` for bytes that are not UTF-8 JSON or nest deeper than
+            ``max_depth``; 400 ``invalid_text`` (``param`` the path, e.g. ``messages.0.content``) for a
+            string holding a lone UTF-16 surrogate such as ``"\\ud800"`` (valid JSON, but no Unicode
+            text: no tokenizer can encode it and no response can echo it).
+    """
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise APIError(f"the request body nests arrays or objects deeper than {max_depth} levels",
+                       code="invalid_json") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    # iterative walk: a recursive one would fail on the very bodies it must refuse
+    stack: list[tuple[Any, tuple, int]] = [(body, (), 1)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE_RE.search(value):
+                raise _bad_text(path, value)
+            continue
+        if not isinstance(value, (list, dict)):
+            continue
+        if depth > max_depth:
+            raise APIError(f"the request body nests arrays or objects deeper than {max_depth} levels",
+                           param=str(path[0]) if path else None, code="invalid_json")
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if _SURROGATE_RE.search(k):
+                    raise _bad_text(path, k)
+                stack.append((v, path + (k,), depth + 1))
+        else:
+            stack.extend((v, path + (i,), depth + 1) for i, v in enumerate(value))
+    return body
+
+
+def num_text_chars(value: Any) -> int:
+    """Characters in every string of a decoded JSON value (a request's prompt text, before tokenizing)."""
+    total, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            total += len(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return total
+
+
+def _path(path: tuple) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def _bad_text(path: tuple, text: str) -> APIError:
+    m = _SURROGATE_RE.search(text)
+    assert m is not None
+    where = f"'{_path(path)}'" if path else "the request body"
+    return APIError(f"{where} holds a lone surrogate (\\u{ord(m.group()):04x} at character {m.start()}), "
+                    "which is not valid Unicode text; send UTF-8 text or escape characters outside the "
+                    "BMP as surrogate pairs", param=_path(path) or None, code="invalid_text")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -5,20 +5,44 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator, Callable, TypeVar
 
 from rayinfer.engine.structured_output import GrammarError, check_response_format
 from rayinfer.engine.types import RequestOutput, SampledToken, SamplingParams
-from rayinfer.serve.protocol import APIError, from_error, from_value_error
+from rayinfer.serve.logprobs import TextOffsets, TokenBytes
+from rayinfer.serve.protocol import APIError, from_error, from_value_error, num_text_chars
+
+logger = logging.getLogger(__name__)
 
 _DONE = object()
+_T = TypeVar("_T")
 
 
 def sse(obj: Any) -> str:
     """One server-sent event carrying a JSON object (or the literal ``[DONE]``)."""
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+@dataclass
+class RequestRecord:
+    """What the ingress learns of one HTTP request as it is answered (for its metrics).
+
+    Attributes:
+        finish_reasons: OpenAI finish reason per choice index, filled in as choices finish.
+        error_status: the HTTP status of an error that ended a stream after its 200, or None.
+    """
+
+    finish_reasons: dict[int, str | None] = field(default_factory=dict)
+    error_status: int | None = None
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The finish reason of the first choice (None before it finished)."""
+        return self.finish_reasons.get(0)
 
 
 @dataclass
@@ -52,15 +76,53 @@ class OpenAIServing:
         model_name: the served model name (requests naming another model get a 404).
         max_model_len: the context limit in tokens.
         metrics: a ServeMetrics, or None.
+        executor: where :meth:`prepare` runs parsing, chat templates and tokenization, off the event loop
+            that streams every other request; it must have one thread (a HF fast tokenizer flips shared
+            state per ``encode`` call, ``split_special_tokens``, so two encodes must never overlap).
+            None runs them inline (tests).
+        max_prompt_chars: the most characters of prompt text a request may carry (checked before any
+            tokenization).
     """
 
-    def __init__(self, client, tokenizer, model_name: str, max_model_len: int, metrics=None):
+    def __init__(self, client, tokenizer, model_name: str, max_model_len: int, metrics=None,
+                 executor: Executor | None = None, max_prompt_chars: int = 2**20):
         self.client = client
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.metrics = metrics
-        self._token_text: dict[int, str] = {}
+        self.executor = executor
+        self.max_prompt_chars = max_prompt_chars
+        self.token_bytes = TokenBytes(tokenizer)
+
+    async def prepare(self, fn: Callable[..., _T], *args: Any, param: str | None = None) -> _T:
+        """Run ``fn(*args)`` (parsing, rendering, tokenizing one request) on the executor.
+
+        Every exception ``fn`` raises is this request's fault, never the server's: whatever a tokenizer,
+        a chat template or a JSON decoder throws at some input becomes a 400.
+
+        Raises:
+            APIError: ``fn``'s own, or a 400 naming ``param`` and the exception for any other.
+        """
+        try:
+            if self.executor is None:
+                return fn(*args)
+            return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        except APIError:
+            raise
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            logger.info("request refused while preparing it", exc_info=True)
+            where = f"'{param}' " if param else "the request "
+            raise APIError(f"{where}could not be turned into tokens: {type(e).__name__}: {e}", param=param,
+                           code="invalid_text") from None
+
+    def check_prompt_chars(self, value: Any, param: str) -> None:
+        """Raises APIError 400 when ``value`` (decoded JSON) holds more than ``max_prompt_chars``
+        characters of text (called before tokenizing)."""
+        num_chars = num_text_chars(value)
+        if num_chars > self.max_prompt_chars:
+            raise APIError(f"'{param}' holds {num_chars} characters of text; this server takes at most "
+                           f"{self.max_prompt_chars} per request", param=param, code="prompt_too_long")
 
     # -- validation ----------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -97,7 +159,7 @@ class OpenAIServing:
             raise APIError("logit_bias is not supported", param="logit_bias")
         if not isinstance(n, int) or not 1 <= n <= 128:
             raise APIError(f"n must be between 1 and 128, got {n}", param="n")
-        base = dict(
+        base: dict[str, Any] = dict(
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=req.top_k or 0,
@@ -129,7 +191,7 @@ class OpenAIServing:
 
     # -- the fan-out ---------------------------------------------------------------------------
     async def run(self, request_id: str, jobs: list[tuple[list[int], SamplingParams]],
-                  arrival: float) -> AsyncIterator[tuple[int, RequestOutput]]:
+                  arrival: float) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """Run one engine request per job concurrently and yield ``(job index, delta)`` as they come.
 
         If the consumer stops early or is cancelled (client disconnect), every engine request still
@@ -191,7 +253,7 @@ class OpenAIServing:
             return stream, None
         except ValueError as e:
             await stream.aclose()
-            raise _engine_error(e) from None
+            raise _engine_error(e, request_id) from None
         except BaseException:
             await stream.aclose()
             raise
@@ -204,54 +266,59 @@ class OpenAIServing:
             async for i, out in self.run(request_id, jobs, arrival):
                 states[i].add(out)
         except ValueError as e:
-            raise _engine_error(e) from None
+            raise _engine_error(e, request_id) from None
         return states
 
     # -- formatting ----------------------------------------------------------------------------
     def token_text(self, token_id: int) -> str:
-        """A token's text as it appears in output (cached)."""
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
-        return text
+        """A token's string in logprobs (its own bytes as text, ``"bytes:\\xf0\\x9f"`` for part of a
+        character; see :mod:`rayinfer.serve.logprobs`)."""
+        return self.token_bytes.text_of(token_id)
 
     def chat_logprobs(self, tokens: list[SampledToken], top_n: int) -> list[dict]:
-        """OpenAI chat ``logprobs.content`` entries for sampled tokens."""
+        """OpenAI chat ``logprobs.content`` entries for sampled tokens.
+
+        Returns:
+            ``[{"token": str, "logprob": float, "bytes": [int], "top_logprobs": [{token, logprob, bytes}]}]``;
+            ``bytes`` are the token's own bytes, so those of a response's tokens concatenate to the
+            UTF-8 of its text.
+        """
+        tb = self.token_bytes
         out = []
         for s in tokens:
-            text = self.token_text(s.token_id)
             top = sorted((s.top_logprobs or {}).items(), key=lambda kv: -kv[1])[:top_n]
-            out.append({"token": text, "logprob": _finite(s.logprob), "bytes": list(text.encode()),
-                        "top_logprobs": [{"token": self.token_text(t), "logprob": _finite(lp),
-                                          "bytes": list(self.token_text(t).encode())} for t, lp in top]})
+            out.append({"token": tb.text_of(s.token_id), "logprob": _finite(s.logprob),
+                        "bytes": list(tb.bytes_of(s.token_id)),
+                        "top_logprobs": [{"token": tb.text_of(t), "logprob": _finite(lp),
+                                          "bytes": list(tb.bytes_of(t))} for t, lp in top]})
         return out
 
-    def completion_logprobs(self, tokens: list[SampledToken], offset: int, top_n: int,
+    def completion_logprobs(self, tokens: list[SampledToken], offsets: TextOffsets, top_n: int,
                             prompt_ids: list[int] | None = None) -> dict:
         """OpenAI legacy completions ``logprobs`` (tokens, token_logprobs, top_logprobs, text_offset).
 
         Args:
             tokens: sampled tokens with logprobs.
-            offset: text offset of the first token.
+            offsets: the choice's text offsets so far (advanced past these tokens).
             top_n: alternatives per token.
             prompt_ids: echoed prompt tokens to put first (their logprobs are null: not computed).
+        Returns:
+            ``{"tokens": [str], "token_logprobs": [float], "top_logprobs": [{str: float}], "text_offset":
+            [int]}``; a token string is unique per token id, so ``top_logprobs`` keeps ``top_n`` entries.
         """
+        tb = self.token_bytes
         result: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for t in prompt_ids or []:
-            text = self.token_text(t)
-            result["tokens"].append(text)
+            result["tokens"].append(tb.text_of(t))
             result["token_logprobs"].append(None)
             result["top_logprobs"].append(None)
-            result["text_offset"].append(offset)
-            offset += len(text)
+            result["text_offset"].append(offsets.add(tb.bytes_of(t)))
         for s in tokens:
-            text = self.token_text(s.token_id)
             top = sorted((s.top_logprobs or {}).items(), key=lambda kv: -kv[1])[:top_n]
-            result["tokens"].append(text)
+            result["tokens"].append(tb.text_of(s.token_id))
             result["token_logprobs"].append(_finite(s.logprob))
-            result["top_logprobs"].append({self.token_text(t): _finite(lp) for t, lp in top} if top_n else None)
-            result["text_offset"].append(offset)
-            offset += len(text)
+            result["top_logprobs"].append({tb.text_of(t): _finite(lp) for t, lp in top} if top_n else None)
+            result["text_offset"].append(offsets.add(tb.bytes_of(s.token_id)))
         return result
 
 
@@ -272,14 +339,17 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens:
 
 def finish_reason(reason: str | None) -> str | None:
     """Engine finish reasons in OpenAI's words ("abort" and "error" end the stream as "stop")."""
-    return {"abort": "stop", "error": "stop"}.get(reason, reason)
+    return None if reason is None else {"abort": "stop", "error": "stop"}.get(reason, reason)
 
 
-def _engine_error(e: Exception) -> APIError:
-    """An engine-side error as an OpenAI error, by its type (``serve.protocol.from_error``)."""
-    err = from_error(e)
+def _engine_error(e: Exception, request_id: str | None = None) -> APIError:
+    """An engine-side error as an OpenAI error, by its type (``serve.protocol.from_error``); a 5xx is
+    logged here with its detail, under ``request_id``, which its body names."""
+    err = from_error(e, request_id=request_id)
     if isinstance(e, GrammarError):
         err.code = "invalid_response_format"
+    if err.status >= 500:
+        logger.error("request %s failed", request_id, exc_info=e)
     return err
 
 
@@ -289,6 +359,10 @@ def _finite(x: float | None) -> float | None:
     return max(float(x), -9999.0)  # -inf is not valid JSON; OpenAI reports -9999.0 for such tokens
 
 
-def error_event(err: Exception) -> str:
-    """An SSE event carrying an OpenAI error object (an error after the stream started)."""
-    return sse(_engine_error(err).body())
+def error_event(err: Exception, request_id: str, record: RequestRecord | None = None) -> str:
+    """An SSE event carrying an OpenAI error object (an error after the stream started; a 5xx says
+    "internal error" and the request id, and its detail goes to the log); its status goes to ``record``."""
+    api_error = _engine_error(err, request_id)
+    if record is not None:
+        record.error_status = api_error.status
+    return sse(api_error.body())

@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
-from rayinfer.serve.chat import render_chat
-from rayinfer.serve.protocol import APIError, ChatCompletionRequest, parse_body, response_format_of
+from rayinfer.serve.chat import render_messages
+from rayinfer.serve.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    NamedToolChoice,
+    parse_body,
+    response_format_of,
+)
 from rayinfer.serve.serving import (
     ChoiceState,
     OpenAIServing,
+    RequestRecord,
     error_event,
     finish_reason,
     sse,
@@ -20,8 +27,6 @@ from rayinfer.serve.serving import (
 from rayinfer.serve.tools import (
     ToolStreamParser,
     parse_tool_calls,
-    prepare_messages,
-    template_renders_tools,
     tool_call_format,
 )
 
@@ -35,31 +40,48 @@ class ChatServing:
 
     def __init__(self, serving: OpenAIServing):
         self.serving = serving
-        self.template_has_tools = template_renders_tools(serving.tokenizer)
 
-    async def create(self, body: dict, arrival: float) -> dict | AsyncIterator[str]:
+    async def create(self, body: Any, arrival: float, request_id: str | None = None,
+                     record: RequestRecord | None = None) -> dict | AsyncIterator[str]:
         """Validate a request and run it.
 
         Args:
-            body: the decoded JSON body.
+            body: the decoded JSON body (:func:`rayinfer.serve.protocol.parse_json_body`).
             arrival: ``time.perf_counter()`` when the request arrived (for TTFT).
+            request_id: the response id (``chatcmpl-...``); a new one when None.
+            record: where the finish reasons go (for metrics), or None.
         Returns:
             a ``chat.completion`` dict, or (``stream: true``) an iterator of SSE events.
         Raises:
-            APIError: 400 for bad input (the message names the field), 404 for an unknown model.
+            APIError: 400 for bad input (the message names the field; whatever the template or the
+                tokenizer raises on this input included), 404 for an unknown model.
         """
         s = self.serving
-        req: ChatCompletionRequest = parse_body(ChatCompletionRequest, body)
+        request_id = request_id or f"chatcmpl-{uuid.uuid4().hex}"
+        # the template and the tokenizer run off the event loop: a long prompt stalls no other stream
+        ctx, jobs = await s.prepare(self._prepare, body, request_id, record, param="messages")
+        num_prompt_tokens = len(jobs[0][0])
+        if ctx.req.stream:
+            stream, first = await s.start(request_id, jobs, arrival)
+            return self._stream(ctx, stream, first, num_prompt_tokens, ctx.req.n)
+        states = await s.collect(request_id, jobs, arrival)
+        return self._response(ctx, states, num_prompt_tokens)
+
+    def _prepare(self, body: Any, request_id: str, record: RequestRecord | None):
+        """Parse, render and tokenize (on the serving's executor): ``(context, [(prompt_ids, params)])``."""
+        s = self.serving
+        req: ChatCompletionRequest = parse_body(ChatCompletionRequest, body)  # pyright: ignore[reportAssignmentType]
         s.check_model(req.model)
+        s.check_prompt_chars([body.get("messages"), body.get("tools")], "messages")
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        tool_choice = req.tool_choice.model_dump() if hasattr(req.tool_choice, "model_dump") else req.tool_choice
-        if tool_choice is not None and tool_choice != "none" and not tools:
+        tc = req.tool_choice
+        if tc is not None and tc != "none" and not tools:
             raise APIError("tool_choice needs tools", param="tool_choice")
-        if tool_choice is None:
-            tool_choice = "auto" if tools else "none"
+        tool_choice: str | dict = (tc.model_dump() if isinstance(tc, NamedToolChoice)
+                                   else tc if tc is not None else "auto" if tools else "none")
         use_tools = bool(tools) and tool_choice != "none"
         try:
-            forced = tool_call_format(tools, tool_choice, req.parallel_tool_calls) if use_tools else None
+            forced = tool_call_format(tools or [], tool_choice, req.parallel_tool_calls) if use_tools else None
         except ValueError as e:
             raise APIError(str(e), param="tool_choice") from None
         rf = response_format_of(req)
@@ -67,7 +89,7 @@ class ChatServing:
             if rf is not None:
                 raise APIError("response_format cannot be combined with tool_choice required or named",
                                param="response_format")
-            for t in tools:
+            for t in tools or []:
                 s.check_response_format({"type": "json_schema", "json_schema": {
                     "name": t["function"]["name"], "schema": t["function"].get("parameters") or {}}},
                     param="tools")
@@ -75,10 +97,9 @@ class ChatServing:
         s.check_response_format(rf)
 
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        messages = prepare_messages(messages, tools if use_tools else None, self.template_has_tools)
         try:
-            prompt_ids = render_chat(s.tokenizer, messages, add_generation_prompt=req.add_generation_prompt,
-                                     tools=tools if use_tools and self.template_has_tools else None)
+            prompt_ids = render_messages(s.tokenizer, messages, tools if use_tools else None,
+                                         add_generation_prompt=req.add_generation_prompt)
         except ValueError as e:
             raise APIError(str(e), param="messages") from None
 
@@ -94,15 +115,9 @@ class ChatServing:
                                    logprobs=top_n if req.logprobs else None,
                                    num_prompt_tokens=len(prompt_ids), prompt_param="messages",
                                    response_format=rf, n=req.n)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        jobs = [(prompt_ids, p) for p in params]
-        tool_names = {t["function"]["name"] for t in tools} if use_tools else set()
-        ctx = _Context(request_id, int(time.time()), s.model_name, req, top_n, tool_names)
-        if req.stream:
-            stream, first = await s.start(request_id, jobs, arrival)
-            return self._stream(ctx, stream, first, len(prompt_ids), req.n)
-        states = await s.collect(request_id, jobs, arrival)
-        return self._response(ctx, states, len(prompt_ids))
+        tool_names = {t["function"]["name"] for t in tools or []} if use_tools else set()
+        ctx = _Context(request_id, int(time.time()), s.model_name, req, top_n, tool_names, record)
+        return ctx, [(prompt_ids, p) for p in params]
 
     # -- plain response ------------------------------------------------------------------------
     def _response(self, ctx: "_Context", states: list[ChoiceState], num_prompt_tokens: int) -> dict:
@@ -117,6 +132,7 @@ class ChatServing:
                     reason = "tool_calls" if reason == "stop" else reason
             logprobs = ({"content": self.serving.chat_logprobs(st.logprobs, ctx.top_n)}
                         if ctx.req.logprobs else None)
+            ctx.record.finish_reasons[st.index] = reason
             choices.append({"index": st.index, "message": message, "logprobs": logprobs, "finish_reason": reason})
         return {
             "id": ctx.request_id, "object": "chat.completion", "created": ctx.created, "model": ctx.model,
@@ -164,13 +180,14 @@ class ChatServing:
                             reason = "tool_calls" if reason == "stop" else reason
                             deltas = [{"index": k, **call} for k, call in enumerate(calls)]
                             yield self._chunk(ctx, i, {"tool_calls": deltas})
+                    ctx.record.finish_reasons[i] = reason
                     yield self._chunk(ctx, i, {}, reason=reason)
             if ctx.include_usage:
                 yield sse({"id": ctx.request_id, "object": "chat.completion.chunk", "created": ctx.created,
                            "model": ctx.model, "choices": [],
                            "usage": usage(num_prompt_tokens, sum(num_tokens), cached)})
         except Exception as e:  # after the 200 went out, an error can only travel as an event
-            yield error_event(e)
+            yield error_event(e, ctx.request_id, ctx.record)
         finally:
             await stream.aclose()
         yield sse("[DONE]")
@@ -180,7 +197,8 @@ class _Context:
     """Per-request facts the response builders need."""
 
     def __init__(self, request_id: str, created: int, model: str, req: ChatCompletionRequest, top_n: int,
-                 tool_names: set[str]):
+                 tool_names: set[str], record: RequestRecord | None = None):
         self.request_id, self.created, self.model, self.req = request_id, created, model, req
         self.top_n, self.tool_names = top_n, tool_names
+        self.record = record if record is not None else RequestRecord()
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)

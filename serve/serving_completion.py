@@ -4,10 +4,20 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
+from rayinfer.serve.logprobs import TextOffsets
 from rayinfer.serve.protocol import APIError, CompletionRequest, parse_body, response_format_of
-from rayinfer.serve.serving import ChoiceState, OpenAIServing, error_event, finish_reason, sse, usage, with_first
+from rayinfer.serve.serving import (
+    ChoiceState,
+    OpenAIServing,
+    RequestRecord,
+    error_event,
+    finish_reason,
+    sse,
+    usage,
+    with_first,
+)
 
 
 class CompletionServing:
@@ -43,20 +53,39 @@ class CompletionServing:
             out.append(ids)
         return out
 
-    async def create(self, body: dict, arrival: float) -> dict | AsyncIterator[str]:
+    async def create(self, body: Any, arrival: float, request_id: str | None = None,
+                     record: RequestRecord | None = None) -> dict | AsyncIterator[str]:
         """Validate a request and run it.
 
         Args:
-            body: the decoded JSON body.
+            body: the decoded JSON body (:func:`rayinfer.serve.protocol.parse_json_body`).
             arrival: ``time.perf_counter()`` when the request arrived (for TTFT).
+            request_id: the response id (``cmpl-...``); a new one when None.
+            record: where the finish reasons go (for metrics), or None.
         Returns:
             a ``text_completion`` dict, or (``stream: true``) an iterator of SSE events.
         Raises:
-            APIError: 400 for bad input (the message names the field), 404 for an unknown model.
+            APIError: 400 for bad input (the message names the field; whatever the tokenizer raises on
+                this input included), 404 for an unknown model.
         """
         s = self.serving
-        req: CompletionRequest = parse_body(CompletionRequest, body)
+        request_id = request_id or f"cmpl-{uuid.uuid4().hex}"
+        record = record if record is not None else RequestRecord()
+        # tokenization runs off the event loop: a long prompt stalls no other stream
+        req, jobs, echo_ids, num_prompt_tokens = await s.prepare(self._prepare, body, param="prompt")
+        ctx = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": s.model_name}
+        if req.stream:
+            stream, first = await s.start(request_id, jobs, arrival)
+            return self._stream(ctx, req, stream, first, echo_ids, num_prompt_tokens, record)
+        states = await s.collect(request_id, jobs, arrival)
+        return self._response(ctx, req, states, echo_ids, num_prompt_tokens, record)
+
+    def _prepare(self, body: Any):
+        """Parse and tokenize (on the serving's executor): ``(request, jobs, echo ids, prompt tokens)``."""
+        s = self.serving
+        req: CompletionRequest = parse_body(CompletionRequest, body)  # pyright: ignore[reportAssignmentType]
         s.check_model(req.model)
+        s.check_prompt_chars(body.get("prompt"), "prompt")
         if req.suffix:
             raise APIError("suffix is not supported", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
@@ -73,26 +102,21 @@ class CompletionServing:
                                        response_format=rf, n=req.n)
             jobs += [(ids, p) for p in params]
             echo_ids += [ids] * req.n
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        ctx = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": s.model_name}
-        num_prompt_tokens = sum(len(ids) for ids in prompts)
-        if req.stream:
-            stream, first = await s.start(request_id, jobs, arrival)
-            return self._stream(ctx, req, stream, first, echo_ids, num_prompt_tokens)
-        states = await s.collect(request_id, jobs, arrival)
-        return self._response(ctx, req, states, echo_ids, num_prompt_tokens)
+        return req, jobs, echo_ids, sum(len(ids) for ids in prompts)
 
     def _echo_text(self, ids: list[int]) -> str:
         return self.serving.tokenizer.decode(ids)
 
-    def _response(self, ctx: dict, req: CompletionRequest, states: list[ChoiceState], echo_ids, num_prompt_tokens):
+    def _response(self, ctx: dict, req: CompletionRequest, states: list[ChoiceState], echo_ids, num_prompt_tokens,
+                  record: RequestRecord):
         choices = []
         for st in states:
             prefix = self._echo_text(echo_ids[st.index]) if req.echo else ""
             logprobs = None
             if req.logprobs is not None:
-                logprobs = self.serving.completion_logprobs(st.logprobs, 0, req.logprobs,
+                logprobs = self.serving.completion_logprobs(st.logprobs, TextOffsets(), req.logprobs,
                                                             echo_ids[st.index] if req.echo else None)
+            record.finish_reasons[st.index] = finish_reason(st.finish_reason)
             choices.append({"index": st.index, "text": prefix + st.text, "logprobs": logprobs,
                             "finish_reason": finish_reason(st.finish_reason)})
         return {**ctx, "choices": choices, "system_fingerprint": None,
@@ -100,10 +124,10 @@ class CompletionServing:
                                max((st.num_cached_tokens for st in states), default=0))}
 
     async def _stream(self, ctx: dict, req: CompletionRequest, stream, first, echo_ids,
-                      num_prompt_tokens: int) -> AsyncIterator[str]:
+                      num_prompt_tokens: int, record: RequestRecord) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         num_choices = len(echo_ids)
-        offsets = [0] * num_choices
+        offsets = [TextOffsets() for _ in range(num_choices)]
         started = [False] * num_choices
         num_tokens, cached = 0, 0
 
@@ -125,16 +149,16 @@ class CompletionServing:
                 if req.logprobs is not None:
                     logprobs = self.serving.completion_logprobs(out.new_logprobs or [], offsets[i], req.logprobs,
                                                                 echoed)
-                    offsets[i] += sum(len(t) for t in logprobs["tokens"])
                 reason = finish_reason(out.finish_reason) if out.finished else None
                 if out.finished:
                     cached = max(cached, out.num_cached_tokens)
+                    record.finish_reasons[i] = reason
                 if text or logprobs or reason:
                     yield chunk(i, text, logprobs, reason)
             if include_usage:
                 yield sse({**ctx, "choices": [], "usage": usage(num_prompt_tokens, num_tokens, cached)})
         except Exception as e:  # after the 200 went out, an error can only travel as an event
-            yield error_event(e)
+            yield error_event(e, ctx["id"], record)
         finally:
             await stream.aclose()
         yield sse("[DONE]")

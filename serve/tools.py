@@ -92,13 +92,19 @@ def _text_of(content: Any) -> str:
     return content or ""
 
 
+# Whitespace the arguments' JSON may hold between two tokens of JSON. Unbounded, a greedy small model
+# fills max_tokens with spaces after "{" and never closes the call (issue 23); 4 still admits
+# ", " and a newline with an indent of up to 3.
+MAX_ARGUMENT_WHITESPACE = 4
+
+
 def _tool_tag(tool: dict) -> dict:
     fn = tool["function"]
     params = fn.get("parameters") or {"type": "object", "properties": {}}
     return {
         "type": "tag",
         "begin": f'{TOOL_CALL_BEGIN}\n{{"name": "{fn["name"]}", "arguments": ',
-        "content": {"type": "json_schema", "json_schema": params},
+        "content": {"type": "json_schema", "json_schema": params, "max_whitespace_cnt": MAX_ARGUMENT_WHITESPACE},
         "end": "}\n" + TOOL_CALL_END,
     }
 
@@ -110,7 +116,8 @@ def tool_call_format(tools: list[dict], tool_choice: str | dict, parallel_tool_c
         tools: OpenAI tool definitions.
         tool_choice: "none" / "auto" (nothing forced), "required" (one or more calls of any tool), or
             ``{"type": "function", "function": {"name": ...}}`` (exactly one call of that tool).
-        parallel_tool_calls: with "required", allow several calls.
+        parallel_tool_calls: with "required", allow several calls (at most one per tool when no tool
+            takes arguments: a repeated call without arguments only repeats its answer).
     Returns:
         ``{"type": "structural_tag", "format": ...}`` for ``SamplingParams.response_format``, or None.
     Raises:
@@ -124,10 +131,25 @@ def tool_call_format(tools: list[dict], tool_choice: str | dict, parallel_tool_c
         if not chosen:
             raise ValueError(f"tool_choice names '{name}', which is not among the tools")
         return {"type": "structural_tag", "format": _tool_tag(chosen[0])}
+    tags = [_tool_tag(t) for t in tools]
+    if parallel_tool_calls and all(_takes_no_arguments(t) for t in tools) and len(tools) > 1:
+        # a call without arguments made twice answers the same twice: at most one call per tool, so a
+        # model that would repeat its call forever must stop (issue 23)
+        one = {"type": "or", "elements": tags}
+        return {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+            one, {"type": "repeat", "min": 0, "max": len(tools) - 1,
+                  "content": {"type": "sequence", "elements": [{"type": "const_string", "value": "\n"}, one]}}]}}
     return {"type": "structural_tag", "format": {
-        "type": "tags_with_separator", "tags": [_tool_tag(t) for t in tools], "separator": "\n",
-        "at_least_one": True, "stop_after_first": not parallel_tool_calls,
+        "type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
+        "stop_after_first": not parallel_tool_calls or all(_takes_no_arguments(t) for t in tools),
     }}
+
+
+def _takes_no_arguments(tool: dict) -> bool:
+    """Whether the tool's parameters admit only ``{}`` (none given, or an object without properties)."""
+    params = tool["function"].get("parameters")
+    return not params or (params.get("type") == "object" and not params.get("properties")
+                          and params.get("additionalProperties") is not True)
 
 
 def new_call_id() -> str:

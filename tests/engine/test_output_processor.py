@@ -173,3 +173,46 @@ def test_output_processor_batches_and_lists_requests_to_abort(tokenizer):
             seen[o.request_id] += o.new_text
     assert seen == {"a": "stop", "b": "keep going on"} and aborts == ["a"]
     assert not proc.has_unfinished_requests()
+
+
+def _random_ids(rng, tokenizer, n, partial, emoji):
+    """Token ids biased towards pieces of UTF-8 characters (the hard cases), else any id."""
+    out = []
+    for _ in range(n):
+        r = rng.random()
+        out.append(rng.choice(partial) if r < 0.4 else rng.choice(emoji) if r < 0.6 else rng.randrange(len(tokenizer)))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_streamed_text_is_decode_of_all_minus_decode_of_the_prompt(tokenizer, seed):
+    """Random token-id prompts and outputs against the tokenizer's own decode: the streamed text is
+    ``decode(prompt + output)`` after its common prefix with ``decode(prompt)``, also when the prompt ends
+    inside a character the output completes and when the output ends inside one."""
+    import random
+
+    rng = random.Random(seed)
+    partial = [i for i in range(len(tokenizer)) if "\ufffd" in tokenizer.decode([i])]
+    emoji = tokenizer.encode("🍕🧀🍅 naïve 東京 👩‍👩‍👧", add_special_tokens=False)
+    num_split_prompts = num_split_ends = 0
+    for _ in range(150):
+        prompt = _random_ids(rng, tokenizer, rng.randint(1, 8), partial, emoji)
+        output = _random_ids(rng, tokenizer, rng.randint(1, 12), partial, emoji)
+        p = tokenizer.decode(prompt, skip_special_tokens=True)
+        full = tokenizer.decode(prompt + output, skip_special_tokens=True)
+        n = 0
+        while n < min(len(p), len(full)) and p[n] == full[n]:
+            n += 1
+        num_split_prompts += n < len(p)
+        num_split_ends += full.endswith("\ufffd")
+        chunk = rng.choice([1, 1, 2, 3])  # one token per delta, or several (async scheduling, PD)
+        pieces = [output[k : k + chunk] for k in range(0, len(output), chunk)]
+        proc = RequestOutputProcessor(tokenizer, "r", prompt, SamplingParams(max_tokens=100))
+        text = ""
+        for k, ids in enumerate(pieces):
+            last = k == len(pieces) - 1
+            out = proc.process(RequestOutput("r", ids, finished=last, finish_reason="length" if last else None))
+            assert out is not None
+            text += out.new_text
+        assert text == full[n:], (prompt, output)
+    assert num_split_prompts > 2 and num_split_ends > 2  # the hard cases did come up

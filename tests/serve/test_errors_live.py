@@ -93,7 +93,10 @@ def test_api_key_is_required(live_server):
         err = _check_error(anon.post("/v1/chat/completions", json=GOOD), 401)
         assert err["type"] == "authentication_error"
         _check_error(anon.get("/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
-        assert anon.get("/health").status_code == 200  # health and metrics stay open for probes
+        assert anon.get("/health").status_code == 200  # health stays open for probes
+        for path in ("/metrics", "/docs", "/openapi.json"):  # public_metrics_and_docs is off by default
+            _check_error(anon.get(path), 401)
+            assert anon.get(path, headers={"Authorization": f"Bearer {live_server.api_key}"}).status_code == 200
 
 
 def test_server_still_serves_after_errors(http):
@@ -129,3 +132,49 @@ def test_bad_requests_do_not_disturb_a_concurrent_stream(live_server):
     text, *codes = asyncio.run(main())
     assert '"finish_reason": "length"' in text
     assert sorted(set(codes)) == [400, 404]
+
+
+def test_text_no_tokenizer_takes_is_400_through_serve(http):
+    raw = b'{"messages": [{"role": "user", "content": "hi \\ud800"}], "max_tokens": 2}'
+    err = _check_error(http.post("/v1/chat/completions", content=raw, headers={"Content-Type": "application/json"}),
+                       400, "messages.0.content")
+    assert "surrogate" in err["message"]
+    _check_error(http.post("/v1/completions", content=b"[" * 50_000 + b"]" * 50_000), 400)
+    assert http.post("/v1/chat/completions", json=GOOD).status_code == 200
+
+
+def test_a_killed_engine_replica_restarts_and_the_stream_in_flight_ends_with_an_error(http, live_server):
+    """The replica is killed mid-stream: that stream ends with an error event that names only a request id;
+    Ray restarts the actor (ParallelConfig.max_restarts) and the service answers again."""
+    import threading
+    import time
+
+    import ray
+    from ray import serve
+
+    router = serve.get_deployment_handle("EngineFleet", live_server.app_name).router_handle.remote().result()
+    replica = ray.get(router.start.remote()).replicas[0]
+    lines: list[str] = []
+
+    def stream():
+        with http.stream("POST", "/v1/chat/completions", json={**GOOD, "max_tokens": 800, "ignore_eos": True,
+                                                                 "stream": True}) as r:
+            lines.extend(r.iter_lines())
+
+    t = threading.Thread(target=stream)
+    t.start()
+    deadline = time.monotonic() + 60
+    while not any('"content"' in ln for ln in lines[1:]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    ray.kill(replica, no_restart=False)
+    t.join(timeout=120)
+    events = [ln for ln in lines if ln.startswith("data: {")]
+    assert events and '"error"' in events[-1], lines[-3:]
+    err = __import__("json").loads(events[-1][6:])["error"]
+    assert err["message"].startswith("internal error (request id chatcmpl-"), err
+    deadline = time.monotonic() + 240
+    while http.get("/health").status_code != 200:
+        assert time.monotonic() < deadline, "the replica did not come back"
+        time.sleep(1.0)
+    r = http.post("/v1/chat/completions", json=GOOD)
+    assert r.status_code == 200, r.text

@@ -63,7 +63,8 @@ def test_client_disconnect_aborts_and_frees_blocks(live_server, model):
 
 def test_metrics_endpoint_exposes_engine_and_latency_metrics(live_server, client, model):
     client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
-    text = httpx.get(live_server.base_url + "/metrics", timeout=30).text
+    text = httpx.get(live_server.base_url + "/metrics", timeout=30,
+                     headers={"Authorization": f"Bearer {live_server.api_key}"}).text
     for name in ("rayinfer_num_requests_running", "rayinfer_num_requests_waiting", "rayinfer_kv_cache_usage_perc",
                  "rayinfer_prefix_cache_hit_rate", "rayinfer_num_preemptions_total", "rayinfer_prompt_tokens_total",
                  "rayinfer_generation_tokens_total", "rayinfer_time_to_first_token_seconds_bucket",
@@ -99,3 +100,33 @@ def test_bench_serve_reports_percentiles(live_server, tmp_path):
         assert set(summary[key]) == {"mean", "median", "p90", "p95", "p99"}
         assert summary[key]["p99"] >= summary[key]["median"] > 0
     assert summary["output_throughput"] > 0
+
+
+def _requests_total(live_server) -> dict[tuple, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(live_server.base_url + "/metrics", timeout=30,
+                     headers={"Authorization": f"Bearer {live_server.api_key}"}).text
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    return {(s.labels["endpoint"], s.labels["outcome"], s.labels["finish_reason"]): s.value
+            for s in fams["rayinfer_requests"].samples if s.name == "rayinfer_requests_total"}
+
+
+def test_a_plain_request_the_client_leaves_counts_as_abort(live_server, model):
+    body = {"model": model, "messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 600,
+            "ignore_eos": True}
+    key = ("chat", "abort", "abort")
+    before = _requests_total(live_server).get(key, 0.0)
+    with httpx.Client(base_url=live_server.base_url, timeout=2.0) as http:
+        try:
+            http.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {live_server.api_key}"})
+            raise AssertionError("600 tokens came back within 2 s")
+        except httpx.ReadTimeout:
+            pass  # the client hangs up here
+    deadline = time.monotonic() + 30
+    while _requests_total(live_server).get(key, 0.0) < before + 1:
+        assert time.monotonic() < deadline, _requests_total(live_server)
+        time.sleep(0.5)
+    assert not any(k[1] == "error_500" for k in _requests_total(live_server))
+    stats = live_server.wait_all_blocks_free(timeout_s=30)
+    assert all(s["num_free_blocks"] == s["num_blocks"] and s["num_running"] == 0 for s in stats), stats

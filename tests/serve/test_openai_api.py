@@ -146,3 +146,23 @@ def test_seeds_past_int64_and_huge_top_k_are_served(client, model):
     assert all(c.finish_reason == "length" for a in answers for c in a.choices)
     wrapped = client.completions.create(seed=2**64 + 5, **kw).choices[0].text
     assert wrapped == client.completions.create(seed=5, **kw).choices[0].text
+
+
+def test_chat_logprob_bytes_concatenate_to_the_content(client, model):
+    # issue 23: every emoji token came back as "\ufffd" with bytes [239, 191, 189]
+    r = client.chat.completions.create(model=model, temperature=0, max_tokens=9, logprobs=True, top_logprobs=3,
+                                       messages=[{"role": "user", "content": "Reply with three emojis that describe pizza."}])
+    content = r.choices[0].logprobs.content
+    text = r.choices[0].message.content
+    assert bytes(b for e in content for b in e.bytes) == text.encode()
+    assert all(e.bytes != [239, 191, 189] or e.token == "\ufffd" for e in content)
+    for e in content:
+        assert len({t.token for t in e.top_logprobs}) == len(e.top_logprobs) == 3
+
+
+def test_legacy_logprobs_keep_n_distinct_alternatives(client, model):
+    r = client.completions.create(model=model, prompt="Three emojis for pizza: 🍕", max_tokens=12, temperature=0,
+                                  logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == r.usage.completion_tokens
+    assert all(len(alts) == 2 for alts in lp.top_logprobs)

@@ -85,3 +85,39 @@ def test_bench_summary_percentiles():
     delays = arrival_delays(2000, rate=10.0, seed=0)
     assert abs(sum(delays) / len(delays) - 0.1) < 0.01
     assert arrival_delays(3, float("inf"), 0) == [0.0, 0.0, 0.0]
+
+
+def test_5xx_errors_carry_only_a_request_id_and_ray_task_errors_map_by_their_cause():
+    import ray.exceptions
+
+    from rayinfer.engine.errors import EngineInternalError, InvalidRequestError, OverloadedError
+    from rayinfer.serve.protocol import from_error
+
+    secret = "Memory on the node (IP: 10.0.0.7) was 61.2GB / 64GB"
+    for e, status in [(RuntimeError(secret), 500), (EngineInternalError(secret), 500), (OverloadedError(secret), 503),
+                      (KeyError(secret), 500)]:
+        err = from_error(e, request_id="cmpl-1")
+        assert err.status == status and secret not in err.message and err.message.endswith("(request id cmpl-1)")
+    try:
+        raise InvalidRequestError("prompt token id 99999 is out of the vocabulary", "prompt")
+    except InvalidRequestError as cause:
+        wrapped = ray.exceptions.RayTaskError("generate", "Traceback ...\n" + secret, cause).as_instanceof_cause()
+    assert isinstance(wrapped, ValueError) and secret in str(wrapped)
+    err = from_error(wrapped)
+    assert (err.status, err.param, err.message) == (400, "prompt", "prompt token id 99999 is out of the vocabulary")
+
+
+@pytest.mark.parametrize("field,value", [("max_request_bytes", 0), ("max_prompt_chars", -1),
+                                         ("max_prompt_chars", True), ("max_request_bytes", 1.5)])
+def test_serve_config_limits_must_be_positive_integers(field, value):
+    from rayinfer.serve.config import ServeConfig
+
+    with pytest.raises(ValueError, match=field):
+        ServeConfig(**{field: value})
+
+
+def test_serve_yaml_sets_the_documented_limits():
+    from rayinfer.serve.config import compose_config
+
+    cfg = compose_config(["max_prompt_chars=10", "public_metrics_and_docs=true"])
+    assert (cfg.max_request_bytes, cfg.max_prompt_chars, cfg.public_metrics_and_docs) == (8 * 2**20, 10, True)

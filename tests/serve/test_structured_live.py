@@ -156,3 +156,18 @@ def test_tool_results_round_trip(client, model):
     r = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER], tool_choice="none",
                                        max_tokens=12, temperature=0)
     assert r.choices[0].message.content
+
+
+GET_TIME = {"type": "function", "function": {"name": "get_time", "description": "Current time."}}
+
+
+@pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "get_time"}}, "required"])
+def test_forced_call_of_a_tool_without_parameters_ends(client, model, choice):
+    # issue 23: 200 tokens of whitespace after '"arguments": {', no tool_calls, finish_reason "length"
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "What time is it?"}],
+                                       tools=[GET_TIME], tool_choice=choice, temperature=0, max_tokens=200)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls", c
+    (call,) = c.message.tool_calls
+    assert call.function.name == "get_time" and json.loads(call.function.arguments) == {}
+    assert not c.message.content and r.usage.completion_tokens < 40

@@ -103,3 +103,34 @@ def test_forced_formats_compile_and_match_the_parser():
     assert len(parse_tool_calls(two, NAMES)[1]) == 2
     with pytest.raises(ValueError, match="not among the tools"):
         tool_call_format([WEATHER], {"type": "function", "function": {"name": "nope"}})
+
+
+@pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "get_time"}}, "required"])
+def test_forced_arguments_cannot_run_on_in_whitespace(choice):
+    from rayinfer.serve.tools import MAX_ARGUMENT_WHITESPACE
+
+    rf = tool_call_format([{"type": "function", "function": {"name": "get_time"}}], choice, False)  # no parameters
+    call = '<tool_call>\n{{"name": "get_time", "arguments": {args}}}\n</tool_call>'
+    assert _matches(rf, call.format(args="{}"))
+    assert _matches(rf, call.format(args="{" + " " * MAX_ARGUMENT_WHITESPACE + "}"))
+    assert not _matches(rf, call.format(args="{" + " " * (MAX_ARGUMENT_WHITESPACE + 1) + "}"))
+    assert not _matches(rf, call.format(args="{" + "\n" * 200 + "}"))
+    assert not _matches(rf, call.format(args='{"x": 1}'))  # a tool without parameters takes {}
+    rf = tool_call_format([WEATHER], {"type": "function", "function": {"name": "get_weather"}})
+    assert _matches(rf, call.replace("get_time", "get_weather").format(args='{\n  "city": "Oslo"\n}'))
+
+
+def test_required_calls_of_tools_without_arguments_are_bounded():
+    a, b = ({"type": "function", "function": {"name": n}} for n in ("a", "b"))
+    call = '<tool_call>\n{{"name": "{}", "arguments": {{}}}}\n</tool_call>'.format
+    one = tool_call_format([a], "required", parallel_tool_calls=True)
+    check_response_format(one)
+    assert _matches(one, call("a")) and not _matches(one, call("a") + "\n" + call("a"))
+    two = tool_call_format([a, b], "required", parallel_tool_calls=True)
+    check_response_format(two)
+    assert _matches(two, call("b")) and _matches(two, call("a") + "\n" + call("b"))
+    assert not _matches(two, call("a") + "\n" + call("b") + "\n" + call("a")) and not _matches(two, "")
+    # a tool that takes arguments may be called any number of times
+    many = tool_call_format([WEATHER, a], "required", parallel_tool_calls=True)
+    w = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    assert _matches(many, "\n".join([w, w, w, call("a"), call("a")]))
