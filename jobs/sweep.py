@@ -103,8 +103,9 @@ def run_replicas(cfg: SweepConfig, items: list[bl.WorkItem], device_type: str) -
     if num_gpus and torch.cuda.device_count() < dp:
         raise ValueError(f"parallel.dp={dp} needs {dp} GPUs; this machine has {torch.cuda.device_count()}")
     if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False,
-                 logging_level=logging.WARNING)
+        from rayinfer.actors.cluster import init_ray
+
+        print(init_ray(log_to_driver=False, logging_level=logging.WARNING), flush=True)
     num_cpus = max(1, min(threads, int(ray.available_resources().get("CPU", 1)) // dp))
     actor_cls = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(bl.OfflineReplica)
     actors = [actor_cls.remote(cfg.model, cfg.engine, threads) for _ in range(dp)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rayinfer.actors.cluster import RayConfig
 from rayinfer.engine.config import EngineConfig, ModelConfig
 from rayinfer.placement.parallel_config import ParallelConfig
 
@@ -24,6 +25,8 @@ class ServeConfig:
         num_ingress_replicas: Serve replicas of the HTTP ingress; all share the one fleet (started once
             by the ``EngineFleet`` deployment) and its balancers.
         max_ongoing_requests: concurrent HTTP requests the ingress accepts (Serve's backpressure).
+        ray: which Ray cluster ``jobs/serve.py`` uses (``ray.address=local``: an embedded one, on
+            loopback); see :class:`~rayinfer.actors.cluster.RayConfig`.
         proxy_location, http_options, applications: the Serve config-file keys of the same YAML, read
             by ``serve run conf/serve.yaml`` and ignored here.
     """
@@ -37,6 +40,7 @@ class ServeConfig:
     api_key: str | None = None
     num_ingress_replicas: int = 1
     max_ongoing_requests: int = 1024
+    ray: RayConfig = field(default_factory=RayConfig)
     proxy_location: Any = None
     http_options: Any = None
     applications: Any = None
