@@ -8,23 +8,29 @@
 Input lines: ``{"id"?, "messages": [...]}`` (chat, rendered with the model's chat template) or
 ``{"id"?, "prompt": "..."}`` (raw text), each optionally with sampling fields (max_tokens, temperature,
 top_p, top_k, min_p, seed, stop, ...). Output lines, in input order: id, prompt_token_ids,
-output_token_ids, text, finish_reason, usage, error. A rerun skips ids already done.
+output_token_ids, text, finish_reason, usage, error, key. ``key`` is a hash of the line's prompt tokens,
+sampling parameters and model: a rerun onto the same output reuses a finished line only when its key
+matches (and recomputes every other line), whatever the ids or the order of the lines. Ctrl-C (SIGINT)
+or SIGTERM stops the job at once, keeping the finished lines for the rerun.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import logging
-import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from rayinfer.actors.cluster import RayConfig
 from rayinfer.engine.config import EngineConfig, ModelConfig
 from rayinfer.placement.parallel_config import ParallelConfig
 
@@ -50,6 +56,7 @@ class GenerateConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     sampling: dict[str, Any] = field(default_factory=dict)  # defaults for every line
     print_outputs: bool | None = None  # None: print when there is no input file
+    ray: RayConfig = field(default_factory=RayConfig)  # which cluster (ray.address=local: an embedded one)
 
 
 @dataclass
@@ -61,10 +68,26 @@ class LineJob:
     prompt_token_ids: list[int] | None = None
     params: Any = None
     error: str | None = None
+    key: str | None = None  # line_key of a parsed line
 
 
-def parse_lines(lines: list[str], tokenizer, defaults: dict[str, Any]) -> list[LineJob]:
-    """Parse JSONL lines into jobs; a bad line gets ``error`` set and never raises."""
+def line_key(model: str, prompt_token_ids: list[int], params) -> str:
+    """The resume key of a line: a SHA-256 (hex) of the model name, the prompt's token ids and every
+    sampling parameter, so a stored result is reused only for the same request."""
+    payload = json.dumps({"model": model, "prompt_token_ids": list(prompt_token_ids),
+                          "params": dataclasses.asdict(params)}, sort_keys=True, default=repr)
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def parse_lines(lines: list[str], tokenizer, defaults: dict[str, Any], model: str = "") -> list[LineJob]:
+    """Parse JSONL lines into jobs; a bad line gets ``error`` set and never raises.
+
+    Args:
+        lines: the input's non-empty lines.
+        tokenizer: the model's tokenizer (chat template, plain encoding).
+        defaults: sampling fields of every line (a line's own fields win).
+        model: the model name that goes into each line's resume ``key``.
+    """
     from rayinfer.engine.types import SamplingParams
     from rayinfer.serve.chat import encode_plain, render_chat
 
@@ -101,6 +124,7 @@ def parse_lines(lines: list[str], tokenizer, defaults: dict[str, Any]) -> list[L
                 bos = [tokenizer.bos_token_id] if getattr(tokenizer, "add_bos_token", False) else []
                 job.prompt_token_ids = bos + encode_plain(tokenizer, prompt)
             job.params = SamplingParams.from_dict({**defaults, **rec})
+            job.key = line_key(model, job.prompt_token_ids, job.params)
         except (ValueError, TypeError) as e:
             job.error = str(e)
     return jobs
@@ -116,16 +140,41 @@ def output_record(job: LineJob, completion=None) -> dict[str, Any]:
         "prompt_token_ids": prompt,
         "output_token_ids": out_ids,
         "text": completion.text if completion else "",
-        "finish_reason": "error" if error else completion.finish_reason,
+        "finish_reason": "error" if error else completion.finish_reason if completion else None,
         "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(out_ids),
                   "total_tokens": len(prompt) + len(out_ids),
                   "cached_tokens": completion.num_cached_tokens if completion else 0},
         "error": error,
+        "key": job.key,
     }
 
 
-def _read_done(*paths: Path) -> dict[str, dict]:
-    done = {}
+def drop_cut_line(path: Path) -> int:
+    """Truncate a JSONL file after its last newline: a last line without one was cut by a crash while
+    it was written, and the next record must not be appended to its fragment. Returns the bytes dropped."""
+    if not path.exists():
+        return 0
+    with path.open("rb+") as f:
+        data = f.read()
+        keep = data.rfind(b"\n") + 1
+        if keep < len(data):
+            f.truncate(keep)
+        return len(data) - keep
+
+
+def append_record(f, rec: dict) -> None:
+    """Append one record as one line with a single write to an unbuffered binary file (``open(path,
+    "ab", buffering=0)``): a crash leaves at most that line cut, never a line and a half."""
+    data = (json.dumps(rec) + "\n").encode()
+    view = memoryview(data)
+    while view:  # a regular file takes it in one write; loop in case the OS returns a short count
+        view = view[f.write(view):]
+
+
+def read_done(*paths: Path) -> dict[str, list[dict]]:
+    """Finished records (no error, with a key) of earlier runs, by key; a later file's record of the
+    same id and key replaces an earlier one. Cut or malformed lines are skipped."""
+    by_id_key: dict[tuple[str, str], dict] = {}
     for path in paths:
         if path.exists():
             for line in path.read_text().splitlines():
@@ -133,8 +182,24 @@ def _read_done(*paths: Path) -> dict[str, dict]:
                     rec = json.loads(line)
                 except json.JSONDecodeError:
                     continue  # a line cut by a crash
-                if rec.get("error") is None:
-                    done[rec["id"]] = rec
+                if isinstance(rec, dict) and rec.get("error") is None and rec.get("key") and "id" in rec:
+                    by_id_key[(str(rec["id"]), rec["key"])] = rec
+    done: dict[str, list[dict]] = {}
+    for (_, key), rec in by_id_key.items():
+        done.setdefault(key, []).append(rec)
+    return done
+
+
+def match_done(jobs: list[LineJob], stored: dict[str, list[dict]]) -> dict[str, dict]:
+    """The jobs that an earlier run already answered: each stored record is used once, for a job of
+    the same key (one of the same id first); it takes the job's id. Returns job id -> record."""
+    done = {}
+    for job in jobs:
+        recs = stored.get(job.key or "")
+        if job.error is None and recs:
+            rec = next((r for r in recs if r["id"] == job.id), recs[0])
+            recs.remove(rec)
+            done[job.id] = {**rec, "id": job.id}
     return done
 
 
@@ -145,6 +210,7 @@ def run(cfg: GenerateConfig) -> int:
     import ray
     from tqdm import tqdm
 
+    from rayinfer.actors.cluster import init_ray
     from rayinfer.model.loader import load_tokenizer, resolve_model
 
     resolve_model(cfg.model.model)  # unknown model: ValueError before any work; converts once
@@ -154,21 +220,22 @@ def run(cfg: GenerateConfig) -> int:
     else:
         lines = [json.dumps(p) for p in BUILTIN_PROMPTS]
     defaults = {"max_tokens": 256, "temperature": 0.0, **cfg.sampling}
-    jobs = parse_lines(lines, tokenizer, defaults)
+    jobs = parse_lines(lines, tokenizer, defaults, cfg.model.model)
     out_path = Path(cfg.output) if cfg.output else (
         Path(cfg.input).with_suffix(".out.jsonl") if cfg.input else Path("outputs/generate.out.jsonl"))
     partial = out_path.with_name(out_path.name + ".partial")
-    done = _read_done(out_path, partial)
+    if drop_cut_line(partial):
+        print(f"dropped a cut last line of {partial}")
+    done = match_done(jobs, read_done(out_path, partial))
     todo = [j for j in jobs if j.error is None and j.id not in done]
     if done:
-        print(f"skipping {sum(j.id in done for j in jobs)} lines already done in {out_path}")
+        print(f"skipping {len(done)} lines already done in {out_path} (same prompt and parameters)")
     results: dict[str, dict] = {j.id: output_record(j) for j in jobs if j.error is not None}
+    interrupted = False
 
     if todo:
-        if not ray.is_initialized():
-            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False,
-                     logging_config=ray.LoggingConfig(encoding="TEXT", log_level="INFO"), log_to_driver=True,
-                     logging_level=logging.WARNING)
+        print(init_ray(cfg.ray, logging_config=ray.LoggingConfig(encoding="TEXT", log_level="INFO"),
+                       log_to_driver=True, logging_level=logging.WARNING), flush=True)
         from rayinfer.actors.client import make_client
 
         client = make_client(cfg.model, cfg.engine, cfg.parallel)  # a fleet by parallel.topology
@@ -176,28 +243,47 @@ def run(cfg: GenerateConfig) -> int:
         start, num_out = time.perf_counter(), 0
 
         async def one(job: LineJob):
-            return job, await client.complete(job.prompt_token_ids, job.params, request_id=job.id)
+            return job, await client.complete(job.prompt_token_ids or [], job.params, request_id=job.id)
 
-        async def drive(sink, bar) -> int:
+        async def drive(sink, bar) -> tuple[int, bool]:
+            """Run the lines, appending each finished one; SIGINT/SIGTERM stop it (returns interrupted)."""
+            loop, stop = asyncio.get_running_loop(), asyncio.Event()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stop.set)  # also when the shell started us with SIGINT ignored
+            pending: set[asyncio.Future] = {asyncio.ensure_future(one(j)) for j in todo}
+            stopped: asyncio.Future = asyncio.ensure_future(stop.wait())
             num_out = 0
-            for next_done in asyncio.as_completed([one(j) for j in todo]):
-                job, completion = await next_done
-                rec = output_record(job, completion)
-                num_out += len(rec["output_token_ids"])
-                sink.write(json.dumps(rec) + "\n")
-                sink.flush()
-                done[job.id] = rec
-                bar.update(1)
-            return num_out
+            try:
+                while pending and not stop.is_set():
+                    finished, _ = await asyncio.wait(pending | {stopped}, return_when=asyncio.FIRST_COMPLETED)
+                    for task in finished - {stopped}:
+                        pending.discard(task)
+                        job, completion = cast("tuple[LineJob, Any]", task.result())
+                        rec = output_record(job, completion)
+                        num_out += len(rec["output_token_ids"])
+                        append_record(sink, rec)
+                        done[job.id] = rec
+                        bar.update(1)
+            finally:
+                for task in (*pending, stopped):
+                    task.cancel()
+                await asyncio.gather(*pending, stopped, return_exceptions=True)
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.remove_signal_handler(sig)
+            return num_out, stop.is_set()
 
         try:
-            with partial.open("a") as sink, tqdm(total=len(todo), desc="generate", unit="req") as bar:
-                num_out = asyncio.run(drive(sink, bar))
+            with partial.open("ab", buffering=0) as sink, tqdm(total=len(todo), desc="generate", unit="req") as bar:
+                num_out, interrupted = asyncio.run(drive(sink, bar))
         finally:
             client.shutdown()
         elapsed = time.perf_counter() - start
         print(f"generated {num_out} tokens for {len(todo)} requests in {elapsed:.1f} s "
               f"({num_out / max(elapsed, 1e-9):.1f} output tokens/s)")
+    if interrupted:
+        print(f"\ninterrupted: {len(done)} of {len(jobs)} lines done, kept in {partial}; "
+              f"rerun the same command to finish the rest", file=sys.stderr)
+        return 130
 
     records = [results.get(j.id) or done.get(j.id) or output_record(j) for j in jobs]
     tmp = out_path.with_name(out_path.name + ".tmp")
@@ -229,6 +315,9 @@ def main(dcfg: DictConfig) -> None:
     except (ValueError, FileNotFoundError, TimeoutError) as e:  # bad config, unknown model, unplaceable: clear message, non-zero exit, no work done
         print(f"error: {e}", file=sys.stderr)
         code = 2
+    except KeyboardInterrupt:  # Ctrl-C before the lines started (loading, starting the fleet)
+        print("interrupted before any line ran; nothing written", file=sys.stderr)
+        code = 130
     sys.exit(code)
 
 
