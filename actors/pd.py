@@ -85,6 +85,7 @@ class PDClient(_FleetClient):
         self.transport = info.kv_transport or "object_store"
         self.block_size = info.block_size
         self.max_retries = info.max_retries
+        self.retry_deadline_s = info.retry_deadline_s
         self.tokenizer = load_tokenizer(info.model)
         self.kv_state = P.KVTransportState(rdt_ok=self.transport != "object_store")
         self.num_retries = 0  # legs this client re-ran after an actor failure
@@ -107,7 +108,7 @@ class PDClient(_FleetClient):
         """
         prompt = list(prompt_token_ids)
         req = P.PDRequest(request_id or uuid.uuid4().hex, prompt, self.block_size, self.max_retries,
-                          self.kv_state)
+                          self.kv_state, self.retry_deadline_s)
         run = _Run(prompt, params, IncrementalDetokenizer(self.tokenizer, prompt, params))
         actions = deque(req.handle(P.Start()))
         try:

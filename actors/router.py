@@ -61,7 +61,8 @@ class FleetInfo:
         kv_store: the KVStoreActor (pd), else None.
         kv_transport: the resolved KV transport (pd), else None.
         model: the model name or path (for the client's tokenizer).
-        max_retries: PD: re-prefills of one request after replica failures before it fails.
+        max_retries: PD: re-runs of one request's leg after errors other than a replica failing.
+        retry_deadline_s: PD: seconds after its first failure a request keeps retrying (``pd.retry_deadline_s``).
     """
 
     topology: str
@@ -73,6 +74,7 @@ class FleetInfo:
     kv_transport: str | None = None
     model: str = ""
     max_retries: int = 0
+    retry_deadline_s: float = 0.0
 
     @property
     def prefills(self) -> list:
@@ -223,7 +225,7 @@ class Router:
         self.prefill_lb = PrefillBalancer(p.num_prefill)
         self.decode_lb = DecodeBalancer(p.num_decode, dcfg.max_num_seqs, num_decode_blocks * cfg.block_size)
         self.info = FleetInfo("pd", info[0]["max_model_len"], cfg.block_size, prefills + decodes, p.num_prefill,
-                              store, transport, self.model_config.model, pd.max_retries)
+                              store, transport, self.model_config.model, pd.max_retries, pd.retry_deadline_s)
 
     # -- colocated -------------------------------------------------------------------------------
     def pick(self, prompt_prefix: list[int]) -> int:
