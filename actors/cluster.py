@@ -12,13 +12,11 @@ embedded cluster listens on ``node_ip_address`` (loopback unless asked otherwise
 from __future__ import annotations
 
 import contextlib
-import logging
 from dataclasses import dataclass
 from typing import Any
 
 from rayinfer import envs
 
-logger = logging.getLogger("rayinfer.cluster")
 LOOPBACK = "127.0.0.1"
 
 
@@ -78,7 +76,7 @@ def _running_cluster() -> str | None:
 
 def init_ray(cfg: RayConfig | None = None, *, num_cpus: int | None = None, **kwargs: Any) -> str:
     """Connect this process to Ray per ``cfg`` unless it already is; returns a one-line description of
-    the cluster (also logged at INFO, and printed by the entry points).
+    the cluster (the entry points print it).
 
     Args:
         cfg: which cluster (default: ``RayConfig()``).
@@ -107,7 +105,6 @@ def init_ray(cfg: RayConfig | None = None, *, num_cpus: int | None = None, **kwa
             ray.init(address=address, **kwargs)
         line = (f"joined the Ray cluster at {ray.get_runtime_context().gcs_address} ({source}: {address}); "
                 "ray.address=local starts a cluster of this job's own")
-    logger.info(line)
     return line
 
 

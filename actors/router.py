@@ -40,7 +40,7 @@ from rayinfer.engine.config import EngineConfig, ModelConfig
 from rayinfer.engine.errors import EngineInternalError, UnsupportedError
 from rayinfer.engine.protocol import EPStats, FleetStats, KVStoreStats, ReplicaStats
 from rayinfer.engine.types import RequestOutput, SamplingParams
-from rayinfer.placement.bundles import rank_resources
+from rayinfer.placement.bundles import fleet_shortfall, rank_resources
 from rayinfer.placement.parallel_config import ParallelConfig
 from rayinfer.policy.routing import DecodeBalancer, DecodeTicket, PrefillBalancer, PrefillTicket, ReplicaLoadBalancer
 
@@ -156,6 +156,10 @@ class Router:
             return self.info
         p, cfg = self.parallel, self.engine_config
         self._placed = self._resolved(p)  # once: later replicas must not see the CPUs earlier ones took
+        missing = fleet_shortfall(self._placed, ray.cluster_resources())
+        if missing is not None:  # nodes may still join (an autoscaler): wait, but say so at once
+            logger.warning("%s; waiting up to %g s (parallel.placement_timeout_s) for more nodes",
+                           missing, p.placement_timeout_s)
         if self.topology == "ep":
             from rayinfer.actors.ep_group import EPLoop
 
@@ -190,11 +194,12 @@ class Router:
         try:
             await asyncio.wait_for(pg.ready(), timeout)
         except asyncio.TimeoutError:
+            whole = fleet_shortfall(p, ray.cluster_resources(), ray.available_resources())
             raise TimeoutError(
-                f"cannot place replica {replica_id}: it needs {bundle} and the cluster has "
-                f"{_fmt(ray.available_resources())} free of {_fmt(ray.cluster_resources())} after "
-                f"{timeout:.0f} s (lower parallel.num_cpus_per_replica / num_gpus_per_replica or the replica "
-                "count, or add nodes)") from None
+                f"cannot place replica {replica_id} after {timeout:g} s: "
+                f"{whole or f'it needs {_fmt(bundle)}; the cluster has {_fmt(ray.available_resources())} free'} "
+                "(lower parallel.num_cpus_per_replica / num_gpus_per_replica or the replica count, or add "
+                "nodes)") from None
         opts = dict(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0.0), max_restarts=p.max_restarts,
                     max_concurrency=4096,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
