@@ -16,6 +16,7 @@ Example, ``ParallelConfig(dp=2, ep=4)`` on 8 devices: replica 0 = ranks 0-3, rep
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from rayinfer.engine.types import EngineRole
@@ -76,7 +77,8 @@ def rank_resources(cfg: ParallelConfig) -> dict[str, float]:
     return bundle_resources(cfg.device_kind, cfg.num_cpus_per_replica or 1.0, cfg.num_gpus_per_replica or 1.0)
 
 
-def fleet_shortfall(cfg: ParallelConfig, total: dict[str, float], free: dict[str, float] | None = None) -> str | None:
+def fleet_shortfall(cfg: ParallelConfig, total: Mapping[str, float],
+                    free: Mapping[str, float] | None = None) -> str | None:
     """What the cluster lacks to place the whole deployment, in one line, or None when it holds enough.
 
     Args:
@@ -97,7 +99,7 @@ def fleet_shortfall(cfg: ParallelConfig, total: dict[str, float], free: dict[str
     return line if free is None else f"{line}, {_fmt(free, need)} free"
 
 
-def _fmt(resources: dict[str, float], keys=None) -> str:
+def _fmt(resources: Mapping[str, float], keys=None) -> str:
     """``{CPU: 2, GPU: 1}``: the named keys (a missing one as 0), or every key of ``resources``."""
     names = list(keys if keys is not None else resources)
     return "{" + ", ".join(f"{k}: {resources.get(k, 0.0):g}" for k in names) + "}"
