@@ -6,9 +6,11 @@
     ray job submit --working-dir . -- python jobs/generate.py input=prompts.jsonl
 
 Input lines: ``{"id"?, "messages": [...]}`` (chat, rendered with the model's chat template) or
-``{"id"?, "prompt": "..."}`` (raw text), each optionally with sampling fields (max_tokens, temperature,
-top_p, top_k, min_p, seed, stop, ...). Output lines, in input order: id, prompt_token_ids,
-output_token_ids, text, finish_reason, usage, error, key. ``key`` is a hash of the line's prompt tokens,
+``{"id"?, "prompt": "..."}`` (raw text), each optionally with the sampling fields the service takes
+(max_tokens or max_completion_tokens, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, n,
+logprobs (+ top_logprobs), penalties, response_format or guided_*, ...; see :func:`api_fields`). Output
+lines, in input order: id, prompt_token_ids, output_token_ids, text, finish_reason, usage, error, key, and
+logprobs / choices when asked for (``n`` > 1). ``key`` is a hash of the line's prompt tokens,
 sampling parameters and model: a rerun onto the same output reuses a finished line only when its key
 matches (and recomputes every other line), whatever the ids or the order of the lines. Ctrl-C (SIGINT)
 or SIGTERM stops the job at once, keeping the finished lines for the rerun.
@@ -79,6 +81,57 @@ def line_key(model: str, prompt_token_ids: list[int], params) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
+MAX_N = 128  # choices per line, as the service allows
+
+
+def api_fields(rec: dict[str, Any]) -> dict[str, Any]:
+    """A line's sampling fields in ``SamplingParams``' names, taking the OpenAI API's names as the service
+    does: ``max_completion_tokens`` for ``max_tokens``; ``logprobs`` as an integer (completions) or
+    ``true``/``false`` with ``top_logprobs`` (chat); ``response_format`` (``{"type": "text"}``: none) or
+    vLLM's ``guided_json`` / ``guided_regex`` / ``guided_grammar`` / ``guided_choice``, checked here.
+
+    Raises:
+        ValueError: naming the field, for conflicting or malformed fields (an invalid schema, regex or
+            grammar included).
+    """
+    from types import SimpleNamespace
+
+    from rayinfer.engine.structured_output import check_response_format
+    from rayinfer.serve.protocol import APIError, response_format_of
+
+    rec = dict(rec)
+    if "max_completion_tokens" in rec:
+        value = rec.pop("max_completion_tokens")
+        if rec.get("max_tokens") is not None and value is not None and rec["max_tokens"] != value:
+            raise ValueError("give max_tokens or max_completion_tokens, not both")
+        if value is not None:
+            rec["max_tokens"] = value
+    top = rec.pop("top_logprobs", None)
+    if isinstance(rec.get("logprobs"), bool):
+        rec["logprobs"] = (0 if top is None else top) if rec["logprobs"] else None
+    elif top is not None:
+        raise ValueError("top_logprobs needs logprobs: true")
+    names = ("response_format", "guided_json", "guided_regex", "guided_grammar", "guided_choice")
+    given = {name: rec.pop(name, None) for name in names}
+    if any(v is not None for v in given.values()):
+        if given["response_format"] is not None and not isinstance(given["response_format"], dict):
+            raise ValueError("response_format must be an object with a 'type' field")
+        try:
+            response_format = response_format_of(SimpleNamespace(**given))  # pyright: ignore[reportArgumentType]
+        except APIError as e:
+            raise ValueError(e.message) from None
+        check_response_format(response_format)
+        rec["response_format"] = response_format
+    return rec
+
+
+def choice_params(params) -> list:
+    """One engine SamplingParams per choice of a line (``n = 1`` each; with a seed, choice i gets
+    seed + i, as the service does)."""
+    return [dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            for i in range(params.n)]
+
+
 def parse_lines(lines: list[str], tokenizer, defaults: dict[str, Any], model: str = "") -> list[LineJob]:
     """Parse JSONL lines into jobs; a bad line gets ``error`` set and never raises.
 
@@ -123,7 +176,9 @@ def parse_lines(lines: list[str], tokenizer, defaults: dict[str, Any], model: st
             else:
                 bos = [tokenizer.bos_token_id] if getattr(tokenizer, "add_bos_token", False) else []
                 job.prompt_token_ids = bos + encode_plain(tokenizer, prompt)
-            job.params = SamplingParams.from_dict({**defaults, **rec})
+            job.params = SamplingParams.from_dict({**defaults, **api_fields(rec)})
+            if job.params.n > MAX_N:
+                raise ValueError(f"n must be between 1 and {MAX_N}, got {job.params.n}")
             job.key = line_key(model, job.prompt_token_ids, job.params)
         except (ValueError, TypeError) as e:
             job.error = str(e)
@@ -131,22 +186,45 @@ def parse_lines(lines: list[str], tokenizer, defaults: dict[str, Any], model: st
 
 
 def output_record(job: LineJob, completion=None) -> dict[str, Any]:
-    """The output line of one job (a completion, or the job's own error)."""
+    """The output line of one job: its completion (a ``Completion``, or a list of one per choice when
+    ``n`` > 1), or the job's own error.
+
+    The top-level fields are the first choice's; ``logprobs`` is there when the line asked for them, and
+    ``choices`` (index, text, output_token_ids, finish_reason, error, logprobs) when ``n`` > 1. A line
+    fails (``error`` set) when any of its choices failed.
+    """
+    completions = completion if isinstance(completion, list) else [] if completion is None else [completion]
+    first = completions[0] if completions else None
     prompt = job.prompt_token_ids or []
-    out_ids = completion.output_token_ids if completion else []
-    error = job.error or (completion.error if completion else None)
-    return {
+    out_ids = first.output_token_ids if first else []
+    error = job.error or next((c.error for c in completions if c.error), None)
+    num_out = sum(len(c.output_token_ids) for c in completions)
+    rec = {
         "id": job.id,
         "prompt_token_ids": prompt,
         "output_token_ids": out_ids,
-        "text": completion.text if completion else "",
-        "finish_reason": "error" if error else completion.finish_reason if completion else None,
-        "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(out_ids),
-                  "total_tokens": len(prompt) + len(out_ids),
-                  "cached_tokens": completion.num_cached_tokens if completion else 0},
+        "text": first.text if first else "",
+        "finish_reason": "error" if error else first.finish_reason if first else None,
+        "usage": {"prompt_tokens": len(prompt), "completion_tokens": num_out, "total_tokens": len(prompt) + num_out,
+                  "cached_tokens": first.num_cached_tokens if first else 0},
         "error": error,
         "key": job.key,
     }
+    wants_logprobs = job.params is not None and job.params.logprobs is not None
+    if wants_logprobs:
+        rec["logprobs"] = _logprobs(first)
+    if len(completions) > 1:
+        rec["choices"] = [{"index": i, "text": c.text, "output_token_ids": c.output_token_ids,
+                           "finish_reason": "error" if c.error else c.finish_reason, "error": c.error,
+                           **({"logprobs": _logprobs(c)} if wants_logprobs else {})}
+                          for i, c in enumerate(completions)]
+    return rec
+
+
+def _logprobs(completion) -> list[dict[str, Any]]:
+    """Per output token: its id, logprob and the top-k ``{token id: logprob}`` (k = the line's logprobs)."""
+    return [{"token_id": t, "logprob": s.logprob, "top_logprobs": s.top_logprobs or {}}
+            for t, s in zip(completion.output_token_ids, completion.logprobs or [])] if completion else []
 
 
 def drop_cut_line(path: Path) -> int:
@@ -243,7 +321,11 @@ def run(cfg: GenerateConfig) -> int:
         start, num_out = time.perf_counter(), 0
 
         async def one(job: LineJob):
-            return job, await client.complete(job.prompt_token_ids or [], job.params, request_id=job.id)
+            prompt, choices = job.prompt_token_ids or [], choice_params(job.params)
+            if len(choices) == 1:
+                return job, await client.complete(prompt, choices[0], request_id=job.id)
+            return job, list(await asyncio.gather(*[client.complete(prompt, p, request_id=f"{job.id}#{i}")
+                                                    for i, p in enumerate(choices)]))
 
         async def drive(sink, bar) -> tuple[int, bool]:
             """Run the lines, appending each finished one; SIGINT/SIGTERM stop it (returns interrupted)."""

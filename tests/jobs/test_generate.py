@@ -11,6 +11,7 @@ from rayinfer.engine.config import EngineConfig, ModelConfig
 from rayinfer.jobs.generate import (
     GenerateConfig,
     append_record,
+    choice_params,
     drop_cut_line,
     match_done,
     output_record,
@@ -246,3 +247,58 @@ def test_sigint_stops_the_job_and_keeps_finished_lines(tmp_path):
     kept = [json.loads(x) for x in partial.read_text().splitlines()]
     assert 2 <= len(kept) < 40
     assert all(r["error"] is None and r["key"] and r["finish_reason"] == "length" for r in kept)
+
+
+def test_lines_take_the_services_sampling_names(tokenizer):
+    lines = [
+        '{"id": "mct", "prompt": "x", "max_completion_tokens": 5}',
+        '{"id": "chat-lp", "prompt": "x", "logprobs": true, "top_logprobs": 3}',
+        '{"id": "no-lp", "prompt": "x", "logprobs": false}',
+        '{"id": "choice", "prompt": "x", "guided_choice": ["yes", "no"]}',
+        '{"id": "text", "prompt": "x", "response_format": {"type": "text"}}',
+        '{"id": "n", "prompt": "x", "n": 3, "seed": 5}',
+        '{"id": "bad-regex", "prompt": "x", "guided_regex": "(unclosed"}',
+        '{"id": "two", "prompt": "x", "guided_regex": "a", "response_format": {"type": "json_object"}}',
+        '{"id": "both-max", "prompt": "x", "max_tokens": 4, "max_completion_tokens": 5}',
+        '{"id": "big-n", "prompt": "x", "n": 129}',
+        '{"id": "top-alone", "prompt": "x", "top_logprobs": 2}',
+    ]
+    jobs = {j.id: j for j in parse_lines(lines, tokenizer, {"max_tokens": 8})}
+    assert jobs["mct"].params.max_tokens == 5
+    assert jobs["chat-lp"].params.logprobs == 3 and jobs["no-lp"].params.logprobs is None
+    assert jobs["choice"].params.response_format == {"type": "regex", "regex": "(yes|no)"}
+    assert jobs["text"].error is None and jobs["text"].params.response_format is None
+    assert [(p.n, p.seed) for p in choice_params(jobs["n"].params)] == [(1, 5), (1, 6), (1, 7)]
+    assert "regex" in (jobs["bad-regex"].error or "")
+    assert "at most one" in (jobs["two"].error or "")
+    assert "max_completion_tokens" in (jobs["both-max"].error or "")
+    assert "n must be between 1 and 128" in (jobs["big-n"].error or "")
+    assert "top_logprobs" in (jobs["top-alone"].error or "")
+
+
+def test_logprobs_n_and_guided_choice_take_effect_in_the_job(tmp_path, ray_cluster):
+    lines = [
+        {"id": "lp", "prompt": "The sky is", "max_tokens": 4, "logprobs": 2},
+        {"id": "n", "prompt": "Once upon a time", "max_tokens": 5, "temperature": 0.9, "seed": 11, "n": 2},
+        {"id": "seed12", "prompt": "Once upon a time", "max_tokens": 5, "temperature": 0.9, "seed": 12},
+        {"id": "yn", "messages": [{"role": "user", "content": "Is water wet?"}], "guided_choice": ["yes", "no"]},
+    ]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    cfg = GenerateConfig(input=str(inp), output=str(out), model=ModelConfig(dtype="float32"),
+                         engine=EngineConfig(device="cpu", num_kv_blocks=128), parallel=ParallelConfig(dp=1),
+                         sampling={"max_tokens": 8, "temperature": 0.0, "ignore_eos": True})
+    assert run(cfg) == 0
+    recs = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert all(r["error"] is None for r in recs.values()), recs
+    lp = recs["lp"]
+    assert len(lp["logprobs"]) == len(lp["output_token_ids"]) == 4
+    for token, entry in zip(lp["output_token_ids"], lp["logprobs"]):
+        assert entry["token_id"] == token and entry["logprob"] <= 0.0
+        assert len(entry["top_logprobs"]) == 2 and str(token) in entry["top_logprobs"]  # greedy: the top one
+    n = recs["n"]
+    assert [c["index"] for c in n["choices"]] == [0, 1]
+    assert n["output_token_ids"] == n["choices"][0]["output_token_ids"]
+    assert n["choices"][1]["output_token_ids"] == recs["seed12"]["output_token_ids"]  # choice i: seed + i
+    assert n["usage"]["completion_tokens"] == sum(len(c["output_token_ids"]) for c in n["choices"])
+    assert recs["yn"]["text"] in ("yes", "no")
