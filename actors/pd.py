@@ -201,7 +201,7 @@ class PDClient(_FleetClient):
                                                           list(action.output_token_ids), stored))
         except (ray.exceptions.RayError, ValueError) as e:
             leg.error = e
-            return P.PrefillFailed(_failure_kind(e), str(e))
+            return P.PrefillFailed(_failure_kind(e), _describe(e))
         leg.kv_handle = out.kv_handle
         run.logprobs = out.new_logprobs
         return P.PrefillDone(tuple(out.new_token_ids), out.finish_reason, out.stop_reason, out.num_cached_tokens,
@@ -236,7 +236,7 @@ class PDClient(_FleetClient):
             return P.DecodeFailed(P.FailureKind.ERROR, str(leg.error))
         except (ray.exceptions.RayError, ValueError) as e:
             leg.error = e
-            return P.DecodeFailed(_failure_kind(e), str(e))
+            return P.DecodeFailed(_failure_kind(e), _describe(e))
         if out.finish_reason == "preempted":
             return P.DecodePreempted()
         run.logprobs = out.new_logprobs
@@ -289,6 +289,16 @@ class PDClient(_FleetClient):
         cause = getattr(error, "cause", None) or error
         actor_id = getattr(cause, "actor_id", None)
         self.router.report_failure.remote(role, replica_index, actor_id)
+
+
+def _describe(error: Exception) -> str:
+    """One line for a failure's message (what a request that runs out of retries reports): a Ray task
+    error's cause (``ActorUnavailableError: ...``), not its remote traceback."""
+    cause = error.cause if isinstance(error, ray.exceptions.RayTaskError) and error.cause is not None else error
+    if isinstance(cause, ValueError):
+        return str(cause)
+    text = " ".join(str(cause).split())
+    return f"{type(cause).__name__}: {text[:300]}"
 
 
 def _failure_kind(error: Exception) -> P.FailureKind:

@@ -56,6 +56,7 @@ def test_requests_cut_short_by_a_dead_prefill_replica_end_with_an_error(ray_clus
         if last.finish_reason == "error":
             num_failed += 1
             assert last.error and "pd.retry_deadline_s=1" in last.error, (rid, last.error)
+            assert "\n" not in last.error and "\x1b" not in last.error  # one line, no remote traceback
         else:  # it was past its prefill when the replica died: a whole, correct answer
             assert last.error is None and last.finish_reason == reason, rid
             assert [t for o in outs for t in o.new_token_ids] == tokens, rid
