@@ -4,6 +4,10 @@
     python jobs/generate.py input=prompts.jsonl output=out.jsonl model.dtype=float32
     python jobs/generate.py parallel=1p1d                    # prefill/decode disaggregation (conf/parallel/)
     ray job submit --working-dir . -- python jobs/generate.py input=prompts.jsonl
+    python jobs/generate.py ray.address=local                # an embedded Ray even if one runs here
+
+The first line printed names the Ray cluster: ``$RAY_ADDRESS``, else one ``ray start`` left on this
+machine (joined), else an embedded one listening on 127.0.0.1 (``rayinfer.actors.cluster``).
 
 Input lines: ``{"id"?, "messages": [...]}`` (chat, rendered with the model's chat template) or
 ``{"id"?, "prompt": "..."}`` (raw text), each optionally with the sampling fields the service takes
