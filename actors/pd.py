@@ -85,6 +85,7 @@ class PDClient(_FleetClient):
         self.transport = info.kv_transport or "object_store"
         self.block_size = info.block_size
         self.max_retries = info.max_retries
+        self.retry_deadline_s = info.retry_deadline_s
         self.tokenizer = load_tokenizer(info.model)
         self.kv_state = P.KVTransportState(rdt_ok=self.transport != "object_store")
         self.num_retries = 0  # legs this client re-ran after an actor failure
@@ -107,7 +108,7 @@ class PDClient(_FleetClient):
         """
         prompt = list(prompt_token_ids)
         req = P.PDRequest(request_id or uuid.uuid4().hex, prompt, self.block_size, self.max_retries,
-                          self.kv_state)
+                          self.kv_state, self.retry_deadline_s)
         run = _Run(prompt, params, IncrementalDetokenizer(self.tokenizer, prompt, params))
         actions = deque(req.handle(P.Start()))
         try:
@@ -200,7 +201,7 @@ class PDClient(_FleetClient):
                                                           list(action.output_token_ids), stored))
         except (ray.exceptions.RayError, ValueError) as e:
             leg.error = e
-            return P.PrefillFailed(_failure_kind(e), str(e))
+            return P.PrefillFailed(_failure_kind(e), _describe(e))
         leg.kv_handle = out.kv_handle
         run.logprobs = out.new_logprobs
         return P.PrefillDone(tuple(out.new_token_ids), out.finish_reason, out.stop_reason, out.num_cached_tokens,
@@ -235,7 +236,7 @@ class PDClient(_FleetClient):
             return P.DecodeFailed(P.FailureKind.ERROR, str(leg.error))
         except (ray.exceptions.RayError, ValueError) as e:
             leg.error = e
-            return P.DecodeFailed(_failure_kind(e), str(e))
+            return P.DecodeFailed(_failure_kind(e), _describe(e))
         if out.finish_reason == "preempted":
             return P.DecodePreempted()
         run.logprobs = out.new_logprobs
@@ -288,6 +289,16 @@ class PDClient(_FleetClient):
         cause = getattr(error, "cause", None) or error
         actor_id = getattr(cause, "actor_id", None)
         self.router.report_failure.remote(role, replica_index, actor_id)
+
+
+def _describe(error: Exception) -> str:
+    """One line for a failure's message (what a request that runs out of retries reports): a Ray task
+    error's cause (``ActorUnavailableError: ...``), not its remote traceback."""
+    cause = error.cause if isinstance(error, ray.exceptions.RayTaskError) and error.cause is not None else error
+    if isinstance(cause, ValueError):
+        return str(cause)
+    text = " ".join(str(cause).split())
+    return f"{type(cause).__name__}: {text[:300]}"
 
 
 def _failure_kind(error: Exception) -> P.FailureKind:

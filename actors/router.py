@@ -41,7 +41,7 @@ from rayinfer.engine.config import EngineConfig, ModelConfig
 from rayinfer.engine.errors import EngineInternalError, UnsupportedError
 from rayinfer.engine.protocol import EPStats, FleetStats, KVStoreStats, ReplicaStats
 from rayinfer.engine.types import RequestOutput, SamplingParams
-from rayinfer.placement.bundles import rank_resources
+from rayinfer.placement.bundles import fleet_shortfall, rank_resources
 from rayinfer.placement.parallel_config import ParallelConfig
 from rayinfer.policy.routing import DecodeBalancer, DecodeTicket, PrefillBalancer, PrefillTicket, ReplicaLoadBalancer
 
@@ -62,7 +62,8 @@ class FleetInfo:
         kv_store: the KVStoreActor (pd), else None.
         kv_transport: the resolved KV transport (pd), else None.
         model: the model name or path (for the client's tokenizer).
-        max_retries: PD: re-prefills of one request after replica failures before it fails.
+        max_retries: PD: re-runs of one request's leg after errors other than a replica failing.
+        retry_deadline_s: PD: seconds after its first failure a request keeps retrying (``pd.retry_deadline_s``).
     """
 
     topology: str
@@ -74,6 +75,7 @@ class FleetInfo:
     kv_transport: str | None = None
     model: str = ""
     max_retries: int = 0
+    retry_deadline_s: float = 0.0
 
     @property
     def prefills(self) -> list:
@@ -160,6 +162,10 @@ class Router:
             return self.info
         p, cfg = self.parallel, self.engine_config
         self._placed = self._resolved(p)  # once: later replicas must not see the CPUs earlier ones took
+        missing = fleet_shortfall(self._placed, ray.cluster_resources())
+        if missing is not None:  # nodes may still join (an autoscaler): wait, but say so at once
+            logger.warning("%s; waiting up to %g s (parallel.placement_timeout_s) for more nodes",
+                           missing, p.placement_timeout_s)
         if self.topology == "ep":
             from rayinfer.actors.ep_group import EPLoop
 
@@ -194,11 +200,12 @@ class Router:
         try:
             await asyncio.wait_for(pg.ready(), timeout)
         except asyncio.TimeoutError:
+            whole = fleet_shortfall(p, ray.cluster_resources(), ray.available_resources())
             raise TimeoutError(
-                f"cannot place replica {replica_id}: it needs {bundle} and the cluster has "
-                f"{_fmt(ray.available_resources())} free of {_fmt(ray.cluster_resources())} after "
-                f"{timeout:.0f} s (lower parallel.num_cpus_per_replica / num_gpus_per_replica or the replica "
-                "count, or add nodes)") from None
+                f"cannot place replica {replica_id} after {timeout:g} s: "
+                f"{whole or f'it needs {_fmt(bundle)}; the cluster has {_fmt(ray.available_resources())} free'} "
+                "(lower parallel.num_cpus_per_replica / num_gpus_per_replica or the replica count, or add "
+                "nodes)") from None
         opts = dict(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0.0), max_restarts=p.max_restarts,
                     max_concurrency=4096,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
@@ -235,7 +242,7 @@ class Router:
         self.decode_lb = DecodeBalancer(p.num_decode, min(i["max_num_seqs"] for i in decode_info),
                                         num_decode_blocks * cfg.block_size)
         self.info = FleetInfo("pd", info[0]["max_model_len"], cfg.block_size, prefills + decodes, p.num_prefill,
-                              store, transport, self.model_config.model, pd.max_retries)
+                              store, transport, self.model_config.model, pd.max_retries, pd.retry_deadline_s)
         logger.info("pd fleet: %d prefill + %d decode replicas, KV over %s%s", p.num_prefill, p.num_decode,
                     transport, f" (batches up to {pd.transfer_buffer_gib:g} GiB)" if group else "")
 

@@ -28,6 +28,8 @@ from rayinfer.engine.types import (
     RequestOutput,
     RequestStatus,
     SamplingParams,
+    SchedulerOutput,
+    StepOutput,
 )
 
 logger = logging.getLogger(__name__)
@@ -336,11 +338,18 @@ class LLMEngine:
             prev_step = prev[1] if prev is not None else None
         if not sched.is_empty:
             self.num_computed_tokens += sched.num_scheduled_tokens
-            launched = self.runner.execute_async(sched, step_reqs, prev_step)
-            if self.async_scheduling:
-                self._inflight = (sched, launched, step_reqs)
+            try:
+                launched = self.runner.execute_async(sched, step_reqs, prev_step)
+            except Exception as e:  # noqa: BLE001 - find the requests at fault; the step goes on for the rest
+                if prev is not None:  # its tokens come first
+                    outputs += self._process(*prev)
+                    prev = None
+                outputs += self._execute_isolated(sched, step_reqs, prev_step, e)
             else:
-                outputs += self._process(sched, launched, step_reqs)
+                if self.async_scheduling:
+                    self._inflight = (sched, launched, step_reqs)
+                else:
+                    outputs += self._process(sched, launched, step_reqs)
         elif run_empty:
             self.runner.execute_empty()
         if prev is not None:
@@ -355,14 +364,69 @@ class LLMEngine:
                    for s in sched.scheduled)
 
     def _process(self, sched, launched, step_reqs: dict[str, Request]) -> list[RequestOutput]:
-        step_out = self.runner.finish(launched)
+        try:
+            step_out = self.runner.finish(launched)
+        except Exception as e:  # noqa: BLE001 - waiting for the device failed: the step's samples are lost
+            logger.exception("finishing an engine step failed")
+            step_out = StepOutput({}, {s.request_id: e for s in sched.scheduled if s.needs_sample})
+        return self._apply(sched, step_out, step_reqs)
+
+    def _execute_isolated(self, sched: SchedulerOutput, step_reqs: dict[str, Request], prev_step,
+                          error: Exception) -> list[RequestOutput]:
+        """Rerun a step that raised as a whole one request at a time (synchronously), so that a fault of
+        one request (its KV import, its sampling inputs) fails that request only.
+
+        Rerunning is safe: the step's scheduler state is already advanced and each request writes the
+        same KV slots again; nothing was sampled. Side effects: the failed requests are finished with
+        an error (see :meth:`_apply`).
+        """
+        logger.warning("engine step of %d requests failed (%s: %s); rerunning them one at a time",
+                       len(sched.scheduled), type(error).__name__, error)
+        if len(sched.scheduled) == 1:
+            return self._apply(sched, StepOutput({}, {sched.scheduled[0].request_id: error}), step_reqs)
+        step_out = StepOutput({})
+        for s in sched.scheduled:
+            alone = SchedulerOutput((s,), kv_imports=tuple(i for i in sched.kv_imports if i[0] == s.request_id))
+            try:
+                out = self.runner.finish(self.runner.execute_async(alone, step_reqs, prev_step))
+            except Exception as e:  # noqa: BLE001 - this request's fault
+                step_out.errors[s.request_id] = e
+            else:
+                step_out.sampled.update(out.sampled)
+                step_out.errors.update(out.errors)
+        return self._apply(sched, step_out, step_reqs)
+
+    def _apply(self, sched: SchedulerOutput, step_out: StepOutput, step_reqs: dict[str, Request]) -> list[RequestOutput]:
+        """Fail the requests in ``step_out.errors``, then append the others' tokens and make their deltas
+        (a request whose delta raises fails alone too)."""
         live = self.scheduler.requests
         for rid in [rid for rid, req in step_reqs.items() if live.get(rid) is not req]:
             # aborted while in flight (a stop string found outside the core) and its id already reused:
             # the token belongs to the old request, not to the new one of the same id
             step_out.sampled.pop(rid, None)
-        return [self._make_output(req, step_out.sampled[req.request_id])
-                for req in self.scheduler.update_from_output(sched, step_out)]
+            step_out.errors.pop(rid, None)
+        outputs = []
+        for rid, e in step_out.errors.items():
+            step_out.sampled.pop(rid, None)
+            outputs.append(self._fail(step_reqs[rid], e))
+        for req in self.scheduler.update_from_output(sched, step_out):
+            try:
+                outputs.append(self._make_output(req, step_out.sampled[req.request_id]))
+            except Exception as e:  # noqa: BLE001 - e.g. exporting its KV: this request's fault
+                outputs.append(self._fail(req, e))
+        return outputs
+
+    def _fail(self, req: Request, error: Exception) -> RequestOutput:
+        """End one request with an error (its blocks freed); the engine and other requests go on."""
+        logger.error("request %s failed in an engine step: %s: %s", req.request_id, type(error).__name__, error,
+                     exc_info=error)
+        self.scheduler.finish_requests(req.request_id, RequestStatus.FINISHED_ERROR)
+        req.status = RequestStatus.FINISHED_ERROR
+        self._forget(req.request_id)
+        message = str(error) if isinstance(error, ValueError) else f"internal error: {type(error).__name__}: {error}"
+        return RequestOutput(req.request_id, finished=True, finish_reason="error", error=message,
+                             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
+                             num_cached_tokens=req.num_cached_tokens)
 
     def _handed_back_output(self, req: Request) -> RequestOutput:
         """DECODE role: a preempted request leaves with finish_reason "preempted" (no new tokens); the

@@ -126,7 +126,8 @@ class ModelRunner:
             if self.device.type == "cuda":
                 step.host = SamplerOutput(*(None if t is None else
                                             torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-                                            for t in (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)))
+                                            for t in (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)),
+                                      errors=out.errors)
                 step.event = torch.cuda.Event()
                 step.event.record()
             else:
@@ -145,13 +146,14 @@ class ModelRunner:
         self.model(no_tokens, no_tokens, self.kv_cache, meta)
 
     def finish(self, step: PendingStep) -> StepOutput:
-        """Wait for a launched step and return its sampled tokens (advancing grammar matchers)."""
+        """Wait for a launched step and return its sampled tokens (advancing grammar matchers); a request
+        whose own sampling preparation raised is in ``errors`` instead of ``sampled``."""
         if step.host is None:
             return StepOutput({})
         if step.event is not None:
             step.event.synchronize()
-        sampled = self.sampler.finish(step.host, step.sample_reqs)
-        return StepOutput({r.request_id: t for r, t in zip(step.sample_reqs, sampled)})
+        sampled, errors = self.sampler.finish(step.host, step.sample_reqs)
+        return StepOutput({r.request_id: t for r, t in zip(step.sample_reqs, sampled) if t is not None}, errors)
 
     def kv_handle(self, req: Request, num_tokens: int) -> KVHandle:
         """The handle (no payload) of a request's first ``num_tokens`` tokens: block hashes, layout."""

@@ -9,7 +9,7 @@ without a seed get one from the sampler's own seeded generator when first seen.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -31,18 +31,21 @@ class SamplerOutput:
         logprobs: [B] float32 log-probability of each drawn token under the raw model distribution, or
             None when no request asked for logprobs.
         top_ids, top_logprobs: [B, k] int64 / float32 top-k of that distribution (k = the largest asked).
+        errors: request id -> what its host-side preparation raised (its row is drawn but not used).
     """
 
     token_ids: torch.Tensor
     logprobs: torch.Tensor | None = None
     top_ids: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None
+    errors: dict[str, Exception] = field(default_factory=dict)
 
     def to(self, device, non_blocking: bool = False) -> "SamplerOutput":
         def mv(t):
             return None if t is None else t.to(device, non_blocking=non_blocking)
 
-        return SamplerOutput(mv(self.token_ids), mv(self.logprobs), mv(self.top_ids), mv(self.top_logprobs))
+        return SamplerOutput(mv(self.token_ids), mv(self.logprobs), mv(self.top_ids), mv(self.top_logprobs),
+                             self.errors)
 
 
 def needs_host_state(req: Request) -> bool:
@@ -78,8 +81,21 @@ class Sampler:
             seed = self.seeds[req.request_id] = self._seed_rng.getrandbits(62)
         return seed
 
+    def _row(self, req: Request) -> tuple[float, int, float, float, int, int]:
+        """One request's sampling inputs: temperature, top_k (clamped to the vocabulary, so any integer
+        fits int32; top_k >= vocab filters nothing), top_p, min_p, seed, and the output position being
+        drawn (a pending token counts: in-flight steps sampled it)."""
+        p = req.params
+        position = len(req.output_token_ids) + max(req.num_pending_tokens - 1, 0)
+        return (float(p.temperature), min(int(p.top_k), self.vocab_size), float(p.top_p), float(p.min_p),
+                self._seed(req), position)
+
     def sample(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
         """Draw a token per request without waiting for the device.
+
+        Each request's host-side preparation (its sampling inputs, penalties, min_tokens, grammar mask)
+        runs on its own: one that raises is recorded in ``SamplerOutput.errors``, its row is drawn
+        greedily and ignored, and the other rows are drawn as if it were not there.
 
         Args:
             logits: [B, V] float32 (any device), row i for ``reqs[i]``.
@@ -90,31 +106,32 @@ class Sampler:
         dev = logits.device
         raw = logits.float()
         logits = raw
+        errors: dict[str, Exception] = {}
+        rows = []
+        for req in reqs:
+            try:
+                rows.append(self._row(req))
+            except Exception as e:  # noqa: BLE001 - this request's fault, not the step's
+                errors[req.request_id] = e
+                rows.append(_GREEDY_ROW)
         if any(needs_host_state(r) for r in reqs):
             logits = raw.clone()
             for i, req in enumerate(reqs):
-                _apply_host_state(logits[i], req)
-            grammar_rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+                if req.request_id not in errors:
+                    _guarded(errors, req, _apply_host_state, logits[i], req)
+            grammar_rows = [i for i, r in enumerate(reqs) if r.grammar is not None and r.request_id not in errors]
             if grammar_rows:
-                _apply_grammar(logits, reqs, grammar_rows)
+                _apply_grammar(logits, reqs, grammar_rows, errors)
         ps = [r.params for r in reqs]
         n = len(reqs)
+        cols = list(zip(*rows)) if rows else [()] * 6
         token_ids = sample(
             logits,
-            *to_device([
-                np.fromiter([p.temperature for p in ps], np.float32, n),
-                # top_k >= vocab filters nothing: clamp so any integer fits int32
-                np.fromiter([min(p.top_k, self.vocab_size) for p in ps], np.int32, n),
-                np.fromiter([p.top_p for p in ps], np.float32, n),
-                np.fromiter([p.min_p for p in ps], np.float32, n),
-                np.fromiter([self._seed(r) for r in reqs], np.int64, n),
-                # the output position being drawn (a pending token counts: in-flight steps sampled it)
-                np.fromiter([len(r.output_token_ids) + max(r.num_pending_tokens - 1, 0) for r in reqs], np.int64, n),
-            ], dev),
-            use_top_k_top_p=any(p.top_k or p.top_p < 1.0 for p in ps),
-            use_min_p=any(p.min_p > 0 for p in ps),
+            *to_device([np.fromiter(col, dtype, n) for col, dtype in zip(cols, _ROW_DTYPES)], dev),
+            use_top_k_top_p=any(r[1] or r[2] < 1.0 for r in rows),
+            use_min_p=any(r[3] > 0 for r in rows),
         )
-        out = SamplerOutput(token_ids)
+        out = SamplerOutput(token_ids, errors=errors)
         k = max((p.logprobs for p in ps if p.logprobs is not None), default=None)
         if k is not None:
             logprobs = torch.log_softmax(raw, dim=-1)
@@ -123,25 +140,60 @@ class Sampler:
                 out.top_logprobs, out.top_ids = logprobs.topk(k, dim=-1)
         return out
 
-    def finish(self, out: SamplerOutput, reqs: list[Request]) -> list[SampledToken]:
-        """Turn host-side draws into SampledTokens and advance grammar matchers."""
+    def finish(self, out: SamplerOutput, reqs: list[Request]) -> tuple[list[SampledToken | None], dict[str, Exception]]:
+        """Turn host-side draws into SampledTokens and advance grammar matchers.
+
+        Returns:
+            a SampledToken per request (None for a request whose preparation or finishing raised), and
+            those requests' errors by request id.
+        """
         ids = out.token_ids.tolist()
-        result = []
+        errors = dict(out.errors)
+        result: list[SampledToken | None] = []
         for i, (req, token) in enumerate(zip(reqs, ids)):
-            s = SampledToken(token)
-            k = req.params.logprobs
-            if k is not None:
-                s.logprob = float(out.logprobs[i])
-                if k > 0:
-                    s.top_logprobs = dict(zip(out.top_ids[i, :k].tolist(), out.top_logprobs[i, :k].tolist()))
-            if req.grammar is not None and not req.grammar.is_terminated():
-                req.grammar.accept_token(token)
-            result.append(s)
-        return result
+            if req.request_id in errors:
+                result.append(None)
+                continue
+            try:
+                s = SampledToken(token)
+                k = req.params.logprobs
+                if k is not None:
+                    assert out.logprobs is not None
+                    s.logprob = float(out.logprobs[i])
+                    if k > 0:
+                        assert out.top_ids is not None and out.top_logprobs is not None
+                        s.top_logprobs = dict(zip(out.top_ids[i, :k].tolist(), out.top_logprobs[i, :k].tolist()))
+                if req.grammar is not None and not req.grammar.is_terminated():
+                    req.grammar.accept_token(token)
+            except Exception as e:  # noqa: BLE001 - this request's fault, not the step's
+                errors[req.request_id] = e
+                result.append(None)
+            else:
+                result.append(s)
+        return result, errors
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[SampledToken]:
-        """Sample and wait: ``finish(sample(...))``."""
-        return self.finish(self.sample(logits, reqs).to("cpu"), reqs)
+        """Sample and wait: ``finish(sample(...))``.
+
+        Raises:
+            Exception: the first request's error, if any request's preparation raised.
+        """
+        tokens, errors = self.finish(self.sample(logits, reqs).to("cpu"), reqs)
+        if errors:
+            raise next(iter(errors.values()))
+        return [t for t in tokens if t is not None]
+
+
+_GREEDY_ROW = (0.0, 0, 1.0, 0.0, 0, 0)  # the draw of a failed request's row (ignored)
+_ROW_DTYPES = (np.float32, np.int32, np.float32, np.float32, np.int64, np.int64)
+
+
+def _guarded(errors: dict[str, Exception], req: Request, fn, *args) -> None:
+    """Run one request's host-side step ``fn(*args)``; what it raises is recorded as that request's error."""
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001 - this request's fault, not the step's
+        errors[req.request_id] = e
 
 
 def _apply_host_state(row: torch.Tensor, req: Request) -> None:
@@ -169,12 +221,22 @@ def _apply_host_state(row: torch.Tensor, req: Request) -> None:
         row[banned] = -float("inf")
 
 
-def _apply_grammar(logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> None:
-    """Mask tokens that the request's grammar matcher (xgrammar) does not allow next."""
+def _apply_grammar(logits: torch.Tensor, reqs: list[Request], rows: list[int],
+                   errors: dict[str, Exception]) -> None:
+    """Mask tokens that the request's grammar matcher (xgrammar) does not allow next; a matcher that
+    raises is recorded in ``errors`` and its row left unmasked."""
     import xgrammar as xgr
 
     bitmask = xgr.allocate_token_bitmask(len(reqs), logits.shape[1])
+    masked = []
     for i in rows:
-        if not reqs[i].grammar.is_terminated():
-            reqs[i].grammar.fill_next_token_bitmask(bitmask, i)
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+        grammar = reqs[i].grammar
+        try:
+            if not grammar.is_terminated():
+                grammar.fill_next_token_bitmask(bitmask, i)
+        except Exception as e:  # noqa: BLE001 - this request's fault, not the step's
+            errors[reqs[i].request_id] = e
+        else:
+            masked.append(i)
+    if masked:
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=masked)

@@ -275,9 +275,11 @@ class SampledToken:
 
 @dataclass
 class StepOutput:
-    """The model runner's result for one step: a sampled token per request that needed one."""
+    """The model runner's result for one step: a sampled token per request that needed one, and the
+    requests whose own part of the step raised (their rows are not sampled; the engine fails them alone)."""
 
     sampled: dict[str, SampledToken]
+    errors: dict[str, Exception] = field(default_factory=dict)
 
 
 @dataclass

@@ -122,8 +122,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from rayinfer.actors.client import make_client
 
-    ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False,
-             logging_level=logging.WARNING)
+    from rayinfer.actors.cluster import init_ray
+
+    print(init_ray(log_to_driver=False, logging_level=logging.WARNING), flush=True)
     client = make_client(model, engine, parallel)
     try:
         asyncio.run(run_client(client, items[:2]))  # warm-up: CUDA graphs, first-call paths

@@ -220,7 +220,9 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/kv_transfer.json")
     args = ap.parse_args()
     max_blocks = -(-max(args.tokens) // args.block_size)
-    ray.init(include_dashboard=False, ignore_reinit_error=True)
+    from rayinfer.actors.cluster import init_ray
+
+    print(init_ray(), flush=True)
     gpus = ray.cluster_resources().get("GPU", 0)
     if args.device == "cuda" and gpus < 1:
         raise SystemExit("bench_kv_transfer --device cuda needs a GPU; this cluster has none")

@@ -3,6 +3,9 @@
     python jobs/serve.py                                    # SmolLM2 on http://127.0.0.1:8000/v1
     python jobs/serve.py port=8001 api_key=secret parallel.dp=2 engine.num_kv_blocks=2048
     RAY_ADDRESS=auto python jobs/serve.py host=0.0.0.0      # on a running cluster
+    python jobs/serve.py ray.address=local                  # an embedded Ray even if one is running
+
+An embedded Ray listens on 127.0.0.1 only (``ray.node_ip_address=auto``: every interface).
 
 The same conf/serve.yaml is a Serve config file: ``serve run conf/serve.yaml``. Stops on Ctrl-C.
 """
@@ -10,7 +13,6 @@ The same conf/serve.yaml is a Serve config file: ``serve run conf/serve.yaml``. 
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import time
 
@@ -31,13 +33,13 @@ def run(cfg: ServeConfig, blocking: bool = True) -> int:
     import ray
     from ray import serve
 
+    from rayinfer.actors.cluster import init_ray
     from rayinfer.model.loader import resolve_model
     from rayinfer.serve.app import build_app_from_config
 
     resolve_model(cfg.model.model)  # unknown model: ValueError now; converts the default model once
-    if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False,
-                     logging_config=ray.LoggingConfig(encoding="TEXT", log_level="INFO"), logging_level=logging.WARNING)
+    print(init_ray(cfg.ray, logging_config=ray.LoggingConfig(encoding="TEXT", log_level="INFO"),
+                   logging_level=logging.WARNING), flush=True)
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
     serve.run(build_app_from_config(cfg), name="rayinfer", route_prefix="/")
     print(f"serving {cfg.model_name} at http://{cfg.host}:{cfg.port}/v1 (Ctrl-C to stop)", flush=True)

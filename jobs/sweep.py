@@ -20,7 +20,6 @@ from __future__ import annotations
 import csv
 import logging
 import math
-import os
 import sys
 import time
 import traceback
@@ -109,8 +108,9 @@ def run_fleet(cfg: SweepConfig, items: list[bl.WorkItem], device_type: str) -> t
     if cfg.cpu_threads and parallel.num_cpus_per_replica is None:
         parallel = dataclasses.replace(parallel, num_cpus_per_replica=float(cfg.cpu_threads))
     if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False,
-                 logging_level=logging.WARNING)
+        from rayinfer.actors.cluster import init_ray
+
+        print(init_ray(log_to_driver=False, logging_level=logging.WARNING), flush=True)
     client = make_client(cfg.model, cfg.engine, parallel)
     try:
         asyncio.run(run_client(client, items[:1]))  # warm-up: first-call paths, CUDA graphs

@@ -16,6 +16,7 @@ Example, ``ParallelConfig(dp=2, ep=4)`` on 8 devices: replica 0 = ranks 0-3, rep
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from rayinfer.engine.types import EngineRole
@@ -74,6 +75,34 @@ def rank_resources(cfg: ParallelConfig) -> dict[str, float]:
     """One rank's bundle under ``cfg``: its ``num_cpus_per_replica`` (1 when unset) CPUs and, on an
     accelerator, its ``num_gpus_per_replica`` (1 when unset) devices."""
     return bundle_resources(cfg.device_kind, cfg.num_cpus_per_replica or 1.0, cfg.num_gpus_per_replica or 1.0)
+
+
+def fleet_shortfall(cfg: ParallelConfig, total: Mapping[str, float],
+                    free: Mapping[str, float] | None = None) -> str | None:
+    """What the cluster lacks to place the whole deployment, in one line, or None when it holds enough.
+
+    Args:
+        cfg: the deployment, with ``num_cpus_per_replica`` resolved.
+        total: the cluster's resources (``ray.cluster_resources()``), e.g. ``{"CPU": 2.0}``.
+        free: with it, the comparison is against the free resources (``ray.available_resources()``),
+            and both are named.
+    Returns:
+        e.g. "parallel needs 4 ranks x {CPU: 1} = {CPU: 4}; the cluster has {CPU: 2} in all", or None.
+    """
+    bundle = rank_resources(cfg)
+    need = {k: v * cfg.world_size for k, v in bundle.items()}
+    have = total if free is None else free
+    if all(have.get(k, 0.0) >= v for k, v in need.items()):
+        return None
+    line = (f"parallel ({cfg.topology}) needs {cfg.world_size} ranks x {_fmt(bundle)} = {_fmt(need)}; "
+            f"the cluster has {_fmt(total, need)} in all")
+    return line if free is None else f"{line}, {_fmt(free, need)} free"
+
+
+def _fmt(resources: Mapping[str, float], keys=None) -> str:
+    """``{CPU: 2, GPU: 1}``: the named keys (a missing one as 0), or every key of ``resources``."""
+    names = list(keys if keys is not None else resources)
+    return "{" + ", ".join(f"{k}: {resources.get(k, 0.0):g}" for k in names) + "}"
 
 
 def placement_bundles(cfg: ParallelConfig) -> list[dict[str, float]]:

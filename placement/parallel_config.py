@@ -61,7 +61,10 @@ class PDSection(_Sealed):
             GPUs, else the object store), "object_store", "nccl", "cuda_ipc" or "gloo"
             (``rayinfer.actors.kv_transport``).
         kv_store_max_blocks, kv_store_max_gib, kv_store_ttl_s: KV store limits (None: no limit).
-        max_retries: re-prefills of one request after actor failures before it fails.
+        max_retries: re-runs of one request's leg after errors that are not a replica failing (a task
+            raised, an object was lost) before the request fails.
+        retry_deadline_s: seconds after a request's first failure during which it keeps re-running
+            legs, waiting for failed replicas to restart (10-70 s on CPU); then it fails with an error.
         transfer_buffer_gib: nccl / gloo transports: the largest KV batch one transfer moves, in GiB; each
             prefill and decode replica keeps this much device memory out of its KV pool for the send
             staging buffer / the received payloads not yet imported (a decode replica takes no more
@@ -75,6 +78,7 @@ class PDSection(_Sealed):
     kv_store_ttl_s: float | None = None
     max_retries: int = 5
     transfer_buffer_gib: float = 4.0
+    retry_deadline_s: float = 120.0
     prefill_overrides: dict[str, Any] = field(default_factory=dict)
     decode_overrides: dict[str, Any] = field(default_factory=dict)
 
@@ -82,6 +86,9 @@ class PDSection(_Sealed):
         if self.kv_transport not in KV_TRANSPORTS:
             raise ValueError(f"pd.kv_transport must be one of {KV_TRANSPORTS}; got {self.kv_transport!r}")
         _check_int("pd.max_retries", self.max_retries, 0)
+        if isinstance(self.retry_deadline_s, bool) or not isinstance(self.retry_deadline_s, (int, float)) \
+                or not self.retry_deadline_s >= 0:
+            raise ValueError(f"pd.retry_deadline_s must be a number of seconds >= 0; got {self.retry_deadline_s!r}")
         if self.kv_store_max_blocks is not None:
             _check_int("pd.kv_store_max_blocks", self.kv_store_max_blocks, 1)
         if not (isinstance(self.transfer_buffer_gib, (int, float)) and self.transfer_buffer_gib > 0):

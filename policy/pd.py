@@ -15,7 +15,12 @@ re-run::
     DECODE    --DecodeOutput (engine finished, or a stop string)-->  DONE
     DECODE    --DecodePreempted-->  LOOKUP                    (a hand-back: a new leg, not a failure)
     PREFILL | TRANSFER | DECODE  --*Failed-->  BACKOFF  --BackoffElapsed-->  LOOKUP   (retries left)
-                                           --> DONE  (rejected: at once; retries used up: an error output)
+                                           --> DONE  (rejected: at once; out of retries: an error output)
+
+Retries: a replica that failed restarts (10-70 s on CPU), so replica failures are retried until
+``retry_deadline_s`` after the request's first failure, however many attempts that takes; other errors
+(a task raised, an object was lost) at most ``max_retries`` times within that deadline. A request out of
+retries ends with an error output (finish_reason "error"), never as a normal answer.
     any phase  --Abort-->  DONE, after that phase's cleanups
 
 Protocol: ``Emit`` is always the last action of a list. After a non-final ``Emit`` the shell hands the
@@ -31,7 +36,10 @@ a balancer's count of the request against one replica (``policy/routing.py``).
 from __future__ import annotations
 
 import enum
+import math
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 __all__ = [
     "Abort", "AbortDecode", "Backoff", "BackoffElapsed", "DecodeFailed", "DecodeOutput", "DecodePreempted",
@@ -311,20 +319,29 @@ class PDRequest:
         request_id: the caller's id (engine-side ids are ``f"{request_id}@{leg}"``).
         prompt_token_ids: the prompt.
         block_size: tokens per KV block (turns stored blocks into cached tokens).
-        max_retries: retries after failures before the request fails with an error output.
+        max_retries: retries after failures that are not a replica failing (FailureKind.ERROR) before
+            the request fails with an error output.
         kv_transport: the client-wide transport state (read when a Transfer is decided).
+        retry_deadline_s: seconds after its first failure during which the request keeps retrying
+            (waiting out replica restarts); then it fails with an error output.
+        clock: monotonic seconds (tests pass a fake one).
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], block_size: int, max_retries: int,
-                 kv_transport: KVTransportState):
+                 kv_transport: KVTransportState, retry_deadline_s: float = math.inf,
+                 clock: Callable[[], float] = time.monotonic):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.block_size = block_size
         self.max_retries = max_retries
         self.kv_transport = kv_transport
+        self.retry_deadline_s = retry_deadline_s
+        self.clock = clock
         self.phase = Phase.NEW
         self.output_token_ids: list[int] = []  # emitted, in order; every leg restarts from these
         self.num_failures = 0
+        self.num_errors = 0  # failures of kind ERROR (bounded by max_retries)
+        self._first_failure_s: float | None = None
         self.num_legs = 0
         self._num_cached_tokens: int | None = None  # the first completed prefill's
         self._leg_reason = "first"
@@ -437,15 +454,26 @@ class PDRequest:
         return actions + [ReleaseDecode()] + self._failed(kind, message)
 
     def _failed(self, kind: FailureKind, message: str) -> list[Action]:
-        """After a failed leg's cleanups: fail now (rejected, or retries used up) or back off and retry."""
+        """After a failed leg's cleanups: fail now (rejected, past the deadline, or errors beyond
+        ``max_retries``) or back off (never past the deadline) and retry."""
         self.phase = Phase.DONE
         if kind is FailureKind.REJECTED:
             return [Fail(message, rejected=True)]
         self.num_failures += 1
-        if self.num_failures > self.max_retries:
-            return [Fail(f"gave up after {self.num_failures} failed attempts: {message}")]
+        now = self.clock()
+        if self._first_failure_s is None:
+            self._first_failure_s = now
+        left_s = self._first_failure_s + self.retry_deadline_s - now
+        if kind is FailureKind.ERROR:
+            self.num_errors += 1
+            if self.num_errors > self.max_retries:
+                return [Fail(f"gave up after {self.num_failures} failed attempts ({self.num_errors} errors; "
+                             f"pd.max_retries={self.max_retries}): {message}")]
+        if left_s <= 0:
+            return [Fail(f"gave up after {self.num_failures} failed attempts in {now - self._first_failure_s:.1f} s "
+                         f"(pd.retry_deadline_s={self.retry_deadline_s:g}): {message}")]
         self.phase = Phase.BACKOFF
-        return [Backoff(backoff_s(self.num_failures), message)]
+        return [Backoff(min(backoff_s(self.num_failures), left_s), message)]
 
 
 def _emit(token_ids: tuple[int, ...], engine_finished: bool, finish_reason: str | None,

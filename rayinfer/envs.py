@@ -5,6 +5,8 @@ Variables:
         default ``platformdirs.user_cache_dir("rayinfer")``.
     RAYINFER_PDL: "0" turns off programmatic dependent launch of the Triton kernels (on by default
         where the GPU and Triton support it; see ``kernels._triton_utils.use_pdl``).
+    RAY_ADDRESS: the Ray cluster the entry points join (``rayinfer.actors.cluster.init_ray``); unset: a
+        cluster ``ray start`` left on this machine, else an embedded one.
     RAYINFER_ONE_ROW_FUSION: "0" runs a one-token Llama step through the generic layer instead of
         the fused-GEMV one (``model.llama.LlamaDecoderLayer.forward_one_row``); for A/B benchmarks.
 """
@@ -40,3 +42,8 @@ def pdl_enabled() -> bool:
 def one_row_fusion() -> bool:
     """RAYINFER_ONE_ROW_FUSION (default on): whether a one-token Llama step takes the fused-GEMV layers."""
     return _flag("RAYINFER_ONE_ROW_FUSION", True)
+
+
+def ray_address() -> str | None:
+    """RAY_ADDRESS, or None when unset or empty."""
+    return os.environ.get("RAY_ADDRESS") or None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rayinfer.actors.cluster import RayConfig
 from rayinfer.engine.config import EngineConfig, ModelConfig
 from rayinfer.placement.parallel_config import ParallelConfig
 
@@ -32,6 +33,8 @@ class ServeConfig:
         public_metrics_and_docs: with ``api_key`` set, still serve ``/metrics``, ``/docs``,
             ``/redoc`` and ``/openapi.json`` without the key (vLLM's behaviour). False (the default)
             puts them behind the key; ``/health`` is always open.
+        ray: which Ray cluster ``jobs/serve.py`` uses (``ray.address=local``: an embedded one, on
+            loopback); see :class:`~rayinfer.actors.cluster.RayConfig`.
         proxy_location, http_options, applications: the Serve config-file keys of the same YAML, read
             by ``serve run conf/serve.yaml`` and ignored here.
     """
@@ -48,6 +51,7 @@ class ServeConfig:
     max_request_bytes: int = 8 * 2**20
     max_prompt_chars: int = 2**20
     public_metrics_and_docs: bool = False
+    ray: RayConfig = field(default_factory=RayConfig)
     proxy_location: Any = None
     http_options: Any = None
     applications: Any = None

@@ -11,6 +11,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, AsyncGenerator, Callable, TypeVar
 
+from rayinfer.engine.errors import EngineInternalError
 from rayinfer.engine.structured_output import GrammarError, check_response_format
 from rayinfer.engine.types import RequestOutput, SampledToken, SamplingParams
 from rayinfer.serve.logprobs import TextOffsets, TokenBytes
@@ -18,6 +19,7 @@ from rayinfer.serve.protocol import APIError, from_error, from_value_error, num_
 
 logger = logging.getLogger(__name__)
 
+logger = logging.getLogger(__name__)
 _DONE = object()
 _T = TypeVar("_T")
 
@@ -199,6 +201,8 @@ class OpenAIServing:
 
         Raises:
             ValueError: when the engine rejects a request (bad prompt ids, grammar failure, ...).
+            EngineInternalError: when a request ends with finish_reason "error" (a PD request out of
+                retries, a fault inside an engine step); the detail is logged.
         """
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -207,6 +211,10 @@ class OpenAIServing:
             first, num_out = None, 0
             try:
                 async for out in gen:
+                    if out.finish_reason == "error":  # failed (a PD request out of retries, a step fault):
+                        # an error event or a 5xx, never an answer that looks complete
+                        logger.error("request %s-%d failed: %s", request_id, i, out.error)
+                        raise EngineInternalError(f"request {request_id}-{i} failed: {out.error}")
                     if first is None and out.new_token_ids:
                         first = time.perf_counter()
                     num_out = out.num_output_tokens or num_out

@@ -10,12 +10,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """An embedded Ray instance (logical CPUs beyond the physical ones so several actors fit)."""
+    """An embedded Ray instance on loopback (logical CPUs beyond the physical ones so several actors
+    fit), never a cluster someone else started on the machine; ``$RAY_ADDRESS`` when set."""
     import ray
+
+    from rayinfer import envs
+    from rayinfer.actors.cluster import RayConfig, init_ray
 
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+        init_ray(RayConfig(address=None if envs.ray_address() else "local"), num_cpus=8, log_to_driver=False)
     yield ray
     if started:
         ray.shutdown()

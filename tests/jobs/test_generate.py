@@ -8,7 +8,16 @@ from pathlib import Path
 import pytest
 
 from rayinfer.engine.config import EngineConfig, ModelConfig
-from rayinfer.jobs.generate import GenerateConfig, parse_lines, run
+from rayinfer.jobs.generate import (
+    GenerateConfig,
+    append_record,
+    choice_params,
+    drop_cut_line,
+    match_done,
+    output_record,
+    parse_lines,
+    run,
+)
 from rayinfer.placement.parallel_config import EPLBSection, ParallelConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -126,3 +135,170 @@ def test_job_with_expert_parallel_topology_equals_colocated(tmp_path, ray_cluste
         ep=2, eplb=EPLBSection(num_redundant_experts=2, interval=2, window=4)))
     assert [r["output_token_ids"] for r in ep] == [r["output_token_ids"] for r in ref]
     assert all(r["error"] is None and len(r["output_token_ids"]) == 6 for r in ep)
+
+
+def _fake_output(path: Path, jobs, texts) -> list[dict]:
+    """Write the output file an earlier run would have written, each job answered with its text."""
+    from rayinfer.engine.types import Completion
+
+    recs = []
+    for job, text in zip(jobs, texts):
+        c = Completion(job.id, job.prompt_token_ids, output_token_ids=[1, 2], text=text, finish_reason="length")
+        recs.append(output_record(job, c))
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return recs
+
+
+def test_resume_reuses_a_result_only_for_the_same_prompt_and_params(tokenizer):
+    lines = [json.dumps({"prompt": f"prompt number {i}", "max_tokens": 4}) for i in range(4)]
+    old = parse_lines(lines, tokenizer, {}, "m")
+    # line 1 removed, line 3 changed (another max_tokens), a new line appended; no ids anywhere
+    new_lines = [lines[0], lines[2], json.dumps({"prompt": "prompt number 3", "max_tokens": 5}),
+                 json.dumps({"prompt": "prompt number 1", "max_tokens": 4})]
+    new = parse_lines(new_lines, tokenizer, {}, "m")
+    stored = {r["key"]: [r] for r in (output_record(j) | {"text": f"answer {i}"} for i, j in enumerate(old))}
+    done = match_done(new, stored)
+    assert {k: v["text"] for k, v in done.items()} == {"line-0": "answer 0", "line-1": "answer 2",
+                                                       "line-3": "answer 1"}
+    assert all(done[j.id]["id"] == j.id and done[j.id]["prompt_token_ids"] == j.prompt_token_ids
+               for j in new if j.id in done)
+    # the same prompt under another model is another request
+    assert parse_lines(lines[:1], tokenizer, {}, "other")[0].key != old[0].key
+
+
+def test_rerun_after_a_line_is_removed_keeps_each_answer_with_its_prompt(tmp_path, tokenizer):
+    lines = [json.dumps({"prompt": f"Tell me about topic {i}"}) for i in range(4)]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    cfg = GenerateConfig(input=str(inp), output=str(out), sampling={"max_tokens": 4, "temperature": 0.0})
+    _fake_output(out, parse_lines(lines, tokenizer, {"max_tokens": 4, "temperature": 0.0}, cfg.model.model),
+                 [f"about topic {i}" for i in range(4)])
+    del lines[1]
+    inp.write_text("\n".join(lines) + "\n")
+    assert run(cfg) == 0  # every line is reused: no fleet starts
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["id"] for r in recs] == ["line-0", "line-1", "line-2"]
+    assert [r["text"] for r in recs] == ["about topic 0", "about topic 2", "about topic 3"]
+    assert [tokenizer.decode(r["prompt_token_ids"]) for r in recs] == [
+        f"Tell me about topic {i}" for i in (0, 2, 3)]
+
+
+def test_cut_last_line_is_dropped_and_records_are_whole(tmp_path):
+    p = tmp_path / "x.partial"
+    assert drop_cut_line(p) == 0
+    with p.open("ab", buffering=0) as f:
+        append_record(f, {"id": "a", "n": 1})
+        append_record(f, {"id": "b", "text": "x" * 100_000})
+    whole = p.read_bytes()
+    p.write_bytes(whole + b'{"id": "c", "te')  # the job died while writing c
+    assert drop_cut_line(p) == len(b'{"id": "c", "te')
+    assert p.read_bytes() == whole
+    with p.open("ab", buffering=0) as f:
+        append_record(f, {"id": "d"})
+    assert [json.loads(x)["id"] for x in p.read_text().splitlines()] == ["a", "b", "d"]
+
+
+def test_rerun_after_a_crash_mid_write_recomputes_the_cut_line(tmp_path, tokenizer, ray_cluster):
+    lines = [json.dumps({"id": i, "prompt": p}) for i, p in (("a", "The sky is"), ("b", "Water is"))]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    cfg = GenerateConfig(input=str(inp), output=str(out), model=ModelConfig(dtype="float32"),
+                         engine=EngineConfig(device="cpu", num_kv_blocks=64), parallel=ParallelConfig(dp=1),
+                         sampling={"max_tokens": 3, "temperature": 0.0, "ignore_eos": True})
+    partial = tmp_path / "out.jsonl.partial"
+    jobs = parse_lines(lines, tokenizer, dict(cfg.sampling), cfg.model.model)
+    rec_a, rec_b = _fake_output(partial, jobs, ["MARK-a", "MARK-b"])
+    partial.write_text(json.dumps(rec_a) + "\n" + json.dumps(rec_b)[:40])  # died while writing b
+    assert run(cfg) == 0
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["id"] for r in recs] == ["a", "b"]
+    assert recs[0]["text"] == "MARK-a"  # kept
+    assert recs[1]["text"] != "MARK-b" and recs[1]["error"] is None and len(recs[1]["output_token_ids"]) == 3
+    assert not partial.exists()
+
+
+def test_sigint_stops_the_job_and_keeps_finished_lines(tmp_path):
+    import os
+    import signal
+    import time
+
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"Count from {i} to {i + 500}:",
+                                       "max_tokens": 8 + 40 * (i % 2), "ignore_eos": True}) + "\n"
+                           for i in range(40)))
+    partial = tmp_path / "out.jsonl.partial"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "jobs/generate.py"), f"input={inp}", f"output={out}",
+                             "ray.address=local", "engine.device=cpu", "engine.num_kv_blocks=512",
+                             "engine.max_num_seqs=4"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        while not (partial.exists() and partial.read_text().count("\n") >= 2):  # some lines finished
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            subprocess.run(["sleep", "0.5"])
+        proc.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        log, _ = proc.communicate(timeout=120)  # a hang guard, not a measurement
+        print(f"stopped {time.monotonic() - sent:.1f} s after SIGINT")
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, log[-3000:]
+    assert "interrupted:" in log and "started an embedded Ray cluster at 127.0.0.1" in log
+    assert not out.exists()
+    kept = [json.loads(x) for x in partial.read_text().splitlines()]
+    assert 2 <= len(kept) < 40
+    assert all(r["error"] is None and r["key"] and r["finish_reason"] == "length" for r in kept)
+
+
+def test_lines_take_the_services_sampling_names(tokenizer):
+    lines = [
+        '{"id": "mct", "prompt": "x", "max_completion_tokens": 5}',
+        '{"id": "chat-lp", "prompt": "x", "logprobs": true, "top_logprobs": 3}',
+        '{"id": "no-lp", "prompt": "x", "logprobs": false}',
+        '{"id": "choice", "prompt": "x", "guided_choice": ["yes", "no"]}',
+        '{"id": "text", "prompt": "x", "response_format": {"type": "text"}}',
+        '{"id": "n", "prompt": "x", "n": 3, "seed": 5}',
+        '{"id": "bad-regex", "prompt": "x", "guided_regex": "(unclosed"}',
+        '{"id": "two", "prompt": "x", "guided_regex": "a", "response_format": {"type": "json_object"}}',
+        '{"id": "both-max", "prompt": "x", "max_tokens": 4, "max_completion_tokens": 5}',
+        '{"id": "big-n", "prompt": "x", "n": 129}',
+        '{"id": "top-alone", "prompt": "x", "top_logprobs": 2}',
+    ]
+    jobs = {j.id: j for j in parse_lines(lines, tokenizer, {"max_tokens": 8})}
+    assert jobs["mct"].params.max_tokens == 5
+    assert jobs["chat-lp"].params.logprobs == 3 and jobs["no-lp"].params.logprobs is None
+    assert jobs["choice"].params.response_format == {"type": "regex", "regex": "(yes|no)"}
+    assert jobs["text"].error is None and jobs["text"].params.response_format is None
+    assert [(p.n, p.seed) for p in choice_params(jobs["n"].params)] == [(1, 5), (1, 6), (1, 7)]
+    assert "regex" in (jobs["bad-regex"].error or "")
+    assert "at most one" in (jobs["two"].error or "")
+    assert "max_completion_tokens" in (jobs["both-max"].error or "")
+    assert "n must be between 1 and 128" in (jobs["big-n"].error or "")
+    assert "top_logprobs" in (jobs["top-alone"].error or "")
+
+
+def test_logprobs_n_and_guided_choice_take_effect_in_the_job(tmp_path, ray_cluster):
+    lines = [
+        {"id": "lp", "prompt": "The sky is", "max_tokens": 4, "logprobs": 2},
+        {"id": "n", "prompt": "Once upon a time", "max_tokens": 5, "temperature": 0.9, "seed": 11, "n": 2},
+        {"id": "seed12", "prompt": "Once upon a time", "max_tokens": 5, "temperature": 0.9, "seed": 12},
+        {"id": "yn", "messages": [{"role": "user", "content": "Is water wet?"}], "guided_choice": ["yes", "no"]},
+    ]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    cfg = GenerateConfig(input=str(inp), output=str(out), model=ModelConfig(dtype="float32"),
+                         engine=EngineConfig(device="cpu", num_kv_blocks=128), parallel=ParallelConfig(dp=1),
+                         sampling={"max_tokens": 8, "temperature": 0.0, "ignore_eos": True})
+    assert run(cfg) == 0
+    recs = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert all(r["error"] is None for r in recs.values()), recs
+    lp = recs["lp"]
+    assert len(lp["logprobs"]) == len(lp["output_token_ids"]) == 4
+    for token, entry in zip(lp["output_token_ids"], lp["logprobs"]):
+        assert entry["token_id"] == token and entry["logprob"] <= 0.0
+        assert len(entry["top_logprobs"]) == 2 and str(token) in entry["top_logprobs"]  # greedy: the top one
+    n = recs["n"]
+    assert [c["index"] for c in n["choices"]] == [0, 1]
+    assert n["output_token_ids"] == n["choices"][0]["output_token_ids"]
+    assert n["choices"][1]["output_token_ids"] == recs["seed12"]["output_token_ids"]  # choice i: seed + i
+    assert n["usage"]["completion_tokens"] == sum(len(c["output_token_ids"]) for c in n["choices"])
+    assert recs["yn"]["text"] in ("yes", "no")

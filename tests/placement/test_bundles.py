@@ -99,3 +99,18 @@ def test_groups_partition_each_replica(cfg):
     for info in infos:
         assert info.local_rank == info.cp_rank * cfg.ep + info.ep_rank
         assert info.rank == info.replica_id * cfg.ranks_per_replica + info.local_rank
+
+
+def test_fleet_shortfall_names_what_the_cluster_lacks():
+    from rayinfer.placement.bundles import fleet_shortfall
+
+    pd = ParallelConfig(num_prefill=2, num_decode=2, num_cpus_per_replica=1)
+    assert fleet_shortfall(pd, {"CPU": 2.0, "memory": 1e10}) == (
+        "parallel (pd) needs 4 ranks x {CPU: 1} = {CPU: 4}; the cluster has {CPU: 2} in all")
+    assert fleet_shortfall(pd, {"CPU": 4.0}) is None
+    assert fleet_shortfall(pd, {"CPU": 4.0}, {"memory": 1e10}) == (
+        "parallel (pd) needs 4 ranks x {CPU: 1} = {CPU: 4}; the cluster has {CPU: 4} in all, {CPU: 0} free")
+    gpu = ParallelConfig(dp=2, num_cpus_per_replica=2, num_gpus_per_replica=1)
+    assert fleet_shortfall(gpu, {"CPU": 16.0, "GPU": 1.0}) == (
+        "parallel (colocated) needs 2 ranks x {GPU: 1, CPU: 2} = {GPU: 2, CPU: 4}; the cluster has "
+        "{GPU: 1, CPU: 16} in all")

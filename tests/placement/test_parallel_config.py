@@ -79,6 +79,8 @@ def test_sections_validate_and_copy():
     assert dataclasses.replace(cfg, dp=1, num_prefill=2).num_replicas == 3
     for section, kwargs, field in [(PDSection, dict(kv_transport="tcp"), "pd.kv_transport"),
                                    (PDSection, dict(max_retries=-1), "pd.max_retries"),
+                                   (PDSection, dict(retry_deadline_s=-1.0), "pd.retry_deadline_s"),
+                                   (PDSection, dict(retry_deadline_s=float("nan")), "pd.retry_deadline_s"),
                                    (PDSection, dict(kv_store_max_gib=0), "pd.kv_store_max_gib"),
                                    (EPLBSection, dict(window=0), "eplb.window"),
                                    (EncoderSection, dict(num_encoders=1), "encoder.num_encoders")]:

@@ -44,9 +44,12 @@ REPLICA, ERROR, REJECTED = FailureKind.REPLICA, FailureKind.ERROR, FailureKind.R
 class Driver:
     """Feeds events to one request and keeps every action; carries out UseObjectStore as the shell does."""
 
-    def __init__(self, max_retries: int = 5, rdt_ok: bool = True, transport: KVTransportState | None = None):
+    def __init__(self, max_retries: int = 5, rdt_ok: bool = True, transport: KVTransportState | None = None,
+                 retry_deadline_s: float = 60.0):
         self.transport = transport or KVTransportState(rdt_ok)
-        self.req = PDRequest("r", list(PROMPT), BS, max_retries, self.transport)
+        self.now = 0.0  # the fake clock, in seconds; tests move it
+        self.req = PDRequest("r", list(PROMPT), BS, max_retries, self.transport, retry_deadline_s,
+                             clock=lambda: self.now)
         self.actions = []
 
     def __call__(self, event):
@@ -314,33 +317,71 @@ def test_decode_task_error_mid_stream_aborts_and_retries():
     assert d.transport.rdt_ok
 
 
-def test_max_retries_exceeded_fails_with_an_error_output():
+def test_errors_beyond_max_retries_fail_with_an_error_output():
     d = Driver(max_retries=2)
     d(Start())
     delays = []
     for _ in range(2):
         d(StoreLookupDone(0))
-        *_, backoff = d(PrefillFailed(REPLICA, "actor died"))
+        *_, backoff = d(PrefillFailed(ERROR, "object lost"))
+        assert isinstance(backoff, Backoff)
         delays.append(backoff.delay_s)
         d(BackoffElapsed())
     d(StoreLookupDone(0))
-    assert d(PrefillFailed(ERROR, "actor died")) == [
-        ReleasePrefill(), Fail("gave up after 3 failed attempts: actor died")]
+    assert d(PrefillFailed(ERROR, "object lost")) == [
+        ReleasePrefill(), Fail("gave up after 3 failed attempts (3 errors; pd.max_retries=2): object lost")]
     assert delays == [0.1, 0.2] and d.req.is_finished
     d.check()
 
 
-def test_failures_count_across_legs_and_emitted_tokens_stay_out():
-    d = Driver(max_retries=1)
+def test_replica_failures_wait_for_a_restart_until_the_deadline_not_a_count():
+    """1P1D, the prefill replica restarting for ~40 s: every attempt meanwhile fails fast; the request
+    keeps retrying (far more than max_retries) and finishes once the replica is back."""
+    d = Driver(max_retries=2, retry_deadline_s=60.0)
     d.to_decode()
+    d(DecodeFailed(REPLICA, "prefill actor died"))  # t = 0: the first failure starts the deadline
+    num_attempts = 1
+    while d.now < 40.0:
+        *_, backoff = d.actions
+        assert isinstance(backoff, Backoff) and backoff.delay_s <= 2.0
+        d.now += backoff.delay_s
+        d(BackoffElapsed())
+        d(StoreLookupDone(0))
+        d(PrefillFailed(REPLICA, "actor unavailable: restarting"))
+        num_attempts += 1
+    assert num_attempts > 2 * d.req.max_retries and d.req.phase is Phase.BACKOFF
+    d.now += 2.0
+    d(BackoffElapsed())
+    d(StoreLookupDone(0))
+    assert d(PrefillDone((12,), "prefilled")) == [ReleasePrefill(), Emit((12,))]
+    d(Emitted())
+    d(TransferDone(False))
+    assert d(DecodeOutput((13,), finished=True, finish_reason="length"))[-1] == Emit((13,), True, "length")
+    assert d.req.output_token_ids == [11, 12, 13]
+    d.check()
+
+
+def test_past_the_deadline_a_cut_answer_ends_with_an_error_never_a_stop():
+    d = Driver(retry_deadline_s=3.0)
+    d.to_decode()  # the first token is out
+    d.now = 10.0
     d(DecodeFailed(REPLICA, "a"))
+    d.now = 11.0
     d(BackoffElapsed())
     d(StoreLookupDone(0))
     d(PrefillDone((12,), "prefilled"))
     d(Emitted())
-    assert d(TransferFailed(REPLICA, "b", used_rdt=False)) == [
-        ReportFailure("decode"), ReportFailure("prefill"), ReleaseDecode(), Fail("gave up after 2 failed attempts: b")]
-    assert d.req.output_token_ids == [11, 12]
+    d.now = 12.875
+    # the last backoff only waits for what is left of the deadline (0.125 s, not backoff_s(2) = 0.2)
+    assert d(TransferFailed(REPLICA, "b", used_rdt=False))[-1] == Backoff(0.125, "b")
+    d.now = 13.0
+    d(BackoffElapsed())
+    d(StoreLookupDone(0))
+    assert d(PrefillFailed(REPLICA, "c")) == [
+        ReportFailure("prefill"), ReleasePrefill(),
+        Fail("gave up after 3 failed attempts in 3.0 s (pd.retry_deadline_s=3): c")]
+    assert d.req.output_token_ids == [11, 12] and d.req.is_finished
+    assert not any(isinstance(a, Emit) and a.finished for a in d.actions)  # no normal finish went out
     d.check()
 
 

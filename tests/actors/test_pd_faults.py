@@ -1,0 +1,63 @@
+"""1 prefill + 1 decode replica, the prefill actor killed while requests stream: with a restart every
+request waits for it (pd.retry_deadline_s) and completes as the colocated engine's; without one, every
+request cut short ends with an error, never as a normal answer."""
+
+import asyncio
+import dataclasses
+
+import pytest
+import ray
+
+from rayinfer.actors.client import make_client
+from rayinfer.placement.parallel_config import ParallelConfig, PDSection
+
+pytestmark = pytest.mark.slow
+
+
+def kill_prefill_mid_run(pd, client, cases) -> dict:
+    many = [dataclasses.replace(c, request_id=f"{c.request_id}~{j}") for j in range(2) for c in cases]
+
+    async def main():
+        first = asyncio.Event()
+        run = asyncio.create_task(pd.stream_all(client, many, on_output=lambda out: first.set()))
+        await first.wait()  # a first token is out; other prefills are queued or running
+        ray.kill(client.prefills[0], no_restart=False)
+        return await run
+
+    return asyncio.run(main())
+
+
+def test_requests_wait_for_the_restarting_prefill_replica(ray_cluster, pd, cases, reference):
+    client = make_client(pd.model, pd.engine_config(),
+                         ParallelConfig(num_prefill=1, num_decode=1, max_restarts=1, num_cpus_per_replica=1,
+                                        pd=PDSection(retry_deadline_s=600.0)))
+    try:
+        streams = kill_prefill_mid_run(pd, client, cases)
+        assert len(streams) == 2 * len(cases)
+        pd.check_streams(streams, reference)  # every request complete, exactly once, as colocated
+        assert asyncio.run(client.stats()).num_retries > 0  # counted by the router: legs re-run
+    finally:
+        client.shutdown()
+
+
+def test_requests_cut_short_by_a_dead_prefill_replica_end_with_an_error(ray_cluster, pd, cases, reference):
+    client = make_client(pd.model, pd.engine_config(),
+                         ParallelConfig(num_prefill=1, num_decode=1, max_restarts=0, num_cpus_per_replica=1,
+                                        pd=PDSection(retry_deadline_s=1.0)))
+    try:
+        streams = kill_prefill_mid_run(pd, client, cases)
+    finally:
+        client.shutdown()
+    num_failed = 0
+    for rid, outs in streams.items():
+        last = outs[-1]
+        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True], rid
+        tokens, text, reason = reference[rid.split("~")[0]]
+        if last.finish_reason == "error":
+            num_failed += 1
+            assert last.error and "pd.retry_deadline_s=1" in last.error, (rid, last.error)
+            assert "\n" not in last.error and "\x1b" not in last.error  # one line, no remote traceback
+        else:  # it was past its prefill when the replica died: a whole, correct answer
+            assert last.error is None and last.finish_reason == reason, rid
+            assert [t for o in outs for t in o.new_token_ids] == tokens, rid
+    assert num_failed > 0
