@@ -19,6 +19,7 @@ class FakeEngine:
         self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, (tokenizer.eos_token_id,)
         self.added: dict[str, object] = {}
         self.grammars: dict[str, object] = {}  # every request's grammar, kept after aborts
+        self.parked: dict[str, object] = {}  # PREFILL role only; AsyncLLMEngine checks it each loop
 
     def stats(self):
         return {}
