@@ -35,6 +35,16 @@ _ENGINE_METRICS = (
     ("kv_store_blocks", "rayinfer_kv_store_blocks", "Blocks held by the KV store (PD).", "gauge"),
     ("kv_store_hit_rate", "rayinfer_kv_store_hit_rate", "KV store lookups that hit (0..1).", "gauge"),
     ("moe_lb", "rayinfer_moe_lb", "Expert-parallel balance: max rank load / mean (1 is even).", "gauge"),
+    ("num_parked_kv", "rayinfer_pd_parked_kv_requests", "Prefilled requests whose KV waits in the prefill pool "
+     "for its transfer (PD).", "gauge"),
+    ("kv_transfer_batches", "rayinfer_pd_kv_transfer_batches", "KV transfer batches sent or received (PD, "
+     "nccl/gloo).", "counter"),
+    ("kv_transfer_bytes_sent", "rayinfer_pd_kv_transfer_sent_bytes", "KV bytes sent (PD prefill replica).",
+     "counter"),
+    ("kv_transfer_bytes_received", "rayinfer_pd_kv_transfer_received_bytes", "KV bytes received (PD decode "
+     "replica).", "counter"),
+    ("kv_transfer_budget_used", "rayinfer_pd_kv_transfer_budget_used_bytes", "Received KV bytes not yet "
+     "imported, out of pd.transfer_buffer_gib (PD decode replica).", "gauge"),
 )
 
 
@@ -131,7 +141,7 @@ class ServeMetrics:
             with self._engine.lock:
                 self._engine.snapshot = []
             return
-        rows = [r.to_dict() for r in stats.replicas if r.error is None]
+        rows = [{**r.to_dict(), **r.kv_transfer} for r in stats.replicas if r.error is None]
         if stats.kv_store is not None and stats.kv_store.error is None:
             rows.append({"replica_id": "kv_store", **dataclasses.asdict(stats.kv_store)})
         if stats.ep is not None:

@@ -121,3 +121,24 @@ def test_serve_yaml_sets_the_documented_limits():
 
     cfg = compose_config(["max_prompt_chars=10", "public_metrics_and_docs=true"])
     assert (cfg.max_request_bytes, cfg.max_prompt_chars, cfg.public_metrics_and_docs) == (8 * 2**20, 10, True)
+
+
+def test_pd_transfer_stats_are_exported_per_replica():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from rayinfer.engine.protocol import FleetStats, ReplicaStats
+    from rayinfer.serve.metrics import ServeMetrics
+
+    prefill = ReplicaStats.from_dict({"num_parked_kv": 3, "kv_transfer_batches": 2, "kv_transfer_bytes_sent": 4096},
+                                     replica_id=0, role="prefill")
+    decode = ReplicaStats.from_dict({"kv_transfer_batches": 2, "kv_transfer_bytes_received": 4096,
+                                     "kv_transfer_budget_used": 1024}, replica_id=1, role="decode")
+    assert decode.kv_transfer["kv_transfer_budget_used"] == 1024 and prefill.num_parked_kv == 3
+    metrics = ServeMetrics("m")
+    metrics.set_engine_stats(FleetStats("pd", [prefill, decode]))
+    samples = {(s.name, s.labels.get("replica")): s.value
+               for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
+    assert samples[("rayinfer_pd_parked_kv_requests", "0")] == 3
+    assert samples[("rayinfer_pd_kv_transfer_sent_bytes_total", "0")] == 4096
+    assert samples[("rayinfer_pd_kv_transfer_received_bytes_total", "1")] == 4096
+    assert samples[("rayinfer_pd_kv_transfer_budget_used_bytes", "1")] == 1024
