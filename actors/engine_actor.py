@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import time
@@ -52,6 +53,9 @@ class EngineActorImpl:
         self._kv_writes: list[concurrent.futures.Future] = []  # write-through puts not yet known to be done
         self._store_gathers: dict[str, concurrent.futures.Future] = {}  # write-through copies still reading blocks
         self._store_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-store-write")
+        # the store copies' own CUDA stream, so their gathers and device-to-host copies never queue behind
+        # (or ahead of) the engine's steps on the compute stream
+        self._store_stream = torch.cuda.Stream(e.device) if e.device.type == "cuda" else None
         self.num_store_writes_skipped = 0
 
     def ready(self) -> dict:
@@ -136,14 +140,15 @@ class EngineActorImpl:
         if len(self._store_gathers) >= 4:
             self.num_store_writes_skipped += 1
             return
-        engine, rid, store = self.engine.engine, kv.request_id, self.kv_store
+        engine, rid, store, stream = self.engine.engine, kv.request_id, self.kv_store, self._store_stream
 
         def copy_and_put() -> None:
             # the copy and the put's serialization of the payload (hundreds of MB for a long prompt of a
             # large model) both happen here, never on the actor's event loop
-            blocks = engine.gather_kv([rid], layers=None)[:, num_stored:full]
-            host = torch.empty(blocks.shape, dtype=blocks.dtype, pin_memory=blocks.is_cuda)
-            host.copy_(blocks)
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                blocks = engine.gather_kv([rid], layers=None)[:, num_stored:full]
+                host = torch.empty(blocks.shape, dtype=blocks.dtype, pin_memory=blocks.is_cuda)
+                host.copy_(blocks)  # waits for the copy (this stream only)
             ref = store.put.remote(kv.block_hashes[:full], num_stored, host, kv.layout)
             self._kv_writes.append(ref.future())
 
