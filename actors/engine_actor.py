@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import dataclasses
 import logging
 import time
@@ -13,7 +12,7 @@ from typing import AsyncIterator
 import ray
 import torch
 
-from rayinfer.actors.kv_transport import COLLECTIVE_TRANSPORTS, KVTransferAgent
+from rayinfer.actors.kv_transport import COLLECTIVE_TRANSPORTS, KVTransferAgent, on_stream
 from rayinfer.engine.async_engine import AsyncLLMEngine
 from rayinfer.engine.config import EngineConfig, ModelConfig
 from rayinfer.engine.llm_engine import LLMEngine
@@ -145,7 +144,7 @@ class EngineActorImpl:
         def copy_and_put() -> None:
             # the copy and the put's serialization of the payload (hundreds of MB for a long prompt of a
             # large model) both happen here, never on the actor's event loop
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            with on_stream(stream):
                 blocks = engine.gather_kv([rid], layers=None)[:, num_stored:full]
                 host = torch.empty(blocks.shape, dtype=blocks.dtype, pin_memory=blocks.is_cuda)
                 host.copy_(blocks)  # waits for the copy (this stream only)
@@ -210,12 +209,9 @@ class EngineActorImpl:
     # -- the transfer group (nccl, gloo) -----------------------------------------------------------
     def transfer_address(self) -> tuple[str, int]:
         """(node IP, a free port) for the transfer group's rendezvous (asked of rank 0)."""
-        import socket
+        from rayinfer.placement.groups import free_port, node_ip
 
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            port = sock.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        return node_ip(), free_port()
 
     async def join_transfer_group(self, address: str, port: int, world_size: int, rank: int) -> None:
         """Join the fleet's KV transfer group as ``rank`` (all replicas call it at once)."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import datetime
 import logging
 import math
@@ -185,7 +186,7 @@ class KVTransferAgent:
         import torch.distributed as dist
 
         def run() -> torch.Tensor:
-            with _on(self._stream):
+            with on_stream(self._stream):
                 buf = torch.empty(shape, dtype=dtype, device=self.device)
                 for layers in layer_chunks(shape, dtype.itemsize):
                     dist.recv(buf[layers], src)
@@ -228,16 +229,6 @@ def layer_chunks(shape: tuple[int, ...], itemsize: int) -> list[slice]:
     return [slice(i, min(i + step, num_layers)) for i in range(0, num_layers, step)]
 
 
-class _on:
-    """``torch.cuda.stream(stream)`` on GPU, nothing on CPU."""
-
-    def __init__(self, stream):
-        self._ctx = torch.cuda.stream(stream) if stream is not None else None
-
-    def __enter__(self):
-        if self._ctx is not None:
-            self._ctx.__enter__()
-
-    def __exit__(self, *exc):
-        if self._ctx is not None:
-            self._ctx.__exit__(*exc)
+def on_stream(stream: "torch.cuda.Stream | None"):
+    """``torch.cuda.stream(stream)`` on GPU; a no-op context for None (CPU)."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()

@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from typing import AsyncIterator
 
 from rayinfer.engine.llm_engine import LLMEngine
@@ -42,6 +43,7 @@ class AsyncLLMEngine:
         self._stats: dict = engine.stats()
         self._grammars = None  # GrammarCompilerService, built on the first constrained request
         self.parked_kv_ttl_s = 300.0  # PREFILL role: parked KV nobody took (its router died) is freed after this
+        self._next_expiry = 0.0  # loop thread: when to look for expired parked KV next
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -173,8 +175,9 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         while not self._stopped:
             self._drain_inbox()
-            if self.engine.parked:
+            if self.engine.parked and time.monotonic() >= self._next_expiry:  # a scan a second, not a step
                 self.engine.expire_kv(self.parked_kv_ttl_s)
+                self._next_expiry = time.monotonic() + 1.0
             if not self.engine.has_unfinished_requests():
                 self._stats = self.engine.stats()
                 self._wake.wait(timeout=0.5)

@@ -88,11 +88,9 @@ class _Side:
         self.agent = KVTransferAgent(self.device, 1 << 40) if set(transports) & {"nccl", "gloo"} else None
 
     def address(self) -> tuple[str, int]:
-        import socket
+        from rayinfer.placement.groups import free_port, node_ip
 
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            return ray.util.get_node_ip_address(), sock.getsockname()[1]
+        return node_ip(), free_port()
 
     async def join(self, backend: str, address: str, port: int, rank: int) -> None:
         assert self.agent is not None

@@ -81,11 +81,9 @@ def test_agents_move_a_batch_over_gloo_while_the_receiver_keeps_serving(ray_clus
             self.cache = torch.arange(2 * 8 * 2 * 4 * 3, dtype=torch.float32).view(2, 8, 2, 4, 3)  # [L, N, 2, bs, D]
 
         def address(self):
-            import socket
+            from rayinfer.placement.groups import free_port, node_ip
 
-            with socket.socket() as sock:
-                sock.bind(("", 0))
-                return ray.util.get_node_ip_address(), sock.getsockname()[1]
+            return node_ip(), free_port()
 
         async def join(self, addr, port, rank):
             await self.agent.join("gloo", addr, port, 2, rank, timeout_s=60)
