@@ -53,7 +53,7 @@ class _Leg:
     decode_grown: int = 0  # tokens decoded on the ticket's replica, reported at its release
     rdt: bool = False  # the router allows Ray Direct Transport for this leg's replicas
     payload: Any = None  # the object-store ObjectRef of the KV, kept until the leg ends
-    stream: Any = None  # the decode's ObjectRefGenerator
+    stream: Any = None  # the decode's deltas (OutputMux.generate)
     error: Exception | None = None  # the last failure, for _report_failure
 
 
@@ -153,16 +153,19 @@ class PDClient(_FleetClient):
             case P.Transfer():
                 return await self._transfer(leg, action)
             case P.RunDecode():
-                leg.stream = leg.decode.decode.options(num_returns="streaming").remote(
-                    leg.engine_request_id, run.prompt, run.params, list(action.output_token_ids), leg.kv_handle,
-                    leg.payload)
+                mux = self.mux(leg.decode)
+                leg.stream = mux.generate(leg.engine_request_id, leg.decode.submit, run.prompt, run.params,
+                                          list(action.output_token_ids), leg.kv_handle, leg.payload)
             case P.GrowDecode():
                 await self._grow_decode(leg, action.num_tokens)
             case P.ReleaseDecode():
                 if leg.decode_ticket is not None:
                     await self._release_decode(leg)
             case P.AbortDecode():
-                if leg.decode is not None:  # None: it failed (or was cancelled) before the replica answered
+                if leg.stream is not None:  # closing it aborts the request on the replica
+                    await leg.stream.aclose()
+                    leg.stream = None
+                elif leg.decode is not None:  # None: it failed (or was cancelled) before the replica answered
                     leg.decode.abort.remote(leg.engine_request_id)
             case P.DropKV():
                 leg.prefill.release_kv.remote([leg.engine_request_id])
@@ -230,11 +233,11 @@ class PDClient(_FleetClient):
     async def _next_decode_output(self, run: _Run) -> P.Event:
         leg = run.leg
         try:
-            out = await unwrap(await leg.stream.__anext__())
+            out = await leg.stream.__anext__()
         except StopAsyncIteration:
             leg.error = RuntimeError("the decode stream ended before the request finished")
             return P.DecodeFailed(P.FailureKind.ERROR, str(leg.error))
-        except (ray.exceptions.RayError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001 - a rejection, a failed step, a dead replica: the leg's failure
             leg.error = e
             return P.DecodeFailed(_failure_kind(e), _describe(e))
         if out.finish_reason == "preempted":
