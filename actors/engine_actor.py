@@ -271,7 +271,7 @@ class EngineActorImpl:
     # -- multiplexed output streams ----------------------------------------------------------------
     async def submit(self, client_id: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      output_token_ids: list[int] | None = None, kv_handle: KVHandle | None = None,
-                     kv_payload: torch.Tensor | None = None) -> None:
+                     kv_payload: torch.Tensor | None = None, detokenize: bool = True) -> None:
         """Queue a request whose deltas stream to ``client_id``'s :meth:`outputs` (opened before or after).
 
         Args:
@@ -282,6 +282,8 @@ class EngineActorImpl:
             kv_payload: DECODE role: its payload ``[L, n_blocks, 2, bs, H, D]``; pass the ObjectRef from
                 :meth:`export_kv` positionally so Ray resolves it through the object store; None takes the
                 payload an earlier :meth:`recv_kv` / :meth:`receive_kv` brought.
+            detokenize: False streams the core's token deltas without text or stop strings (the caller
+                detokenizes; see ``AsyncLLMEngine.submit``).
         Raises:
             KeyError: DECODE role, kv_payload None and nothing received for the request.
             ValueError: an invalid response_format. Other rejections (the engine's checks) arrive on the
@@ -301,7 +303,7 @@ class EngineActorImpl:
         box.live.add(request_id)
         try:
             await self.engine.submit(request_id, prompt_token_ids, params, partial(box.put, request_id),
-                                     output_token_ids=output_token_ids, **kwargs)
+                                     detokenize=detokenize, output_token_ids=output_token_ids, **kwargs)
         except BaseException:
             box.live.discard(request_id)
             raise

@@ -154,8 +154,9 @@ class PDClient(_FleetClient):
                 return await self._transfer(leg, action)
             case P.RunDecode():
                 mux = self.mux(leg.decode)
+                # the replica streams token ids only: this client detokenizes and finds stop strings
                 leg.stream = mux.generate(leg.engine_request_id, leg.decode.submit, run.prompt, run.params,
-                                          list(action.output_token_ids), leg.kv_handle, leg.payload)
+                                          list(action.output_token_ids), leg.kv_handle, leg.payload, False)
             case P.GrowDecode():
                 await self._grow_decode(leg, action.num_tokens)
             case P.ReleaseDecode():

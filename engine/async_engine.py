@@ -51,7 +51,8 @@ class AsyncLLMEngine:
 
     # -- caller side (event loop) --------------------------------------------------------------
     async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     deliver: Callable[[RequestOutput | Exception], None], **kwargs) -> None:
+                     deliver: Callable[[RequestOutput | Exception], None], detokenize: bool = True,
+                     **kwargs) -> None:
         """Queue a request whose deltas go to ``deliver`` on the caller's event loop.
 
         ``deliver`` is called with each delta (text and stop strings processed, the last one
@@ -59,7 +60,9 @@ class AsyncLLMEngine:
         problem; or its step failed), and never again after that. The loop thread hands each step's
         deltas for one event loop over in one wake-up, so a replica streaming hundreds of requests costs
         the loop one callback batch per step, not one per request. A ``params.response_format`` is
-        compiled here (on a thread pool, cached) before the request is queued.
+        compiled here (on a thread pool, cached) before the request is queued. ``detokenize=False``
+        delivers the core's deltas as they are (no text, no stop strings: for a caller that detokenizes
+        once per request itself, as the PD client does across a request's prefill and decode replicas).
 
         Raises:
             ValueError: the response_format is invalid, fails to compile or times out (a GrammarError).
@@ -69,8 +72,8 @@ class AsyncLLMEngine:
             kwargs["grammar"] = matcher = await compiler.matcher(params.response_format)
             for token in (kwargs.get("output_token_ids") or []) if matcher is not None else []:
                 matcher.accept_token(token)  # DECODE role: tokens sampled on the prefill replica
-        processor = RequestOutputProcessor(self.engine.tokenizer, request_id, prompt_token_ids, params,
-                                           kwargs.get("output_token_ids"))
+        processor = (RequestOutputProcessor(self.engine.tokenizer, request_id, prompt_token_ids, params,
+                                            kwargs.get("output_token_ids")) if detokenize else None)
         done = False
 
         def on_core_output(item: RequestOutput | Exception) -> None:
@@ -81,12 +84,12 @@ class AsyncLLMEngine:
                 done = True
                 deliver(item)
                 return
-            out = processor.process(item)
+            out = processor.process(item) if processor is not None else item
             if out is None:
                 return
             if out.finished:
                 done = True
-                if processor.needs_core_abort:  # a stop string: the core does not know it ended
+                if processor is not None and processor.needs_core_abort:  # a stop string: the core runs on
                     self.abort(request_id)
             deliver(out)
 
