@@ -10,10 +10,11 @@ import time
 from functools import partial
 from typing import AsyncIterator
 
+import numpy as np
 import ray
 import torch
 
-from rayinfer.actors.kv_transport import COLLECTIVE_TRANSPORTS, KVTransferAgent, on_stream
+from rayinfer.actors.kv_transport import COLLECTIVE_TRANSPORTS, KVTransferAgent, from_wire, on_stream, to_wire
 from rayinfer.engine.async_engine import AsyncLLMEngine
 from rayinfer.engine.config import EngineConfig, ModelConfig
 from rayinfer.engine.llm_engine import LLMEngine
@@ -23,6 +24,7 @@ from rayinfer.engine.types import Completion, KVHandle, RequestOutput, SamplingP
 logger = logging.getLogger(__name__)
 _KV_IN_TTL_S = 120.0  # a received payload nobody decoded (its client left) is dropped after this
 _GIB = 1 << 30
+_MAX_PENDING_STORE_WRITES = 2  # write-through copies and puts in flight; more requests are not written
 
 
 class EngineActorImpl:
@@ -100,7 +102,7 @@ class EngineActorImpl:
             prompt_token_ids: the prompt.
             params: sampling params.
             output_token_ids: tokens generated so far (a re-prefill after preemption or a failure).
-            stored: (block hashes, layout tag, ObjectRefs of ``[L, 1, 2, bs, H, D]`` blocks) from the store:
+            stored: (block hashes, layout tag, ObjectRefs of ``[L, 1, 2, bs, H, D]`` blocks in wire form) from the store:
                 the leading blocks of prompt + outputs; unreadable or mismatched blocks are recomputed.
         Returns:
             the one output: the sampled token, ``finish_reason`` "prefilled" with ``kv_handle`` (payload
@@ -129,18 +131,20 @@ class EngineActorImpl:
             logger.warning("stored KV unreadable, recomputing: %s", e)
             return None
         bs = self.engine.engine.engine_config.block_size
-        return KVHandle(request_id, list(hashes[: len(blocks)]), len(blocks) * bs, layout, torch.cat(blocks, dim=1))
+        payload = from_wire(np.concatenate(blocks, axis=1), self.engine.engine.kv_cache.dtype)
+        return KVHandle(request_id, list(hashes[: len(blocks)]), len(blocks) * bs, layout, payload)
 
     def _write_through(self, kv: KVHandle, num_stored: int) -> None:
         """Copy a prefilled request's new full blocks to host memory and put them in the KV store, on a
         thread of its own; the request's blocks stay parked until the copy is done. Skipped (it is a
-        cache) while earlier copies are still queued, so the store never holds transfers up."""
+        cache) while earlier copies or puts are still queued, so neither the store (whose lookups gate
+        new prefills) nor this replica's transfers ever wait behind write-through."""
         full = len(kv.block_hashes)
         if self.kv_store is None or full <= num_stored:
             return
         self._store_gathers = {k: f for k, f in self._store_gathers.items() if not f.done()}
         self._kv_writes = [f for f in self._kv_writes if not f.done()]
-        if len(self._store_gathers) >= 4:
+        if len(self._store_gathers) + len(self._kv_writes) >= _MAX_PENDING_STORE_WRITES:
             self.num_store_writes_skipped += 1
             return
         engine, rid, store, stream = self.engine.engine, kv.request_id, self.kv_store, self._store_stream
@@ -152,7 +156,7 @@ class EngineActorImpl:
                 blocks = engine.gather_kv([rid], layers=None)[:, num_stored:full]
                 host = torch.empty(blocks.shape, dtype=blocks.dtype, pin_memory=blocks.is_cuda)
                 host.copy_(blocks)  # waits for the copy (this stream only)
-            ref = store.put.remote(kv.block_hashes[:full], num_stored, host, kv.layout)
+            ref = store.put.remote(kv.block_hashes[:full], num_stored, to_wire(host), kv.layout)
             self._kv_writes.append(ref.future())
 
         self._store_gathers[rid] = self._store_executor.submit(copy_and_put)
@@ -175,16 +179,17 @@ class EngineActorImpl:
         await self._store_copy_done(request_ids)
         self.engine.release_kv(request_ids)
 
-    async def export_kv(self, request_id: str) -> torch.Tensor:
-        """PREFILL role: a parked request's payload ``[L, n_blocks, 2, bs, H, D]`` in host memory, its blocks
-        freed (the object-store transport: the caller's ref outlives this actor).
+    async def export_kv(self, request_id: str) -> np.ndarray:
+        """PREFILL role: a parked request's payload ``[L, n_blocks, 2, bs, H, D]`` in host memory, in wire
+        form (``kv_transport.to_wire``), its blocks freed (the object-store transport: the caller's ref
+        outlives this actor).
 
         Raises:
             KeyError: for a request not parked here (never prefilled here, released or expired).
         """
         payload = await asyncio.to_thread(self.engine.engine.gather_kv, [request_id], None, "cpu")
         await self.release_kv([request_id])
-        return payload
+        return to_wire(payload)
 
     def pop_kv(self, request_id: str) -> torch.Tensor:
         """PREFILL role: a parked request's payload on the cache's device, its blocks freed; called as
@@ -271,7 +276,7 @@ class EngineActorImpl:
     # -- multiplexed output streams ----------------------------------------------------------------
     async def submit(self, client_id: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      output_token_ids: list[int] | None = None, kv_handle: KVHandle | None = None,
-                     kv_payload: torch.Tensor | None = None, detokenize: bool = True) -> None:
+                     kv_payload: "torch.Tensor | np.ndarray | None" = None, detokenize: bool = True) -> None:
         """Queue a request whose deltas stream to ``client_id``'s :meth:`outputs` (opened before or after).
 
         Args:
@@ -296,6 +301,7 @@ class EngineActorImpl:
         if kv_handle is not None:
             if kv_payload is None:
                 kv_payload = self._kv_in.pop(request_id)[1]
+            kv_payload = from_wire(kv_payload, self.engine.engine.kv_cache.dtype)
             # hold no reference to the payload while the request decodes: the engine drops its own once the
             # KV is imported, and a received batch's transfer budget comes back when all its payloads are gone
             kwargs["kv_handle"] = dataclasses.replace(kv_handle, payload=kv_payload)
