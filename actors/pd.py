@@ -110,6 +110,8 @@ class PDClient(_FleetClient):
         req = P.PDRequest(request_id or uuid.uuid4().hex, prompt, self.block_size, self.max_retries,
                           self.kv_state, self.retry_deadline_s)
         run = _Run(prompt, params, IncrementalDetokenizer(self.tokenizer, prompt, params))
+        # wait here, before the prefill, while the decode replicas are full (pd.admission_headroom)
+        await granted(self.router.admit.remote(), lambda _: self.router.leave.remote())
         actions = deque(req.handle(P.Start()))
         try:
             while actions or not req.is_finished:
@@ -131,9 +133,12 @@ class PDClient(_FleetClient):
                     if event is not None:
                         actions.extend(req.handle(event))
         finally:
-            if not req.is_finished:  # the consumer left, the task was cancelled, or a bug raised here
-                for action in req.handle(P.Abort()):
-                    await self._execute(req, run, action)
+            try:
+                if not req.is_finished:  # the consumer left, the task was cancelled, or a bug raised here
+                    for action in req.handle(P.Abort()):
+                        await self._execute(req, run, action)
+            finally:
+                self.router.leave.remote()
 
     # -- carrying out the state machine's actions ------------------------------------------------
     async def _execute(self, req: P.PDRequest, run: _Run, action) -> P.Event | None:
