@@ -171,7 +171,7 @@ def run(cfg: GenerateConfig, client=None) -> int:
 
     in_path, out_path = job_paths(cfg)  # a missing input file: reported before anything loads
     hint = _ray_copy_hint(cfg)
-    if hint and not (cfg.output and Path(cfg.output).expanduser().is_absolute()):
+    if hint and out_path.resolve().is_relative_to(Path.cwd().resolve()):  # would vanish with Ray's copy
         print(f"warning: writing {out_path}{hint}", file=sys.stderr, flush=True)
     resolve_model(cfg.model.model)  # unknown model: ValueError before any work; converts once
     tokenizer = load_tokenizer(cfg.model.model)
@@ -204,7 +204,9 @@ def run(cfg: GenerateConfig, client=None) -> int:
         async def one(job):
             assert job.prepared is not None
             try:
-                states = await parser.serving.collect(job.id, job.prepared.jobs, time.perf_counter())
+                # the response's id names the engine requests too (<id>-<choice>), as in the service
+                states = await parser.serving.collect(job.prepared.request_id, job.prepared.jobs,
+                                                      time.perf_counter())
                 return job, states, None
             except Exception as e:  # noqa: BLE001 - this line fails alone, as its request would in the service
                 err = run_error(e, job.prepared.request_id)

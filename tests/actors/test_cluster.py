@@ -99,5 +99,5 @@ def test_an_address_nothing_answers_fails_at_once_in_one_line():
 def test_an_embedded_cluster_needs_an_address_of_this_machine():
     cluster._check_own_address("127.0.0.1")
     cluster._check_own_address("auto")
-    with pytest.raises(cluster.RayStartError, match="192.0.2.1 is not an address of this machine"):
-        cluster._check_own_address("192.0.2.1")  # TEST-NET-1: never a local address
+    with pytest.raises(cluster.RayStartError, match="203.0.113.77 is not an address of this machine"):
+        cluster._check_own_address("203.0.113.77")  # TEST-NET-3: documentation only, never local
