@@ -37,6 +37,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from rayinfer.actors.cluster import RayConfig
+from rayinfer.data.config import PoolConfig
 from rayinfer.engine.config import EngineConfig, ModelConfig
 from rayinfer.placement.parallel_config import ParallelConfig
 
@@ -63,6 +64,10 @@ class GenerateConfig:
     sampling: dict[str, Any] = field(default_factory=dict)  # defaults for every line
     print_outputs: bool | None = None  # None: print when there is no input file
     ray: RayConfig = field(default_factory=RayConfig)  # which cluster (ray.address=local: an embedded one)
+    # "client": one driver drives one fleet; "ray_data": a Ray Data pipeline over data.concurrency engine
+    # actors, streamed, output part files in a directory (rayinfer.data.job)
+    engine_mode: str = "client"
+    data: PoolConfig = field(default_factory=PoolConfig)
 
 
 @dataclass
@@ -287,6 +292,12 @@ def match_done(jobs: list[LineJob], stored: dict[str, list[dict]]) -> dict[str, 
 
 def run(cfg: GenerateConfig) -> int:
     """Run the job; returns the process exit code (0 even when some lines failed)."""
+    if cfg.engine_mode != "client":  # the Ray Data mode lives in rayinfer.data.job
+        from rayinfer.data.job import ENGINE_MODES, run_data_job
+
+        if cfg.engine_mode not in ENGINE_MODES:
+            raise ValueError(f"engine_mode must be one of {', '.join(ENGINE_MODES)}, got {cfg.engine_mode!r}")
+        return run_data_job(cfg)
     import asyncio
 
     import ray
