@@ -163,14 +163,17 @@ def test_ray_data_job_equals_the_plain_job_and_resumes(plain, tmp_path, capsys):
     assert "Paris" in got["capital"]["text"] and len(got["n2"]["choices"]) == 2
     assert "top_p" in got["bad"]["error"] and "malformed JSON on line 6" in got["line-5"]["error"]
 
-    # a new line: the rerun answers it alone (the rest is found by content hash) and adds one part file
+    # a new line: the rerun answers it alone (the rest is found by content hash) and adds one part file;
+    # this time the actor drives a fleet (1 prefill + 1 decode replica) through a client
     with inp.open("a") as f:
-        f.write(json.dumps({"id": "new", "prompt": "Hello", "max_tokens": 3}) + "\n")
+        f.write(json.dumps({"id": "new", "prompt": "Hello", "max_tokens": 3, "ignore_eos": True}) + "\n")
     capsys.readouterr()
-    assert run(_job_config(inp, out, engine_mode="ray_data", data=PoolConfig(concurrency=1))) == 0
+    rerun = _job_config(inp, out, engine_mode="ray_data", data=PoolConfig(concurrency=1))
+    rerun.parallel = ParallelConfig(num_prefill=1, num_decode=1, num_cpus_per_replica=1)
+    assert run(rerun) == 0
     assert "6 lines already answered" in capsys.readouterr().out
-    added = sorted(set(output_files(str(out))) - set(first))
-    assert list(_records(added)) == ["new"] and _records(added)["new"]["error"] is None
+    added = _records(sorted(set(output_files(str(out))) - set(first)))
+    assert list(added) == ["new"] and added["new"]["error"] is None and len(added["new"]["output_token_ids"]) == 3
 
 
 @pytest.mark.slow
