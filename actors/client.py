@@ -51,6 +51,15 @@ class _FleetClient:
         self.info = info
         self.max_model_len = info.max_model_len
         self.owned = owned
+        self._muxes: dict[str, OutputMux] = {}  # by actor id: this process's output stream from each replica
+
+    def mux(self, actor) -> OutputMux:
+        """This client's output stream from ``actor`` (an EngineActor), opened on first use."""
+        key = actor._actor_id.hex()
+        mux = self._muxes.get(key)
+        if mux is None:
+            mux = self._muxes[key] = OutputMux(actor)
+        return mux
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                  request_id: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -78,6 +87,9 @@ class _FleetClient:
 
     def shutdown(self) -> None:
         """Stop the fleet when this client started it (``make_client``); otherwise only let go."""
+        for mux in self._muxes.values():
+            mux.close()
+        self._muxes.clear()
         if self.owned:
             try:
                 ray.get(self.router.shutdown.remote(), timeout=60)
@@ -114,6 +126,92 @@ async def _stream(gen, abort, what: str) -> AsyncGenerator[RequestOutput, None]:
             ray.cancel(gen)
 
 
+class OutputMux:
+    """This process's one output stream from one replica (``EngineActor.outputs``), shared by all the
+    requests it sends there, and the per-request queues it fans out to.
+
+    A Ray streaming call per request costs the replica's event loop one Ray item per request per step:
+    hundreds of requests decoding at 40 steps a second saturate it and slow the engine's steps. Through
+    the mux the replica sends one list per step. If the stream fails (the actor died or restarts),
+    every request waiting on it gets the error; the next request opens a new stream.
+
+    Args:
+        actor: the EngineActor handle.
+    """
+
+    def __init__(self, actor):
+        self.actor = actor
+        self.client_id = uuid.uuid4().hex
+        self.queues: dict[str, asyncio.Queue] = {}
+        self._gen = None
+        self._task: asyncio.Task | None = None
+
+    def _open(self) -> str:
+        """The client id of the open stream (a new stream, and id, after one failed or its loop ended)."""
+        if self._task is None or self._task.done():
+            self.client_id = uuid.uuid4().hex
+            self._gen = self.actor.outputs.options(num_returns="streaming").remote(self.client_id)
+            self._task = asyncio.get_running_loop().create_task(self._pump(self._gen))
+        return self.client_id
+
+    async def _pump(self, gen) -> None:
+        error: BaseException
+        try:
+            async for ref in gen:
+                for request_id, item in await ref:
+                    queue = self.queues.get(request_id)
+                    if queue is not None:
+                        queue.put_nowait(item)
+            error = ray.exceptions.RayError("the replica's output stream ended")
+        except ray.exceptions.RayError as e:
+            error = e
+        except asyncio.CancelledError:  # its event loop ends (asyncio.run returns) or close()
+            ray.cancel(gen)
+            raise
+        for queue in self.queues.values():  # every request waiting on this stream fails with it
+            queue.put_nowait(error)
+
+    async def generate(self, request_id: str, submit, *args) -> AsyncGenerator[RequestOutput, None]:
+        """Send a request with ``submit`` (an actor method taking ``client_id, request_id, *args``) and
+        yield its deltas until the finished one; if the consumer leaves first, abort it on the replica.
+
+        Raises:
+            the request's exception as the replica delivered it (a ValueError for a rejected request,
+            a RuntimeError for a failed step), or a ``ray.exceptions.RayError`` when the actor or its
+            stream failed; a RayTaskError of ``submit`` unwrapped as :func:`unwrap` does.
+        """
+        queue: asyncio.Queue = asyncio.Queue()
+        self.queues[request_id] = queue
+        finished = False
+        try:
+            client_id = self._open()
+            await unwrap(submit.remote(client_id, request_id, *args))
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if self.queues.get(request_id) is queue:
+                del self.queues[request_id]
+            if not finished:
+                self.actor.abort.remote(request_id)
+
+    def close(self) -> None:
+        """Stop listening (the replica aborts this client's requests still running)."""
+        if self._task is not None and not self._task.done():
+            try:
+                ray.cancel(self._gen)
+                self._task.cancel()
+            except Exception:  # noqa: BLE001 - the stream or its loop is already gone
+                pass
+        self._gen = self._task = None
+
+
 class ColocatedClient(_FleetClient):
     """Data-parallel NORMAL replicas: the router picks, the client streams from the replica."""
 
@@ -123,15 +221,17 @@ class ColocatedClient(_FleetClient):
         request_id = request_id or uuid.uuid4().hex
         idx = await granted(self.router.pick.remote(list(prompt_token_ids[: self.info.block_size])),
                             lambda i: self.router.release.remote(i))
-        replica = self.info.replicas[idx]
+        mux = self.mux(self.info.replicas[idx])
         try:
-            gen = replica.generate.options(num_returns="streaming").remote(request_id, prompt_token_ids, params)
-            async with aclosing(_stream(gen, lambda: replica.abort.remote(request_id), f"replica {idx}")) as outs:
+            async with aclosing(mux.generate(request_id, mux.actor.submit, prompt_token_ids, params)) as outs:
                 async for out in outs:
                     yield out
+        except (RayInferError, ValueError):
+            raise
+        except (ray.exceptions.RayError, RuntimeError) as e:
+            raise EngineInternalError(f"replica {idx} failed: {type(e).__name__}: {e}") from e
         finally:
             self.router.release.remote(idx)
-
 
     async def complete(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str | None = None) -> Completion:

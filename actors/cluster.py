@@ -12,12 +12,18 @@ embedded cluster listens on ``node_ip_address`` (loopback unless asked otherwise
 from __future__ import annotations
 
 import contextlib
+import socket
 from dataclasses import dataclass
 from typing import Any
 
 from rayinfer import envs
 
 LOOPBACK = "127.0.0.1"
+
+
+class RayStartError(RuntimeError):
+    """Ray could not be joined or started; the message is one line that names the address, where it
+    came from and why (the entry points print it and exit, without a traceback)."""
 
 
 @dataclass
@@ -84,7 +90,8 @@ def init_ray(cfg: RayConfig | None = None, *, num_cpus: int | None = None, **kwa
         kwargs: more ``ray.init`` arguments (logging, ...).
     Raises:
         ValueError: ``num_cpus`` given for a cluster that is joined, not started.
-        ConnectionError: when the given address has no cluster (Ray's message).
+        RayStartError: when the cluster cannot be joined (nothing answers at a ``host:port`` address:
+            at once) or started; one line with Ray's reason.
     """
     import ray
 
@@ -96,16 +103,65 @@ def init_ray(cfg: RayConfig | None = None, *, num_cpus: int | None = None, **kwa
     address, source = resolve_address(cfg)
     kwargs.setdefault("include_dashboard", False)
     if address is None:
-        _init_embedded(cfg.node_ip_address, {**kwargs, "num_cpus": num_cpus})
+        _check_own_address(cfg.node_ip_address)
+        try:
+            _init_embedded(cfg.node_ip_address, {**kwargs, "num_cpus": num_cpus})
+        except Exception as e:  # noqa: BLE001 - whatever Ray raised, as one line
+            raise RayStartError(f"could not start an embedded Ray cluster: {_first_line(e)}") from e
         gcs = ray.get_runtime_context().gcs_address
         where = "loopback only" if cfg.node_ip_address == LOOPBACK else "all interfaces"
         line = f"started an embedded Ray cluster at {gcs} ({where})"
     else:
-        with _keep_loopback(_is_loopback(address)):
-            ray.init(address=address, **kwargs)
+        _check_reachable(address, source)
+        try:
+            with _keep_loopback(_is_loopback(address)):
+                ray.init(address=address, **kwargs)
+        except Exception as e:  # noqa: BLE001 - whatever Ray raised, as one line
+            raise RayStartError(f"could not join the Ray cluster at {address} ({source}): {_first_line(e)}") from e
         line = (f"joined the Ray cluster at {ray.get_runtime_context().gcs_address} ({source}: {address}); "
                 "ray.address=local starts a cluster of this job's own")
     return line
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+
+
+def _check_reachable(address: str, source: str, timeout_s: float = 3.0) -> None:
+    """Fail at once when a ``host:port`` address has nothing listening (``ray.init`` would retry for
+    minutes, logging a warning every few seconds). "auto" and ``ray://`` addresses are left to Ray.
+
+    Raises:
+        RayStartError: naming the address, where it came from, and the socket error.
+    """
+    if address == "auto" or "://" in address or ":" not in address:
+        return
+    host, _, port = address.rpartition(":")
+    if not port.isdigit():
+        return
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            pass
+    except OSError as e:
+        raise RayStartError(f"no Ray cluster answers at {address} ({source}): {e.strerror or e}; start one "
+                            "with `ray start --head`, or use ray.address=local for a cluster of this job's own") from None
+
+
+def _check_own_address(node_ip_address: str) -> None:
+    """An embedded cluster can only listen on an address of this machine (Ray would wait for minutes).
+
+    Raises:
+        RayStartError: when ``node_ip_address`` is not "auto" and cannot be bound here.
+    """
+    if node_ip_address == "auto":
+        return
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in node_ip_address else socket.AF_INET) as s:
+            s.bind((node_ip_address, 0))
+    except OSError as e:
+        raise RayStartError(f"ray.node_ip_address={node_ip_address} is not an address of this machine "
+                            f"({e.strerror or e}); use 127.0.0.1 or auto") from None
 
 
 def _init_embedded(node_ip_address: str, kwargs: dict[str, Any]) -> None:

@@ -7,12 +7,14 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
+from functools import partial
 from typing import AsyncIterator
 
+import numpy as np
 import ray
 import torch
 
-from rayinfer.actors.kv_transport import COLLECTIVE_TRANSPORTS, KVTransferAgent, on_stream
+from rayinfer.actors.kv_transport import COLLECTIVE_TRANSPORTS, KVTransferAgent, from_wire, on_stream, to_wire
 from rayinfer.engine.async_engine import AsyncLLMEngine
 from rayinfer.engine.config import EngineConfig, ModelConfig
 from rayinfer.engine.llm_engine import LLMEngine
@@ -22,6 +24,7 @@ from rayinfer.engine.types import Completion, KVHandle, RequestOutput, SamplingP
 logger = logging.getLogger(__name__)
 _KV_IN_TTL_S = 120.0  # a received payload nobody decoded (its client left) is dropped after this
 _GIB = 1 << 30
+_MAX_PENDING_STORE_WRITES = 2  # write-through copies and puts in flight; more requests are not written
 
 
 class EngineActorImpl:
@@ -49,6 +52,7 @@ class EngineActorImpl:
         budget = max(int(engine_config.kv_transfer_buffer_gib * _GIB), 1 << 20)
         self.transfer = KVTransferAgent(e.device, budget) if kv_transport in COLLECTIVE_TRANSPORTS else None
         self._kv_in: dict[str, tuple[float, torch.Tensor]] = {}  # DECODE: received payloads to decode
+        self._outboxes: dict[str, _Outbox] = {}  # client id -> its requests' deltas not yet streamed
         self._kv_writes: list[concurrent.futures.Future] = []  # write-through puts not yet known to be done
         self._store_gathers: dict[str, concurrent.futures.Future] = {}  # write-through copies still reading blocks
         self._store_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-store-write")
@@ -79,6 +83,8 @@ class EngineActorImpl:
 
     def abort(self, request_id: str) -> None:
         self._kv_in.pop(request_id, None)
+        for box in self._outboxes.values():
+            box.live.discard(request_id)
         self.engine.abort(request_id)
 
     # -- prefill/decode disaggregation -----------------------------------------------------------
@@ -96,7 +102,7 @@ class EngineActorImpl:
             prompt_token_ids: the prompt.
             params: sampling params.
             output_token_ids: tokens generated so far (a re-prefill after preemption or a failure).
-            stored: (block hashes, layout tag, ObjectRefs of ``[L, 1, 2, bs, H, D]`` blocks) from the store:
+            stored: (block hashes, layout tag, ObjectRefs of ``[L, 1, 2, bs, H, D]`` blocks in wire form) from the store:
                 the leading blocks of prompt + outputs; unreadable or mismatched blocks are recomputed.
         Returns:
             the one output: the sampled token, ``finish_reason`` "prefilled" with ``kv_handle`` (payload
@@ -125,18 +131,20 @@ class EngineActorImpl:
             logger.warning("stored KV unreadable, recomputing: %s", e)
             return None
         bs = self.engine.engine.engine_config.block_size
-        return KVHandle(request_id, list(hashes[: len(blocks)]), len(blocks) * bs, layout, torch.cat(blocks, dim=1))
+        payload = from_wire(np.concatenate(blocks, axis=1), self.engine.engine.kv_cache.dtype)
+        return KVHandle(request_id, list(hashes[: len(blocks)]), len(blocks) * bs, layout, payload)
 
     def _write_through(self, kv: KVHandle, num_stored: int) -> None:
         """Copy a prefilled request's new full blocks to host memory and put them in the KV store, on a
         thread of its own; the request's blocks stay parked until the copy is done. Skipped (it is a
-        cache) while earlier copies are still queued, so the store never holds transfers up."""
+        cache) while earlier copies or puts are still queued, so neither the store (whose lookups gate
+        new prefills) nor this replica's transfers ever wait behind write-through."""
         full = len(kv.block_hashes)
         if self.kv_store is None or full <= num_stored:
             return
         self._store_gathers = {k: f for k, f in self._store_gathers.items() if not f.done()}
         self._kv_writes = [f for f in self._kv_writes if not f.done()]
-        if len(self._store_gathers) >= 4:
+        if len(self._store_gathers) + len(self._kv_writes) >= _MAX_PENDING_STORE_WRITES:
             self.num_store_writes_skipped += 1
             return
         engine, rid, store, stream = self.engine.engine, kv.request_id, self.kv_store, self._store_stream
@@ -148,7 +156,7 @@ class EngineActorImpl:
                 blocks = engine.gather_kv([rid], layers=None)[:, num_stored:full]
                 host = torch.empty(blocks.shape, dtype=blocks.dtype, pin_memory=blocks.is_cuda)
                 host.copy_(blocks)  # waits for the copy (this stream only)
-            ref = store.put.remote(kv.block_hashes[:full], num_stored, host, kv.layout)
+            ref = store.put.remote(kv.block_hashes[:full], num_stored, to_wire(host), kv.layout)
             self._kv_writes.append(ref.future())
 
         self._store_gathers[rid] = self._store_executor.submit(copy_and_put)
@@ -171,16 +179,17 @@ class EngineActorImpl:
         await self._store_copy_done(request_ids)
         self.engine.release_kv(request_ids)
 
-    async def export_kv(self, request_id: str) -> torch.Tensor:
-        """PREFILL role: a parked request's payload ``[L, n_blocks, 2, bs, H, D]`` in host memory, its blocks
-        freed (the object-store transport: the caller's ref outlives this actor).
+    async def export_kv(self, request_id: str) -> np.ndarray:
+        """PREFILL role: a parked request's payload ``[L, n_blocks, 2, bs, H, D]`` in host memory, in wire
+        form (``kv_transport.to_wire``), its blocks freed (the object-store transport: the caller's ref
+        outlives this actor).
 
         Raises:
             KeyError: for a request not parked here (never prefilled here, released or expired).
         """
         payload = await asyncio.to_thread(self.engine.engine.gather_kv, [request_id], None, "cpu")
         await self.release_kv([request_id])
-        return payload
+        return to_wire(payload)
 
     def pop_kv(self, request_id: str) -> torch.Tensor:
         """PREFILL role: a parked request's payload on the cache's device, its blocks freed; called as
@@ -198,7 +207,7 @@ class EngineActorImpl:
         return payload
 
     def receive_kv(self, request_id: str, kv_payload: torch.Tensor) -> int:
-        """DECODE role: take a payload ahead of :meth:`decode` (the cuda_ipc path: pass the ObjectRef from
+        """DECODE role: take a payload ahead of :meth:`submit` (the cuda_ipc path: pass the ObjectRef from
         :meth:`pop_kv` positionally). Returns the payload's size in bytes."""
         self._kv_in = _fresh(self._kv_in)
         if self.kv_transport == "cuda_ipc":  # a view of the prefill replica's memory: copy it out now
@@ -252,7 +261,7 @@ class EngineActorImpl:
 
     async def recv_kv(self, request_ids: list[str], num_blocks: list[int], src_rank: int, nbytes_reserved: int) -> int:
         """DECODE role: receive one batch from ``src_rank`` (the requests' blocks, in order) and keep each
-        request's part for its :meth:`decode`; returns the bytes received."""
+        request's part for its :meth:`submit`; returns the bytes received."""
         assert self.transfer is not None, "recv_kv needs kv_transport nccl or gloo"
         cache = self.engine.engine.kv_cache
         shape = (cache.shape[0], sum(num_blocks), *cache.shape[2:])
@@ -264,31 +273,71 @@ class EngineActorImpl:
             start += n
         return payload.numel() * payload.element_size()
 
-    async def decode(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     output_token_ids: list[int], kv_handle: KVHandle,
-                     kv_payload: torch.Tensor | None = None) -> AsyncIterator[RequestOutput]:
-        """DECODE role: admit a prefilled request with its KV and stream its deltas (a Ray generator).
+    # -- multiplexed output streams ----------------------------------------------------------------
+    async def submit(self, client_id: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     output_token_ids: list[int] | None = None, kv_handle: KVHandle | None = None,
+                     kv_payload: "torch.Tensor | np.ndarray | None" = None, detokenize: bool = True) -> None:
+        """Queue a request whose deltas stream to ``client_id``'s :meth:`outputs` (opened before or after).
 
         Args:
-            kv_handle: the prefill's handle (payload None).
-            kv_payload: its payload ``[L, n_blocks, 2, bs, H, D]``; pass the ObjectRef from :meth:`pop_kv`
-                positionally so Ray resolves it through the object store; None takes the payload an
-                earlier :meth:`receive_kv` brought.
-        Yields:
-            deltas; a last one with ``finish_reason`` "preempted" hands the request back for a re-prefill.
+            client_id: the caller's output stream (one per client process and replica).
+            request_id: unique among this replica's live requests.
+            output_token_ids: tokens generated elsewhere (DECODE role: the prefill's first token).
+            kv_handle: DECODE role: the prefill's handle (payload None).
+            kv_payload: DECODE role: its payload ``[L, n_blocks, 2, bs, H, D]``; pass the ObjectRef from
+                :meth:`export_kv` positionally so Ray resolves it through the object store; None takes the
+                payload an earlier :meth:`recv_kv` / :meth:`receive_kv` brought.
+            detokenize: False streams the core's token deltas without text or stop strings (the caller
+                detokenizes; see ``AsyncLLMEngine.submit``).
         Raises:
-            KeyError: kv_payload None and nothing received for the request.
-            ValueError: if the engine rejects the request (e.g. a layout mismatch).
+            KeyError: DECODE role, kv_payload None and nothing received for the request.
+            ValueError: an invalid response_format. Other rejections (the engine's checks) arrive on the
+                output stream as the request's exception.
         """
-        if kv_payload is None:
-            kv_payload = self._kv_in.pop(request_id)[1]
-        stream = self.engine.generate(request_id, prompt_token_ids, params, output_token_ids=output_token_ids,
-                                      kv_handle=dataclasses.replace(kv_handle, payload=kv_payload))
-        # hold no reference to the payload while the request decodes: the engine drops its own once the KV
-        # is imported, and a received batch's transfer budget comes back when all its payloads are gone
-        del kv_payload
-        async for out in stream:
-            yield out
+        box = self._outboxes.get(client_id)
+        if box is None:
+            box = self._outboxes[client_id] = _Outbox()
+        kwargs = {}
+        if kv_handle is not None:
+            if kv_payload is None:
+                kv_payload = self._kv_in.pop(request_id)[1]
+            kv_payload = from_wire(kv_payload, self.engine.engine.kv_cache.dtype)
+            # hold no reference to the payload while the request decodes: the engine drops its own once the
+            # KV is imported, and a received batch's transfer budget comes back when all its payloads are gone
+            kwargs["kv_handle"] = dataclasses.replace(kv_handle, payload=kv_payload)
+            del kv_payload
+        box.live.add(request_id)
+        try:
+            await self.engine.submit(request_id, prompt_token_ids, params, partial(box.put, request_id),
+                                     detokenize=detokenize, output_token_ids=output_token_ids, **kwargs)
+        except BaseException:
+            box.live.discard(request_id)
+            raise
+
+    async def outputs(self, client_id: str) -> AsyncIterator[list[tuple[str, RequestOutput | Exception]]]:
+        """The deltas of ``client_id``'s requests (a Ray streaming generator): one list of
+        ``(request_id, delta or exception)`` per wake-up, in order per request, the last item of a request
+        finished (or its exception). When the consumer goes away, its live requests are aborted.
+
+        One stream per client and replica, instead of one per request, keeps the replica's event loop at
+        one Ray item per step however many requests stream (vLLM's AsyncLLM does the same with one output
+        handler per process).
+        """
+        box = self._outboxes.get(client_id)
+        if box is None:
+            box = self._outboxes[client_id] = _Outbox()
+        try:
+            while True:
+                await box.ready.wait()
+                box.ready.clear()
+                batch, box.items = box.items, []
+                if batch:
+                    yield batch
+        finally:
+            if self._outboxes.get(client_id) is box:
+                del self._outboxes[client_id]
+            for rid in box.live:
+                self.engine.abort(rid)
 
     def stats(self) -> dict:
         out = {"replica_id": self.replica_id, **self.engine.stats(), "num_parked_kv": len(self.engine.engine.parked),
@@ -296,6 +345,21 @@ class EngineActorImpl:
         if self.transfer is not None:
             out.update(self.transfer.stats())
         return out
+
+
+class _Outbox:
+    """One client's deltas waiting for its :meth:`EngineActorImpl.outputs` stream (event loop only)."""
+
+    def __init__(self):
+        self.items: list[tuple[str, RequestOutput | Exception]] = []
+        self.ready = asyncio.Event()
+        self.live: set[str] = set()  # its requests not yet finished (aborted if the stream goes away)
+
+    def put(self, request_id: str, item: RequestOutput | Exception) -> None:
+        self.items.append((request_id, item))
+        self.ready.set()
+        if isinstance(item, Exception) or item.finished:
+            self.live.discard(request_id)
 
 
 def _block_bytes(kv_cache: torch.Tensor) -> int:

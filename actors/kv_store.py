@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import ray
 import torch
+
+from rayinfer.actors.kv_transport import to_wire
 
 from rayinfer.policy.kv_store_index import KVStoreIndex
 
@@ -40,18 +43,21 @@ class KVStoreActorImpl:
         """The leading stored blocks of a chain.
 
         Returns:
-            (layout tag, one ObjectRef per block, each to a tensor ``[L, 1, 2, bs, H, D]`` of that layout);
-            the refs are borrowed by the caller, so a later eviction does not pull them away.
+            (layout tag, one ObjectRef per block, each to the wire form (``kv_transport.to_wire``: a numpy
+            array of the bytes) of a ``[L, 1, 2, bs, H, D]`` block of that layout; ``from_wire`` with the
+            layout's dtype restores it); the refs are borrowed by the caller, so a later eviction does not
+            pull them away.
         """
         return self.layout, self.index.get(block_hashes)
 
-    def put(self, block_hashes: list[int], start: int, payload: torch.Tensor, layout: str) -> int:
+    def put(self, block_hashes: list[int], start: int, payload: "np.ndarray | torch.Tensor", layout: str) -> int:
         """Store blocks ``start .. start + payload.shape[1]`` of a chain (write-through after a prefill).
 
         Args:
             block_hashes: the chain from block 0, at least ``start + payload.shape[1]`` hashes.
             start: chain index of the payload's first block.
-            payload: ``[L, n, 2, bs, H, D]`` (the layout named by ``layout``), on CPU.
+            payload: ``[L, n, 2, bs, H, D]`` (the layout named by ``layout``), on CPU, in wire form
+                (``kv_transport.to_wire``; a tensor is converted).
             layout: the payload's layout tag (``engine.model_runner.kv_layout_tag``).
         Returns:
             blocks newly stored (blocks already stored, past the capacity, or of another layout are not).
@@ -68,8 +74,9 @@ class KVStoreActorImpl:
         if skip == n:
             self.index.get(block_hashes[: start + n])  # still a use: refresh the chain
             return 0
-        per_block = payload[:, :1].numel() * payload.element_size()
-        refs = [ray.put(payload[:, i : i + 1].clone()) for i in range(skip, n)]
+        wire = to_wire(payload) if isinstance(payload, torch.Tensor) else payload
+        per_block = wire[:, :1].nbytes
+        refs = [ray.put(np.ascontiguousarray(wire[:, i : i + 1])) for i in range(skip, n)]
         result = self.index.put(block_hashes, refs, per_block, start=start + skip)
         self.num_put_blocks += len(result.added)
         return len(result.added)

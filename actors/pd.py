@@ -53,7 +53,7 @@ class _Leg:
     decode_grown: int = 0  # tokens decoded on the ticket's replica, reported at its release
     rdt: bool = False  # the router allows Ray Direct Transport for this leg's replicas
     payload: Any = None  # the object-store ObjectRef of the KV, kept until the leg ends
-    stream: Any = None  # the decode's ObjectRefGenerator
+    stream: Any = None  # the decode's deltas (OutputMux.generate)
     error: Exception | None = None  # the last failure, for _report_failure
 
 
@@ -110,6 +110,8 @@ class PDClient(_FleetClient):
         req = P.PDRequest(request_id or uuid.uuid4().hex, prompt, self.block_size, self.max_retries,
                           self.kv_state, self.retry_deadline_s)
         run = _Run(prompt, params, IncrementalDetokenizer(self.tokenizer, prompt, params))
+        # wait here, before the prefill, while the decode replicas are full (pd.admission_headroom)
+        await granted(self.router.admit.remote(), lambda _: self.router.leave.remote())
         actions = deque(req.handle(P.Start()))
         try:
             while actions or not req.is_finished:
@@ -131,9 +133,12 @@ class PDClient(_FleetClient):
                     if event is not None:
                         actions.extend(req.handle(event))
         finally:
-            if not req.is_finished:  # the consumer left, the task was cancelled, or a bug raised here
-                for action in req.handle(P.Abort()):
-                    await self._execute(req, run, action)
+            try:
+                if not req.is_finished:  # the consumer left, the task was cancelled, or a bug raised here
+                    for action in req.handle(P.Abort()):
+                        await self._execute(req, run, action)
+            finally:
+                self.router.leave.remote()
 
     # -- carrying out the state machine's actions ------------------------------------------------
     async def _execute(self, req: P.PDRequest, run: _Run, action) -> P.Event | None:
@@ -153,16 +158,20 @@ class PDClient(_FleetClient):
             case P.Transfer():
                 return await self._transfer(leg, action)
             case P.RunDecode():
-                leg.stream = leg.decode.decode.options(num_returns="streaming").remote(
-                    leg.engine_request_id, run.prompt, run.params, list(action.output_token_ids), leg.kv_handle,
-                    leg.payload)
+                mux = self.mux(leg.decode)
+                # the replica streams token ids only: this client detokenizes and finds stop strings
+                leg.stream = mux.generate(leg.engine_request_id, leg.decode.submit, run.prompt, run.params,
+                                          list(action.output_token_ids), leg.kv_handle, leg.payload, False)
             case P.GrowDecode():
                 await self._grow_decode(leg, action.num_tokens)
             case P.ReleaseDecode():
                 if leg.decode_ticket is not None:
                     await self._release_decode(leg)
             case P.AbortDecode():
-                if leg.decode is not None:  # None: it failed (or was cancelled) before the replica answered
+                if leg.stream is not None:  # closing it aborts the request on the replica
+                    await leg.stream.aclose()
+                    leg.stream = None
+                elif leg.decode is not None:  # None: it failed (or was cancelled) before the replica answered
                     leg.decode.abort.remote(leg.engine_request_id)
             case P.DropKV():
                 leg.prefill.release_kv.remote([leg.engine_request_id])
@@ -230,11 +239,11 @@ class PDClient(_FleetClient):
     async def _next_decode_output(self, run: _Run) -> P.Event:
         leg = run.leg
         try:
-            out = await unwrap(await leg.stream.__anext__())
+            out = await leg.stream.__anext__()
         except StopAsyncIteration:
             leg.error = RuntimeError("the decode stream ended before the request finished")
             return P.DecodeFailed(P.FailureKind.ERROR, str(leg.error))
-        except (ray.exceptions.RayError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001 - a rejection, a failed step, a dead replica: the leg's failure
             leg.error = e
             return P.DecodeFailed(_failure_kind(e), _describe(e))
         if out.finish_reason == "preempted":

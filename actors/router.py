@@ -27,7 +27,7 @@ import logging
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import ray
 import ray.exceptions
@@ -130,6 +130,8 @@ class Router:
         self._transfer_queues: dict[tuple[int, int], deque] = {}  # (prefill, decode) -> waiting transfers
         self._pumps: dict[tuple[int, int], asyncio.Task] = {}
         self._budget_blocks: list[int] = []  # per decode replica: blocks one transfer batch may hold
+        self.admission: AdmissionGate | None = None  # requests waiting for room in prefill + decode
+        self.num_admitted = 0  # PD requests between admit() and leave()
         self.num_transfer_batches = 0
         self.num_transferred = 0
         self._probes: set[asyncio.Task] = set()
@@ -239,8 +241,11 @@ class Router:
         self._budget_blocks = [i.get("transfer_budget_blocks", 0) for i in decode_info]
         num_decode_blocks = min(i["num_blocks"] for i in decode_info)
         self.prefill_lb = PrefillBalancer(p.num_prefill)
-        self.decode_lb = DecodeBalancer(p.num_decode, min(i["max_num_seqs"] for i in decode_info),
-                                        num_decode_blocks * cfg.block_size)
+        max_num_seqs = min(i["max_num_seqs"] for i in decode_info)
+        self.decode_lb = DecodeBalancer(p.num_decode, max_num_seqs, num_decode_blocks * cfg.block_size)
+        if pd.admission_headroom is not None:
+            limit = max(1, math.ceil(p.num_decode * max_num_seqs * (1 + pd.admission_headroom)))
+            self.admission = AdmissionGate(limit, lambda: self.num_admitted)
         self.info = FleetInfo("pd", info[0]["max_model_len"], cfg.block_size, prefills + decodes, p.num_prefill,
                               store, transport, self.model_config.model, pd.max_retries, pd.retry_deadline_s)
         logger.info("pd fleet: %d prefill + %d decode replicas, KV over %s%s", p.num_prefill, p.num_decode,
@@ -265,6 +270,27 @@ class Router:
         return []
 
     # -- pd --------------------------------------------------------------------------------------
+    async def admit(self) -> None:
+        """Let a PD request in (its client calls this before anything else, and :meth:`leave` once when
+        it ends however it ends): waits while the requests in flight (prefill, transfer, decode or a
+        retry's backoff) number ``pd.admission_headroom`` more than the decode replicas' ``max_num_seqs``;
+        first come, first served."""
+        if self.admission is not None:
+            await self.admission.admit()
+        self.num_admitted += 1
+
+    def leave(self) -> None:
+        """A request let in by :meth:`admit` ended: the next waiting one may start."""
+        self.num_admitted = max(self.num_admitted - 1, 0)
+        if self.admission is not None:
+            self.admission.wake()
+
+    def admission_stats(self) -> dict[str, int | None]:
+        """PD: requests let in now, waiting now, that had to wait so far, and the limit (None: no gate)."""
+        gate = self.admission
+        return {"admitted": self.num_admitted, "waiting": gate.num_waiting if gate else 0,
+                "waited": gate.num_waited if gate else 0, "limit": gate.limit if gate else None}
+
     async def pick_prefill(self, num_tokens: int, num_cached_tokens: int) -> PrefillTicket:
         """A prefill replica (its restart awaited when every replica is out); see PrefillBalancer."""
         ticket = self._lb("prefill").pick(num_tokens, num_cached_tokens, self._suspects["prefill"])
@@ -467,6 +493,52 @@ class Router:
         for pg in self._placement_groups:
             remove_placement_group(pg)
         self._placement_groups = []
+
+
+class AdmissionGate:
+    """First come, first served admission while a count of requests in flight stays under a limit.
+
+    Args:
+        limit: requests in flight at most (a soft bound: a request between two tickets is not counted).
+        in_flight: returns the requests in flight now (those admitted and not yet woken count too).
+    """
+
+    def __init__(self, limit: int, in_flight: Callable[[], int]):
+        self.limit = limit
+        self._in_flight = in_flight
+        self._waiters: deque[asyncio.Future] = deque()
+        self._woken = 0  # admitted by wake() and not yet counted by in_flight()
+        self.num_waited = 0  # requests that had to wait
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(1 for w in self._waiters if not w.done())
+
+    async def admit(self) -> None:
+        """Return once the caller may take a ticket (at once when there is room and nobody waits). The
+        caller must take its ticket before its next await, so ``in_flight`` counts it."""
+        if not self._waiters and self._in_flight() + self._woken < self.limit:
+            return
+        self.num_waited += 1
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():  # woken, then cancelled: pass the room on
+                self._woken -= 1
+                self.wake()
+            raise
+        self._woken -= 1
+
+    def wake(self) -> None:
+        """Admit waiters, first come first served, while there is room (call when a request leaves)."""
+        while self._waiters and self._in_flight() + self._woken < self.limit:
+            fut = self._waiters.popleft()
+            if fut.done():  # its caller was cancelled
+                continue
+            fut.set_result(None)
+            self._woken += 1
 
 
 def _fit(num_blocks: list[int], budget_blocks: int) -> int:

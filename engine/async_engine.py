@@ -3,9 +3,9 @@
 The model step is blocking CPU/GPU work; running it on a dedicated thread keeps the caller's event loop
 (a Ray async actor, a Serve replica) free to accept requests, stream outputs and handle aborts while a
 step runs. Requests and aborts cross to the loop thread through a queue; the core's token-id deltas come
-back with ``loop.call_soon_threadsafe``, and each stream turns them into text on the caller's event loop
-(:class:`~rayinfer.engine.output_processor.RequestOutputProcessor`), so detokenization and stop strings
-never hold up a step.
+back with one ``loop.call_soon_threadsafe`` per step and event loop, and each request's callback turns them
+into text on the caller's event loop (:class:`~rayinfer.engine.output_processor.RequestOutputProcessor`), so
+detokenization and stop strings never hold up a step.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import logging
 import queue
 import threading
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from rayinfer.engine.llm_engine import LLMEngine
 from rayinfer.engine.output_processor import RequestOutputProcessor
@@ -37,10 +37,12 @@ class AsyncLLMEngine:
         self._inbox: queue.Queue = queue.Queue()
         # loop thread only: each live request's stream, bound when its "add" is taken from the inbox, so a
         # request id reused after an abort never receives the aborted request's late deltas
-        self._live: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._live: dict[str, tuple[asyncio.AbstractEventLoop, Callable]] = {}
+        self._outbox: dict[asyncio.AbstractEventLoop, list] = {}  # loop thread: deliveries of this step
         self._wake = threading.Event()
         self._stopped = False
         self._stats: dict = engine.stats()
+        self._num_steps, self._step_busy_s = 0, 0.0  # loop thread: steps run and seconds spent in them
         self._grammars = None  # GrammarCompilerService, built on the first constrained request
         self.parked_kv_ttl_s = 300.0  # PREFILL role: parked KV nobody took (its router died) is freed after this
         self._next_expiry = 0.0  # loop thread: when to look for expired parked KV next
@@ -48,51 +50,83 @@ class AsyncLLMEngine:
         self._thread.start()
 
     # -- caller side (event loop) --------------------------------------------------------------
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       **kwargs) -> AsyncIterator[RequestOutput]:
-        """Submit a request and yield its deltas (with text) until it finishes.
+    async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     deliver: Callable[[RequestOutput | Exception], None], detokenize: bool = True,
+                     **kwargs) -> None:
+        """Queue a request whose deltas go to ``deliver`` on the caller's event loop.
 
-        A ``params.response_format`` is compiled here (on a thread pool, cached) into the grammar
-        matcher the sampler applies, before the request is queued. The core's deltas are detokenized
-        here; a stop string ends the stream and aborts the request in the core (tokens the core
-        produced after it are dropped).
+        ``deliver`` is called with each delta (text and stop strings processed, the last one
+        ``finished``) or with one exception (the engine rejected the request: a ValueError naming the
+        problem; or its step failed), and never again after that. The loop thread hands each step's
+        deltas for one event loop over in one wake-up, so a replica streaming hundreds of requests costs
+        the loop one callback batch per step, not one per request. A ``params.response_format`` is
+        compiled here (on a thread pool, cached) before the request is queued. ``detokenize=False``
+        delivers the core's deltas as they are (no text, no stop strings: for a caller that detokenizes
+        once per request itself, as the PD client does across a request's prefill and decode replicas).
 
         Raises:
-            ValueError: if the engine rejects the request (the message names the problem), or its
-                response_format is invalid, fails to compile or times out (a GrammarError).
+            ValueError: the response_format is invalid, fails to compile or times out (a GrammarError).
         """
         if params.response_format is not None and kwargs.get("grammar") is None:
             compiler = self._grammars or await asyncio.to_thread(self.grammar_compiler)  # vocab scan: ~1 s once
             kwargs["grammar"] = matcher = await compiler.matcher(params.response_format)
             for token in (kwargs.get("output_token_ids") or []) if matcher is not None else []:
                 matcher.accept_token(token)  # DECODE role: tokens sampled on the prefill replica
-        processor = RequestOutputProcessor(self.engine.tokenizer, request_id, prompt_token_ids, params,
-                                           kwargs.get("output_token_ids"))
-        stream: asyncio.Queue = asyncio.Queue()
-        self._inbox.put(("add", request_id, prompt_token_ids, params, kwargs, (asyncio.get_running_loop(), stream)))
+        processor = (RequestOutputProcessor(self.engine.tokenizer, request_id, prompt_token_ids, params,
+                                            kwargs.get("output_token_ids")) if detokenize else None)
+        done = False
+
+        def on_core_output(item: RequestOutput | Exception) -> None:
+            nonlocal done
+            if done:  # the core's tokens after a stop string, before its abort landed
+                return
+            if isinstance(item, Exception):
+                done = True
+                deliver(item)
+                return
+            out = processor.process(item) if processor is not None else item
+            if out is None:
+                return
+            if out.finished:
+                done = True
+                if processor is not None and processor.needs_core_abort:  # a stop string: the core runs on
+                    self.abort(request_id)
+            deliver(out)
+
+        self._inbox.put(("add", request_id, prompt_token_ids, params, kwargs,
+                         (asyncio.get_running_loop(), on_core_output)))
         self._wake.set()
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       **kwargs) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield its deltas (with text) until it finishes (see :meth:`submit`).
+
+        Deltas that queued while the consumer was busy come as one output. If the consumer leaves
+        before the last one, the request is aborted.
+
+        Raises:
+            ValueError: if the engine rejects the request (the message names the problem), or its
+                response_format is invalid, fails to compile or times out (a GrammarError).
+        """
+        stream: asyncio.Queue = asyncio.Queue()
+        await self.submit(request_id, prompt_token_ids, params, stream.put_nowait, **kwargs)
         kwargs = {}  # the engine owns them now (a KV payload is freed once imported, not when the stream ends)
         finished = False
         try:
             while True:
                 items = [await stream.get()]
-                while not stream.empty():  # deltas that queued while the consumer was busy: one output
+                while not stream.empty():
                     items.append(stream.get_nowait())
                 merged, error = None, None
                 for item in items:
                     if isinstance(item, Exception):
                         error = item
                         break
-                    out = processor.process(item)
-                    if out is not None:
-                        merged = out if merged is None else merge_outputs(merged, out)
-                if merged is not None and merged.finished:
-                    finished = True
-                    if processor.needs_core_abort:  # a stop string: the core does not know it ended
-                        self.abort(request_id)
+                    merged = item if merged is None else merge_outputs(merged, item)
                 if merged is not None:
+                    finished = merged.finished
                     yield merged
-                    if merged.finished:
+                    if finished:
                         return
                 if error is not None:
                     finished = True
@@ -142,14 +176,24 @@ class AsyncLLMEngine:
 
     # -- loop thread ---------------------------------------------------------------------------
     def _deliver(self, request_id: str, item) -> None:
-        """Send a core delta or an exception to the request's stream; the last one unbinds it."""
+        """Queue a core delta or an exception for the request's callback (the last one unbinds it);
+        :meth:`_flush` hands them over."""
         entry = self._live.get(request_id)
         if entry is None:
             return
         if isinstance(item, Exception) or item.finished:
             del self._live[request_id]
-        loop, stream = entry
-        loop.call_soon_threadsafe(stream.put_nowait, item)
+        loop, callback = entry
+        self._outbox.setdefault(loop, []).append((callback, item))
+
+    def _flush(self) -> None:
+        """Hand the queued deltas to their event loops: one wake-up per loop."""
+        outbox, self._outbox = self._outbox, {}
+        for loop, calls in outbox.items():
+            try:
+                loop.call_soon_threadsafe(_call_all, calls)
+            except RuntimeError:  # the caller's loop is closed: nobody is listening
+                pass
 
     def _drain_inbox(self) -> None:
         while True:
@@ -161,9 +205,9 @@ class AsyncLLMEngine:
                 _, rid, prompt, params, kwargs, entry = msg
                 try:
                     self.engine.add_request(rid, prompt, params, **kwargs)
-                except ValueError as e:
-                    loop, stream = entry
-                    loop.call_soon_threadsafe(stream.put_nowait, e)
+                except ValueError as e:  # not bound: the id may be a live request's (a duplicate)
+                    loop, callback = entry
+                    self._outbox.setdefault(loop, []).append((callback, e))
                 else:
                     self._live[rid] = entry
             elif msg[0] == "release_kv":
@@ -175,14 +219,16 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         while not self._stopped:
             self._drain_inbox()
+            self._flush()  # rejections found while adding
             if self.engine.parked and time.monotonic() >= self._next_expiry:  # a scan a second, not a step
                 self.engine.expire_kv(self.parked_kv_ttl_s)
                 self._next_expiry = time.monotonic() + 1.0
             if not self.engine.has_unfinished_requests():
-                self._stats = self.engine.stats()
+                self._stats = {**self.engine.stats(), "num_steps": self._num_steps, "step_busy_s": self._step_busy_s}
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
+            start = time.perf_counter()
             try:
                 outputs = self.engine.step()
             except Exception as e:  # a failed step fails the requests in it, not the replica
@@ -190,10 +236,23 @@ class AsyncLLMEngine:
                 for rid in list(self.engine.scheduler.requests):
                     self.engine.abort_request(rid)
                     self._deliver(rid, RuntimeError(f"engine step failed: {e}"))
+                self._flush()
                 continue
             for out in outputs:
                 self._deliver(out.request_id, out)
-            self._stats = self.engine.stats()
+            self._flush()
+            self._num_steps += 1
+            self._step_busy_s += time.perf_counter() - start
+            self._stats = {**self.engine.stats(), "num_steps": self._num_steps, "step_busy_s": self._step_busy_s}
+
+
+def _call_all(calls: list) -> None:
+    """Run one step's deliveries on the caller's loop; a failing callback fails alone."""
+    for callback, item in calls:
+        try:
+            callback(item)
+        except Exception:  # noqa: BLE001 - one consumer's bug must not starve the others
+            logger.exception("delivering an engine output failed")
 
 
 def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:

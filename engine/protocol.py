@@ -29,6 +29,8 @@ class ReplicaStats:
         num_prompt_tokens, num_generation_tokens, num_computed_tokens: token counters.
         num_free_blocks, num_blocks: KV blocks free and in the pool.
         num_parked_kv: PREFILL role: prefilled requests whose KV waits in the pool for its transfer.
+        num_steps, step_busy_s: engine steps run so far and the seconds the step loop spent in them (the
+            replica's busy fraction is the rate of ``step_busy_s``).
         kv_transfer: nccl / gloo PD transports: ``kv_transfer_batches``, ``kv_transfer_bytes_sent``,
             ``kv_transfer_bytes_received``, ``kv_transfer_budget`` (bytes), ``kv_transfer_budget_used`` and
             ``kv_transfer_budget_peak`` (received bytes not yet imported, now and at most).
@@ -50,6 +52,8 @@ class ReplicaStats:
     num_free_blocks: int = 0
     num_blocks: int = 0
     num_parked_kv: int = 0
+    num_steps: int = 0
+    step_busy_s: float = 0.0
     kv_transfer: dict[str, int] = field(default_factory=dict)
     error: str | None = None
 

@@ -31,14 +31,38 @@ from rayinfer.jobs import benchlib as bl
 from rayinfer.placement.parallel_config import ParallelConfig
 
 
-async def run_client(client, items: list[bl.WorkItem], mode: str = "stream") -> bl.OfflineRun:
+_TIMELINE_KEYS = ("role", "num_running", "num_waiting", "kv_cache_usage", "num_parked_kv", "num_prompt_tokens",
+                  "num_generation_tokens", "num_steps", "step_busy_s", "num_preemptions")
+
+
+async def sample_stats(client, every_s: float, timeline: list[dict], start: float) -> None:
+    """Append the fleet's replica stats to ``timeline`` every ``every_s`` seconds until cancelled: where a
+    topology's time goes (steps per second, tokens per step, queues, parked KV, busy fraction per replica)."""
+    while True:
+        await asyncio.sleep(every_s)
+        try:
+            stats = await client.stats()
+        except Exception as e:  # noqa: BLE001 - a sample lost is not a failed run
+            timeline.append({"t": round(time.perf_counter() - start, 2), "error": str(e)})
+            continue
+        timeline.append({"t": round(time.perf_counter() - start, 2), "replicas": [
+            {k: getattr(r, k) for k in _TIMELINE_KEYS} | {"kv_transfer_bytes_received":
+                                                        r.kv_transfer.get("kv_transfer_bytes_received", 0)}
+            for r in stats.replicas]})
+
+
+async def run_client(client, items: list[bl.WorkItem], mode: str = "stream",
+                     stats_every_s: float = 0.0, timeline: list[dict] | None = None) -> bl.OfflineRun:
     """Send every item at once through the client and time each request.
 
     Args:
         mode: "stream" (``client.generate``: TTFT and TPOT from the deltas as they reach the caller) or
             "complete" (``client.complete``: one answer per request, as the batch job asks; latency only).
+        stats_every_s, timeline: when both are given, the fleet's stats are sampled into ``timeline``.
     """
     start = time.perf_counter()
+    sampler = (asyncio.get_running_loop().create_task(sample_stats(client, stats_every_s, timeline, start))
+               if stats_every_s > 0 and timeline is not None else None)
 
     async def one(i: int, item: bl.WorkItem) -> bl.RequestTiming:
         t = bl.RequestTiming(len(item.prompt_token_ids))
@@ -59,7 +83,11 @@ async def run_client(client, items: list[bl.WorkItem], mode: str = "stream") -> 
                 t.num_output_tokens += len(out.new_token_ids)
         return t
 
-    timings = await asyncio.gather(*[one(i, item) for i, item in enumerate(items)])
+    try:
+        timings = await asyncio.gather(*[one(i, item) for i, item in enumerate(items)])
+    finally:
+        if sampler is not None:
+            sampler.cancel()
     return bl.OfflineRun(list(timings), time.perf_counter() - start)
 
 
@@ -90,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-engine", action="store_true", help="measure the fleet only")
     p.add_argument("--modes", nargs="+", default=["complete", "stream"], choices=["complete", "stream"],
                    help="how the fleet is asked: complete (the batch job) and/or stream (Serve)")
+    p.add_argument("--stats-every", type=float, default=0.0,
+                   help="sample the replicas' stats every this many seconds into the JSON's timeline (0: off)")
     p.add_argument("--out-dir", default="benchmarks/results")
     p.add_argument("--git-rev", default=None, help="revision to record (a checkout copied without .git)")
     args = p.parse_args(argv)
@@ -129,8 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         asyncio.run(run_client(client, items[:2]))  # warm-up: CUDA graphs, first-call paths
         for mode in args.modes:
-            run = asyncio.run(run_client(client, items, mode))
+            timeline: list[dict] = []
+            run = asyncio.run(run_client(client, items, mode, args.stats_every, timeline))
             result[f"fleet_{mode}"] = fleet = run.summary()
+            if timeline:
+                result[f"timeline_{mode}"] = timeline
             print(f"fleet ({parallel.topology}, {mode}): {fleet['output_tok_s']:.0f} output tok/s", flush=True)
             if "engine_in_process" in result:
                 ratio = fleet["output_tok_s"] / result["engine_in_process"]["output_tok_s"]

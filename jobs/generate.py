@@ -2,28 +2,28 @@
 
     python jobs/generate.py                                  # built-in prompts, printed
     python jobs/generate.py input=prompts.jsonl output=out.jsonl model.dtype=float32
+    python jobs/generate.py input=batch.jsonl                # an OpenAI Batch file (detected)
     python jobs/generate.py parallel=1p1d                    # prefill/decode disaggregation (conf/parallel/)
-    ray job submit --working-dir . -- python jobs/generate.py input=prompts.jsonl
+    python jobs/generate.py parallel=ep2 model=qwen3-moe-tiny   # expert parallel, a tiny MoE on CPU
+    ray job submit --working-dir . -- python jobs/generate.py input=prompts.jsonl base_dir=$PWD
     python jobs/generate.py ray.address=local                # an embedded Ray even if one runs here
+    rayinfer generate --model smollm2 --input prompts.jsonl  # the same through the console script
 
 The first line printed names the Ray cluster: ``$RAY_ADDRESS``, else one ``ray start`` left on this
 machine (joined), else an embedded one listening on 127.0.0.1 (``rayinfer.actors.cluster``).
 
-Input lines: ``{"id"?, "messages": [...]}`` (chat, rendered with the model's chat template) or
-``{"id"?, "prompt": "..."}`` (raw text), each optionally with the sampling fields the service takes
-(max_tokens or max_completion_tokens, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, n,
-logprobs (+ top_logprobs), penalties, response_format or guided_*, ...; see :func:`api_fields`). Output
-lines, in input order: id, prompt_token_ids, output_token_ids, text, finish_reason, usage, error, key, and
-logprobs / choices when asked for (``n`` > 1). ``key`` is a hash of the line's prompt tokens,
-sampling parameters and model: a rerun onto the same output reuses a finished line only when its key
-matches (and recomputes every other line), whatever the ids or the order of the lines. Ctrl-C (SIGINT)
-or SIGTERM stops the job at once, keeping the finished lines for the rerun.
+Input lines are OpenAI Batch lines (``custom_id``, ``method``, ``url``, ``body``) or this job's own
+(``{"id"?, "messages" | "prompt", sampling fields...}``); both run through the service's request path, so
+a body gets the answer ``/v1/chat/completions`` or ``/v1/completions`` would give (``jobs/batch_io.py``
+has the formats). One output line per input line, in input order. Relative paths resolve against
+``base_dir`` (default: the current directory), and the job prints the absolute path it wrote. A rerun
+onto the same output reuses a finished line only when its request is the same (a content hash: prompt
+tokens, sampling parameters, model). Ctrl-C (SIGINT) or SIGTERM stops the job at once, keeping the
+finished lines for the rerun.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 import logging
 import signal
@@ -31,7 +31,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -50,253 +50,117 @@ BUILTIN_PROMPTS = [
     {"id": "tips", "messages": [{"role": "user", "content": "Give me three tips for staying focused."}]},
     {"id": "raw", "prompt": "The three primary colors are"},
 ]
+MAX_FAILURES_SHOWN = 20
 
 
 @dataclass
 class GenerateConfig:
-    """Schema of ``conf/generate.yaml``."""
+    """Schema of ``conf/generate.yaml``.
+
+    Attributes:
+        input: the JSONL file (a path, or a ``file://`` URI); None: the built-in prompts.
+        output: where the output goes; None: ``<input>.out.jsonl`` beside the input, or
+            ``outputs/generate.out.jsonl`` without one.
+        input_format: "auto" (per file), "openai" (Batch API lines) or "rayinfer".
+        base_dir: the directory relative ``input`` / ``output`` paths resolve against; None: the current
+            directory. Under ``ray job submit`` the job runs in Ray's copy of the working directory, so
+            pass ``base_dir=$PWD`` (the shell expands it where you submit) to write where you are.
+        served_model_name: the name a body's ``model`` must match and responses carry; None: model.model.
+        sampling: defaults of every ``rayinfer`` line (a line's own fields win); OpenAI Batch bodies are
+            taken as the service takes them.
+        print_outputs: print each answer; None: when there is no input file.
+        ray: which Ray cluster (``ray.address=local``: an embedded one).
+        engine_mode: "client" (one driver drives one fleet) or "ray_data" (a Ray Data pipeline over
+            ``data.concurrency`` engine actors, streamed, output part files in a directory;
+            ``rayinfer.data.job``).
+        data: the Ray Data mode's engine actor pool.
+    """
 
     input: str | None = None
     output: str | None = None
+    input_format: str = "auto"
+    base_dir: str | None = None
+    served_model_name: str | None = None
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    sampling: dict[str, Any] = field(default_factory=dict)  # defaults for every line
-    print_outputs: bool | None = None  # None: print when there is no input file
-    ray: RayConfig = field(default_factory=RayConfig)  # which cluster (ray.address=local: an embedded one)
-    # "client": one driver drives one fleet; "ray_data": a Ray Data pipeline over data.concurrency engine
-    # actors, streamed, output part files in a directory (rayinfer.data.job)
+    sampling: dict[str, Any] = field(default_factory=dict)
+    print_outputs: bool | None = None
+    ray: RayConfig = field(default_factory=RayConfig)
     engine_mode: str = "client"
     data: PoolConfig = field(default_factory=PoolConfig)
 
+    def __post_init__(self):
+        from rayinfer.jobs.batch_io import INPUT_FORMATS
 
-@dataclass
-class LineJob:
-    """One input line, parsed."""
-
-    index: int
-    id: str
-    prompt_token_ids: list[int] | None = None
-    params: Any = None
-    error: str | None = None
-    key: str | None = None  # line_key of a parsed line
+        if self.input_format not in INPUT_FORMATS:
+            raise ValueError(f"input_format must be one of {INPUT_FORMATS}, got {self.input_format!r}")
 
 
-def line_key(model: str, prompt_token_ids: list[int], params) -> str:
-    """The resume key of a line: a SHA-256 (hex) of the model name, the prompt's token ids and every
-    sampling parameter, so a stored result is reused only for the same request."""
-    payload = json.dumps({"model": model, "prompt_token_ids": list(prompt_token_ids),
-                          "params": dataclasses.asdict(params)}, sort_keys=True, default=repr)
-    return hashlib.sha256(payload.encode()).hexdigest()
-
-
-MAX_N = 128  # choices per line, as the service allows
-
-
-def api_fields(rec: dict[str, Any]) -> dict[str, Any]:
-    """A line's sampling fields in ``SamplingParams``' names, taking the OpenAI API's names as the service
-    does: ``max_completion_tokens`` for ``max_tokens``; ``logprobs`` as an integer (completions) or
-    ``true``/``false`` with ``top_logprobs`` (chat); ``response_format`` (``{"type": "text"}``: none) or
-    vLLM's ``guided_json`` / ``guided_regex`` / ``guided_grammar`` / ``guided_choice``, checked here.
+def resolve_path(path: str, base: Path) -> Path:
+    """An absolute path for ``path``: a ``file://`` URI's path, ``~`` expanded, a relative path joined to
+    ``base``.
 
     Raises:
-        ValueError: naming the field, for conflicting or malformed fields (an invalid schema, regex or
-            grammar included).
+        ValueError: for a URI of another scheme (``s3://``, ...): this job reads and writes local files.
     """
-    from types import SimpleNamespace
-
-    from rayinfer.engine.structured_output import check_response_format
-    from rayinfer.serve.protocol import APIError, response_format_of
-
-    rec = dict(rec)
-    if "max_completion_tokens" in rec:
-        value = rec.pop("max_completion_tokens")
-        if rec.get("max_tokens") is not None and value is not None and rec["max_tokens"] != value:
-            raise ValueError("give max_tokens or max_completion_tokens, not both")
-        if value is not None:
-            rec["max_tokens"] = value
-    top = rec.pop("top_logprobs", None)
-    if isinstance(rec.get("logprobs"), bool):
-        rec["logprobs"] = (0 if top is None else top) if rec["logprobs"] else None
-    elif top is not None:
-        raise ValueError("top_logprobs needs logprobs: true")
-    names = ("response_format", "guided_json", "guided_regex", "guided_grammar", "guided_choice")
-    given = {name: rec.pop(name, None) for name in names}
-    if any(v is not None for v in given.values()):
-        if given["response_format"] is not None and not isinstance(given["response_format"], dict):
-            raise ValueError("response_format must be an object with a 'type' field")
-        try:
-            response_format = response_format_of(SimpleNamespace(**given))  # pyright: ignore[reportArgumentType]
-        except APIError as e:
-            raise ValueError(e.message) from None
-        check_response_format(response_format)
-        rec["response_format"] = response_format
-    return rec
+    if "://" in path:
+        scheme, _, rest = path.partition("://")
+        if scheme != "file":
+            raise ValueError(f"{path}: only local paths and file:// URIs are supported, not {scheme}://")
+        path = rest
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else base / p
 
 
-def choice_params(params) -> list:
-    """One engine SamplingParams per choice of a line (``n = 1`` each; with a seed, choice i gets
-    seed + i, as the service does)."""
-    return [dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
-            for i in range(params.n)]
+def job_paths(cfg: GenerateConfig) -> tuple[Path | None, Path]:
+    """(input file or None, output file), both absolute (see :class:`GenerateConfig`).
+
+    Raises:
+        FileNotFoundError: when ``input`` names no file (checked before anything loads).
+        ValueError: for an unsupported URI.
+    """
+    base = (resolve_path(cfg.base_dir, Path.cwd()) if cfg.base_dir else Path.cwd()).resolve()
+    in_path = resolve_path(cfg.input, base) if cfg.input else None
+    if in_path is not None and not in_path.is_file():
+        raise FileNotFoundError(f"input file not found: {in_path}" + _ray_copy_hint(cfg))
+    if cfg.output:
+        out_path = resolve_path(cfg.output, base)
+    else:
+        out_path = in_path.with_suffix(".out.jsonl") if in_path else base / "outputs" / "generate.out.jsonl"
+    return in_path, out_path
 
 
-def parse_lines(lines: list[str], tokenizer, defaults: dict[str, Any], model: str = "") -> list[LineJob]:
-    """Parse JSONL lines into jobs; a bad line gets ``error`` set and never raises.
+def _ray_copy_hint(cfg: GenerateConfig) -> str:
+    from rayinfer import envs
+
+    if cfg.base_dir or not envs.ray_job_working_dir():
+        return ""
+    return (f" (this job runs in Ray's copy of the submitted directory, {Path.cwd()}; add base_dir=$PWD to the "
+            "submitted command so that relative paths mean the directory you submit from)")
+
+
+def run(cfg: GenerateConfig, client=None) -> int:
+    """Run the job; returns the process exit code (0 even when some lines failed).
 
     Args:
-        lines: the input's non-empty lines.
-        tokenizer: the model's tokenizer (chat template, plain encoding).
-        defaults: sampling fields of every line (a line's own fields win).
-        model: the model name that goes into each line's resume ``key``.
+        cfg: the job's config.
+        client: an ``EngineClient`` to run the lines on instead of starting the fleet of ``cfg.parallel``
+            (tests share one fleet); left running.
+
+    Raises:
+        FileNotFoundError: for a missing input file, before the model or tokenizer loads.
+        ValueError: for an unknown model or a bad config value, before any work.
+        RayStartError: when Ray cannot be joined or started.
+        TimeoutError: when the cluster cannot place the fleet.
     """
-    from rayinfer.engine.types import SamplingParams
-    from rayinfer.serve.chat import encode_plain, render_messages
-
-    jobs, seen = [], set()
-    for i, line in enumerate(lines):
-        job = LineJob(i, f"line-{i}")
-        jobs.append(job)
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            job.error = f"malformed JSON on line {i + 1}: {e}"
-            continue
-        if not isinstance(rec, dict):
-            job.error = f"line {i + 1} must be a JSON object"
-            continue
-        if rec.get("id") is not None:
-            job.id = str(rec.pop("id"))
-        rec.pop("id", None)
-        if job.id in seen:
-            job.error = f"duplicate id {job.id!r}"
-            continue
-        seen.add(job.id)
-        try:
-            messages, prompt = rec.pop("messages", None), rec.pop("prompt", None)
-            if (messages is None) == (prompt is None):
-                raise ValueError("each line needs exactly one of 'messages' or 'prompt'")
-            if messages is not None:
-                job.prompt_token_ids = render_messages(tokenizer, messages)
-            elif not isinstance(prompt, str):
-                raise ValueError("'prompt' must be a string")
-            elif not prompt:
-                raise ValueError("prompt is empty")
-            else:
-                bos = [tokenizer.bos_token_id] if getattr(tokenizer, "add_bos_token", False) else []
-                job.prompt_token_ids = bos + encode_plain(tokenizer, prompt)
-            job.params = SamplingParams.from_dict({**defaults, **api_fields(rec)})
-            if job.params.n > MAX_N:
-                raise ValueError(f"n must be between 1 and {MAX_N}, got {job.params.n}")
-            job.key = line_key(model, job.prompt_token_ids, job.params)
-        except (ValueError, TypeError) as e:
-            job.error = str(e)
-    return jobs
-
-
-def output_record(job: LineJob, completion=None) -> dict[str, Any]:
-    """The output line of one job: its completion (a ``Completion``, or a list of one per choice when
-    ``n`` > 1), or the job's own error.
-
-    The top-level fields are the first choice's; ``logprobs`` is there when the line asked for them, and
-    ``choices`` (index, text, output_token_ids, finish_reason, error, logprobs) when ``n`` > 1. A line
-    fails (``error`` set) when any of its choices failed.
-    """
-    completions = completion if isinstance(completion, list) else [] if completion is None else [completion]
-    first = completions[0] if completions else None
-    prompt = job.prompt_token_ids or []
-    out_ids = first.output_token_ids if first else []
-    error = job.error or next((c.error for c in completions if c.error), None)
-    num_out = sum(len(c.output_token_ids) for c in completions)
-    rec = {
-        "id": job.id,
-        "prompt_token_ids": prompt,
-        "output_token_ids": out_ids,
-        "text": first.text if first else "",
-        "finish_reason": "error" if error else first.finish_reason if first else None,
-        "usage": {"prompt_tokens": len(prompt), "completion_tokens": num_out, "total_tokens": len(prompt) + num_out,
-                  "cached_tokens": first.num_cached_tokens if first else 0},
-        "error": error,
-        "key": job.key,
-    }
-    wants_logprobs = job.params is not None and job.params.logprobs is not None
-    if wants_logprobs:
-        rec["logprobs"] = _logprobs(first)
-    if len(completions) > 1:
-        rec["choices"] = [{"index": i, "text": c.text, "output_token_ids": c.output_token_ids,
-                           "finish_reason": "error" if c.error else c.finish_reason, "error": c.error,
-                           **({"logprobs": _logprobs(c)} if wants_logprobs else {})}
-                          for i, c in enumerate(completions)]
-    return rec
-
-
-def _logprobs(completion) -> list[dict[str, Any]]:
-    """Per output token: its id, logprob and the top-k ``{token id: logprob}`` (k = the line's logprobs)."""
-    return [{"token_id": t, "logprob": s.logprob, "top_logprobs": s.top_logprobs or {}}
-            for t, s in zip(completion.output_token_ids, completion.logprobs or [])] if completion else []
-
-
-def drop_cut_line(path: Path) -> int:
-    """Truncate a JSONL file after its last newline: a last line without one was cut by a crash while
-    it was written, and the next record must not be appended to its fragment. Returns the bytes dropped."""
-    if not path.exists():
-        return 0
-    with path.open("rb+") as f:
-        data = f.read()
-        keep = data.rfind(b"\n") + 1
-        if keep < len(data):
-            f.truncate(keep)
-        return len(data) - keep
-
-
-def append_record(f, rec: dict) -> None:
-    """Append one record as one line with a single write to an unbuffered binary file (``open(path,
-    "ab", buffering=0)``): a crash leaves at most that line cut, never a line and a half."""
-    data = (json.dumps(rec) + "\n").encode()
-    view = memoryview(data)
-    while view:  # a regular file takes it in one write; loop in case the OS returns a short count
-        view = view[f.write(view):]
-
-
-def read_done(*paths: Path) -> dict[str, list[dict]]:
-    """Finished records (no error, with a key) of earlier runs, by key; a later file's record of the
-    same id and key replaces an earlier one. Cut or malformed lines are skipped."""
-    by_id_key: dict[tuple[str, str], dict] = {}
-    for path in paths:
-        if path.exists():
-            for line in path.read_text().splitlines():
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a line cut by a crash
-                if isinstance(rec, dict) and rec.get("error") is None and rec.get("key") and "id" in rec:
-                    by_id_key[(str(rec["id"]), rec["key"])] = rec
-    done: dict[str, list[dict]] = {}
-    for (_, key), rec in by_id_key.items():
-        done.setdefault(key, []).append(rec)
-    return done
-
-
-def match_done(jobs: list[LineJob], stored: dict[str, list[dict]]) -> dict[str, dict]:
-    """The jobs that an earlier run already answered: each stored record is used once, for a job of
-    the same key (one of the same id first); it takes the job's id. Returns job id -> record."""
-    done = {}
-    for job in jobs:
-        recs = stored.get(job.key or "")
-        if job.error is None and recs:
-            rec = next((r for r in recs if r["id"] == job.id), recs[0])
-            recs.remove(rec)
-            done[job.id] = {**rec, "id": job.id}
-    return done
-
-
-def run(cfg: GenerateConfig) -> int:
-    """Run the job; returns the process exit code (0 even when some lines failed)."""
     if cfg.engine_mode != "client":  # the Ray Data mode lives in rayinfer.data.job
         from rayinfer.data.job import ENGINE_MODES, run_data_job
 
         if cfg.engine_mode not in ENGINE_MODES:
             raise ValueError(f"engine_mode must be one of {', '.join(ENGINE_MODES)}, got {cfg.engine_mode!r}")
+        if client is not None:
+            raise ValueError("engine_mode=ray_data starts its own engine actors; it takes no client")
         return run_data_job(cfg)
     import asyncio
 
@@ -304,97 +168,123 @@ def run(cfg: GenerateConfig) -> int:
     from tqdm import tqdm
 
     from rayinfer.actors.cluster import init_ray
-    from rayinfer.model.loader import load_tokenizer, resolve_model
+    from rayinfer.jobs.batch_io import (
+        LineParser,
+        append_record,
+        drop_cut_line,
+        error_text,
+        is_error,
+        match_done,
+        output_record,
+        read_done,
+        read_lines,
+        record_text,
+        run_error,
+    )
+    from rayinfer.jobs.progress import ProgressClient, TokenProgress
+    from rayinfer.model.loader import load_config, load_tokenizer, resolve_model
 
+    in_path, out_path = job_paths(cfg)  # a missing input file: reported before anything loads
+    hint = _ray_copy_hint(cfg)
+    if hint and out_path.resolve().is_relative_to(Path.cwd().resolve()):  # would vanish with Ray's copy
+        print(f"warning: writing {out_path}{hint}", file=sys.stderr, flush=True)
     resolve_model(cfg.model.model)  # unknown model: ValueError before any work; converts once
     tokenizer = load_tokenizer(cfg.model.model)
-    if cfg.input:
-        lines = [ln for ln in Path(cfg.input).read_text().splitlines() if ln.strip()]
-    else:
-        lines = [json.dumps(p) for p in BUILTIN_PROMPTS]
-    defaults = {"max_tokens": 256, "temperature": 0.0, **cfg.sampling}
-    jobs = parse_lines(lines, tokenizer, defaults, cfg.model.model)
-    out_path = Path(cfg.output) if cfg.output else (
-        Path(cfg.input).with_suffix(".out.jsonl") if cfg.input else Path("outputs/generate.out.jsonl"))
+    lines = read_lines(in_path) if in_path else [(i + 1, json.dumps(p)) for i, p in enumerate(BUILTIN_PROMPTS)]
+    max_model_len = cfg.model.max_model_len or load_config(cfg.model.model).max_position_embeddings
+    parser = LineParser(tokenizer, cfg.served_model_name or cfg.model.model, max_model_len,
+                        {"max_tokens": 256, "temperature": 0.0, **cfg.sampling}, key_model=cfg.model.model)
+    jobs = parser.parse(lines, cfg.input_format)
+    if jobs:
+        print(f"read {len(jobs)} lines ({jobs[0].format} format) from {in_path or 'the built-in prompts'}")
     partial = out_path.with_name(out_path.name + ".partial")
     if drop_cut_line(partial):
         print(f"dropped a cut last line of {partial}")
     done = match_done(jobs, read_done(out_path, partial))
     todo = [j for j in jobs if j.error is None and j.id not in done]
     if done:
-        print(f"skipping {len(done)} lines already done in {out_path} (same prompt and parameters)")
-    results: dict[str, dict] = {j.id: output_record(j) for j in jobs if j.error is not None}
+        print(f"skipping {len(done)} lines already done in {out_path} (same request)")
     interrupted = False
 
     if todo:
-        print(init_ray(cfg.ray, logging_config=ray.LoggingConfig(encoding="TEXT", log_level="INFO"),
-                       log_to_driver=True, logging_level=logging.WARNING), flush=True)
-        from rayinfer.actors.client import make_client
+        owned = client is None
+        if owned:
+            print(init_ray(cfg.ray, logging_config=ray.LoggingConfig(encoding="TEXT", log_level="INFO"),
+                           log_to_driver=True, logging_level=logging.WARNING), flush=True)
+            from rayinfer.actors.client import make_client
 
-        client = make_client(cfg.model, cfg.engine, cfg.parallel)  # a fleet by parallel.topology
+            client = make_client(cfg.model, cfg.engine, cfg.parallel)  # a fleet by parallel.topology
         partial.parent.mkdir(parents=True, exist_ok=True)
-        start, num_out = time.perf_counter(), 0
 
-        async def one(job: LineJob):
-            prompt, choices = job.prompt_token_ids or [], choice_params(job.params)
-            if len(choices) == 1:
-                return job, await client.complete(prompt, choices[0], request_id=job.id)
-            return job, list(await asyncio.gather(*[client.complete(prompt, p, request_id=f"{job.id}#{i}")
-                                                    for i, p in enumerate(choices)]))
+        async def one(job):
+            assert job.prepared is not None
+            try:
+                # the response's id names the engine requests too (<id>-<choice>), as in the service
+                states = await parser.serving.collect(job.prepared.request_id, job.prepared.jobs,
+                                                      time.perf_counter())
+                return job, states, None
+            except Exception as e:  # noqa: BLE001 - this line fails alone, as its request would in the service
+                err = run_error(e, job.prepared.request_id)
+                if err.status >= 500:
+                    logger.error("line %d (%s) failed (request id %s)", job.line_no, job.id,
+                                 job.prepared.request_id, exc_info=e)
+                return job, None, (err, e)
 
-        async def drive(sink, bar) -> tuple[int, bool]:
+        async def drive(sink, progress) -> bool:
             """Run the lines, appending each finished one; SIGINT/SIGTERM stop it (returns interrupted)."""
             loop, stop = asyncio.get_running_loop(), asyncio.Event()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, stop.set)  # also when the shell started us with SIGINT ignored
             pending: set[asyncio.Future] = {asyncio.ensure_future(one(j)) for j in todo}
             stopped: asyncio.Future = asyncio.ensure_future(stop.wait())
-            num_out = 0
             try:
                 while pending and not stop.is_set():
                     finished, _ = await asyncio.wait(pending | {stopped}, return_when=asyncio.FIRST_COMPLETED)
                     for task in finished - {stopped}:
                         pending.discard(task)
-                        job, completion = cast("tuple[LineJob, Any]", task.result())
-                        rec = output_record(job, completion)
-                        num_out += len(rec["output_token_ids"])
+                        job, states, error = task.result()
+                        rec = output_record(job, states, error)
                         append_record(sink, rec)
                         done[job.id] = rec
-                        bar.update(1)
+                        progress.done()
             finally:
                 for task in (*pending, stopped):
                     task.cancel()
                 await asyncio.gather(*pending, stopped, return_exceptions=True)
                 for sig in (signal.SIGINT, signal.SIGTERM):
                     loop.remove_signal_handler(sig)
-            return num_out, stop.is_set()
+            return stop.is_set()
 
         try:
-            with partial.open("ab", buffering=0) as sink, tqdm(total=len(todo), desc="generate", unit="req") as bar:
-                num_out, interrupted = asyncio.run(drive(sink, bar))
+            with partial.open("ab", buffering=0) as sink, tqdm(total=len(todo), desc="generate", unit="line") as bar:
+                progress = TokenProgress(bar)
+                parser.serving.client = ProgressClient(client, progress)
+                interrupted = asyncio.run(drive(sink, progress))
         finally:
-            client.shutdown()
-        elapsed = time.perf_counter() - start
-        print(f"generated {num_out} tokens for {len(todo)} requests in {elapsed:.1f} s "
-              f"({num_out / max(elapsed, 1e-9):.1f} output tokens/s)")
+            if owned:
+                client.shutdown()
+        print(progress.summary() + f" for {len(todo)} lines")
     if interrupted:
         print(f"\ninterrupted: {len(done)} of {len(jobs)} lines done, kept in {partial}; "
               f"rerun the same command to finish the rest", file=sys.stderr)
         return 130
 
-    records = [results.get(j.id) or done.get(j.id) or output_record(j) for j in jobs]
+    records = [output_record(j) if j.error else done.get(j.id) or output_record(j) for j in jobs]
+    out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(out_path.name + ".tmp")
     tmp.write_text("".join(json.dumps(rec) + "\n" for rec in records))
     tmp.replace(out_path)
     partial.unlink(missing_ok=True)
 
-    failed = [rec for rec in records if rec["error"]]
+    failed = [(j, rec) for j, rec in zip(jobs, records) if is_error(rec)]
     if cfg.print_outputs if cfg.print_outputs is not None else not cfg.input:
-        for rec in records:
-            print(f"\n[{rec['id']}] {rec['text'] if not rec['error'] else 'ERROR: ' + rec['error']}")
+        for j, rec in zip(jobs, records):
+            print(f"\n[{j.id}] {'ERROR: ' + error_text(rec) if is_error(rec) else record_text(rec)}")
     print(f"\n{len(records) - len(failed)} ok, {len(failed)} failed; wrote {out_path}")
-    for rec in failed:
-        print(f"  {rec['id']}: {rec['error']}")
+    for j, rec in failed[:MAX_FAILURES_SHOWN]:
+        print(f"  line {j.line_no} ({j.id}): {error_text(rec)}")
+    if len(failed) > MAX_FAILURES_SHOWN:
+        print(f"  ... and {len(failed) - MAX_FAILURES_SHOWN} more (see {out_path})")
     return 0
 
 
@@ -404,20 +294,34 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="generate_schema", node=GenerateConfig)
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="generate")
-def main(dcfg: DictConfig) -> None:
+def execute(cfg: DictConfig | GenerateConfig) -> int:
+    """Build the config and run the job, turning the errors a user can fix into one line on stderr.
+
+    Returns:
+        the exit code: 0 done (some lines may have failed), 2 a bad config, unknown model, missing input,
+        Ray that cannot be joined or started, or a fleet that cannot be placed (nothing ran), 130
+        interrupted.
+    """
+    from rayinfer.actors.cluster import RayStartError
+
     try:
-        cfg = OmegaConf.to_object(dcfg)
-        code = run(cfg)
-    except (ValueError, FileNotFoundError, TimeoutError) as e:  # bad config, unknown model, unplaceable: clear message, non-zero exit, no work done
+        return run(cfg if isinstance(cfg, GenerateConfig) else OmegaConf.to_object(cfg))  # pyright: ignore[reportArgumentType]
+    except (ValueError, FileNotFoundError, TimeoutError, RayStartError) as e:  # nothing ran: one clear line
         print(f"error: {e}", file=sys.stderr)
-        code = 2
+        return 2
     except KeyboardInterrupt:  # Ctrl-C before the lines started (loading, starting the fleet)
         print("interrupted before any line ran; nothing written", file=sys.stderr)
-        code = 130
-    sys.exit(code)
+        return 130
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="generate")
+def main(dcfg: DictConfig) -> None:
+    sys.exit(execute(dcfg))
 
 
 if __name__ == "__main__":
+    from rayinfer.cli import normalize_overrides
+
+    sys.argv[1:] = normalize_overrides(sys.argv[1:])  # model=<shape, path or unknown name> -> model.model=...
     register_configs()
     main()

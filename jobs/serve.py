@@ -4,6 +4,7 @@
     python jobs/serve.py port=8001 api_key=secret parallel.dp=2 engine.num_kv_blocks=2048
     RAY_ADDRESS=auto python jobs/serve.py host=0.0.0.0      # on a running cluster
     python jobs/serve.py ray.address=local                  # an embedded Ray even if one is running
+    rayinfer serve --model smollm2 --port 8001 --api-key secret   # the console script (vLLM's flags)
 
 An embedded Ray listens on 127.0.0.1 only (``ray.node_ip_address=auto``: every interface).
 
@@ -55,16 +56,27 @@ def run(cfg: ServeConfig, blocking: bool = True) -> int:
     return 0
 
 
+def execute(cfg: DictConfig | ServeConfig) -> int:
+    """Build the config and serve until interrupted, turning the errors a user can fix into one line on
+    stderr. Returns the exit code: 0 stopped, 2 a bad config, unknown model, or Ray that cannot be joined
+    or started (nothing ran)."""
+    from rayinfer.actors.cluster import RayStartError
+
+    try:
+        return run(cfg if isinstance(cfg, ServeConfig) else OmegaConf.to_object(cfg))  # pyright: ignore[reportArgumentType]
+    except (ValueError, RayStartError) as e:  # bad config or unknown model: a clear message, no work done
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="serve")
 def main(dcfg: DictConfig) -> None:
-    try:
-        code = run(OmegaConf.to_object(dcfg))
-    except ValueError as e:  # bad config or unknown model: a clear message, no work done
-        print(f"error: {e}", file=sys.stderr)
-        code = 2
-    sys.exit(code)
+    sys.exit(execute(dcfg))
 
 
 if __name__ == "__main__":
+    from rayinfer.cli import normalize_overrides
+
+    sys.argv[1:] = normalize_overrides(sys.argv[1:])  # model=<shape, path or unknown name> -> model.model=...
     register_configs()
     main()

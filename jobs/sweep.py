@@ -83,10 +83,12 @@ def num_replicas(parallel: ParallelConfig) -> int:
     return parallel.ep if parallel.topology == "ep" else parallel.dp
 
 
-def run_fleet(cfg: SweepConfig, items: list[bl.WorkItem], device_type: str) -> tuple[bl.OfflineRun, int]:
+def run_fleet(cfg: SweepConfig, items: list[bl.WorkItem], device_type: str,
+              label: str = "") -> tuple[bl.OfflineRun, int]:
     """Run ``items`` through the fleet of ``cfg.parallel`` (any topology), asked through the client the
     batch job and Serve use (``make_client``): every request at once, streamed, timed as its deltas
     reach this process. The fleet is started, and warmed up with one request, before the clock starts.
+    A progress bar (stderr, named ``label``) shows requests done, tokens and tok/s as they stream.
 
     Returns:
         the run and the replicas' preemptions.
@@ -111,10 +113,18 @@ def run_fleet(cfg: SweepConfig, items: list[bl.WorkItem], device_type: str) -> t
         from rayinfer.actors.cluster import init_ray
 
         print(init_ray(log_to_driver=False, logging_level=logging.WARNING), flush=True)
+    from tqdm import tqdm
+
+    from rayinfer.jobs.progress import ProgressClient, TokenProgress
+
+    print(f"[{label}] starting the {parallel.topology} fleet ({num_replicas(parallel)} replicas or ranks)",
+          flush=True)
     client = make_client(cfg.model, cfg.engine, parallel)
     try:
         asyncio.run(run_client(client, items[:1]))  # warm-up: first-call paths, CUDA graphs
-        result = asyncio.run(run_client(client, items, "stream"))
+        with tqdm(total=len(items), desc=f"[{label}]", unit="req", file=sys.stderr) as bar:
+            counted = ProgressClient(client, TokenProgress(bar), count_requests=True)
+            result = asyncio.run(run_client(counted, items, "stream"))
         preemptions = sum(r.num_preemptions for r in asyncio.run(client.stats()).replicas)
     finally:
         client.shutdown()
@@ -134,7 +144,7 @@ def measure(cfg: SweepConfig, label: str) -> dict[str, Any]:
 
     device = resolve_device(cfg.engine.device)
     items = make_items(cfg.workload, load_config(cfg.model.model).vocab_size)
-    result, preemptions = run_fleet(cfg, items, device.type)
+    result, preemptions = run_fleet(cfg, items, device.type, label)
     summary = result.summary()
     p = cfg.parallel
     replicas = num_replicas(p)
@@ -143,7 +153,8 @@ def measure(cfg: SweepConfig, label: str) -> dict[str, Any]:
     rev, dirty = (cfg.git_rev, None) if cfg.git_rev else bl.git_revision()
     return {
         "label": label, "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), "model": cfg.model.model,
-        "dtype": cfg.model.dtype, "device": device.type, "topology": p.topology, "dp": p.dp,
+        "dtype": cfg.model.dtype, "device": device.type, "device_name": device_name(device),
+        "topology": p.topology, "dp": p.dp,
         "num_prefill": p.num_prefill, "num_decode": p.num_decode, "ep": p.ep,
         "unit": "gpu" if device.type == "cuda" else "replica", "num_units": units,
         "max_num_seqs": e.max_num_seqs, "max_num_batched_tokens": e.max_num_batched_tokens,
@@ -157,6 +168,31 @@ def measure(cfg: SweepConfig, label: str) -> dict[str, Any]:
         "num_preemptions": preemptions, "git_rev": rev, "git_dirty": dirty,
         "command": " ".join(["python", *sys.argv]),
     }
+
+
+def device_name(device) -> str:
+    """What the plot's title calls the device: the GPU's name, or the CPU and its core count."""
+    import os
+
+    if device.type == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({os.cpu_count()} cores)"
+
+
+def _ms(value: Any) -> str:
+    """Milliseconds for a line of text: two decimals below 10 ms, one below 1000, none above; "n/a"."""
+    x = _num(value)
+    if math.isnan(x):
+        return "n/a"
+    return f"{x:.2f}" if abs(x) < 10 else f"{x:.1f}" if abs(x) < 1000 else f"{x:.0f}"
+
+
+def summary_line(row: dict[str, Any], csv_path: str) -> str:
+    """The line a run prints when it ends, numbers rounded."""
+    return (f"[{row['label']}] {_num(row['output_tok_s_per_unit']):.1f} out tok/s per {row['unit']}, "
+            f"TPOT p50 {_ms(row['median_tpot_ms'])} ms, TTFT p50 {_ms(row['median_ttft_ms'])} ms -> {csv_path}")
 
 
 def append_row(path: Path, row: dict[str, Any]) -> None:
@@ -242,11 +278,26 @@ def plot_pareto(rows: list[dict[str, Any]], png: Path, title: str = "") -> list[
     return frontier
 
 
+def plot_title(rows: list[dict[str, Any]]) -> str:
+    """The plot's title: the model(s), the workload(s) and the device(s) the rows measured, e.g.
+    ``"llama-3-8b, 1000 prompts x 1000/1000 tokens, NVIDIA H200 (4 configurations)"``."""
+    def distinct(values) -> str:
+        seen = [v for v in dict.fromkeys(values) if v]
+        return " / ".join(seen) if seen else "?"
+
+    def workload(r) -> str:
+        w = r.get("workload") or "?"
+        return f"{r.get('num_prompts') or '?'} prompts x " + ("mixed lengths" if w == "mixed" else f"{w} tokens")
+
+    return (f"{distinct(r.get('model') for r in rows)}, {distinct(workload(r) for r in rows)}, "
+            f"{distinct(r.get('device_name') or r.get('device') for r in rows)} ({len(rows)} configurations)")
+
+
 def write_pareto_png(csv_path: Path, png: Path | None = None) -> Path:
     """Plot a sweep CSV (see :func:`plot_pareto`) to ``png`` (default: pareto.png beside it); returns it."""
     png = png or csv_path.with_name("pareto.png")
     rows = read_rows(csv_path)
-    frontier = plot_pareto(rows, png, title=f"{csv_path.parent.name}: {len(rows)} configurations")
+    frontier = plot_pareto(rows, png, title=plot_title(rows))
     print(f"wrote {png}: frontier " + ", ".join(rows[i].get("label", str(i)) for i in frontier))
     return png
 
@@ -314,8 +365,7 @@ def run(cfg: SweepConfig) -> dict[str, Any] | None:
         return None
     row = measure(cfg, cfg.label or _job_label())
     append_row(Path(cfg.csv), row)
-    print(f"[{row['label']}] {row['output_tok_s_per_unit']:.1f} out tok/s per {row['unit']}, "
-          f"TPOT p50 {row['median_tpot_ms']} ms, TTFT p50 {row['median_ttft_ms']} ms -> {cfg.csv}", flush=True)
+    print(summary_line(row, cfg.csv), flush=True)
     return row
 
 
@@ -338,5 +388,8 @@ def main(dcfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    from rayinfer.cli import normalize_overrides
+
+    sys.argv[1:] = normalize_overrides(sys.argv[1:])  # model=llama3-8b is model=llama-3-8b
     register_configs()
     main()

@@ -131,7 +131,8 @@ class DeepseekV3Attention(nn.Module):
             q = self.q_proj(hidden)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
-        q_nope, q_pe = q.view(t, heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
+        # explicit sizes: an EP rank without work runs this over t = 0 tokens, where -1 is ambiguous
+        q_nope, q_pe = q.view(t, heads, self.nope_dim + self.rope_dim).split([self.nope_dim, self.rope_dim], dim=-1)
         c_kv, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
         q_pe, k_pe = apply_rope(q_pe, k_pe[:, None, :], cos, sin, self.interleave)

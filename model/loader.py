@@ -19,7 +19,7 @@ from torch import nn
 
 from rayinfer.model.default_model import DEFAULT_MODEL, ensure_default_model
 from rayinfer.model.registry import get_model_class
-from rayinfer.model.shapes import SHAPES, shape_config
+from rayinfer.model.shapes import SHAPES, shape_config, shape_name
 
 DEFAULT_ALIASES = (DEFAULT_MODEL.lower(), "default", "smollm2")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -32,7 +32,8 @@ def resolve_model(name_or_path: str | Path) -> Path | str:
     """Map a model name to a local directory (converting the default model on first use) or a shape name.
 
     Returns:
-        the model directory (a Path holding config.json), or the lower-case name of a built-in shape.
+        the model directory (a Path holding config.json), or the key of a built-in shape
+        (:func:`~rayinfer.model.shapes.shape_name`: ``llama3-8b`` is ``llama-3-8b``).
     Raises:
         ValueError: for anything else; the message lists what is accepted.
     """
@@ -44,11 +45,13 @@ def resolve_model(name_or_path: str | Path) -> Path | str:
         if not (path / "config.json").is_file():
             raise ValueError(f"model directory '{name}' has no config.json")
         return path
-    if name.lower() in SHAPES:
-        return name.lower()
+    shape = shape_name(name)
+    if shape is not None:
+        return shape
     raise ValueError(
-        f"unknown model '{name}': expected {DEFAULT_MODEL!r} (or 'default'), a Hugging Face-format directory "
-        f"with config.json and *.safetensors, or a built-in shape for load_format='dummy': {sorted(SHAPES)}"
+        f"unknown model '{name}': known models are {DEFAULT_MODEL!r} (also 'smollm2', 'default') and the "
+        f"built-in shapes for load_format='dummy' {sorted(SHAPES)}; or give a Hugging Face-format directory "
+        "with config.json and *.safetensors"
     )
 
 

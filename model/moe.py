@@ -92,10 +92,11 @@ def grouped_topk(
     num_tokens, num_experts = router_logits.shape
     scores = router_logits.sigmoid()
     choice = scores + e_score_correction_bias
-    group_scores = choice.view(num_tokens, num_groups, -1).topk(2, dim=-1)[0].sum(dim=-1)
+    per_group = num_experts // num_groups  # explicit sizes: T may be 0 (an EP rank without work)
+    group_scores = choice.view(num_tokens, num_groups, per_group).topk(2, dim=-1)[0].sum(dim=-1)
     group_ids = torch.topk(group_scores, k=topk_groups, dim=-1, sorted=False)[1]
     group_mask = torch.zeros_like(group_scores).scatter_(1, group_ids, 1)
-    score_mask = group_mask.unsqueeze(-1).expand(-1, num_groups, num_experts // num_groups).reshape(num_tokens, -1)
+    score_mask = group_mask.unsqueeze(-1).expand(-1, num_groups, per_group).reshape(num_tokens, num_experts)
     choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
     ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
     weights = scores.gather(1, ids)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import transformers
 
 # name -> keyword arguments of the Hugging Face config ("model_type" picks the config class).
@@ -27,17 +29,45 @@ SHAPES: dict[str, dict] = {
         head_dim=16, rope_theta=10000.0, max_position_embeddings=2048, rms_norm_eps=1e-5,
         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
     ),
+    # Tiny MoE shapes with the default tokenizer's vocab: expert parallelism (parallel=ep2, ep4) on a laptop
+    # with dummy weights. 8 routed experts, so 8 + 0, 2 or 4 redundant experts split over 2 or 4 EP ranks.
+    "qwen3-moe-tiny": dict(
+        model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=49152, hidden_size=64,
+        intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], rope_theta=10000.0, max_position_embeddings=2048,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, initializer_range=0.1,
+    ),
+    # MLA attention, a dense first layer, then 1 shared + 8 routed experts in 2 groups (grouped top-k).
+    "deepseek-v3-tiny": dict(
+        model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], vocab_size=49152, hidden_size=64,
+        intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, n_group=2, topk_group=1,
+        num_experts_per_tok=2, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
+        rope_theta=10000.0, max_position_embeddings=2048, num_nextn_predict_layers=0, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, initializer_range=0.1,
+    ),
 }
 
 
+def shape_name(name: str) -> str | None:
+    """The key of :data:`SHAPES` that ``name`` names, ignoring case and ``-``, ``_``, ``.`` (so
+    ``llama3-8b`` and ``Llama-3-8B`` are ``llama-3-8b``); None when it names none."""
+    def canonical(s: str) -> str:
+        return re.sub(r"[^a-z0-9]", "", s.lower())
+
+    return next((key for key in SHAPES if canonical(key) == canonical(name)), None)
+
+
 def shape_config(name: str) -> transformers.PretrainedConfig:
-    """The Hugging Face config of built-in shape ``name`` (case-insensitive).
+    """The Hugging Face config of built-in shape ``name`` (see :func:`shape_name`).
 
     Raises:
         ValueError: for a name not in :data:`SHAPES`.
     """
-    key = name.lower()
-    if key not in SHAPES:
+    key = shape_name(name)
+    if key is None:
         raise ValueError(f"unknown model shape {name!r}: built-in shapes are {sorted(SHAPES)}")
     kwargs = dict(SHAPES[key])
     return transformers.AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)

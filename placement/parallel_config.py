@@ -69,6 +69,12 @@ class PDSection(_Sealed):
             prefill and decode replica keeps this much device memory out of its KV pool for the send
             staging buffer / the received payloads not yet imported (a decode replica takes no more
             batches while its received payloads fill it: back-pressure instead of out-of-memory).
+        admission_headroom: how far prefill may run ahead of decode: requests are admitted to prefill
+            while those in prefill or decode number fewer than the decode replicas' ``max_num_seqs``
+            times ``1 + admission_headroom``; the rest wait before their prefill. A request then waits
+            where waiting costs its TTFT, not between its first token and the rest (where it would
+            stall mid-stream), and a freed decode slot still finds a prefilled request ready. None:
+            no limit (prefill runs ahead as far as its KV pool lets it).
         prefill_overrides, decode_overrides: EngineConfig fields set on one role only.
     """
 
@@ -79,6 +85,7 @@ class PDSection(_Sealed):
     max_retries: int = 5
     transfer_buffer_gib: float = 4.0
     retry_deadline_s: float = 120.0
+    admission_headroom: float | None = 0.25
     prefill_overrides: dict[str, Any] = field(default_factory=dict)
     decode_overrides: dict[str, Any] = field(default_factory=dict)
 
@@ -91,6 +98,9 @@ class PDSection(_Sealed):
             raise ValueError(f"pd.retry_deadline_s must be a number of seconds >= 0; got {self.retry_deadline_s!r}")
         if self.kv_store_max_blocks is not None:
             _check_int("pd.kv_store_max_blocks", self.kv_store_max_blocks, 1)
+        if self.admission_headroom is not None and (isinstance(self.admission_headroom, bool) or not isinstance(
+                self.admission_headroom, (int, float)) or not self.admission_headroom >= 0):
+            raise ValueError(f"pd.admission_headroom must be a number >= 0 or null; got {self.admission_headroom!r}")
         if not (isinstance(self.transfer_buffer_gib, (int, float)) and self.transfer_buffer_gib > 0):
             raise ValueError(f"pd.transfer_buffer_gib must be positive; got {self.transfer_buffer_gib!r}")
         for name in ("kv_store_max_gib", "kv_store_ttl_s"):

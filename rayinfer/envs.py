@@ -7,12 +7,16 @@ Variables:
         where the GPU and Triton support it; see ``kernels._triton_utils.use_pdl``).
     RAY_ADDRESS: the Ray cluster the entry points join (``rayinfer.actors.cluster.init_ray``); unset: a
         cluster ``ray start`` left on this machine, else an embedded one.
+    RAY_JOB_CONFIG_JSON_ENV_VAR: set by Ray in a job started with ``ray job submit``; its runtime env's
+        ``working_dir`` says that the job runs in Ray's temporary copy of the submitted directory
+        (``rayinfer.jobs.generate`` then warns about relative output paths).
     RAYINFER_ONE_ROW_FUSION: "0" runs a one-token Llama step through the generic layer instead of
         the fused-GEMV one (``model.llama.LlamaDecoderLayer.forward_one_row``); for A/B benchmarks.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -47,3 +51,17 @@ def one_row_fusion() -> bool:
 def ray_address() -> str | None:
     """RAY_ADDRESS, or None when unset or empty."""
     return os.environ.get("RAY_ADDRESS") or None
+
+
+def ray_job_working_dir() -> str | None:
+    """The ``working_dir`` of the ``ray job submit`` job this process is (None outside such a job, or
+    when the job has no working dir); read from Ray's RAY_JOB_CONFIG_JSON_ENV_VAR."""
+    value = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    if not value:
+        return None
+    try:
+        runtime_env = json.loads(value).get("runtime_env") or {}
+    except (ValueError, AttributeError):
+        return None
+    working_dir = runtime_env.get("working_dir") if isinstance(runtime_env, dict) else None
+    return str(working_dir) if working_dir else None

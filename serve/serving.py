@@ -18,8 +18,6 @@ from rayinfer.serve.logprobs import TextOffsets, TokenBytes
 from rayinfer.serve.protocol import APIError, from_error, from_value_error, num_text_chars
 
 logger = logging.getLogger(__name__)
-
-logger = logging.getLogger(__name__)
 _DONE = object()
 _T = TypeVar("_T")
 
@@ -69,6 +67,37 @@ class ChoiceState:
             self.num_cached_tokens = out.num_cached_tokens
 
 
+@dataclass
+class PreparedRequest:
+    """A chat or text completion request parsed, rendered and tokenized, not yet run: how the batch job
+    answers an OpenAI body without HTTP, on the service's own path (``ChatServing.prepare``,
+    ``CompletionServing.prepare``).
+
+    Attributes:
+        request_id: the response's id (``chatcmpl-...`` / ``cmpl-...``).
+        jobs: one ``(prompt token ids, SamplingParams)`` per engine request, in choice order (``n`` per
+            prompt; a completion with several prompts has ``n`` per prompt, prompt-major).
+        respond: builds the non-streaming response body (a ``chat.completion`` or ``text_completion``
+            dict) from one finished :class:`ChoiceState` per job, in the order of ``jobs``.
+    """
+
+    request_id: str
+    jobs: list[tuple[list[int], SamplingParams]]
+    respond: Callable[[list["ChoiceState"]], dict]
+
+
+def refused(e: Exception, param: str | None = None) -> APIError:
+    """What a request gets when parsing, rendering or tokenizing it raised ``e``: ``e`` itself when it is
+    an APIError, else a 400 naming ``param`` and the exception (whatever a tokenizer, a chat template or
+    a JSON decoder throws at some input is that input's fault, never the server's)."""
+    if isinstance(e, APIError):
+        return e
+    logger.info("request refused while preparing it", exc_info=e)
+    where = f"'{param}' " if param else "the request "
+    return APIError(f"{where}could not be turned into tokens: {type(e).__name__}: {e}", param=param,
+                    code="invalid_text")
+
+
 class OpenAIServing:
     """Shared request handling of the OpenAI endpoints (no HTTP inside; the app maps APIError to JSON).
 
@@ -113,10 +142,7 @@ class OpenAIServing:
         except APIError:
             raise
         except Exception as e:  # noqa: BLE001 - see the docstring
-            logger.info("request refused while preparing it", exc_info=True)
-            where = f"'{param}' " if param else "the request "
-            raise APIError(f"{where}could not be turned into tokens: {type(e).__name__}: {e}", param=param,
-                           code="invalid_text") from None
+            raise refused(e, param) from None
 
     def check_prompt_chars(self, value: Any, param: str) -> None:
         """Raises APIError 400 when ``value`` (decoded JSON) holds more than ``max_prompt_chars``

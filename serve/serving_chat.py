@@ -17,9 +17,11 @@ from rayinfer.serve.protocol import (
 from rayinfer.serve.serving import (
     ChoiceState,
     OpenAIServing,
+    PreparedRequest,
     RequestRecord,
     error_event,
     finish_reason,
+    refused,
     sse,
     usage,
     with_first,
@@ -66,6 +68,26 @@ class ChatServing:
             return self._stream(ctx, stream, first, num_prompt_tokens, ctx.req.n)
         states = await s.collect(request_id, jobs, arrival)
         return self._response(ctx, states, num_prompt_tokens)
+
+    def prepare(self, body: Any, request_id: str | None = None) -> PreparedRequest:
+        """Parse, render and tokenize a request in this thread, without running it: the path
+        :meth:`create` takes, for callers without HTTP (the batch job).
+
+        Args:
+            body: the decoded JSON body of a ``/v1/chat/completions`` request (``stream`` is ignored).
+            request_id: the response id; a new ``chatcmpl-...`` when None.
+        Returns:
+            the request's engine jobs and its response builder.
+        Raises:
+            APIError: as :meth:`create` would answer it (400 bad input, 404 unknown model).
+        """
+        request_id = request_id or f"chatcmpl-{uuid.uuid4().hex}"
+        try:
+            ctx, jobs = self._prepare(body, request_id, None)
+        except Exception as e:  # noqa: BLE001 - whatever the template or tokenizer raised: a 400
+            raise refused(e, "messages") from None
+        num_prompt_tokens = len(jobs[0][0])
+        return PreparedRequest(request_id, jobs, lambda states: self._response(ctx, states, num_prompt_tokens))
 
     def _prepare(self, body: Any, request_id: str, record: RequestRecord | None):
         """Parse, render and tokenize (on the serving's executor): ``(context, [(prompt_ids, params)])``."""

@@ -11,9 +11,11 @@ from rayinfer.serve.protocol import APIError, CompletionRequest, parse_body, res
 from rayinfer.serve.serving import (
     ChoiceState,
     OpenAIServing,
+    PreparedRequest,
     RequestRecord,
     error_event,
     finish_reason,
+    refused,
     sse,
     usage,
     with_first,
@@ -79,6 +81,28 @@ class CompletionServing:
             return self._stream(ctx, req, stream, first, echo_ids, num_prompt_tokens, record)
         states = await s.collect(request_id, jobs, arrival)
         return self._response(ctx, req, states, echo_ids, num_prompt_tokens, record)
+
+    def prepare(self, body: Any, request_id: str | None = None) -> PreparedRequest:
+        """Parse and tokenize a request in this thread, without running it: the path :meth:`create`
+        takes, for callers without HTTP (the batch job).
+
+        Args:
+            body: the decoded JSON body of a ``/v1/completions`` request (``stream`` is ignored).
+            request_id: the response id; a new ``cmpl-...`` when None.
+        Returns:
+            the request's engine jobs and its response builder.
+        Raises:
+            APIError: as :meth:`create` would answer it (400 bad input, 404 unknown model).
+        """
+        request_id = request_id or f"cmpl-{uuid.uuid4().hex}"
+        try:
+            req, jobs, echo_ids, num_prompt_tokens = self._prepare(body)
+        except Exception as e:  # noqa: BLE001 - whatever the tokenizer raised: a 400
+            raise refused(e, "prompt") from None
+        ctx = {"id": request_id, "object": "text_completion", "created": int(time.time()),
+               "model": self.serving.model_name}
+        return PreparedRequest(request_id, jobs, lambda states: self._response(
+            ctx, req, states, echo_ids, num_prompt_tokens, RequestRecord()))
 
     def _prepare(self, body: Any):
         """Parse and tokenize (on the serving's executor): ``(request, jobs, echo ids, prompt tokens)``."""

@@ -76,3 +76,28 @@ def test_joining_a_cluster_names_it(ray_cluster):
     assert got["gcs"] == gcs
     assert got["line"].startswith(f"joined the Ray cluster at {gcs} (ray.address: {gcs})")
     assert "ray.address=local" in got["line"]
+
+
+def test_an_address_nothing_answers_fails_at_once_in_one_line():
+    """Ray's own ray.init retries such an address for minutes, logging a warning every few seconds."""
+    import socket
+    import time
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.monotonic()
+    with pytest.raises(cluster.RayStartError) as e:
+        cluster._check_reachable(f"127.0.0.1:{port}", "RAY_ADDRESS")
+    assert time.monotonic() - start < 5
+    assert str(e.value).startswith(f"no Ray cluster answers at 127.0.0.1:{port} (RAY_ADDRESS)")
+    assert "\n" not in str(e.value)
+    cluster._check_reachable("auto", "ray.address")  # left to Ray
+    cluster._check_reachable("ray://head:10001", "ray.address")
+
+
+def test_an_embedded_cluster_needs_an_address_of_this_machine():
+    cluster._check_own_address("127.0.0.1")
+    cluster._check_own_address("auto")
+    with pytest.raises(cluster.RayStartError, match="203.0.113.77 is not an address of this machine"):
+        cluster._check_own_address("203.0.113.77")  # TEST-NET-3: documentation only, never local

@@ -2,11 +2,13 @@
 
 import time
 
+import numpy as np
 import pytest
 import ray
 import torch
 
 from rayinfer.actors.kv_store import KVStoreActor
+from rayinfer.actors.kv_transport import from_wire, to_wire
 from rayinfer.engine.block_pool import hash_block_chain
 
 LAYOUT = "v1:L,N,2,bs,H,D:float32:bs=4"
@@ -15,6 +17,11 @@ LAYOUT = "v1:L,N,2,bs,H,D:float32:bs=4"
 def payload(n, seed=0, head_dim=2):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(2, n, 2, 4, 1, head_dim, generator=g)  # [L, n, 2, bs, H, D]
+
+
+def stored(refs) -> torch.Tensor:
+    """The blocks behind the store's refs as one float32 payload (what a prefill replica loads)."""
+    return from_wire(np.concatenate(ray.get(refs), axis=1), torch.float32)
 
 
 @ray.remote(num_cpus=0)
@@ -40,7 +47,7 @@ def test_round_trip_and_prefix_match(store):
     assert ray.get(store.match.remote(hashes)) == 3
     layout, refs = ray.get(store.get.remote(hashes))
     assert layout == LAYOUT and len(refs) == 3
-    assert torch.equal(torch.cat(ray.get(refs), dim=1), data)
+    assert torch.equal(stored(refs), data)
     assert ray.get(store.put.remote(hashes, 3, payload(1), "v1:other")) == 0  # another layout is refused
     stats = ray.get(store.stats.remote())
     assert stats["kv_store_blocks"] == 3 and stats["kv_store_hit_rate"] == 3 / 4
@@ -51,10 +58,10 @@ def test_blocks_outlive_their_writer(store):
     hashes = hash_block_chain(list(range(8)), 4)
     data = payload(2, seed=1)
     writer = Writer.remote()
-    assert ray.get(writer.write.remote(store, hashes, 0, data)) == 2
+    assert ray.get(writer.write.remote(store, hashes, 0, to_wire(data))) == 2  # as replicas write: wire form
     ray.kill(writer, no_restart=True)
     _, refs = ray.get(store.get.remote(hashes))
-    assert torch.equal(torch.cat(ray.get(refs), dim=1), data)
+    assert torch.equal(stored(refs), data)
 
 
 def test_a_restarted_store_comes_back_empty(store):
@@ -75,3 +82,14 @@ def test_a_restarted_store_comes_back_empty(store):
         ray.get(refs, timeout=30)
     except ray.exceptions.RayError:
         pass
+
+
+def test_wire_form_round_trip_keeps_bytes():
+    """bfloat16 and float8 (no numpy dtype) and float32 payloads cross as integer views, bit for bit."""
+    data = torch.randn(2, 3, 2, 4, 1, 8)
+    for dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):
+        x = data.to(dtype)
+        wire = to_wire(x)
+        assert isinstance(wire, np.ndarray) and wire.nbytes == x.numel() * x.element_size()
+        back = from_wire(wire, dtype)
+        assert back.dtype == dtype and torch.equal(back.view(torch.uint8), x.view(torch.uint8))

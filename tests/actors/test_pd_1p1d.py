@@ -11,17 +11,20 @@ from rayinfer.placement.parallel_config import ParallelConfig, PDSection
 
 pytestmark = pytest.mark.slow
 TRANSFER_GIB = 0.02  # ~27 blocks of SmolLM2's float32 KV (737 KiB each)
+DECODE_SEQS = 8
 
 
 @pytest.fixture(scope="module")
 def client(ray_cluster, pd):
     # prefix caching off on the replicas: every prefix hit comes from the KV store; KV moves in batches over
     # a gloo transfer group (the nccl path's code on CPU) with a transfer budget of ~27 blocks (a few
-    # requests per batch); a small decode pool makes the decode replica preempt (hand requests back)
+    # requests per batch); a small decode pool makes the decode replica preempt (hand requests back); at most
+    # DECODE_SEQS requests in flight (admission_headroom 0): the rest of a burst waits before its prefill
     c = make_client(pd.model, pd.engine_config(enable_prefix_caching=False),
                     ParallelConfig(num_prefill=1, num_decode=1, num_cpus_per_replica=1,
                                    pd=PDSection(kv_transport="gloo", transfer_buffer_gib=TRANSFER_GIB,
-                                                decode_overrides={"num_kv_blocks": 21})))
+                                                admission_headroom=0.0,
+                                                decode_overrides={"num_kv_blocks": 21, "max_num_seqs": DECODE_SEQS})))
     yield c
     c.shutdown()
 
@@ -93,9 +96,15 @@ def test_seeded_sampling_equals_colocated_across_hand_backs(ray_cluster, pd, cas
 
 def test_burst_moves_kv_in_batches_within_the_transfer_budget(pd, client, cases, reference):
     """16 requests at once: their KV moves in fewer transfers than requests, the decode replica never holds
-    more received bytes than its budget, and the outputs are the colocated engine's."""
+    more received bytes than its budget, no more than the decode replica's max_num_seqs are let in at once
+    (the others wait before their prefill), and the outputs are the colocated engine's."""
+    import ray
+
     burst = [c for c in cases if c.request_id.startswith("chat") or c.request_id == "raw"] * 4
+    assert len(burst) > DECODE_SEQS
     before = asyncio.run(client.stats()).by_role("decode")[0].kv_transfer
+    gate_before = ray.get(client.router.admission_stats.remote())
+    assert gate_before["limit"] == DECODE_SEQS and gate_before["admitted"] == 0
     streams = {}
 
     async def main():
@@ -115,6 +124,9 @@ def test_burst_moves_kv_in_batches_within_the_transfer_budget(pd, client, cases,
     assert decode["kv_transfer_budget_used"] == 0  # every received batch was imported and given back
     moved = len(burst) - client.num_handbacks  # hand-backs re-prefill and move again: count legs loosely
     assert 0 < batches < len(burst), (batches, moved)
+    gate = ray.get(client.router.admission_stats.remote())
+    assert gate["waited"] - gate_before["waited"] >= len(burst) - DECODE_SEQS  # the rest waited their turn
+    assert gate["admitted"] == 0 and gate["waiting"] == 0  # every request left
 
 
 def test_decoding_goes_on_while_a_transfer_is_in_flight(pd, client, cases, reference):

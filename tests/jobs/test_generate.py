@@ -1,6 +1,7 @@
-"""The batch job: one ordered output line per input line, per-line errors, resume, clean exits."""
+"""The batch job: one ordered output line per input line, per-line errors, resume, clean exits, paths."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -8,19 +9,27 @@ from pathlib import Path
 import pytest
 
 from rayinfer.engine.config import EngineConfig, ModelConfig
-from rayinfer.jobs.generate import (
-    GenerateConfig,
-    append_record,
-    choice_params,
-    drop_cut_line,
-    match_done,
-    output_record,
-    parse_lines,
-    run,
-)
+from rayinfer.jobs.batch_io import LineParser, append_record, drop_cut_line, match_done, output_record
+from rayinfer.jobs.generate import GenerateConfig, run
 from rayinfer.placement.parallel_config import EPLBSection, ParallelConfig
 
 ROOT = Path(__file__).resolve().parents[2]
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def parse_lines(lines: list[str], tokenizer, defaults: dict, model: str = MODEL):
+    """``rayinfer`` lines (numbered from 1) parsed as the job parses them."""
+    return LineParser(tokenizer, MODEL, 8192, defaults, key_model=model).parse(
+        [(i + 1, ln) for i, ln in enumerate(lines)], "rayinfer")
+
+
+def params(job):
+    """The SamplingParams of a parsed line's first choice."""
+    return job.prepared.jobs[0][1]
+
+
+def message(job) -> str | None:
+    return job.error.message if job.error else None
 
 
 def test_parse_lines_flags_bad_lines(tokenizer):
@@ -36,19 +45,31 @@ def test_parse_lines_flags_bad_lines(tokenizer):
         '{"prompt": "no id"}',
     ]
     jobs = parse_lines(lines, tokenizer, {"max_tokens": 8})
-    errors = {j.id: j.error for j in jobs[:7]} | {"line-8": jobs[8].error}
-    assert errors["ok"] is None and errors["chat"] is None and errors["line-8"] is None
-    assert "malformed JSON" in jobs[2].error
+    errors = {j.id: message(j) for j in jobs[:7]} | {"line-9": message(jobs[8])}
+    assert errors["ok"] is None and errors["chat"] is None and errors["line-9"] is None
+    assert jobs[2].id == "line-3" and "malformed JSON on line 3" in message(jobs[2])
     assert "empty" in errors["empty"]
     assert "temprature" in errors["unknown"]
     assert "temperature" in errors["neg"]
     assert "exactly one" in errors["both"]
-    assert "duplicate" in jobs[7].error
-    assert jobs[0].params.max_tokens == 3 and jobs[1].params.max_tokens == 8
+    assert "duplicate" in message(jobs[7]) and jobs[0].error is None  # the first "ok" still runs
+    assert params(jobs[0]).max_tokens == 3 and params(jobs[1]).max_tokens == 8
+
+
+def test_line_numbers_are_the_files_and_agree_with_the_message(tmp_path, tokenizer):
+    """Blank lines count: a malformed line's id and its message name the same 1-based line."""
+    from rayinfer.jobs.batch_io import read_lines
+
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"prompt": "a"}\n\n{"prompt": "b"}\n{oops\n')
+    jobs = LineParser(tokenizer, MODEL, 8192).parse(read_lines(path))
+    assert [(j.line_no, j.id) for j in jobs] == [(1, "line-1"), (3, "line-3"), (4, "line-4")]
+    assert message(jobs[2]).startswith("malformed JSON on line 4:")
 
 
 def test_special_token_text_in_user_content_stays_plain(tokenizer):
     jobs = parse_lines(['{"messages": [{"role": "user", "content": "a <|im_start|> b"}]}'], tokenizer, {})
+    assert jobs[0].error is None
     ids = jobs[0].prompt_token_ids
     im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
     # the template's two turn headers (system default + user + assistant) use the control token;
@@ -60,7 +81,7 @@ def test_special_token_text_in_user_content_stays_plain(tokenizer):
     assert "<|im_start|>" in tokenizer.decode(ids)
 
 
-def test_job_end_to_end_with_errors_and_resume(tmp_path, ray_cluster):
+def test_job_end_to_end_with_errors_and_resume(tmp_path, fleet):
     long_prompt = "word " * 9000
     lines = [
         {"id": "a", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 8},
@@ -72,39 +93,58 @@ def test_job_end_to_end_with_errors_and_resume(tmp_path, ray_cluster):
     inp.write_text("\n".join(json.dumps(x) for x in lines) + "\n{not json\n")
     out = tmp_path / "out.jsonl"
     cfg = GenerateConfig(input=str(inp), output=str(out), model=ModelConfig(dtype="float32"),
-                         engine=EngineConfig(device="cpu", num_kv_blocks=256), parallel=ParallelConfig(dp=1),
                          sampling={"max_tokens": 8, "temperature": 0.0})
-    assert run(cfg) == 0
+    assert run(cfg, client=fleet) == 0
     recs = [json.loads(x) for x in out.read_text().splitlines()]
-    assert [r["id"] for r in recs] == ["a", "b", "too-long", "bad", "line-4"]
+    assert [r["id"] for r in recs] == ["a", "b", "too-long", "bad", "line-5"]
     assert recs[0]["error"] is None and "Paris" in recs[0]["text"]
     assert recs[1]["error"] is None and len(recs[1]["output_token_ids"]) <= 5
-    assert "context limit" in recs[2]["error"] and "top_p" in recs[3]["error"]
-    assert "malformed JSON" in recs[4]["error"]
+    assert "maximum context length" in recs[2]["error"] and "top_p" in recs[3]["error"]
+    assert "malformed JSON on line 5" in recs[4]["error"]
     assert recs[0]["usage"]["completion_tokens"] == len(recs[0]["output_token_ids"])
 
     # a rerun keeps finished lines as they are (marked here) and redoes only failed ones
     recs[0]["text"] = "MARK"
     out.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    assert run(cfg) == 0
+    assert run(cfg, client=fleet) == 0
     again = [json.loads(x) for x in out.read_text().splitlines()]
     assert again[0]["text"] == "MARK" and len(again) == 5
 
 
 @pytest.mark.parametrize("override, message", [
-    ("model.model=no-such-model", "unknown model"),
+    ("model.model=no-such-model", "unknown model 'no-such-model'"),
+    ("model=no-such-model", "unknown model 'no-such-model'"),  # a config-group name Hydra does not know
     ("model.dtype=float64", "dtype"),
     ("engine.max_num_seqs=0", "max_num_seqs"),
+    ("input=/no/such/file.jsonl", "input file not found: /no/such/file.jsonl"),
+    ("ray.address=127.0.0.1:1", "no Ray cluster answers at 127.0.0.1:1 (ray.address)"),
 ])
-def test_bad_config_exits_nonzero_before_work(override, message):
+def test_bad_config_exits_2_with_one_line_before_work(override, message):
     proc = subprocess.run([sys.executable, str(ROOT / "jobs/generate.py"), override], capture_output=True,
-                          text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode != 0
-    assert message in proc.stderr + proc.stdout
+                          text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1, proc.stderr
+    if override.startswith(("model=", "model.model=")):  # the known models are listed, tiny MoE shapes too
+        assert "qwen3-moe-tiny" in errors[0] and "SmolLM2-135M-Instruct" in errors[0]
+
+
+def test_missing_input_is_reported_before_the_tokenizer_loads(tmp_path, monkeypatch):
+    import rayinfer.model.loader as loader
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was resolved or the tokenizer loaded before the input was checked")
+
+    monkeypatch.setattr(loader, "load_tokenizer", no_load)
+    monkeypatch.setattr(loader, "resolve_model", no_load)
+    with pytest.raises(FileNotFoundError, match=f"input file not found: {tmp_path / 'missing.jsonl'}"):
+        run(GenerateConfig(input=str(tmp_path / "missing.jsonl")))
 
 
 def test_job_with_expert_parallel_topology_equals_colocated(tmp_path, ray_cluster):
-    """parallel.ep=2 (2 EP ranks, redundant experts) answers like one colocated replica."""
+    """parallel.ep=2 (2 EP ranks, redundant experts, a saved checkpoint) answers like one engine."""
     import torch
     import transformers
 
@@ -123,28 +163,30 @@ def test_job_with_expert_parallel_topology_equals_colocated(tmp_path, ray_cluste
     inp.write_text("".join(json.dumps({"id": str(i), "prompt": p}) + "\n"
                            for i, p in enumerate(["Hello there", "One two three four", "x"])))
 
-    def job(out, parallel):
-        c = GenerateConfig(input=str(inp), output=str(out), model=ModelConfig(str(tmp_path / "moe"), dtype="float32"),
-                           engine=EngineConfig(device="cpu", num_kv_blocks=64), parallel=parallel,
-                           sampling={"max_tokens": 6, "temperature": 0.0, "ignore_eos": True})
-        assert run(c) == 0
-        return [json.loads(x) for x in out.read_text().splitlines()]
+    from rayinfer.engine.llm_engine import LLMEngine
+    from rayinfer.engine.types import SamplingParams
 
-    ref = job(tmp_path / "ref.jsonl", ParallelConfig(dp=1, num_cpus_per_replica=1))
-    ep = job(tmp_path / "ep.jsonl", ParallelConfig(
-        ep=2, eplb=EPLBSection(num_redundant_experts=2, interval=2, window=4)))
-    assert [r["output_token_ids"] for r in ep] == [r["output_token_ids"] for r in ref]
+    out = tmp_path / "ep.jsonl"
+    model = ModelConfig(str(tmp_path / "moe"), dtype="float32")
+    c = GenerateConfig(input=str(inp), output=str(out), model=model, engine=EngineConfig(device="cpu", num_kv_blocks=64),
+                       parallel=ParallelConfig(ep=2, eplb=EPLBSection(num_redundant_experts=2, interval=2, window=4)),
+                       sampling={"max_tokens": 6, "temperature": 0.0, "ignore_eos": True})
+    assert run(c) == 0
+    ep = [json.loads(x) for x in out.read_text().splitlines()]
+    # the reference: the engine a colocated replica runs, in this process (no second fleet to start)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    ref = LLMEngine(model, EngineConfig(device="cpu", num_kv_blocks=64)).generate(
+        [r["prompt_token_ids"] for r in ep], [greedy] * len(ep), [r["id"] for r in ep])
+    assert [r["output_token_ids"] for r in ep] == [c.output_token_ids for c in ref]
     assert all(r["error"] is None and len(r["output_token_ids"]) == 6 for r in ep)
 
 
 def _fake_output(path: Path, jobs, texts) -> list[dict]:
     """Write the output file an earlier run would have written, each job answered with its text."""
-    from rayinfer.engine.types import Completion
+    from rayinfer.serve.serving import ChoiceState
 
-    recs = []
-    for job, text in zip(jobs, texts):
-        c = Completion(job.id, job.prompt_token_ids, output_token_ids=[1, 2], text=text, finish_reason="length")
-        recs.append(output_record(job, c))
+    recs = [output_record(job, [ChoiceState(0, len(job.prompt_token_ids), text, [1, 2], finish_reason="length")])
+            for job, text in zip(jobs, texts)]
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
     return recs
 
@@ -152,14 +194,15 @@ def _fake_output(path: Path, jobs, texts) -> list[dict]:
 def test_resume_reuses_a_result_only_for_the_same_prompt_and_params(tokenizer):
     lines = [json.dumps({"prompt": f"prompt number {i}", "max_tokens": 4}) for i in range(4)]
     old = parse_lines(lines, tokenizer, {}, "m")
-    # line 1 removed, line 3 changed (another max_tokens), a new line appended; no ids anywhere
+    # line 2 removed, line 4 changed (another max_tokens), a new line appended; no ids anywhere
     new_lines = [lines[0], lines[2], json.dumps({"prompt": "prompt number 3", "max_tokens": 5}),
                  json.dumps({"prompt": "prompt number 1", "max_tokens": 4})]
     new = parse_lines(new_lines, tokenizer, {}, "m")
-    stored = {r["key"]: [r] for r in (output_record(j) | {"text": f"answer {i}"} for i, j in enumerate(old))}
+    stored = {r["key"]: [r] for r in (output_record(j) | {"error": None, "text": f"answer {i}"}
+                                      for i, j in enumerate(old))}
     done = match_done(new, stored)
-    assert {k: v["text"] for k, v in done.items()} == {"line-0": "answer 0", "line-1": "answer 2",
-                                                       "line-3": "answer 1"}
+    assert {k: v["text"] for k, v in done.items()} == {"line-1": "answer 0", "line-2": "answer 2",
+                                                       "line-4": "answer 1"}
     assert all(done[j.id]["id"] == j.id and done[j.id]["prompt_token_ids"] == j.prompt_token_ids
                for j in new if j.id in done)
     # the same prompt under another model is another request
@@ -176,7 +219,7 @@ def test_rerun_after_a_line_is_removed_keeps_each_answer_with_its_prompt(tmp_pat
     inp.write_text("\n".join(lines) + "\n")
     assert run(cfg) == 0  # every line is reused: no fleet starts
     recs = [json.loads(x) for x in out.read_text().splitlines()]
-    assert [r["id"] for r in recs] == ["line-0", "line-1", "line-2"]
+    assert [r["id"] for r in recs] == ["line-1", "line-2", "line-3"]
     assert [r["text"] for r in recs] == ["about topic 0", "about topic 2", "about topic 3"]
     assert [tokenizer.decode(r["prompt_token_ids"]) for r in recs] == [
         f"Tell me about topic {i}" for i in (0, 2, 3)]
@@ -197,18 +240,17 @@ def test_cut_last_line_is_dropped_and_records_are_whole(tmp_path):
     assert [json.loads(x)["id"] for x in p.read_text().splitlines()] == ["a", "b", "d"]
 
 
-def test_rerun_after_a_crash_mid_write_recomputes_the_cut_line(tmp_path, tokenizer, ray_cluster):
+def test_rerun_after_a_crash_mid_write_recomputes_the_cut_line(tmp_path, tokenizer, fleet):
     lines = [json.dumps({"id": i, "prompt": p}) for i, p in (("a", "The sky is"), ("b", "Water is"))]
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("\n".join(lines) + "\n")
     cfg = GenerateConfig(input=str(inp), output=str(out), model=ModelConfig(dtype="float32"),
-                         engine=EngineConfig(device="cpu", num_kv_blocks=64), parallel=ParallelConfig(dp=1),
                          sampling={"max_tokens": 3, "temperature": 0.0, "ignore_eos": True})
     partial = tmp_path / "out.jsonl.partial"
     jobs = parse_lines(lines, tokenizer, dict(cfg.sampling), cfg.model.model)
     rec_a, rec_b = _fake_output(partial, jobs, ["MARK-a", "MARK-b"])
     partial.write_text(json.dumps(rec_a) + "\n" + json.dumps(rec_b)[:40])  # died while writing b
-    assert run(cfg) == 0
+    assert run(cfg, client=fleet) == 0
     recs = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["id"] for r in recs] == ["a", "b"]
     assert recs[0]["text"] == "MARK-a"  # kept
@@ -262,21 +304,25 @@ def test_lines_take_the_services_sampling_names(tokenizer):
         '{"id": "both-max", "prompt": "x", "max_tokens": 4, "max_completion_tokens": 5}',
         '{"id": "big-n", "prompt": "x", "n": 129}',
         '{"id": "top-alone", "prompt": "x", "top_logprobs": 2}',
+        '{"id": "chat-int-lp", "messages": [{"role": "user", "content": "x"}], "logprobs": 2}',
+        '{"id": "chat-mct", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 6}',
     ]
     jobs = {j.id: j for j in parse_lines(lines, tokenizer, {"max_tokens": 8})}
-    assert jobs["mct"].params.max_tokens == 5
-    assert jobs["chat-lp"].params.logprobs == 3 and jobs["no-lp"].params.logprobs is None
-    assert jobs["choice"].params.response_format == {"type": "regex", "regex": "(yes|no)"}
-    assert jobs["text"].error is None and jobs["text"].params.response_format is None
-    assert [(p.n, p.seed) for p in choice_params(jobs["n"].params)] == [(1, 5), (1, 6), (1, 7)]
-    assert "regex" in (jobs["bad-regex"].error or "")
-    assert "at most one" in (jobs["two"].error or "")
-    assert "max_completion_tokens" in (jobs["both-max"].error or "")
-    assert "n must be between 1 and 128" in (jobs["big-n"].error or "")
-    assert "top_logprobs" in (jobs["top-alone"].error or "")
+    assert params(jobs["mct"]).max_tokens == 5 and params(jobs["chat-mct"]).max_tokens == 6
+    assert params(jobs["chat-lp"]).logprobs == 3 and params(jobs["no-lp"]).logprobs is None
+    assert params(jobs["chat-int-lp"]).logprobs == 2
+    assert params(jobs["choice"]).response_format == {"type": "regex", "regex": "(yes|no)"}
+    assert jobs["text"].error is None and params(jobs["text"]).response_format is None
+    # n: one engine request per choice, choice i seeded seed + i (the service's own fan-out)
+    assert [(p.n, p.seed) for _, p in jobs["n"].prepared.jobs] == [(1, 5), (1, 6), (1, 7)]
+    assert "regex" in (message(jobs["bad-regex"]) or "")
+    assert "at most one" in (message(jobs["two"]) or "")
+    assert "max_completion_tokens" in (message(jobs["both-max"]) or "")
+    assert "n must be between 1 and 128" in (message(jobs["big-n"]) or "")
+    assert "top_logprobs" in (message(jobs["top-alone"]) or "")
 
 
-def test_logprobs_n_and_guided_choice_take_effect_in_the_job(tmp_path, ray_cluster):
+def test_logprobs_n_and_guided_choice_take_effect_in_the_job(tmp_path, fleet):
     lines = [
         {"id": "lp", "prompt": "The sky is", "max_tokens": 4, "logprobs": 2},
         {"id": "n", "prompt": "Once upon a time", "max_tokens": 5, "temperature": 0.9, "seed": 11, "n": 2},
@@ -286,9 +332,8 @@ def test_logprobs_n_and_guided_choice_take_effect_in_the_job(tmp_path, ray_clust
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
     cfg = GenerateConfig(input=str(inp), output=str(out), model=ModelConfig(dtype="float32"),
-                         engine=EngineConfig(device="cpu", num_kv_blocks=128), parallel=ParallelConfig(dp=1),
                          sampling={"max_tokens": 8, "temperature": 0.0, "ignore_eos": True})
-    assert run(cfg) == 0
+    assert run(cfg, client=fleet) == 0
     recs = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert all(r["error"] is None for r in recs.values()), recs
     lp = recs["lp"]
@@ -302,3 +347,36 @@ def test_logprobs_n_and_guided_choice_take_effect_in_the_job(tmp_path, ray_clust
     assert n["choices"][1]["output_token_ids"] == recs["seed12"]["output_token_ids"]  # choice i: seed + i
     assert n["usage"]["completion_tokens"] == sum(len(c["output_token_ids"]) for c in n["choices"])
     assert recs["yn"]["text"] in ("yes", "no")
+
+
+def test_relative_paths_resolve_against_base_dir_not_the_ray_copy(tmp_path, monkeypatch, capsys):
+    """``ray job submit`` runs the job in Ray's copy of the working directory: with ``base_dir=$PWD`` (the
+    README's command) relative paths are the submitting directory's; without, a warning says how to fix it."""
+    user, copy = tmp_path / "user", tmp_path / "_ray_pkg_copy"
+    for d in (user, copy):
+        d.mkdir()
+        (d / "p.jsonl").write_text('{"id": "x", "prompt": ""}\n')  # an error line: nothing runs, no fleet
+    monkeypatch.chdir(copy)
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps(
+        {"runtime_env": {"working_dir": "gcs://_ray_pkg_0123.zip"}, "metadata": {}}))
+    assert run(GenerateConfig(input="p.jsonl", output="out/res.jsonl", base_dir=str(user))) == 0
+    assert (user / "out" / "res.jsonl").is_file() and not (copy / "out").exists()
+    captured = capsys.readouterr()
+    assert f"wrote {user / 'out' / 'res.jsonl'}" in captured.out and "warning" not in captured.err
+
+    assert run(GenerateConfig(input="p.jsonl")) == 0  # no base_dir: written inside the copy, with a warning
+    captured = capsys.readouterr()
+    assert (copy / "p.out.jsonl").is_file()
+    assert f"warning: writing {copy / 'p.out.jsonl'}" in captured.err and "base_dir=$PWD" in captured.err
+
+
+def test_resolve_path():
+    from rayinfer.jobs.generate import resolve_path
+
+    base = Path("/base")
+    assert resolve_path("out.jsonl", base) == Path("/base/out.jsonl")
+    assert resolve_path("/abs/out.jsonl", base) == Path("/abs/out.jsonl")
+    assert resolve_path("file:///abs/out.jsonl", base) == Path("/abs/out.jsonl")
+    assert resolve_path("~/o.jsonl", base) == Path.home() / "o.jsonl"
+    with pytest.raises(ValueError, match="s3://"):
+        resolve_path("s3://bucket/o.jsonl", base)

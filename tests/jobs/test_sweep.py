@@ -3,11 +3,12 @@
 import csv
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
-from rayinfer.jobs.sweep import append_row, pareto_frontier, plot_pareto, sweep_label
+from rayinfer.jobs.sweep import append_row, pareto_frontier, plot_pareto, plot_title, summary_line, sweep_label
 
 ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -43,6 +44,22 @@ def test_sweep_label_names_the_swept_keys():
     assert sweep_label([], []) == "default"
 
 
+def test_summary_line_rounds():
+    row = {"label": "dp=2", "output_tok_s_per_unit": 1234.5678901, "unit": "gpu", "median_tpot_ms": 9.3612345678,
+           "median_ttft_ms": 123.456789012}
+    assert summary_line(row, "s.csv") == "[dp=2] 1234.6 out tok/s per gpu, TPOT p50 9.36 ms, TTFT p50 123.5 ms -> s.csv"
+    assert "TPOT p50 n/a ms" in summary_line(row | {"median_tpot_ms": None}, "s.csv")
+
+
+def test_plot_title_names_model_workload_and_device():
+    rows = [{"model": "llama-3-8b", "num_prompts": "1000", "workload": "1000/1000", "device": "cuda",
+             "device_name": "NVIDIA H200"}] * 2
+    assert plot_title(rows) == "llama-3-8b, 1000 prompts x 1000/1000 tokens, NVIDIA H200 (2 configurations)"
+    old_csv = [{"model": "m", "num_prompts": "8", "workload": "mixed", "device": "cpu"},
+               {"model": "n", "num_prompts": "8", "workload": "mixed", "device": "cpu"}]  # no device_name column
+    assert plot_title(old_csv) == "m / n, 8 prompts x mixed lengths, cpu (2 configurations)"
+
+
 def test_append_row_writes_one_header(tmp_path):
     path = tmp_path / "s.csv"
     append_row(path, {"a": 1, "b": 2})
@@ -72,3 +89,9 @@ def test_topology_sweep_writes_rows_and_a_pareto_png(tmp_path):
     png = tmp_path / "pareto.png"
     assert png.read_bytes()[:8] == PNG_MAGIC
     assert "frontier" in proc.stdout
+    # progress per run: the fleet it starts, then a bar of requests, tokens and tok/s as they stream
+    assert "[parallel=1p1d dp=1] starting the pd fleet" in proc.stdout
+    assert "[parallel=colocated dp=2]" in proc.stderr and "est. speed input:" in proc.stderr
+    summaries = [ln for ln in proc.stdout.splitlines() if "out tok/s per replica" in ln]
+    assert len(summaries) == 3 and not any(re.search(r"\d\.\d{3}", ln) for ln in summaries), summaries
+    assert rows[0]["device_name"].startswith("CPU (")

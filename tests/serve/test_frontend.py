@@ -370,12 +370,12 @@ def test_finished_and_failed_requests_are_counted_once(tokenizer):
      {"role": "developer", "content": [{"type": "text", "text": "Be brief."}]}, {"role": "user", "content": "more"}],
 ])
 def test_service_and_batch_job_render_the_same_prompt(tokenizer, messages):
-    from rayinfer.jobs.generate import parse_lines
+    from rayinfer.jobs.batch_io import LineParser
 
     fe, fake = make(tokenizer)
     r = call(fe, "POST", "/v1/chat/completions", json={"messages": messages, "max_tokens": 2}, headers=AUTH)
     assert r.status_code == 200, r.text
-    [job] = parse_lines([json.dumps({"messages": messages, "max_tokens": 2})], tokenizer, {})
+    [job] = LineParser(tokenizer, "m", 8192).parse([(1, json.dumps({"messages": messages, "max_tokens": 2}))])
     assert job.error is None and job.prompt_token_ids == fake.prompts[0]
     # developer is the system role (the OpenAI spec), never a literal "developer" turn
     as_system = [{"role": "system" if m["role"] == "developer" else m["role"],

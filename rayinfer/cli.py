@@ -1,0 +1,196 @@
+"""Console scripts ``rayinfer serve`` and ``rayinfer generate`` (``[project.scripts]``): vLLM's common flags,
+parsed with argparse and mapped onto the Hydra config that ``jobs/serve.py`` and ``jobs/generate.py`` read
+(conf/serve.yaml, conf/generate.yaml), which Hydra's compose API builds. Hydra ``key=value`` overrides
+after the flags still apply, and win over a flag for the same key.
+
+    rayinfer serve --model smollm2 --port 8000 --api-key secret --max-num-seqs 64
+    rayinfer generate --model qwen3-moe-tiny --parallel ep2 --input prompts.jsonl --output out.jsonl
+    rayinfer generate -i batch.jsonl -o results.jsonl engine.num_kv_blocks=512 parallel.dp=2
+
+``--model`` (and a ``model=`` override, here and in the jobs) takes a config of conf/model/ (``smollm2``,
+``llama-3-8b``, ``qwen3-moe-tiny``, ...; ``llama3-8b`` names the same config: case, ``-``, ``_`` and ``.``
+do not count), else a model name or directory for ``model.model`` (an unknown one fails with exit code 2
+and the list of known ones).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+from pathlib import Path
+
+CONF_DIR = Path(__file__).resolve().parent / "conf"
+
+# flag dest -> Hydra key; each is a plain value override (a string value is quoted for Hydra)
+_COMMON_KEYS = {
+    "dtype": "model.dtype",
+    "max_model_len": "model.max_model_len",
+    "load_format": "model.load_format",
+    "seed": "model.seed",
+    "device": "engine.device",
+    "max_num_seqs": "engine.max_num_seqs",
+    "max_num_batched_tokens": "engine.max_num_batched_tokens",
+    "gpu_memory_utilization": "engine.gpu_memory_utilization",
+    "data_parallel_size": "parallel.dp",
+}
+_COMMAND_KEYS = {
+    "serve": {"host": "host", "port": "port", "api_key": "api_key", "served_model_name": "served_model_name"},
+    "generate": {"input": "input", "output": "output", "input_format": "input_format", "base_dir": "base_dir",
+                 "served_model_name": "served_model_name"},
+}
+_STRING_KEYS = {"model.dtype", "model.load_format", "engine.device", "host", "api_key", "served_model_name",
+                "input", "output", "input_format", "base_dir"}
+
+
+def config_options(group: str) -> list[str]:
+    """The options of a Hydra config group: the names of ``conf/<group>/*.yaml``."""
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", name.lower())
+
+
+def model_override(value: str) -> str:
+    """The Hydra override that selects model ``value``: ``model=<config>`` when it names a config of
+    conf/model/ (case, ``-``, ``_`` and ``.`` ignored: ``llama3-8b`` is ``llama-3-8b``), else
+    ``model.model=<value>`` (a model name, shape or directory, checked by the job with a clear error)."""
+    by_canonical = {_canonical(o): o for o in config_options("model")}
+    option = by_canonical.get(_canonical(value))
+    return f"model={option}" if option else f"model.model={hydra_value(value)}"
+
+
+def normalize_overrides(overrides: list[str]) -> list[str]:
+    """Command-line overrides with every ``model=VALUE`` replaced by :func:`model_override`'s (a sweep's
+    ``model=a,b`` is left to Hydra); everything else unchanged.
+
+    Without this, ``model=nope`` fails inside Hydra (exit 1, a traceback-like message) while
+    ``model.model=nope`` gets the job's own error (exit 2, the known models listed).
+    """
+    out = []
+    for o in overrides:
+        key, sep, value = o.partition("=")
+        if sep and key == "model" and value and "," not in value and "(" not in value:
+            o = model_override(value)
+        out.append(o)
+    return out
+
+
+def hydra_value(value: str) -> str:
+    """``value`` as a quoted string of Hydra's override grammar (so ``true``, ``123``, ``a b`` or ``$x``
+    stay the string given)."""
+    text = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", value)  # backslashes before a quote double
+    text = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, text)  # ... and before the closing quote
+    text = text.replace("${", "\\${")  # no interpolation
+    return f"'{text}'"
+
+
+def build_parser(command: str) -> argparse.ArgumentParser:
+    """The argparse parser of ``rayinfer <command>`` ("serve" or "generate")."""
+    what = {"serve": "Start the OpenAI-compatible service (jobs/serve.py) and serve until Ctrl-C.",
+            "generate": "Run the batch job (jobs/generate.py): JSONL in (OpenAI Batch or rayinfer lines), "
+                        "one output line per input line."}[command]
+    p = argparse.ArgumentParser(prog=f"rayinfer {command}", description=what,
+                                epilog="Hydra overrides (key=value) after the flags still apply and win, e.g. "
+                                       "engine.num_kv_blocks=512 parallel.pd.kv_transport=gloo.")
+    p.add_argument("--model", help=f"a config of conf/model ({', '.join(config_options('model'))}), a model "
+                                   "name or a Hugging Face-format directory")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-model-len", type=int, help="context limit in tokens")
+    p.add_argument("--load-format", choices=["auto", "safetensors", "dummy"])
+    p.add_argument("--seed", type=int, help="seed of dummy weights and of unseeded sampling")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--max-num-seqs", type=int, help="running requests per replica at most")
+    p.add_argument("--max-num-batched-tokens", type=int, help="new tokens per step at most")
+    p.add_argument("--gpu-memory-utilization", type=float, help="fraction of the GPU's memory a replica may use")
+    p.add_argument("--parallel", choices=config_options("parallel"),
+                   help="a topology of conf/parallel (colocated, 1p1d, ep2, ...)")
+    p.add_argument("--data-parallel-size", "-dp", type=int, help="colocated replicas (parallel.dp)")
+    p.add_argument("--served-model-name", help="the name requests must give as 'model'")
+    if command == "serve":
+        p.add_argument("--host", help="address of the HTTP proxy (default 127.0.0.1)")
+        p.add_argument("--port", type=int, help="port of the HTTP proxy (default 8000)")
+        p.add_argument("--api-key", help="require 'Authorization: Bearer <key>'")
+    else:
+        p.add_argument("--input", "--input-file", "-i", help="input JSONL (default: built-in prompts)")
+        p.add_argument("--output", "--output-file", "-o", help="output JSONL (default: <input>.out.jsonl)")
+        p.add_argument("--input-format", choices=["auto", "openai", "rayinfer"])
+        p.add_argument("--base-dir", help="directory relative paths resolve against (default: the current one)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="Hydra overrides")
+    return p
+
+
+def to_overrides(command: str, args: argparse.Namespace) -> list[str]:
+    """The Hydra overrides of parsed flags: the flags' first, then the positional ones (normalized, see
+    :func:`normalize_overrides`); a flag whose key a positional override sets is dropped, so the
+    override wins."""
+    flags: list[tuple[str, str]] = []
+    if args.model is not None:
+        key, _, value = model_override(args.model).partition("=")
+        flags.append((key, value))
+    if args.parallel is not None:
+        flags.append(("parallel", args.parallel))
+    for dest, key in {**_COMMON_KEYS, **_COMMAND_KEYS[command]}.items():
+        value = getattr(args, dest, None)
+        if value is not None:
+            flags.append((key, hydra_value(str(value)) if key in _STRING_KEYS else str(value)))
+    positional = normalize_overrides(list(args.overrides))
+    given = {o.partition("=")[0].lstrip("+~") for o in positional}
+    return [f"{k}={v}" for k, v in flags if k not in given] + positional
+
+
+def compose(config_name: str, overrides: list[str]):
+    """Compose ``conf/<config_name>.yaml`` with ``overrides`` through Hydra's compose API.
+
+    Raises:
+        ValueError: for an override Hydra or the config schema refuses (one line).
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        with initialize_config_module(config_module="rayinfer.conf", version_base="1.3"):
+            return hydra_compose(config_name=config_name, overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ValueError(f"bad {config_name} config: {' '.join(str(e).split())}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``rayinfer {serve,generate} [flags] [key=value ...]``; returns the exit code (2: a bad flag,
+    override or config value, or an unknown model)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in ("serve", "generate"):
+        print("usage: rayinfer {serve,generate} [flags] [key=value ...]; rayinfer <command> --help for the flags",
+              file=sys.stderr)
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    command = argv[0]
+    args = build_parser(command).parse_intermixed_args(argv[1:])  # a bad flag: argparse's exit 2
+    overrides = to_overrides(command, args)
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")  # as hydra/job_logging: stdout
+    if command == "generate":
+        from rayinfer.jobs import generate
+
+        generate.register_configs()
+        try:
+            dcfg = compose("generate", overrides)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return generate.execute(dcfg)
+    from rayinfer.jobs import serve
+    from rayinfer.serve.config import compose_config
+
+    try:
+        cfg = compose_config(overrides)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return serve.execute(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""``rayinfer serve`` / ``rayinfer generate``: vLLM's flags onto Hydra overrides, the composed configs, model
+names, exit codes, and one generate run through the console script's ``main``."""
+
+import importlib
+import json
+import tomllib
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from rayinfer.cli import build_parser, compose, hydra_value, main, model_override, normalize_overrides, to_overrides
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def overrides(command: str, *argv: str) -> list[str]:
+    return to_overrides(command, build_parser(command).parse_intermixed_args(list(argv)))
+
+
+def test_generate_flags_map_onto_overrides():
+    got = overrides("generate", "--model", "Llama3-8B", "--dtype", "float32", "--max-model-len", "2048",
+                    "--max-num-seqs", "8", "--gpu-memory-utilization", "0.5", "--parallel", "ep2", "-i", "in.jsonl",
+                    "--output", "out dir/o.jsonl", "engine.num_kv_blocks=64", "--input-format", "openai")
+    assert got == ["model=llama-3-8b", "parallel=ep2", "model.dtype='float32'", "model.max_model_len=2048",
+                   "engine.max_num_seqs=8", "engine.gpu_memory_utilization=0.5", "input='in.jsonl'",
+                   "output='out dir/o.jsonl'", "input_format='openai'", "engine.num_kv_blocks=64"]
+
+
+def test_serve_flags_map_onto_overrides_and_an_override_wins():
+    got = overrides("serve", "--model", "/models/my-llama", "--host", "0.0.0.0", "--port", "8011",
+                    "--api-key", "true", "--max-num-seqs", "16", "--data-parallel-size", "2", "port=9000")
+    assert got == ["model.model='/models/my-llama'", "engine.max_num_seqs=16", "parallel.dp=2", "host='0.0.0.0'",
+                   "api_key='true'", "port=9000"]
+
+
+def test_composed_configs_carry_the_flags():
+    from rayinfer.jobs import generate
+    from rayinfer.serve.config import compose_config
+
+    generate.register_configs()
+    cfg = OmegaConf.to_object(compose("generate", overrides(
+        "generate", "--model", "qwen3-moe-tiny", "--parallel", "ep2", "--max-model-len", "512", "--max-num-seqs", "4",
+        "--gpu-memory-utilization", "0.4", "--dtype", "float32", "-i", "p.jsonl", "-o", "o.jsonl")))
+    assert isinstance(cfg, generate.GenerateConfig)
+    assert (cfg.model.model, cfg.model.load_format, cfg.model.dtype, cfg.model.max_model_len) == (
+        "qwen3-moe-tiny", "dummy", "float32", 512)
+    assert (cfg.engine.max_num_seqs, cfg.engine.gpu_memory_utilization) == (4, 0.4)
+    assert cfg.parallel.topology == "ep" and cfg.parallel.ep == 2
+    assert (cfg.input, cfg.output) == ("p.jsonl", "o.jsonl")
+
+    serve = compose_config(overrides("serve", "--model", "smollm2", "--port", "8011", "--host", "0.0.0.0",
+                                     "--api-key", "12345", "--served-model-name", "gpt-4o-mini"))
+    assert (serve.port, serve.host, serve.api_key, serve.model_name) == (8011, "0.0.0.0", "12345", "gpt-4o-mini")
+    assert serve.model.model == "SmolLM2-135M-Instruct"
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("llama3-8b", "model=llama-3-8b"),  # the config's name, however it is spelled
+    ("LLaMA-3-8B", "model=llama-3-8b"),
+    ("qwen3_moe_tiny", "model=qwen3-moe-tiny"),
+    ("smollm2", "model=smollm2"),
+    ("/models/x", "model.model='/models/x'"),  # a directory or any other name: the job checks it
+    ("nope", "model.model='nope'"),
+])
+def test_model_names(value, expected):
+    assert model_override(value) == expected
+
+
+def test_normalize_overrides_touches_only_plain_model_choices():
+    assert normalize_overrides(["model=nope", "model.model=x", "model=smollm2,llama3-8b", "engine.device=cpu"]) == [
+        "model.model='nope'", "model.model=x", "model=smollm2,llama3-8b", "engine.device=cpu"]
+
+
+def test_hydra_value_keeps_the_string():
+    from rayinfer.jobs import generate
+
+    generate.register_configs()
+    for value in ["true", "123", "a b", "it's", "x\\", "${oc.env:HOME}", "null"]:
+        assert compose("generate", [f"input={hydra_value(value)}"]).input == value
+
+
+def test_console_script_is_main():
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    module, _, attr = scripts["rayinfer"].partition(":")
+    assert getattr(importlib.import_module(module), attr) is main
+
+
+@pytest.mark.parametrize("argv, code, message", [
+    (["generate", "--model", "nope"], 2, "unknown model 'nope'"),
+    (["generate", "model=nope"], 2, "unknown model 'nope'"),
+    (["generate", "engine.no_such_key=1"], 2, "bad generate config: Could not override 'engine.no_such_key'"),
+    (["serve", "--model", "nope"], 2, "unknown model 'nope'"),
+    (["frobnicate"], 2, "usage: rayinfer {serve,generate}"),
+])
+def test_errors_exit_2_with_one_line(argv, code, message, capsys):
+    assert main(argv) == code
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_rayinfer_generate_runs(tmp_path, ray_cluster):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text('{"id": "a", "prompt": "Hello"}\n{"id": "b", "messages": [{"role": "user", "content": "Hi"}]}\n')
+    code = main(["generate", "--model", "llama-tiny", "--load-format", "dummy", "--dtype", "float32", "--device", "cpu",
+                 "--max-num-seqs", "4", "--max-model-len", "256", "-i", str(inp), "-o", str(out),
+                 "sampling.max_tokens=3", "+sampling.ignore_eos=true", "engine.num_kv_blocks=32",
+                 "parallel.num_cpus_per_replica=1"])
+    assert code == 0
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["id"] for r in recs] == ["a", "b"]
+    assert all(r["error"] is None and len(r["output_token_ids"]) == 3 for r in recs)
