@@ -63,14 +63,17 @@ class ProcessorConfig(PoolConfig):
             ``num_gpus_per_replica`` itself, so Ray Data places and scales it. Any other topology
             (``dp`` > 1, ``1p1d``, ``ep2``, ...): the actor starts that fleet and drives it through a
             client, as the batch job does; the fleet's actors reserve the resources.
-        sampling: sampling fields every row gets unless it gives its own (the batch job's names:
-            ``max_tokens``, ``temperature``, ...).
+        sampling: sampling fields every row gets unless it gives its own (the batch job's ``rayinfer``
+            line names: ``max_tokens``, ``temperature``, ...); OpenAI Batch bodies are taken as they are.
+        served_model_name: the name an OpenAI Batch body's ``model`` must match and responses carry
+            (None: ``model.model``), as in the batch job.
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     sampling: dict[str, Any] = field(default_factory=dict)
+    served_model_name: str | None = None
 
     @property
     def is_in_process(self) -> bool:

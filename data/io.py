@@ -13,43 +13,75 @@ import pyarrow.fs as pafs
 from ray.data.block import Block, BlockAccessor
 from ray.data.datasource import Datasink, FileBasedDatasource
 
-from rayinfer.data.stages import RECORD_COLUMN, resume_digest
+from rayinfer.data.stages import RECORD_COLUMN, record_digest
 
 _CHUNK_BYTES = 1 << 20
 _BLOCK_LINES = 4096
 
 
+def _iter_lines(f) -> Iterator[tuple[int, str]]:
+    """``(line number, text)`` of the non-blank lines of a binary stream, numbered as the batch job
+    numbers them (1-based, blank lines counted), read in chunks: a file never has to fit in memory."""
+    line_no, rest = 0, b""
+    while True:
+        chunk = f.read(_CHUNK_BYTES)
+        parts = (rest + chunk).split(b"\n")
+        rest = parts.pop() if chunk else b""
+        for raw in parts:
+            line_no += 1
+            text = raw.decode("utf-8", errors="replace").rstrip("\r")
+            if text.strip():
+                yield line_no, text
+        if not chunk:
+            return
+
+
+def _lines_table(numbers: list[int], lines: list[str]) -> pa.Table:
+    return pa.table({"line": pa.array(lines, pa.string()), "line_no": pa.array(numbers, pa.int64())})
+
+
 class _LinesDatasource(FileBasedDatasource):
-    """Non-empty lines of text files with their number among the non-empty lines of their file (as the
-    batch job counts them), read in chunks: a file never has to fit in memory."""
+    """Non-blank lines of text files with their line numbers (:func:`_iter_lines`)."""
 
     def _read_stream(self, f: pa.NativeFile, path: str) -> Iterator[Block]:
+        numbers: list[int] = []
         lines: list[str] = []
-        indexes: list[int] = []
-        index, rest = 0, b""
-        while True:
-            chunk = f.read(_CHUNK_BYTES)
-            parts = (rest + chunk).split(b"\n")
-            rest = parts.pop() if chunk else b""
-            for raw in parts:
-                text = raw.decode("utf-8", errors="replace").rstrip("\r")
-                if text.strip():
-                    lines.append(text)
-                    indexes.append(index)
-                    index += 1
-                if len(lines) >= _BLOCK_LINES:
-                    yield pa.table({"line": pa.array(lines, pa.string()), "line_index": pa.array(indexes, pa.int64())})
-                    lines, indexes = [], []
-            if not chunk:
-                break
+        for line_no, text in _iter_lines(f):
+            numbers.append(line_no)
+            lines.append(text)
+            if len(lines) >= _BLOCK_LINES:
+                yield _lines_table(numbers, lines)
+                numbers, lines = [], []
         if lines:
-            yield pa.table({"line": pa.array(lines, pa.string()), "line_index": pa.array(indexes, pa.int64())})
+            yield _lines_table(numbers, lines)
+
+
+def detect_input_format(path: str, max_lines: int = 1000) -> str:
+    """The batch job's format of a JSONL input (``rayinfer.jobs.batch_io.detect_format`` on its first
+    ``max_lines`` non-blank lines; a directory: its first file), "rayinfer" when it has no JSON object line.
+    A compressed file is read by its extension."""
+    from rayinfer.jobs.batch_io import detect_format
+
+    fs, root = _filesystem(path)
+    if fs.get_file_info(root).type == pafs.FileType.Directory:
+        infos = fs.get_file_info(pafs.FileSelector(root, recursive=True))
+        files = sorted(i.path for i in infos if i.type == pafs.FileType.File and not i.base_name.startswith("."))
+        if not files:
+            return "rayinfer"
+        root = files[0]
+    head: list[tuple[int, str]] = []
+    with fs.open_input_stream(root, compression="detect") as f:
+        for item in _iter_lines(f):
+            head.append(item)
+            if len(head) >= max_lines:
+                break
+    return detect_format(head)
 
 
 def read_lines(paths: str | list[str], **read_args: Any):
-    """A dataset of the non-empty lines of JSONL files: ``line`` (str) and ``line_index`` (int64, the
-    line's number among its file's non-empty lines, from 0). Compressed files (``.gz``, ...) are read
-    by their extension.
+    """A dataset of the non-blank lines of JSONL files: ``line`` (str) and ``line_no`` (int64, the
+    line's number in its file, 1-based, blank lines counted, as the batch job numbers them). Compressed
+    files (``.gz``, ...) are read by their extension.
 
     Args:
         paths: files, directories or URIs (``s3://``, ...); on a multi-node cluster every node must see
@@ -90,9 +122,8 @@ def _digests_of_records(batch: pa.Table) -> pa.Table:
     out = []
     for line in batch.column("line").to_pylist():
         try:
-            rec = json.loads(line)
-            digest = resume_digest(str(rec["id"]), rec.get("key"), rec.get("error"))
-        except (ValueError, KeyError, TypeError):
+            digest = record_digest(json.loads(line))
+        except ValueError:  # a cut or malformed line
             digest = None
         if digest is not None:
             out.append(digest)
@@ -100,7 +131,7 @@ def _digests_of_records(batch: pa.Table) -> pa.Table:
 
 
 def read_done_digests(directory: str) -> np.ndarray:
-    """The resume digests (``rayinfer.data.stages.resume_digest``) of every record in an output
+    """The resume digests (``rayinfer.data.stages.record_digest``) of every record in an output
     directory, read with Ray Data.
 
     Returns:
@@ -115,6 +146,14 @@ def read_done_digests(directory: str) -> np.ndarray:
     return np.unique(np.concatenate(parts)) if parts else np.empty(0, dtype="S16")
 
 
+def output_tokens(rec: dict) -> int:
+    """The completion tokens of an output record of either format (0 for a failed line)."""
+    if "custom_id" in rec:
+        body = (rec.get("response") or {}).get("body") or {}
+        return (body.get("usage") or {}).get("completion_tokens", 0)
+    return (rec.get("usage") or {}).get("completion_tokens", 0)
+
+
 class JsonlSink(Datasink):
     """Writes one column of JSON text lines as part files of a directory. Each write task writes a
     hidden temporary file and renames it when whole, so an interrupted run leaves whole files only, and a
@@ -124,9 +163,9 @@ class JsonlSink(Datasink):
         directory: a local path or a URI (``s3://...``); created when missing.
         column: the column to write (one line per row).
     Attributes (after ``write_datasink``):
-        num_rows, num_failed: records written, and those with ``error`` set.
-        num_output_tokens: ``usage.completion_tokens`` summed.
-        failures: (id, error) of the first 20 failed records.
+        num_rows, num_failed: records written, and the failed ones (``batch_io.is_error``).
+        num_output_tokens: ``usage.completion_tokens`` summed (an OpenAI record's response body's).
+        failures: (id or custom_id, error text) of the first 20 failed records.
         files: the part files written.
     """
 
@@ -145,6 +184,8 @@ class JsonlSink(Datasink):
     def write(self, blocks: Iterable[Block], ctx) -> dict:
         import json
 
+        from rayinfer.jobs.batch_io import error_text, is_error
+
         fs, root = _filesystem(self.directory)
         name = f"part-{self.run_id}-{ctx.task_idx:06d}-{uuid.uuid4().hex[:6]}.jsonl"
         tmp, final = f"{root}/.{name}.tmp", f"{root}/{name}"
@@ -155,11 +196,11 @@ class JsonlSink(Datasink):
                     out.write((line + "\n").encode())
                     rec = json.loads(line)
                     stats["num_rows"] += 1
-                    stats["num_output_tokens"] += (rec.get("usage") or {}).get("completion_tokens", 0)
-                    if rec.get("error"):
+                    stats["num_output_tokens"] += output_tokens(rec)
+                    if is_error(rec):
                         stats["num_failed"] += 1
                         if len(stats["failures"]) < 20:
-                            stats["failures"].append((rec["id"], rec["error"]))
+                            stats["failures"].append((rec.get("custom_id", rec.get("id")), error_text(rec)))
         if stats["num_rows"] == 0:
             fs.delete_file(tmp)
             return stats

@@ -18,7 +18,7 @@ import math
 from typing import Any, Callable
 
 from rayinfer.data.config import ProcessorConfig
-from rayinfer.data.stages import EngineStage, finish_batch, prepare_batch
+from rayinfer.data.stages import EngineStage, finish_batch, prepare_batch, records_batch
 from rayinfer.placement.parallel_config import ParallelConfig
 
 Row = dict[str, Any]
@@ -56,17 +56,21 @@ class Processor:
     Stages, each a ``map_batches`` (the dataset is never materialized):
 
     1. ``preprocess`` (optional, ``Dataset.map``): your row -> a row the next stage reads.
-    2. prepare (CPU tasks): chat template and tokenization, sampling parameters, the resume ``key``.
+    2. prepare (CPU tasks): the batch job's line parser (``rayinfer.jobs.batch_io.LineParser``, on the
+       service's request path): chat template and tokenization, sampling parameters, the resume ``key``.
     3. engine (``concurrency`` stateful actors, ``ActorPoolStrategy``): each holds one deployment of
        ``parallel`` and runs up to ``max_concurrent_batches`` batches of ``batch_size`` rows at once.
-    4. finish (CPU tasks): the output columns. 5. ``postprocess`` (optional, ``Dataset.map``).
+    4. records (CPU tasks): the batch job's output line of each row (``output_record``).
+    5. finish (CPU tasks): the output columns. 6. ``postprocess`` (optional, ``Dataset.map``).
 
     Input rows: ``messages`` (a chat, rendered with the model's template) or ``prompt`` (text), an
     optional ``id`` and an optional ``sampling_params`` dict (the batch job's field names:
-    ``max_tokens``, ``temperature``, ``n``, ``logprobs``, ``response_format``, ...); or ``line``, one line
-    of the batch job's JSONL (:func:`rayinfer.data.read_lines`). Other columns pass through.
+    ``max_tokens``, ``temperature``, ``n``, ``logprobs``, ``response_format``, ...); or ``line``, one
+    ``rayinfer`` line of the batch job's JSONL (:func:`rayinfer.data.read_lines`). Other columns pass
+    through. OpenAI Batch lines run through ``prepare(ds, input_format="openai")``, ``generate`` and
+    ``records`` (the job's ``engine_mode=ray_data`` does); they have no flat output columns.
 
-    Output columns added: ``id`` (str: the row's, else ``line-<line_index>``), ``prompt_token_ids``,
+    Output columns added: ``id`` (str: the row's, else ``line-<line_no>``, 1-based), ``prompt_token_ids``,
     ``output_token_ids`` (list[int64]), ``text``, ``finish_reason`` (str: "stop", "length", "error"),
     ``num_prompt_tokens``, ``num_output_tokens``, ``num_cached_tokens`` (int64), ``error`` (str or null:
     a bad row's own message, e.g. an unknown sampling field; other rows still run), ``key`` (str: the
@@ -85,21 +89,38 @@ class Processor:
         self.postprocess = postprocess
 
     def __call__(self, ds):
-        return self.finish(self.generate(self.prepare(ds)))
+        return self.finish(self.records(self.generate(self.prepare(ds))))
 
-    def prepare(self, ds):
+    @property
+    def _parser_kwargs(self) -> dict[str, Any]:
+        """What prepare and records build their line parser from (the same on both sides)."""
+        cfg = self.config
+        return {"model": cfg.model.model, "defaults": {"max_tokens": 256, "temperature": 0.0, **cfg.sampling},
+                "model_name": cfg.served_model_name, "max_model_len": cfg.model.max_model_len}
+
+    def prepare(self, ds, input_format: str = "rayinfer"):
         """Stages 1-2: rows -> prepared rows (``id``, ``prompt_token_ids``, ``key``, ``error``, and the
-        internal ``__job``)."""
+        internal ``__job`` and ``__resume``).
+
+        Args:
+            input_format: how ``line`` rows read: "rayinfer", "openai" (OpenAI Batch lines), or "auto"
+                (each line by its fields); rows without ``line`` are ``rayinfer`` rows.
+        """
         cfg = self.config
         if self.preprocess is not None:
             ds = ds.map(self.preprocess, num_cpus=cfg.num_cpus_per_task)
-        defaults = {"max_tokens": 256, "temperature": 0.0, **cfg.sampling}
         return ds.map_batches(prepare_batch, batch_format="pyarrow", batch_size=cfg.batch_size,
                               num_cpus=cfg.num_cpus_per_task,
-                              fn_kwargs={"model": cfg.model.model, "defaults": defaults})
+                              fn_kwargs={**self._parser_kwargs, "input_format": input_format})
+
+    def records(self, ds):
+        """Stage 4: rows the engine answered -> rows with ``__record`` (the batch job's output line, JSON
+        text, in the line's format)."""
+        return ds.map_batches(records_batch, batch_format="pyarrow", num_cpus=self.config.num_cpus_per_task,
+                              fn_kwargs=self._parser_kwargs)
 
     def generate(self, ds):
-        """Stage 3: prepared rows -> rows with ``__record`` (the batch job's output line, JSON text)."""
+        """Stage 3: prepared rows -> rows with the engine's results (internal ``__result``)."""
         import ray
         import ray.data
 
@@ -120,7 +141,7 @@ class Processor:
             num_cpus=num_cpus, num_gpus=num_gpus)
 
     def finish(self, ds):
-        """Stages 4-5: rows with ``__record`` -> the output columns."""
+        """Stages 5-6: rows with ``__record`` (``rayinfer`` lines) -> the output columns."""
         ds = ds.map_batches(finish_batch, batch_format="pyarrow", num_cpus=self.config.num_cpus_per_task)
         if self.postprocess is not None:
             ds = ds.map(self.postprocess, num_cpus=self.config.num_cpus_per_task)
