@@ -66,6 +66,7 @@ class _Run:
     detok: IncrementalDetokenizer
     leg: _Leg = field(default_factory=_Leg)
     logprobs: list | None = None  # of the replica output the next Emit sends
+    queue_time_s: float | None = None  # the first prefill's wait in its engine (vLLM's queue time)
 
 
 class PDClient(_FleetClient):
@@ -213,6 +214,8 @@ class PDClient(_FleetClient):
             return P.PrefillFailed(_failure_kind(e), _describe(e))
         leg.kv_handle = out.kv_handle
         run.logprobs = out.new_logprobs
+        if run.queue_time_s is None:
+            run.queue_time_s = out.queue_time_s
         return P.PrefillDone(tuple(out.new_token_ids), out.finish_reason, out.stop_reason, out.num_cached_tokens,
                              out.error, run.detok.add_tokens(out.new_token_ids))
 
@@ -259,7 +262,8 @@ class PDClient(_FleetClient):
             request_id=req.request_id, new_token_ids=list(emit.token_ids), new_logprobs=logprobs,
             new_text=run.detok.take_delta(emit.finished), finished=emit.finished, finish_reason=emit.finish_reason,
             stop_reason=emit.stop_reason, num_prompt_tokens=len(run.prompt), error=emit.error,
-            num_output_tokens=req.num_output_tokens, num_cached_tokens=req.num_cached_tokens)
+            num_output_tokens=req.num_output_tokens, num_cached_tokens=req.num_cached_tokens,
+            queue_time_s=run.queue_time_s)
 
     async def _stored(self, hashes: list[int]) -> tuple[str | None, list]:
         """(layout, refs) of the stored leading blocks; a store that is down is a miss."""

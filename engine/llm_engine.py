@@ -460,6 +460,7 @@ class LLMEngine:
             num_output_tokens=num_output,
             num_cached_tokens=req.num_cached_tokens,
             kv_handle=handle,
+            queue_time_s=None if req.first_scheduled_time is None else req.first_scheduled_time - req.arrival_time,
         )
         if finished:
             self._forget(rid)

@@ -8,6 +8,7 @@ tests drive it without a model. After vLLM v1's scheduler.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -193,6 +194,8 @@ class Scheduler:
                 req.kv_handle = None
             if req.status == RequestStatus.WAITING:
                 req.num_cached_tokens = num_hit
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             planned.append((req, num_new))

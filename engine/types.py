@@ -166,6 +166,7 @@ class Request:
     params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None  # time.monotonic() when the scheduler first admitted it
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)  # the block table
@@ -300,6 +301,8 @@ class RequestOutput:
         stop_reason: on "stop", the stop string or stop token id that ended it (None for EOS).
         num_prompt_tokens, num_output_tokens, num_cached_tokens: usage counts.
         error: a message when the request failed (finish_reason "error").
+        queue_time_s: seconds the request waited in this engine before it was first scheduled (vLLM's
+            queue time); None before that, or where no engine measured it.
     """
 
     request_id: str
@@ -314,6 +317,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     kv_handle: KVHandle | None = None
+    queue_time_s: float | None = None
 
 
 @dataclass

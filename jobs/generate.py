@@ -37,6 +37,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from rayinfer.actors.cluster import RayConfig
+from rayinfer.data.config import PoolConfig
 from rayinfer.engine.config import EngineConfig, ModelConfig
 from rayinfer.placement.parallel_config import ParallelConfig
 
@@ -69,6 +70,10 @@ class GenerateConfig:
             taken as the service takes them.
         print_outputs: print each answer; None: when there is no input file.
         ray: which Ray cluster (``ray.address=local``: an embedded one).
+        engine_mode: "client" (one driver drives one fleet) or "ray_data" (a Ray Data pipeline over
+            ``data.concurrency`` engine actors, streamed, output part files in a directory;
+            ``rayinfer.data.job``).
+        data: the Ray Data mode's engine actor pool.
     """
 
     input: str | None = None
@@ -82,6 +87,8 @@ class GenerateConfig:
     sampling: dict[str, Any] = field(default_factory=dict)
     print_outputs: bool | None = None
     ray: RayConfig = field(default_factory=RayConfig)
+    engine_mode: str = "client"
+    data: PoolConfig = field(default_factory=PoolConfig)
 
     def __post_init__(self):
         from rayinfer.jobs.batch_io import INPUT_FORMATS
@@ -147,6 +154,14 @@ def run(cfg: GenerateConfig, client=None) -> int:
         RayStartError: when Ray cannot be joined or started.
         TimeoutError: when the cluster cannot place the fleet.
     """
+    if cfg.engine_mode != "client":  # the Ray Data mode lives in rayinfer.data.job
+        from rayinfer.data.job import ENGINE_MODES, run_data_job
+
+        if cfg.engine_mode not in ENGINE_MODES:
+            raise ValueError(f"engine_mode must be one of {', '.join(ENGINE_MODES)}, got {cfg.engine_mode!r}")
+        if client is not None:
+            raise ValueError("engine_mode=ray_data starts its own engine actors; it takes no client")
+        return run_data_job(cfg)
     import asyncio
 
     import ray

@@ -33,6 +33,8 @@ class ServeConfig:
         public_metrics_and_docs: with ``api_key`` set, still serve ``/metrics``, ``/docs``,
             ``/redoc`` and ``/openapi.json`` without the key (vLLM's behaviour). False (the default)
             puts them behind the key; ``/health`` is always open.
+        metrics_names: the names ``/metrics`` exports: "rayinfer" (``rayinfer_*``), "vllm" (vLLM's
+            ``vllm:*`` names and labels, for dashboards built for vLLM) or "both".
         ray: which Ray cluster ``jobs/serve.py`` uses (``ray.address=local``: an embedded one, on
             loopback); see :class:`~rayinfer.actors.cluster.RayConfig`.
         proxy_location, http_options, applications: the Serve config-file keys of the same YAML, read
@@ -51,6 +53,7 @@ class ServeConfig:
     max_request_bytes: int = 8 * 2**20
     max_prompt_chars: int = 2**20
     public_metrics_and_docs: bool = False
+    metrics_names: str = "rayinfer"
     ray: RayConfig = field(default_factory=RayConfig)
     proxy_location: Any = None
     http_options: Any = None
@@ -67,6 +70,8 @@ class ServeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.metrics_names not in ("rayinfer", "vllm", "both"):
+            raise ValueError(f"metrics_names must be one of rayinfer, vllm, both; got {self.metrics_names!r}")
         if self.api_key is not None and not str(self.api_key):
             raise ValueError("api_key must be non-empty when set")
 

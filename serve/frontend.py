@@ -26,6 +26,7 @@ from rayinfer.serve.protocol import APIError, from_error, parse_json_body
 from rayinfer.serve.serving import OpenAIServing, RequestRecord
 from rayinfer.serve.serving_chat import ChatServing
 from rayinfer.serve.serving_completion import CompletionServing
+from rayinfer.serve.serving_tokenize import TokenizeServing
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class OpenAIFrontend:
         self.tokenizer = tokenizer
         self.model_name = cfg.model_name
         self.created = int(time.time())
-        self.metrics = metrics or ServeMetrics(self.model_name)
+        self.metrics = metrics or ServeMetrics(self.model_name, cfg.metrics_names)
         self._connect_client = connect_client
         # one thread: parsing, templates and tokenization leave the event loop, and never overlap (see
         # OpenAIServing's ``executor``)
@@ -166,6 +167,33 @@ class OpenAIFrontend:
                 self.metrics.count_request(endpoint, "abort", "abort")
 
     # -- the other routes --------------------------------------------------------------------------
+    async def tokens(self, route: str, request: Request) -> Response:
+        """``POST /tokenize`` or ``/detokenize`` (vLLM's shapes, :mod:`rayinfer.serve.serving_tokenize`),
+        behind the API key; the work runs on the prepare thread."""
+        try:
+            self.check_auth(request)
+            serving = await self.connect()
+            body = await serving.prepare(parse_json_body, await self.read_body(request))
+            handler = TokenizeServing(serving)
+            result = await serving.prepare(handler.tokenize if route == "tokenize" else handler.detokenize, body)
+        except Exception as e:  # mapped by type, as for the completion endpoints
+            err = from_error(e, request_id=f"{route}-{uuid.uuid4().hex}")
+            if err.status >= 500:
+                logger.error("%s failed", route, exc_info=e)
+            return JSONResponse(err.body(), status_code=err.status)
+        return JSONResponse(result)
+
+    async def version(self, request: Request) -> Response:
+        """``GET /version``: ``{"version": rayinfer's version}`` (behind the key unless
+        ``public_metrics_and_docs``)."""
+        try:
+            self.check_auth_of_open_route(request)
+        except APIError as e:
+            return JSONResponse(e.body(), status_code=e.status)
+        from rayinfer import __version__
+
+        return JSONResponse({"version": __version__})
+
     async def models(self, request: Request) -> Response:
         try:
             self.check_auth(request)
@@ -203,8 +231,9 @@ class OpenAIFrontend:
 
 
 def create_app(frontend: OpenAIFrontend) -> FastAPI:
-    """The FastAPI app of one ingress replica: OpenAI routes, /health, /metrics, and the docs (behind the
-    API key unless ``public_metrics_and_docs``); every error an OpenAI error object."""
+    """The FastAPI app of one ingress replica: OpenAI routes, /tokenize and /detokenize (vLLM's), /health,
+    /metrics, /version and the docs (the last three behind the API key unless ``public_metrics_and_docs``);
+    every error an OpenAI error object."""
     app = FastAPI(title="rayinfer", description="OpenAI-compatible LLM inference on Ray Serve",
                   docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -233,6 +262,18 @@ def create_app(frontend: OpenAIFrontend) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         return await frontend.health()
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await frontend.tokens("tokenize", request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await frontend.tokens("detokenize", request)
+
+    @app.get("/version")
+    async def version(request: Request) -> Response:
+        return await frontend.version(request)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

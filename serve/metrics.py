@@ -1,8 +1,13 @@
 """Prometheus metrics of the OpenAI app, in a registry of its own (no global state shared with Ray).
 
-Request-level latencies (TTFT, TPOT, end-to-end) are observed by the ingress as it streams; engine
+Request-level metrics (TTFT, TPOT, inter-token latency, queue time, end-to-end latency, prompt and
+generation lengths, finished sequences by reason) are observed by the ingress as it streams; engine
 gauges and counters (running / waiting requests, KV-cache usage, prefix-cache hits, preemptions, token
 counts) are read from ``EngineClient.stats()`` at scrape time and exposed per replica.
+
+Names: ``rayinfer_*`` by default; ``names="vllm"`` exports vLLM's names instead (``vllm:*``, labels
+``model_name`` and, per replica, ``engine``) so dashboards built for vLLM work, and ``names="both"``
+exports both. The table below each section lists the pairs.
 """
 
 from __future__ import annotations
@@ -14,59 +19,98 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+NAME_SCHEMES = ("rayinfer", "vllm", "both")
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+_QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(6) for m in (1, 2, 5)) + (1e6,)  # 1, 2, 5, ... 1e6 (vLLM's 1-2-5)
 
-# (stats key, metric name, help, kind)
+# request level, observed by the ingress: (key, rayinfer name, vLLM names, help, buckets or None for a counter)
+_REQUEST_METRICS = (
+    ("ttft", "rayinfer_time_to_first_token_seconds", ("vllm:time_to_first_token_seconds",),
+     "Time to first token (TTFT).", _TTFT_BUCKETS),
+    ("tpot", "rayinfer_time_per_output_token_seconds", ("vllm:request_time_per_output_token_seconds",),
+     "Time per output token after the first, per request (TPOT).", _TPOT_BUCKETS),
+    ("itl", "rayinfer_inter_token_latency_seconds",
+     ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
+     "Time between consecutive output tokens (ITL), one sample per token after the first.", _TPOT_BUCKETS),
+    ("e2e", "rayinfer_e2e_request_latency_seconds", ("vllm:e2e_request_latency_seconds",),
+     "End-to-end request latency.", _E2E_BUCKETS),
+    ("queue", "rayinfer_request_queue_time_seconds", ("vllm:request_queue_time_seconds",),
+     "Time a request waited in its engine before it was first scheduled.", _QUEUE_BUCKETS),
+    ("prompt_len", "rayinfer_request_prompt_tokens", ("vllm:request_prompt_tokens",),
+     "Prompt length of each request, in tokens.", _TOKEN_BUCKETS),
+    ("gen_len", "rayinfer_request_generation_tokens", ("vllm:request_generation_tokens",),
+     "Tokens generated for each request.", _TOKEN_BUCKETS),
+    ("finished", "rayinfer_request_success", ("vllm:request_success",),
+     "Finished engine sequences by finish reason (stop, length, abort, error).", None),
+)
+
+# engine level, read at scrape time: (stats key, rayinfer name, vLLM names, help, kind)
 _ENGINE_METRICS = (
-    ("num_running", "rayinfer_num_requests_running", "Requests in the engine's running batch.", "gauge"),
-    ("num_waiting", "rayinfer_num_requests_waiting", "Requests waiting to be scheduled.", "gauge"),
-    ("kv_cache_usage", "rayinfer_kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", "gauge"),
-    ("num_free_blocks", "rayinfer_kv_cache_free_blocks", "Free KV-cache blocks.", "gauge"),
-    ("num_blocks", "rayinfer_kv_cache_blocks", "KV-cache blocks in the pool.", "gauge"),
-    ("prefix_cache_hit_rate", "rayinfer_prefix_cache_hit_rate", "Prefix-cache hits / queries (0..1).", "gauge"),
-    ("prefix_cache_queries", "rayinfer_prefix_cache_queries", "Prefix-cache block queries.", "counter"),
-    ("prefix_cache_hits", "rayinfer_prefix_cache_hits", "Prefix-cache block hits.", "counter"),
-    ("num_preemptions", "rayinfer_num_preemptions", "Requests preempted (KV freed, recomputed later).", "counter"),
-    ("num_prompt_tokens", "rayinfer_prompt_tokens", "Prompt tokens of requests that started decoding.", "counter"),
-    ("num_generation_tokens", "rayinfer_generation_tokens", "Generated tokens.", "counter"),
-    ("kv_store_blocks", "rayinfer_kv_store_blocks", "Blocks held by the KV store (PD).", "gauge"),
-    ("kv_store_hit_rate", "rayinfer_kv_store_hit_rate", "KV store lookups that hit (0..1).", "gauge"),
-    ("moe_lb", "rayinfer_moe_lb", "Expert-parallel balance: max rank load / mean (1 is even).", "gauge"),
-    ("num_parked_kv", "rayinfer_pd_parked_kv_requests", "Prefilled requests whose KV waits in the prefill pool "
-     "for its transfer (PD).", "gauge"),
-    ("kv_transfer_batches", "rayinfer_pd_kv_transfer_batches", "KV transfer batches sent or received (PD, "
-     "nccl/gloo).", "counter"),
-    ("kv_transfer_bytes_sent", "rayinfer_pd_kv_transfer_sent_bytes", "KV bytes sent (PD prefill replica).",
+    ("num_running", "rayinfer_num_requests_running", ("vllm:num_requests_running",),
+     "Requests in the engine's running batch.", "gauge"),
+    ("num_waiting", "rayinfer_num_requests_waiting", ("vllm:num_requests_waiting",),
+     "Requests waiting to be scheduled.", "gauge"),
+    ("kv_cache_usage", "rayinfer_kv_cache_usage_perc", ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+     "Fraction of KV-cache blocks in use (0..1).", "gauge"),
+    ("num_free_blocks", "rayinfer_kv_cache_free_blocks", (), "Free KV-cache blocks.", "gauge"),
+    ("num_blocks", "rayinfer_kv_cache_blocks", (), "KV-cache blocks in the pool.", "gauge"),
+    ("prefix_cache_hit_rate", "rayinfer_prefix_cache_hit_rate", (), "Prefix-cache hits / queries (0..1).", "gauge"),
+    ("prefix_cache_queries", "rayinfer_prefix_cache_queries", ("vllm:prefix_cache_queries",),
+     "Prefix-cache queries (tokens).", "counter"),
+    ("prefix_cache_hits", "rayinfer_prefix_cache_hits", ("vllm:prefix_cache_hits",), "Prefix-cache hits (tokens).",
      "counter"),
-    ("kv_transfer_bytes_received", "rayinfer_pd_kv_transfer_received_bytes", "KV bytes received (PD decode "
+    ("num_preemptions", "rayinfer_num_preemptions", ("vllm:num_preemptions",),
+     "Requests preempted (KV freed, recomputed later).", "counter"),
+    ("num_prompt_tokens", "rayinfer_prompt_tokens", ("vllm:prompt_tokens",),
+     "Prompt tokens of requests that started decoding.", "counter"),
+    ("num_generation_tokens", "rayinfer_generation_tokens", ("vllm:generation_tokens",), "Generated tokens.",
+     "counter"),
+    ("kv_store_blocks", "rayinfer_kv_store_blocks", (), "Blocks held by the KV store (PD).", "gauge"),
+    ("kv_store_hit_rate", "rayinfer_kv_store_hit_rate", (), "KV store lookups that hit (0..1).", "gauge"),
+    ("moe_lb", "rayinfer_moe_lb", (), "Expert-parallel balance: max rank load / mean (1 is even).", "gauge"),
+    ("num_parked_kv", "rayinfer_pd_parked_kv_requests", (), "Prefilled requests whose KV waits in the prefill "
+     "pool for its transfer (PD).", "gauge"),
+    ("kv_transfer_batches", "rayinfer_pd_kv_transfer_batches", (), "KV transfer batches sent or received (PD, "
+     "nccl/gloo).", "counter"),
+    ("kv_transfer_bytes_sent", "rayinfer_pd_kv_transfer_sent_bytes", (), "KV bytes sent (PD prefill replica).",
+     "counter"),
+    ("kv_transfer_bytes_received", "rayinfer_pd_kv_transfer_received_bytes", (), "KV bytes received (PD decode "
      "replica).", "counter"),
-    ("kv_transfer_budget_used", "rayinfer_pd_kv_transfer_budget_used_bytes", "Received KV bytes not yet "
+    ("kv_transfer_budget_used", "rayinfer_pd_kv_transfer_budget_used_bytes", (), "Received KV bytes not yet "
      "imported, out of pd.transfer_buffer_gib (PD decode replica).", "gauge"),
 )
+
+
+def _names(rayinfer: str, vllm: tuple[str, ...], scheme: str) -> list[tuple[str, bool]]:
+    """The (name, is_vllm) pairs a metric is exported under in ``scheme``."""
+    out = [(rayinfer, False)] if scheme in ("rayinfer", "both") else []
+    return out + ([(name, True) for name in vllm] if scheme in ("vllm", "both") else [])
 
 
 class _EngineStatsCollector:
     """Exposes the last snapshot of engine stats (a custom collector: the engine owns the counts)."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, scheme: str):
         self.model_name = model_name
+        self.scheme = scheme
         self.snapshot: list[dict] = []
         self.lock = threading.Lock()
 
     def collect(self):
         with self.lock:
             snapshot = list(self.snapshot)
-        labels = ["model_name", "replica"]
-        for key, name, help_text, kind in _ENGINE_METRICS:
+        for key, rayinfer_name, vllm_names, help_text, kind in _ENGINE_METRICS:
             family_cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
-            family = family_cls(name, help_text, labels=labels)
-            for stats in snapshot:
-                if key in stats:
-                    family.add_metric([self.model_name, str(stats.get("replica_id", 0))], float(stats[key]))
-            yield family
+            for name, is_vllm in _names(rayinfer_name, vllm_names, self.scheme):
+                family = family_cls(name, help_text, labels=["model_name", "engine" if is_vllm else "replica"])
+                for stats in snapshot:
+                    if key in stats:
+                        family.add_metric([self.model_name, str(stats.get("replica_id", 0))], float(stats[key]))
+                yield family
 
 
 class ServeMetrics:
@@ -74,48 +118,69 @@ class ServeMetrics:
 
     Args:
         model_name: the served model name (a label on every metric).
+        names: "rayinfer" (``rayinfer_*``), "vllm" (vLLM's ``vllm:*`` names and labels) or "both".
+    Raises:
+        ValueError: an unknown ``names``.
     """
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, names: str = "rayinfer"):
+        if names not in NAME_SCHEMES:
+            raise ValueError(f"metrics names must be one of {', '.join(NAME_SCHEMES)}, got {names!r}")
         self.model_name = model_name
+        self.names = names
         self.registry = CollectorRegistry()
-        labels = ["model_name"]
         self.requests = Counter("rayinfer_requests", "Finished HTTP requests by endpoint, outcome and finish "
                                 "reason.", ["model_name", "endpoint", "outcome", "finish_reason"],
                                 registry=self.registry)
-        self.ttft = Histogram("rayinfer_time_to_first_token_seconds", "Time to first token (TTFT).", labels,
-                              buckets=_TTFT_BUCKETS, registry=self.registry)
-        self.tpot = Histogram("rayinfer_time_per_output_token_seconds",
-                              "Time per output token after the first (TPOT).", labels, buckets=_TPOT_BUCKETS,
-                              registry=self.registry)
-        self.e2e = Histogram("rayinfer_e2e_request_latency_seconds", "End-to-end request latency.", labels,
-                             buckets=_E2E_BUCKETS, registry=self.registry)
-        self.request_prompt_tokens = Counter("rayinfer_request_prompt_tokens",
-                                             "Prompt tokens of requests served through HTTP.", labels,
-                                             registry=self.registry)
-        self.request_generation_tokens = Counter("rayinfer_request_generation_tokens",
-                                                 "Tokens generated for requests served through HTTP.", labels,
-                                                 registry=self.registry)
-        self._engine = _EngineStatsCollector(model_name)
+        # key -> the metric under each enabled name (children for this model)
+        self._request: dict[str, list] = {}
+        for key, rayinfer_name, vllm_names, help_text, buckets in _REQUEST_METRICS:
+            metrics = []
+            for name, is_vllm in _names(rayinfer_name, vllm_names, names):
+                if buckets is None:
+                    metrics.append(Counter(name, help_text, ["model_name", "finished_reason"], registry=self.registry))
+                else:
+                    metrics.append(Histogram(name, help_text, ["model_name"], buckets=buckets,
+                                             registry=self.registry).labels(model_name))
+            self._request[key] = metrics
+        self._engine = _EngineStatsCollector(model_name, names)
         self.registry.register(self._engine)
 
+    def _observe(self, key: str, value: float) -> None:
+        for metric in self._request[key]:
+            metric.observe(value)
+
     def observe_sequence(self, ttft_s: float | None, e2e_s: float, num_prompt_tokens: int,
-                         num_output_tokens: int) -> None:
-        """Record one engine sequence (one of a request's n choices).
+                         num_output_tokens: int, finish_reason: str | None = None,
+                         queue_time_s: float | None = None, itl_s: list[float] | tuple[float, ...] = ()) -> None:
+        """Record one finished engine sequence (one of a request's n choices).
 
         Args:
             ttft_s: seconds from arrival to its first token (None if it produced none).
             e2e_s: seconds from arrival to its last output.
             num_prompt_tokens, num_output_tokens: its token counts.
+            finish_reason: the engine's ("stop", "length", "abort", "error"); counted when given.
+            queue_time_s: seconds it waited in its engine before it was first scheduled (None: unknown).
+            itl_s: seconds between consecutive output tokens, one per token after the first.
         """
-        m = self.model_name
         if ttft_s is not None:
-            self.ttft.labels(m).observe(ttft_s)
+            self._observe("ttft", ttft_s)
             if num_output_tokens > 1:
-                self.tpot.labels(m).observe((e2e_s - ttft_s) / (num_output_tokens - 1))
-        self.e2e.labels(m).observe(e2e_s)
-        self.request_prompt_tokens.labels(m).inc(num_prompt_tokens)
-        self.request_generation_tokens.labels(m).inc(num_output_tokens)
+                self._observe("tpot", (e2e_s - ttft_s) / (num_output_tokens - 1))
+        for gap in itl_s:
+            self._observe("itl", gap)
+        if queue_time_s is not None:
+            self._observe("queue", queue_time_s)
+        self._observe("e2e", e2e_s)
+        self._observe("prompt_len", num_prompt_tokens)
+        self._observe("gen_len", num_output_tokens)
+        if finish_reason is not None:
+            self.count_finished(finish_reason)
+
+    def count_finished(self, finish_reason: str) -> None:
+        """Count one finished engine sequence by its finish reason (an aborted one included)."""
+        for counter in self._request["finished"]:
+            counter.labels(self.model_name, finish_reason).inc()
 
     def count_request(self, endpoint: str, outcome: str, finish_reason: str | None) -> None:
         """Count a finished HTTP request.

@@ -287,6 +287,29 @@ class CompletionRequest(_SamplingRequest):
     best_of: int | None = None
 
 
+class TokenizeRequest(_Strict):
+    """``POST /tokenize`` (vLLM's shape): a ``prompt`` (text) or ``messages`` (a chat, with optional
+    ``tools``), rendered as the completion and chat endpoints render them. Other fields of vLLM's
+    (``chat_template``, ``continue_final_message``, ...) are refused, not ignored: they would change the
+    tokens."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
+    add_special_tokens: bool | None = None  # prompt only (default True); a chat template adds its own
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    """``POST /detokenize`` (vLLM's shape): token ids to text."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 def parse_body(model: type[BaseModel], body: Any) -> BaseModel:
     """Validate a decoded JSON body against a request model.
 

@@ -234,22 +234,33 @@ class OpenAIServing:
 
         async def pump(i: int, prompt_ids: list[int], params: SamplingParams) -> None:
             gen = self.client.generate(prompt_ids, params, request_id=f"{request_id}-{i}")
-            first, num_out = None, 0
+            first = last = queue_time = reason = None
+            num_out, itl = 0, []
             try:
                 async for out in gen:
                     if out.finish_reason == "error":  # failed (a PD request out of retries, a step fault):
                         # an error event or a 5xx, never an answer that looks complete
                         logger.error("request %s-%d failed: %s", request_id, i, out.error)
+                        if self.metrics is not None:
+                            self.metrics.count_finished("error")
                         raise EngineInternalError(f"request {request_id}-{i} failed: {out.error}")
-                    if first is None and out.new_token_ids:
-                        first = time.perf_counter()
+                    if out.new_token_ids:
+                        now = time.perf_counter()
+                        if last is not None:  # k tokens in one delta: k gaps of (time since the last) / k
+                            itl.extend([(now - last) / len(out.new_token_ids)] * len(out.new_token_ids))
+                        first, last = first or now, now
+                    queue_time = out.queue_time_s if out.queue_time_s is not None else queue_time
+                    reason = out.finish_reason or reason
                     num_out = out.num_output_tokens or num_out
                     queue.put_nowait((i, out))
                 queue.put_nowait((i, _DONE))
                 if self.metrics is not None:
                     self.metrics.observe_sequence(None if first is None else first - arrival,
-                                                  time.perf_counter() - arrival, len(prompt_ids), num_out)
+                                                  time.perf_counter() - arrival, len(prompt_ids), num_out,
+                                                  finish_reason=reason, queue_time_s=queue_time, itl_s=itl)
             except asyncio.CancelledError:
+                if self.metrics is not None:  # the client left (or a sibling choice failed): vLLM's "abort"
+                    self.metrics.count_finished("abort")
                 raise
             except BaseException as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
                 queue.put_nowait((i, e))

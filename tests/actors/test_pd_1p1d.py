@@ -116,6 +116,8 @@ def test_burst_moves_kv_in_batches_within_the_transfer_budget(pd, client, cases,
 
     asyncio.run(main())
     pd.check_streams(streams, reference)
+    # the prefill engine's queue time reaches the caller (the ingress's queue-time metric)
+    assert all(outs[-1].queue_time_s is not None and outs[-1].queue_time_s >= 0 for outs in streams.values())
     decode = asyncio.run(client.stats()).by_role("decode")[0].kv_transfer
     batches = decode["kv_transfer_batches"] - before["kv_transfer_batches"]
     budget = decode["kv_transfer_budget"]
