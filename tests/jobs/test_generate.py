@@ -119,8 +119,10 @@ def test_job_end_to_end_with_errors_and_resume(tmp_path, fleet):
     ("input=/no/such/file.jsonl", "input file not found: /no/such/file.jsonl"),
     ("ray.address=127.0.0.1:1", "no Ray cluster answers at 127.0.0.1:1 (ray.address)"),
 ])
-def test_bad_config_exits_2_with_one_line_before_work(override, message):
-    proc = subprocess.run([sys.executable, str(ROOT / "jobs/generate.py"), override], capture_output=True,
+def test_bad_config_exits_2_with_one_line_before_work(override, message, tmp_path):
+    # an output of its own: a finished default output in the checkout would be resumed without Ray
+    proc = subprocess.run([sys.executable, str(ROOT / "jobs/generate.py"), override,
+                           f"output={tmp_path / 'out.jsonl'}"], capture_output=True,
                           text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr
