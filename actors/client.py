@@ -141,7 +141,7 @@ class OutputMux:
 
     def __init__(self, actor):
         self.actor = actor
-        self.client_id = uuid.uuid4().hex
+        self.client_id = ""  # the open stream's id, new for each stream (_open)
         self.queues: dict[str, asyncio.Queue] = {}
         self._gen = None
         self._task: asyncio.Task | None = None
