@@ -20,6 +20,7 @@ import asyncio
 import json
 import math
 import random
+import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -372,6 +373,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     p.add_argument("--json", dest="json_path", default=None, help="write the summary (and settings) here")
+    p.add_argument("--metadata", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="extra fields for the JSON (e.g. device=H200 git_rev=abc123 topology=1p1d)")
     args = p.parse_args(argv)
     if args.num_prompts <= 0 or args.output_len <= 0 or args.input_len <= 0:
         p.error("--num-prompts, --input-len and --output-len must be positive")
@@ -385,6 +388,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.goodput_ms = parse_goodput(args.goodput)
     except ValueError as e:
         p.error(str(e))
+    bad = [kv for kv in args.metadata if "=" not in kv]
+    if bad:
+        p.error(f"--metadata takes KEY=VALUE, got {bad[0]!r}")
     return args
 
 
@@ -404,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json_path:
         settings = {k: (str(v) if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(args).items()}
         with open(args.json_path, "w") as f:
-            json.dump({"settings": settings, **summary,
+            json.dump({"command": shlex.join(["python", "jobs/bench_serve.py", *(sys.argv[1:] if argv is None else argv)]),
+                       **dict(kv.split("=", 1) for kv in args.metadata), "settings": settings, **summary,
                        "requests": [asdict(r) for r in results]}, f, indent=2)
         print(f"wrote {args.json_path}")
     return 0 if summary["failed"] == 0 else 1

@@ -14,6 +14,7 @@ The same conf/serve.yaml is a Serve config file: ``serve run conf/serve.yaml``. 
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 import time
 
@@ -46,6 +47,7 @@ def run(cfg: ServeConfig, blocking: bool = True) -> int:
     print(f"serving {cfg.model_name} at http://{cfg.host}:{cfg.port}/v1 (Ctrl-C to stop)", flush=True)
     if not blocking:
         return 0
+    signal.signal(signal.SIGTERM, _interrupt)  # a supervisor's (or container's) stop shuts down as Ctrl-C does
     try:
         while True:
             time.sleep(3600)
@@ -54,6 +56,10 @@ def run(cfg: ServeConfig, blocking: bool = True) -> int:
     finally:
         serve.shutdown()
     return 0
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def execute(cfg: DictConfig | ServeConfig) -> int:

@@ -95,6 +95,7 @@ def test_goodput_counts_requests_that_meet_every_slo():
     (["--goodput", "ttft:0"], "positive"),
     (["--goodput", "p99:5"], "KEY one of"),
     (["--input-len", "0"], "must be positive"),
+    (["--metadata", "device"], "KEY=VALUE"),
 ])
 def test_bad_options_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):
