@@ -21,12 +21,13 @@ for spec in "$@"; do
   # shellcheck disable=SC2086
   python jobs/serve.py port=$port $overrides > "$out/serve-$name.log" 2>&1 &
   pid=$!
+  up() { python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$port/v1/models', timeout=5)" 2>/dev/null; }
   for _ in $(seq 1 300); do
-    curl -sf "http://127.0.0.1:$port/v1/models" > /dev/null 2>&1 && break
+    up && break
     kill -0 $pid 2>/dev/null || break
     sleep 1
   done
-  if ! curl -sf "http://127.0.0.1:$port/v1/models" > /dev/null 2>&1; then
+  if ! up; then
     echo "$name: the server did not come up"; tail -20 "$out/serve-$name.log"; kill -TERM $pid; wait $pid; continue
   fi
   for rate in $rates; do
