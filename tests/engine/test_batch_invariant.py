@@ -13,6 +13,7 @@ with ``--interpret`` (and ``TRITON_INTERPRET=1``) the CPU check.
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import subprocess
@@ -178,7 +179,8 @@ def test_one_output_in_100_trials_on_gpu():
 
     def engines(batch_invariant: bool):
         made = []
-        for chunk, blocks in ((None, None), (256, None), (64, 1200)):
+        # explicit pools (20000 blocks: 7 GiB of SmolLM2 KV each): three engines share the GPU
+        for chunk, blocks in ((None, 20000), (256, 20000), (64, 1200)):
             made.append(LLMEngine(ModelConfig(dtype="bfloat16", max_model_len=2048),
                                   EngineConfig(device="cuda", max_num_batched_tokens=chunk, num_kv_blocks=blocks,
                                                batch_invariant=batch_invariant)))
@@ -191,6 +193,7 @@ def test_one_output_in_100_trials_on_gpu():
     kw = dict(max_companions=255, max_len=1000, max_new=32, vocab=on_engines[0].vocab_size)
     on, companions, preemptions = distinct_outputs(on_engines, target, 100, seed=0, **kw)
     del on_engines
+    gc.collect()
     torch.cuda.empty_cache()
     off, _, off_preemptions = distinct_outputs(engines(False), target, 100, seed=0, **kw)
     print(f"\nGPU, 100 trials, {companions} companions, {preemptions}/{off_preemptions} preemptions: "
