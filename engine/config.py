@@ -65,6 +65,11 @@ class EngineConfig:
         role: "normal", "prefill" or "decode".
         async_scheduling: schedule step N+1 while the device runs step N (None: on CUDA only).
         enforce_eager: no CUDA graphs for decode.
+        batch_invariant: compute every request's rows with kernels whose reduction order does not
+            depend on the batch (persistent Triton matmul without split-K, attention without split-KV
+            in one tile shape, row-wise log-softmax; see ``kernels.batch_invariant``): greedy tokens
+            and logprobs are then the same bits alone or in any batch, chunked or after a prefix hit.
+            Slower; exact where the Triton kernels run (CUDA).
         debug_sync_guard: raise if launching a step synchronizes with the GPU (for tests).
         kv_transfer_buffer_gib: GPU memory kept out of the KV pool for PD transfer buffers (a prefill
             replica's send staging, a decode replica's received payloads not yet imported); set by the
@@ -84,6 +89,7 @@ class EngineConfig:
     role: str = "normal"
     async_scheduling: bool | None = None
     enforce_eager: bool = False
+    batch_invariant: bool = False
     debug_sync_guard: bool = False
     kv_transfer_buffer_gib: float = 0.0
 

@@ -129,7 +129,7 @@ class LLMEngine:
             role=self.role,
         ))
         self.sampler = Sampler(self.vocab_size, model_config.seed)
-        self.runner = ModelRunner(self.model, self.kv_cache, cfg.block_size, self.sampler)
+        self.runner = ModelRunner(self.model, self.kv_cache, cfg.block_size, self.sampler, cfg.batch_invariant)
         self.runner.sync_guard = cfg.debug_sync_guard
         on_cuda = self.device.type == "cuda"
         self.async_scheduling = on_cuda if cfg.async_scheduling is None else cfg.async_scheduling

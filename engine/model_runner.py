@@ -13,6 +13,7 @@ from rayinfer.engine.sampler import Sampler, SamplerOutput
 from rayinfer.engine.staging import to_device
 from rayinfer.engine.types import PLACEHOLDER, KVHandle, Request, SchedulerOutput, StepOutput
 from rayinfer.kernels.attention_metadata import AttentionMetadata, PaddedBlockTables, host_arrays
+from rayinfer.kernels.batch_invariant import batch_invariant_mode
 
 KV_LAYOUT_VERSION = "v1"
 
@@ -50,10 +51,14 @@ class ModelRunner:
         kv_cache: the whole paged cache, shape ``model.kv_cache_shape(num_blocks, block_size)``.
         block_size: tokens per block.
         sampler: the :class:`Sampler`.
+        batch_invariant: run the model and the logprobs in batch-invariant mode
+            (``kernels.batch_invariant``), CUDA-graph capture included.
     """
 
-    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int, sampler: Sampler):
+    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int, sampler: Sampler,
+                 batch_invariant: bool = False):
         self.model = model
+        self.batch_invariant = batch_invariant
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.sampler = sampler
@@ -67,7 +72,8 @@ class ModelRunner:
         from rayinfer.engine.cuda_graph import DecodeGraphs
 
         self.graphs = DecodeGraphs(self.model, self.kv_cache, self.block_size, max_model_len, max_num_seqs)
-        self.graphs.capture()
+        with batch_invariant_mode(self.batch_invariant):
+            self.graphs.capture()
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, requests: dict[str, Request]) -> StepOutput:
@@ -107,7 +113,8 @@ class ModelRunner:
         all_sampled = len(sample_idx) == num_tokens  # then the sampled rows are all rows, in order
         if sample_idx and not all_sampled:
             extra.append(starts[1:][sample_idx].astype(np.int64) - 1)
-        with no_host_sync(self.sync_guard):  # one host-to-device copy for all inputs
+        # one host-to-device copy for all inputs
+        with no_host_sync(self.sync_guard), batch_invariant_mode(self.batch_invariant):
             ids, pos, *dev = to_device([input_ids, positions, starts, *meta_arrays, *extra], self.device)
             meta, extra = AttentionMetadata(*dev[:4], self.block_size, query_lens, seq_lens), dev[4:]
             if holes.size:
@@ -143,7 +150,8 @@ class ModelRunner:
         """
         meta = AttentionMetadata.build([], [], [], self.block_size, self.device)
         no_tokens = torch.empty(0, dtype=torch.long, device=self.device)
-        self.model(no_tokens, no_tokens, self.kv_cache, meta)
+        with batch_invariant_mode(self.batch_invariant):
+            self.model(no_tokens, no_tokens, self.kv_cache, meta)
 
     def finish(self, step: PendingStep) -> StepOutput:
         """Wait for a launched step and return its sampled tokens (advancing grammar matchers); a request

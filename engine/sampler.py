@@ -16,6 +16,7 @@ import torch
 
 from rayinfer.engine.staging import to_device
 from rayinfer.engine.types import Request, SampledToken
+from rayinfer.kernels.log_softmax import log_softmax
 from rayinfer.kernels.sampling import sample
 
 
@@ -134,7 +135,7 @@ class Sampler:
         out = SamplerOutput(token_ids, errors=errors)
         k = max((p.logprobs for p in ps if p.logprobs is not None), default=None)
         if k is not None:
-            logprobs = torch.log_softmax(raw, dim=-1)
+            logprobs = log_softmax(raw)  # row-wise kernel in batch-invariant mode
             out.logprobs = logprobs.gather(1, token_ids[:, None])[:, 0]
             if k > 0:
                 out.top_logprobs, out.top_ids = logprobs.topk(k, dim=-1)

@@ -5,6 +5,7 @@
     python jobs/bench.py scenario=llama-3-8b offline.num_prompts=1000     # the full offline workload
     python jobs/bench.py engine.kv_cache_dtype=fp8 sections=[offline]     # with an fp8 KV cache
     python jobs/bench.py scenario=tiny                     # llama-tiny on CPU in seconds (every code path)
+    python jobs/bench.py compare_batch_invariant=true sections=[offline,decode]  # the mode's cost, same run
 
 Sections (``sections=[offline,decode,prefill,hf]``): offline throughput of a seeded random workload
 (fixed 1000 in / 1000 out, and seeded random lengths) through the engine's step loop; decode step time
@@ -12,11 +13,14 @@ at each batch x context, driving the model directly over the engine's KV cache; 
 chunked by ``engine.max_num_batched_tokens``; the offline workload (a subset) through HF ``generate`` on
 the same weights. Each value is printed beside its roofline (bandwidth and matmul rate measured in the
 same run) and written to ``benchmarks/results/bench-<scenario>-<device>-<time>.json``.
+``compare_batch_invariant=true`` runs the offline and decode sections a second time on a new engine with
+``engine.batch_invariant`` flipped, and records both and their ratios under ``"batch_invariant"``.
 Scenarios are presets (jobs/benchlib.py ``register_scenario``); command-line overrides win over them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
@@ -107,6 +111,7 @@ class BenchConfig:
     out_dir: str = "benchmarks/results"
     cpu_threads: int | None = None  # torch intra-op threads on CPU during the run; None: torch's default
     git_rev: str | None = None  # recorded instead of asking git (a checkout copied without .git)
+    compare_batch_invariant: bool = False  # offline + decode again with engine.batch_invariant flipped
 
     def __post_init__(self):
         for name, values, known in (("sections", self.sections, SECTIONS),
@@ -309,11 +314,62 @@ def _run(cfg: BenchConfig) -> dict[str, Any]:
     offline = result.get("offline", {})
     if "hf" in cfg.sections:
         timed("hf", lambda: _hf(cfg, model, cost, ceilings, offline if "error" not in offline else {}))
+    del model
+    if cfg.compare_batch_invariant:
+        bl.release_device_memory()
+        timed("batch_invariant", lambda: _batch_invariant_compare(cfg, result, cost, ceilings))
     print(f"wrote {path} ({result['seconds']:.1f} s: " + ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items())
           + ")", flush=True)
     for note in result["notes"]:
         print(f"  note: {note}")
     return result
+
+
+def _batch_invariant_compare(cfg, result, cost, ceilings) -> dict[str, Any]:
+    """The offline and decode sections again on a new engine with ``engine.batch_invariant`` flipped
+    (decode steps driven inside the mode), beside the first run's figures.
+
+    Returns:
+        ``{"batch_invariant": the flipped value, "offline", "decode", "offline_slowdown": {workload:
+        tok/s with the mode off / on}, "decode_slowdown": [{batch, context, ratio: step time on / off}]}``.
+    """
+    from rayinfer.engine.llm_engine import LLMEngine
+    from rayinfer.kernels.batch_invariant import batch_invariant_mode
+
+    on = not cfg.engine.batch_invariant
+    print(f"  -- again with engine.batch_invariant={on} --", flush=True)
+    engine = LLMEngine(cfg.model, dataclasses.replace(cfg.engine, batch_invariant=on))
+    bl.warm_up(engine, cfg.engine.block_size)
+    out: dict[str, Any] = {"batch_invariant": on}
+    try:
+        if "offline" in cfg.sections:
+            out["offline"] = _offline(cfg, engine, cost, ceilings)
+        if "decode" in cfg.sections:
+            with batch_invariant_mode(on):
+                out["decode"] = _decode(cfg, engine.model, engine.kv_cache, engine.runner.graphs, cost, ceilings,
+                                        result["notes"])
+    finally:
+        del engine
+        bl.release_device_memory()
+    first_offline, first_decode = result.get("offline") or {}, result.get("decode") or []
+    slow: dict[str, float] = {}  # offline time in the batch-invariant mode / in the default mode
+    for name, r in out.get("offline", {}).items():
+        if isinstance(first_offline, dict) and "output_tok_s" in first_offline.get(name, {}):
+            first, second = first_offline[name]["output_tok_s"], r["output_tok_s"]
+            slow[name] = first / second if on else second / first
+    out["offline_slowdown"] = slow
+    rows = []
+    if isinstance(first_decode, list):
+        for r0, r1 in zip(first_decode, out.get("decode", [])):
+            on_s, off_s = (r1["step_s"], r0["step_s"]) if on else (r0["step_s"], r1["step_s"])
+            rows.append({"batch": r0["batch"], "context": r0["context"], "ratio": on_s / off_s})
+    out["decode_slowdown"] = rows  # step time in the batch-invariant mode / in the default mode
+    for name, ratio in out["offline_slowdown"].items():
+        print(f"  batch-invariant offline {name}: {ratio:.3f}x the default mode's time "
+              f"({(ratio - 1) * 100:+.1f}%; target <= +25%)", flush=True)
+    for row in rows:
+        print(f"  batch-invariant decode B={row['batch']} ctx={row['context']}: {row['ratio']:.3f}x", flush=True)
+    return out
 
 
 def result_path(out_dir: Path, scenario: str, device: str) -> Path:

@@ -135,3 +135,10 @@ def pdl_launch(enabled: bool) -> dict:
     """Launch keyword arguments for a kernel with a ``USE_PDL`` constexpr (default False) that calls
     :func:`pdl_wait`: ``USE_PDL=True, launch_pdl=True`` when ``enabled`` (see :func:`use_pdl`), else none."""
     return {"USE_PDL": True, "launch_pdl": True} if enabled else {}
+
+
+# ROWWISE: batch-invariant mode under the Triton interpreter: ``tl.dot`` is numpy's matmul there, and BLAS sums a
+# row's products in an order that depends on the row's place in the tile (a GPU's MMA does not). The
+# kernels then write the product out as ``tl.sum(a[:, :, None] * b[None, :, :], 1)`` (their ``ROWWISE``
+# branch, inlined: a nested jit call costs milliseconds per call in the interpreter), whose sum over K
+# runs in the same order for every row.

@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rayinfer.kernels._triton_utils import tl, triton, use_triton
+from rayinfer.kernels._triton_utils import is_interpreting, tl, triton, use_triton
 from rayinfer.kernels.activation import silu_and_mul, silu_and_mul_ref
+from rayinfer.kernels.batch_invariant import is_batch_invariant
 
 
 def _check_shapes(hidden, w13, w2, topk_ids, topk_weights) -> None:
@@ -122,6 +123,7 @@ def _moe_gemm_kernel(
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_cm, stride_cn,
     A_ROW_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+    ROWWISE: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -142,7 +144,9 @@ def _moe_gemm_kernel(
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None] * stride_wk,
                     mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if IEEE:
+        if ROWWISE:  # batch-invariant mode under the interpreter (see ROWWISE in kernels._triton_utils)
+            acc += tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
+        elif IEEE:
             acc += tl.dot(a, b, input_precision="ieee")
         else:
             acc += tl.dot(a, b)
@@ -153,7 +157,8 @@ def _moe_gemm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _moe_gemm(a, w, c, sorted_pairs, block_experts, weights, a_row_div: int, mul_weight: bool, block_m: int):
+def _moe_gemm(a, w, c, sorted_pairs, block_experts, weights, a_row_div: int, mul_weight: bool, block_m: int,
+              rowwise: bool = False):
     n, k = w.shape[1], w.shape[2]
     block_n = 64 if n >= 64 else max(16, triton.next_power_of_2(n))
     block_k = 64 if k >= 64 else max(16, triton.next_power_of_2(k))
@@ -163,7 +168,7 @@ def _moe_gemm(a, w, c, sorted_pairs, block_experts, weights, a_row_div: int, mul
         n, k, c.shape[0],
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1),
         A_ROW_DIV=a_row_div, MUL_WEIGHT=mul_weight,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=a.dtype == torch.float32,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=a.dtype == torch.float32, ROWWISE=rowwise,
         num_warps=4, num_stages=2,
     )
 
@@ -180,7 +185,13 @@ def fused_moe_triton(
 
     Args:
         block_m: rows per tile (>= 16); 16 suits decode, 64 large prefills.
+
+    In batch-invariant mode (``kernels.batch_invariant``) the k routed outputs of a token are added in
+    slot order; with a fixed ``block_m`` (as :func:`fused_moe` passes then) a token's row is computed by
+    the same tiles whatever else the batch holds.
     """
+    invariant = is_batch_invariant()
+    rowwise = invariant and is_interpreting()
     _check_shapes(hidden, w13, w2, topk_ids, topk_weights)
     num_tokens, top_k = topk_ids.shape
     num_experts, two_inter, hidden_size = w13.shape
@@ -191,11 +202,17 @@ def fused_moe_triton(
     num_pairs = num_tokens * top_k
     # Pairs no tile visits (skipped ids) must read as zeros in the activation and the sum over k.
     gate_up = torch.zeros((num_pairs, two_inter), dtype=hidden.dtype, device=hidden.device)
-    _moe_gemm(hidden, w13, gate_up, sorted_pairs, block_experts, weights, top_k, False, block_m)
+    _moe_gemm(hidden, w13, gate_up, sorted_pairs, block_experts, weights, top_k, False, block_m, rowwise)
     act = silu_and_mul(gate_up)
     out = torch.zeros((num_pairs, hidden_size), dtype=torch.float32, device=hidden.device)
-    _moe_gemm(act, w2, out, sorted_pairs, block_experts, weights, 1, True, block_m)
-    return out.view(num_tokens, top_k, hidden_size).sum(1).to(hidden.dtype)
+    _moe_gemm(act, w2, out, sorted_pairs, block_experts, weights, 1, True, block_m, rowwise)
+    out = out.view(num_tokens, top_k, hidden_size)
+    if invariant:
+        total = out[:, 0].clone()
+        for slot in range(1, top_k):
+            total += out[:, slot]
+        return total.to(hidden.dtype)
+    return out.sum(1).to(hidden.dtype)
 
 
 def fused_moe(
@@ -205,12 +222,14 @@ def fused_moe(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
 ) -> torch.Tensor:
-    """Same contract as :func:`fused_moe_ref`; the Triton grouped GEMM on CUDA tensors."""
+    """Same contract as :func:`fused_moe_ref`; the Triton grouped GEMM on CUDA tensors (64-row tiles
+    whatever the batch in batch-invariant mode)."""
     if (
         hidden.dim() == 2
         and hidden.dtype == w13.dtype == w2.dtype
         and hidden.dtype in (torch.float16, torch.bfloat16, torch.float32)
         and use_triton(hidden, w13, w2, topk_ids, topk_weights)
     ):
-        return fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, block_m=16 if topk_ids.numel() <= 1024 else 64)
+        block_m = 64 if is_batch_invariant() or topk_ids.numel() > 1024 else 16
+        return fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, block_m=block_m)
     return fused_moe_ref(hidden, w13, w2, topk_ids, topk_weights)

@@ -31,6 +31,8 @@ import torch.nn.functional as F
 
 from rayinfer.kernels._triton_utils import pdl_launch, pdl_wait, tl, triton, use_pdl, use_triton
 from rayinfer.kernels.activation import silu_and_mul, silu_and_mul_ref
+from rayinfer.kernels.batch_invariant import is_batch_invariant
+from rayinfer.kernels.matmul import dense_linear
 from rayinfer.kernels.norm import rms_norm, rms_norm_ref
 
 
@@ -208,9 +210,11 @@ def silu_and_mul_linear_triton(x, weight, bias=None, config=None):
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the dispatchers take the Triton GEMV: one row of bf16/fp16 on CUDA, a row-major weight of
-    the same dtype. float32 stays on cuBLAS (the GPU-vs-CPU equality tests run in float32)."""
+    the same dtype. float32 stays on cuBLAS (the GPU-vs-CPU equality tests run in float32). Never in
+    batch-invariant mode: a row must be computed as it is in a batch (see ``kernels.matmul``)."""
     return (
-        x.dim() == 2
+        not is_batch_invariant()
+        and x.dim() == 2
         and x.shape[0] == 1
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
@@ -235,12 +239,12 @@ def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 def fused_linear(x, weight, bias=None, *, norm_weight=None, eps=1e-6, silu_and_mul_input=False, residual=None):
     """Same contract as :func:`fused_linear_ref`, except that ``residual``, when given, is updated in
     place (and returned); one Triton kernel when :func:`gemv_applies`, else the unfused kernels
-    (RMSNorm, activation, cuBLAS, add)."""
+    (RMSNorm, activation, cuBLAS or in batch-invariant mode the persistent matmul, add)."""
     if gemv_applies(x, weight) and (residual is None or (residual.dtype == x.dtype and residual.stride(-1) == 1)):
         return fused_linear_triton(x, weight, bias, norm_weight=norm_weight, eps=eps,
                                    silu_and_mul_input=silu_and_mul_input, residual=residual)
     x = _prologue(x, norm_weight, eps, silu_and_mul_input, rms_norm, silu_and_mul)
-    y = F.linear(x, weight, bias)
+    y = dense_linear(x, weight, bias)
     if residual is None:
         return y
     residual.add_(y)

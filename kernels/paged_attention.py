@@ -5,8 +5,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rayinfer.kernels._triton_utils import device_sms, pdl_launch, pdl_wait, tl, triton, use_pdl, use_triton
+from rayinfer.kernels._triton_utils import (
+    device_sms, is_interpreting, pdl_launch, pdl_wait, tl, triton, use_pdl, use_triton,
+)
 from rayinfer.kernels.attention_metadata import AttentionMetadata
+from rayinfer.kernels.batch_invariant import is_batch_invariant
 
 
 def paged_attention_ref(
@@ -90,7 +93,7 @@ def _attend_tile(
     acc, m_i, l_i, q, table, kv_base, start, kv_hi, q_pos, qk_scale,
     stride_cb, stride_ckv, stride_cs, dims, dim_ok,
     BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
-    IEEE: tl.constexpr, KV_CAST: tl.constexpr,
+    IEEE: tl.constexpr, KV_CAST: tl.constexpr, ROWWISE: tl.constexpr,
 ):
     n = start + tl.arange(0, BLOCK_N)
     n_ok = n < kv_hi
@@ -116,7 +119,9 @@ def _attend_tile(
     if KV_CAST:  # an fp8 cache: widen for the tensor cores (q is already in that dtype)
         k = k.to(q.dtype)
         v = v.to(q.dtype)
-    if IEEE:
+    if ROWWISE:  # batch-invariant mode under the interpreter (see ROWWISE in kernels._triton_utils)
+        s = tl.sum(q.to(tl.float32)[:, :, None] * tl.trans(k).to(tl.float32)[None, :, :], 1)
+    elif IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
@@ -131,7 +136,9 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
-    if IEEE:
+    if ROWWISE:
+        acc += tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
+    elif IEEE:
         acc += tl.dot(p, v, input_precision="ieee")
     else:
         acc += tl.dot(p.to(v.dtype), v)
@@ -148,7 +155,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
     ONE_TILE: tl.constexpr, REVERSE: tl.constexpr, USE_SPLITS: tl.constexpr, IEEE: tl.constexpr,
-    KV_CAST: tl.constexpr, KV_F16: tl.constexpr, USE_PDL: tl.constexpr = False,
+    KV_CAST: tl.constexpr, KV_F16: tl.constexpr, ROWWISE: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
     pdl_wait(USE_PDL)
     program = tl.program_id(0)
@@ -204,12 +211,12 @@ def _paged_attention_kernel(
     for start in range(kv_lo, full_hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, table, kv_base, start, kv_hi, q_pos, qk_scale, stride_cb, stride_ckv, stride_cs,
-            dims, dim_ok, BLOCK_N, KV_BLOCK_SIZE, False, EVEN_D, IEEE, KV_CAST,
+            dims, dim_ok, BLOCK_N, KV_BLOCK_SIZE, False, EVEN_D, IEEE, KV_CAST, ROWWISE,
         )
     for start in range(full_hi, kv_hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, table, kv_base, start, kv_hi, q_pos, qk_scale, stride_cb, stride_ckv, stride_cs,
-            dims, dim_ok, BLOCK_N, KV_BLOCK_SIZE, True, EVEN_D, IEEE, KV_CAST,
+            dims, dim_ok, BLOCK_N, KV_BLOCK_SIZE, True, EVEN_D, IEEE, KV_CAST, ROWWISE,
         )
 
     if USE_SPLITS:
@@ -268,14 +275,17 @@ def _choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int, pdl: b
     return max(1, min(want, max_seq_len // _MIN_SPLIT_TOKENS, _MAX_SPLITS_PDL if pdl else _MAX_SPLITS))
 
 
-def _choose_config(max_query_len: int, group_pad: int, block_d: int, is_fp32: bool, kv_bytes: int = 2) -> dict:
+def _choose_config(max_query_len: int, group_pad: int, block_d: int, is_fp32: bool, kv_bytes: int = 2,
+                   batch_invariant: bool = False) -> dict:
     """Tile shape and launch options; decode tiles take the tensor cores' smallest M (16 rows).
 
     Prefill tiles of 64 query rows x 64 keys, 4 warps, 3 stages ran a 4K causal prefill (bf16, d=128,
     GQA 4) at 329 TFLOP/s on an H200, against 268-326 for 128-row tiles (benchmarks/kernels.py --sweep).
+    ``batch_invariant``: the prefill tiles for every step, decode included, so that a query row's
+    products and its key tiles are the same whichever kind of step computes it.
     """
     decode_block_q = max(1, 16 // group_pad)
-    if max_query_len <= decode_block_q:
+    if max_query_len <= decode_block_q and not batch_invariant:
         # 16-bit caches: 64 keys, 2 stages (H200, bf16: batch 32 / 1K context 40 us against 50 with 3
         # stages, batch 256 / 1.5K 372 against 408; less shared memory, more programs per multiprocessor).
         # fp8 caches: 128 keys, 3 stages (batch 256 / 1.5K: 282 us; 295 with 2 stages, 395 with 256 keys).
@@ -302,7 +312,10 @@ def paged_attention_triton(
 
     Args:
         num_splits: split-KV factor; by default chosen from the batch shape. Used only when every
-            request's queries fit one tile (decode and short extends).
+            request's queries fit one tile (decode and short extends). In batch-invariant mode
+            (``kernels.batch_invariant``) always 1, with the prefill tiles for every step: each query
+            row then reads its keys in the same ``BLOCK_N`` tiles from position 0, in the same order,
+            whether it is computed in a prefill, an extend after a prefix hit or chunk, or a decode.
         max_seq_len: bound on every ``seq_lens`` entry (default ``meta.max_seq_len``); it picks the
             split count, which is baked into the launch (a CUDA graph captured once passes the longest
             context it will replay). Each request's split size is computed in the kernel from its own
@@ -326,12 +339,14 @@ def paged_attention_triton(
     max_query_len = meta.max_query_len
     max_seq_len = max(max_seq_len or meta.max_seq_len, 1)
     kv_cast = kv_cache.dtype != q.dtype
+    invariant = is_batch_invariant()
     cfg = {"reverse": True, "kv_f16": True,
-           **_choose_config(max_query_len, group_pad, block_d, is_fp32, kv_cache.element_size()), **(config or {})}
+           **_choose_config(max_query_len, group_pad, block_d, is_fp32, kv_cache.element_size(), invariant),
+           **(config or {})}
     block_q, block_n = cfg["block_q"], cfg["block_n"]
     one_tile = max_query_len <= block_q
     grid_x = num_reqs if one_tile else num_tokens // block_q + num_reqs
-    if not one_tile:
+    if not one_tile or invariant:  # batch-invariant: every row reads its keys in one pass of BLOCK_N tiles
         num_splits = 1
     elif num_splits is None:
         num_splits = _choose_num_splits(num_reqs * num_kv_heads, max_seq_len, device_sms(q), pdl)
@@ -356,6 +371,7 @@ def paged_attention_triton(
         HEAD_DIM=head_dim, BLOCK_D=block_d, KV_BLOCK_SIZE=block_size,
         ONE_TILE=one_tile, REVERSE=bool(cfg["reverse"]) and not one_tile, USE_SPLITS=use_splits, IEEE=is_fp32,
         KV_CAST=kv_cast, KV_F16=kv_cast and not is_fp32 and bool(cfg["kv_f16"]),
+        ROWWISE=invariant and is_interpreting(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(pdl),
     )
     if use_splits:

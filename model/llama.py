@@ -12,6 +12,7 @@ from torch import nn
 from rayinfer import envs
 from rayinfer.kernels.attention_metadata import AttentionMetadata
 from rayinfer.kernels.gemv import fused_linear, gemv_applies, linear, silu_and_mul_linear
+from rayinfer.kernels.matmul import dense_linear
 from rayinfer.kernels.norm import rms_norm
 from rayinfer.kernels.paged_attention import paged_attention
 from rayinfer.kernels.rotary import rope_inv_freq, rotary_store_kv
@@ -42,7 +43,8 @@ class LlamaAttention(nn.Module):
         self.layer_idx = layer_idx
 
     def forward(self, hidden, positions, inv_freq, kv_cache, meta: AttentionMetadata):
-        out = self.attend(self.qkv_proj(hidden), positions, inv_freq, kv_cache, meta)
+        qkv = dense_linear(hidden, self.qkv_proj.weight, self.qkv_proj.bias)
+        out = self.attend(qkv, positions, inv_freq, kv_cache, meta)
         # one row (batch-1 decode on the GPU): a GEMV without cuBLAS's split-K reduction kernel
         return linear(out, self.o_proj.weight, self.o_proj.bias)
 
@@ -68,7 +70,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x):
         # silu_and_mul then down_proj: one fused GEMV for a single row on the GPU, else two kernels
-        return silu_and_mul_linear(self.gate_up_proj(x), self.down_proj.weight, self.down_proj.bias)
+        gate_up = dense_linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+        return silu_and_mul_linear(gate_up, self.down_proj.weight, self.down_proj.bias)
 
 
 class PreNormDecoderLayer(nn.Module):
@@ -191,7 +194,7 @@ class PagedCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab_size] float32."""
-        return self.lm_head(hidden).float()
+        return dense_linear(hidden, self.lm_head.weight, self.lm_head.bias).float()
 
 
 class LlamaForCausalLM(PagedCausalLM):

@@ -25,6 +25,7 @@ from torch.nn import functional as F
 
 from rayinfer.kernels.activation import silu_and_mul
 from rayinfer.kernels.fused_moe import fused_moe
+from rayinfer.kernels.matmul import dense_linear
 
 
 class GatedMLP(nn.Module):
@@ -41,7 +42,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
-        return self.down_proj(silu_and_mul(torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)))
+        gate_up = torch.cat([dense_linear(x, self.gate_proj.weight), dense_linear(x, self.up_proj.weight)], dim=-1)
+        return dense_linear(silu_and_mul(gate_up), self.down_proj.weight)
 
 
 def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from rayinfer.kernels.attention_metadata import AttentionMetadata
+from rayinfer.kernels.matmul import dense_linear
 from rayinfer.kernels.paged_attention import paged_attention
 from rayinfer.kernels.rotary import rotary_store_kv
 from rayinfer.model.llama import PagedCausalLM, PreNormDecoderLayer, RMSNorm
@@ -37,12 +38,14 @@ class Qwen3MoeAttention(nn.Module):
     def forward(self, hidden, positions, inv_freq, kv_cache, meta: AttentionMetadata):
         """hidden [T, hidden_size] -> [T, hidden_size]; writes this step's K/V into ``kv_cache`` (one layer)."""
         t, d = hidden.shape[0], self.head_dim
-        q = self.q_norm(self.q_proj(hidden).view(-1, d)).view(t, self.num_heads, d)
-        k = self.k_norm(self.k_proj(hidden).view(-1, d)).view(t, self.num_kv_heads, d)
-        v = self.v_proj(hidden).view(t, self.num_kv_heads, d)
+        q = dense_linear(hidden, self.q_proj.weight, self.q_proj.bias)
+        k = dense_linear(hidden, self.k_proj.weight, self.k_proj.bias)
+        v = dense_linear(hidden, self.v_proj.weight, self.v_proj.bias).view(t, self.num_kv_heads, d)
+        q = self.q_norm(q.view(-1, d)).view(t, self.num_heads, d)
+        k = self.k_norm(k.view(-1, d)).view(t, self.num_kv_heads, d)
         q = rotary_store_kv(q, k, v, positions, inv_freq, kv_cache, meta.slot_mapping)
         out = paged_attention(q, kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(t, self.num_heads * d))
+        return dense_linear(out.reshape(t, self.num_heads * d), self.o_proj.weight, self.o_proj.bias)
 
 
 class Qwen3MoeRouter(nn.Module):
@@ -68,7 +71,7 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, hidden_size] -> [T, hidden_size]."""
-        weights, ids = softmax_topk(F.linear(hidden, self.gate.weight), self.top_k, self.norm_topk_prob)
+        weights, ids = softmax_topk(dense_linear(hidden, self.gate.weight), self.top_k, self.norm_topk_prob)
         return self.experts(hidden, ids, weights)
 
 

@@ -1,0 +1,209 @@
+"""Batch-invariant mode (``engine.batch_invariant``): one greedy prompt run many times among random
+companion requests (batches of varying size and length, prefix-cache hits, chunk sizes, preemption)
+gives exactly one output, token ids and logprobs bit for bit.
+
+On CPU the property is checked through the Triton interpreter on a tiny random Llama (the kernels the
+GPU runs, with ``tl.dot`` written out row by row: see ROWWISE in ``kernels._triton_utils``); the GPU test
+runs SmolLM2 in bfloat16 with CUDA graphs and pipelined scheduling, 100 trials, and also reports how
+many distinct outputs the default mode gave.
+
+Run as a script (``python tests/engine/test_batch_invariant.py``) it runs the GPU test through pytest;
+with ``--interpret`` (and ``TRITON_INTERPRET=1``) the CPU check.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rayinfer.engine.types import SamplingParams
+from rayinfer.kernels._triton_utils import HAS_TRITON
+
+
+def run_trial(engine, target: list[int], rng: random.Random, tag: str, *, max_companions: int,
+              max_len: int, max_new: int, vocab: int, companion_max_new: int = 16) -> tuple:
+    """Run ``target`` (greedy, ``max_new`` tokens, top-2 logprobs) among a random set of companions.
+
+    Companions: random prompts of 1..``max_len`` tokens (a third of them start with a piece of the target,
+    so the cache holds prefixes of it), greedy or sampled, 1..``companion_max_new`` new tokens; some are
+    queued before the target, some after it, some join after a few steps, and those still running when
+    the target ends stay for the next trial (in mid-decode). Returns the target's output as a hashable
+    tuple of (token id, logprob, top-2 logprobs) per token, and the number of companions.
+    """
+
+    def add_companion(j: int) -> None:
+        n = rng.randint(1, max_len)
+        if rng.random() < 1 / 3:
+            cut = rng.randint(1, len(target))
+            prompt = target[:cut] + [rng.randrange(vocab) for _ in range(max(0, n - cut))]
+        else:
+            prompt = [rng.randrange(vocab) for _ in range(n)]
+        temperature = rng.choice([0.0, 0.0, 1.0])
+        engine.add_request(f"{tag}-c{j}", prompt, SamplingParams(temperature=temperature, max_tokens=rng.randint(1, companion_max_new),
+                                                                 ignore_eos=True, seed=j))
+
+    num_before, num_late = rng.randint(0, max_companions), rng.randint(0, max_companions // 4)
+    split = rng.randint(0, num_before)
+    for j in range(split):
+        add_companion(j)
+    target_id = f"{tag}-target"
+    engine.add_request(target_id, target, SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True,
+                                                         logprobs=2))
+    for j in range(split, num_before):
+        add_companion(j)
+    join_step = rng.randint(1, 4)
+    out: list = []
+    step, done = 0, False
+    while not done:
+        for o in engine.step():
+            if o.request_id != target_id:
+                continue
+            assert o.error is None, o.error
+            done = o.finished
+            for t, lp in zip(o.new_token_ids, o.new_logprobs or []):
+                assert lp.top_logprobs is not None
+                out.append((t, lp.logprob, tuple(sorted(lp.top_logprobs.items()))))
+        step += 1
+        if step == join_step:
+            for j in range(num_before, num_before + num_late):
+                add_companion(j)
+    assert len(out) == max_new
+    return tuple(out), num_before + num_late
+
+
+def distinct_outputs(engines, target, num_trials: int, seed: int, **trial_kw) -> tuple[set, int, int]:
+    """``num_trials`` trials spread round-robin over ``engines`` (each keeps its prefix cache between
+    trials); returns the set of distinct target outputs, the companions run and the preemptions."""
+    rng = random.Random(seed)
+    outputs, companions = set(), 0
+    for i in range(num_trials):
+        engine = engines[i % len(engines)]
+        out, n = run_trial(engine, target, rng, f"trial{i}", **trial_kw)
+        outputs.add(out)
+        companions += n
+    preemptions = sum(e.scheduler.num_preemptions for e in engines)
+    return outputs, companions, preemptions
+
+
+# ---------------------------------------------------------------------------------------------------
+# CPU: the Triton interpreter on a tiny model
+# ---------------------------------------------------------------------------------------------------
+
+# (max_num_batched_tokens, num_kv_blocks, async_scheduling): whole prompts; chunks of 5 and 7 tokens
+# (pipelined); a pool of 12 blocks of 4 tokens, small enough that companions preempt one another.
+CPU_ENGINES = [(512, 128, False), (5, 128, True), (7, 12, False)]
+
+
+def _tiny_engines(batch_invariant: bool):
+    import transformers
+
+    from rayinfer.engine.config import EngineConfig, ModelConfig
+    from rayinfer.engine.llm_engine import LLMEngine
+    from rayinfer.model.llama import LlamaForCausalLM
+    from rayinfer.model.loader import load_tokenizer
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=256, tie_word_embeddings=False, initializer_range=0.5)
+    model = LlamaForCausalLM(cfg)
+    for p in model.parameters():  # spread weights: logits far from ties, so any rounding shows in logprobs
+        torch.nn.init.normal_(p, std=0.3)
+    model = model.eval().requires_grad_(False)
+    tokenizer = load_tokenizer("SmolLM2-135M-Instruct")
+    return [LLMEngine(ModelConfig("tiny-llama", max_model_len=256),
+                      EngineConfig(device="cpu", block_size=4, num_kv_blocks=blocks, max_num_seqs=6,
+                                   max_num_batched_tokens=chunk, async_scheduling=async_, batch_invariant=batch_invariant),
+                      model=model, tokenizer=tokenizer)
+            for chunk, blocks, async_ in CPU_ENGINES]
+
+
+def _interpreter_check() -> None:
+    target = [17, 3, 99, 250, 4, 4, 61, 8, 120, 33, 7, 201, 5, 90]
+    kw = dict(max_companions=4, max_len=20, max_new=3, vocab=256, companion_max_new=6)
+    on, companions, preemptions = distinct_outputs(_tiny_engines(True), target, 6, seed=1, **kw)
+    print(f"interpreter, 6 trials, {companions} companions, {preemptions} preemptions: batch_invariant=on "
+          f"{len(on)} distinct output(s)")
+    assert preemptions > 0, "the small pool never preempted: the scenario lost its preemption case"
+    assert len(on) == 1, f"batch-invariant mode gave {len(on)} distinct outputs: {sorted(on)}"
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_one_output_among_companions_through_triton_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, __file__, "--interpret"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    print(proc.stdout)
+
+
+def test_config_and_mode_switch():
+    """The engine flag reaches the runner; the mode is scoped to the block that enters it."""
+    from rayinfer.engine.config import EngineConfig
+    from rayinfer.kernels.batch_invariant import batch_invariant_mode, is_batch_invariant
+
+    assert EngineConfig().batch_invariant is False
+    assert not is_batch_invariant()
+    with batch_invariant_mode():
+        assert is_batch_invariant()
+        with batch_invariant_mode(False):
+            assert not is_batch_invariant()
+        assert is_batch_invariant()
+    assert not is_batch_invariant()
+
+
+def test_runner_carries_the_mode(tiny_engine):
+    assert tiny_engine(batch_invariant=True).runner.batch_invariant is True
+    assert tiny_engine().runner.batch_invariant is False
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU: SmolLM2 in bfloat16, CUDA graphs and pipelined scheduling on
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_one_output_in_100_trials_on_gpu():
+    """100 trials of one prompt among 0..255 companions of 1..1000 tokens, over engines with whole
+    prompts, 256- and 64-token chunks, and a small pool that preempts: one distinct output with the mode
+    on; the count with the mode off is printed (the nondeterminism the mode removes)."""
+    from rayinfer.engine.config import EngineConfig, ModelConfig
+    from rayinfer.engine.llm_engine import LLMEngine
+
+    def engines(batch_invariant: bool):
+        made = []
+        # explicit pools (20000 blocks: 7 GiB of SmolLM2 KV each): three engines share the GPU
+        for chunk, blocks in ((None, 20000), (256, 20000), (64, 1200)):
+            made.append(LLMEngine(ModelConfig(dtype="bfloat16", max_model_len=2048),
+                                  EngineConfig(device="cuda", max_num_batched_tokens=chunk, num_kv_blocks=blocks,
+                                               batch_invariant=batch_invariant)))
+            assert made[-1].runner.graphs is not None and made[-1].async_scheduling
+        return made
+
+    on_engines = engines(True)
+    tok = on_engines[0].tokenizer
+    target = tok.encode("Explain, step by step, why the sky is blue and sunsets are red. " * 6)
+    kw = dict(max_companions=255, max_len=1000, max_new=32, vocab=on_engines[0].vocab_size)
+    on, companions, preemptions = distinct_outputs(on_engines, target, 100, seed=0, **kw)
+    del on_engines
+    gc.collect()
+    torch.cuda.empty_cache()
+    off, _, off_preemptions = distinct_outputs(engines(False), target, 100, seed=0, **kw)
+    print(f"\nGPU, 100 trials, {companions} companions, {preemptions}/{off_preemptions} preemptions: "
+          f"batch_invariant=on {len(on)} distinct output(s), off {len(off)}")
+    assert preemptions > 0, "the small pool never preempted: the scenario lost its preemption case"
+    assert len(on) == 1, f"batch-invariant mode gave {len(on)} distinct outputs"
+
+
+if __name__ == "__main__":
+    if "--interpret" in sys.argv:
+        _interpreter_check()
+    else:
+        sys.exit(pytest.main([__file__, "-m", "gpu", "-q", "-s", *sys.argv[1:]]))
