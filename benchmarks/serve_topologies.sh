@@ -11,7 +11,7 @@ set -uo pipefail
 out=$1; rates=$2; read -r num_prompts input_len output_len <<< "$3"; shift 3
 mkdir -p "$out"
 port=8123
-rev=$(git rev-parse --short HEAD 2>/dev/null || echo "${GIT_REV:-unknown}")
+rev=${GIT_REV:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}  # GIT_REV: when the checkout's git metadata is not the tree that runs
 device=cpu
 if command -v nvidia-smi > /dev/null; then
   device=$(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | sed 's/^ *//;s/ /x /' | paste -sd+)
