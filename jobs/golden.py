@@ -49,15 +49,18 @@ def build_prompts(tokenizer) -> dict[str, list[int]]:
     return prompts
 
 
-def run() -> dict[str, dict]:
+def run(model=None, tokenizer=None) -> dict[str, dict]:
     """Greedy outputs of the default model (CPU, float32), per sample: tokens, text, per-token logprobs,
-    the gap between the two best logprobs at each step, and the log-perplexity of the output."""
+    the gap between the two best logprobs at each step, and the log-perplexity of the output.
+
+    ``model`` / ``tokenizer``: the default model already loaded on the CPU in float32 (None loads it)."""
     from rayinfer.engine.config import EngineConfig, ModelConfig
     from rayinfer.engine.llm_engine import LLMEngine
     from rayinfer.engine.types import SamplingParams
 
     engine = LLMEngine(ModelConfig(dtype="float32"), EngineConfig(device="cpu", max_num_seqs=16,
-                                                                   max_num_batched_tokens=2048))
+                                                                   max_num_batched_tokens=2048),
+                       model=model, tokenizer=tokenizer)
     prompts = build_prompts(engine.tokenizer)
     ids = list(prompts)
     outs = engine.generate([prompts[k] for k in ids], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,

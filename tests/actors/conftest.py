@@ -53,11 +53,9 @@ def cases(tokenizer) -> list[Case]:
 
 
 @pytest.fixture(scope="session")
-def reference(cases) -> dict[str, tuple[list[int], str, str]]:
+def reference(cases, smollm2) -> dict[str, tuple[list[int], str, str]]:
     """request id -> (output token ids, text, finish reason) from one colocated (NORMAL) engine."""
-    from rayinfer.engine.llm_engine import LLMEngine
-
-    engine = LLMEngine(MODEL, engine_config())
+    engine = smollm2.engine(engine_config())
     done = engine.generate([c.prompt_token_ids for c in cases], [c.params for c in cases],
                            [c.request_id for c in cases])
     return {c.request_id: (c.output_token_ids, c.text, c.finish_reason) for c in done}

@@ -3,8 +3,6 @@ late stop checks never leak into outputs. On CPU the pipeline's bookkeeping is t
 
 import pytest
 
-from rayinfer.engine.config import EngineConfig, ModelConfig
-from rayinfer.engine.llm_engine import LLMEngine
 from rayinfer.engine.types import PLACEHOLDER, SamplingParams
 
 
@@ -16,13 +14,14 @@ def prompts(tokenizer):
     return [render_chat(tokenizer, [{"role": "user", "content": q}]) for q in qs]
 
 
-def make(async_scheduling, **kw):
-    cfg = dict(device="cpu", num_kv_blocks=128, async_scheduling=async_scheduling, max_num_seqs=4)
-    cfg.update(kw)
-    return LLMEngine(ModelConfig(dtype="float32"), EngineConfig(**cfg))
+@pytest.fixture(scope="module")
+def make(smollm2):
+    def make(async_scheduling, **kw):
+        return smollm2.engine(**{"num_kv_blocks": 128, "async_scheduling": async_scheduling, "max_num_seqs": 4, **kw})
+    return make
 
 
-def test_async_equals_sync(prompts):
+def test_async_equals_sync(prompts, make):
     params = [SamplingParams(temperature=0.0, max_tokens=12), SamplingParams(temperature=0.8, seed=5, max_tokens=10),
               SamplingParams(temperature=0.0, max_tokens=3), SamplingParams(temperature=0.0, max_tokens=12, stop=["!"])]
     sync = make(False).generate(prompts, params)
@@ -37,14 +36,14 @@ def test_async_equals_sync(prompts):
     assert stats["num_free_blocks"] == stats["num_blocks"]  # nothing leaked by dropped extra tokens
 
 
-def test_async_with_host_state_drains(prompts):
+def test_async_with_host_state_drains(prompts, make):
     params = SamplingParams(temperature=0.0, max_tokens=8, repetition_penalty=1.3, min_tokens=4)
     a = make(False).generate(prompts[:2], params)
     b = make(True).generate(prompts[:2], params)
     assert [c.output_token_ids for c in a] == [c.output_token_ids for c in b]
 
 
-def test_async_under_preemption(prompts):
+def test_async_under_preemption(prompts, make):
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     blocks = sum(-(-len(p) // 16) for p in prompts)
     a = make(False).generate(prompts, params)

@@ -4,38 +4,33 @@ and generation stays close to the full-precision engine's."""
 import pytest
 import torch
 
-from rayinfer.engine.config import EngineConfig, ModelConfig
+from rayinfer.engine.config import EngineConfig
 from rayinfer.engine.types import SamplingParams
 
 QUESTIONS = ["What is 2 + 2?", "Name a primary color.", "Why is the sky blue?", "Write a haiku about the sea."]
 
 
-def run(kv_cache_dtype: str, tokenizer):
-    from rayinfer.engine.llm_engine import LLMEngine
+def run(kv_cache_dtype: str, smollm2):
     from rayinfer.serve.chat import render_chat
 
-    engine = LLMEngine(ModelConfig(dtype="float32"),
-                       EngineConfig(device="cpu", num_kv_blocks=128, kv_cache_dtype=kv_cache_dtype,
-                                    enable_prefix_caching=False))
-    prompts = [render_chat(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    engine = smollm2.engine(num_kv_blocks=128, kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False)
+    prompts = [render_chat(smollm2.tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
     done = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, logprobs=1))
     return engine, prompts, done
 
 
 @pytest.fixture(scope="module")
-def runs(tokenizer):
-    return run("auto", tokenizer), run("fp8", tokenizer)
+def runs(smollm2):
+    return run("auto", smollm2), run("fp8", smollm2)
 
 
-def test_cache_is_fp8_and_holds_the_rounded_keys_and_values(tokenizer):
-    from rayinfer.engine.llm_engine import LLMEngine
+def test_cache_is_fp8_and_holds_the_rounded_keys_and_values(smollm2):
     from rayinfer.serve.chat import render_chat
 
-    prompt = render_chat(tokenizer, [{"role": "user", "content": QUESTIONS[2]}])
+    prompt = render_chat(smollm2.tokenizer, [{"role": "user", "content": QUESTIONS[2]}])
     caches = {}
     for kv in ("auto", "fp8"):  # max_tokens=1: only the prompt's keys and values reach the cache
-        engine = LLMEngine(ModelConfig(dtype="float32"),
-                           EngineConfig(device="cpu", num_kv_blocks=16, kv_cache_dtype=kv))
+        engine = smollm2.engine(num_kv_blocks=16, kv_cache_dtype=kv)
         engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1))
         caches[kv] = engine.kv_cache
     full, fp8 = caches["auto"], caches["fp8"]

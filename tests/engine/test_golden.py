@@ -8,10 +8,10 @@ import json
 from rayinfer.jobs import golden
 
 
-def test_golden_outputs_are_unchanged():
+def test_golden_outputs_are_unchanged(smollm2):
     want = json.loads(golden.GOLDEN.read_text())
     assert want["max_tokens"] == golden.MAX_TOKENS and len(want["samples"]) == len(golden.CHATS) + len(golden.RAW)
-    problems = golden.compare(want["samples"], golden.run())
+    problems = golden.compare(want["samples"], golden.run(smollm2.model, smollm2.tokenizer))
     assert not problems, "golden outputs moved:\n" + "\n".join(problems)
 
 

@@ -8,8 +8,6 @@ chunked prefill and different batch compositions.
 import pytest
 import torch
 
-from rayinfer.engine.config import EngineConfig, ModelConfig
-from rayinfer.engine.llm_engine import LLMEngine
 from rayinfer.engine.types import SamplingParams
 from rayinfer.serve.chat import encode_plain, render_chat
 
@@ -80,51 +78,59 @@ def check_equal(completions, refs):
             assert len(got) == len(ref_ids), f"{c.request_id}: length {len(got)} vs {len(ref_ids)}"
 
 
-def run_engine(prompts, **engine_kw):
-    kw = dict(device="cpu", num_kv_blocks=512, max_num_seqs=16, max_num_batched_tokens=2048)
+def run_engine(smollm2, prompts, **engine_kw):
+    kw = dict(num_kv_blocks=512, max_num_seqs=16, max_num_batched_tokens=2048)
     kw.update(engine_kw)
-    engine = LLMEngine(ModelConfig(dtype="float32"), EngineConfig(**kw))
+    engine = smollm2.engine(**kw)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     return engine, engine.generate(prompts, params)
 
 
-def test_greedy_batch_matches_hf(reference):
-    prompts, refs = reference
-    _, out = run_engine(prompts)
+@pytest.fixture(scope="module")
+def first_pass(smollm2, reference):
+    """One engine's first pass over every prompt (its prefix cache then holds them)."""
+    prompts, _ = reference
+    return run_engine(smollm2, prompts)
+
+
+def test_greedy_batch_matches_hf(reference, first_pass):
+    _, refs = reference
+    _, out = first_pass
     check_equal(out, refs)
     assert out[0].text.strip(), "the capital question got an empty answer"
 
 
-def test_prefix_cache_hits_keep_outputs(reference):
+def test_prefix_cache_hits_keep_outputs(reference, first_pass):
     prompts, refs = reference
-    engine, first = run_engine(prompts)
+    engine, first = first_pass
+    hits_before = engine.stats()["prefix_cache_hits"]
     second = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
                              request_ids=[f"again-{i}" for i in range(len(prompts))])
-    assert engine.stats()["prefix_cache_hits"] > 0
+    assert engine.stats()["prefix_cache_hits"] > hits_before
     assert all(c.num_cached_tokens > 0 for c in second if len(c.prompt_token_ids) > 32)
     # the shared system prompt hit within the first pass too
     assert any(c.num_cached_tokens > 0 for c in first[1:4])
     check_equal(second, refs)
 
 
-def test_forced_preemption_keeps_outputs(reference):
+def test_forced_preemption_keeps_outputs(smollm2, reference):
     prompts, refs = reference
     short = prompts[:-1]  # the pool fits every short prompt at admission but not their growth
     blocks = sum(-(-len(p) // 16) for p in short)  # exact fit: the first block boundary preempts
-    engine, out = run_engine(short, num_kv_blocks=blocks, enable_prefix_caching=False)
+    engine, out = run_engine(smollm2, short, num_kv_blocks=blocks, enable_prefix_caching=False)
     assert engine.stats()["num_preemptions"] > 0
     check_equal(out, refs[:-1])
 
 
-def test_chunked_prefill_keeps_outputs(reference):
+def test_chunked_prefill_keeps_outputs(smollm2, reference):
     prompts, refs = reference
-    engine, out = run_engine(prompts, max_num_batched_tokens=64)
+    engine, out = run_engine(smollm2, prompts, max_num_batched_tokens=64)
     check_equal(out, refs)
 
 
-def test_batch_composition_does_not_change_outputs(reference):
+def test_batch_composition_does_not_change_outputs(smollm2, reference):
     prompts, refs = reference
-    engine = LLMEngine(ModelConfig(dtype="float32"), EngineConfig(device="cpu", num_kv_blocks=512, max_num_seqs=3))
+    engine = smollm2.engine(num_kv_blocks=512, max_num_seqs=3)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     alone = [engine.generate([p], params, request_ids=[f"solo-{i}"])[0] for i, p in enumerate(prompts[:4])]
     check_equal(alone, refs[:4])
