@@ -131,12 +131,15 @@ class Sampler:
         ps = [r.params for r in reqs]
         n = len(reqs)
         cols = list(zip(*rows)) if rows else [()] * 6
-        token_ids = sample(
-            logits,
-            *to_device([np.fromiter(col, dtype, n) for col, dtype in zip(cols, _ROW_DTYPES)], dev),
-            use_top_k_top_p=any(r[1] or r[2] < 1.0 for r in rows),
-            use_min_p=any(r[3] > 0 for r in rows),
-        )
+        if dev.type == "cpu" and all(r[0] <= 0 for r in rows):
+            token_ids = logits.argmax(dim=-1)  # all greedy: the race's result without its noise (CPU only)
+        else:
+            token_ids = sample(
+                logits,
+                *to_device([np.fromiter(col, dtype, n) for col, dtype in zip(cols, _ROW_DTYPES)], dev),
+                use_top_k_top_p=any(r[1] or r[2] < 1.0 for r in rows),
+                use_min_p=any(r[3] > 0 for r in rows),
+            )
         out = SamplerOutput(token_ids, errors=errors)
         k = max((p.logprobs for p in ps if p.logprobs is not None), default=None)
         if k is not None:
