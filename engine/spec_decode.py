@@ -190,8 +190,8 @@ class DraftModelProposer(Proposer):
             tables = [cache.block_ids[rid] for rid in rids]
             qsl, sl, bt, slots, positions = host_arrays(query_lens, seq_lens, tables, cache.block_size)
             dev = self.device
-            meta = AttentionMetadata(*(torch.from_numpy(a).to(dev) for a in (qsl, sl, bt, slots)), cache.block_size,
-                                     query_lens, seq_lens)
+            qsl_t, sl_t, bt_t, slots_t = (torch.from_numpy(a).to(dev) for a in (qsl, sl, bt, slots))
+            meta = AttentionMetadata(qsl_t, sl_t, bt_t, slots_t, cache.block_size, query_lens, seq_lens)
             ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=dev)
             hidden = self.model(ids, torch.from_numpy(positions).to(dev), cache.kv_cache, meta)
             last = torch.from_numpy(qsl[1:].astype(np.int64) - 1).to(dev)
