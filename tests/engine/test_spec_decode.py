@@ -287,3 +287,36 @@ def test_seeded_speculative_sampling_equals_plain_and_its_distribution_matches(t
         tokens = [t for t in set(a) | set(b) if a[t] + b[t] >= 5]
         stat = sum((a[t] - b[t]) ** 2 / (a[t] + b[t]) for t in tokens)  # equal sample sizes
         assert len(tokens) >= 3 and stat < _chi_square_critical(len(tokens) - 1), (pos, stat, a, b)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_decode_role_verifies_drafts_after_a_kv_import(tiny_pair, tokenizer, method):
+    import dataclasses
+
+    target = tiny_pair[0]
+
+    def engine(role, spec=None):
+        return LLMEngine(ModelConfig("tiny", max_model_len=512),
+                         EngineConfig(device="cpu", block_size=4, num_kv_blocks=64, role=role,
+                                      speculative=SpeculativeConfig(**(spec or {}))),
+                         model=target, tokenizer=tokenizer)
+
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    prompts = list(PROMPTS)
+    want = [c.output_token_ids for c in engine("normal").generate(prompts, params)]
+    prefill, decode = engine("prefill"), engine("decode", dict(method=method))
+    for i, p in enumerate(prompts):
+        prefill.add_request(str(i), p, params)
+    got = {}
+    while prefill.has_unfinished_requests():
+        for out in prefill.step():
+            assert out.finish_reason == "prefilled"
+            handle = dataclasses.replace(out.kv_handle, payload=prefill.take_kv(out.request_id))
+            got[out.request_id] = list(out.new_token_ids)
+            decode.add_request(out.request_id, prompts[int(out.request_id)], params, kv_handle=handle,
+                               output_token_ids=list(out.new_token_ids))
+    while decode.has_unfinished_requests():
+        for out in decode.step():
+            got[out.request_id] += out.new_token_ids
+    assert [got[str(i)] for i in range(len(prompts))] == want
+    assert decode.stats()["spec_num_drafts_accepted"] > 0
