@@ -138,13 +138,15 @@ class Scheduler:
         preempted: list[Request] = []
 
         running, kv = self.running, self.kv
+        has_drafts = False
         chunked, prefill_role = cfg.enable_chunked_prefill, cfg.role == EngineRole.PREFILL
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            num_left = req.num_tokens - req.num_computed_tokens
+            num_left = num_known_left = req.num_tokens - req.num_computed_tokens
             if req.draft_token_ids:  # speculative: verify the last token's drafts in the same forward
                 num_left += self._num_drafts(req, num_left, budget)
+                has_drafts = True
             num_new = min(num_left, budget)
             if num_new <= 0 or (not chunked and num_new < num_left):
                 i += 1
@@ -152,7 +154,7 @@ class Scheduler:
             if prefill_role and req.num_pending_tokens:
                 i += 1  # its in-flight token ends the prefill (async scheduling): never decode here
                 continue
-            if step_kind is not None and (step_kind == "idle" or (step_kind == "decode") != _is_decode(req, num_left)):
+            if step_kind is not None and (step_kind == "idle" or (step_kind == "decode") != _is_decode(req, num_known_left)):
                 i += 1  # not this step's kind
                 continue
             while kv.allocate_slots(req, num_new) is None:
@@ -224,8 +226,9 @@ class Scheduler:
             ))
             if needs_sample:
                 req.num_pending_tokens += 1
-        for req in running:
-            req.draft_token_ids = []  # drafts live one step: verified now or dropped
+        if has_drafts:
+            for req in running:
+                req.draft_token_ids = []  # drafts live one step: verified now or dropped
         finished, self._finished_ids = tuple(self._finished_ids), []
         return SchedulerOutput(tuple(scheduled), tuple(r.request_id for r in preempted), finished, tuple(imports))
 
