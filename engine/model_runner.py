@@ -42,7 +42,6 @@ class PendingStep:
     host: SamplerOutput | None = None
     event: object = None
     drafts: list[tuple[int, ...]] | None = None  # speculative: per sampled request, its verified drafts
-    hidden: torch.Tensor | None = None  # [num_rows, hidden_size]: the final hidden state of each sampled row
 
 
 class ModelRunner:
@@ -132,8 +131,7 @@ class ModelRunner:
             step = PendingStep(sample_reqs, drafts=drafts)
             if not sample_idx:
                 return step
-            step.hidden = hidden if all_sampled else hidden[extra[-1]]
-            logits = self.model.compute_logits(step.hidden)
+            logits = self.model.compute_logits(hidden if all_sampled else hidden[extra[-1]])
             out = self.sampler.sample(logits, row_reqs, offsets)
             step.rows = {r.request_id: i for i, r in enumerate(row_reqs)}  # a request's last row
             step.token_ids = out.token_ids

@@ -64,8 +64,6 @@ class Proposer:
     def release(self, request_id: str) -> None:
         """Forget a finished or aborted request (free its draft KV); unknown ids are ignored."""
 
-    def observe(self, hidden: torch.Tensor | None) -> None:
-        """The target's final hidden states of the last step's sampled rows (used by MTP only)."""
 
 
 class NgramProposer(Proposer):
