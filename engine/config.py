@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rayinfer.engine.types import EngineRole
 
@@ -42,6 +42,71 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
 
 
+SPECULATIVE_METHODS = ("none", "ngram", "draft_model", "mtp")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding: a proposer drafts tokens, one target forward verifies them.
+
+    Attributes:
+        method: "none" (off), "ngram" (prompt lookup, no model), "draft_model" (a small model sharing
+            the target's tokenizer, with its own paged KV cache) or "mtp" (the target's own
+            multi-token-prediction modules; DeepSeek-V3).
+        num_draft_tokens: draft tokens proposed per request and step (k), at most.
+        draft_model: the draft model (a built-in name or a directory, as ``ModelConfig.model``); None
+            with ``method="draft_model"`` drafts with the target model itself (acceptance 1 in greedy: a
+            test of the machinery and its upper bound).
+        draft_load_format: the draft model's ``load_format``.
+        ngram_min, ngram_max: n-gram lengths tried, longest first (prompt lookup).
+        schedule: "fixed" (verify every draft) or "confidence" (verify a draft prefix per request chosen
+            from the drafter's running product of top-1 probabilities under a per-step budget of
+            verification tokens that a controller corrects from measured step times).
+        max_verify_tokens: "confidence": the per-step budget of draft tokens verified, at most; None
+            takes ``num_draft_tokens`` x max_num_seqs.
+        min_confidence: "confidence": drafts whose running product falls below it are never verified.
+    Raises:
+        ValueError: naming the field, for an unknown method or schedule or a non-positive count.
+    """
+
+    method: str = "none"
+    num_draft_tokens: int = 4
+    draft_model: str | None = None
+    draft_load_format: str = "auto"
+    ngram_min: int = 1
+    ngram_max: int = 4
+    schedule: str = "fixed"
+    max_verify_tokens: int | None = None
+    min_confidence: float = 0.05
+
+    def __post_init__(self):
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative.method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        for name in ("num_draft_tokens", "ngram_min", "ngram_max"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"speculative.{name} must be a positive integer, got {value!r}")
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"speculative.ngram_min ({self.ngram_min}) must not exceed ngram_max ({self.ngram_max})")
+        if self.schedule not in ("fixed", "confidence"):
+            raise ValueError(f"speculative.schedule must be 'fixed' or 'confidence', got {self.schedule!r}")
+        if self.max_verify_tokens is not None and (not isinstance(self.max_verify_tokens, int)
+                                                   or self.max_verify_tokens <= 0):
+            raise ValueError(f"speculative.max_verify_tokens must be a positive integer or None, "
+                             f"got {self.max_verify_tokens!r}")
+        if not 0 <= self.min_confidence < 1:
+            raise ValueError(f"speculative.min_confidence must be in [0, 1), got {self.min_confidence}")
+        if self.draft_load_format not in _LOAD_FORMATS:
+            raise ValueError(f"speculative.draft_load_format must be one of {_LOAD_FORMATS}, "
+                             f"got {self.draft_load_format!r}")
+        if self.draft_model is not None and self.method != "draft_model":
+            raise ValueError(f"speculative.draft_model is set but method is {self.method!r} (use draft_model)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
 KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn"}  # name -> torch dtype name (None: the model's)
 
 
@@ -74,6 +139,7 @@ class EngineConfig:
         kv_transfer_buffer_gib: GPU memory kept out of the KV pool for PD transfer buffers (a prefill
             replica's send staging, a decode replica's received payloads not yet imported); set by the
             router from ``ParallelConfig.pd.transfer_buffer_gib``.
+        speculative: speculative decoding (:class:`SpeculativeConfig`; off by default).
     """
 
     device: str = "auto"
@@ -92,8 +158,11 @@ class EngineConfig:
     batch_invariant: bool = False
     debug_sync_guard: bool = False
     kv_transfer_buffer_gib: float = 0.0
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self):
+        if isinstance(self.speculative, dict):
+            self.speculative = SpeculativeConfig(**self.speculative)
         if self.device not in _DEVICES:
             raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -115,6 +184,8 @@ class EngineConfig:
             EngineRole(self.role)
         except ValueError:
             raise ValueError(f"role must be one of normal, prefill, decode; got {self.role!r}") from None
+        if self.speculative.enabled and self.role == "prefill":
+            raise ValueError("speculative decoding needs a replica that decodes (role normal or decode), not prefill")
 
     def for_device(self, device_type: str, device_memory_gib: float = 0.0) -> "EngineConfig":
         """This config with ``max_num_seqs`` / ``max_num_batched_tokens`` chosen where they are None.

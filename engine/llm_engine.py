@@ -20,6 +20,14 @@ from rayinfer.engine.model_runner import ModelRunner, kv_layout_tag
 from rayinfer.engine.output_processor import OutputProcessor
 from rayinfer.engine.sampler import Sampler
 from rayinfer.engine.scheduler import Scheduler, SchedulerConfig
+from rayinfer.engine.spec_decode import (
+    AcceptanceCalibrator,
+    DraftModelProposer,
+    NgramProposer,
+    SpecStats,
+    StepTimeModel,
+    choose_num_drafts,
+)
 from rayinfer.engine.types import (
     Completion,
     EngineRole,
@@ -112,7 +120,17 @@ class LLMEngine:
         self.vocab_size = hf_config.vocab_size
         self.eos_token_ids = _eos_token_ids(hf_config, self.tokenizer)
 
-        num_blocks = cfg.num_kv_blocks or self._auto_num_blocks()
+        spec = cfg.speculative
+        draft_model = None
+        if spec.method == "draft_model":
+            draft_model = self.model  # drafting for itself: the machinery's upper bound (acceptance 1 greedy)
+            if spec.draft_model is not None:
+                torch.manual_seed(model_config.seed)
+                draft_model = load_model(spec.draft_model, self.dtype, self.device, spec.draft_load_format,
+                                         seed=model_config.seed)
+        elif spec.method == "mtp":
+            raise ValueError("speculative.method=mtp is not implemented yet; use ngram or draft_model")
+        num_blocks = cfg.num_kv_blocks or self._auto_num_blocks(draft_model)
         if self.kv_dtype != self.dtype and not getattr(self.model, "supports_fp8_kv_cache", False):
             raise ValueError(f"kv_cache_dtype={cfg.kv_cache_dtype!r} is not supported by {type(self.model).__name__} "
                              "(fp8 KV needs the paged-attention models: Llama, Qwen3-MoE)")
@@ -133,6 +151,20 @@ class LLMEngine:
         self.runner.sync_guard = cfg.debug_sync_guard
         on_cuda = self.device.type == "cuda"
         self.async_scheduling = on_cuda if cfg.async_scheduling is None else cfg.async_scheduling
+        self.proposer = None
+        self.spec_stats = SpecStats(spec.num_draft_tokens)
+        self.step_time = StepTimeModel()
+        self.calibrator = AcceptanceCalibrator(spec.num_draft_tokens)
+        self._draft_probs: dict[str, list[float] | None] = {}  # of the drafts being verified, by request
+        if spec.enabled:
+            if spec.method == "ngram":
+                self.proposer = NgramProposer(spec.ngram_min, spec.ngram_max)
+            else:
+                self.proposer = DraftModelProposer(draft_model, num_blocks, cfg.block_size, self.vocab_size)
+            if self.async_scheduling:
+                # drafts need the last step's tokens on the host: speculative engines run their steps drained
+                logger.info("speculative decoding (%s): pipelined scheduling is off, steps run drained", spec.method)
+                self.async_scheduling = False
         self._inflight = None  # (SchedulerOutput, PendingStep, its requests) launched but not yet processed
         if on_cuda and not cfg.enforce_eager:
             self.runner.capture_cuda_graphs(self.max_model_len, min(cfg.max_num_seqs, 512))
@@ -145,9 +177,11 @@ class LLMEngine:
         logger.info("engine ready: %s on %s (%s), %d KV blocks of %d", model_config.model, self.device,
                     self.dtype, num_blocks, cfg.block_size)
 
-    def _auto_num_blocks(self) -> int:
+    def _auto_num_blocks(self, draft_model=None) -> int:
         cfg = self.engine_config
         per_block = math.prod(self.model.kv_cache_shape(1, cfg.block_size)) * self.kv_dtype.itemsize
+        if draft_model is not None:  # the draft's own cache gets as many blocks, from the same budget
+            per_block += math.prod(draft_model.kv_cache_shape(1, cfg.block_size)) * self.dtype.itemsize
         if self.device.type == "cuda":
             # this replica's share of the whole GPU minus what it already holds (weights), within what is
             # free: replicas sharing a GPU (PD over cuda_ipc) each pass their own fraction
@@ -300,6 +334,50 @@ class LLMEngine:
 
     def _forget(self, request_id: str) -> None:
         self.sampler.release(request_id)
+        if self.proposer is not None:
+            self.proposer.release(request_id)
+            self._draft_probs.pop(request_id, None)
+
+    def _propose(self) -> None:
+        """Speculative decoding: draft tokens for the running requests that decode next (their only token
+        left to compute is the last one), as many as the schedule picks (``speculative.schedule``).
+
+        Requests with a grammar or penalties get no drafts (their sampling reads host state token by
+        token); neither do requests within one token of ``max_tokens`` or the context limit.
+        """
+        spec = self.engine_config.speculative
+        reqs, ks = [], []
+        for req in self.scheduler.running:
+            p = req.params
+            if (req.num_tokens - req.num_computed_tokens != 1 or req.num_computed_tokens < req.num_prompt_tokens
+                    or req.grammar is not None or p.needs_penalties):
+                continue
+            room = self.max_model_len - req.num_tokens - 1
+            if p.max_tokens is not None:
+                room = min(room, p.max_tokens - req.num_output_tokens - 1)
+            k = min(spec.num_draft_tokens, room)
+            if k > 0:
+                reqs.append(req)
+                ks.append(k)
+        if not reqs:
+            return
+        assert self.proposer is not None
+        drafts = self.proposer.propose(reqs, ks)
+        self.spec_stats.num_drafts_proposed += sum(len(d.token_ids) for d in drafts)
+        if spec.schedule == "confidence":
+            conf = torch.zeros(len(reqs), spec.num_draft_tokens)
+            for i, d in enumerate(drafts):
+                if d.token_ids:
+                    conf[i, : len(d.token_ids)] = torch.tensor(self.calibrator.confidence(d), dtype=torch.float32)
+            max_verify = spec.max_verify_tokens or spec.num_draft_tokens * self.engine_config.max_num_seqs
+            num_base = len(self.scheduler.running)
+            keep = choose_num_drafts(conf, num_base, float(num_base), self.step_time.a, self.step_time.b,
+                                     max_verify, spec.min_confidence).tolist()
+        else:
+            keep = [len(d.token_ids) for d in drafts]
+        for req, d, k in zip(reqs, drafts, keep):
+            req.draft_token_ids = d.token_ids[:k]
+            self._draft_probs[req.request_id] = d.probs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._inflight is not None
@@ -325,6 +403,9 @@ class LLMEngine:
         request that finished meanwhile is dropped. A step whose sampling needs host state (grammar,
         penalties, min_tokens) first drains the pipeline.
         """
+        started = time.perf_counter()
+        if self.proposer is not None:
+            self._propose()
         sched = self.scheduler.schedule() if step_kind is None else self.scheduler.schedule(step_kind)
         live = self.scheduler.requests
         step_reqs = {s.request_id: live[s.request_id] for s in sched.scheduled}  # before anything finishes
@@ -354,6 +435,8 @@ class LLMEngine:
             self.runner.execute_empty()
         if prev is not None:
             outputs += self._process(*prev)
+        if self.proposer is not None and not sched.is_empty:
+            self.step_time.update(sched.num_scheduled_tokens, time.perf_counter() - started)
         return outputs
 
     def _needs_drain(self, sched) -> bool:
@@ -369,6 +452,12 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001 - waiting for the device failed: the step's samples are lost
             logger.exception("finishing an engine step failed")
             step_out = StepOutput({}, {s.request_id: e for s in sched.scheduled if s.needs_sample})
+        if self.proposer is not None:
+            for s in sched.scheduled:
+                if s.num_draft_tokens and s.request_id in step_out.sampled:
+                    num_accepted = len(step_out.accepted.get(s.request_id, ()))
+                    self.spec_stats.record(s.num_draft_tokens, num_accepted)
+                    self.calibrator.record(self._draft_probs.get(s.request_id), s.num_draft_tokens, num_accepted)
         return self._apply(sched, step_out, step_reqs)
 
     def _execute_isolated(self, sched: SchedulerOutput, step_reqs: dict[str, Request], prev_step,
@@ -394,6 +483,7 @@ class LLMEngine:
             else:
                 step_out.sampled.update(out.sampled)
                 step_out.errors.update(out.errors)
+                step_out.accepted.update(out.accepted)
         return self._apply(sched, step_out, step_reqs)
 
     def _apply(self, sched: SchedulerOutput, step_out: StepOutput, step_reqs: dict[str, Request]) -> list[RequestOutput]:
@@ -405,13 +495,14 @@ class LLMEngine:
             # the token belongs to the old request, not to the new one of the same id
             step_out.sampled.pop(rid, None)
             step_out.errors.pop(rid, None)
+            step_out.accepted.pop(rid, None)
         outputs = []
         for rid, e in step_out.errors.items():
             step_out.sampled.pop(rid, None)
             outputs.append(self._fail(step_reqs[rid], e))
         for req in self.scheduler.update_from_output(sched, step_out):
             try:
-                outputs.append(self._make_output(req, step_out.sampled[req.request_id]))
+                outputs.append(self._make_output(req, step_out.tokens(req.request_id)))
             except Exception as e:  # noqa: BLE001 - e.g. exporting its KV: this request's fault
                 outputs.append(self._fail(req, e))
         return outputs
@@ -436,11 +527,12 @@ class LLMEngine:
                              num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
                              num_cached_tokens=req.num_cached_tokens)
 
-    def _make_output(self, req: Request, sampled) -> RequestOutput:
-        rid, token = req.request_id, sampled.token_id
-        self.num_generation_tokens += 1
+    def _make_output(self, req: Request, tokens: list) -> RequestOutput:
+        """The core delta of a request that got ``tokens`` (SampledTokens, already appended) this step."""
+        rid = req.request_id
+        self.num_generation_tokens += len(tokens)
         num_output = len(req.output_token_ids)
-        if num_output == 1:
+        if num_output == len(tokens):
             self.num_prompt_tokens += len(req.prompt_token_ids)
         handle = None
         prefilled = req.status == RequestStatus.FINISHED_PREFILLED
@@ -451,8 +543,8 @@ class LLMEngine:
         finished = req.is_finished
         out = RequestOutput(
             request_id=rid,
-            new_token_ids=[token],
-            new_logprobs=[sampled] if req.params.logprobs is not None else None,
+            new_token_ids=[t.token_id for t in tokens],
+            new_logprobs=list(tokens) if req.params.logprobs is not None else None,
             finished=finished,
             finish_reason="prefilled" if prefilled else req.finish_reason if finished else None,
             stop_reason=req.stop_reason,
@@ -513,6 +605,7 @@ class LLMEngine:
             "num_computed_tokens": self.num_computed_tokens,
             "num_free_blocks": kv.pool.num_free_blocks,
             "num_blocks": kv.pool.num_blocks,
+            **(self.spec_stats.to_dict() if self.proposer is not None else {}),
         }
 
 

@@ -29,7 +29,8 @@ class PendingStep:
     """A launched step whose sampled tokens may still be on the device.
 
     Attributes:
-        sample_reqs: the requests that get a token, in row order.
+        sample_reqs: the requests that get a token, in order (speculative: a request's rows are its
+            ``len(drafts[i]) + 1`` consecutive rows).
         rows: request id -> row of ``token_ids`` (the device tensor later steps read placeholders from).
         token_ids: [num_sampled] int64 on the device.
         host: the sampler's output, copied (asynchronously on CUDA) to host memory.
@@ -41,6 +42,7 @@ class PendingStep:
     token_ids: torch.Tensor | None = None
     host: SamplerOutput | None = None
     event: object = None
+    drafts: list[tuple[int, ...]] | None = None  # speculative: per sampled request, its verified drafts
 
 
 class ModelRunner:
@@ -110,9 +112,19 @@ class ModelRunner:
         if holes.size:  # filled from the previous step's sampled tokens, on the device
             hole_reqs = np.searchsorted(starts, holes, side="right") - 1
             extra += [holes, np.array([prev.rows[scheduled[i].request_id] for i in hole_reqs.tolist()], np.int64)]
-        all_sampled = len(sample_idx) == num_tokens  # then the sampled rows are all rows, in order
+        row_reqs, offsets, drafts = sample_reqs, None, None
+        if any(scheduled[i].num_draft_tokens for i in sample_idx):  # speculative: a row per verified token
+            ks = [scheduled[i].num_draft_tokens for i in sample_idx]
+            ends = starts[1:][sample_idx].astype(np.int64)
+            sample_rows = np.concatenate([np.arange(e - k - 1, e) for e, k in zip(ends.tolist(), ks)])
+            row_reqs = [r for r, k in zip(sample_reqs, ks) for _ in range(k + 1)]
+            offsets = [j for k in ks for j in range(k + 1)]
+            drafts = [scheduled[i].draft_token_ids for i in sample_idx]
+        else:
+            sample_rows = starts[1:][sample_idx].astype(np.int64) - 1
+        all_sampled = len(sample_rows) == num_tokens  # then the sampled rows are all rows, in order
         if sample_idx and not all_sampled:
-            extra.append(starts[1:][sample_idx].astype(np.int64) - 1)
+            extra.append(sample_rows)
         # one host-to-device copy for all inputs
         with no_host_sync(self.sync_guard), batch_invariant_mode(self.batch_invariant):
             ids, pos, *dev = to_device([input_ids, positions, starts, *meta_arrays, *extra], self.device)
@@ -123,12 +135,12 @@ class ModelRunner:
                 hidden = self.graphs.run(ids, pos, meta.slot_mapping, meta.seq_lens, meta.block_tables)
             else:
                 hidden = self.model(ids, pos, self.kv_cache, meta)
-            step = PendingStep(sample_reqs)
+            step = PendingStep(sample_reqs, drafts=drafts)
             if not sample_idx:
                 return step
             logits = self.model.compute_logits(hidden if all_sampled else hidden[extra[-1]])
-            out = self.sampler.sample(logits, sample_reqs)
-            step.rows = {r.request_id: i for i, r in enumerate(sample_reqs)}
+            out = self.sampler.sample(logits, row_reqs, offsets)
+            step.rows = {r.request_id: i for i, r in enumerate(row_reqs)}  # a request's last row
             step.token_ids = out.token_ids
             if self.device.type == "cuda":
                 step.host = SamplerOutput(*(None if t is None else
@@ -160,8 +172,23 @@ class ModelRunner:
             return StepOutput({})
         if step.event is not None:
             step.event.synchronize()
-        sampled, errors = self.sampler.finish(step.host, step.sample_reqs)
-        return StepOutput({r.request_id: t for r, t in zip(step.sample_reqs, sampled) if t is not None}, errors)
+        if step.drafts is None:
+            sampled, errors = self.sampler.finish(step.host, step.sample_reqs)
+            return StepOutput({r.request_id: t for r, t in zip(step.sample_reqs, sampled) if t is not None}, errors)
+        row_reqs = [r for r, d in zip(step.sample_reqs, step.drafts) for _ in range(len(d) + 1)]
+        sampled, errors = self.sampler.finish(step.host, row_reqs)
+        out = StepOutput({}, errors)
+        row = 0
+        for req, drafts in zip(step.sample_reqs, step.drafts):
+            tokens = sampled[row: row + len(drafts) + 1]
+            row += len(drafts) + 1
+            if req.request_id in errors:
+                continue
+            num_accepted = accepted_length(drafts, [t.token_id for t in tokens if t is not None])
+            out.sampled[req.request_id] = tokens[num_accepted]
+            if drafts:
+                out.accepted[req.request_id] = tokens[:num_accepted]
+        return out
 
     def kv_handle(self, req: Request, num_tokens: int) -> KVHandle:
         """The handle (no payload) of a request's first ``num_tokens`` tokens: block hashes, layout."""
@@ -184,3 +211,23 @@ class ModelRunner:
             raise ValueError(f"KV payload has {payload.shape[1]} blocks, expected {len(block_ids)}")
         idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
         self.kv_cache[:, idx] = payload.to(self.device, self.kv_cache.dtype)
+
+
+def accepted_length(draft_token_ids, target_token_ids) -> int:
+    """How many leading drafts the target accepts: drafts ``d_1..d_k`` and the target's tokens
+    ``t_0..t_k`` sampled after the last known token and after each draft; ``d_j`` is accepted while
+    ``t_{j-1} == d_j`` for every earlier j.
+
+    With a deterministic drafter (a one-hot draft distribution q), this is the speculative rejection rule
+    of Leviathan et al. 2023 / Chen et al. 2023 with coupled randomness: ``t_{j-1}`` is a draw from the
+    target p at that position, so ``d_j`` is accepted with probability ``p(d_j) = min(1, p/q)``, and on a
+    rejection ``t_{j-1}`` is a draw of p conditioned on ``!= d_j``, which is the residual
+    ``norm(max(0, p - q))``. Every emitted token is the one plain sampling would draw at its position
+    with the same seed, so output is token-for-token that of non-speculative decoding.
+    """
+    n = 0
+    for d, t in zip(draft_token_ids, target_token_ids):
+        if d != t:
+            break
+        n += 1
+    return n

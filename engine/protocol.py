@@ -34,6 +34,9 @@ class ReplicaStats:
         kv_transfer: nccl / gloo PD transports: ``kv_transfer_batches``, ``kv_transfer_bytes_sent``,
             ``kv_transfer_bytes_received``, ``kv_transfer_budget`` (bytes), ``kv_transfer_budget_used`` and
             ``kv_transfer_budget_peak`` (received bytes not yet imported, now and at most).
+        spec_decode: speculative decoding's counters (``spec_num_drafts_proposed`` / ``_verified`` /
+            ``_accepted``, ``spec_num_verify_steps``, ``spec_acceptance_rate``, ``spec_mean_accepted_length``,
+            ``spec_acceptance_by_position``: a list, one rate per draft position); empty when it is off.
         error: set (and the gauges zero) when the replica could not be asked (dead or restarting).
     """
 
@@ -55,6 +58,7 @@ class ReplicaStats:
     num_steps: int = 0
     step_busy_s: float = 0.0
     kv_transfer: dict[str, int] = field(default_factory=dict)
+    spec_decode: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
 
     @classmethod
@@ -62,7 +66,9 @@ class ReplicaStats:
         """From an engine's ``stats()`` dict (unknown keys are ignored) plus ``extra`` fields."""
         names = {f.name for f in fields(cls)}
         transfer = {k: v for k, v in data.items() if k.startswith("kv_transfer_")}
-        return cls(**{k: v for k, v in {**data, **extra}.items() if k in names}, kv_transfer=transfer)
+        spec = {k: v for k, v in data.items() if k.startswith("spec_")}
+        return cls(**{k: v for k, v in {**data, **extra}.items() if k in names}, kv_transfer=transfer,
+                   spec_decode=spec)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -82,17 +82,18 @@ class Sampler:
             seed = self.seeds[req.request_id] = self._seed_rng.getrandbits(62)
         return seed
 
-    def _row(self, req: Request) -> tuple[float, int, float, float, int, int]:
+    def _row(self, req: Request, offset: int = 0) -> tuple[float, int, float, float, int, int]:
         """One request's sampling inputs: temperature, top_k (clamped to the vocabulary, so any integer
         fits int32; top_k >= vocab filters nothing), top_p, min_p, seed, and the output position being
-        drawn (a pending token counts: in-flight steps sampled it)."""
+        drawn (a pending token counts: in-flight steps sampled it; ``offset`` more for the row after
+        that many draft tokens)."""
         p = req.params
-        position = len(req.output_token_ids) + max(req.num_pending_tokens - 1, 0)
+        position = len(req.output_token_ids) + max(req.num_pending_tokens - 1, 0) + offset
         return (float(p.temperature), min(int(p.top_k), self.vocab_size), float(p.top_p), float(p.min_p),
                 self._seed(req), position)
 
-    def sample(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
-        """Draw a token per request without waiting for the device.
+    def sample(self, logits: torch.Tensor, reqs: list[Request], offsets: list[int] | None = None) -> SamplerOutput:
+        """Draw a token per row without waiting for the device.
 
         Each request's host-side preparation (its sampling inputs, penalties, min_tokens, grammar mask)
         runs on its own: one that raises is recorded in ``SamplerOutput.errors``, its row is drawn
@@ -100,7 +101,11 @@ class Sampler:
 
         Args:
             logits: [B, V] float32 (any device), row i for ``reqs[i]``.
-            reqs: the B requests (params, outputs so far, grammar matchers).
+            reqs: the B requests (params, outputs so far, grammar matchers); speculative decoding repeats
+                a request for each of its rows.
+            offsets: per row, how many draft tokens precede it (speculative verification: row ``j`` of a
+                request draws output position ``n + j`` with that position's seeded uniforms and
+                min_tokens rule); None: all 0. Rows with an offset must not need penalties or a grammar.
         Returns:
             a :class:`SamplerOutput` on logits' device.
         """
@@ -109,9 +114,10 @@ class Sampler:
         logits = raw
         errors: dict[str, Exception] = {}
         rows = []
-        for req in reqs:
+        offsets = offsets or [0] * len(reqs)
+        for req, offset in zip(reqs, offsets):
             try:
-                rows.append(self._row(req))
+                rows.append(self._row(req, offset))
             except Exception as e:  # noqa: BLE001 - this request's fault, not the step's
                 errors[req.request_id] = e
                 rows.append(_GREEDY_ROW)
@@ -119,19 +125,22 @@ class Sampler:
             logits = raw.clone()
             for i, req in enumerate(reqs):
                 if req.request_id not in errors:
-                    _guarded(errors, req, _apply_host_state, logits[i], req)
+                    _guarded(errors, req, _apply_host_state, logits[i], req, offsets[i])
             grammar_rows = [i for i, r in enumerate(reqs) if r.grammar is not None and r.request_id not in errors]
             if grammar_rows:
                 _apply_grammar(logits, reqs, grammar_rows, errors)
         ps = [r.params for r in reqs]
         n = len(reqs)
         cols = list(zip(*rows)) if rows else [()] * 6
-        token_ids = sample(
-            logits,
-            *to_device([np.fromiter(col, dtype, n) for col, dtype in zip(cols, _ROW_DTYPES)], dev),
-            use_top_k_top_p=any(r[1] or r[2] < 1.0 for r in rows),
-            use_min_p=any(r[3] > 0 for r in rows),
-        )
+        if dev.type == "cpu" and all(r[0] <= 0 for r in rows):
+            token_ids = logits.argmax(dim=-1)  # all greedy: the race's result without its noise (CPU only)
+        else:
+            token_ids = sample(
+                logits,
+                *to_device([np.fromiter(col, dtype, n) for col, dtype in zip(cols, _ROW_DTYPES)], dev),
+                use_top_k_top_p=any(r[1] or r[2] < 1.0 for r in rows),
+                use_min_p=any(r[3] > 0 for r in rows),
+            )
         out = SamplerOutput(token_ids, errors=errors)
         k = max((p.logprobs for p in ps if p.logprobs is not None), default=None)
         if k is not None:
@@ -197,7 +206,7 @@ def _guarded(errors: dict[str, Exception], req: Request, fn, *args) -> None:
         errors[req.request_id] = e
 
 
-def _apply_host_state(row: torch.Tensor, req: Request) -> None:
+def _apply_host_state(row: torch.Tensor, req: Request, offset: int = 0) -> None:
     """Penalties and min_tokens on one row (in place).
 
     Repetition penalty (CTRL, Keskar et al. 2019) over prompt and output tokens; presence and frequency
@@ -216,7 +225,7 @@ def _apply_host_state(row: torch.Tensor, req: Request) -> None:
                             device=row.device)
         counts = torch.bincount(outs, minlength=vocab)[:vocab].float()
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
-    if req.num_output_tokens < p.min_tokens:
+    if req.num_output_tokens + offset < p.min_tokens:
         banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(req.eos_token_ids))
         banned = [t for t in banned if t < vocab]
         row[banned] = -float("inf")

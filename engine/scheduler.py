@@ -138,11 +138,15 @@ class Scheduler:
         preempted: list[Request] = []
 
         running, kv = self.running, self.kv
+        has_drafts = False
         chunked, prefill_role = cfg.enable_chunked_prefill, cfg.role == EngineRole.PREFILL
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            num_left = req.num_tokens - req.num_computed_tokens
+            num_left = num_known_left = req.num_tokens - req.num_computed_tokens
+            if req.draft_token_ids:  # speculative: verify the last token's drafts in the same forward
+                num_left += self._num_drafts(req, num_left, budget)
+                has_drafts = True
             num_new = min(num_left, budget)
             if num_new <= 0 or (not chunked and num_new < num_left):
                 i += 1
@@ -150,7 +154,7 @@ class Scheduler:
             if prefill_role and req.num_pending_tokens:
                 i += 1  # its in-flight token ends the prefill (async scheduling): never decode here
                 continue
-            if step_kind is not None and (step_kind == "idle" or (step_kind == "decode") != _is_decode(req, num_left)):
+            if step_kind is not None and (step_kind == "idle" or (step_kind == "decode") != _is_decode(req, num_known_left)):
                 i += 1  # not this step's kind
                 continue
             while kv.allocate_slots(req, num_new) is None:
@@ -205,21 +209,40 @@ class Scheduler:
         for req, num_new in planned:
             start = req.num_computed_tokens
             end = req.num_computed_tokens = start + num_new
-            known = req.known_token_ids(start, end)
-            if len(known) < num_new:  # tokens an in-flight step sampled: the model runner fills them on the device
-                known += [PLACEHOLDER] * (num_new - len(known))
-            needs_sample = end == req.num_tokens
+            num_drafts = max(end - req.num_tokens, 0)
+            known = req.known_token_ids(start, end - num_drafts)
+            if len(known) < num_new - num_drafts:  # tokens an in-flight step sampled: the model runner fills them on the device
+                known += [PLACEHOLDER] * (num_new - num_drafts - len(known))
+            if num_drafts:
+                known += req.draft_token_ids[:num_drafts]
+            needs_sample = end >= req.num_tokens
             scheduled.append(ScheduledRequest(
                 request_id=req.request_id,
                 token_ids=tuple(known),
                 start_pos=start,
                 block_ids=tuple(req.block_ids),
                 needs_sample=needs_sample,
+                num_draft_tokens=num_drafts,
             ))
             if needs_sample:
                 req.num_pending_tokens += 1
+        if has_drafts:
+            for req in running:
+                req.draft_token_ids = []  # drafts live one step: verified now or dropped
         finished, self._finished_ids = tuple(self._finished_ids), []
         return SchedulerOutput(tuple(scheduled), tuple(r.request_id for r in preempted), finished, tuple(imports))
+
+    def _num_drafts(self, req: Request, num_left: int, budget: int) -> int:
+        """How many of a decoding request's drafts to verify this step: none unless only its last token
+        is left to compute; never past ``max_tokens``, the context limit or the step's token budget (a
+        step emits at most ``drafts + 1`` tokens)."""
+        if num_left != 1 or req.num_pending_tokens or req.num_computed_tokens < req.num_prompt_tokens:
+            return 0
+        p = req.params
+        room = self.config.max_model_len - req.num_tokens - 1
+        if p.max_tokens is not None:
+            room = min(room, p.max_tokens - req.num_output_tokens - 1)
+        return max(min(len(req.draft_token_ids), room, budget - 1), 0)
 
     def _preempt(self, req: Request) -> None:
         """Preemption by recompute: drop the KV, keep the tokens, requeue at the front.
@@ -248,6 +271,12 @@ class Scheduler:
         """Append sampled tokens and finish requests that hit EOS, a stop token, max_tokens or the
         context limit.
 
+        Speculative decoding: a request's accepted drafts (``out.accepted``) come before its sampled
+        token; its computed tokens are rolled back past its rejected drafts (their KV slots are written
+        again later). Tokens are appended one at a time and the stop checks run after each; when one
+        ends the request, the tokens after it are dropped and ``out`` is cut to match (side effect), so
+        ``out.tokens(rid)`` is what was appended.
+
         Returns:
             the requests that got a token this step (finished ones included, with their status set).
         """
@@ -261,8 +290,21 @@ class Scheduler:
             if req is None or sampled is None or req.status.is_finished:
                 continue  # aborted or finished while the step was in flight: the token is dropped
             req.num_pending_tokens -= 1
-            req.output_token_ids.append(sampled.token_id)
             updated.append(req)
+            accepted = out.accepted.get(s.request_id)
+            if s.num_draft_tokens:
+                req.num_computed_tokens -= s.num_draft_tokens - len(accepted or ())
+            if accepted:
+                tokens = [*accepted, sampled]
+                for i, token in enumerate(tokens):
+                    req.output_token_ids.append(token.token_id)
+                    status = self._check_stop(req, token.token_id)
+                    if status is not None:
+                        out.accepted[s.request_id], out.sampled[s.request_id] = tokens[:i], token
+                        self._finish(req, status)
+                        break
+                continue
+            req.output_token_ids.append(sampled.token_id)
             status = self._check_stop(req, sampled.token_id)
             if status is not None:
                 self._finish(req, status)

@@ -180,6 +180,7 @@ class Request:
     grammar: Any = None  # an xgrammar GrammarMatcher when output is constrained
     kv_handle: KVHandle | None = None  # DECODE role: the KV to import on admission
     cache_salt: int | None = None  # extra key of the hash chain (LoRA id, tenant salt)
+    draft_token_ids: list[int] = field(default_factory=list)  # speculative: proposed for the next step
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -234,6 +235,10 @@ class ScheduledRequest:
         start_pos: position of the first of them (the request's computed tokens before the step).
         block_ids: the request's whole block table after this step's allocation.
         needs_sample: True when these tokens reach the end of the known tokens, so a token is sampled.
+        num_draft_tokens: speculative decoding: the last this many of ``token_ids`` are draft tokens to
+            verify (a token is sampled after each computed token from the last known one on, so
+            ``num_draft_tokens + 1`` are sampled and the longest prefix of drafts the target agrees
+            with is accepted).
     """
 
     request_id: str
@@ -241,10 +246,15 @@ class ScheduledRequest:
     start_pos: int
     block_ids: tuple[int, ...]
     needs_sample: bool
+    num_draft_tokens: int = 0
 
     @property
     def num_new_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def draft_token_ids(self) -> tuple[int, ...]:
+        return self.token_ids[len(self.token_ids) - self.num_draft_tokens:]
 
 
 @dataclass(frozen=True)
@@ -277,10 +287,19 @@ class SampledToken:
 @dataclass
 class StepOutput:
     """The model runner's result for one step: a sampled token per request that needed one, and the
-    requests whose own part of the step raised (their rows are not sampled; the engine fails them alone)."""
+    requests whose own part of the step raised (their rows are not sampled; the engine fails them alone).
+
+    Speculative decoding: ``accepted[rid]`` are the request's draft tokens the target accepted (each with
+    the target's logprobs); they come before ``sampled[rid]`` (the token after the last accepted one).
+    """
 
     sampled: dict[str, SampledToken]
     errors: dict[str, Exception] = field(default_factory=dict)
+    accepted: dict[str, list[SampledToken]] = field(default_factory=dict)
+
+    def tokens(self, request_id: str) -> list[SampledToken]:
+        """The request's new tokens in order: accepted drafts, then the sampled token."""
+        return [*self.accepted.get(request_id, ()), self.sampled[request_id]]
 
 
 @dataclass

@@ -6,8 +6,10 @@
     python jobs/bench.py engine.kv_cache_dtype=fp8 sections=[offline]     # with an fp8 KV cache
     python jobs/bench.py scenario=tiny                     # llama-tiny on CPU in seconds (every code path)
     python jobs/bench.py compare_batch_invariant=true sections=[offline,decode]  # the mode's cost, same run
+    python jobs/bench.py scenario=smollm2-spec             # speculative decoding against plain (GPU)
 
-Sections (``sections=[offline,decode,prefill,hf]``): offline throughput of a seeded random workload
+Sections (``sections=[offline,decode,prefill,hf]``, the default; ``spec`` on request, see
+jobs/bench_spec.py): offline throughput of a seeded random workload
 (fixed 1000 in / 1000 out, and seeded random lengths) through the engine's step loop; decode step time
 at each batch x context, driving the model directly over the engine's KV cache; prefill of one sequence,
 chunked by ``engine.max_num_batched_tokens``; the offline workload (a subset) through HF ``generate`` on
@@ -38,8 +40,9 @@ from omegaconf import DictConfig, OmegaConf
 from rayinfer.engine.config import EngineConfig, ModelConfig
 from rayinfer.jobs import benchlib as bl
 from rayinfer.jobs import roofline as rl
+from rayinfer.jobs.bench_spec import SpecBenchSpec, run_spec_section
 
-SECTIONS = ("offline", "decode", "prefill", "hf")
+SECTIONS = ("offline", "decode", "prefill", "hf", "spec")
 WORKLOADS = ("fixed", "mixed")
 _MAX_CPU_WEIGHT_BYTES = 8 << 30
 
@@ -102,11 +105,12 @@ class BenchConfig:
     scenario_description: str = ""
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
-    sections: list[str] = field(default_factory=lambda: list(SECTIONS))
+    sections: list[str] = field(default_factory=lambda: ["offline", "decode", "prefill", "hf"])
     offline: OfflineSpec = field(default_factory=OfflineSpec)
     decode: DecodeSpec = field(default_factory=DecodeSpec)
     prefill: PrefillSpec = field(default_factory=PrefillSpec)
     hf: HFSpec = field(default_factory=HFSpec)
+    spec: SpecBenchSpec = field(default_factory=SpecBenchSpec)
     ceilings: CeilingSpec = field(default_factory=CeilingSpec)
     out_dir: str = "benchmarks/results"
     cpu_threads: int | None = None  # torch intra-op threads on CPU during the run; None: torch's default
@@ -308,12 +312,15 @@ def _run(cfg: BenchConfig) -> dict[str, Any]:
                                         result["notes"]))
     if "prefill" in cfg.sections:
         timed("prefill", lambda: _prefill(cfg, engine.model, engine.kv_cache, cost, ceilings, result["notes"]))
-    model = engine.model
+    model, tokenizer = engine.model, engine.tokenizer
     del engine, graphs  # the HF run needs the KV cache's memory
     bl.release_device_memory()
     offline = result.get("offline", {})
     if "hf" in cfg.sections:
         timed("hf", lambda: _hf(cfg, model, cost, ceilings, offline if "error" not in offline else {}))
+    if "spec" in cfg.sections:
+        timed("spec", lambda: run_spec_section(cfg.spec, cfg.model, cfg.engine, model, tokenizer,
+                                               line=lambda text: print(text, flush=True)))
     del model
     if cfg.compare_batch_invariant:
         bl.release_device_memory()

@@ -534,6 +534,13 @@ register_scenario(Scenario(
      "engine": dict(_GPU_ENGINE), "offline": {"num_prompts": 200}},
 ))
 register_scenario(Scenario(
+    "smollm2-spec", "SmolLM2-135M-Instruct, real weights, on the GPU: speculative decoding (n-gram, self-draft; "
+    "fixed and confidence-scheduled k) against plain decoding at batch 1, 8, 32, 128",
+    {"model": {"model": "SmolLM2-135M-Instruct", "dtype": "auto", "load_format": "auto", "max_model_len": 2048},
+     "engine": {"max_num_seqs": 128, "max_num_batched_tokens": 8192, "num_kv_blocks": 2048},
+     "sections": ["spec"]},
+))
+register_scenario(Scenario(
     "tiny", "llama-tiny shape, dummy float32 weights, on CPU in seconds (every code path, for tests)",
     {"model": {"model": "llama-tiny", "dtype": "float32", "load_format": "dummy", "max_model_len": 2048},
      "engine": {"device": "cpu", "max_num_seqs": 4, "max_num_batched_tokens": 64, "num_kv_blocks": 32},

@@ -69,6 +69,16 @@ _ENGINE_METRICS = (
      "Prompt tokens of requests that started decoding.", "counter"),
     ("num_generation_tokens", "rayinfer_generation_tokens", ("vllm:generation_tokens",), "Generated tokens.",
      "counter"),
+    ("spec_num_drafts_proposed", "rayinfer_spec_decode_num_draft_tokens_proposed", (),
+     "Speculative decoding: draft tokens proposed.", "counter"),
+    ("spec_num_drafts_verified", "rayinfer_spec_decode_num_draft_tokens", ("vllm:spec_decode_num_draft_tokens",),
+     "Speculative decoding: draft tokens verified by the target.", "counter"),
+    ("spec_num_drafts_accepted", "rayinfer_spec_decode_num_accepted_tokens",
+     ("vllm:spec_decode_num_accepted_tokens",), "Speculative decoding: draft tokens accepted.", "counter"),
+    ("spec_num_verify_steps", "rayinfer_spec_decode_num_drafts", ("vllm:spec_decode_num_drafts",),
+     "Speculative decoding: request-steps that verified drafts.", "counter"),
+    ("spec_mean_accepted_length", "rayinfer_spec_decode_mean_accepted_length", (),
+     "Speculative decoding: tokens emitted per verifying request-step (accepted drafts + 1).", "gauge"),
     ("kv_store_blocks", "rayinfer_kv_store_blocks", (), "Blocks held by the KV store (PD).", "gauge"),
     ("kv_store_hit_rate", "rayinfer_kv_store_hit_rate", (), "KV store lookups that hit (0..1).", "gauge"),
     ("moe_lb", "rayinfer_moe_lb", (), "Expert-parallel balance: max rank load / mean (1 is even).", "gauge"),
@@ -111,6 +121,14 @@ class _EngineStatsCollector:
                     if key in stats:
                         family.add_metric([self.model_name, str(stats.get("replica_id", 0))], float(stats[key]))
                 yield family
+        if self.scheme in ("rayinfer", "both") and any("spec_acceptance_by_position" in s for s in snapshot):
+            family = GaugeMetricFamily("rayinfer_spec_decode_acceptance_by_position", "Speculative decoding: "
+                                       "fraction of verified drafts accepted at each draft position (0-based).",
+                                       labels=["model_name", "replica", "position"])
+            for stats in snapshot:
+                for j, rate in enumerate(stats.get("spec_acceptance_by_position", ())):
+                    family.add_metric([self.model_name, str(stats.get("replica_id", 0)), str(j)], float(rate))
+            yield family
 
 
 class ServeMetrics:
@@ -206,7 +224,7 @@ class ServeMetrics:
             with self._engine.lock:
                 self._engine.snapshot = []
             return
-        rows = [{**r.to_dict(), **r.kv_transfer} for r in stats.replicas if r.error is None]
+        rows = [{**r.to_dict(), **r.kv_transfer, **r.spec_decode} for r in stats.replicas if r.error is None]
         if stats.kv_store is not None and stats.kv_store.error is None:
             rows.append({"replica_id": "kv_store", **dataclasses.asdict(stats.kv_store)})
         if stats.ep is not None:

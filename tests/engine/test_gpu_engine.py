@@ -55,3 +55,26 @@ def test_bf16_graphs_run():
     out = engine.generate([[1, 2, 3, 4]] * 3, SamplingParams(temperature=0.7, seed=1, max_tokens=16, ignore_eos=True))
     assert all(len(c.output_token_ids) == 16 for c in out)
     assert out[0].output_token_ids == out[1].output_token_ids  # same seed, same prompt
+
+
+@pytest.mark.parametrize("spec", [dict(method="ngram"), dict(method="draft_model", num_draft_tokens=3),
+                                  dict(method="ngram", schedule="confidence")],
+                         ids=["ngram", "self-draft", "ngram-confidence"])
+def test_gpu_speculative_greedy_equals_plain(spec):
+    """Speculative steps on the GPU (verify steps eager, plain decode steps through the CUDA graphs, steps
+    drained) give the plain GPU engine's greedy tokens, and seeded sampling its seeded tokens."""
+    from rayinfer.engine.config import SpeculativeConfig
+
+    _, plain = run("cuda")
+    engine, out = run("cuda", debug_sync_guard=True, speculative=SpeculativeConfig(**spec))
+    same = sum(c.output_token_ids == p.output_token_ids for c, p in zip(out, plain))
+    assert same >= len(out) - 1, [(c.output_token_ids, p.output_token_ids) for c, p in zip(out, plain)]
+    stats = engine.stats()
+    assert stats["spec_num_drafts_accepted"] > 0
+    if spec["method"] == "draft_model":
+        assert stats["spec_num_drafts_accepted"] >= 0.95 * stats["spec_num_drafts_verified"]
+    seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True)
+    prompts = [c.prompt_token_ids for c in plain]
+    a = engine.generate(prompts, seeded)
+    b = LLMEngine(ModelConfig(dtype="float32"), EngineConfig(device="cuda", num_kv_blocks=256)).generate(prompts, seeded)
+    assert sum(x.output_token_ids == y.output_token_ids for x, y in zip(a, b)) >= len(a) - 1

@@ -142,3 +142,27 @@ def test_pd_transfer_stats_are_exported_per_replica():
     assert samples[("rayinfer_pd_kv_transfer_sent_bytes_total", "0")] == 4096
     assert samples[("rayinfer_pd_kv_transfer_received_bytes_total", "1")] == 4096
     assert samples[("rayinfer_pd_kv_transfer_budget_used_bytes", "1")] == 1024
+
+
+def test_spec_decode_stats_are_exported_per_replica():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from rayinfer.engine.protocol import FleetStats, ReplicaStats
+    from rayinfer.engine.spec_decode import SpecStats
+    from rayinfer.serve.metrics import ServeMetrics
+
+    spec = SpecStats(max_drafts=3)
+    spec.num_drafts_proposed = 9
+    spec.record(3, 2)  # a request-step verified 3 drafts and accepted the first 2
+    spec.record(2, 0)
+    replica = ReplicaStats.from_dict({"num_running": 1, **spec.to_dict()}, replica_id=0)
+    assert replica.spec_decode["spec_num_drafts_verified"] == 5
+    metrics = ServeMetrics("m", names="both")
+    metrics.set_engine_stats(FleetStats("colocated", [replica]))
+    samples = {(s.name, s.labels.get("replica") or s.labels.get("engine"), s.labels.get("position")): s.value
+               for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
+    assert samples[("rayinfer_spec_decode_num_draft_tokens_proposed_total", "0", None)] == 9
+    assert samples[("rayinfer_spec_decode_num_draft_tokens_total", "0", None)] == 5
+    assert samples[("vllm:spec_decode_num_accepted_tokens_total", "0", None)] == 2
+    assert samples[("rayinfer_spec_decode_mean_accepted_length", "0", None)] == 2.0  # (2 + 0) / 2 steps + 1
+    assert [samples[("rayinfer_spec_decode_acceptance_by_position", "0", str(j))] for j in range(3)] == [0.5, 0.5, 0.0]

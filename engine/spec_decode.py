@@ -1,0 +1,373 @@
+"""Speculative decoding: proposers of draft tokens, the confidence schedule of how many to verify, and
+the acceptance counters.
+
+A proposer drafts up to ``k`` tokens per decoding request before a step; the scheduler gives the request
+its last token plus the drafts to compute in one target forward (paged KV written for all of them); the
+model runner samples a target token after each and accepts the longest prefix of drafts the target
+agrees with (:func:`rayinfer.engine.model_runner.accepted_length`); the scheduler rolls the rejected
+drafts' computed tokens back. Drafts are deterministic (one-hot draft distributions: n-gram lookup, the
+draft model's and MTP's greedy tokens), so verification is the speculative rejection rule of Leviathan
+et al. 2023 / Chen et al. 2023 with the sampler's seeded uniforms shared with plain sampling: output is
+token-for-token that of non-speculative decoding, greedy or seeded.
+
+How many drafts to verify: all of them (``schedule="fixed"``), or (``"confidence"``) per request the
+prefix whose expected gain pays for its cost: :class:`AcceptanceCalibrator` turns the drafter's
+probabilities into confidences, :class:`StepTimeModel` fits step time to token count from measured
+steps, and :func:`choose_num_drafts` picks the drafts that maximize expected tokens per second.
+
+Glossary: *draft* a proposed token; *verify* compute it in the target forward; *accept* the target's
+token at its position equals it; *confidence* the drafter's estimate that a draft is accepted (the
+running product of its top-1 probabilities up to that draft).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from rayinfer.engine.types import Request
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Draft:
+    """One request's proposal.
+
+    Attributes:
+        token_ids: the draft tokens, in order (possibly empty).
+        probs: per draft, the drafter's top-1 probability at its position (the draft model's softmax;
+            conditional on the drafts before it), or None when the drafter has no probabilities (n-gram).
+    """
+
+    token_ids: list[int] = field(default_factory=list)
+    probs: list[float] | None = None
+
+
+class Proposer:
+    """Drafts tokens for decoding requests (the interface every method implements)."""
+
+    def propose(self, reqs: list[Request], max_drafts: list[int]) -> list[Draft]:
+        """Draft up to ``max_drafts[i]`` tokens after ``reqs[i].all_token_ids``.
+
+        Args:
+            reqs: decoding requests (every token known on the host, the last one not yet computed).
+            max_drafts: per request, the most drafts worth proposing (>= 1).
+        Returns:
+            one :class:`Draft` per request.
+        """
+        raise NotImplementedError
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished or aborted request (free its draft KV); unknown ids are ignored."""
+
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup: find the latest earlier occurrence of the context's last n tokens (n from
+    ``ngram_max`` down to ``ngram_min``) and propose the tokens that followed it (after Saxena 2023,
+    "Prompt lookup decoding", and vLLM's n-gram proposer). No model, host only.
+
+    Args:
+        ngram_min, ngram_max: n-gram lengths tried, longest first.
+    """
+
+    def __init__(self, ngram_min: int = 1, ngram_max: int = 4):
+        self.ngram_min, self.ngram_max = ngram_min, ngram_max
+
+    def propose(self, reqs: list[Request], max_drafts: list[int]) -> list[Draft]:
+        return [Draft(ngram_lookup(np.asarray(r.all_token_ids, dtype=np.int64), k, self.ngram_min, self.ngram_max))
+                for r, k in zip(reqs, max_drafts)]
+
+
+def ngram_lookup(tokens: np.ndarray, k: int, ngram_min: int, ngram_max: int) -> list[int]:
+    """Up to ``k`` tokens that followed an earlier occurrence of the last n tokens of ``tokens``: the
+    latest one that is followed by ``k`` tokens, else the first one.
+
+    Args:
+        tokens: [L] int64, the context.
+        k: drafts wanted.
+        ngram_min, ngram_max: n-gram lengths tried, longest first; the first that occurs wins.
+    Returns:
+        the continuation (at most k tokens; empty when no n-gram recurs).
+    """
+    length = len(tokens)
+    for n in range(min(ngram_max, length - 1), ngram_min - 1, -1):
+        suffix = tokens[length - n:]
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)  # starts 0..L-1-n
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if hits.size:
+            # the latest occurrence followed by k tokens (a loop's last period is too short), else the first
+            full = hits[hits + n + k <= length]
+            start = int(full[-1] if full.size else hits[0]) + n
+            return tokens[start: start + k].tolist()
+    return []
+
+
+class _DraftCache:
+    """A draft model's own paged KV cache: blocks handed out per request from a free list (no prefix
+    sharing), with the token ids each request's KV was computed over so that stale tails (rejected
+    drafts) are recomputed."""
+
+    def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
+        self.kv_cache = torch.zeros(model.kv_cache_shape(num_blocks, block_size), dtype=dtype, device=device)
+        self.block_size = block_size
+        self.free_blocks = list(range(num_blocks - 1, -1, -1))
+        self.block_ids: dict[str, list[int]] = {}
+        self.computed: dict[str, list[int]] = {}  # token ids whose KV is in the request's blocks
+
+    def reserve(self, rid: str, num_tokens: int) -> list[int] | None:
+        """The request's block table grown to ``num_tokens`` slots, or None if the pool is out of blocks."""
+        blocks = self.block_ids.setdefault(rid, [])
+        need = -(-num_tokens // self.block_size) - len(blocks)
+        if need > len(self.free_blocks):
+            return None
+        for _ in range(max(need, 0)):
+            blocks.append(self.free_blocks.pop())
+        return blocks
+
+    def release(self, rid: str) -> None:
+        self.free_blocks.extend(reversed(self.block_ids.pop(rid, [])))
+        self.computed.pop(rid, None)
+
+
+class DraftModelProposer(Proposer):
+    """A small model sharing the target's tokenizer drafts greedily, ``k`` forwards per step, over its
+    own paged KV cache (each request catches up on the tokens it has not seen, then drafts one token
+    per forward).
+
+    Args:
+        model: a paged model (``forward(input_ids, positions, kv_cache, meta)``, ``compute_logits``,
+            ``kv_cache_shape``), in eval mode; the target itself drafts for itself (acceptance 1 greedy).
+        num_blocks, block_size: its KV pool.
+        vocab_size: the target's vocabulary (draft logits past it are ignored).
+    Raises:
+        ValueError: if the draft's vocabulary is smaller than the target's tokenizer needs.
+    """
+
+    def __init__(self, model, num_blocks: int, block_size: int, vocab_size: int):
+        weight = next(model.parameters())
+        if model.config.vocab_size < vocab_size:
+            raise ValueError(f"draft model's vocab_size ({model.config.vocab_size}) is smaller than the target's "
+                             f"({vocab_size}); a draft model must share the target's tokenizer")
+        self.model, self.vocab_size = model, vocab_size
+        self.device = weight.device
+        self.cache = _DraftCache(model, num_blocks, block_size, weight.dtype, self.device)
+
+    def release(self, request_id: str) -> None:
+        self.cache.release(request_id)
+
+    @torch.inference_mode()
+    def propose(self, reqs: list[Request], max_drafts: list[int]) -> list[Draft]:
+        from rayinfer.kernels.attention_metadata import AttentionMetadata, host_arrays
+
+        cache = self.cache
+        drafts = [Draft([], []) for _ in reqs]
+        live, chunks, starts = [], [], []
+        for i, (req, k) in enumerate(zip(reqs, max_drafts)):
+            tokens = req.all_token_ids
+            seen = cache.computed.get(req.request_id, [])
+            start = _common_prefix(seen, tokens)
+            start = min(start, len(tokens) - 1)  # the last token's logits give the first draft
+            if cache.reserve(req.request_id, len(tokens) + k - 1) is None:
+                continue  # out of draft blocks: no drafts for it this step
+            cache.computed[req.request_id] = tokens[:start]
+            live.append(i)
+            chunks.append(tokens[start:])
+            starts.append(start)
+        if not live:
+            return drafts
+        num_left = {i: max_drafts[i] for i in live}
+        while chunks:
+            rids = [reqs[i].request_id for i in live]
+            query_lens = [len(c) for c in chunks]
+            seq_lens = [s + q for s, q in zip(starts, query_lens)]
+            tables = [cache.block_ids[rid] for rid in rids]
+            qsl, sl, bt, slots, positions = host_arrays(query_lens, seq_lens, tables, cache.block_size)
+            dev = self.device
+            qsl_t, sl_t, bt_t, slots_t = (torch.from_numpy(a).to(dev) for a in (qsl, sl, bt, slots))
+            meta = AttentionMetadata(qsl_t, sl_t, bt_t, slots_t, cache.block_size, query_lens, seq_lens)
+            ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=dev)
+            hidden = self.model(ids, torch.from_numpy(positions).to(dev), cache.kv_cache, meta)
+            last = torch.from_numpy(qsl[1:].astype(np.int64) - 1).to(dev)
+            probs = torch.softmax(self.model.compute_logits(hidden[last])[:, : self.vocab_size].float(), dim=-1)
+            top_p, top_id = probs.max(dim=-1)
+            top_p, top_id = top_p.tolist(), top_id.tolist()
+            next_live, next_chunks, next_starts = [], [], []
+            for j, i in enumerate(live):
+                d = drafts[i]
+                cache.computed[rids[j]] = cache.computed[rids[j]] + chunks[j]
+                d.token_ids.append(top_id[j])
+                assert d.probs is not None
+                d.probs.append(top_p[j])
+                num_left[i] -= 1
+                if num_left[i] > 0:
+                    next_live.append(i)
+                    next_chunks.append([top_id[j]])
+                    next_starts.append(seq_lens[j])
+            live, chunks, starts = next_live, next_chunks, next_starts
+        return drafts
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class AcceptanceCalibrator:
+    """Turns drafter probabilities into confidences: the chance a draft is accepted given the drafts
+    before it, measured online per bin of the drafter's top-1 probability (per draft position for
+    drafters without probabilities), Laplace-smoothed; a draft's confidence is the running product of
+    those up to it.
+
+    A drafter's top-1 probability is the acceptance chance of a draft only under sampling at the
+    drafter's temperature; greedy targets accept whenever the argmaxes agree, so raw probabilities are
+    mapped through what verification measured.
+
+    Args:
+        max_drafts: draft positions.
+        num_bins: bins of [0, 1] for the top-1 probability.
+    """
+
+    def __init__(self, max_drafts: int, num_bins: int = 10):
+        self.num_bins = num_bins
+        self.accepted = np.zeros(num_bins + max_drafts)
+        self.verified = np.zeros(num_bins + max_drafts)
+
+    def _keys(self, num: int, probs: list[float] | None) -> np.ndarray:
+        if probs is None:
+            return self.num_bins + np.arange(num)
+        return np.minimum((np.asarray(probs[:num]) * self.num_bins).astype(np.int64), self.num_bins - 1)
+
+    def confidence(self, draft: Draft) -> list[float]:
+        """Per draft of ``draft``, the estimated chance that it and every draft before it are accepted."""
+        keys = self._keys(len(draft.token_ids), draft.probs)
+        return np.cumprod((self.accepted[keys] + 1) / (self.verified[keys] + 2)).tolist()
+
+    def record(self, probs: list[float] | None, num_verified: int, num_accepted: int) -> None:
+        """Fold in one verification: drafts up to the first rejected one were observed."""
+        num_seen = min(num_accepted + 1, num_verified)
+        keys = self._keys(num_seen, probs)
+        np.add.at(self.verified, keys, 1)
+        np.add.at(self.accepted, keys[:num_accepted], 1)
+
+
+class StepTimeModel:
+    """The cost of a step as ``a + b * num_tokens`` seconds, fit by least squares with exponential
+    forgetting over measured step times (the closed loop of DeepInfer's scheduler, which corrects its
+    plans from measured forward and sampler times).
+
+    Args:
+        decay: weight of the past per new sample, in (0, 1).
+        a, b: the prior (seconds, seconds per token) until two distinct token counts were measured.
+    """
+
+    def __init__(self, decay: float = 0.95, a: float = 1.0, b: float = 0.01):
+        self.decay, self.a, self.b = decay, a, b
+        self._sums = np.zeros(5)  # w, w*n, w*n*n, w*t, w*n*t
+
+    def update(self, num_tokens: int, seconds: float) -> None:
+        """Fold in one step of ``num_tokens`` tokens that took ``seconds``."""
+        n, t = float(num_tokens), float(seconds)
+        self._sums = self._sums * self.decay + np.array([1.0, n, n * n, t, n * t])
+        w, sn, snn, st, snt = self._sums
+        det = w * snn - sn * sn
+        if det > 1e-9 * max(w * snn, 1.0):
+            b = (w * snt - sn * st) / det
+            a = (st - b * sn) / w
+            self.b = max(b, 1e-7)
+            self.a = max(a, 0.0)
+        elif w > 0:
+            self.a = max(st / w - self.b * sn / w, 0.0)
+
+
+def choose_num_drafts(confidence: torch.Tensor, num_base_tokens: int, base_tokens_out: float, a: float, b: float,
+                      max_verify_tokens: int, min_confidence: float) -> torch.Tensor:
+    """How many drafts of each request to verify so that expected output tokens per second is highest.
+
+    A draft with confidence c adds c expected tokens and costs ``b`` seconds; drafts are taken in
+    decreasing confidence while the rate ``(base_tokens_out + sum c) / (a + b * (num_base_tokens + m))``
+    grows (it rises then falls, as c falls), at most ``max_verify_tokens`` and none below
+    ``min_confidence``. Pure torch ops on ``confidence``'s device (no host sync).
+
+    Args:
+        confidence: [B, K] float32, per request the running product of its drafts' confidences
+            (non-increasing along K; 0 where there is no draft).
+        num_base_tokens: tokens the step computes without drafts.
+        base_tokens_out: tokens the step emits without drafts (one per decoding request).
+        a, b: the step time model (seconds, seconds per token).
+        max_verify_tokens: verified drafts per step at most.
+        min_confidence: drafts below it are never verified.
+    Returns:
+        [B] int64 on ``confidence``'s device, each in [0, K] (a prefix of the request's drafts).
+    """
+    batch, k = confidence.shape
+    if batch * k == 0:
+        return torch.zeros(batch, dtype=torch.long, device=confidence.device)
+    flat = confidence.reshape(-1).float()
+    order = flat.argsort(descending=True, stable=True)
+    ranked = flat[order]
+    m = torch.arange(1, ranked.numel() + 1, device=flat.device, dtype=torch.float32)
+    rate = (base_tokens_out + ranked.cumsum(0)) / (a + b * (num_base_tokens + m))
+    base_rate = base_tokens_out / (a + b * num_base_tokens)
+    best = torch.cat([torch.tensor([base_rate], device=flat.device, dtype=torch.float32), rate])
+    best = best[: max_verify_tokens + 1]
+    num_take = best.argmax()  # drafts taken: the top num_take
+    ranks = torch.empty_like(order)
+    ranks[order] = torch.arange(order.numel(), device=flat.device)
+    keep = (ranks < num_take) & (flat >= min_confidence) & (flat > 0)
+    return keep.reshape(batch, k).sum(dim=1)
+
+
+class SpecStats:
+    """Counters of speculative decoding (engine stats, Prometheus, benchmark JSON).
+
+    Attributes:
+        num_drafts_proposed: draft tokens the proposer made.
+        num_drafts_verified: draft tokens computed in a target forward.
+        num_drafts_accepted: verified drafts the target accepted.
+        num_verify_steps: request-steps that verified at least one draft.
+        accepted_by_position / verified_by_position: per draft position j (0-based), drafts accepted /
+            verified there.
+    """
+
+    def __init__(self, max_drafts: int):
+        self.num_drafts_proposed = 0
+        self.num_drafts_verified = 0
+        self.num_drafts_accepted = 0
+        self.num_verify_steps = 0
+        self.accepted_by_position = [0] * max_drafts
+        self.verified_by_position = [0] * max_drafts
+
+    def record(self, num_verified: int, num_accepted: int) -> None:
+        if not num_verified:
+            return
+        self.num_verify_steps += 1
+        self.num_drafts_verified += num_verified
+        self.num_drafts_accepted += num_accepted
+        for j in range(num_verified):
+            self.verified_by_position[j] += 1
+            if j < num_accepted:
+                self.accepted_by_position[j] += 1
+
+    def to_dict(self) -> dict:
+        verified, steps = self.num_drafts_verified, self.num_verify_steps
+        return {
+            "spec_num_drafts_proposed": self.num_drafts_proposed,
+            "spec_num_drafts_verified": verified,
+            "spec_num_drafts_accepted": self.num_drafts_accepted,
+            "spec_num_verify_steps": steps,
+            "spec_acceptance_rate": self.num_drafts_accepted / verified if verified else 0.0,
+            # tokens emitted per verifying request-step: accepted drafts + the target's own token
+            "spec_mean_accepted_length": 1 + self.num_drafts_accepted / steps if steps else 0.0,
+            "spec_acceptance_by_position": [a / v if v else 0.0 for a, v in
+                                            zip(self.accepted_by_position, self.verified_by_position)],
+        }

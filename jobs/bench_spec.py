@@ -1,0 +1,130 @@
+"""The ``spec`` section of ``jobs/bench.py``: speculative decoding against plain decoding.
+
+    python jobs/bench.py scenario=smollm2-spec                 # SmolLM2-135M real weights, GPU
+    python jobs/bench.py scenario=smollm2-spec spec.batches=[1,8] spec.output_len=64
+
+For each batch size, the same workload runs through an engine per method (``spec.methods``: plain, n-gram
+and the model drafting for itself, each with the fixed and the confidence schedule); all requests arrive
+at once, greedy. The workload is prompts that ask to repeat, edit or continue a given text (where prompt
+lookup pays). Each row records output tokens/s, TPOT, the speedup over plain decoding at that batch, and
+the speculative counters (drafts proposed / verified / accepted, mean accepted length, acceptance by
+position). One model is loaded and shared by every engine; each engine gets its own KV cache.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass, field
+from typing import Any
+
+from rayinfer.jobs import benchlib as bl
+
+TEXTS = (
+    "The river rose slowly through the night, and by morning the low fields beside the mill were under a "
+    "foot of brown water. The miller walked the bank with a lantern, counting the posts that still showed.",
+    "To install the package, create a virtual environment, activate it, and run the installer with the "
+    "requirements file. Then copy the example configuration into your home directory and edit the paths.",
+    "def moving_average(values, window):\n    total = 0.0\n    out = []\n    for i, v in enumerate(values):\n"
+    "        total += v\n        if i >= window:\n            total -= values[i - window]\n"
+    "        out.append(total / min(i + 1, window))\n    return out\n",
+    "Dear team, the quarterly review is moved to Thursday at ten. Please bring the updated budget sheets, the "
+    "hiring plan for the second half, and a short list of risks for each project you lead.",
+)
+INSTRUCTIONS = (
+    "Repeat the following text exactly, word for word:\n\n{text}",
+    "Fix any spelling mistakes in the following text and return the whole text:\n\n{text}",
+    "Rewrite the following text, keeping every sentence but changing nothing else:\n\n{text}",
+    "Copy the following text, then continue it with one more paragraph in the same style:\n\n{text}",
+)
+
+
+@dataclass
+class SpecBenchSpec:
+    """The spec section: batch sizes, output length, and the speculative configs compared.
+
+    Attributes:
+        batches: requests submitted at once (and ``max_num_seqs``) per measurement.
+        output_len: tokens generated per request (``ignore_eos``).
+        num_draft_tokens: k of every speculative config.
+        methods: names of the configs to run, from ``plain``, ``ngram``, ``ngram-confidence``,
+            ``self-draft``, ``self-draft-confidence``; ``plain`` is always run first (the speedups' base).
+        num_kv_blocks: KV blocks of each engine (and of the draft's own cache).
+    """
+
+    batches: list[int] = field(default_factory=lambda: [1, 8, 32, 128])
+    output_len: int = 128
+    num_draft_tokens: int = 4
+    methods: list[str] = field(default_factory=lambda: ["plain", "ngram", "ngram-confidence", "self-draft",
+                                                        "self-draft-confidence"])
+    num_kv_blocks: int = 8192
+
+
+METHODS = {
+    "plain": {},
+    "ngram": {"method": "ngram"},
+    "ngram-confidence": {"method": "ngram", "schedule": "confidence"},
+    "self-draft": {"method": "draft_model"},
+    "self-draft-confidence": {"method": "draft_model", "schedule": "confidence"},
+}
+
+
+def spec_workload(tokenizer, num_prompts: int, output_len: int) -> list[bl.WorkItem]:
+    """``num_prompts`` chat prompts (the tokenizer's template) cycling over texts x instructions."""
+    items = []
+    for i in range(num_prompts):
+        text = TEXTS[i % len(TEXTS)]
+        instruction = INSTRUCTIONS[(i // len(TEXTS)) % len(INSTRUCTIONS)]
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": instruction.format(text=text)}],
+                                               add_generation_prompt=True, tokenize=False)
+        items.append(bl.WorkItem(tokenizer.encode(prompt, add_special_tokens=False), output_len))
+    return items
+
+
+def run_spec_section(spec: SpecBenchSpec, model_config, engine_config, model, tokenizer,
+                     line=print) -> list[dict[str, Any]]:
+    """Run every (batch, method) of ``spec`` and return one row each (see the module docstring).
+
+    Args:
+        spec: the section's settings.
+        model_config, engine_config: the bench's configs (``speculative``, ``max_num_seqs`` and
+            ``num_kv_blocks`` are set per run).
+        model, tokenizer: the loaded target (shared by every engine; the drafter of self-draft).
+        line: prints one result line.
+    Raises:
+        ValueError: for an unknown method name.
+    """
+    import dataclasses
+
+    from rayinfer.engine.config import SpeculativeConfig
+    from rayinfer.engine.llm_engine import LLMEngine
+
+    bad = [m for m in spec.methods if m not in METHODS]
+    if bad:
+        raise ValueError(f"spec.methods has unknown entries {bad}; choose from {list(METHODS)}")
+    names = ["plain"] + [m for m in spec.methods if m != "plain"]
+    rows = []
+    for batch in spec.batches:
+        items = spec_workload(tokenizer, batch, spec.output_len)
+        base = None
+        for name in names:
+            sc = SpeculativeConfig(**METHODS[name], num_draft_tokens=spec.num_draft_tokens) if METHODS[name] \
+                else SpeculativeConfig()
+            cfg = dataclasses.replace(engine_config, max_num_seqs=batch, num_kv_blocks=spec.num_kv_blocks,
+                                      speculative=sc)
+            engine = LLMEngine(model_config, cfg, model=model, tokenizer=tokenizer)
+            bl.warm_up(engine, cfg.block_size)
+            summary = bl.run_offline(engine, items, request_prefix=f"spec-{name}").summary()
+            stats = engine.stats()
+            del engine
+            gc.collect()
+            bl.release_device_memory()
+            if base is None:
+                base = summary["output_tok_s"]
+            row = {"batch": batch, "method": name, **summary, "speedup": summary["output_tok_s"] / base,
+                   **{k: v for k, v in stats.items() if k.startswith("spec_")}}
+            rows.append(row)
+            acc = f", accepted length {row['spec_mean_accepted_length']:.2f}" if "spec_mean_accepted_length" in row \
+                else ""
+            line(f"  spec B={batch:<4} {name:<22} {summary['output_tok_s']:10.1f} out tok/s  "
+                 f"TPOT p50 {summary['median_tpot_ms'] or 0:.2f} ms  {row['speedup']:.2f}x{acc}")
+    return rows

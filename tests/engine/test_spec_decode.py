@@ -1,0 +1,322 @@
+"""Speculative decoding: greedy output equals plain greedy output token for token (SmolLM2 real weights,
+n-gram and the model drafting for itself; stop strings, stop tokens, max_tokens and min_tokens mid-draft,
+logprobs, preemption); seeded sampling equals plain seeded sampling and its distribution passes a
+chi-square test against plain sampling; the pieces (n-gram lookup, scheduler rollback, the confidence
+choice, config checks) by hand."""
+
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from rayinfer.engine.config import EngineConfig, ModelConfig, SpeculativeConfig
+from rayinfer.engine.llm_engine import LLMEngine
+from rayinfer.engine.scheduler import Scheduler, SchedulerConfig
+from rayinfer.engine.spec_decode import AcceptanceCalibrator, Draft, choose_num_drafts, ngram_lookup
+from rayinfer.engine.types import Request, SampledToken, SamplingParams, StepOutput
+
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One torch thread: these models are small enough that threads only add barriers (and a second
+    process on the machine turns them into spinning)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# -- the pieces ------------------------------------------------------------------------------------
+
+
+def test_ngram_lookup_takes_the_longest_recurring_suffix():
+    t = np.array([5, 6, 7, 8, 9, 1, 5, 6, 7])
+    assert ngram_lookup(t, 3, 1, 4) == [8, 9, 1]  # "5 6 7" recurs; what followed it
+    assert ngram_lookup(t, 10, 1, 4) == [8, 9, 1, 5, 6, 7]  # cut at the end of the context
+    assert ngram_lookup(np.array([1, 2, 3, 4]), 3, 1, 4) == []  # nothing recurs
+    loop = np.array([3, 4, 3, 4, 3, 4])  # the latest occurrence followed by k tokens, not the last period
+    assert ngram_lookup(loop, 2, 1, 2) == [3, 4]
+    assert ngram_lookup(np.array([2, 9, 9, 2]), 2, 2, 2) == []  # only n=2 tried: "9 2" never recurs
+
+
+def _decoding_request(sched: Scheduler, drafts: list[int], **params) -> Request:
+    req = Request("r", [1, 2, 3, 4, 5], SamplingParams(temperature=0.0, **params))
+    sched.add_request(req)
+    out = sched.schedule()
+    sched.update_from_output(out, StepOutput({"r": SampledToken(6)}))
+    req.draft_token_ids = list(drafts)
+    return req
+
+
+def test_scheduler_verifies_drafts_in_one_step_and_rolls_back_the_rejected():
+    sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=16, max_model_len=64))
+    req = _decoding_request(sched, [7, 8, 9], max_tokens=10)
+    out = sched.schedule()
+    [s] = out.scheduled
+    assert s.token_ids == (6, 7, 8, 9) and s.start_pos == 5 and s.num_draft_tokens == 3 and s.needs_sample
+    assert req.num_computed_tokens == 9 and req.draft_token_ids == []
+    # drafts 7 and 8 accepted, 9 rejected: the target's token after 8 is 4
+    step = StepOutput({"r": SampledToken(4)}, accepted={"r": [SampledToken(7), SampledToken(8)]})
+    sched.update_from_output(out, step)
+    assert req.output_token_ids == [6, 7, 8, 4]
+    assert req.num_computed_tokens == 8  # 6, 7, 8 computed; the slot of 9 is written again next step
+    [s] = sched.schedule().scheduled
+    assert s.token_ids == (4,) and s.start_pos == 8
+
+
+def test_scheduler_stops_mid_draft_and_caps_drafts_by_max_tokens_and_budget():
+    sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=16, max_model_len=64))
+    req = _decoding_request(sched, [7, 8, 9, 10], max_tokens=4, stop_token_ids=[8])
+    out = sched.schedule()
+    assert out.scheduled[0].num_draft_tokens == 2  # 1 output + 2 drafts + 1 sampled = max_tokens
+    step = StepOutput({"r": SampledToken(3)}, accepted={"r": [SampledToken(7), SampledToken(8)]})
+    sched.update_from_output(out, step)
+    assert req.output_token_ids == [6, 7, 8] and req.finish_reason == "stop" and req.stop_reason == 8
+    assert step.tokens("r") == [SampledToken(7), SampledToken(8)]  # cut to what was appended
+    small = Scheduler(SchedulerConfig(block_size=4, num_blocks=16, max_model_len=64, max_num_batched_tokens=5))
+    _decoding_request(small, [7, 8, 9, 10, 11, 12], max_tokens=10)
+    assert small.schedule().scheduled[0].num_draft_tokens == 4  # the token budget: 1 + 4 tokens
+
+
+def test_choose_num_drafts_maximizes_expected_tokens_per_second():
+    conf = torch.tensor([[0.9, 0.8, 0.1], [0.5, 0.2, 0.0]])
+    # 2 requests, 2 tokens without drafts; a step costs 1 + 0.25 * tokens: rate 2/1.5 = 1.33 without drafts.
+    # taking 0.9 -> 2.9/1.75 = 1.66; +0.8 -> 3.7/2 = 1.85; +0.5 -> 4.2/2.25 = 1.87; +0.2 -> 4.4/2.5 = 1.76
+    assert choose_num_drafts(conf, 2, 2.0, 1.0, 0.25, 100, 0.0).tolist() == [2, 1]
+    assert choose_num_drafts(conf, 2, 2.0, 1.0, 0.5, 100, 0.0).tolist() == [2, 0]  # 4.2/3.5 < 3.7/3
+    assert choose_num_drafts(conf, 2, 2.0, 1.0, 0.25, 1, 0.0).tolist() == [1, 0]  # max_verify_tokens
+    assert choose_num_drafts(conf, 2, 2.0, 1.0, 0.25, 100, 0.85).tolist() == [1, 0]  # min_confidence
+    assert choose_num_drafts(conf, 2, 2.0, 0.0, 1.0, 100, 0.0).tolist() == [0, 0]  # drafts cost a token each
+
+
+def test_calibrator_learns_acceptance_from_verifications():
+    cal = AcceptanceCalibrator(max_drafts=3)
+    d = Draft([1, 2], probs=[0.05, 0.05])  # a flat drafter whose drafts are nonetheless always accepted
+    assert cal.confidence(d) == pytest.approx([0.5, 0.25])
+    for _ in range(18):
+        cal.record(d.probs, 2, 2)
+    assert cal.confidence(d) == pytest.approx([37 / 38, (37 / 38) ** 2])
+    n = Draft([1, 2, 3])  # no probabilities: per position
+    cal.record(None, 3, 0)  # only the first draft was observed (rejected)
+    assert cal.confidence(n) == pytest.approx([1 / 3, 1 / 6, 1 / 12])
+
+
+def test_speculative_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="speculative.method"):
+        SpeculativeConfig(method="eagle")
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        SpeculativeConfig(method="ngram", num_draft_tokens=0)
+    with pytest.raises(ValueError, match="schedule"):
+        SpeculativeConfig(method="ngram", schedule="adaptive")
+    with pytest.raises(ValueError, match="draft_model is set"):
+        SpeculativeConfig(method="ngram", draft_model="SmolLM2-135M-Instruct")
+    with pytest.raises(ValueError, match="prefill"):
+        EngineConfig(role="prefill", speculative=SpeculativeConfig(method="ngram"))
+    assert EngineConfig(speculative={"method": "ngram"}).speculative.method == "ngram"  # as Hydra passes it
+
+
+# -- greedy equality on SmolLM2 (real weights) ------------------------------------------------------
+
+REPEAT = ("Repeat this text exactly.\nText: The cat sat on the mat. The dog lay by the door. The bird sang in the "
+          "tree, and the sun rose over the quiet hills.\nRepeated: The cat sat on the mat.")
+
+
+@pytest.fixture(scope="module")
+def smollm(tokenizer):
+    """``make(**engine_kw)`` -> an engine over one float32 SmolLM2-135M (loaded once)."""
+    base = {}
+
+    def make(spec=None, **kw):
+        cfg = dict(device="cpu", block_size=8, num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=256,
+                   async_scheduling=False)
+        cfg.update(kw)
+        engine_config = EngineConfig(**cfg, speculative=SpeculativeConfig(**(spec or {})))
+        if "model" not in base:
+            engine = LLMEngine(ModelConfig(dtype="float32"), engine_config)
+            base["model"] = engine.model
+            return engine
+        return LLMEngine(ModelConfig(dtype="float32"), engine_config, model=base["model"], tokenizer=tokenizer)
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def greedy_cases(smollm, tokenizer):
+    """(prompts, params, plain completions): the repeat prompt free with logprobs, then with a stop
+    string, a stop token from the middle of its plain output, and min_tokens past another stop token;
+    an odd max_tokens."""
+    prompts = [tokenizer.encode(REPEAT), tokenizer.encode("1, 2, 3, 4, 5, 6,")]
+    free = SamplingParams(temperature=0.0, max_tokens=19, ignore_eos=True, logprobs=1)
+    plain = smollm().generate(prompts, free)
+    words, ids = plain[0].text.split(), plain[0].output_token_ids
+    mid = next(i for i in range(6, len(ids)) if ids[i] not in ids[:i])  # a token first seen mid-output
+    cases = [(prompts[0], free), (prompts[1], free),
+             (prompts[0], SamplingParams(temperature=0.0, max_tokens=19, stop=[" ".join(words[3:5])])),
+             (prompts[0], SamplingParams(temperature=0.0, max_tokens=19, stop_token_ids=[ids[mid]])),
+             (prompts[1], SamplingParams(temperature=0.0, max_tokens=13, min_tokens=11, stop_token_ids=[11]))]
+    ps, params = [c[0] for c in cases], [c[1] for c in cases]
+    return ps, params, plain[:2] + smollm().generate(ps[2:], params[2:])
+
+
+def _check_same(got, want):
+    for g, w in zip(got, want):
+        assert g.error is None, g.error
+        assert g.output_token_ids == w.output_token_ids, g.request_id
+        assert (g.text, g.finish_reason, g.stop_reason) == (w.text, w.finish_reason, w.stop_reason)
+        if w.logprobs is not None:
+            assert g.logprobs is not None and len(g.logprobs) == len(w.logprobs)
+            for a, b in zip(g.logprobs, w.logprobs):
+                assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-3)
+                assert (a.top_logprobs or {}).keys() == (b.top_logprobs or {}).keys()
+
+
+@pytest.mark.parametrize("spec", [dict(method="ngram"), dict(method="draft_model", num_draft_tokens=3)],
+                         ids=["ngram", "self-draft"])
+def test_greedy_speculative_output_equals_plain(smollm, greedy_cases, spec):
+    prompts, params, plain = greedy_cases
+    assert [c.finish_reason for c in plain[2:]] == ["stop", "stop", "length"]  # they do stop mid-output
+    assert len(plain[2].output_token_ids) < 19 and len(plain[3].output_token_ids) < 19
+    engine = smollm(spec)
+    _check_same(engine.generate(prompts, params), plain)
+    stats = engine.stats()
+    assert stats["spec_num_drafts_verified"] > 0 and stats["spec_num_drafts_accepted"] > 0
+    if spec["method"] == "draft_model":  # drafting for itself: every draft is accepted
+        assert stats["spec_num_drafts_accepted"] == stats["spec_num_drafts_verified"]
+        assert stats["spec_acceptance_by_position"] == [1.0, 1.0, 1.0]
+
+
+# -- sampling: token-for-token reproducible, and the distribution ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tokenizer):
+    """(target, draft): a 2-layer random Llama over the first 64 token ids (so that sampling many
+    requests is cheap on CPU) and a copy with its weights perturbed by ~10%, whose greedy drafts the
+    target sometimes accepts and sometimes rejects."""
+    import copy
+
+    import transformers
+
+    from rayinfer.model.llama import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+                                   architectures=["LlamaForCausalLM"])
+    target = LlamaForCausalLM(cfg)
+    gen = torch.Generator().manual_seed(0)
+    for p in target.parameters():
+        if p.dim() > 1:
+            p.data.normal_(0, 0.3, generator=gen)
+    target = target.eval().requires_grad_(False)
+    draft = copy.deepcopy(target)
+    for p in draft.parameters():
+        p.add_(torch.randn(p.shape, generator=gen) * p.std() * 0.1)
+    return target, draft
+
+
+PROMPTS = ([5, 9, 11, 5, 9, 11, 5, 9], [3, 1, 4, 1, 5, 9, 2, 6], [7, 7, 2, 7, 7, 2, 7])
+
+
+def _tiny_spec_engine(tiny_pair, tokenizer, spec, num_kv_blocks=1024):
+    from rayinfer.engine.spec_decode import DraftModelProposer
+
+    target, draft = tiny_pair
+    engine = LLMEngine(ModelConfig("tiny-llama", max_model_len=512),
+                       EngineConfig(device="cpu", block_size=4, num_kv_blocks=num_kv_blocks, max_num_seqs=128,
+                                    max_num_batched_tokens=2048, async_scheduling=False,
+                                    speculative=SpeculativeConfig(**spec)),
+                       model=target, tokenizer=tokenizer)
+    if spec.get("method") == "draft_model":  # draft with the perturbed copy instead of the target itself
+        engine.proposer = DraftModelProposer(draft, 1024, 4, engine.vocab_size)
+    return engine
+
+
+@pytest.mark.parametrize("spec", [dict(method="ngram", schedule="confidence"),
+                                  dict(method="draft_model", schedule="confidence")], ids=["ngram", "draft"])
+def test_confidence_schedule_keeps_greedy_output(tiny_pair, tokenizer, spec):
+    prompts = list(PROMPTS)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = _tiny_spec_engine(tiny_pair, tokenizer, {}).generate(prompts, params)
+    engine = _tiny_spec_engine(tiny_pair, tokenizer, spec)
+    assert [c.output_token_ids for c in engine.generate(prompts, params)] == [c.output_token_ids for c in plain]
+    stats = engine.stats()
+    assert 0 < stats["spec_num_drafts_verified"] <= stats["spec_num_drafts_proposed"]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_greedy_and_seeded_output_under_preemption(tiny_pair, tokenizer, method):
+    prompts = list(PROMPTS)
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=["zzzz"]),
+              SamplingParams(temperature=0.8, max_tokens=23, ignore_eos=True, seed=5),
+              SamplingParams(temperature=0.0, max_tokens=21, ignore_eos=True, logprobs=0)]
+    plain = _tiny_spec_engine(tiny_pair, tokenizer, {}).generate(prompts, params)
+    engine = _tiny_spec_engine(tiny_pair, tokenizer, dict(method=method), num_kv_blocks=16)
+    _check_same(engine.generate(prompts, params), plain)
+    stats = engine.stats()
+    assert stats["num_preemptions"] > 0 and stats["spec_num_drafts_accepted"] > 0
+
+
+def _chi_square_critical(df: int, z: float = 3.09) -> float:
+    """Upper 0.001 quantile of chi-square(df) (Wilson-Hilferty)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_seeded_speculative_sampling_equals_plain_and_its_distribution_matches(tiny_pair, tokenizer):
+    prompt = list(PROMPTS[1])
+    num = 400
+    params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=4, ignore_eos=True, seed=s) for s in range(num)]
+    spec_engine = _tiny_spec_engine(tiny_pair, tokenizer, dict(method="draft_model", num_draft_tokens=3))
+    spec = spec_engine.generate([prompt] * num, params)
+    stats = spec_engine.stats()
+    assert 0.1 < stats["spec_acceptance_rate"] < 0.9, stats  # both the accept and the residual paths ran
+    plain = _tiny_spec_engine(tiny_pair, tokenizer, {}).generate([prompt] * num, params)
+    # the coupled rule: the same seed draws the same tokens as plain sampling, whatever was drafted
+    assert [c.output_token_ids for c in spec] == [c.output_token_ids for c in plain]
+    # the distribution, against plain sampling with other seeds: a two-sample chi-square per position
+    other = [SamplingParams(temperature=1.0, top_k=3, max_tokens=4, ignore_eos=True, seed=10_000 + s)
+             for s in range(num)]
+    plain2 = _tiny_spec_engine(tiny_pair, tokenizer, {}).generate([prompt] * num, other)
+    for pos in (1, 2, 3):
+        a = Counter(c.output_token_ids[pos] for c in spec)
+        b = Counter(c.output_token_ids[pos] for c in plain2)
+        tokens = [t for t in set(a) | set(b) if a[t] + b[t] >= 5]
+        stat = sum((a[t] - b[t]) ** 2 / (a[t] + b[t]) for t in tokens)  # equal sample sizes
+        assert len(tokens) >= 3 and stat < _chi_square_critical(len(tokens) - 1), (pos, stat, a, b)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_decode_role_verifies_drafts_after_a_kv_import(tiny_pair, tokenizer, method):
+    import dataclasses
+
+    target = tiny_pair[0]
+
+    def engine(role, spec=None):
+        return LLMEngine(ModelConfig("tiny", max_model_len=512),
+                         EngineConfig(device="cpu", block_size=4, num_kv_blocks=64, role=role,
+                                      speculative=SpeculativeConfig(**(spec or {}))),
+                         model=target, tokenizer=tokenizer)
+
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    prompts = list(PROMPTS)
+    want = [c.output_token_ids for c in engine("normal").generate(prompts, params)]
+    prefill, decode = engine("prefill"), engine("decode", dict(method=method))
+    for i, p in enumerate(prompts):
+        prefill.add_request(str(i), p, params)
+    got = {}
+    while prefill.has_unfinished_requests():
+        for out in prefill.step():
+            assert out.finish_reason == "prefilled"
+            handle = dataclasses.replace(out.kv_handle, payload=prefill.take_kv(out.request_id))
+            got[out.request_id] = list(out.new_token_ids)
+            decode.add_request(out.request_id, prompts[int(out.request_id)], params, kv_handle=handle,
+                               output_token_ids=list(out.new_token_ids))
+    while decode.has_unfinished_requests():
+        for out in decode.step():
+            got[out.request_id] += out.new_token_ids
+    assert [got[str(i)] for i in range(len(prompts))] == want
+    assert decode.stats()["spec_num_drafts_accepted"] > 0
