@@ -118,6 +118,7 @@ class LLMEngine:
                              "(fp8 KV needs the paged-attention models: Llama, Qwen3-MoE)")
         self.kv_cache = torch.zeros(self.model.kv_cache_shape(num_blocks, cfg.block_size), dtype=self.kv_dtype,
                                     device=self.device)
+        num_host_blocks = self._num_host_blocks()
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -127,10 +128,15 @@ class LLMEngine:
             enable_prefix_caching=cfg.enable_prefix_caching,
             enable_chunked_prefill=cfg.enable_chunked_prefill,
             role=self.role,
+            num_host_blocks=num_host_blocks,
         ))
         self.sampler = Sampler(self.vocab_size, model_config.seed)
         self.runner = ModelRunner(self.model, self.kv_cache, cfg.block_size, self.sampler, cfg.batch_invariant)
         self.runner.sync_guard = cfg.debug_sync_guard
+        if num_host_blocks:
+            from rayinfer.engine.host_kv_cache import HostKVCache
+
+            self.runner.host_cache = HostKVCache(self.kv_cache, num_host_blocks)
         on_cuda = self.device.type == "cuda"
         self.async_scheduling = on_cuda if cfg.async_scheduling is None else cfg.async_scheduling
         self._inflight = None  # (SchedulerOutput, PendingStep, its requests) launched but not yet processed
@@ -144,6 +150,21 @@ class LLMEngine:
         self.parked: dict[str, ParkedKV] = {}
         logger.info("engine ready: %s on %s (%s), %d KV blocks of %d", model_config.model, self.device,
                     self.dtype, num_blocks, cfg.block_size)
+
+    def _num_host_blocks(self) -> int:
+        """Host KV tier slots from ``host_kv_cache_gib`` (0 when off). Raises ValueError for a size under
+        one block or a tier without prefix caching."""
+        cfg = self.engine_config
+        if not cfg.host_kv_cache_gib:
+            return 0
+        per_block = self.kv_cache[:, 0].numel() * self.kv_cache.element_size()
+        n = int(cfg.host_kv_cache_gib * _GIB // per_block)
+        if n <= 0:
+            raise ValueError(f"host_kv_cache_gib={cfg.host_kv_cache_gib} holds no KV block (one block is "
+                             f"{per_block} bytes)")
+        if not cfg.enable_prefix_caching:
+            raise ValueError("host_kv_cache_gib > 0 needs enable_prefix_caching (the host tier holds cached blocks)")
+        return n
 
     def _auto_num_blocks(self) -> int:
         cfg = self.engine_config
@@ -513,7 +534,13 @@ class LLMEngine:
             "num_computed_tokens": self.num_computed_tokens,
             "num_free_blocks": kv.pool.num_free_blocks,
             "num_blocks": kv.pool.num_blocks,
+            **(self._host_stats() if kv.host is not None else {}),
         }
+
+    def _host_stats(self) -> dict:
+        host, cache = self.scheduler.kv.host, self.runner.host_cache
+        assert host is not None and cache is not None
+        return {**host.stats(), "host_kv_bytes_moved": cache.num_bytes_moved}
 
 
 def _eos_token_ids(hf_config, tokenizer) -> tuple[int, ...]:
