@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import OrderedDict
 from typing import NamedTuple
 
 import torch
@@ -34,6 +35,7 @@ from rayinfer.engine.types import (
 
 logger = logging.getLogger(__name__)
 _GIB = 1 << 30
+_MAX_STORED_HASHES = 1 << 16
 
 
 class ParkedKV(NamedTuple):
@@ -148,6 +150,12 @@ class LLMEngine:
         # PREFILL role: prefilled requests whose KV waits in the pool for a transfer (written on the engine
         # thread; other threads read entries to gather their blocks, see gather_kv)
         self.parked: dict[str, ParkedKV] = {}
+        # KV store tier (NORMAL role, set by the engine actor): called on the engine thread as
+        # store_writer(block hashes from block 0, start, payload [L, n, ...] on the cache's device) with a
+        # finished request's full blocks from ``start`` on; it copies the payload to the host and puts it
+        # in the store off this thread, and returns whether it took the write. ``stored_hashes``: hashes known to be in the store (LRU, bounded).
+        self.store_writer = None
+        self.stored_hashes: OrderedDict[int, None] = OrderedDict()
         logger.info("engine ready: %s on %s (%s), %d KV blocks of %d", model_config.model, self.device,
                     self.dtype, num_blocks, cfg.block_size)
 
@@ -485,7 +493,45 @@ class LLMEngine:
         )
         if finished:
             self._forget(rid)
+            if self.store_writer is not None and req.status != RequestStatus.FINISHED_PREFILLED:
+                self._write_to_store(req)
         return out
+
+    def mark_stored(self, block_hashes) -> None:
+        """Remember hashes the KV store holds (written or read), so they are not written again."""
+        known = self.stored_hashes
+        for h in block_hashes:
+            known[h] = None
+            known.move_to_end(h)
+        while len(known) > _MAX_STORED_HASHES:
+            known.popitem(last=False)
+
+    def _write_to_store(self, req: Request) -> None:
+        """Hand a finished request's full blocks that are still cached (and not known stored) to the store
+        writer. Engine thread: the blocks were just freed and nothing reuses them before the gather, which
+        the device runs in stream order ahead of any later step."""
+        pool, hashes = self.scheduler.kv.pool, req.block_hashes
+        block_ids = []
+        for h in hashes:
+            b = pool.hash_to_block.get(h)
+            if b is None:
+                break
+            block_ids.append(b)
+        start = 0
+        while start < len(block_ids) and hashes[start] in self.stored_hashes:
+            start += 1
+        if start >= len(block_ids):
+            return
+        n = len(block_ids)
+        idx = torch.tensor(block_ids[start:], dtype=torch.long).to(self.device, non_blocking=True)
+        payload = torch.index_select(self.kv_cache, 1, idx)
+        try:
+            queued = self.store_writer(list(hashes[:n]), start, payload)  # pyright: ignore[reportOptionalCall]
+        except Exception:  # noqa: BLE001 - a cache write never fails a request
+            logger.exception("KV store write failed")
+            return
+        if queued:
+            self.mark_stored(hashes[:n])
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  request_ids: list[str] | None = None) -> list[Completion]:
