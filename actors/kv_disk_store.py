@@ -108,7 +108,7 @@ class DiskKVStore:
                 "block_shape": list(self.block_shape) if self.block_shape else None, "wire_dtype": self.wire_dtype,
                 "blocks": [[h, b.parent, b.nbytes, b.value, b.last_access] for h, b in self.index.blocks.items()]}
         tmp = self.dir / "index.msgpack.tmp"
-        tmp.write_bytes(msgpack.packb(data))
+        tmp.write_bytes(msgpack.packb(data) or b"")
         os.replace(tmp, self.dir / "index.msgpack")
 
     def _wipe(self) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from rayinfer.engine.block_pool import NONE_HASH, KVBlockPool, hash_block
 from rayinfer.engine.host_kv_cache import HostBlockIndex
 from rayinfer.engine.types import Request
@@ -95,7 +97,7 @@ class KVCacheManager:
         hit = self.pool.match_prefix(req.block_hashes[:max_blocks])
         return hit, len(hit) * self.block_size
 
-    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list[int] = ()) -> list[int] | None:
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> list[int] | None:
         """Grow a request's block table to hold ``num_new_tokens`` more tokens.
 
         ``computed_blocks`` (from :meth:`get_computed_blocks`, first admission only) are referenced and
