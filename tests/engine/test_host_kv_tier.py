@@ -72,3 +72,30 @@ def test_host_tier_needs_prefix_caching(tiny_engine):
         tiny_engine(host_kv_cache_gib=0.01, enable_prefix_caching=False)
     with pytest.raises(ValueError, match="holds no KV block"):
         tiny_engine(host_kv_cache_gib=1e-12)
+
+
+@pytest.mark.gpu
+def test_eviction_to_host_and_reload_cuda(tiny_llama, tokenizer):
+    """The CUDA path: pinned host pool, side-stream copies, async scheduling and CUDA graphs on."""
+    import copy
+
+    import torch
+
+    from rayinfer.engine.config import ModelConfig
+    from rayinfer.engine.llm_engine import LLMEngine
+
+    model = copy.deepcopy(tiny_llama[0]).cuda()
+
+    def make(**kw):
+        cfg = EngineConfig(device="cuda", block_size=4, num_kv_blocks=24, max_num_seqs=8, **kw)
+        return LLMEngine(ModelConfig("tiny-llama", max_model_len=512), cfg, model=model, tokenizer=tokenizer)
+
+    rng = random.Random(1)
+    turns = [[[rng.randrange(1, 4000) for _ in range(n)] for _ in range(3)] for n in (30, 9, 9, 9)]
+    base = make()
+    tiered = make(host_kv_cache_gib=64 * base.kv_cache[:, 0].numel() * 4 / 2**30)
+    assert tiered.runner.host_cache.host.is_pinned()
+    assert _multi_turn(tiered, turns) == _multi_turn(base, turns)
+    s, b = tiered.stats(), base.stats()
+    assert s["host_kv_hits"] > 0 and s["num_computed_tokens"] < b["num_computed_tokens"]
+    torch.cuda.synchronize()
