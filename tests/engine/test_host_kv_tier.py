@@ -38,7 +38,7 @@ def test_config_validation():
 
 def _multi_turn(engine, turns):
     """Run conversations turn by turn (each turn resends the conversation); returns all outputs."""
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     history = {c: list(p) for c, p in enumerate(turns[0])}
     outs = []
     for t, new_turn in enumerate(turns):
@@ -52,13 +52,15 @@ def _multi_turn(engine, turns):
     return outs
 
 
-def test_eviction_to_host_and_reload(tiny_engine):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_eviction_to_host_and_reload(tiny_engine, async_scheduling):
     """Three conversations interleaved on a 24-block device pool: each turn evicts the others' prefixes.
     With the host tier the outputs are the same, host hits rise and fewer tokens are computed."""
     rng = random.Random(0)
-    turns = [[[rng.randrange(1, 4000) for _ in range(n)] for _ in range(3)] for n in (30, 9, 9)]
-    base = tiny_engine(num_kv_blocks=24)
-    tiered = tiny_engine(num_kv_blocks=24, host_kv_cache_gib=64 * base.kv_cache[:, 0].numel() * 4 / 2**30)
+    turns = [[[rng.randrange(1, 4000) for _ in range(n)] for _ in range(3)] for n in (30, 9)]
+    base = tiny_engine(num_kv_blocks=24, async_scheduling=async_scheduling)
+    tiered = tiny_engine(num_kv_blocks=24, async_scheduling=async_scheduling,
+                         host_kv_cache_gib=64 * base.kv_cache[:, 0].numel() * 4 / 2**30)
     assert _multi_turn(tiered, turns) == _multi_turn(base, turns)
     s, b = tiered.stats(), base.stats()
     assert s["host_kv_hits"] > 0 and s["host_kv_offloaded_blocks"] > 0 and s["host_kv_loaded_blocks"] == s["host_kv_hits"]
