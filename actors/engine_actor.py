@@ -40,7 +40,10 @@ class EngineActorImpl:
         Args:
             model_config, engine_config: the replica's configs (``engine_config.role`` picks the role).
             replica_id: the replica's id in stats.
-            kv_store: PREFILL role: the KVStoreActor that new full blocks are written through to.
+            kv_store: the KVStoreActor. PREFILL role: new full blocks are written through to it. NORMAL
+                role (the store as a third KV tier): a request's leading blocks that the store holds beyond
+                this replica's own cache are loaded from it, and finished requests' full blocks are
+                written to it, so one replica's prefixes serve the others (and outlive them).
             kv_transport: "object_store", "cuda_ipc" (Ray Direct Transport, :meth:`pop_kv`), or "nccl" /
                 "gloo" (the fleet's transfer group, :meth:`send_kv` / :meth:`recv_kv`).
         """
@@ -60,6 +63,10 @@ class EngineActorImpl:
         # (or ahead of) the engine's steps on the compute stream
         self._store_stream = torch.cuda.Stream(e.device) if e.device.type == "cuda" else None
         self.num_store_writes_skipped = 0
+        self.num_store_hit_blocks = 0  # blocks loaded from the store (NORMAL role)
+        self.num_store_lookups = 0
+        if kv_store is not None and e.role.value == "normal":
+            e.store_writer = self._put_finished
 
     def ready(self) -> dict:
         """Returns the replica's static facts once the model is loaded."""
@@ -73,12 +80,14 @@ class EngineActorImpl:
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        **kwargs) -> AsyncIterator[RequestOutput]:
         """Stream a request's deltas (a Ray streaming generator). Raises ValueError for bad input."""
+        await self._with_stored_prefix(request_id, prompt_token_ids, kwargs)
         async for out in self.engine.generate(request_id, prompt_token_ids, params, **kwargs):
             yield out
 
     async def complete(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        **kwargs) -> Completion:
         """Run a request to the end; errors come back in ``Completion.error``."""
+        await self._with_stored_prefix(request_id, prompt_token_ids, kwargs)
         return await self.engine.complete(request_id, prompt_token_ids, params, **kwargs)
 
     def abort(self, request_id: str) -> None:
@@ -86,6 +95,62 @@ class EngineActorImpl:
         for box in self._outboxes.values():
             box.live.discard(request_id)
         self.engine.abort(request_id)
+
+    # -- the KV store as a third tier (NORMAL role) -----------------------------------------------
+    async def _with_stored_prefix(self, request_id: str, prompt_token_ids: list[int], kwargs: dict) -> None:
+        """Put a ``kv_handle`` for the store's part of the prompt into ``kwargs`` when the store holds more
+        leading blocks than this replica's device and host pools; a store that is down, or blocks that
+        turn out missing or damaged, are a miss (the prompt is computed)."""
+        e = self.engine.engine
+        if self.kv_store is None or e.role.value != "normal" or kwargs.get("kv_handle") is not None:
+            return
+        from rayinfer.policy.kv_store_index import block_hashes
+
+        bs = e.engine_config.block_size
+        hashes = block_hashes(list(prompt_token_ids) + list(kwargs.get("output_token_ids") or []), bs)
+        kv = e.scheduler.kv
+        local = 0  # a racy read of the engine thread's dicts: only a hint of what is cached here
+        while local < len(hashes) and (hashes[local] in kv.pool.hash_to_block
+                                       or (kv.host is not None and hashes[local] in kv.host.hash_to_slot)):
+            local += 1
+        if local == len(hashes):
+            return
+        self.num_store_lookups += 1
+        try:
+            n = await self.kv_store.match.remote(hashes)
+            if n <= local:
+                return
+            layout, blocks = await self.kv_store.get_blocks.remote(hashes[:n])
+        except ray.exceptions.RayError as err:
+            logger.warning("KV store unavailable (%s); computing the prompt", type(err).__name__)
+            return
+        if not blocks or layout != kv_layout_tag(e.kv_cache) or len(blocks) <= local:
+            return
+        self.num_store_hit_blocks += len(blocks)
+        payload = from_wire(np.concatenate(blocks, axis=1), e.kv_cache.dtype)
+        kwargs["kv_handle"] = KVHandle(request_id, list(hashes[: len(blocks)]), len(blocks) * bs, layout, payload)
+
+    def _put_finished(self, block_hashes: list[int], start: int, payload: torch.Tensor) -> bool:
+        """The engine's store writer (engine thread): copy to host and put, on the store-write thread."""
+        self._kv_writes = [f for f in self._kv_writes if not f.done()]
+        if len(self._kv_writes) >= 4 * _MAX_PENDING_STORE_WRITES:
+            self.num_store_writes_skipped += 1
+            return False
+        store, layout = self.kv_store, kv_layout_tag(self.engine.engine.kv_cache)
+        assert store is not None
+        done: concurrent.futures.Future = concurrent.futures.Future()
+
+        def copy_and_put() -> None:
+            try:
+                host = payload.to("cpu")  # on the compute stream, behind the gather that made the payload
+                ray.get(store.put.remote(block_hashes, start, to_wire(host), layout))
+                done.set_result(0)
+            except Exception as err:  # noqa: BLE001 - a cache write
+                done.set_exception(err)
+
+        self._store_executor.submit(copy_and_put)
+        self._kv_writes.append(done)
+        return True
 
     # -- prefill/decode disaggregation -----------------------------------------------------------
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -306,6 +371,11 @@ class EngineActorImpl:
             # KV is imported, and a received batch's transfer budget comes back when all its payloads are gone
             kwargs["kv_handle"] = dataclasses.replace(kv_handle, payload=kv_payload)
             del kv_payload
+        else:
+            probe: dict = {"output_token_ids": output_token_ids}
+            await self._with_stored_prefix(request_id, prompt_token_ids, probe)
+            if probe.get("kv_handle") is not None:
+                kwargs["kv_handle"] = probe["kv_handle"]
         box.live.add(request_id)
         try:
             await self.engine.submit(request_id, prompt_token_ids, params, partial(box.put, request_id),
@@ -341,7 +411,8 @@ class EngineActorImpl:
 
     def stats(self) -> dict:
         out = {"replica_id": self.replica_id, **self.engine.stats(), "num_parked_kv": len(self.engine.engine.parked),
-               "num_store_writes_skipped": self.num_store_writes_skipped}
+               "num_store_writes_skipped": self.num_store_writes_skipped,
+               "kv_store_hit_blocks": self.num_store_hit_blocks, "kv_store_lookups": self.num_store_lookups}
         if self.transfer is not None:
             out.update(self.transfer.stats())
         return out

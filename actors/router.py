@@ -59,7 +59,7 @@ class FleetInfo:
         block_size: tokens per KV block.
         replicas: NORMAL replicas (colocated), or prefill replicas then decode replicas (pd).
         num_prefill: how many of ``replicas`` are prefill replicas (pd).
-        kv_store: the KVStoreActor (pd), else None.
+        kv_store: the KVStoreActor (pd, or colocated with ``kv_store.enabled``), else None.
         kv_transport: the resolved KV transport (pd), else None.
         model: the model name or path (for the client's tokenizer).
         max_retries: PD: re-runs of one request's leg after errors other than a replica failing.
@@ -177,11 +177,18 @@ class Router:
         if self.topology == "pd":
             await self._start_pd()
         else:
-            replicas = [await self._place(EngineActor, i, self.model_config, cfg, i) for i in range(p.dp)]
+            ks = p.kv_store
+            store = None
+            if ks.enabled:
+                store = KVStoreActor.options(num_cpus=0, max_restarts=-1).remote(
+                    ks.max_blocks, int(ks.max_gib * _GIB) if ks.max_gib else None, ks.ttl_s, ks.directory,
+                    self.model_config.model)
+            replicas = [await self._place(EngineActor, i, self.model_config, cfg, i, kv_store=store)
+                        for i in range(p.dp)]
             info = await asyncio.gather(*[r.ready.remote() for r in replicas])
             self.balancer = ReplicaLoadBalancer(p.dp, cfg.block_size)
             self.info = FleetInfo("colocated", info[0]["max_model_len"], cfg.block_size, replicas,
-                                  model=self.model_config.model)
+                                  kv_store=store, model=self.model_config.model)
         logger.info("fleet ready: %s, %d replica(s)", self.topology, len(self.fleet.replicas))
         return self.fleet
 
@@ -222,8 +229,8 @@ class Router:
         pcfg = dataclasses.replace(cfg, role="prefill", **buffers, **pd.prefill_overrides)
         dcfg = dataclasses.replace(cfg, role="decode", **buffers, **pd.decode_overrides)
         max_bytes = int(pd.kv_store_max_gib * _GIB) if pd.kv_store_max_gib else None
-        store = KVStoreActor.options(num_cpus=0, max_restarts=-1).remote(pd.kv_store_max_blocks, max_bytes,
-                                                                       pd.kv_store_ttl_s)
+        store = KVStoreActor.options(num_cpus=0, max_restarts=-1).remote(
+            pd.kv_store_max_blocks, max_bytes, pd.kv_store_ttl_s, p.kv_store.directory, self.model_config.model)
         actor_cls = EngineActor if transport != "cuda_ipc" else ray.remote(  # pyright: ignore[reportCallIssue]
             enable_tensor_transport=True)(EngineActorImpl)
         prefills = [await self._place(actor_cls, i, self.model_config, pcfg, i, kv_store=store,
@@ -477,10 +484,11 @@ class Router:
                           num_handbacks=self.num_handbacks)
 
     async def flush(self) -> None:
-        """PD: wait until every prefill replica's write-through puts reached the store (tests, benchmarks)."""
-        if self.info is not None and self.info.topology == "pd":
-            await asyncio.gather(*[p.flush_kv_writes.remote() for p in self.info.prefills],
-                                 return_exceptions=True)
+        """Wait until the replicas' KV-store writes reached the store (PD prefill replicas; colocated
+        replicas with ``kv_store.enabled``) (tests, benchmarks)."""
+        if self.info is not None and self.info.kv_store is not None:
+            writers = self.info.prefills if self.info.topology == "pd" else self.info.replicas
+            await asyncio.gather(*[p.flush_kv_writes.remote() for p in writers], return_exceptions=True)
 
     def shutdown(self) -> None:
         """Kill every replica (no restart) and free their placement groups."""

@@ -13,7 +13,7 @@ import hashlib
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 NONE_HASH = 0
 
@@ -70,6 +70,9 @@ class KVBlockPool:
         self.hash_to_block: dict[int, int] = {}
         self.num_hits = 0
         self.num_queries = 0
+        # called as on_evict(block_id, block_hash) when a cached block is taken for reuse, before its
+        # contents are overwritten (the host KV tier copies it out; see KVCacheManager)
+        self.on_evict: Callable[[int, int], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -120,6 +123,8 @@ class KVBlockPool:
             if block.block_hash is not None:
                 if self.hash_to_block.get(block.block_hash) == block_id:
                     del self.hash_to_block[block.block_hash]
+                    if self.on_evict is not None:
+                        self.on_evict(block_id, block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
             out.append(block_id)

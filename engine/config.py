@@ -136,6 +136,10 @@ class EngineConfig:
             and logprobs are then the same bits alone or in any batch, chunked or after a prefix hit.
             Slower; exact where the Triton kernels run (CUDA).
         debug_sync_guard: raise if launching a step synchronizes with the GPU (for tests).
+        host_kv_cache_gib: host-memory KV tier in GiB (0: off). Cached blocks the device pool evicts
+            are copied there (pinned memory on CUDA, off the compute stream) and kept in their own LRU; a
+            prefix that misses the device pool but hits there is loaded back instead of recomputed.
+            Needs ``enable_prefix_caching``. On CPU it is a second pool in the same memory.
         kv_transfer_buffer_gib: GPU memory kept out of the KV pool for PD transfer buffers (a prefill
             replica's send staging, a decode replica's received payloads not yet imported); set by the
             router from ``ParallelConfig.pd.transfer_buffer_gib``.
@@ -159,6 +163,7 @@ class EngineConfig:
     debug_sync_guard: bool = False
     kv_transfer_buffer_gib: float = 0.0
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    host_kv_cache_gib: float = 0.0
 
     def __post_init__(self):
         if isinstance(self.speculative, dict):
@@ -178,6 +183,9 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.kv_cache_memory_gib <= 0:
             raise ValueError(f"kv_cache_memory_gib must be positive, got {self.kv_cache_memory_gib}")
+        if isinstance(self.host_kv_cache_gib, bool) or not isinstance(self.host_kv_cache_gib, (int, float)) \
+                or not 0 <= self.host_kv_cache_gib < float("inf"):
+            raise ValueError(f"host_kv_cache_gib must be a finite number of GiB >= 0 (0: off), got {self.host_kv_cache_gib!r}")
         if not self.kv_transfer_buffer_gib >= 0:
             raise ValueError(f"kv_transfer_buffer_gib must be >= 0, got {self.kv_transfer_buffer_gib}")
         try:

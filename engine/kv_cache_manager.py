@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from rayinfer.engine.block_pool import NONE_HASH, KVBlockPool, hash_block
+from rayinfer.engine.host_kv_cache import HostBlockIndex
 from rayinfer.engine.types import Request
 
 
@@ -13,13 +16,56 @@ class KVCacheManager:
         num_blocks: blocks in the pool.
         block_size: tokens per block.
         enable_caching: share full blocks between requests with equal prefixes.
+        num_host_blocks: slots of the host-memory tier (0: none). Cached blocks the pool evicts are
+            offloaded there, and a prefix that misses the pool but hits there is loaded back; the copies
+            of one step are collected by :meth:`take_transfers` for the model runner.
+    Raises:
+        ValueError: for a non-positive block size, or a host tier without prefix caching.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, num_host_blocks: int = 0):
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.pool = KVBlockPool(num_blocks, enable_caching)
+        self.host: HostBlockIndex | None = None
+        self._offloads: list[tuple[int, int]] = []  # (device block, host slot) of this step, in order
+        self._loads: list[tuple[int, int]] = []  # (host slot, device block)
+        if num_host_blocks:
+            if not enable_caching:
+                raise ValueError("the host KV tier (host_kv_cache_gib > 0) needs enable_prefix_caching")
+            self.host = HostBlockIndex(num_host_blocks)
+            self.pool.on_evict = self._on_evict
+
+    def _on_evict(self, block_id: int, block_hash: int) -> None:
+        assert self.host is not None
+        slot = self.host.offload(block_hash)
+        if slot is not None:
+            self._offloads.append((block_id, slot))
+
+    def match_host(self, req: Request, num_device_blocks: int) -> list[int]:
+        """Host slots of the request's full prompt blocks after its ``num_device_blocks`` device hits (the
+        leading run held by the host tier; at least one token is left to compute). Pins them."""
+        if self.host is None:
+            return []
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        if num_device_blocks >= max_blocks:
+            return []
+        return self.host.match(req.block_hashes[num_device_blocks:max_blocks])
+
+    def add_loads(self, slots: list[int], block_ids: list[int]) -> None:
+        """Queue host -> device copies of a host hit (after the step's offloads)."""
+        self._loads.extend(zip(slots, block_ids))
+        if self.host is not None:
+            self.host.num_loaded += len(slots)
+
+    def take_transfers(self) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
+        """This step's (offloads, loads), emptied; unpins the host slots the loads read."""
+        out = tuple(self._offloads), tuple(self._loads)
+        self._offloads, self._loads = [], []
+        if self.host is not None:
+            self.host.unpin_all()
+        return out
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -51,7 +97,7 @@ class KVCacheManager:
         hit = self.pool.match_prefix(req.block_hashes[:max_blocks])
         return hit, len(hit) * self.block_size
 
-    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list[int] = ()) -> list[int] | None:
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> list[int] | None:
         """Grow a request's block table to hold ``num_new_tokens`` more tokens.
 
         ``computed_blocks`` (from :meth:`get_computed_blocks`, first admission only) are referenced and

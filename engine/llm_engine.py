@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import OrderedDict
 from typing import NamedTuple
 
 import torch
@@ -42,6 +43,7 @@ from rayinfer.engine.types import (
 
 logger = logging.getLogger(__name__)
 _GIB = 1 << 30
+_MAX_STORED_HASHES = 1 << 16
 
 
 class ParkedKV(NamedTuple):
@@ -136,6 +138,7 @@ class LLMEngine:
                              "(fp8 KV needs the paged-attention models: Llama, Qwen3-MoE)")
         self.kv_cache = torch.zeros(self.model.kv_cache_shape(num_blocks, cfg.block_size), dtype=self.kv_dtype,
                                     device=self.device)
+        num_host_blocks = self._num_host_blocks()
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -145,10 +148,15 @@ class LLMEngine:
             enable_prefix_caching=cfg.enable_prefix_caching,
             enable_chunked_prefill=cfg.enable_chunked_prefill,
             role=self.role,
+            num_host_blocks=num_host_blocks,
         ))
         self.sampler = Sampler(self.vocab_size, model_config.seed)
         self.runner = ModelRunner(self.model, self.kv_cache, cfg.block_size, self.sampler, cfg.batch_invariant)
         self.runner.sync_guard = cfg.debug_sync_guard
+        if num_host_blocks:
+            from rayinfer.engine.host_kv_cache import HostKVCache
+
+            self.runner.host_cache = HostKVCache(self.kv_cache, num_host_blocks)
         on_cuda = self.device.type == "cuda"
         self.async_scheduling = on_cuda if cfg.async_scheduling is None else cfg.async_scheduling
         self.proposer = None
@@ -174,8 +182,29 @@ class LLMEngine:
         # PREFILL role: prefilled requests whose KV waits in the pool for a transfer (written on the engine
         # thread; other threads read entries to gather their blocks, see gather_kv)
         self.parked: dict[str, ParkedKV] = {}
+        # KV store tier (NORMAL role, set by the engine actor): called on the engine thread as
+        # store_writer(block hashes from block 0, start, payload [L, n, ...] on the cache's device) with a
+        # finished request's full blocks from ``start`` on; it copies the payload to the host and puts it
+        # in the store off this thread, and returns whether it took the write. ``stored_hashes``: hashes known to be in the store (LRU, bounded).
+        self.store_writer = None
+        self.stored_hashes: OrderedDict[int, None] = OrderedDict()
         logger.info("engine ready: %s on %s (%s), %d KV blocks of %d", model_config.model, self.device,
                     self.dtype, num_blocks, cfg.block_size)
+
+    def _num_host_blocks(self) -> int:
+        """Host KV tier slots from ``host_kv_cache_gib`` (0 when off). Raises ValueError for a size under
+        one block or a tier without prefix caching."""
+        cfg = self.engine_config
+        if not cfg.host_kv_cache_gib:
+            return 0
+        per_block = self.kv_cache[:, 0].numel() * self.kv_cache.element_size()
+        n = int(cfg.host_kv_cache_gib * _GIB // per_block)
+        if n <= 0:
+            raise ValueError(f"host_kv_cache_gib={cfg.host_kv_cache_gib} holds no KV block (one block is "
+                             f"{per_block} bytes)")
+        if not cfg.enable_prefix_caching:
+            raise ValueError("host_kv_cache_gib > 0 needs enable_prefix_caching (the host tier holds cached blocks)")
+        return n
 
     def _auto_num_blocks(self, draft_model=None) -> int:
         cfg = self.engine_config
@@ -556,7 +585,45 @@ class LLMEngine:
         )
         if finished:
             self._forget(rid)
+            if self.store_writer is not None and req.status != RequestStatus.FINISHED_PREFILLED:
+                self._write_to_store(req)
         return out
+
+    def mark_stored(self, block_hashes) -> None:
+        """Remember hashes the KV store holds (written or read), so they are not written again."""
+        known = self.stored_hashes
+        for h in block_hashes:
+            known[h] = None
+            known.move_to_end(h)
+        while len(known) > _MAX_STORED_HASHES:
+            known.popitem(last=False)
+
+    def _write_to_store(self, req: Request) -> None:
+        """Hand a finished request's full blocks that are still cached (and not known stored) to the store
+        writer. Engine thread: the blocks were just freed and nothing reuses them before the gather, which
+        the device runs in stream order ahead of any later step."""
+        pool, hashes = self.scheduler.kv.pool, req.block_hashes
+        block_ids = []
+        for h in hashes:
+            b = pool.hash_to_block.get(h)
+            if b is None:
+                break
+            block_ids.append(b)
+        start = 0
+        while start < len(block_ids) and hashes[start] in self.stored_hashes:
+            start += 1
+        if start >= len(block_ids):
+            return
+        n = len(block_ids)
+        idx = torch.tensor(block_ids[start:], dtype=torch.long).to(self.device, non_blocking=True)
+        payload = torch.index_select(self.kv_cache, 1, idx)
+        try:
+            queued = self.store_writer(list(hashes[:n]), start, payload)  # pyright: ignore[reportOptionalCall]
+        except Exception:  # noqa: BLE001 - a cache write never fails a request
+            logger.exception("KV store write failed")
+            return
+        if queued:
+            self.mark_stored(hashes[:n])
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  request_ids: list[str] | None = None) -> list[Completion]:
@@ -606,7 +673,13 @@ class LLMEngine:
             "num_free_blocks": kv.pool.num_free_blocks,
             "num_blocks": kv.pool.num_blocks,
             **(self.spec_stats.to_dict() if self.proposer is not None else {}),
+            **(self._host_stats() if kv.host is not None else {}),
         }
+
+    def _host_stats(self) -> dict:
+        host, cache = self.scheduler.kv.host, self.runner.host_cache
+        assert host is not None and cache is not None
+        return {**host.stats(), "host_kv_bytes_moved": cache.num_bytes_moved}
 
 
 def _eos_token_ids(hf_config, tokenizer) -> tuple[int, ...]:

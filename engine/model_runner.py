@@ -68,6 +68,7 @@ class ModelRunner:
         self.graphs = None  # DecodeGraphs once captured
         self.padded_tables = PaddedBlockTables()  # reused rows of unchanged block tables across steps
         self.sync_guard = False  # raise on a hidden host sync while launching a step (tests)
+        self.host_cache = None  # a HostKVCache when the host KV tier is on (set by the engine)
 
     def capture_cuda_graphs(self, max_model_len: int, max_num_seqs: int) -> None:
         """Capture decode graphs (CUDA only)."""
@@ -95,6 +96,7 @@ class ModelRunner:
         """
         from rayinfer.engine.sync_guard import no_host_sync
 
+        self.run_host_transfers(sched)
         for _, block_ids, handle in sched.kv_imports:
             self.import_kv(block_ids, handle)
         scheduled = sched.scheduled
@@ -152,6 +154,20 @@ class ModelRunner:
             else:
                 step.host = out
         return step
+
+    @torch.inference_mode()
+    def run_host_transfers(self, sched: SchedulerOutput) -> None:
+        """The step's host-tier copies: evicted blocks out, then host hits back in (before the forward)."""
+        host = self.host_cache
+        if host is None:
+            return
+        host.finish_offloads()
+        if sched.kv_offloads:
+            blocks, slots = zip(*sched.kv_offloads)
+            host.offload(blocks, slots)
+        if sched.kv_loads:
+            slots, blocks = zip(*sched.kv_loads)
+            host.load(slots, blocks)
 
     @torch.inference_mode()
     def execute_empty(self) -> None:

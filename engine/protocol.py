@@ -31,6 +31,12 @@ class ReplicaStats:
         num_parked_kv: PREFILL role: prefilled requests whose KV waits in the pool for its transfer.
         num_steps, step_busy_s: engine steps run so far and the seconds the step loop spent in them (the
             replica's busy fraction is the rate of ``step_busy_s``).
+        host_kv_blocks, host_kv_num_blocks: blocks held by / slots of the host KV tier (0 when off).
+        host_kv_queries, host_kv_hits: blocks looked up in the host tier after a device-pool miss, and
+            found there (loaded back instead of recomputed).
+        host_kv_offloaded_blocks, host_kv_loaded_blocks, host_kv_bytes_moved: host tier traffic.
+        kv_store_lookups, kv_store_hit_blocks: NORMAL role with a KV store: store lookups made for
+            prompts the replica's own tiers missed, and blocks loaded from the store.
         kv_transfer: nccl / gloo PD transports: ``kv_transfer_batches``, ``kv_transfer_bytes_sent``,
             ``kv_transfer_bytes_received``, ``kv_transfer_budget`` (bytes), ``kv_transfer_budget_used`` and
             ``kv_transfer_budget_peak`` (received bytes not yet imported, now and at most).
@@ -57,6 +63,15 @@ class ReplicaStats:
     num_parked_kv: int = 0
     num_steps: int = 0
     step_busy_s: float = 0.0
+    host_kv_blocks: int = 0
+    host_kv_num_blocks: int = 0
+    host_kv_queries: int = 0
+    host_kv_hits: int = 0
+    host_kv_offloaded_blocks: int = 0
+    host_kv_loaded_blocks: int = 0
+    host_kv_bytes_moved: int = 0
+    kv_store_lookups: int = 0
+    kv_store_hit_blocks: int = 0
     kv_transfer: dict[str, int] = field(default_factory=dict)
     spec_decode: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
@@ -76,7 +91,8 @@ class ReplicaStats:
 
 @dataclass
 class KVStoreStats:
-    """The KV store's gauges and counters (blocks, bytes, lookups)."""
+    """The KV store's gauges and counters (blocks, bytes, lookups; on disk also the blocks dropped for a
+    missing or damaged file and those found in the index at start)."""
 
     kv_store_blocks: int = 0
     kv_store_bytes: int = 0
@@ -86,6 +102,8 @@ class KVStoreStats:
     kv_store_evicted: int = 0
     kv_store_expired: int = 0
     kv_store_put_blocks: int = 0
+    kv_store_corrupt: int = 0
+    kv_store_restored: int = 0
     error: str | None = None
 
     @classmethod

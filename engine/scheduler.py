@@ -37,6 +37,7 @@ class SchedulerConfig:
         enable_prefix_caching: share full prompt blocks between requests.
         enable_chunked_prefill: split prompts longer than the budget over several steps.
         role: the replica's :class:`EngineRole`.
+        num_host_blocks: blocks of the host-memory KV tier (0: none; see ``engine.host_kv_cache``).
     """
 
     max_num_seqs: int = 64
@@ -47,6 +48,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     role: EngineRole = EngineRole.NORMAL
+    num_host_blocks: int = 0
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks"):
@@ -61,7 +63,8 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig):
         self.config = config
-        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
+                                 config.num_host_blocks)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -183,6 +186,9 @@ class Scheduler:
                 hit_blocks, num_hit = [], 0
             else:
                 hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+            host_slots = (self.kv.match_host(req, len(hit_blocks))
+                          if req.kv_handle is None and not req.num_computed_tokens else [])
+            num_hit += len(host_slots) * cfg.block_size
             num_new = req.num_tokens - req.num_computed_tokens - num_hit
             if num_new > budget and not cfg.enable_chunked_prefill:
                 break
@@ -192,6 +198,8 @@ class Scheduler:
                 req.num_computed_tokens -= num_hit
                 break
             self.waiting.popleft()
+            if host_slots:  # host-tier hits: fresh device blocks right after the device hits, loaded back
+                self.kv.add_loads(host_slots, req.block_ids[len(hit_blocks) : len(hit_blocks) + len(host_slots)])
             if req.kv_handle is not None:
                 num_import_blocks = self.kv.blocks_needed(num_hit)
                 imports.append((req.request_id, tuple(req.block_ids[:num_import_blocks]), req.kv_handle))
@@ -230,7 +238,9 @@ class Scheduler:
             for req in running:
                 req.draft_token_ids = []  # drafts live one step: verified now or dropped
         finished, self._finished_ids = tuple(self._finished_ids), []
-        return SchedulerOutput(tuple(scheduled), tuple(r.request_id for r in preempted), finished, tuple(imports))
+        offloads, loads = self.kv.take_transfers()
+        return SchedulerOutput(tuple(scheduled), tuple(r.request_id for r in preempted), finished, tuple(imports),
+                               offloads, loads)
 
     def _num_drafts(self, req: Request, num_left: int, budget: int) -> int:
         """How many of a decoding request's drafts to verify this step: none unless only its last token

@@ -265,6 +265,10 @@ class SchedulerOutput:
     preempted_ids: tuple[str, ...] = ()
     finished_ids: tuple[str, ...] = ()  # freed since the last step (finished or aborted)
     kv_imports: tuple[tuple[str, tuple[int, ...], "KVHandle"], ...] = ()  # (request id, blocks, handle)
+    # host KV tier, run before the step's forward in this order: (device block, host slot) copies of
+    # evicted blocks, then (host slot, device block) copies of host prefix hits
+    kv_offloads: tuple[tuple[int, int], ...] = ()
+    kv_loads: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_scheduled_tokens(self) -> int:

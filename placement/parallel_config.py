@@ -111,6 +111,40 @@ class PDSection(_Sealed):
 
 
 @dataclass
+class KVStoreSection(_Sealed):
+    """The KV store as a third KV tier (device pool, host pool, store) for every topology.
+
+    Attributes:
+        enabled: colocated replicas share a KVStoreActor: each looks up the leading blocks its own pools
+            miss there and writes finished requests' full blocks to it (PD always has a store).
+        directory: keep the store's blocks in files there (one per block, plus a msgpack index that
+            survives a restart of the store actor; ``rayinfer.actors.kv_disk_store``), also for PD's store;
+            None keeps them in the Ray object store's memory (lost with the store actor).
+        max_gib, max_blocks: limits of the colocated store (None: none); least recently used blocks go.
+        ttl_s: blocks not used for this long expire (default 3 days, DeepSeek's for block KV; None: never).
+    """
+
+    enabled: bool = False
+    directory: str | None = None
+    max_gib: float | None = 16.0
+    max_blocks: int | None = None
+    ttl_s: float | None = 3 * 24 * 3600.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ValueError(f"kv_store.enabled must be true or false; got {self.enabled!r}")
+        if self.directory is not None and (not isinstance(self.directory, str) or not self.directory):
+            raise ValueError(f"kv_store.directory must be a non-empty path or null; got {self.directory!r}")
+        if self.max_blocks is not None:
+            _check_int("kv_store.max_blocks", self.max_blocks, 1)
+        for name in ("max_gib", "ttl_s"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+                raise ValueError(f"kv_store.{name} must be positive or null; got {value!r}")
+        self._seal()
+
+
+@dataclass
 class EPLBSection(_Sealed):
     """Expert-parallel load balancer settings (after DeepSeek EPLB; ``rayinfer.policy.eplb_policy``).
 
@@ -172,7 +206,7 @@ class ParallelConfig(_Sealed):
             start-up fails with a message naming the shortfall.
         devices_per_node: devices on one node, when known. Replicas and EP groups must then either
             fit inside one node or span whole nodes, so that node counts are exact.
-        pd, eplb, encoder: the sections above.
+        pd, eplb, encoder, kv_store: the sections above.
     Raises:
         ValueError: naming the offending field, for any size < 1 (< 0 for num_prefill/num_decode),
             tp != 1, an unknown device, only one of num_prefill/num_decode set, dp != 1 together with
@@ -196,9 +230,11 @@ class ParallelConfig(_Sealed):
     pd: PDSection = field(default_factory=PDSection)
     eplb: EPLBSection = field(default_factory=EPLBSection)
     encoder: EncoderSection = field(default_factory=EncoderSection)
+    kv_store: KVStoreSection = field(default_factory=KVStoreSection)
 
     def __post_init__(self) -> None:
-        for name, cls in (("pd", PDSection), ("eplb", EPLBSection), ("encoder", EncoderSection)):
+        for name, cls in (("pd", PDSection), ("eplb", EPLBSection), ("encoder", EncoderSection),
+                          ("kv_store", KVStoreSection)):
             if isinstance(getattr(self, name), dict):  # a section given as a plain mapping (JSON, kwargs)
                 object.__setattr__(self, name, cls(**getattr(self, name)))
         for name in ("dp", "cp", "ep", "tp"):

@@ -79,7 +79,23 @@ _ENGINE_METRICS = (
      "Speculative decoding: request-steps that verified drafts.", "counter"),
     ("spec_mean_accepted_length", "rayinfer_spec_decode_mean_accepted_length", (),
      "Speculative decoding: tokens emitted per verifying request-step (accepted drafts + 1).", "gauge"),
-    ("kv_store_blocks", "rayinfer_kv_store_blocks", (), "Blocks held by the KV store (PD).", "gauge"),
+    ("host_kv_blocks", "rayinfer_host_kv_cache_blocks", (), "Blocks held by the host-memory KV tier.", "gauge"),
+    ("host_kv_queries", "rayinfer_host_kv_cache_queries", (), "Blocks looked up in the host KV tier after a "
+     "device-pool miss.", "counter"),
+    ("host_kv_hits", "rayinfer_host_kv_cache_hits", (), "Blocks found in the host KV tier (loaded back).", "counter"),
+    ("host_kv_offloaded_blocks", "rayinfer_host_kv_cache_offloaded_blocks", (), "Evicted device blocks copied "
+     "to the host KV tier.", "counter"),
+    ("host_kv_bytes_moved", "rayinfer_host_kv_cache_moved_bytes", (), "Bytes copied between the device pool and "
+     "the host KV tier.", "counter"),
+    ("kv_store_lookups", "rayinfer_kv_store_replica_lookups", (), "KV store lookups for prompts a replica's own "
+     "tiers missed.", "counter"),
+    ("kv_store_hit_blocks", "rayinfer_kv_store_replica_hit_blocks", (), "Blocks a replica loaded from the KV "
+     "store.", "counter"),
+    ("kv_store_queries", "rayinfer_kv_store_queries", (), "Blocks asked of the KV store.", "counter"),
+    ("kv_store_hits", "rayinfer_kv_store_hits", (), "Blocks the KV store held when asked.", "counter"),
+    ("kv_store_corrupt", "rayinfer_kv_store_corrupt_blocks", (), "KV store blocks dropped for a missing or "
+     "damaged file.", "counter"),
+    ("kv_store_blocks", "rayinfer_kv_store_blocks", (), "Blocks held by the KV store.", "gauge"),
     ("kv_store_hit_rate", "rayinfer_kv_store_hit_rate", (), "KV store lookups that hit (0..1).", "gauge"),
     ("moe_lb", "rayinfer_moe_lb", (), "Expert-parallel balance: max rank load / mean (1 is even).", "gauge"),
     ("num_parked_kv", "rayinfer_pd_parked_kv_requests", (), "Prefilled requests whose KV waits in the prefill "

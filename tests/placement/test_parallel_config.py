@@ -93,3 +93,14 @@ def test_sections_validate_and_copy():
                           (dict(placement_timeout_s=0), "placement_timeout_s")]:
         with pytest.raises(ValueError, match=field):
             ParallelConfig(**kwargs)
+
+
+def test_kv_store_section():
+    from rayinfer.placement.parallel_config import KVStoreSection, ParallelConfig
+
+    p = ParallelConfig(dp=2, kv_store={"enabled": True, "directory": "/tmp/kv"})
+    assert isinstance(p.kv_store, KVStoreSection) and p.kv_store.enabled and p.kv_store.ttl_s == 3 * 24 * 3600
+    assert not ParallelConfig().kv_store.enabled  # opt-in
+    for bad in ({"max_gib": 0}, {"ttl_s": -1}, {"directory": ""}, {"max_blocks": 0}, {"enabled": "yes"}):
+        with pytest.raises(ValueError, match="kv_store"):
+            KVStoreSection(**bad)
