@@ -20,10 +20,10 @@ setup: $(VENV)/.installed
 run: setup
 	$(PY) jobs/generate.py
 
+# One intra-op thread per test process: as fast on an idle 2-core box, and no oversubscription when the
+# test process and its Ray actors compute at once (two threads each were up to 10x slower then).
 test: setup
 	$(VENV)/bin/pyright
-	# one intra-op thread per process: as fast on an idle 2-core box, and no oversubscription when the
-	# test process and its Ray actors compute at once (two threads each were up to 10x slower then)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q --durations=25
 
 .PHONY: setup run test
