@@ -87,8 +87,9 @@ class KVBlockPool:
         """Block id that holds ``block_hash``, or None. Does not take a reference."""
         return self.hash_to_block.get(block_hash)
 
-    def match_prefix(self, block_hashes: Sequence[int]) -> list[int]:
-        """Longest run of leading hashes already cached; returns their block ids (no references taken)."""
+    def match_prefix(self, block_hashes: Sequence[int], count: bool = True) -> list[int]:
+        """Longest run of leading hashes already cached; returns their block ids (no references taken).
+        ``count``: add the lookup to the prefix-cache hit statistics (False for internal lookups)."""
         hit: list[int] = []
         if self.enable_caching:
             for h in block_hashes:
@@ -96,8 +97,9 @@ class KVBlockPool:
                 if block_id is None:
                     break
                 hit.append(block_id)
-            self.num_queries += len(block_hashes)
-            self.num_hits += len(hit)
+            if count:
+                self.num_queries += len(block_hashes)
+                self.num_hits += len(hit)
         return hit
 
     def touch(self, block_ids: Iterable[int]) -> None:

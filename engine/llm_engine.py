@@ -602,13 +602,8 @@ class LLMEngine:
         """Hand a finished request's full blocks that are still cached (and not known stored) to the store
         writer. Engine thread: the blocks were just freed and nothing reuses them before the gather, which
         the device runs in stream order ahead of any later step."""
-        pool, hashes = self.scheduler.kv.pool, req.block_hashes
-        block_ids = []
-        for h in hashes:
-            b = pool.hash_to_block.get(h)
-            if b is None:
-                break
-            block_ids.append(b)
+        hashes = req.block_hashes
+        block_ids = self.scheduler.kv.pool.match_prefix(hashes, count=False)
         start = 0
         while start < len(block_ids) and hashes[start] in self.stored_hashes:
             start += 1
