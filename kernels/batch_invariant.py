@@ -6,10 +6,11 @@ chunked, or whether its prefix came from the cache; so a greedy request's tokens
 bits whatever else shares its steps. What each dispatcher does then:
 
 - linear layers (prefill GEMM, decode GEMV, LM head, MoE router and shared experts):
-  :func:`rayinfer.kernels.matmul.dense_linear` takes the persistent Triton matmul, whose tiles depend
-  on the weight's shape and dtype only, without split-K; the fused batch-1 GEMVs are off;
-- attention: one tile shape for prefill, extend and decode, no split-KV, so every query row reads its
-  keys in the same ``BLOCK_N`` tiles from position 0 (``kernels.paged_attention``);
+  :func:`rayinfer.kernels.matmul.dense_linear` takes the persistent Triton matmul, without split-K
+  (its tiles follow the row count; they do not change the bits); the fused batch-1 GEMVs are off;
+- attention: one key tile (``BLOCK_N``) for prefill, extend and decode, no split-KV, every tile through
+  the same masked code path, so every query row reads its keys in the same tiles from position 0
+  (``kernels.paged_attention``);
 - fused MoE: a fixed row tile, and the top-k sum in a fixed order (``kernels.fused_moe``);
 - log-softmax of the logprobs: one program per row (``kernels.log_softmax``).
 

@@ -1,10 +1,9 @@
 """A persistent Triton matmul whose rows do not depend on the batch (the batch-invariant linear layer).
 
-``y = x @ weight.T + bias`` with fixed tiles and no split-K: every output element is the float32 sum of
-its K products taken ``BLOCK_K`` at a time in order, by the same ``tl.dot`` shape, whatever the number
-of rows M or the row's place among them. The tiles depend on the weight's shape and dtype only
-(:func:`_choose_config`), never on M. ``NUM_SMS`` programs walk the output tiles in grouped order
-(persistent kernel, after Triton's tutorial 09 and Thinking Machines' ``batch_invariant_ops``).
+``y = x @ weight.T + bias`` without split-K: every output element is the float32 sum of its K products
+taken in order, 16 at a time by the tensor cores, whatever the number of rows M or the row's place among
+them. The tile shape follows M (:func:`_choose_config`): it changes the speed, not the bits. ``NUM_SMS``
+programs walk the output tiles in grouped order (persistent kernel, after Triton's tutorial 09 and Thinking Machines' ``batch_invariant_ops``).
 
 cuBLAS picks its algorithm (tile, split-K) per M, so a row's result there changes with the batch; this
 kernel trades some speed for that invariance, and runs only in batch-invariant mode
@@ -68,24 +67,44 @@ def _persistent_linear_kernel(
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _choose_config(n: int, k: int, dtype: torch.dtype) -> dict:
-    """Tiles for an [n, k] weight: a function of the weight alone, so a row's result never depends on M.
+def _choose_config(m: int, n: int, k: int, dtype: torch.dtype) -> dict:
+    """Tiles for ``m`` rows times an [n, k] weight.
 
-    16-bit: 128 x 128 x 64 tiles, 8 warps, 3 stages (Thinking Machines' batch-invariant matmul on
-    H100), with 64-column tiles for weights narrower than 8192 outputs, so that the narrow projections
-    of a decode step (o_proj, down_proj at batch <= 256) still spread over the H200's 132
-    multiprocessors. float32 (exact products, ``input_precision="ieee"``): 64 x 64 x 32, 4 warps.
-    Under the Triton interpreter (tests), 64 x 256 x 64 tiles (the broadcast product at its 2**20-element limit): it runs programs one at a time,
-    at a cost per operation, so the fewest programs and K steps are fastest. Not tuned on a GPU yet;
-    ``persistent_linear(config=...)`` overrides them for benchmarks.
+    A row's result does not depend on the tiles: the kernel never splits K, and every ``tl.dot`` adds its
+    products into the float32 accumulator in the same 16-wide K steps from 0, so BLOCK_M, BLOCK_N and
+    BLOCK_K may follow the row count. Checked bit for bit on an H200 (bf16, Llama-3-8B's four projection
+    shapes, 55 tile shapes with BLOCK_M 16-128, BLOCK_N 32-256, BLOCK_K 64 and 128: every one gave the
+    same bits as 128 x 128 x 64; ``benchmarks/results/batch-invariant-tiles-h200.json``), and by
+    ``tests/kernels/test_batch_invariant_kernels.py`` on every run over row counts that cross the buckets.
+
+    16-bit, fastest measured per row-count bucket (H200, Llama-3-8B shapes, against cuBLAS):
+    - m <= 16: 16-row tiles, BLOCK_K 128, 4 stages; 32 columns for narrow outputs (n <= 4096) so that
+      the K loop spreads over every multiprocessor, 256 for wide ones (gate/up): 1.0-1.2x cuBLAS;
+    - m <= 128: 64-row tiles, BLOCK_K 128;
+    - m <= 1024: 128-row tiles, 64 columns (n <= 4096 or k >= 8192), 128 (qkv), 256 x 64-K (gate/up):
+      1.05-1.4x cuBLAS at m = 256;
+    - larger (prefill): 128 x 256 x 64, 8 warps: 1.2x cuBLAS at m = 2048.
+    float32 (exact products, ``input_precision="ieee"``): 64 x 64 x 32, 4 warps, for every m.
+    Under the Triton interpreter (tests), 64 x 256 x 64 tiles (the broadcast product at its 2**20-element
+    limit): it runs programs one at a time, at a cost per operation, so the fewest programs and K steps
+    are fastest. ``persistent_linear(config=...)`` overrides them for benchmarks.
     """
     if is_interpreting():
         return dict(block_m=64, block_n=256, block_k=64, group_m=8, num_warps=4, num_stages=1)
     if dtype == torch.float32:
         return dict(block_m=64, block_n=64, block_k=32, group_m=8, num_warps=4, num_stages=3)
-    block_n = 128 if n >= 8192 else 64
-    return dict(block_m=128, block_n=block_n, block_k=64, group_m=8, num_warps=8 if block_n == 128 else 4,
-                num_stages=3)
+    wide = n >= 16384
+    if m <= 16:
+        block_n = 256 if wide else 32 if n <= 4096 else 64
+        return dict(block_m=16, block_n=block_n, block_k=128, group_m=8, num_warps=4, num_stages=3 if wide else 4)
+    if m <= 128:
+        block_n = 128 if wide else 32 if k >= 8192 else 64
+        return dict(block_m=64, block_n=block_n, block_k=128, group_m=8, num_warps=4, num_stages=3 if wide else 4)
+    if m <= 1024 and not wide:
+        if n <= 4096 or k >= 8192:
+            return dict(block_m=128, block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=4)
+        return dict(block_m=128, block_n=128, block_k=128, group_m=8, num_warps=4, num_stages=3)
+    return dict(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
 
 
 def persistent_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -94,8 +113,8 @@ def persistent_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
     Args:
         x: [M, K] (any strides); weight: [N, K], x's dtype; bias: [N] or None.
-        config: tile override (block_m, block_n, block_k, group_m, num_warps, num_stages); the result
-            of a row is invariant only among calls with the same tiles.
+        config: tile override (block_m, block_n, block_k, group_m, num_warps, num_stages); on 16-bit
+            tensor cores any tiles give a row the same bits (see :func:`_choose_config`).
     Returns:
         [M, N] in x's dtype, float32 accumulation.
     Raises:
@@ -112,7 +131,7 @@ def persistent_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         return y
     if k == 0:
         return y.zero_() if bias is None else y.copy_(bias.expand(m, n))
-    cfg = {**_choose_config(n, k, x.dtype), **(config or {})}
+    cfg = {**_choose_config(m, n, k, x.dtype), **(config or {})}
     num_tiles = triton.cdiv(m, cfg["block_m"]) * triton.cdiv(n, cfg["block_n"])
     # the interpreter runs programs one after another: one program per tile costs nothing more there
     num_sms = num_tiles if is_interpreting() else min(device_sms(x), num_tiles)

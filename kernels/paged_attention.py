@@ -170,6 +170,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
     ONE_TILE: tl.constexpr, REVERSE: tl.constexpr, USE_SPLITS: tl.constexpr, IEEE: tl.constexpr,
     KV_CAST: tl.constexpr, KV_F16: tl.constexpr, ROWWISE: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    ALL_MASKED: tl.constexpr = False,
 ):
     pdl_wait(USE_PDL)
     program = tl.program_id(0)
@@ -216,6 +217,9 @@ def _paged_attention_kernel(
     # Keys up to the tile's first query position are visible to every row: no mask needed there.
     full_hi = tl.minimum(kv_hi, ctx_len + tile_first + 1)
     full_hi = kv_lo + tl.maximum(full_hi - kv_lo, 0) // BLOCK_N * BLOCK_N
+    if ALL_MASKED:  # batch-invariant: one code path for every tile (the compiler may round the unmasked
+        # loop's scale-and-subtract differently, e.g. fused into an FMA), whatever the row's tile start
+        full_hi = kv_lo
 
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
@@ -295,11 +299,16 @@ def _choose_config(max_query_len: int, group_pad: int, block_d: int, is_fp32: bo
 
     Prefill tiles of 64 query rows x 64 keys, 4 warps, 3 stages ran a 4K causal prefill (bf16, d=128,
     GQA 4) at 329 TFLOP/s on an H200, against 268-326 for 128-row tiles (benchmarks/kernels.py --sweep).
-    ``batch_invariant``: the prefill tiles for every step, decode included, so that a query row's
-    products and its key tiles are the same whichever kind of step computes it.
+    ``batch_invariant``: decode steps keep the prefill's key tile (``BLOCK_N``; the query tile may
+    differ, it does not change a row's bits: checked on an H200, and by the kernel tests), with 3 stages
+    (bf16, Llama-3-8B heads: batch 256 / 1K context 265 us, as the default mode's 264; the prefill
+    query tile took 333).
     """
     decode_block_q = max(1, 16 // group_pad)
-    if max_query_len <= decode_block_q and not batch_invariant:
+    if max_query_len <= decode_block_q and batch_invariant:
+        return dict(block_q=decode_block_q, block_n=32 if is_fp32 or block_d > 128 else 64, num_warps=4,
+                    num_stages=2 if is_fp32 or block_d > 128 else 3)
+    if max_query_len <= decode_block_q:
         # 16-bit caches: 64 keys, 2 stages (H200, bf16: batch 32 / 1K context 40 us against 50 with 3
         # stages, batch 256 / 1.5K 372 against 408; less shared memory, more programs per multiprocessor).
         # fp8 caches: 128 keys, 3 stages (batch 256 / 1.5K: 282 us; 295 with 2 stages, 395 with 256 keys).
@@ -327,7 +336,7 @@ def paged_attention_triton(
     Args:
         num_splits: split-KV factor; by default chosen from the batch shape. Used only when every
             request's queries fit one tile (decode and short extends). In batch-invariant mode
-            (``kernels.batch_invariant``) always 1, with the prefill tiles for every step: each query
+            (``kernels.batch_invariant``) always 1, with the prefill's key tile for every step: each query
             row then reads its keys in the same ``BLOCK_N`` tiles from position 0, in the same order,
             whether it is computed in a prefill, an extend after a prefix hit or chunk, or a decode.
         max_seq_len: bound on every ``seq_lens`` entry (default ``meta.max_seq_len``); it picks the
@@ -385,7 +394,7 @@ def paged_attention_triton(
         HEAD_DIM=head_dim, BLOCK_D=block_d, KV_BLOCK_SIZE=block_size,
         ONE_TILE=one_tile, REVERSE=bool(cfg["reverse"]) and not one_tile, USE_SPLITS=use_splits, IEEE=is_fp32,
         KV_CAST=kv_cast, KV_F16=kv_cast and not is_fp32 and bool(cfg["kv_f16"]),
-        ROWWISE=invariant and is_interpreting(),
+        ROWWISE=invariant and is_interpreting(), ALL_MASKED=invariant,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(pdl),
     )
     if use_splits:

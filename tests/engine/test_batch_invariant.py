@@ -174,8 +174,8 @@ def test_runner_carries_the_mode(tiny_engine):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_one_output_in_100_trials_on_gpu():
-    """100 trials of one prompt among 0..255 companions of 1..400 tokens, over engines with whole
-    prompts, 256- and 64-token chunks, and a small pool that preempts: one distinct output with the mode
+    """100 trials of one prompt among 0..255 companions of 1..256 tokens, over engines with whole
+    prompts, 512- and 128-token chunks, and a small pool that preempts: one distinct output with the mode
     on; the count with the mode off is printed (the nondeterminism the mode removes)."""
     from rayinfer.engine.config import EngineConfig, ModelConfig
     from rayinfer.engine.llm_engine import LLMEngine
@@ -183,7 +183,7 @@ def test_one_output_in_100_trials_on_gpu():
     def engines(batch_invariant: bool):
         made = []
         # explicit pools (20000 blocks: 7 GiB of SmolLM2 KV each): three engines share the GPU
-        for chunk, blocks in ((None, 20000), (256, 20000), (64, 1200)):
+        for chunk, blocks in ((None, 20000), (512, 20000), (128, 1200)):
             # SmolLM2's shape and tokenizer with seeded random weights (the GPU machine has no real ones;
             # random weights make near ties common, which is what exposes batch-dependent rounding)
             made.append(LLMEngine(ModelConfig(dtype="bfloat16", max_model_len=2048, load_format="dummy"),
@@ -195,7 +195,7 @@ def test_one_output_in_100_trials_on_gpu():
     on_engines = engines(True)
     tok = on_engines[0].tokenizer
     target = tok.encode("Explain, step by step, why the sky is blue and sunsets are red. " * 6)
-    kw = dict(max_companions=255, max_len=400, max_new=32, vocab=on_engines[0].vocab_size)
+    kw = dict(max_companions=255, max_len=256, max_new=32, vocab=on_engines[0].vocab_size)
     on, companions, preemptions = distinct_outputs(on_engines, target, 100, seed=0, progress=True, **kw)
     del on_engines
     gc.collect()

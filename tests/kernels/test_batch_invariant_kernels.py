@@ -98,7 +98,7 @@ def check_attention(device, dtype, head_dim, prompt_len, chunks):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_matmul_on_gpu(dtype):
     # Llama-3-8B's projections (qkv, o, gate/up, down) and a ragged one
-    check_matmul("cuda", dtype, [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (1000, 200)], 300)
+    check_matmul("cuda", dtype, [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (1000, 200)], 1100)
 
 
 @pytest.mark.gpu
