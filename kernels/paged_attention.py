@@ -299,15 +299,15 @@ def _choose_config(max_query_len: int, group_pad: int, block_d: int, is_fp32: bo
 
     Prefill tiles of 64 query rows x 64 keys, 4 warps, 3 stages ran a 4K causal prefill (bf16, d=128,
     GQA 4) at 329 TFLOP/s on an H200, against 268-326 for 128-row tiles (benchmarks/kernels.py --sweep).
-    ``batch_invariant``: decode steps keep the prefill's key tile (``BLOCK_N``; the query tile may
-    differ, it does not change a row's bits: checked on an H200, and by the kernel tests), with 3 stages
+    ``batch_invariant``: 16-bit decode steps keep the prefill's key tile (``BLOCK_N``; the query tile
+    may differ, it does not change a row's bits on the tensor cores: checked on an H200, and by the
+    kernel tests); float32 (``input_precision="ieee"``) keeps the prefill's tiles whole. 3 stages
     (bf16, Llama-3-8B heads: batch 256 / 1K context 265 us, as the default mode's 264; the prefill
     query tile took 333).
     """
     decode_block_q = max(1, 16 // group_pad)
-    if max_query_len <= decode_block_q and batch_invariant:
-        return dict(block_q=decode_block_q, block_n=32 if is_fp32 or block_d > 128 else 64, num_warps=4,
-                    num_stages=2 if is_fp32 or block_d > 128 else 3)
+    if max_query_len <= decode_block_q and batch_invariant and not is_fp32 and block_d <= 128:
+        return dict(block_q=decode_block_q, block_n=64, num_warps=4, num_stages=3)
     if max_query_len <= decode_block_q:
         # 16-bit caches: 64 keys, 2 stages (H200, bf16: batch 32 / 1K context 40 us against 50 with 3
         # stages, batch 256 / 1.5K 372 against 408; less shared memory, more programs per multiprocessor).
