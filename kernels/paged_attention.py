@@ -299,16 +299,14 @@ def _choose_config(max_query_len: int, group_pad: int, block_d: int, is_fp32: bo
 
     Prefill tiles of 64 query rows x 64 keys, 4 warps, 3 stages ran a 4K causal prefill (bf16, d=128,
     GQA 4) at 329 TFLOP/s on an H200, against 268-326 for 128-row tiles (benchmarks/kernels.py --sweep).
-    ``batch_invariant``: 16-bit decode steps keep the prefill's key tile (``BLOCK_N``; the query tile
-    may differ, it does not change a row's bits on the tensor cores: checked on an H200, and by the
-    kernel tests); float32 (``input_precision="ieee"``) keeps the prefill's tiles whole. 3 stages
-    (bf16, Llama-3-8B heads: batch 256 / 1K context 265 us, as the default mode's 264; the prefill
-    query tile took 333).
+    ``batch_invariant``: the prefill tiles for every step, decode included. A decode tile of 4 query
+    tokens (16 rows) with the prefill's key tile would be faster (bf16, Llama-3-8B heads, H200: batch
+    256 / 1K context 265 us against 333) and matched the prefill rows in kernel tests, but it moved a
+    logprob in the engine test (SmolLM2 shape: 32 of 33 trials of the 128-token-chunk engine differed at
+    the 22nd token; with the prefill tiles 60 trials gave one output), so it is not used.
     """
     decode_block_q = max(1, 16 // group_pad)
-    if max_query_len <= decode_block_q and batch_invariant and not is_fp32 and block_d <= 128:
-        return dict(block_q=decode_block_q, block_n=64, num_warps=4, num_stages=3)
-    if max_query_len <= decode_block_q:
+    if max_query_len <= decode_block_q and not batch_invariant:
         # 16-bit caches: 64 keys, 2 stages (H200, bf16: batch 32 / 1K context 40 us against 50 with 3
         # stages, batch 256 / 1.5K 372 against 408; less shared memory, more programs per multiprocessor).
         # fp8 caches: 128 keys, 3 stages (batch 256 / 1.5K: 282 us; 295 with 2 stages, 395 with 256 keys).
@@ -367,7 +365,9 @@ def paged_attention_triton(
            **_choose_config(max_query_len, group_pad, block_d, is_fp32, kv_cache.element_size(), invariant),
            **(config or {})}
     block_q, block_n = cfg["block_q"], cfg["block_n"]
-    one_tile = max_query_len <= block_q
+    # float32 in batch-invariant mode never takes the one-tile variant: its decode rows differed from
+    # the prefill's on an H200 (IEEE tl.dot), the tile-walking variant is the prefill's own code
+    one_tile = max_query_len <= block_q and not (invariant and is_fp32)
     grid_x = num_reqs if one_tile else num_tokens // block_q + num_reqs
     if not one_tile or invariant:  # batch-invariant: every row reads its keys in one pass of BLOCK_N tiles
         num_splits = 1

@@ -183,7 +183,7 @@ def test_one_output_in_100_trials_on_gpu():
     def engines(batch_invariant: bool):
         made = []
         # explicit pools (20000 blocks: 7 GiB of SmolLM2 KV each): three engines share the GPU
-        for chunk, blocks in ((None, 20000), (512, 20000), (128, 300)):
+        for chunk, blocks in ((None, 20000), (512, 20000), (128, 48)):
             # SmolLM2's shape and tokenizer with seeded random weights (the GPU machine has no real ones;
             # random weights make near ties common, which is what exposes batch-dependent rounding)
             made.append(LLMEngine(ModelConfig(dtype="bfloat16", max_model_len=2048, load_format="dummy"),
