@@ -55,7 +55,7 @@ class ParkedKV(NamedTuple):
     since: float
 
 
-def _check_supports_mtp(model: str) -> None:
+def check_supports_mtp(model: str) -> None:
     """Raises ValueError unless ``model``'s architecture has multi-token-prediction modules."""
     from rayinfer.model.loader import load_config, resolve_model
     from rayinfer.model.registry import get_model_class
@@ -129,7 +129,7 @@ class LLMEngine:
         if model is None:
             if spec.method == "mtp":
                 model_kwargs = {**(model_kwargs or {}), "enable_mtp": True}
-                _check_supports_mtp(model_config.model)
+                check_supports_mtp(model_config.model)
             torch.manual_seed(model_config.seed)
             model = load_model(model_config.model, self.dtype, self.device, model_config.load_format,
                                seed=model_config.seed, model_kwargs=model_kwargs)
