@@ -93,8 +93,9 @@ class LLMEngine:
         tokenizer: a Hugging Face tokenizer for ``model`` (``decode``, ``eos_token_id``, what the
             grammar compiler reads); None loads ``model_config.model``'s.
     Raises:
-        ValueError: for an unknown model or a bad config (before any work is done), or an injected
-            model on another device than ``engine_config.device`` names.
+        ValueError: for an unknown model or a bad config (before any work is done), an injected
+            model on another device than ``engine_config.device`` names, or ``speculative.method="mtp"``
+            with a model without multi-token-prediction modules (or a checkpoint without their weights).
     """
 
     def __init__(self, model_config: ModelConfig | None = None, engine_config: EngineConfig | None = None,

@@ -15,6 +15,9 @@ prefix whose expected gain pays for its cost: :class:`AcceptanceCalibrator` turn
 probabilities into confidences, :class:`StepTimeModel` fits step time to token count from measured
 steps, and :func:`choose_num_drafts` picks the drafts that maximize expected tokens per second.
 
+Proposers: :class:`NgramProposer` (prompt lookup), :class:`DraftModelProposer` (a small model),
+:class:`MtpProposer` (DeepSeek-V3's multi-token-prediction module over the target's hidden states).
+
 Glossary: *draft* a proposed token; *verify* compute it in the target forward; *accept* the target's
 token at its position equals it; *confidence* the drafter's estimate that a draft is accepted (the
 running product of its top-1 probabilities up to that draft).
