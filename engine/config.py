@@ -52,7 +52,10 @@ class SpeculativeConfig:
     Attributes:
         method: "none" (off), "ngram" (prompt lookup, no model), "draft_model" (a small model sharing
             the target's tokenizer, with its own paged KV cache) or "mtp" (the target's own
-            multi-token-prediction modules; DeepSeek-V3).
+            multi-token-prediction module, DeepSeek-V3 with ``num_nextn_predict_layers`` > 0: loaded from
+            the checkpoint, it drafts from the target's hidden states; see
+            :class:`rayinfer.engine.spec_decode.MtpProposer`). The engine raises ValueError for "mtp"
+            on a model without MTP modules or a checkpoint without their weights.
         num_draft_tokens: draft tokens proposed per request and step (k), at most.
         draft_model: the draft model (a built-in name or a directory, as ``ModelConfig.model``); None
             with ``method="draft_model"`` drafts with the target model itself (acceptance 1 in greedy: a

@@ -24,6 +24,7 @@ from rayinfer.engine.scheduler import Scheduler, SchedulerConfig
 from rayinfer.engine.spec_decode import (
     AcceptanceCalibrator,
     DraftModelProposer,
+    MtpProposer,
     NgramProposer,
     SpecStats,
     StepTimeModel,
@@ -54,6 +55,18 @@ class ParkedKV(NamedTuple):
     since: float
 
 
+def check_supports_mtp(model: str) -> None:
+    """Raises ValueError unless ``model``'s architecture has multi-token-prediction modules."""
+    from rayinfer.model.loader import load_config, resolve_model
+    from rayinfer.model.registry import get_model_class
+
+    config = load_config(resolve_model(model))
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    if arch is None or not getattr(get_model_class(arch), "supports_mtp", False):
+        raise ValueError(f"speculative.method=mtp needs a model with multi-token-prediction modules "
+                         f"(DeepSeek-V3); '{model}' is {arch}")
+
+
 def resolve_device(device: str) -> torch.device:
     """"auto" -> cuda when available, else cpu. Raises ValueError for cuda without a GPU."""
     if device == "auto":
@@ -80,8 +93,9 @@ class LLMEngine:
         tokenizer: a Hugging Face tokenizer for ``model`` (``decode``, ``eos_token_id``, what the
             grammar compiler reads); None loads ``model_config.model``'s.
     Raises:
-        ValueError: for an unknown model or a bad config (before any work is done), or an injected
-            model on another device than ``engine_config.device`` names.
+        ValueError: for an unknown model or a bad config (before any work is done), an injected
+            model on another device than ``engine_config.device`` names, or ``speculative.method="mtp"``
+            with a model without multi-token-prediction modules (or a checkpoint without their weights).
     """
 
     def __init__(self, model_config: ModelConfig | None = None, engine_config: EngineConfig | None = None,
@@ -112,7 +126,11 @@ class LLMEngine:
         self.kv_dtype = getattr(torch, kv_name) if kv_name else self.dtype
         self.role = EngineRole(cfg.role)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_config.model)
+        spec = cfg.speculative
         if model is None:
+            if spec.method == "mtp":
+                model_kwargs = {**(model_kwargs or {}), "enable_mtp": True}
+                check_supports_mtp(model_config.model)
             torch.manual_seed(model_config.seed)
             model = load_model(model_config.model, self.dtype, self.device, model_config.load_format,
                                seed=model_config.seed, model_kwargs=model_kwargs)
@@ -122,17 +140,20 @@ class LLMEngine:
         self.vocab_size = hf_config.vocab_size
         self.eos_token_ids = _eos_token_ids(hf_config, self.tokenizer)
 
-        spec = cfg.speculative
-        draft_model = None
+        draft_model, draft_shape = None, None  # draft_shape: one block of the proposer's own KV cache
         if spec.method == "draft_model":
             draft_model = self.model  # drafting for itself: the machinery's upper bound (acceptance 1 greedy)
             if spec.draft_model is not None:
                 torch.manual_seed(model_config.seed)
                 draft_model = load_model(spec.draft_model, self.dtype, self.device, spec.draft_load_format,
                                          seed=model_config.seed)
+            draft_shape = draft_model.kv_cache_shape(1, cfg.block_size)
         elif spec.method == "mtp":
-            raise ValueError("speculative.method=mtp is not implemented yet; use ngram or draft_model")
-        num_blocks = cfg.num_kv_blocks or self._auto_num_blocks(draft_model)
+            if not len(getattr(self.model, "mtp", ())):
+                raise ValueError(f"speculative.method=mtp needs a model with multi-token-prediction modules "
+                                 f"(DeepSeek-V3 built with enable_mtp=True); {type(self.model).__name__} has none")
+            draft_shape = self.model.mtp_kv_cache_shape(1, cfg.block_size)
+        num_blocks = cfg.num_kv_blocks or self._auto_num_blocks(draft_shape)
         if self.kv_dtype != self.dtype and not getattr(self.model, "supports_fp8_kv_cache", False):
             raise ValueError(f"kv_cache_dtype={cfg.kv_cache_dtype!r} is not supported by {type(self.model).__name__} "
                              "(fp8 KV needs the paged-attention models: Llama, Qwen3-MoE)")
@@ -167,14 +188,18 @@ class LLMEngine:
         if spec.enabled:
             if spec.method == "ngram":
                 self.proposer = NgramProposer(spec.ngram_min, spec.ngram_max)
+            elif spec.method == "mtp":
+                self.proposer = MtpProposer(self.model, num_blocks, cfg.block_size, self.vocab_size)
             else:
                 self.proposer = DraftModelProposer(draft_model, num_blocks, cfg.block_size, self.vocab_size)
+            # MTP reads the target's hidden states: every step runs eagerly and keeps them
+            self.runner.capture_hidden = self.proposer.needs_hidden
             if self.async_scheduling:
                 # drafts need the last step's tokens on the host: speculative engines run their steps drained
                 logger.info("speculative decoding (%s): pipelined scheduling is off, steps run drained", spec.method)
                 self.async_scheduling = False
         self._inflight = None  # (SchedulerOutput, PendingStep, its requests) launched but not yet processed
-        if on_cuda and not cfg.enforce_eager:
+        if on_cuda and not cfg.enforce_eager and not self.runner.capture_hidden:
             self.runner.capture_cuda_graphs(self.max_model_len, min(cfg.max_num_seqs, 512))
         self.num_prompt_tokens = 0  # counters for metrics
         self.num_generation_tokens = 0
@@ -206,11 +231,11 @@ class LLMEngine:
             raise ValueError("host_kv_cache_gib > 0 needs enable_prefix_caching (the host tier holds cached blocks)")
         return n
 
-    def _auto_num_blocks(self, draft_model=None) -> int:
+    def _auto_num_blocks(self, draft_shape: tuple[int, ...] | None = None) -> int:
         cfg = self.engine_config
         per_block = math.prod(self.model.kv_cache_shape(1, cfg.block_size)) * self.kv_dtype.itemsize
-        if draft_model is not None:  # the draft's own cache gets as many blocks, from the same budget
-            per_block += math.prod(draft_model.kv_cache_shape(1, cfg.block_size)) * self.dtype.itemsize
+        if draft_shape is not None:  # the proposer's own cache gets as many blocks, from the same budget
+            per_block += math.prod(draft_shape) * self.dtype.itemsize
         if self.device.type == "cuda":
             # this replica's share of the whole GPU minus what it already holds (weights), within what is
             # free: replicas sharing a GPU (PD over cuda_ipc) each pass their own fraction
@@ -482,6 +507,8 @@ class LLMEngine:
             logger.exception("finishing an engine step failed")
             step_out = StepOutput({}, {s.request_id: e for s in sched.scheduled if s.needs_sample})
         if self.proposer is not None:
+            if launched.hidden is not None:
+                self.proposer.observe(sched, launched.hidden, step_out)
             for s in sched.scheduled:
                 if s.num_draft_tokens and s.request_id in step_out.sampled:
                     num_accepted = len(step_out.accepted.get(s.request_id, ()))

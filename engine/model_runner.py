@@ -43,6 +43,7 @@ class PendingStep:
     host: SamplerOutput | None = None
     event: object = None
     drafts: list[tuple[int, ...]] | None = None  # speculative: per sampled request, its verified drafts
+    hidden: torch.Tensor | None = None  # [T, hidden_size] last layer before the final norm (capture_hidden)
 
 
 class ModelRunner:
@@ -55,6 +56,10 @@ class ModelRunner:
         sampler: the :class:`Sampler`.
         batch_invariant: run the model and the logprobs in batch-invariant mode
             (``kernels.batch_invariant``), CUDA-graph capture included.
+
+    ``capture_hidden`` (set by the engine for MTP drafting): every step runs eagerly through
+    ``model.forward_with_prenorm`` and keeps the last layer's hidden states before the final norm in
+    :attr:`PendingStep.hidden` (rows in the step's token order).
     """
 
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int, sampler: Sampler,
@@ -69,6 +74,7 @@ class ModelRunner:
         self.padded_tables = PaddedBlockTables()  # reused rows of unchanged block tables across steps
         self.sync_guard = False  # raise on a hidden host sync while launching a step (tests)
         self.host_cache = None  # a HostKVCache when the host KV tier is on (set by the engine)
+        self.capture_hidden = False
 
     def capture_cuda_graphs(self, max_model_len: int, max_num_seqs: int) -> None:
         """Capture decode graphs (CUDA only)."""
@@ -133,11 +139,14 @@ class ModelRunner:
             meta, extra = AttentionMetadata(*dev[:4], self.block_size, query_lens, seq_lens), dev[4:]
             if holes.size:
                 ids[extra[0]] = prev.token_ids[extra[1]]
-            if self.graphs is not None and meta.is_decode_only and self.graphs.padded_size(len(scheduled)) is not None:
+            prenorm = None
+            if self.capture_hidden:
+                hidden, prenorm = self.model.forward_with_prenorm(ids, pos, self.kv_cache, meta)
+            elif self.graphs is not None and meta.is_decode_only and self.graphs.padded_size(len(scheduled)) is not None:
                 hidden = self.graphs.run(ids, pos, meta.slot_mapping, meta.seq_lens, meta.block_tables)
             else:
                 hidden = self.model(ids, pos, self.kv_cache, meta)
-            step = PendingStep(sample_reqs, drafts=drafts)
+            step = PendingStep(sample_reqs, drafts=drafts, hidden=prenorm)
             if not sample_idx:
                 return step
             logits = self.model.compute_logits(hidden if all_sampled else hidden[extra[-1]])

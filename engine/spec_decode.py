@@ -15,6 +15,9 @@ prefix whose expected gain pays for its cost: :class:`AcceptanceCalibrator` turn
 probabilities into confidences, :class:`StepTimeModel` fits step time to token count from measured
 steps, and :func:`choose_num_drafts` picks the drafts that maximize expected tokens per second.
 
+Proposers: :class:`NgramProposer` (prompt lookup), :class:`DraftModelProposer` (a small model),
+:class:`MtpProposer` (DeepSeek-V3's multi-token-prediction module over the target's hidden states).
+
 Glossary: *draft* a proposed token; *verify* compute it in the target forward; *accept* the target's
 token at its position equals it; *confidence* the drafter's estimate that a draft is accepted (the
 running product of its top-1 probabilities up to that draft).
@@ -28,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from rayinfer.engine.types import Request
+from rayinfer.engine.types import Request, SchedulerOutput, StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +51,13 @@ class Draft:
 
 
 class Proposer:
-    """Drafts tokens for decoding requests (the interface every method implements)."""
+    """Drafts tokens for decoding requests (the interface every method implements).
+
+    ``needs_hidden``: the proposer reads the target's hidden states (:meth:`observe` after every step);
+    the engine then has the model runner keep them.
+    """
+
+    needs_hidden = False
 
     def propose(self, reqs: list[Request], max_drafts: list[int]) -> list[Draft]:
         """Draft up to ``max_drafts[i]`` tokens after ``reqs[i].all_token_ids``.
@@ -64,6 +73,15 @@ class Proposer:
     def release(self, request_id: str) -> None:
         """Forget a finished or aborted request (free its draft KV); unknown ids are ignored."""
 
+    def observe(self, sched: SchedulerOutput, hidden: torch.Tensor, step_out: StepOutput) -> None:
+        """After a step (before its tokens are appended), with ``needs_hidden``: the target's hidden states.
+
+        Args:
+            sched: the step's schedule (rows of ``hidden`` follow its requests' tokens in order).
+            hidden: [num_scheduled_tokens, hidden_size] in the model dtype: the last layer before the
+                final norm.
+            step_out: what the step sampled and accepted (rows past a request's accepted drafts are stale).
+        """
 
 
 class NgramProposer(Proposer):
@@ -112,10 +130,11 @@ class _DraftCache:
     sharing), with the token ids each request's KV was computed over so that stale tails (rejected
     drafts) are recomputed."""
 
-    def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
-        self.kv_cache = torch.zeros(model.kv_cache_shape(num_blocks, block_size), dtype=dtype, device=device)
+    def __init__(self, shape: tuple[int, ...], block_size: int, dtype: torch.dtype, device: torch.device):
+        """``shape``: the cache's (a model's ``kv_cache_shape(num_blocks, block_size)``; blocks on dim 1)."""
+        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
-        self.free_blocks = list(range(num_blocks - 1, -1, -1))
+        self.free_blocks = list(range(shape[1] - 1, -1, -1))
         self.block_ids: dict[str, list[int]] = {}
         self.computed: dict[str, list[int]] = {}  # token ids whose KV is in the request's blocks
 
@@ -155,7 +174,7 @@ class DraftModelProposer(Proposer):
                              f"({vocab_size}); a draft model must share the target's tokenizer")
         self.model, self.vocab_size = model, vocab_size
         self.device = weight.device
-        self.cache = _DraftCache(model, num_blocks, block_size, weight.dtype, self.device)
+        self.cache = _DraftCache(model.kv_cache_shape(num_blocks, block_size), block_size, weight.dtype, self.device)
 
     def release(self, request_id: str) -> None:
         self.cache.release(request_id)
@@ -209,6 +228,149 @@ class DraftModelProposer(Proposer):
                     next_chunks.append([top_id[j]])
                     next_starts.append(seq_lens[j])
             live, chunks, starts = next_live, next_chunks, next_starts
+        return drafts
+
+
+@dataclass
+class _MtpState:
+    """One request's MTP progress. Entry p (at RoPE position p, local slot ``p - base`` of its blocks)
+    pairs the target's hidden state at p - 1 with token p.
+
+    Attributes:
+        base: position of the entry in local slot 0 (None before the first); the target's hidden
+            states before ``base - 1`` were never seen (a prefix-cache hit, a KV import).
+        tokens: the tokens of the entries computed from the target's hidden states, from ``base`` on
+            (drafted entries past them are stale and rewritten).
+        pend_start, pending: the target's hidden states [n, hidden_size] of positions pend_start.. that
+            no entry has consumed yet (None before the first step).
+    """
+
+    base: int | None = None
+    tokens: list[int] = field(default_factory=list)
+    pend_start: int = 0
+    pending: torch.Tensor | None = None
+
+    def append(self, start: int, rows: torch.Tensor) -> None:
+        """Hidden states of positions ``start..``; a gap or a recomputation restarts the span there."""
+        pending = self.pending
+        if pending is None or not self.pend_start <= start <= self.pend_start + len(pending):
+            self.pend_start, self.pending = start, rows.clone()
+        else:
+            self.pending = torch.cat([pending[: start - self.pend_start], rows])
+
+
+class MtpProposer(Proposer):
+    """DeepSeek-V3's multi-token-prediction module drafts: after each target step it reads the target's
+    last-layer hidden states (``observe``), catches its own KV up on the tokens since (one entry per
+    token: the hidden state before it and the token), then chains greedily: its output hidden state and
+    the token it drafted go back into the same module for the next draft, ``k`` module forwards per step
+    for all requests at once.
+
+    The module's attention KV lives in its own paged cache (:class:`_DraftCache`, one layer per MTP
+    module, per-request blocks, no prefix sharing): an MTP entry at position p needs token p and the
+    target's state at p - 1, so it lags the target's KV by one token and drafted entries are rewritten
+    after verification; the main pool's blocks, hashes, host tier and KV transfers stay as they are.
+    Positions whose target hidden states this proposer never saw (prefix-cache hits, a PD import) are not
+    attended to: the module's context then starts after them (drafts get worse, output stays exact).
+
+    Args:
+        model: the target, built with MTP modules (``mtp``, ``mtp_forward``, ``mtp_logits``,
+            ``mtp_kv_cache_shape``: :class:`rayinfer.model.deepseek_v3.DeepseekV3ForCausalLM` with
+            ``enable_mtp=True``); module 0 drafts every token (DeepSeek-V3 has one).
+        num_blocks, block_size: its KV pool.
+        vocab_size: the target's vocabulary (logits past it are ignored).
+    Raises:
+        ValueError: if the model has no MTP module.
+    Source: DeepSeek-V3 technical report (arXiv:2412.19437) §2.2 ("MTP in inference": the modules can
+    be repurposed for speculative decoding).
+    """
+
+    needs_hidden = True
+
+    def __init__(self, model, num_blocks: int, block_size: int, vocab_size: int):
+        if not len(getattr(model, "mtp", ())):
+            raise ValueError(f"speculative.method=mtp needs a model with multi-token-prediction modules "
+                             f"(DeepSeek-V3 loaded with them); {type(model).__name__} has none")
+        weight = next(model.parameters())
+        self.model, self.vocab_size, self.device = model, vocab_size, weight.device
+        self.cache = _DraftCache(model.mtp_kv_cache_shape(num_blocks, block_size), block_size, weight.dtype,
+                                 self.device)
+        self.states: dict[str, _MtpState] = {}
+
+    def release(self, request_id: str) -> None:
+        self.cache.release(request_id)
+        self.states.pop(request_id, None)
+
+    def observe(self, sched: SchedulerOutput, hidden: torch.Tensor, step_out: StepOutput) -> None:
+        row = 0
+        for s in sched.scheduled:
+            num = len(s.token_ids)
+            rows, row = hidden[row: row + num], row + num
+            rid = s.request_id
+            if rid in step_out.errors or (s.num_draft_tokens and rid not in step_out.sampled):
+                continue
+            # rows past the last accepted draft were computed over rejected tokens
+            num_valid = num - s.num_draft_tokens + len(step_out.accepted.get(rid, ()))
+            self.states.setdefault(rid, _MtpState()).append(s.start_pos, rows[:num_valid])
+
+    @torch.inference_mode()
+    def propose(self, reqs: list[Request], max_drafts: list[int]) -> list[Draft]:
+        from rayinfer.kernels.attention_metadata import AttentionMetadata, host_arrays
+
+        cache, model = self.cache, self.model
+        drafts = [Draft([], []) for _ in reqs]
+        live, chunks, prev, bases, starts = [], [], [], [], []  # starts: local slot of each chunk's first entry
+        for i, (req, k) in enumerate(zip(reqs, max_drafts)):
+            rid, st = req.request_id, self.states.get(req.request_id)
+            tokens = req.all_token_ids
+            last = len(tokens) - 1  # the entry of the last token gives the first draft
+            if st is None or st.pending is None or st.pend_start + len(st.pending) < last:
+                continue  # the target's state before the last token was not seen (an isolated rerun)
+            num_valid = 0 if st.base is None else _common_prefix(st.tokens, tokens[st.base: st.base + len(st.tokens)])
+            first = -1 if st.base is None else st.base + num_valid  # the next entry
+            if st.base is None or first - 1 < st.pend_start:  # no entries yet, or a gap: start over
+                st.base, num_valid, first = st.pend_start + 1, 0, st.pend_start + 1
+            if first > last or cache.reserve(rid, last - st.base + k) is None:
+                continue  # nothing to catch up on (cannot happen when decoding), or out of MTP blocks
+            st.tokens = st.tokens[:num_valid] + tokens[first:]
+            rows = st.pending[first - 1 - st.pend_start: last - st.pend_start]
+            st.pend_start, st.pending = last, st.pending[:0]
+            live.append(i)
+            chunks.append(tokens[first:])
+            prev.append(rows)
+            bases.append(st.base)
+            starts.append(first - st.base)
+        num_left = {i: max_drafts[i] for i in live}
+        dev = self.device
+        while live:
+            rids = [reqs[i].request_id for i in live]
+            query_lens = [len(c) for c in chunks]
+            seq_lens = [s + q for s, q in zip(starts, query_lens)]
+            qsl, sl, bt, slots, local = host_arrays(query_lens, seq_lens, [cache.block_ids[r] for r in rids],
+                                                    cache.block_size)
+            meta = AttentionMetadata(*(torch.from_numpy(a).to(dev) for a in (qsl, sl, bt, slots)), cache.block_size,
+                                     query_lens, seq_lens)
+            positions = local + np.repeat(np.asarray(bases, dtype=np.int64), query_lens)
+            ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=dev)
+            out = model.mtp_forward(ids, torch.cat(prev), torch.from_numpy(positions).to(dev), cache.kv_cache, meta)
+            out = out[torch.from_numpy(qsl[1:].astype(np.int64) - 1).to(dev)]  # each request's last entry
+            probs = torch.softmax(model.mtp_logits(out)[:, : self.vocab_size], dim=-1)
+            top_p, top_id = probs.max(dim=-1)
+            top_p, top_id = top_p.tolist(), top_id.tolist()
+            keep = []
+            for j, i in enumerate(live):
+                d = drafts[i]
+                d.token_ids.append(top_id[j])
+                assert d.probs is not None
+                d.probs.append(top_p[j])
+                num_left[i] -= 1
+                if num_left[i] > 0:
+                    keep.append(j)
+            live = [live[j] for j in keep]
+            chunks = [[top_id[j]] for j in keep]
+            prev = [out[j: j + 1] for j in keep]
+            bases = [bases[j] for j in keep]
+            starts = [seq_lens[j] for j in keep]
         return drafts
 
 

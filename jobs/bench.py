@@ -40,7 +40,7 @@ from omegaconf import DictConfig, OmegaConf
 from rayinfer.engine.config import EngineConfig, ModelConfig
 from rayinfer.jobs import benchlib as bl
 from rayinfer.jobs import roofline as rl
-from rayinfer.jobs.bench_spec import SpecBenchSpec, run_spec_section
+from rayinfer.jobs.bench_spec import SpecBenchSpec, run_spec_section, spec_model_kwargs
 
 SECTIONS = ("offline", "decode", "prefill", "hf", "spec")
 WORKLOADS = ("fixed", "mixed")
@@ -262,7 +262,9 @@ def _run(cfg: BenchConfig) -> dict[str, Any]:
     device = resolve_device(cfg.engine.device)
     dtype = parse_dtype(cfg.model.dtype, device)
     kv_bytes = 1 if cfg.engine.kv_cache_dtype == "fp8" else None
-    cost = rl.cost_model_for(load_config(cfg.model.model), dtype.itemsize, kv_bytes)
+    # the spec section compares engines with each other and needs no roofline (no cost model for every architecture)
+    cost = (rl.cost_model_for(load_config(cfg.model.model), dtype.itemsize, kv_bytes)
+            if set(cfg.sections) - {"spec"} else None)
     weight_bytes = getattr(cost, "num_params", 0) * dtype.itemsize
     if device.type == "cpu" and weight_bytes > _MAX_CPU_WEIGHT_BYTES:
         raise ValueError(f"model {cfg.model.model!r} has {weight_bytes / 2**30:.1f} GiB of weights; on CPU use "
@@ -299,7 +301,7 @@ def _run(cfg: BenchConfig) -> dict[str, Any]:
     print(f"  ceilings: {ceilings['bandwidth_Bps'] / 1e9:.1f} GB/s copy, {ceilings['matmul_flops'] / 1e12:.2f} "
           f"TFLOP/s matmul ({ceilings['dtype']})", flush=True)
     t0 = time.perf_counter()
-    engine = LLMEngine(cfg.model, cfg.engine)
+    engine = LLMEngine(cfg.model, cfg.engine, model_kwargs=spec_model_kwargs(cfg.spec, cfg.model, cfg.sections))
     cfg.engine = engine.engine_config  # max_num_seqs / max_num_batched_tokens as chosen for the device
     bl.warm_up(engine, cfg.engine.block_size)
     result["num_kv_blocks"] = engine.scheduler.config.num_blocks

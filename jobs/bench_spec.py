@@ -2,6 +2,7 @@
 
     python jobs/bench.py scenario=smollm2-spec                 # SmolLM2-135M real weights, GPU
     python jobs/bench.py scenario=smollm2-spec spec.batches=[1,8] spec.output_len=64
+    python jobs/bench.py scenario=deepseek-v3-tiny-mtp     # MTP drafting on the DeepSeek-V3 shape (CPU)
 
 For each batch size, the same workload runs through an engine per method (``spec.methods``: plain, n-gram
 and the model drafting for itself, each with the fixed and the confidence schedule); all requests arrive
@@ -9,6 +10,10 @@ at once, greedy. The workload is prompts that ask to repeat, edit or continue a 
 lookup pays). Each row records output tokens/s, TPOT, the speedup over plain decoding at that batch, and
 the speculative counters (drafts proposed / verified / accepted, mean accepted length, acceptance by
 position). One model is loaded and shared by every engine; each engine gets its own KV cache.
+
+``mtp`` / ``mtp-confidence`` draft with DeepSeek-V3's multi-token-prediction module: the model is then
+loaded with its MTP modules (``spec_model_kwargs``). With dummy weights the drafts are noise (nearly
+none accepted), so those rows measure the proposer's overhead per step, not a speedup.
 """
 
 from __future__ import annotations
@@ -47,7 +52,8 @@ class SpecBenchSpec:
         output_len: tokens generated per request (``ignore_eos``).
         num_draft_tokens: k of every speculative config.
         methods: names of the configs to run, from ``plain``, ``ngram``, ``ngram-confidence``,
-            ``self-draft``, ``self-draft-confidence``; ``plain`` is always run first (the speedups' base).
+            ``self-draft``, ``self-draft-confidence``, ``mtp``, ``mtp-confidence`` (DeepSeek-V3 with
+            ``num_nextn_predict_layers`` > 0); ``plain`` is always run first (the speedups' base).
         num_kv_blocks: KV blocks of each engine (and of the draft's own cache).
     """
 
@@ -65,7 +71,23 @@ METHODS = {
     "ngram-confidence": {"method": "ngram", "schedule": "confidence"},
     "self-draft": {"method": "draft_model"},
     "self-draft-confidence": {"method": "draft_model", "schedule": "confidence"},
+    "mtp": {"method": "mtp"},
+    "mtp-confidence": {"method": "mtp", "schedule": "confidence"},
 }
+
+
+def spec_model_kwargs(spec: SpecBenchSpec, model_config, sections) -> dict | None:
+    """The model's extra arguments for the spec section: ``enable_mtp`` when an MTP method is asked for.
+
+    Raises:
+        ValueError: an MTP method for a model without multi-token-prediction modules.
+    """
+    if "spec" not in sections or not any(METHODS.get(m, {}).get("method") == "mtp" for m in spec.methods):
+        return None
+    from rayinfer.engine.llm_engine import check_supports_mtp
+
+    check_supports_mtp(model_config.model)
+    return {"enable_mtp": True}
 
 
 def spec_workload(tokenizer, num_prompts: int, output_len: int) -> list[bl.WorkItem]:

@@ -541,6 +541,15 @@ register_scenario(Scenario(
      "sections": ["spec"]},
 ))
 register_scenario(Scenario(
+    "deepseek-v3-tiny-mtp", "deepseek-v3-tiny shape (MLA, MoE, one MTP module), dummy float32 weights, on CPU: "
+    "the MTP proposer's overhead per step against plain decoding (dummy drafts are rejected)",
+    {"model": {"model": "deepseek-v3-tiny", "dtype": "float32", "load_format": "dummy", "max_model_len": 2048},
+     "engine": {"device": "cpu", "max_num_seqs": 4, "max_num_batched_tokens": 512, "num_kv_blocks": 256},
+     "sections": ["spec"],
+     "spec": {"batches": [1, 4], "output_len": 16, "num_kv_blocks": 256, "methods": ["plain", "mtp", "mtp-confidence"]},
+     "ceilings": {"copy_mib": 8, "gemm_n": 128, "iters": 3}, "cpu_threads": 1},
+))
+register_scenario(Scenario(
     "tiny", "llama-tiny shape, dummy float32 weights, on CPU in seconds (every code path, for tests)",
     {"model": {"model": "llama-tiny", "dtype": "float32", "load_format": "dummy", "max_model_len": 2048},
      "engine": {"device": "cpu", "max_num_seqs": 4, "max_num_batched_tokens": 64, "num_kv_blocks": 32},

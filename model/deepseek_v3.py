@@ -2,15 +2,30 @@
 cache, dense first layers, then MoE layers (shared + routed experts, grouped top-k sigmoid routing).
 
 Parameter names match Hugging Face 5.x ``DeepseekV3ForCausalLM``; :meth:`DeepseekV3ForCausalLM.load_weights`
-also takes the per-expert names of the released checkpoints and skips their multi-token-prediction
-(MTP) layers. The cache holds per token the normalized latent ``c_kv`` (``kv_lora_rank``) and the
-roped shared key ``k_pe`` (``qk_rope_head_dim``): [num_layers, num_blocks, block_size, R + P].
-Glossary of R, P, Dn, Dv: ``rayinfer.kernels.mla_attention``.
+also takes the per-expert names of the released checkpoints and their multi-token-prediction (MTP)
+layers (loaded with ``enable_mtp=True``, skipped otherwise). The cache holds per token the normalized
+latent ``c_kv`` (``kv_lora_rank``) and the roped shared key ``k_pe`` (``qk_rope_head_dim``):
+[num_layers, num_blocks, block_size, R + P]. Glossary of R, P, Dn, Dv: ``rayinfer.kernels.mla_attention``.
+
+MTP (DeepSeek-V3 technical report, arXiv:2412.19437 §2.2): module ``d`` predicts one token further
+than its input. For the target's hidden state ``h_i`` at position i (last layer, before the final
+norm) and the next token ``t_{i+1}``::
+
+    h'_i  = eh_proj(concat(enorm(embed(t_{i+1})), hnorm(h_i)))    # [T, 2H] -> [T, H]
+    o_i   = decoder block(h'_i)  (MLA over the module's own KV, MoE) + its residual  (pre-norm)
+    logits(t_{i+2}) = lm_head(shared_head.norm(o_i))
+
+with the embedding and the LM head shared with the main model. ``o_i`` chains: fed back with the
+drafted token it predicts, it drafts the next one (how :class:`rayinfer.engine.spec_decode.MtpProposer`
+drafts k > 1 tokens with one module). The concatenation order (embedding first) is that of the released
+checkpoints' ``eh_proj`` (the report's equation writes the hidden state first).
 """
 
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -197,6 +212,38 @@ class DeepseekV3DecoderLayer(PreNormDecoderLayer):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+class DeepseekV3SharedHead(nn.Module):
+    """The MTP module's norm before the shared LM head (checkpoint names ``shared_head.norm``)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DeepseekV3MTPLayer(DeepseekV3DecoderLayer):
+    """One multi-token-prediction module: a full decoder block (MLA + MoE, the parameters of a decoder
+    layer under the same names) after ``enorm``/``hnorm``/``eh_proj``, and ``shared_head.norm`` before
+    the main model's LM head. Stored in checkpoints as decoder layer ``num_hidden_layers + d``.
+
+    ``embed_weight`` / ``head_weight``: non-persistent buffers, None while the module shares the main
+    model's embedding and LM head (the report's design); set by ``load_weights`` only when a checkpoint
+    stores its own copies that differ from the main model's.
+    """
+
+    embed_weight: torch.Tensor | None
+    head_weight: torch.Tensor | None
+
+    def __init__(self, config, layer_idx: int, ep: ExpertParallelism, softmax_factor: float):
+        super().__init__(config, layer_idx, ep, softmax_factor)
+        hidden = config.hidden_size
+        self.enorm = RMSNorm(hidden, config.rms_norm_eps)
+        self.hnorm = RMSNorm(hidden, config.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+        self.shared_head = DeepseekV3SharedHead(config)
+        self.register_buffer("embed_weight", None, persistent=False)
+        self.register_buffer("head_weight", None, persistent=False)
+
+
 class DeepseekV3Model(nn.Module):
     def __init__(self, config, ep: ExpertParallelism, softmax_factor: float):
         super().__init__()
@@ -211,22 +258,126 @@ class DeepseekV3ForCausalLM(MoEModelMixin, PagedCausalLM):
     """DeepSeek-V3 with an LM head; the engine's model interface (:class:`PagedCausalLM`'s forward over
     MLA's compressed cache). MoE layers count routed tokens as they run (:meth:`expert_load`).
 
-    The MTP head (``num_nextn_predict_layers``) is not built: its checkpoint layers are skipped by
-    :meth:`load_weights`. Expert parallelism as in ``Qwen3MoeForCausalLM`` (pass ``ep``).
+    The MTP modules (``num_nextn_predict_layers``) are built with ``enable_mtp=True`` (``self.mtp``,
+    see the module docstring, :meth:`mtp_forward` and :meth:`mtp_logits`); otherwise ``self.mtp`` is
+    empty and :meth:`load_weights` skips their checkpoint layers. Expert parallelism as in
+    ``Qwen3MoeForCausalLM`` (pass ``ep``); not with MTP. The MTP modules' experts are not counted by
+    :meth:`expert_load` (EPLB balances the main model's layers).
     """
 
     supports_fp8_kv_cache = False  # MLA's cache and kernels are the model's dtype only
+    supports_mtp = True
 
-    def __init__(self, config, ep: ExpertParallelism | None = None):
-        """Raises: ValueError for an unsupported rope type, activation or expert grouping."""
+    def __init__(self, config, ep: ExpertParallelism | None = None, enable_mtp: bool = False):
+        """Raises: ValueError for an unsupported rope type, activation or expert grouping; with
+        ``enable_mtp``, for a config without MTP layers (``num_nextn_predict_layers`` 0) or an
+        expert-parallel group."""
         super().__init__()
         self.config = config
+        ep = ep or ExpertParallelism()
         inv_freq, self.rope_factor, softmax_factor = deepseek_rope(config)
-        self.model = DeepseekV3Model(config, ep or ExpertParallelism(), softmax_factor)
+        self.model = DeepseekV3Model(config, ep, softmax_factor)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        num_mtp = (getattr(config, "num_nextn_predict_layers", 0) or 0) if enable_mtp else 0
+        if enable_mtp and num_mtp == 0:
+            raise ValueError("speculative.method=mtp needs multi-token-prediction layers, but this DeepSeek-V3 "
+                             "config has num_nextn_predict_layers=0")
+        if enable_mtp and ep.group is not None:
+            raise ValueError("MTP (speculative.method=mtp) is not supported with expert parallelism (ep > 1)")
+        n = config.num_hidden_layers
+        self.mtp = nn.ModuleList(DeepseekV3MTPLayer(config, n + d, ep, softmax_factor) for d in range(num_mtp))
+
+    def expert_layers(self):
+        """The main model's routed-expert layers, in order (the MTP modules' are left out of EPLB)."""
+        return [m for m in self.model.modules() if isinstance(m, RoutedExperts)]
+
+    def mtp_kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """[num MTP modules, num_blocks, block_size, R + P]: the MTP modules' own compressed cache."""
+        c = self.config
+        return (len(self.mtp), num_blocks, block_size, c.kv_lora_rank + c.qk_rope_head_dim)
+
+    def mtp_forward(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor,
+                    kv_cache: torch.Tensor, meta: AttentionMetadata, depth: int = 0) -> torch.Tensor:
+        """One MTP module over T entries: entry j pairs ``prev_hidden[j]`` (the hidden state at the
+        position before, pre-norm: the target's last layer or this module's own output) with the token
+        ``input_ids[j]`` that followed it.
+
+        Args:
+            input_ids: [T] int64, the tokens t_{i+1}.
+            prev_hidden: [T, hidden_size] in the model dtype, h_i (before the final norm).
+            positions: [T] int64 RoPE positions of the entries (the engine uses the position of t_{i+1};
+                only differences matter to attention).
+            kv_cache: :meth:`mtp_kv_cache_shape`; layer ``depth`` is written at ``meta.slot_mapping``.
+            meta: attention metadata over the module's own cache.
+            depth: which MTP module.
+        Returns:
+            [T, hidden_size] the module's output before ``shared_head.norm`` (chains as ``prev_hidden``).
+        Source: DeepSeek-V3 technical report (arXiv:2412.19437) §2.2, eq. 21-23.
+        """
+        layer = self.mtp[depth]
+        weight = self.model.embed_tokens.weight if layer.embed_weight is None else layer.embed_weight
+        embeds = F.embedding(input_ids, weight)
+        hidden = layer.eh_proj(torch.cat([layer.enorm(embeds), layer.hnorm(prev_hidden)], dim=-1))
+        hidden, residual = layer(hidden, None, *self.rope_args(positions, hidden), kv_cache[depth], meta)
+        return hidden + residual
+
+    def mtp_logits(self, hidden: torch.Tensor, depth: int = 0) -> torch.Tensor:
+        """MTP output [N, hidden_size] -> logits [N, vocab_size] float32 (``shared_head.norm``, then the
+        LM head: the main model's unless the checkpoint gave the module its own)."""
+        layer = self.mtp[depth]
+        normed = layer.shared_head.norm(hidden)
+        if layer.head_weight is None:
+            return self.compute_logits(normed)
+        return F.linear(normed, layer.head_weight).float()
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """:meth:`MoEModelMixin.load_weights`, with the MTP layers (``model.layers.{num_hidden_layers + d}.*``)
+        loaded into ``mtp.{d}`` when they are built (skipped otherwise). Their copies of the embedding and
+        LM head (``embed_tokens.weight``, ``shared_head.head.weight``), when stored, are checked against
+        the main model's: equal, they stay shared; different, the module keeps its own.
+
+        Raises:
+            as :meth:`MoEModelMixin.load_weights`; ValueError when MTP is built but the checkpoint has no
+            MTP layer.
+        """
+        n, num_mtp = self.config.num_hidden_layers, len(self.mtp)
+        copies: dict[tuple[int, str], torch.Tensor] = {}
+        seen_mtp: set[int] = set()
+
+        def renamed():
+            for name, tensor in named_tensors:
+                m = re.match(r"model\.layers\.(\d+)\.(.*)", name)
+                d = int(m.group(1)) - n if m else -1
+                if d < 0:
+                    yield name, tensor
+                elif d < num_mtp:
+                    seen_mtp.add(d)
+                    rest = m.group(2)
+                    if rest in ("embed_tokens.weight", "shared_head.head.weight"):
+                        copies[(d, rest)] = tensor
+                    else:
+                        yield f"mtp.{d}.{rest}", tensor
+                # else: an MTP layer that is not built: skipped
+
+        loaded = super().load_weights(renamed())
+        if num_mtp and len(seen_mtp) < num_mtp:
+            missing = sorted(set(range(num_mtp)) - seen_mtp)
+            raise ValueError(f"MTP is on but the checkpoint has no MTP layer "
+                             f"{', '.join(f'model.layers.{n + d}' for d in missing)} (num_nextn_predict_layers="
+                             f"{num_mtp}); speculative.method=mtp needs a checkpoint with its MTP weights")
+        with torch.no_grad():
+            for (d, rest), tensor in copies.items():
+                main = self.model.embed_tokens.weight if rest == "embed_tokens.weight" else self.lm_head.weight
+                if tensor.shape != main.shape:
+                    raise ValueError(f"model.layers.{n + d}.{rest}: expected {tuple(main.shape)}, "
+                                     f"got {tuple(tensor.shape)}")
+                tensor = tensor.to(main.device, main.dtype)
+                if not torch.equal(tensor, main):  # a module trained with its own copy keeps it
+                    setattr(self.mtp[d], "embed_weight" if rest == "embed_tokens.weight" else "head_weight", tensor)
+        return loaded
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """[num_layers, num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]: the compressed layout."""

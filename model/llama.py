@@ -180,13 +180,23 @@ class PagedCausalLM(nn.Module):
         Returns:
             hidden: [T, hidden_size], after the final norm.
         """
+        return PagedCausalLM.forward_with_prenorm(self, input_ids, positions, kv_cache, meta)[0]
+
+    def forward_with_prenorm(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward`, also returning the last layer's hidden states before the final norm (what
+        DeepSeek-V3's MTP modules read).
+
+        Returns:
+            (hidden after the final norm, hidden before it): both [T, hidden_size] in the model dtype.
+        """
         hidden = self.model.embed_tokens(input_ids)
         rope = self.rope_args(positions, hidden)
         residual = None
         for i, layer in enumerate(self.model.layers):
             hidden, residual = layer(hidden, residual, *rope, kv_cache[i], meta)
-        hidden, _ = self.model.norm(hidden, residual)
-        return hidden
+        return self.model.norm(hidden, residual)
 
     def rope_args(self, positions: torch.Tensor, hidden: torch.Tensor) -> tuple:
         """What every layer's attention takes for RoPE: (positions [T] int64, inv_freq [head_dim/2] fp32)."""

@@ -403,7 +403,8 @@ class MoEModelMixin:
         Accepts per-expert names (``...experts.{e}.gate_proj.weight``, as checkpoints store them) and
         5.x stacked names (``...experts.gate_up_proj``); under EP only this rank's experts are kept.
         Layers ``>= num_hidden_layers`` are DeepSeek's multi-token-prediction (MTP) modules
-        (``num_nextn_predict_layers``): skipped, as Hugging Face does, since we do not run MTP.
+        (``num_nextn_predict_layers``): skipped here, as Hugging Face does (DeepSeek-V3's own
+        ``load_weights`` renames them to its ``mtp`` modules first when those are built).
 
         Returns:
             names of the parameters and buffers written (experts as ``...experts.gate_up_proj`` etc.).

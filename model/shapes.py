@@ -45,7 +45,7 @@ SHAPES: dict[str, dict] = {
         num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, n_group=2, topk_group=1,
         num_experts_per_tok=2, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
         kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
-        rope_theta=10000.0, max_position_embeddings=2048, num_nextn_predict_layers=0, rms_norm_eps=1e-6,
+        rope_theta=10000.0, max_position_embeddings=2048, num_nextn_predict_layers=1, rms_norm_eps=1e-6,
         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, initializer_range=0.1,
     ),
 }

@@ -320,3 +320,142 @@ def test_decode_role_verifies_drafts_after_a_kv_import(tiny_pair, tokenizer, met
             got[out.request_id] += out.new_token_ids
     assert [got[str(i)] for i in range(len(prompts))] == want
     assert decode.stats()["spec_num_drafts_accepted"] > 0
+
+
+# -- MTP: DeepSeek-V3's multi-token-prediction module drafts (tiny random checkpoint) ---------------
+
+
+def _tiny_deepseek_config():
+    import transformers
+
+    return transformers.DeepseekV3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, kv_lora_rank=32,
+        q_lora_rank=48, qk_rope_head_dim=16, v_head_dim=24, qk_nope_head_dim=16, n_group=4, topk_group=2,
+        num_experts_per_tok=3, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        max_position_embeddings=256, num_nextn_predict_layers=1, eos_token_id=127,
+        architectures=["DeepseekV3ForCausalLM"])
+
+
+@pytest.fixture(scope="module")
+def mtp_checkpoint(tmp_path_factory):
+    """(directory, its tensors): a tiny random DeepSeek-V3 whose checkpoint has its MTP layer as released
+    checkpoints store it (decoder layer ``num_hidden_layers``, per-expert names, copies of the embedding
+    and LM head). The MTP module nearly passes the target's hidden state through (its block's outputs
+    scaled down), so it drafts roughly "the target's next token repeats": drafts are accepted and
+    rejected at every position."""
+    from safetensors.torch import save_file
+
+    from rayinfer.model.deepseek_v3 import DeepseekV3ForCausalLM
+
+    cfg = _tiny_deepseek_config()
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(cfg, enable_mtp=True)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.1)
+        for name, p in model.mtp[0].named_parameters():
+            if p.dim() == 1:
+                p.copy_(1 + 0.01 * torch.randn_like(p))  # norms
+            elif name.endswith(("o_proj.weight", "down_proj", "down_proj.weight")):
+                p.mul_(0.05)
+        model.mtp[0].eh_proj.weight.copy_(torch.cat([0.02 * torch.randn(64, 64), torch.eye(64)], dim=1))
+    inter, n, tensors = cfg.moe_intermediate_size, cfg.num_hidden_layers, {}
+    for name, t in model.state_dict().items():
+        if not name.startswith("mtp.0."):
+            tensors[name] = t
+            continue
+        name = f"model.layers.{n}." + name.removeprefix("mtp.0.")
+        if name.endswith("experts.gate_up_proj"):
+            for e in range(t.shape[0]):
+                tensors[name.replace("gate_up_proj", f"{e}.gate_proj.weight")] = t[e, :inter]
+                tensors[name.replace("gate_up_proj", f"{e}.up_proj.weight")] = t[e, inter:]
+        elif name.endswith("experts.down_proj"):
+            for e in range(t.shape[0]):
+                tensors[name.replace("down_proj", f"{e}.down_proj.weight")] = t[e]
+        elif not name.endswith(("expert_counts", "phy2log", "log2phy", "num_replicas")):
+            tensors[name] = t
+    tensors[f"model.layers.{n}.embed_tokens.weight"] = model.model.embed_tokens.weight
+    tensors[f"model.layers.{n}.shared_head.head.weight"] = model.lm_head.weight
+    path = tmp_path_factory.mktemp("tiny-deepseek-mtp")
+    cfg.save_pretrained(path)
+    tensors = {k: v.contiguous().clone() for k, v in tensors.items()}
+    save_file(tensors, str(path / "model.safetensors"))
+    return path, tensors
+
+
+def _mtp_engine(path, tokenizer, spec=None, model=None, **kw):
+    cfg = dict(device="cpu", block_size=4, num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=512,
+               async_scheduling=False, speculative=SpeculativeConfig(**(spec or {})))
+    cfg.update(kw)
+    return LLMEngine(ModelConfig(str(path), dtype="float32", max_model_len=256), EngineConfig(**cfg), model=model,
+                     tokenizer=tokenizer)
+
+
+MTP_PROMPTS = ([5, 9, 11, 5, 9, 11, 5, 9], [3, 1, 4, 1, 5, 9, 2, 6], [7, 7, 2, 7, 7, 2, 7])
+
+
+def test_mtp_loads_from_the_checkpoint_and_keeps_greedy_output(mtp_checkpoint, tokenizer):
+    import re
+
+    path, tensors = mtp_checkpoint
+    engine = _mtp_engine(path, tokenizer, dict(method="mtp", num_draft_tokens=3))
+    model = engine.model
+    state = model.state_dict()
+    for name, t in tensors.items():  # every MTP tensor landed where it belongs
+        m = re.fullmatch(r"model\.layers\.2\.(.*)", name)
+        if not m:
+            continue
+        rest = m.group(1)
+        expert = re.fullmatch(r"(.*experts)\.(\d+)\.(gate|up|down)_proj\.weight", rest)
+        if expert:
+            prefix, e, kind = expert.group(1), int(expert.group(2)), expert.group(3)
+            stacked = state[f"mtp.0.{prefix}.{'down_proj' if kind == 'down' else 'gate_up_proj'}"][e]
+            got = {"gate": stacked[:32], "up": stacked[32:], "down": stacked}[kind]
+        elif rest in ("embed_tokens.weight", "shared_head.head.weight"):  # equal copies: shared with the main
+            got = model.model.embed_tokens.weight if rest.startswith("embed") else model.lm_head.weight
+        else:
+            got = state[f"mtp.0.{rest}"]
+        assert torch.equal(got, t), name
+    assert model.mtp[0].embed_weight is None and model.mtp[0].head_weight is None
+
+    free = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain_engine = _mtp_engine(path, tokenizer, model=model)
+    plain = plain_engine.generate(list(MTP_PROMPTS), free)
+    text = plain[1].text
+    stop = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[text[len(text) // 2:][:2]])
+    cases = [free, free, free, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), stop]
+    prompts = list(MTP_PROMPTS) + [MTP_PROMPTS[0], MTP_PROMPTS[1]]
+    want = plain + plain_engine.generate(prompts[3:], cases[3:])
+    assert want[4].finish_reason == "stop" and len(want[4].output_token_ids) < 24
+    _check_same(engine.generate(prompts, cases), want)
+    stats = engine.stats()
+    assert 0 < stats["spec_num_drafts_accepted"] < stats["spec_num_drafts_verified"]
+    assert all(0 < a < 1 for a in stats["spec_acceptance_by_position"])  # accepted and rejected at every depth
+
+    confident = _mtp_engine(path, tokenizer, dict(method="mtp", schedule="confidence"), model=model)
+    _check_same(confident.generate(prompts, cases), want)
+    assert 0 < confident.stats()["spec_num_drafts_verified"] <= confident.stats()["spec_num_drafts_proposed"]
+
+
+def test_mtp_output_under_preemption(mtp_checkpoint, tokenizer):
+    path, _ = mtp_checkpoint
+    spec = _mtp_engine(path, tokenizer, dict(method="mtp"), num_kv_blocks=16)
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=["zzzz"]),
+              SamplingParams(temperature=0.8, max_tokens=23, ignore_eos=True, seed=5),
+              SamplingParams(temperature=0.0, max_tokens=21, ignore_eos=True, logprobs=0)]
+    plain = _mtp_engine(path, tokenizer, model=spec.model).generate(list(MTP_PROMPTS), params)
+    _check_same(spec.generate(list(MTP_PROMPTS), params), plain)
+    stats = spec.stats()
+    assert stats["num_preemptions"] > 0 and stats["spec_num_drafts_accepted"] > 0
+
+
+def test_mtp_needs_a_model_with_mtp_modules(tiny_pair, tokenizer):
+    with pytest.raises(ValueError, match="multi-token-prediction"):
+        LLMEngine(ModelConfig("llama-tiny", load_format="dummy"),
+                  EngineConfig(device="cpu", speculative=SpeculativeConfig(method="mtp")))
+    with pytest.raises(ValueError, match="multi-token-prediction"):
+        LLMEngine(ModelConfig("tiny"), EngineConfig(device="cpu", num_kv_blocks=16,
+                                                    speculative=SpeculativeConfig(method="mtp")),
+                  model=tiny_pair[0], tokenizer=tokenizer)

@@ -1,6 +1,8 @@
 """Our DeepSeek-V3 over the compressed paged cache equals Hugging Face DeepseekV3ForCausalLM
-(float32, small random configs): chunked prefill + decode of two requests in one batch, greedy
-generation, checkpoint names (per-expert, MTP layers)."""
+(float32, small random configs): chunked prefill + decode of two requests in one batch (also with MTP
+modules built and loaded), greedy generation, checkpoint names (per-expert, MTP layers skipped or
+loaded); the MTP module's forward against a reference of its formula (Hugging Face's decoder layer
+plus plain torch)."""
 
 import pytest
 import torch
@@ -26,24 +28,55 @@ def tiny_config(**kw):
     return transformers.DeepseekV3Config(**base)
 
 
-def make_pair(cfg, seed=0):
+def make_pair(cfg, seed=0, mtp=False):
+    """(HF reference, ours with its weights); ``mtp``: ours has MTP modules too, loaded from random
+    checkpoint tensors (per-expert names, with copies of the embedding and head) beside the HF ones."""
     torch.manual_seed(seed)
     ref = transformers.DeepseekV3ForCausalLM(cfg).eval()
     with torch.no_grad():
         for name, buf in ref.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.normal_(0, 0.1)
-    ours = DeepseekV3ForCausalLM(cfg).eval()
-    loaded = ours.load_weights(ref.state_dict().items())
-    assert loaded == set(ref.state_dict())
+    ours = DeepseekV3ForCausalLM(cfg, enable_mtp=mtp).eval()
+    checkpoint = dict(ref.state_dict())
+    if mtp:
+        checkpoint.update(mtp_checkpoint(cfg, ref.state_dict(), seed))
+    loaded = ours.load_weights(checkpoint.items())
+    assert loaded == set(ours.state_dict())
     return ref, ours
 
 
-@pytest.mark.parametrize("variant", ["base", "no_q_lora_no_interleave", "yarn"])
+def random_mtp(cfg, seed) -> DeepseekV3ForCausalLM:
+    """A model whose MTP modules have random weights (matrices N(0, 0.1), norms and the router bias
+    around 1 and 0)."""
+    torch.manual_seed(seed + 100)
+    src = DeepseekV3ForCausalLM(cfg, enable_mtp=True)
+    with torch.no_grad():
+        for name, t in [*src.mtp.named_parameters(), *src.mtp.named_buffers()]:
+            if "norm" in name and t.dim() == 1:
+                t.copy_(1 + 0.1 * torch.randn_like(t))
+            elif t.is_floating_point():
+                t.normal_(0, 0.1)
+    return src
+
+
+def mtp_checkpoint(cfg, main_state, seed) -> dict[str, torch.Tensor]:
+    """Random MTP layers as released checkpoints store them: decoder layer ``num_hidden_layers + d``,
+    per-expert names, plus copies of the main embedding and LM head."""
+    n, out = cfg.num_hidden_layers, {}
+    for name, t in random_mtp(cfg, seed).mtp.state_dict().items():
+        d, rest = name.split(".", 1)
+        out[f"model.layers.{n + int(d)}.{rest}"] = t
+        out[f"model.layers.{n + int(d)}.embed_tokens.weight"] = main_state["model.embed_tokens.weight"]
+        out[f"model.layers.{n + int(d)}.shared_head.head.weight"] = main_state["lm_head.weight"]
+    return to_checkpoint_names(out, cfg, add_mtp=False)
+
+
+@pytest.mark.parametrize("variant", ["base", "no_q_lora_no_interleave", "yarn", "with_mtp"])
 def test_prefill_then_decode_matches_hf(variant, paged):
     extra = {"base": {}, "no_q_lora_no_interleave": dict(q_lora_rank=None, rope_interleave=False),
-             "yarn": dict(rope_parameters=YARN)}[variant]
-    ref, ours = make_pair(tiny_config(**extra))
+             "yarn": dict(rope_parameters=YARN), "with_mtp": {}}[variant]
+    ref, ours = make_pair(tiny_config(**extra), mtp=variant == "with_mtp")
     seqs = [torch.randint(0, 128, (14,)), torch.randint(0, 128, (12,))]
     paged.assert_matches_hf(ref, ours, seqs, TABLES, SCHEDULE, BLOCK_SIZE)
     load = ours.expert_load()
@@ -60,9 +93,9 @@ def test_greedy_generation_matches_hf(paged):
     assert got == want[0, 8:].tolist()
 
 
-def to_checkpoint_names(state_dict, cfg):
-    """Hugging Face 5.x stacked experts -> per-expert names as released checkpoints store them, plus an
-    MTP layer (index num_hidden_layers) that must be skipped."""
+def to_checkpoint_names(state_dict, cfg, add_mtp=True):
+    """Hugging Face 5.x stacked experts -> per-expert names as released checkpoints store them, plus
+    (``add_mtp``) a partial MTP layer (index num_hidden_layers) that must be skipped."""
     out, inter = {}, cfg.moe_intermediate_size
     for name, t in state_dict.items():
         if name.endswith("experts.gate_up_proj"):
@@ -74,6 +107,8 @@ def to_checkpoint_names(state_dict, cfg):
                 out[name.replace("down_proj", f"{e}.down_proj.weight")] = t[e]
         else:
             out[name] = t
+    if not add_mtp:
+        return out
     mtp = f"model.layers.{cfg.num_hidden_layers}"
     out.update({f"{mtp}.eh_proj.weight": torch.zeros(64, 128), f"{mtp}.enorm.weight": torch.ones(64),
                 f"{mtp}.mlp.experts.0.gate_proj.weight": torch.zeros(32, 64)})
@@ -97,3 +132,67 @@ def test_loads_checkpoint_names_and_skips_mtp():
 def test_cache_is_compressed():
     cfg = tiny_config()
     assert DeepseekV3ForCausalLM(cfg).kv_cache_shape(10, 4) == (3, 10, 4, 32 + 16)
+
+
+def test_loads_mtp_layers_when_built():
+    cfg = tiny_config()
+    ref, _ = make_pair(cfg)
+    main = to_checkpoint_names(ref.state_dict(), cfg, add_mtp=False)
+    checkpoint = {**main, **mtp_checkpoint(cfg, ref.state_dict(), seed=0)}
+    ours = DeepseekV3ForCausalLM(cfg, enable_mtp=True).eval()
+    assert ours.load_weights(checkpoint.items()) == set(ours.state_dict())
+    got = ours.mtp.state_dict()
+    for name, t in random_mtp(cfg, seed=0).mtp.state_dict().items():
+        assert torch.equal(got[name], t), name
+    assert ours.mtp[0].embed_weight is None and ours.mtp[0].head_weight is None  # equal copies: shared
+    own_head = torch.randn_like(ref.lm_head.weight)
+    checkpoint[f"model.layers.{cfg.num_hidden_layers}.shared_head.head.weight"] = own_head
+    ours.load_weights(checkpoint.items())
+    assert ours.mtp[0].head_weight is not None and torch.equal(ours.mtp[0].head_weight, own_head)
+    with pytest.raises(ValueError, match="no MTP layer model.layers.3"):
+        DeepseekV3ForCausalLM(cfg, enable_mtp=True).load_weights(main.items())
+    with pytest.raises(ValueError, match="num_nextn_predict_layers=0"):
+        DeepseekV3ForCausalLM(tiny_config(num_nextn_predict_layers=0), enable_mtp=True)
+    assert ours.expert_load().shape == (2, 8)  # the MTP module's experts stay out of EPLB
+
+
+def _rms(x, w, eps):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@pytest.mark.parametrize("variant", ["base", "yarn"])
+def test_mtp_forward_matches_its_formula(variant, paged):
+    """h'_i = eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)]) -> decoder block -> shared_head.norm -> head,
+    with Hugging Face's DeepseekV3DecoderLayer (causal over the MTP entries) as the block, over the
+    target's hidden states before its final norm; prefilled in two chunks through our paged MTP cache."""
+    from rayinfer.kernels.attention_metadata import AttentionMetadata
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
+
+    cfg = tiny_config(**({"rope_parameters": YARN} if variant == "yarn" else {}))
+    _, ours = make_pair(cfg, mtp=True)
+    tokens = torch.randint(0, 128, (11,))
+    with torch.no_grad():
+        meta = AttentionMetadata.build([11], [11], [[1, 4, 2]], BLOCK_SIZE)
+        kv = torch.zeros(ours.kv_cache_shape(8, BLOCK_SIZE))
+        _, h = ours.forward_with_prenorm(tokens, torch.arange(11), kv, meta)
+        # ours: entry i pairs h_i with t_{i+1}, at position i + 1; two chunks (7 entries, then 3)
+        mtp_kv, outs = torch.zeros(ours.mtp_kv_cache_shape(8, BLOCK_SIZE)), []
+        for lo, hi in [(0, 7), (7, 10)]:
+            m = AttentionMetadata.build([hi - lo], [hi], [[3, 0, 5]], BLOCK_SIZE)
+            outs.append(ours.mtp_forward(tokens[lo + 1: hi + 1], h[lo:hi], torch.arange(lo + 1, hi + 1), mtp_kv, m))
+        got = ours.mtp_logits(torch.cat(outs))
+
+        layer, eps, emb, head = ours.mtp[0], cfg.rms_norm_eps, ours.model.embed_tokens.weight, ours.lm_head.weight
+        block = hf.DeepseekV3DecoderLayer(cfg, cfg.num_hidden_layers).eval()
+        block_state = {k: v for k, v in layer.state_dict().items() if k.split(".")[0] in
+                       ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")}
+        block.load_state_dict(block_state)
+        x = torch.cat([_rms(emb[tokens[1:]], layer.enorm.weight, eps), _rms(h[:10], layer.hnorm.weight, eps)], -1)
+        x = (x @ layer.eh_proj.weight.T)[None]
+        position_ids = torch.arange(1, 11)[None]
+        cos_sin = hf.DeepseekV3RotaryEmbedding(cfg)(x, position_ids)
+        causal = torch.full((10, 10), float("-inf")).triu(1)[None, None]
+        out = block(x, attention_mask=causal, position_ids=position_ids, position_embeddings=cos_sin)
+        out = out[0] if isinstance(out, tuple) else out
+        want = _rms(out[0], layer.shared_head.norm.weight, eps) @ head.T
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
