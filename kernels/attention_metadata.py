@@ -32,6 +32,8 @@ class AttentionMetadata:
         block_size: tokens per KV block.
         query_lens_cpu: host copy of the B query lengths (no device sync to read them).
         seq_lens_cpu: host copy of ``seq_lens``.
+        local: the sliding-window layers' own metadata when they keep a separate KV cache group (same
+            query and sequence lengths; their block tables and slot mapping); None: one group.
     """
 
     query_start_loc: torch.Tensor
@@ -41,6 +43,7 @@ class AttentionMetadata:
     block_size: int
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    local: "AttentionMetadata | None" = None
 
     @property
     def num_reqs(self) -> int:

@@ -1,0 +1,86 @@
+"""Gemma-3-270M (real weights, converted from the GGUF chunk packages): the engine's greedy tokens equal
+Hugging Face transformers' (float32, CPU), with one prompt longer than the 512-token sliding window.
+
+The model and the reference are loaded once per module; generations are short to keep this fast.
+"""
+
+import pytest
+import torch
+
+from rayinfer.engine.types import SamplingParams
+
+MAX_TOKENS = 8
+TIE = 1e-3
+
+
+def long_text() -> str:
+    return " ".join(f"On day {i} the weather was {'sunny' if i % 3 else 'rainy'} and {i % 7} birds sang."
+                    for i in range(36)) + " To sum up, the weather was"
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    """``(model, tokenizer, model_dir)``: our Gemma3ForCausalLM in float32 on the CPU."""
+    from rayinfer.model.loader import load_model, load_tokenizer, resolve_model
+
+    model = load_model("gemma3", torch.float32, "cpu")
+    return model, load_tokenizer("gemma3"), resolve_model("gemma3")
+
+
+@pytest.fixture(scope="module")
+def prompts(gemma):
+    _, tok, _ = gemma
+    texts = ["The capital of France is", "def fibonacci(n):\n   ", "Roses are red,", long_text()]
+    out = [tok(t).input_ids for t in texts]
+    assert len(out[-1]) > 520, len(out[-1])  # longer than the window (512)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(gemma, prompts):
+    """HF greedy tokens and, per step, the gap between the top-2 logits."""
+    import transformers
+
+    _, tok, path = gemma
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    refs = []
+    with torch.no_grad():
+        for p in prompts:
+            out = hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False, output_logits=True,
+                              return_dict_in_generate=True, pad_token_id=tok.pad_token_id, eos_token_id=None)
+            gaps = [float(l[0].topk(2).values.diff().abs()) for l in out.logits]
+            refs.append((out.sequences[0, len(p):].tolist(), gaps))
+    return refs
+
+
+def engine_for(gemma, **kw):
+    from rayinfer.engine.config import EngineConfig, ModelConfig
+    from rayinfer.engine.llm_engine import LLMEngine
+
+    model, tok, _ = gemma
+    config = EngineConfig(**{"device": "cpu", "num_kv_blocks": 256, "max_num_seqs": 8,
+                             "max_num_batched_tokens": 1024, **kw})
+    return LLMEngine(ModelConfig(dtype="float32"), config, model=model, tokenizer=tok)
+
+
+def check_equal(completions, refs):
+    for c, (ref_ids, gaps) in zip(completions, refs):
+        assert c.error is None, c.error
+        got = c.output_token_ids
+        for k, (g, r) in enumerate(zip(got, ref_ids)):
+            if g != r:
+                assert gaps[k] < TIE, f"{c.request_id}: token {k} differs ({g} vs {r}), gap {gaps[k]}"
+                break
+        else:
+            assert len(got) == len(ref_ids), f"{c.request_id}: length {len(got)} vs {len(ref_ids)}"
+
+
+def greedy(n=MAX_TOKENS):
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def test_greedy_matches_hf(gemma, prompts, reference):
+    """One batch; the long prompt is prefilled in chunks of 200 tokens, so its last chunk's windows
+    start past the first block."""
+    engine = engine_for(gemma, max_num_batched_tokens=200)
+    check_equal(engine.generate(prompts, greedy()), reference)
