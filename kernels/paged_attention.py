@@ -29,7 +29,8 @@ def paged_attention_ref(
     positions ``0..`` that position inclusive. Grouped-query attention: query head ``h`` reads KV head
     ``h // (num_heads // num_kv_heads)``. With ``sliding_window`` W, a query at position p sees only
     keys ``p - W + 1 .. p`` (Gemma, Mistral; as Hugging Face's sliding-window mask); blocks wholly
-    before the first query's window are not read, so their table entries may be placeholders.
+    before the first query's window are not read, so their table entries may be placeholders; nor are
+    keys before ``meta.kv_start`` (when set; sliding-window attention only).
 
     Args:
         q: [T, num_heads, head_dim].
@@ -49,7 +50,9 @@ def paged_attention_ref(
     start = 0
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
         num_blocks = (seq_len + block_size - 1) // block_size
-        first_block = 0 if sliding_window is None else max(0, seq_len - q_len - sliding_window + 1) // block_size
+        first_key = 0 if sliding_window is None else max(0, seq_len - q_len - sliding_window + 1)
+        kv_start = meta.kv_start_cpu[i] if sliding_window is not None and meta.kv_start_cpu is not None else 0
+        first_block = max(first_key, kv_start) // block_size
         blocks = meta.block_tables[i, first_block:num_blocks].long()
         kv = kv_cache[blocks]  # [n, 2, bs, Hkv, D]
         k_lo = first_block * block_size  # position of the first key read
@@ -59,7 +62,7 @@ def paged_attention_ref(
         k_pos = torch.arange(k_lo, seq_len, device=q.device)
         mask = q_pos[:, None] >= k_pos[None, :]
         if sliding_window is not None:
-            mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
+            mask &= (k_pos[None, :] > q_pos[:, None] - sliding_window) & (k_pos[None, :] >= kv_start)
         if q_len <= _SHORT_QUERY:
             # decode and short extends: two batched matmuls per KV head group, no K/V copies per query
             # head (on the CPU several times faster than scaled_dot_product_attention for these shapes)
@@ -176,7 +179,7 @@ def _attend_tile(
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, kv_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, kv_start_ptr,
     num_reqs, num_heads, num_splits, qk_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ckv, stride_cs, stride_ch, stride_bt,
@@ -184,7 +187,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
     ONE_TILE: tl.constexpr, REVERSE: tl.constexpr, USE_SPLITS: tl.constexpr, IEEE: tl.constexpr,
     KV_CAST: tl.constexpr, KV_F16: tl.constexpr, ROWWISE: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-    SLIDING: tl.constexpr = False,
+    SLIDING: tl.constexpr = False, HAS_KV_START: tl.constexpr = False,
 ):
     pdl_wait(USE_PDL)
     program = tl.program_id(0)
@@ -226,6 +229,8 @@ def _paged_attention_kernel(
     win_lo = 0
     if SLIDING:  # the first key any row of the tile sees; tiles wholly before it are skipped
         win_lo = tl.maximum(ctx_len + tile_first - window + 1, 0)
+        if HAS_KV_START:  # keys before a bounded replay's start were never computed
+            win_lo = tl.maximum(win_lo, tl.load(kv_start_ptr + req))
         kv_lo = win_lo // BLOCK_N * BLOCK_N
     if USE_SPLITS:  # this request's keys in num_splits equal parts (whole tiles), sized at run time: a
         # graph captured for the longest context still spreads a short one over every split
@@ -362,6 +367,7 @@ def paged_attention_triton(
     """
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    kv_start = meta.kv_start if sliding_window is not None else None
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     num_reqs = meta.num_reqs
     if num_tokens == 0 or num_reqs == 0:
@@ -401,7 +407,7 @@ def paged_attention_triton(
     _paged_attention_kernel[(grid_x, num_kv_heads, num_splits)](
         q, kv_cache, out, part_out, part_lse,
         meta.query_start_loc, meta.seq_lens, meta.block_tables,
-        num_reqs, num_heads, num_splits, scale * 1.4426950408889634, sliding_window or 0,
+        meta.seq_lens if kv_start is None else kv_start, num_reqs, num_heads, num_splits, scale * 1.4426950408889634, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), meta.block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n,
@@ -409,6 +415,7 @@ def paged_attention_triton(
         ONE_TILE=one_tile, REVERSE=bool(cfg["reverse"]) and not one_tile, USE_SPLITS=use_splits, IEEE=is_fp32,
         KV_CAST=kv_cast, KV_F16=kv_cast and not is_fp32 and bool(cfg["kv_f16"]),
         ROWWISE=invariant and is_interpreting(), SLIDING=sliding_window is not None,
+        HAS_KV_START=kv_start is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(pdl),
     )
     if use_splits:
