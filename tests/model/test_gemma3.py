@@ -33,7 +33,8 @@ def prompts(gemma):
     texts = ["The capital of France is", "def fibonacci(n):\n   ", "Roses are red,", long_text()]
     out = [tok(t).input_ids for t in texts]
     assert len(out[-1]) > 520, len(out[-1])  # longer than the window (512)
-    return out
+    # last: the long prompt and a few new tokens (a prefix hit past the window once the long one ran)
+    return out + [out[-1] + tok(" and the birds", add_special_tokens=False).input_ids]
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +80,34 @@ def greedy(n=MAX_TOKENS):
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
-def test_greedy_matches_hf(gemma, prompts, reference):
+@pytest.fixture(scope="module")
+def engine(gemma):
+    return engine_for(gemma, max_num_batched_tokens=200)
+
+
+def test_greedy_matches_hf(engine, prompts, reference):
     """One batch; the long prompt is prefilled in chunks of 200 tokens, so its last chunk's windows
     start past the first block."""
-    engine = engine_for(gemma, max_num_batched_tokens=200)
-    check_equal(engine.generate(prompts, greedy()), reference)
+    check_equal(engine.generate(prompts[:-1], greedy()), reference[:-1])
+    stats = engine.stats()
+    assert stats["num_replayed_tokens"] == 0
+    assert stats["num_local_free_blocks"] == stats["num_local_blocks"] - 1  # all back but the null block
+
+
+def test_prefix_hit_replays_only_the_window(engine, gemma, prompts, reference):
+    """The long prompt is cached (previous test): a prompt extending it hits 528 tokens, restores the
+    full-attention layers' KV and recomputes the sliding layers' KV of the last W - 1 = 511 hit tokens
+    with the new ones, in one forward; its greedy tokens still equal Hugging Face's cold run."""
+    model = gemma[0]
+    window = model.sliding_window
+    before = engine.stats()
+    out = engine.generate(prompts[-1:], greedy(), request_ids=["warm"])
+    after = engine.stats()
+    check_equal(out, reference[-1:])
+    hit = out[0].num_cached_tokens
+    assert hit == len(prompts[-2]) // 16 * 16 > window
+    assert after["num_replayed_tokens"] - before["num_replayed_tokens"] == window - 1
+    # the sliding layers computed the replay + the uncached suffix (+ the decode steps), not the prefix
+    suffix = len(prompts[-1]) - hit
+    computed = after["num_computed_tokens"] - before["num_computed_tokens"]
+    assert computed == (window - 1) + suffix + MAX_TOKENS - 1
