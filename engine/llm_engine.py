@@ -157,8 +157,18 @@ class LLMEngine:
         if self.kv_dtype != self.dtype and not getattr(self.model, "supports_fp8_kv_cache", False):
             raise ValueError(f"kv_cache_dtype={cfg.kv_cache_dtype!r} is not supported by {type(self.model).__name__} "
                              "(fp8 KV needs the paged-attention models: Llama, Qwen3-MoE)")
-        self.kv_cache = torch.zeros(self.model.kv_cache_shape(num_blocks, cfg.block_size), dtype=self.kv_dtype,
-                                    device=self.device)
+        # sliding-window models (Gemma 3): the full-attention layers' cache here, and a small second cache
+        # for the sliding layers, whose tables keep only each request's window (engine.kv_cache_manager)
+        sliding_window = getattr(self.model, "sliding_window", None) if hasattr(self.model, "kv_cache_group_shapes") else None
+        num_local_blocks = self._num_local_blocks(sliding_window) if sliding_window else 0
+        self.local_kv_cache = None
+        if sliding_window:
+            global_shape, local_shape = self.model.kv_cache_group_shapes(num_blocks, num_local_blocks, cfg.block_size)
+            self.kv_cache = torch.zeros(global_shape, dtype=self.kv_dtype, device=self.device)
+            self.local_kv_cache = torch.zeros(local_shape, dtype=self.kv_dtype, device=self.device)
+        else:
+            self.kv_cache = torch.zeros(self.model.kv_cache_shape(num_blocks, cfg.block_size), dtype=self.kv_dtype,
+                                        device=self.device)
         num_host_blocks = self._num_host_blocks()
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=cfg.max_num_seqs,
@@ -170,9 +180,12 @@ class LLMEngine:
             enable_chunked_prefill=cfg.enable_chunked_prefill,
             role=self.role,
             num_host_blocks=num_host_blocks,
+            sliding_window=sliding_window or None,
+            num_local_blocks=num_local_blocks,
         ))
         self.sampler = Sampler(self.vocab_size, model_config.seed)
-        self.runner = ModelRunner(self.model, self.kv_cache, cfg.block_size, self.sampler, cfg.batch_invariant)
+        self.runner = ModelRunner(self.model, self.kv_cache, cfg.block_size, self.sampler, cfg.batch_invariant,
+                                  self.local_kv_cache)
         self.runner.sync_guard = cfg.debug_sync_guard
         if num_host_blocks:
             from rayinfer.engine.host_kv_cache import HostKVCache
@@ -199,7 +212,7 @@ class LLMEngine:
                 logger.info("speculative decoding (%s): pipelined scheduling is off, steps run drained", spec.method)
                 self.async_scheduling = False
         self._inflight = None  # (SchedulerOutput, PendingStep, its requests) launched but not yet processed
-        if on_cuda and not cfg.enforce_eager and not self.runner.capture_hidden:
+        if on_cuda and not cfg.enforce_eager and not self.runner.capture_hidden and self.local_kv_cache is None:
             self.runner.capture_cuda_graphs(self.max_model_len, min(cfg.max_num_seqs, 512))
         self.num_prompt_tokens = 0  # counters for metrics
         self.num_generation_tokens = 0
@@ -231,9 +244,23 @@ class LLMEngine:
             raise ValueError("host_kv_cache_gib > 0 needs enable_prefix_caching (the host tier holds cached blocks)")
         return n
 
+    def _num_local_blocks(self, window: int) -> int:
+        """Blocks of the sliding layers' pool: every running request's window plus the blocks a step's
+        new tokens can span (``max_num_seqs * (ceil(W / bs) + 2) + ceil(max_num_batched_tokens / bs)``),
+        and the reserved null block."""
+        cfg = self.engine_config
+        bs = cfg.block_size
+        return cfg.max_num_seqs * (-(-window // bs) + 2) + -(-cfg.max_num_batched_tokens // bs) + 1
+
     def _auto_num_blocks(self, draft_shape: tuple[int, ...] | None = None) -> int:
         cfg = self.engine_config
         per_block = math.prod(self.model.kv_cache_shape(1, cfg.block_size)) * self.kv_dtype.itemsize
+        local_bytes = 0
+        window = getattr(self.model, "sliding_window", None) if hasattr(self.model, "kv_cache_group_shapes") else None
+        if window:  # the main pool holds the full-attention layers; the sliding layers' pool comes first
+            global_shape, local_shape = self.model.kv_cache_group_shapes(1, self._num_local_blocks(window), cfg.block_size)
+            per_block = math.prod(global_shape) * self.kv_dtype.itemsize
+            local_bytes = math.prod(local_shape) * self.kv_dtype.itemsize
         if draft_shape is not None:  # the proposer's own cache gets as many blocks, from the same budget
             per_block += math.prod(draft_shape) * self.dtype.itemsize
         if self.device.type == "cuda":
@@ -246,7 +273,7 @@ class LLMEngine:
                       - cfg.kv_transfer_buffer_gib * _GIB)
         else:
             budget = cfg.kv_cache_memory_gib * _GIB
-        num_blocks = int(budget // per_block)
+        num_blocks = int((budget - local_bytes) // per_block)
         if num_blocks <= 0:
             raise ValueError("no memory left for the KV cache; lower the model size or raise the memory budget")
         return num_blocks
@@ -694,6 +721,9 @@ class LLMEngine:
             "num_computed_tokens": self.num_computed_tokens,
             "num_free_blocks": kv.pool.num_free_blocks,
             "num_blocks": kv.pool.num_blocks,
+            **({"num_replayed_tokens": self.scheduler.num_replayed_tokens,
+                "num_local_free_blocks": kv.local_pool.num_free_blocks,
+                "num_local_blocks": kv.local_pool.num_blocks} if kv.local_pool is not None else {}),
             **(self.spec_stats.to_dict() if self.proposer is not None else {}),
             **(self._host_stats() if kv.host is not None else {}),
         }

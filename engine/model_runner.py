@@ -56,6 +56,8 @@ class ModelRunner:
         sampler: the :class:`Sampler`.
         batch_invariant: run the model and the logprobs in batch-invariant mode
             (``kernels.batch_invariant``), CUDA-graph capture included.
+        local_kv_cache: the sliding-window layers' own cache (a model with two KV groups; ``kv_cache`` then
+            holds the full-attention layers only), or None.
 
     ``capture_hidden`` (set by the engine for MTP drafting): every step runs eagerly through
     ``model.forward_with_prenorm`` and keeps the last layer's hidden states before the final norm in
@@ -63,8 +65,11 @@ class ModelRunner:
     """
 
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int, sampler: Sampler,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, local_kv_cache: torch.Tensor | None = None):
         self.model = model
+        self.local_kv_cache = local_kv_cache
+        # what the model's forward takes: the cache, or the (global, local) pair
+        self.model_kv = kv_cache if local_kv_cache is None else (kv_cache, local_kv_cache)
         self.batch_invariant = batch_invariant
         self.kv_cache = kv_cache
         self.block_size = block_size
@@ -111,6 +116,7 @@ class ModelRunner:
         tables = [s.block_ids for s in scheduled]
         padded = self.padded_tables.pad([s.request_id for s in scheduled], tables)
         starts, *meta_arrays, positions = host_arrays(query_lens, seq_lens, tables, self.block_size, padded)
+        local_arrays = self._local_arrays(scheduled, query_lens, seq_lens, starts, meta_arrays[2])
         num_tokens = len(positions)
         input_ids = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in scheduled), np.int64, num_tokens)
         sample_idx = [i for i, s in enumerate(scheduled) if s.needs_sample]
@@ -135,17 +141,21 @@ class ModelRunner:
             extra.append(sample_rows)
         # one host-to-device copy for all inputs
         with no_host_sync(self.sync_guard), batch_invariant_mode(self.batch_invariant):
-            ids, pos, *dev = to_device([input_ids, positions, starts, *meta_arrays, *extra], self.device)
-            meta, extra = AttentionMetadata(*dev[:4], self.block_size, query_lens, seq_lens), dev[4:]
+            ids, pos, *dev = to_device([input_ids, positions, starts, *meta_arrays, *local_arrays, *extra], self.device)
+            meta, extra = AttentionMetadata(*dev[:4], self.block_size, query_lens, seq_lens), dev[4 + len(local_arrays):]
+            if local_arrays:
+                meta.local = AttentionMetadata(
+                    meta.query_start_loc, meta.seq_lens, dev[4], dev[5], self.block_size, query_lens, seq_lens,
+                    kv_start=dev[6], kv_start_cpu=local_arrays[2].tolist())
             if holes.size:
                 ids[extra[0]] = prev.token_ids[extra[1]]
             prenorm = None
             if self.capture_hidden:
-                hidden, prenorm = self.model.forward_with_prenorm(ids, pos, self.kv_cache, meta)
+                hidden, prenorm = self.model.forward_with_prenorm(ids, pos, self.model_kv, meta)
             elif self.graphs is not None and meta.is_decode_only and self.graphs.padded_size(len(scheduled)) is not None:
                 hidden = self.graphs.run(ids, pos, meta.slot_mapping, meta.seq_lens, meta.block_tables)
             else:
-                hidden = self.model(ids, pos, self.kv_cache, meta)
+                hidden = self.model(ids, pos, self.model_kv, meta)
             step = PendingStep(sample_reqs, drafts=drafts, hidden=prenorm)
             if not sample_idx:
                 return step
@@ -163,6 +173,22 @@ class ModelRunner:
             else:
                 step.host = out
         return step
+
+    def _local_arrays(self, scheduled, query_lens, seq_lens, starts: np.ndarray, slots: np.ndarray) -> list[np.ndarray]:
+        """The sliding layers' block tables, slot mapping and ``kv_start`` ([] without a local KV group).
+
+        Also sets ``slots`` (the full-attention layers' slot mapping) to -1 on the rows of a bounded
+        replay: their KV is cached (a prefix hit, maybe shared by other requests) and must not be rewritten.
+        """
+        if self.local_kv_cache is None:
+            return []
+        for i, s in enumerate(scheduled):
+            if s.num_replay_tokens:
+                slots[starts[i] : starts[i] + s.num_replay_tokens] = -1
+        tables = [s.local_block_ids for s in scheduled]
+        _, _, local_tables, local_slots, _ = host_arrays(query_lens, seq_lens, tables, self.block_size)
+        kv_start = np.fromiter((s.local_kv_start for s in scheduled), np.int32, len(scheduled))
+        return [local_tables, local_slots, kv_start]
 
     @torch.inference_mode()
     def run_host_transfers(self, sched: SchedulerOutput) -> None:
@@ -188,7 +214,7 @@ class ModelRunner:
         meta = AttentionMetadata.build([], [], [], self.block_size, self.device)
         no_tokens = torch.empty(0, dtype=torch.long, device=self.device)
         with batch_invariant_mode(self.batch_invariant):
-            self.model(no_tokens, no_tokens, self.kv_cache, meta)
+            self.model(no_tokens, no_tokens, self.model_kv, meta)
 
     def finish(self, step: PendingStep) -> StepOutput:
         """Wait for a launched step and return its sampled tokens (advancing grammar matchers); a request

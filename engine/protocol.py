@@ -28,6 +28,9 @@ class ReplicaStats:
         num_preemptions: requests preempted so far.
         num_prompt_tokens, num_generation_tokens, num_computed_tokens: token counters.
         num_free_blocks, num_blocks: KV blocks free and in the pool.
+        num_replayed_tokens, num_local_free_blocks, num_local_blocks: sliding-window models (two KV
+            groups): tokens recomputed for the sliding layers only after prefix hits (bounded replay),
+            and the sliding layers' pool (0 for other models).
         num_parked_kv: PREFILL role: prefilled requests whose KV waits in the pool for its transfer.
         num_steps, step_busy_s: engine steps run so far and the seconds the step loop spent in them (the
             replica's busy fraction is the rate of ``step_busy_s``).
@@ -60,6 +63,9 @@ class ReplicaStats:
     num_computed_tokens: int = 0
     num_free_blocks: int = 0
     num_blocks: int = 0
+    num_replayed_tokens: int = 0
+    num_local_free_blocks: int = 0
+    num_local_blocks: int = 0
     num_parked_kv: int = 0
     num_steps: int = 0
     step_busy_s: float = 0.0

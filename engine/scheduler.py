@@ -38,6 +38,9 @@ class SchedulerConfig:
         enable_chunked_prefill: split prompts longer than the budget over several steps.
         role: the replica's :class:`EngineRole`.
         num_host_blocks: blocks of the host-memory KV tier (0: none; see ``engine.host_kv_cache``).
+        sliding_window: W of a model's sliding-window layers, which then keep a KV group of their own
+            (``engine.kv_cache_manager``); None: full attention only.
+        num_local_blocks: blocks of that group's pool.
     """
 
     max_num_seqs: int = 64
@@ -49,6 +52,8 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     role: EngineRole = EngineRole.NORMAL
     num_host_blocks: int = 0
+    sliding_window: int | None = None
+    num_local_blocks: int = 0
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks"):
@@ -64,7 +69,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
-                                 config.num_host_blocks)
+                                 config.num_host_blocks, config.sliding_window, config.num_local_blocks)
+        self.num_replayed_tokens = 0  # tokens recomputed for the sliding layers only (bounded replay)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -189,14 +195,21 @@ class Scheduler:
             host_slots = (self.kv.match_host(req, len(hit_blocks))
                           if req.kv_handle is None and not req.num_computed_tokens else [])
             num_hit += len(host_slots) * cfg.block_size
-            num_new = req.num_tokens - req.num_computed_tokens - num_hit
+            # bounded replay: a hit restores the full-attention layers' KV only; the sliding layers'
+            # KV of the hit's last W - 1 tokens is recomputed in the same forward as the rest
+            num_replay = self.kv.num_replay_tokens(num_hit)
+            num_new = req.num_tokens - req.num_computed_tokens - num_hit + num_replay
             if num_new > budget and not cfg.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
-            req.num_computed_tokens += num_hit
-            if self.kv.allocate_slots(req, num_new, hit_blocks) is None:
-                req.num_computed_tokens -= num_hit
+            start = req.num_computed_tokens + num_hit - num_replay
+            req.num_computed_tokens = start
+            first_pos = None if not num_replay else start + self.kv.sliding_window - 1  # keys from start on
+            if self.kv.allocate_slots(req, num_new, hit_blocks, first_pos) is None:
+                req.num_computed_tokens -= num_hit - num_replay
                 break
+            if self.kv.local_pool is not None:
+                req.local_kv_start, req.replay_end = start, start + num_replay
             self.waiting.popleft()
             if host_slots:  # host-tier hits: fresh device blocks right after the device hits, loaded back
                 self.kv.add_loads(host_slots, req.block_ids[len(hit_blocks) : len(hit_blocks) + len(host_slots)])
@@ -224,6 +237,8 @@ class Scheduler:
             if num_drafts:
                 known += req.draft_token_ids[:num_drafts]
             needs_sample = end >= req.num_tokens
+            num_replay = max(0, min(end, req.replay_end) - start)
+            self.num_replayed_tokens += num_replay
             scheduled.append(ScheduledRequest(
                 request_id=req.request_id,
                 token_ids=tuple(known),
@@ -231,6 +246,9 @@ class Scheduler:
                 block_ids=tuple(req.block_ids),
                 needs_sample=needs_sample,
                 num_draft_tokens=num_drafts,
+                local_block_ids=None if self.kv.local_pool is None else tuple(req.local_block_ids),
+                num_replay_tokens=num_replay,
+                local_kv_start=req.local_kv_start,
             ))
             if needs_sample:
                 req.num_pending_tokens += 1
@@ -262,7 +280,7 @@ class Scheduler:
         router to re-prefill prompt + outputs so far.
         """
         self.kv.free(req)
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = req.local_kv_start = req.replay_end = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1

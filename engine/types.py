@@ -170,6 +170,11 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)  # the block table
+    local_block_ids: list[int] = field(default_factory=list)  # sliding layers' table (kv_cache_manager)
+    # bounded replay (sliding-window models): the sliding layers' KV exists from local_kv_start on; the
+    # tokens before replay_end (the prefix hit) are recomputed for the sliding layers only
+    local_kv_start: int = 0
+    replay_end: int = 0
     block_hashes: list[int] = field(default_factory=list)  # of full blocks, in order
     num_registered_blocks: int = 0  # leading blocks of block_ids already registered in the prefix cache
     status: RequestStatus = RequestStatus.WAITING
@@ -239,6 +244,11 @@ class ScheduledRequest:
             verify (a token is sampled after each computed token from the last known one on, so
             ``num_draft_tokens + 1`` are sampled and the longest prefix of drafts the target agrees
             with is accepted).
+        local_block_ids: the sliding layers' block table (models with a local KV group), else None.
+        num_replay_tokens: the leading this many of ``token_ids`` are a bounded replay: their
+            full-attention KV is already cached (a prefix hit), so only the sliding layers write theirs.
+        local_kv_start: first position with sliding-layer KV (a replay's start; keys before it are
+            never read).
     """
 
     request_id: str
@@ -247,6 +257,9 @@ class ScheduledRequest:
     block_ids: tuple[int, ...]
     needs_sample: bool
     num_draft_tokens: int = 0
+    local_block_ids: tuple[int, ...] | None = None
+    num_replay_tokens: int = 0
+    local_kv_start: int = 0
 
     @property
     def num_new_tokens(self) -> int:

@@ -32,6 +32,12 @@ class AttentionMetadata:
         block_size: tokens per KV block.
         query_lens_cpu: host copy of the B query lengths (no device sync to read them).
         seq_lens_cpu: host copy of ``seq_lens``.
+        local: the sliding-window layers' own metadata when they keep a separate KV cache group (same
+            query and sequence lengths; their block tables and slot mapping); None: one group.
+        kv_start: [B] int32, first key position each request may read (keys before it were never
+            computed: a bounded replay's start, see ``engine.kv_cache_manager``); None: 0 for all.
+            Read by the sliding-window attention only.
+        kv_start_cpu: host copy of ``kv_start``.
     """
 
     query_start_loc: torch.Tensor
@@ -41,6 +47,9 @@ class AttentionMetadata:
     block_size: int
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    local: "AttentionMetadata | None" = None
+    kv_start: torch.Tensor | None = None
+    kv_start_cpu: list[int] | None = None
 
     @property
     def num_reqs(self) -> int:

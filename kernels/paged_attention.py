@@ -20,13 +20,17 @@ def paged_attention_ref(
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its whole cached context (plain torch).
 
     The new tokens' keys and values must already be in ``kv_cache`` (see ``kernels.kv_write``). Query
     row ``j`` of request ``i`` sits at position ``seq_lens[i] - query_len_i + j`` and attends to
     positions ``0..`` that position inclusive. Grouped-query attention: query head ``h`` reads KV head
-    ``h // (num_heads // num_kv_heads)``.
+    ``h // (num_heads // num_kv_heads)``. With ``sliding_window`` W, a query at position p sees only
+    keys ``p - W + 1 .. p`` (Gemma, Mistral; as Hugging Face's sliding-window mask); blocks wholly
+    before the first query's window are not read, so their table entries may be placeholders; nor are
+    keys before ``meta.kv_start`` (when set; sliding-window attention only).
 
     Args:
         q: [T, num_heads, head_dim].
@@ -34,6 +38,7 @@ def paged_attention_ref(
             float8_e4m3fn (an fp8 KV cache, widened on load).
         meta: the step's :class:`AttentionMetadata`.
         scale: softmax scale, usually ``head_dim ** -0.5``.
+        sliding_window: W (tokens), or None for full causal attention.
     Returns:
         [T, num_heads, head_dim], q's dtype; accumulation in float32.
     """
@@ -45,12 +50,19 @@ def paged_attention_ref(
     start = 0
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
         num_blocks = (seq_len + block_size - 1) // block_size
-        blocks = meta.block_tables[i, :num_blocks].long()
+        first_key = 0 if sliding_window is None else max(0, seq_len - q_len - sliding_window + 1)
+        kv_start = meta.kv_start_cpu[i] if sliding_window is not None and meta.kv_start_cpu is not None else 0
+        first_block = max(first_key, kv_start) // block_size
+        blocks = meta.block_tables[i, first_block:num_blocks].long()
         kv = kv_cache[blocks]  # [n, 2, bs, Hkv, D]
-        k = kv[:, 0].reshape(-1, num_kv_heads, kv.shape[-1])[:seq_len]
-        v = kv[:, 1].reshape(-1, num_kv_heads, kv.shape[-1])[:seq_len]
+        k_lo = first_block * block_size  # position of the first key read
+        k = kv[:, 0].reshape(-1, num_kv_heads, kv.shape[-1])[: seq_len - k_lo]
+        v = kv[:, 1].reshape(-1, num_kv_heads, kv.shape[-1])[: seq_len - k_lo]
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        mask = q_pos[:, None] >= torch.arange(seq_len, device=q.device)[None, :]
+        k_pos = torch.arange(k_lo, seq_len, device=q.device)
+        mask = q_pos[:, None] >= k_pos[None, :]
+        if sliding_window is not None:
+            mask &= (k_pos[None, :] > q_pos[:, None] - sliding_window) & (k_pos[None, :] >= kv_start)
         if q_len <= _SHORT_QUERY:
             # decode and short extends: two batched matmuls per KV head group, no K/V copies per query
             # head (on the CPU several times faster than scaled_dot_product_attention for these shapes)
@@ -107,10 +119,13 @@ def _attend_tile(
     acc, m_i, l_i, q, table, kv_base, start, kv_hi, q_pos, qk_scale,
     stride_cb, stride_ckv, stride_cs, dims, dim_ok,
     BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
-    IEEE: tl.constexpr, KV_CAST: tl.constexpr, ROWWISE: tl.constexpr,
+    IEEE: tl.constexpr, KV_CAST: tl.constexpr, ROWWISE: tl.constexpr, win_lo=0, window=0,
+    SLIDING: tl.constexpr = False,
 ):
     n = start + tl.arange(0, BLOCK_N)
     n_ok = n < kv_hi
+    if SLIDING:  # keys before the tile's first window are placeholders: neither loaded nor seen
+        n_ok = n_ok & (n >= win_lo)
     if MASKED:
         blk = tl.load(table + n // KV_BLOCK_SIZE, mask=n_ok, other=0)
     else:
@@ -142,6 +157,8 @@ def _attend_tile(
     s = s * qk_scale
     if MASKED:
         visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        if SLIDING:
+            visible = visible & (n[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row that has seen no visible key yet keeps m = -inf; shift by 0 there to avoid inf - inf.
@@ -162,15 +179,15 @@ def _attend_tile(
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, kv_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-    num_reqs, num_heads, num_splits, qk_scale,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, kv_start_ptr,
+    num_reqs, num_heads, num_splits, qk_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ckv, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
     ONE_TILE: tl.constexpr, REVERSE: tl.constexpr, USE_SPLITS: tl.constexpr, IEEE: tl.constexpr,
     KV_CAST: tl.constexpr, KV_F16: tl.constexpr, ROWWISE: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-    ALL_MASKED: tl.constexpr = False,
+    ALL_MASKED: tl.constexpr = False, SLIDING: tl.constexpr = False, HAS_KV_START: tl.constexpr = False,
 ):
     pdl_wait(USE_PDL)
     program = tl.program_id(0)
@@ -209,16 +226,24 @@ def _paged_attention_kernel(
 
     kv_lo = 0
     kv_hi = ctx_len + tl.minimum(q_len, tile_first + BLOCK_Q)  # last row's position + 1
+    win_lo = 0
+    if SLIDING:  # the first key any row of the tile sees; tiles wholly before it are skipped
+        win_lo = tl.maximum(ctx_len + tile_first - window + 1, 0)
+        if HAS_KV_START:  # keys before a bounded replay's start were never computed
+            win_lo = tl.maximum(win_lo, tl.load(kv_start_ptr + req))
+        kv_lo = win_lo // BLOCK_N * BLOCK_N
     if USE_SPLITS:  # this request's keys in num_splits equal parts (whole tiles), sized at run time: a
         # graph captured for the longest context still spreads a short one over every split
-        split_size = tl.cdiv(tl.cdiv(kv_hi, num_splits), BLOCK_N) * BLOCK_N
-        kv_lo = split * split_size
+        split_size = tl.cdiv(tl.cdiv(kv_hi - kv_lo, num_splits), BLOCK_N) * BLOCK_N
+        kv_lo = kv_lo + split * split_size
         kv_hi = tl.minimum(kv_hi, kv_lo + split_size)
-    # Keys up to the tile's first query position are visible to every row: no mask needed there.
+    # Keys up to the tile's first query position are visible to every row: no mask needed there
+    # (with a sliding window every tile takes the masked loop, which also hides keys before the window).
     full_hi = tl.minimum(kv_hi, ctx_len + tile_first + 1)
     full_hi = kv_lo + tl.maximum(full_hi - kv_lo, 0) // BLOCK_N * BLOCK_N
-    if ALL_MASKED:  # batch-invariant: one code path for every tile (the compiler may round the unmasked
-        # loop's scale-and-subtract differently, e.g. fused into an FMA), whatever the row's tile start
+    if ALL_MASKED or SLIDING:  # batch-invariant: one code path for every tile (the compiler may round the
+        # unmasked loop's scale-and-subtract differently, e.g. fused into an FMA), whatever the row's tile
+        # start; a sliding window: the masked loop also hides keys before the window
         full_hi = kv_lo
 
     m_i = tl.full([M], float("-inf"), tl.float32)
@@ -234,7 +259,7 @@ def _paged_attention_kernel(
     for start in range(full_hi, kv_hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, table, kv_base, start, kv_hi, q_pos, qk_scale, stride_cb, stride_ckv, stride_cs,
-            dims, dim_ok, BLOCK_N, KV_BLOCK_SIZE, True, EVEN_D, IEEE, KV_CAST, ROWWISE,
+            dims, dim_ok, BLOCK_N, KV_BLOCK_SIZE, True, EVEN_D, IEEE, KV_CAST, ROWWISE, win_lo, window, SLIDING,
         )
 
     if USE_SPLITS:
@@ -263,7 +288,7 @@ def _merge_splits_kernel(
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
     lse = tl.load(part_lse_ptr + base + splits, mask=s_ok, other=float("-inf"))
-    m = tl.max(lse, 0)  # finite: split 0 always holds key 0, visible to every query
+    m = tl.max(lse, 0)  # finite: some split holds the query's own position, always visible
     w = tl.exp2(lse - m)
     o = tl.load(part_out_ptr + (base + splits)[:, None] * BLOCK_D + dims[None, :], mask=s_ok[:, None] & dim_ok[None, :], other=0.0)
     out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
@@ -326,6 +351,7 @@ def paged_attention_triton(
     num_splits: int | None = None,
     max_seq_len: int | None = None,
     config: dict | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Triton kernel of :func:`paged_attention_ref` (same contract; no host sync).
 
@@ -346,6 +372,7 @@ def paged_attention_triton(
     """
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    kv_start = meta.kv_start if sliding_window is not None else None
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     num_reqs = meta.num_reqs
     if num_tokens == 0 or num_reqs == 0:
@@ -387,14 +414,15 @@ def paged_attention_triton(
     _paged_attention_kernel[(grid_x, num_kv_heads, num_splits)](
         q, kv_cache, out, part_out, part_lse,
         meta.query_start_loc, meta.seq_lens, meta.block_tables,
-        num_reqs, num_heads, num_splits, scale * 1.4426950408889634,
+        meta.seq_lens if kv_start is None else kv_start, num_reqs, num_heads, num_splits, scale * 1.4426950408889634, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), meta.block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n,
         HEAD_DIM=head_dim, BLOCK_D=block_d, KV_BLOCK_SIZE=block_size,
         ONE_TILE=one_tile, REVERSE=bool(cfg["reverse"]) and not one_tile, USE_SPLITS=use_splits, IEEE=is_fp32,
         KV_CAST=kv_cast, KV_F16=kv_cast and not is_fp32 and bool(cfg["kv_f16"]),
-        ROWWISE=invariant and is_interpreting(), ALL_MASKED=invariant,
+        ROWWISE=invariant and is_interpreting(), ALL_MASKED=invariant, SLIDING=sliding_window is not None,
+        HAS_KV_START=kv_start is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(pdl),
     )
     if use_splits:
@@ -420,8 +448,9 @@ def _triton_applies(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     )
 
 
-def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    sliding_window: int | None = None) -> torch.Tensor:
     """Same contract as :func:`paged_attention_ref`; the Triton kernel on CUDA tensors."""
     if _triton_applies(q, kv_cache, meta):
-        return paged_attention_triton(q, kv_cache, meta, scale)
-    return paged_attention_ref(q, kv_cache, meta, scale)
+        return paged_attention_triton(q, kv_cache, meta, scale, sliding_window=sliding_window)
+    return paged_attention_ref(q, kv_cache, meta, scale, sliding_window)

