@@ -3,7 +3,8 @@ companion requests (batches of varying size and length, prefix-cache hits, chunk
 gives exactly one output, token ids and logprobs bit for bit.
 
 On CPU the property is checked through the Triton interpreter on a tiny random Llama (the kernels the
-GPU runs, with ``tl.dot`` written out row by row: see ROWWISE in ``kernels._triton_utils``); the GPU test
+GPU runs, with ``tl.dot`` written out row by row: see ROWWISE in ``kernels._triton_utils``), colocated
+and through a PREFILL engine whose KV a DECODE engine imports (1P1D without Ray); the GPU test
 runs SmolLM2 in bfloat16 with CUDA graphs and pipelined scheduling, 100 trials, and also reports how
 many distinct outputs the default mode gave.
 
@@ -103,11 +104,9 @@ def distinct_outputs(engines, target, num_trials: int, seed: int, progress: bool
 CPU_ENGINES = [(512, 128, False), (5, 128, True), (7, 12, False)]
 
 
-def _tiny_engines(batch_invariant: bool):
+def _tiny_model():
     import transformers
 
-    from rayinfer.engine.config import EngineConfig, ModelConfig
-    from rayinfer.engine.llm_engine import LLMEngine
     from rayinfer.model.llama import LlamaForCausalLM
     from rayinfer.model.loader import load_tokenizer
 
@@ -118,13 +117,76 @@ def _tiny_engines(batch_invariant: bool):
     model = LlamaForCausalLM(cfg)
     for p in model.parameters():  # spread weights: logits far from ties, so any rounding shows in logprobs
         torch.nn.init.normal_(p, std=0.3)
-    model = model.eval().requires_grad_(False)
-    tokenizer = load_tokenizer("SmolLM2-135M-Instruct")
+    return model.eval().requires_grad_(False), load_tokenizer("SmolLM2-135M-Instruct")
+
+
+def _tiny_engines(batch_invariant: bool):
+    from rayinfer.engine.config import EngineConfig, ModelConfig
+    from rayinfer.engine.llm_engine import LLMEngine
+
+    model, tokenizer = _tiny_model()
     return [LLMEngine(ModelConfig("tiny-llama", max_model_len=256),
                       EngineConfig(device="cpu", block_size=4, num_kv_blocks=blocks, max_num_seqs=6,
                                    max_num_batched_tokens=chunk, async_scheduling=async_, batch_invariant=batch_invariant),
                       model=model, tokenizer=tokenizer)
             for chunk, blocks, async_ in CPU_ENGINES]
+
+
+def pd_trial(prefill, decode, target: list[int], rng: random.Random, tag: str, *, max_companions: int,
+             max_len: int, max_new: int, vocab: int, companion_max_new: int = 6) -> tuple:
+    """The target through 1P1D engines (no Ray: export from the PREFILL engine, import into the DECODE
+    one, as the PD actors do), prefilled among random companions and decoded beside them; returns the
+    target's output in :func:`run_trial`'s form."""
+    import dataclasses
+
+    target_id = f"{tag}-target"
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True, logprobs=2)
+    prompts, params = {}, {}
+    for j in range(rng.randint(1, max_companions)):
+        n = rng.randint(1, max_len)
+        prompts[f"{tag}-c{j}"] = [rng.randrange(vocab) for _ in range(n)]
+        params[f"{tag}-c{j}"] = SamplingParams(temperature=rng.choice([0.0, 1.0]), ignore_eos=True, seed=j,
+                                               max_tokens=rng.randint(1, companion_max_new))
+    order = list(prompts)
+    order.insert(rng.randint(0, len(order)), target_id)
+    prompts[target_id], params[target_id] = target, greedy
+    for rid in order:
+        prefill.add_request(rid, prompts[rid], params[rid])
+    out: list = []
+    pending = []
+    while prefill.has_unfinished_requests():
+        for o in prefill.step():
+            assert o.error is None, o.error
+            if o.request_id == target_id:
+                for t, lp in zip(o.new_token_ids, o.new_logprobs or []):
+                    out.append((t, lp.logprob, tuple(sorted((lp.top_logprobs or {}).items()))))
+            if o.finish_reason == "prefilled":
+                pending.append((o.request_id, o.kv_handle, list(o.new_token_ids)))
+    rng.shuffle(pending)  # the decode side admits them in another order
+    for rid, handle, first in pending:
+        payload = prefill.take_kv(rid)
+        decode.add_request(rid, prompts[rid], params[rid], kv_handle=dataclasses.replace(handle, payload=payload),
+                           output_token_ids=first)
+    while decode.has_unfinished_requests():
+        for o in decode.step():
+            assert o.error is None and o.finish_reason != "preempted", o
+            if o.request_id == target_id:
+                for t, lp in zip(o.new_token_ids, o.new_logprobs or []):
+                    out.append((t, lp.logprob, tuple(sorted((lp.top_logprobs or {}).items()))))
+    assert len(out) == max_new
+    return tuple(out)
+
+
+def _pd_engines(batch_invariant: bool):
+    from rayinfer.engine.config import EngineConfig, ModelConfig
+    from rayinfer.engine.llm_engine import LLMEngine
+
+    model, tokenizer = _tiny_model()
+    base = dict(device="cpu", block_size=4, num_kv_blocks=128, max_num_seqs=6, batch_invariant=batch_invariant)
+    return (LLMEngine(ModelConfig("tiny-llama", max_model_len=256),
+                      EngineConfig(role="prefill", max_num_batched_tokens=6, **base), model=model, tokenizer=tokenizer),
+            LLMEngine(ModelConfig("tiny-llama", max_model_len=256),
+                      EngineConfig(role="decode", **base), model=model, tokenizer=tokenizer))
 
 
 def _interpreter_check() -> None:
@@ -135,6 +197,12 @@ def _interpreter_check() -> None:
           f"{len(on)} distinct output(s)")
     assert preemptions > 0, "the small pool never preempted: the scenario lost its preemption case"
     assert len(on) == 1, f"batch-invariant mode gave {len(on)} distinct outputs: {sorted(on)}"
+    # 1P1D: prefilled in 6-token chunks among companions, its KV moved to a DECODE engine, decoded there
+    prefill, decode = _pd_engines(True)
+    rng = random.Random(2)
+    pd = {pd_trial(prefill, decode, target, rng, f"pd{i}", **kw) for i in range(3)}
+    print(f"interpreter, 1P1D, 3 trials: {len(pd)} distinct output(s), equal to colocated: {pd == on}")
+    assert pd == on, f"1P1D gave {sorted(pd)}, colocated {sorted(on)}"
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
