@@ -1,5 +1,6 @@
 """Context-parallel prefill math without Ray: N ranks as threads meeting in an in-process all-gather,
-checked against the one-rank forward (hidden states, KV cache)."""
+checked against the one-rank forward (hidden states, KV cache) and, through the engine (rank 0 an
+LLMEngine, the other ranks CPPeer threads), against a one-rank engine (greedy tokens, KV cache)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ import pytest
 import torch
 
 from rayinfer.engine.context_parallel import (
+    CPPeer,
+    CPPrefiller,
     cp_prefill_rank,
     scratch_cache,
     zigzag_bounds,
     zigzag_chunks,
 )
+from rayinfer.engine.types import SamplingParams
 from rayinfer.kernels.attention_metadata import AttentionMetadata
 
 
@@ -104,3 +108,73 @@ def test_cp_forward_matches_one_rank(tiny_llama, cp):
     layer_cache = caches[0][0][-1]
     kv = layer_cache.transpose(1, 2).reshape(-1, 2, *layer_cache.shape[3:])[:n]
     torch.testing.assert_close(kv, ref_kv[-1], atol=1e-5, rtol=1e-4)
+
+
+def cp_engine(make_engine, cp: int, min_tokens: int, **engine_config):
+    """An engine (rank 0) whose CP peers are threads over the same model; returns (engine, peers)."""
+    engine = make_engine(**engine_config)
+    group = ThreadGroup(cp)
+    peers = [CPPeer(engine.model, r, cp, group.for_rank(r), engine.engine_config.block_size, engine.kv_dtype)
+             for r in range(1, cp)]
+
+    def start_peers(token_ids):
+        threads = [threading.Thread(target=p.prefill, args=(token_ids,)) for p in peers]
+        for t in threads:
+            t.start()
+        return lambda: [t.join() for t in threads]
+
+    engine.set_context_parallel(CPPrefiller(cp, min_tokens, group.for_rank(0), start_peers))
+    return engine, peers
+
+
+def _prompt_kv(engine, prompt):
+    """The prompt's full blocks' KV from the engine's prefix cache: [L, n, 2, bs, H, D]."""
+    from rayinfer.engine.block_pool import hash_block_chain
+
+    bs = engine.engine_config.block_size
+    hashes = hash_block_chain(prompt[: len(prompt) // bs * bs], bs)
+    blocks = engine.scheduler.kv.pool.match_prefix(hashes, count=False)
+    assert len(blocks) == len(hashes)
+    return engine.kv_cache[:, blocks]
+
+
+def _check_same(make_engine, prompts, cp, **engine_config):
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    plain = make_engine(**engine_config)
+    want = plain.generate(prompts, params)
+    engine, peers = cp_engine(make_engine, cp, min_tokens=24, **engine_config)
+    got = engine.generate(prompts, params)
+    assert [c.output_token_ids for c in got] == [c.output_token_ids for c in want]
+    long = [p for p in prompts if len(p) - 1 >= 24]
+    assert engine.runner.cp.num_prefills == len(long) and all(p.num_prefills == len(long) for p in peers)
+    for prompt in long:
+        torch.testing.assert_close(_prompt_kv(engine, prompt), _prompt_kv(plain, prompt), atol=1e-4, rtol=1e-4)
+    assert all(c.num_cached_tokens == 0 for c in got)  # CP computed them: not prefix-cache hits
+    return engine
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_engine_cp_prefill_same_tokens_and_kv_tiny(tiny_engine, cp):
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (61, 10, 30)]
+    _check_same(tiny_engine, prompts, cp)
+
+
+def test_engine_cp_prefill_same_tokens_and_kv_smollm2(smollm2):
+    text = " ".join(f"Day {i} was {'sunny' if i % 3 else 'rainy'}." for i in range(12)) + " Summarize:"
+    prompt = smollm2.tokenizer.encode(text)
+    assert len(prompt) > 64
+    make = lambda **kw: smollm2.engine(device="cpu", num_kv_blocks=64, block_size=16, async_scheduling=False, **kw)  # noqa: E731
+    _check_same(make, [prompt, prompt[:12]], 2)
+
+
+def test_prefix_hit_skips_cp_when_the_uncached_part_is_short(tiny_engine):
+    gen = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, 1000, (48,), generator=gen).tolist()
+    engine, _ = cp_engine(tiny_engine, 2, min_tokens=24)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    first = engine.generate([prompt], params)[0]
+    assert engine.runner.cp.num_prefills == 1
+    again = engine.generate([prompt + [5, 6]], params)[0]  # 48 tokens cached: 2 left, under the threshold
+    assert engine.runner.cp.num_prefills == 1 and again.num_cached_tokens >= 44
+    assert first.output_token_ids == tiny_engine().generate([prompt], params)[0].output_token_ids
