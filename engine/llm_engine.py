@@ -345,7 +345,8 @@ class LLMEngine:
     def set_context_parallel(self, prefiller) -> None:
         """Make this engine rank 0 of a context-parallel replica: prompts whose part not in the prefix cache
         has at least ``prefiller.min_tokens`` tokens are prefilled by the CP ranks
-        (:class:`~rayinfer.engine.context_parallel.CPPrefiller`); the rest run here alone.
+        (:class:`~rayinfer.engine.context_parallel.CPPrefiller`); the rest run here alone. None only
+        checks that the engine supports CP (and turns it off).
 
         Raises:
             ValueError: for a model other than Llama's, a role other than NORMAL, or speculative decoding
