@@ -75,10 +75,8 @@ def run(args: argparse.Namespace) -> dict:
     dtype = args.dtype or ("bfloat16" if on_cuda else "float32")
     max_len = max(args.tokens) + 16
     model = ModelConfig(args.model, dtype=dtype, load_format=load_format, max_model_len=max_len)
-    engine_kw = dict(device=device, block_size=args.block_size, max_num_seqs=4, max_num_batched_tokens=max_len)
-    if not on_cuda:
-        engine_kw["kv_cache_memory_gib"] = args.kv_cache_gib or 1.0
-    engine = EngineConfig(**engine_kw)
+    engine = EngineConfig(device=device, block_size=args.block_size, max_num_seqs=4, max_num_batched_tokens=max_len,
+                          kv_cache_memory_gib=args.kv_cache_gib or 1.0)  # the CPU pool's size (GPU: from memory)
     embedded = args.ray_address == "local"
     init_ray(RayConfig(address=args.ray_address),
              num_cpus=max(os.cpu_count() or 1, max(args.cp) + 1) if embedded else None, log_to_driver=False)
