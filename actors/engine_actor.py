@@ -309,7 +309,7 @@ class EngineActorImpl:
         prefiller = CPPrefiller(cp_size, min_tokens, torch_all_gather(), start_peers)
         e.set_context_parallel(None)  # validates the model and config first; on only once joined
         if e.device.type == "cuda":
-            torch.cuda.set_device(e.device)
+            torch.cuda.set_device(e.device.index or 0)  # NCCL binds the group to the current device
         await asyncio.to_thread(init_process_group, 0, cp_size, address, port, cp_backend(e.device), timeout_s)
         e.set_context_parallel(prefiller)
 
