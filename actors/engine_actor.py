@@ -280,6 +280,39 @@ class EngineActorImpl:
         self._kv_in[request_id] = (time.monotonic(), kv_payload)
         return kv_payload.numel() * kv_payload.element_size()
 
+    # -- context parallelism: rank 0 of a CP replica (rayinfer.actors.cp_group) ---------------------
+    def cp_address(self) -> tuple[str, int]:
+        """(node IP, a free port) for the CP group's rendezvous."""
+        from rayinfer.actors.cp_group import cp_address
+
+        return cp_address()
+
+    async def join_cp_group(self, address: str, port: int, peers: list, min_tokens: int,
+                            timeout_s: float = 300.0) -> None:
+        """Join the replica's CP group as rank 0 (the peers join at once) and prefill prompts of at least
+        ``min_tokens`` uncached tokens with the peers (``LLMEngine.set_context_parallel``).
+
+        Raises:
+            ValueError: for a model, role or speculative method CP does not support (before joining).
+        """
+        from rayinfer.actors.cp_group import cp_backend
+        from rayinfer.engine.context_parallel import CPPrefiller, torch_all_gather
+        from rayinfer.placement.groups import init_process_group
+
+        e = self.engine.engine
+
+        def start_peers(token_ids: list[int]):
+            refs = [p.prefill.remote(token_ids) for p in peers]
+            return lambda: ray.get(refs)
+
+        cp_size = len(peers) + 1
+        prefiller = CPPrefiller(cp_size, min_tokens, torch_all_gather(), start_peers)
+        e.set_context_parallel(None)  # validates the model and config first; on only once joined
+        if e.device.type == "cuda":
+            torch.cuda.set_device(e.device.index or 0)  # NCCL binds the group to the current device
+        await asyncio.to_thread(init_process_group, 0, cp_size, address, port, cp_backend(e.device), timeout_s)
+        e.set_context_parallel(prefiller)
+
     # -- the transfer group (nccl, gloo) -----------------------------------------------------------
     def transfer_address(self) -> tuple[str, int]:
         """(node IP, a free port) for the transfer group's rendezvous (asked of rank 0)."""

@@ -13,6 +13,9 @@ clients (Serve ingress replicas, the job's driver) share it and its one view of 
 - ep: one expert-parallel replica whose ranks step in lockstep; its step loop runs here on a thread and
   requests stream through :meth:`Router.generate`.
 
+With ``parallel.cp > 1`` (colocated only) each replica is ``cp`` ranks in one placement group: the
+EngineActor on bundle 0 and ``cp - 1`` CP peers (``rayinfer.actors.cp_group``) that join its long prefills.
+
 Data between clients and replicas flows directly where it can (tokens of colocated and PD requests
 never pass through the router); the router only decides. Each replica is placed by a placement group
 whose bundles come from the ParallelConfig (``rayinfer.placement``); a cluster that cannot grant them
@@ -92,8 +95,12 @@ def check_supported(parallel: ParallelConfig) -> None:
     Raises:
         UnsupportedError: naming the field.
     """
-    if parallel.cp > 1:
-        raise UnsupportedError("parallel.cp > 1 (context parallelism) is not run by any topology yet", "cp")
+    if parallel.cp > 1 and parallel.is_disaggregated:
+        raise UnsupportedError("parallel.cp > 1 (context-parallel prefill) runs in colocated replicas only; "
+                               "prefill/decode disaggregation (num_prefill/num_decode) with cp > 1 is not supported", "cp")
+    if parallel.cp > 1 and parallel.ep > 1:
+        raise UnsupportedError("parallel.cp > 1 with ep > 1 is not supported: context-parallel prefill runs in "
+                               "dense (Llama-architecture) colocated replicas", "cp")
     if parallel.ep > 1 and (parallel.dp > 1 or parallel.is_disaggregated):
         raise UnsupportedError("parallel.ep > 1 runs one expert-parallel replica: keep dp = 1 and no "
                                "num_prefill/num_decode", "ep")
@@ -118,6 +125,7 @@ class Router:
         self.info: FleetInfo | None = None
         self._placed = parallel  # with num_cpus_per_replica resolved, in start()
         self._placement_groups: list = []
+        self._cp_peers: list = []  # colocated with cp > 1: every replica's CP ranks 1..cp-1
         # colocated
         self.balancer: ReplicaLoadBalancer | None = None
         # pd
@@ -186,6 +194,8 @@ class Router:
             replicas = [await self._place(EngineActor, i, self.model_config, cfg, i, kv_store=store)
                         for i in range(p.dp)]
             info = await asyncio.gather(*[r.ready.remote() for r in replicas])
+            if p.cp > 1:
+                await asyncio.gather(*[self._start_cp(pg, r) for pg, r in zip(self._placement_groups, replicas)])
             self.balancer = ReplicaLoadBalancer(p.dp, cfg.block_size)
             self.info = FleetInfo("colocated", info[0]["max_model_len"], cfg.block_size, replicas,
                                   kv_store=store, model=self.model_config.model)
@@ -200,10 +210,11 @@ class Router:
         return dataclasses.replace(p, num_cpus_per_replica=float(max(1, math.floor(cpus / p.world_size))))
 
     async def _place(self, actor_cls, replica_id: int, *args, **kwargs):
-        """One replica of one rank in a placement group of its own (so it restarts in place)."""
+        """One replica in a placement group of its own (so it restarts in place): its ``cp`` ranks' bundles
+        (``rayinfer.placement``; one unless colocated with cp > 1), the actor (rank 0) on bundle 0."""
         p = self._placed
         bundle = rank_resources(p)
-        pg = placement_group([bundle], strategy="PACK", name="")
+        pg = placement_group([bundle] * (p.cp if self.topology == "colocated" else 1), strategy="PACK", name="")
         self._placement_groups.append(pg)
         timeout = p.placement_timeout_s
         try:
@@ -220,6 +231,19 @@ class Router:
                     scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
                                                                          placement_group_bundle_index=0))
         return actor_cls.options(**opts).remote(*args, **kwargs)  # pyright: ignore[reportCallIssue]
+
+    async def _start_cp(self, pg, rank0) -> None:
+        """Start a colocated replica's CP peers on bundles 1..cp-1 of its placement group and form its CP
+        group with ``rank0`` (``rayinfer.actors.cp_group``)."""
+        from rayinfer.actors.cp_group import CPPeerActor, start_cp_group
+
+        p, bundle = self._placed, rank_resources(self._placed)
+        peers = [CPPeerActor.options(  # pyright: ignore[reportAttributeAccessIssue]
+            num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0.0), max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=r),
+        ).remote(self.model_config, self.engine_config, r, p.cp) for r in range(1, p.cp)]
+        self._cp_peers += peers
+        await start_cp_group(rank0, peers, p.cp_min_tokens)
 
     async def _start_pd(self) -> None:
         p, pd, cfg = self.parallel, self.parallel.pd, self.engine_config
@@ -498,6 +522,9 @@ class Router:
         if self.info is not None:
             for actor in self.info.replicas + ([self.info.kv_store] if self.info.kv_store is not None else []):
                 ray.kill(actor, no_restart=True)
+        for actor in self._cp_peers:
+            ray.kill(actor, no_restart=True)
+        self._cp_peers = []
         for pg in self._placement_groups:
             remove_placement_group(pg)
         self._placement_groups = []

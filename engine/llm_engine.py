@@ -32,6 +32,7 @@ from rayinfer.engine.spec_decode import (
 )
 from rayinfer.engine.types import (
     Completion,
+    ContextParallelPrefill,
     EngineRole,
     KVHandle,
     Request,
@@ -327,6 +328,11 @@ class LLMEngine:
         all_ids = list(prompt_token_ids) + list(output_token_ids or [])
         if kv_handle is not None:
             self._check_handle(kv_handle, all_ids)
+        elif not output_token_ids and self._uses_cp(prompt_token_ids):
+            # the CP ranks compute all but the last prompt token when this request's KV is imported; the
+            # next step computes the last one here and samples (rayinfer.engine.context_parallel)
+            kv_handle = KVHandle(request_id, [], n - 1, kv_layout_tag(self.kv_cache),
+                                 ContextParallelPrefill(tuple(prompt_token_ids[:-1])))
         if grammar is not None:
             for t in output_token_ids or []:
                 if not grammar.accept_token(t):
@@ -335,6 +341,39 @@ class LLMEngine:
         req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids,
                       grammar=grammar, kv_handle=kv_handle, output_token_ids=list(output_token_ids or []))
         self.scheduler.add_request(req)
+
+    def set_context_parallel(self, prefiller) -> None:
+        """Make this engine rank 0 of a context-parallel replica: prompts whose part not in the prefix cache
+        has at least ``prefiller.min_tokens`` tokens are prefilled by the CP ranks
+        (:class:`~rayinfer.engine.context_parallel.CPPrefiller`); the rest run here alone. None only
+        checks that the engine supports CP (and turns it off).
+
+        Raises:
+            ValueError: for a model other than Llama's, a role other than NORMAL, or speculative decoding
+                with a draft model or MTP (their own KV of the prompt would not be computed).
+        """
+        from rayinfer.engine.context_parallel import check_cp_model
+
+        check_cp_model(self.model)
+        if self.role != EngineRole.NORMAL:
+            raise ValueError(f"context-parallel prefill runs in NORMAL replicas only, not {self.role.value}")
+        if self.engine_config.speculative.enabled and self.engine_config.speculative.method in ("draft_model", "mtp"):
+            raise ValueError(f"context-parallel prefill (parallel.cp > 1) does not support speculative.method="
+                             f"{self.engine_config.speculative.method} (the drafter's KV of the prompt is not computed)")
+        self.runner.cp = prefiller
+
+    def _uses_cp(self, prompt_token_ids: list[int]) -> bool:
+        """Whether a new prompt is prefilled with CP: its tokens beyond rank 0's cached prefix (device and
+        host tiers, a hint read on the engine thread) reach the prefiller's threshold."""
+        cp = self.runner.cp
+        if cp is None or not cp.applies(len(prompt_token_ids) - 1):
+            return False
+        kv, bs = self.scheduler.kv, self.engine_config.block_size
+        hashes = hash_block_chain(prompt_token_ids, bs)
+        num_cached = len(kv.pool.match_prefix(hashes, count=False))
+        while kv.host is not None and num_cached < len(hashes) and hashes[num_cached] in kv.host.hash_to_slot:
+            num_cached += 1
+        return cp.applies(len(prompt_token_ids) - 1 - num_cached * bs)
 
     def _check_handle(self, handle: KVHandle, token_ids: list[int]) -> None:
         bs = self.engine_config.block_size
@@ -726,6 +765,7 @@ class LLMEngine:
                 "num_local_blocks": kv.local_pool.num_blocks} if kv.local_pool is not None else {}),
             **(self.spec_stats.to_dict() if self.proposer is not None else {}),
             **(self._host_stats() if kv.host is not None else {}),
+            **(self.runner.cp.stats() if self.runner.cp is not None else {}),
         }
 
     def _host_stats(self) -> dict:

@@ -11,7 +11,7 @@ import torch
 from rayinfer.engine.block_pool import hash_block_chain
 from rayinfer.engine.sampler import Sampler, SamplerOutput
 from rayinfer.engine.staging import to_device
-from rayinfer.engine.types import PLACEHOLDER, KVHandle, Request, SchedulerOutput, StepOutput
+from rayinfer.engine.types import PLACEHOLDER, ContextParallelPrefill, KVHandle, Request, SchedulerOutput, StepOutput
 from rayinfer.kernels.attention_metadata import AttentionMetadata, PaddedBlockTables, host_arrays
 from rayinfer.kernels.batch_invariant import batch_invariant_mode
 
@@ -59,6 +59,10 @@ class ModelRunner:
         local_kv_cache: the sliding-window layers' own cache (a model with two KV groups; ``kv_cache`` then
             holds the full-attention layers only), or None.
 
+    ``cp`` (set by the engine of a context-parallel replica's rank 0): the
+    :class:`~rayinfer.engine.context_parallel.CPPrefiller` that computes the KV of an imported
+    :class:`~rayinfer.engine.types.ContextParallelPrefill` handle; None otherwise.
+
     ``capture_hidden`` (set by the engine for MTP drafting): every step runs eagerly through
     ``model.forward_with_prenorm`` and keeps the last layer's hidden states before the final norm in
     :attr:`PendingStep.hidden` (rows in the step's token order).
@@ -80,6 +84,7 @@ class ModelRunner:
         self.sync_guard = False  # raise on a hidden host sync while launching a step (tests)
         self.host_cache = None  # a HostKVCache when the host KV tier is on (set by the engine)
         self.capture_hidden = False
+        self.cp = None
 
     def capture_cuda_graphs(self, max_model_len: int, max_num_seqs: int) -> None:
         """Capture decode graphs (CUDA only)."""
@@ -250,11 +255,18 @@ class ModelRunner:
         return KVHandle(req.request_id, list(hashes), num_tokens, kv_layout_tag(self.kv_cache))
 
     def import_kv(self, block_ids, handle: KVHandle) -> None:
-        """Write a handle's payload into the given blocks of the cache.
+        """Write a handle's payload into the given blocks of the cache; a
+        :class:`~rayinfer.engine.types.ContextParallelPrefill` payload is computed there by the CP ranks.
 
         Raises:
-            ValueError: if the payload's layout tag or block count does not match this cache.
+            ValueError: if the payload's layout tag or block count does not match this cache, or a CP
+                payload reaches a runner without ``cp``.
         """
+        if isinstance(handle.payload, ContextParallelPrefill):
+            if self.cp is None:
+                raise ValueError("a context-parallel prefill reached an engine without CP ranks")
+            self.cp.prefill(self.model, self.kv_cache, block_ids, handle.payload.token_ids)
+            return
         if handle.layout != kv_layout_tag(self.kv_cache):
             raise ValueError(f"KV layout {handle.layout!r} does not match this engine's {kv_layout_tag(self.kv_cache)!r}")
         payload = handle.payload

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from rayinfer.engine.kv_cache_manager import KVCacheManager
 from rayinfer.engine.types import (
     PLACEHOLDER,
+    ContextParallelPrefill,
     EngineRole,
     Request,
     RequestStatus,
@@ -213,12 +214,14 @@ class Scheduler:
             self.waiting.popleft()
             if host_slots:  # host-tier hits: fresh device blocks right after the device hits, loaded back
                 self.kv.add_loads(host_slots, req.block_ids[len(hit_blocks) : len(hit_blocks) + len(host_slots)])
+            computed_here = False  # a context-parallel prefill: its tokens are computed, not cache hits
             if req.kv_handle is not None:
                 num_import_blocks = self.kv.blocks_needed(num_hit)
                 imports.append((req.request_id, tuple(req.block_ids[:num_import_blocks]), req.kv_handle))
+                computed_here = isinstance(req.kv_handle.payload, ContextParallelPrefill)
                 req.kv_handle = None
             if req.status == RequestStatus.WAITING:
-                req.num_cached_tokens = num_hit
+                req.num_cached_tokens = 0 if computed_here else num_hit
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING

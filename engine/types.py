@@ -156,6 +156,18 @@ class KVHandle:
     payload: Any = None
 
 
+@dataclass(frozen=True)
+class ContextParallelPrefill:
+    """The payload of a :class:`KVHandle` whose KV is computed on import by the replica's context-parallel
+    ranks instead of copied (``rayinfer.engine.context_parallel``).
+
+    Attributes:
+        token_ids: the tokens to prefill, positions ``0..len-1`` (the prompt without its last token).
+    """
+
+    token_ids: tuple[int, ...]
+
+
 @dataclass(eq=False)
 class Request:
     """One sequence in the engine. Prefill and decode are not phases: each step computes some of the

@@ -8,7 +8,8 @@ Vocabulary (one rank = one device = one placement-group bundle, since tp is rese
 
 - replica: one independent engine (its own scheduler and KV cache). ``dp`` NORMAL replicas when
   colocated; ``num_prefill`` PREFILL plus ``num_decode`` DECODE replicas when disaggregated.
-- cp (context parallel): a long prompt's tokens are split over ``cp`` ranks for attention.
+- cp (context parallel): a long prompt's tokens are split over ``cp`` ranks for its prefill; decode
+  runs on the replica's rank 0 (colocated replicas only).
 - ep (expert parallel): the MoE layers' physical experts are split over ``ep`` ranks, and those
   same ranks run attention data-parallel (each serves its own requests), DeepSeek style.
 - A replica therefore spans ``cp * ep`` ranks laid out as a ``[cp, ep]`` grid, ep fastest.
@@ -191,7 +192,11 @@ class ParallelConfig(_Sealed):
     Attributes:
         dp: colocated NORMAL replicas (data parallel). Must stay 1 when disaggregated, where
             ``num_prefill`` and ``num_decode`` count the replicas instead.
-        cp: context-parallel size inside each replica (placement only; no topology runs cp > 1 yet).
+        cp: context-parallel size inside each replica: a colocated replica of ``cp`` ranks prefills long
+            prompts over all of them and decodes on its rank 0 (``rayinfer.engine.context_parallel``;
+            Llama-architecture models; refused with PD or ep > 1 when the fleet starts).
+        cp_min_tokens: with cp > 1, prompts whose part not in the prefix cache has at least this many
+            tokens are prefilled with CP; shorter ones run on rank 0 alone (the other ranks idle).
         ep: expert-parallel size of the MoE replica (also its attention data-parallel size).
         tp: tensor-parallel size; reserved, must be 1.
         num_prefill, num_decode: PREFILL and DECODE replicas; both > 0 turns on disaggregation.
@@ -211,12 +216,14 @@ class ParallelConfig(_Sealed):
         ValueError: naming the offending field, for any size < 1 (< 0 for num_prefill/num_decode),
             tp != 1, an unknown device, only one of num_prefill/num_decode set, dp != 1 together with
             disaggregation, GPUs with device=cpu, or a replica/EP group that straddles node boundaries.
-            Combinations the placement maps but no topology runs yet (cp > 1, ep > 1 with dp > 1 or
-            with disaggregation) are refused when the fleet starts (``rayinfer.actors.router.check_supported``).
+            Combinations the placement maps but no topology runs yet (cp > 1 with disaggregation or
+            ep > 1, ep > 1 with dp > 1 or with disaggregation) are refused when the fleet starts
+            (``rayinfer.actors.router.check_supported``).
     """
 
     dp: int = 1
     cp: int = 1
+    cp_min_tokens: int = 8192
     ep: int = 1
     tp: int = 1
     num_prefill: int = 0
@@ -239,6 +246,7 @@ class ParallelConfig(_Sealed):
                 object.__setattr__(self, name, cls(**getattr(self, name)))
         for name in ("dp", "cp", "ep", "tp"):
             _check_int(name, getattr(self, name), 1)
+        _check_int("cp_min_tokens", self.cp_min_tokens, 1)
         if self.tp != 1:
             raise ValueError(f"tp is reserved and must be 1 for now; got {self.tp}")
         if self.device not in DEVICE_KINDS:
