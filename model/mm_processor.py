@@ -37,6 +37,8 @@ def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS):
     except UnidentifiedImageError:
         raise InvalidRequestError(f"image is not a valid {'/'.join(IMAGE_FORMATS)} file (unknown format or corrupt "
                                   "bytes)", "image") from None
+    except Image.DecompressionBombError as e:
+        raise InvalidRequestError(f"image has too many pixels: {e}", "image") from None
     w, h = img.size
     if w * h > max_pixels:
         raise InvalidRequestError(f"image has {w}x{h} = {w * h} pixels, more than the limit of {max_pixels}", "image")
