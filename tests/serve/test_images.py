@@ -147,3 +147,21 @@ def test_text_model_refuses_image_parts(tokenizer):
     r = call(fe, "POST", "/v1/chat/completions", json=body, headers=AUTH)
     assert r.status_code == 400 and "does not take images" in r.json()["error"]["message"]
     assert fake.prompts == []
+
+
+def test_batch_lines_take_image_parts(served, tiny_llava):
+    """jobs/generate.py's line parser renders image parts as the service does."""
+    import json
+
+    from rayinfer.jobs.batch_io import LineParser
+    from rayinfer.model.mm_processor import ImageInputProcessor
+    from rayinfer.serve.images import ImageLoader
+
+    fe, _ = served
+    processor = ImageInputProcessor(tiny_llava)
+    parser = LineParser(fe.tokenizer, fe.model_name, MAX_MODEL_LEN, images=ImageLoader(processor))
+    line = json.dumps({"messages": image_chat(png(random_images(1, seed=14)[0])), "max_tokens": 2})
+    [job] = parser.parse([(1, line)])
+    assert job.prepared is not None and len(job.prepared.mm_inputs) == 1
+    mm = job.prepared.mm_inputs[0]
+    assert job.prepared.jobs[0][0][mm.offset : mm.offset + mm.length] == [processor.image_token_id] * 16
