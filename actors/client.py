@@ -24,9 +24,9 @@ import ray.exceptions
 
 from rayinfer.actors.router import FleetInfo, RouterActor, check_supported
 from rayinfer.engine.config import EngineConfig, ModelConfig
-from rayinfer.engine.errors import EngineInternalError, InvalidRequestError, RayInferError
+from rayinfer.engine.errors import EngineInternalError, InvalidRequestError, RayInferError, UnsupportedError
 from rayinfer.engine.protocol import EngineClient, FleetStats
-from rayinfer.engine.types import Completion, RequestOutput, SamplingParams
+from rayinfer.engine.types import Completion, MultiModalInput, RequestOutput, SamplingParams
 from rayinfer.placement.parallel_config import ParallelConfig
 
 
@@ -62,15 +62,17 @@ class _FleetClient:
         return mux
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                 request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                 request_id: str | None = None, mm_inputs: list[MultiModalInput] | None = None
+                 ) -> AsyncIterator[RequestOutput]:
         raise NotImplementedError
 
     async def complete(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None) -> Completion:
+                       request_id: str | None = None, mm_inputs: list[MultiModalInput] | None = None) -> Completion:
         """Run one request to the end; a rejected or failed request comes back with ``error`` set."""
         result = Completion(request_id or uuid.uuid4().hex, list(prompt_token_ids))
         try:
-            async for out in self.generate(prompt_token_ids, params, result.request_id):
+            async for out in self.generate(prompt_token_ids, params, result.request_id,
+                                           **({"mm_inputs": mm_inputs} if mm_inputs else {})):
                 result.add(out)
         except (RayInferError, ValueError) as e:
             result.error, result.finish_reason = str(e), "error"
@@ -171,7 +173,7 @@ class OutputMux:
         for queue in self.queues.values():  # every request waiting on this stream fails with it
             queue.put_nowait(error)
 
-    async def generate(self, request_id: str, submit, *args) -> AsyncGenerator[RequestOutput, None]:
+    async def generate(self, request_id: str, submit, *args, **kwargs) -> AsyncGenerator[RequestOutput, None]:
         """Send a request with ``submit`` (an actor method taking ``client_id, request_id, *args``) and
         yield its deltas until the finished one; if the consumer leaves first, abort it on the replica.
 
@@ -185,7 +187,7 @@ class OutputMux:
         finished = False
         try:
             client_id = self._open()
-            await unwrap(submit.remote(client_id, request_id, *args))
+            await unwrap(submit.remote(client_id, request_id, *args, **kwargs))
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -216,14 +218,16 @@ class ColocatedClient(_FleetClient):
     """Data-parallel NORMAL replicas: the router picks, the client streams from the replica."""
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, mm_inputs: list[MultiModalInput] | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Stream a request's deltas from the replica the router picks (see ``EngineClient.generate``)."""
         request_id = request_id or uuid.uuid4().hex
         idx = await granted(self.router.pick.remote(list(prompt_token_ids[: self.info.block_size])),
                             lambda i: self.router.release.remote(i))
         mux = self.mux(self.info.replicas[idx])
+        extra = {"mm_inputs": mm_inputs} if mm_inputs else {}
         try:
-            async with aclosing(mux.generate(request_id, mux.actor.submit, prompt_token_ids, params)) as outs:
+            async with aclosing(mux.generate(request_id, mux.actor.submit, prompt_token_ids, params, **extra)) as outs:
                 async for out in outs:
                     yield out
         except (RayInferError, ValueError):
@@ -234,14 +238,15 @@ class ColocatedClient(_FleetClient):
             self.router.release.remote(idx)
 
     async def complete(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None) -> Completion:
+                       request_id: str | None = None, mm_inputs: list[MultiModalInput] | None = None) -> Completion:
         """Run one request to the end on the replica the router picks, in one call (no per-token
         stream: the batch job's path); a rejected or failed request comes back with ``error`` set."""
         request_id = request_id or uuid.uuid4().hex
         idx = await granted(self.router.pick.remote(list(prompt_token_ids[: self.info.block_size])),
                             lambda i: self.router.release.remote(i))
+        extra = {"mm_inputs": mm_inputs} if mm_inputs else {}
         try:
-            return await unwrap(self.info.replicas[idx].complete.remote(request_id, prompt_token_ids, params))
+            return await unwrap(self.info.replicas[idx].complete.remote(request_id, prompt_token_ids, params, **extra))
         except ray.exceptions.RayError as e:
             result = Completion(request_id, list(prompt_token_ids))
             result.error, result.finish_reason = f"internal error: replica {idx} failed ({type(e).__name__})", "error"
@@ -254,8 +259,11 @@ class EPClient(_FleetClient):
     """The expert-parallel replica: requests stream through the router, which runs the lockstep loop."""
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, mm_inputs: list[MultiModalInput] | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Stream a request's deltas from the EP ranks (see ``EngineClient.generate``)."""
+        if mm_inputs:
+            raise UnsupportedError("images are served by the colocated topology only, not ep", "image_url")
         request_id = request_id or uuid.uuid4().hex
         gen = self.router.generate.options(num_returns="streaming").remote(request_id, list(prompt_token_ids),
                                                                            params)

@@ -102,7 +102,8 @@ class EngineActorImpl:
         leading blocks than this replica's device and host pools; a store that is down, or blocks that
         turn out missing or damaged, are a miss (the prompt is computed)."""
         e = self.engine.engine
-        if self.kv_store is None or e.role.value != "normal" or kwargs.get("kv_handle") is not None:
+        if (self.kv_store is None or e.role.value != "normal" or kwargs.get("kv_handle") is not None
+                or kwargs.get("mm_inputs")):  # the store's hashes know no images
             return
         from rayinfer.policy.kv_store_index import block_hashes
 
@@ -374,7 +375,8 @@ class EngineActorImpl:
     # -- multiplexed output streams ----------------------------------------------------------------
     async def submit(self, client_id: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      output_token_ids: list[int] | None = None, kv_handle: KVHandle | None = None,
-                     kv_payload: "torch.Tensor | np.ndarray | None" = None, detokenize: bool = True) -> None:
+                     kv_payload: "torch.Tensor | np.ndarray | None" = None, detokenize: bool = True,
+                     mm_inputs: list | None = None) -> None:
         """Queue a request whose deltas stream to ``client_id``'s :meth:`outputs` (opened before or after).
 
         Args:
@@ -387,6 +389,7 @@ class EngineActorImpl:
                 payload an earlier :meth:`recv_kv` / :meth:`receive_kv` brought.
             detokenize: False streams the core's token deltas without text or stop strings (the caller
                 detokenizes; see ``AsyncLLMEngine.submit``).
+            mm_inputs: the prompt's images (``engine.types.MultiModalInput``; vision-language models).
         Raises:
             KeyError: DECODE role, kv_payload None and nothing received for the request.
             ValueError: an invalid response_format. Other rejections (the engine's checks) arrive on the
@@ -395,7 +398,7 @@ class EngineActorImpl:
         box = self._outboxes.get(client_id)
         if box is None:
             box = self._outboxes[client_id] = _Outbox()
-        kwargs = {}
+        kwargs: dict = {"mm_inputs": mm_inputs} if mm_inputs else {}
         if kv_handle is not None:
             if kv_payload is None:
                 kv_payload = self._kv_in.pop(request_id)[1]
@@ -404,7 +407,7 @@ class EngineActorImpl:
             # KV is imported, and a received batch's transfer budget comes back when all its payloads are gone
             kwargs["kv_handle"] = dataclasses.replace(kv_handle, payload=kv_payload)
             del kv_payload
-        else:
+        elif not mm_inputs:  # the store's hashes know no images
             probe: dict = {"output_token_ids": output_token_ids}
             await self._with_stored_prefix(request_id, prompt_token_ids, probe)
             if probe.get("kv_handle") is not None:

@@ -28,8 +28,8 @@ import ray.exceptions
 from rayinfer.actors.client import _FleetClient, granted, unwrap
 from rayinfer.actors.router import FleetInfo
 from rayinfer.engine.detokenizer import IncrementalDetokenizer
-from rayinfer.engine.errors import InvalidRequestError
-from rayinfer.engine.types import KVHandle, RequestOutput, SamplingParams
+from rayinfer.engine.errors import InvalidRequestError, UnsupportedError
+from rayinfer.engine.types import KVHandle, MultiModalInput, RequestOutput, SamplingParams
 from rayinfer.policy import pd as P
 from rayinfer.policy.kv_store_index import block_hashes
 from rayinfer.policy.routing import DecodeTicket, PrefillTicket
@@ -98,15 +98,20 @@ class PDClient(_FleetClient):
 
     # -- the caller's side ----------------------------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, mm_inputs: list[MultiModalInput] | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Stream a request's deltas: prefill on one replica, decode on another, retried on failures.
+        Images (``mm_inputs``) are refused with UnsupportedError: PD transfer of image requests is not built.
 
         If the consumer stops early (or the task is cancelled), the state machine's cleanups run: the request
         is aborted on its decode replica, exported KV is dropped, tickets are given back.
 
         Raises:
             InvalidRequestError: when an engine rejects the request.
+            UnsupportedError: for a request with images.
         """
+        if mm_inputs:
+            raise UnsupportedError("images are served by the colocated topology only, not pd", "image_url")
         prompt = list(prompt_token_ids)
         req = P.PDRequest(request_id or uuid.uuid4().hex, prompt, self.block_size, self.max_retries,
                           self.kv_state, self.retry_deadline_s)

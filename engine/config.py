@@ -147,6 +147,8 @@ class EngineConfig:
             replica's send staging, a decode replica's received payloads not yet imported); set by the
             router from ``ParallelConfig.pd.transfer_buffer_gib``.
         speculative: speculative decoding (:class:`SpeculativeConfig`; off by default).
+        encoder_cache_tokens: vision-language models: image embedding rows kept by content hash so that
+            a repeated image is not encoded again (``engine.multimodal.EncoderCache``; 0: none kept).
     """
 
     device: str = "auto"
@@ -167,6 +169,7 @@ class EngineConfig:
     kv_transfer_buffer_gib: float = 0.0
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     host_kv_cache_gib: float = 0.0
+    encoder_cache_tokens: int = 16384
 
     def __post_init__(self):
         if isinstance(self.speculative, dict):
@@ -178,6 +181,8 @@ class EngineConfig:
                 continue
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if not isinstance(self.encoder_cache_tokens, int) or self.encoder_cache_tokens < 0:
+            raise ValueError(f"encoder_cache_tokens must be a non-negative integer, got {self.encoder_cache_tokens!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -23,6 +23,7 @@ from typing import Sequence
 
 from rayinfer.engine.block_pool import NONE_HASH, KVBlockPool, hash_block
 from rayinfer.engine.host_kv_cache import HostBlockIndex
+from rayinfer.engine.multimodal import block_extra_key
 from rayinfer.engine.types import Request
 
 NULL_BLOCK = 0  # local pool block reserved as the placeholder of freed local table entries
@@ -107,8 +108,11 @@ class KVCacheManager:
             return
         tokens = req.all_token_ids
         parent = req.block_hashes[-1] if req.block_hashes else NONE_HASH
+        bs = self.block_size
         for b in range(len(req.block_hashes), num_full):
-            parent = hash_block(parent, tokens[b * self.block_size : (b + 1) * self.block_size], req.cache_salt)
+            # a block holding image placeholders also keys on the images' content hashes
+            key = block_extra_key(req.cache_salt, req.mm_inputs, b * bs, (b + 1) * bs) if req.mm_inputs else req.cache_salt
+            parent = hash_block(parent, tokens[b * bs : (b + 1) * bs], key)
             req.block_hashes.append(parent)
 
     def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:

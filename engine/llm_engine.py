@@ -35,6 +35,7 @@ from rayinfer.engine.types import (
     ContextParallelPrefill,
     EngineRole,
     KVHandle,
+    MultiModalInput,
     Request,
     RequestOutput,
     RequestStatus,
@@ -188,6 +189,11 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, cfg.block_size, self.sampler, cfg.batch_invariant,
                                   self.local_kv_cache)
         self.runner.sync_guard = cfg.debug_sync_guard
+        self.is_multimodal = bool(getattr(self.model, "is_multimodal", False))
+        if self.is_multimodal:
+            from rayinfer.engine.multimodal import EncoderCache
+
+            self.runner.encoder_cache = EncoderCache(cfg.encoder_cache_tokens)
         if num_host_blocks:
             from rayinfer.engine.host_kv_cache import HostKVCache
 
@@ -282,7 +288,8 @@ class LLMEngine:
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     grammar=None, kv_handle: KVHandle | None = None,
-                    output_token_ids: list[int] | None = None) -> None:
+                    output_token_ids: list[int] | None = None,
+                    mm_inputs: list[MultiModalInput] | None = None) -> None:
         """Validate and queue a request.
 
         Args:
@@ -296,12 +303,15 @@ class LLMEngine:
             output_token_ids: tokens already generated elsewhere (the first token after a prefill, or
                 all tokens so far when a preempted or failed request is re-prefilled); a grammar is
                 advanced over them.
+            mm_inputs: the prompt's images (vision-language models), in prompt order: content hash,
+                placeholder range, pixels or precomputed embeddings (see ``engine.multimodal``).
         Raises:
             InvalidRequestError: naming the problem, with ``param`` "prompt" (empty or too long, a token
                 id out of range), "max_tokens" (beyond the context), "n", "response_format" (output
                 tokens the grammar rejects) or None (more KV blocks than the pool holds, duplicate id,
                 missing handle, a handle that covers every token or whose block hashes, layout or
-                payload shape do not match).
+                payload shape do not match), "image" (images for a text-only model, a placeholder range
+                outside the prompt, overlapping or not on image tokens, wrong pixel or embedding shapes).
         """
         if not prompt_token_ids:
             raise InvalidRequestError("prompt is empty", "prompt")
@@ -326,9 +336,14 @@ class LLMEngine:
         if request_id in self.scheduler.requests:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
         all_ids = list(prompt_token_ids) + list(output_token_ids or [])
+        if mm_inputs:
+            if kv_handle is not None:
+                raise InvalidRequestError("requests with images cannot import KV (PD transfer of images is not "
+                                          "supported)", "image")
+            self._check_mm_inputs(mm_inputs, prompt_token_ids)
         if kv_handle is not None:
             self._check_handle(kv_handle, all_ids)
-        elif not output_token_ids and self._uses_cp(prompt_token_ids):
+        elif not output_token_ids and not mm_inputs and self._uses_cp(prompt_token_ids):  # CP: text prompts only
             # the CP ranks compute all but the last prompt token when this request's KV is imported; the
             # next step computes the last one here and samples (rayinfer.engine.context_parallel)
             kv_handle = KVHandle(request_id, [], n - 1, kv_layout_tag(self.kv_cache),
@@ -339,7 +354,8 @@ class LLMEngine:
                     raise InvalidRequestError(f"output token {t} is not allowed by the request's "
                                               "response_format", "response_format")
         req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids,
-                      grammar=grammar, kv_handle=kv_handle, output_token_ids=list(output_token_ids or []))
+                      grammar=grammar, kv_handle=kv_handle, output_token_ids=list(output_token_ids or []),
+                      mm_inputs=list(mm_inputs or []))
         self.scheduler.add_request(req)
 
     def set_context_parallel(self, prefiller) -> None:
@@ -374,6 +390,35 @@ class LLMEngine:
         while kv.host is not None and num_cached < len(hashes) and hashes[num_cached] in kv.host.hash_to_slot:
             num_cached += 1
         return cp.applies(len(prompt_token_ids) - 1 - num_cached * bs)
+
+    def _check_mm_inputs(self, mm_inputs: list[MultiModalInput], prompt: list[int]) -> None:
+        """Raises InvalidRequestError ("image") unless the images fit this model and the prompt."""
+        if not self.is_multimodal:
+            raise InvalidRequestError(f"model {self.model_config.model!r} does not take images", "image")
+        model, end = self.model, 0
+        hidden = self.model.config.hidden_size
+        for i, m in enumerate(mm_inputs):
+            if m.offset < end or m.length <= 0 or m.offset + m.length > len(prompt):
+                raise InvalidRequestError(f"image {i}: placeholder range [{m.offset}, {m.offset + m.length}) is "
+                                          "empty, overlaps the previous image or leaves the prompt", "image")
+            if any(t != model.image_token_id for t in prompt[m.offset : m.offset + m.length]):
+                raise InvalidRequestError(f"image {i}: the prompt has other tokens than the image token "
+                                          f"{model.image_token_id} at its placeholders", "image")
+            end = m.offset + m.length
+            if m.embeds is not None:
+                if tuple(m.embeds.shape) != (m.length, hidden):
+                    raise InvalidRequestError(f"image {i}: embeddings have shape {tuple(m.embeds.shape)}, expected "
+                                              f"{(m.length, hidden)}", "image")
+            elif m.pixel_values is None:
+                raise InvalidRequestError(f"image {i} has neither pixel_values nor embeddings", "image")
+            else:
+                want = (3, model.image_size, model.image_size)
+                if tuple(m.pixel_values.shape) != want:
+                    raise InvalidRequestError(f"image {i}: pixel_values have shape {tuple(m.pixel_values.shape)}, "
+                                              f"expected {want} (use the model's image processor)", "image")
+                if m.length != model.num_image_tokens:
+                    raise InvalidRequestError(f"image {i} has {m.length} placeholder tokens; this model gives an "
+                                              f"image {model.num_image_tokens}", "image")
 
     def _check_handle(self, handle: KVHandle, token_ids: list[int]) -> None:
         bs = self.engine_config.block_size
@@ -714,13 +759,15 @@ class LLMEngine:
             self.mark_stored(hashes[:n])
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                 request_ids: list[str] | None = None) -> list[Completion]:
+                 request_ids: list[str] | None = None,
+                 mm_inputs: list[list[MultiModalInput]] | None = None) -> list[Completion]:
         """Run prompts to completion with text and stop strings (a convenience for tests and offline jobs).
 
         Args:
             prompts: token-id lists.
             params: one SamplingParams for all, or one per prompt.
             request_ids: one per prompt (default ``gen-<i>``).
+            mm_inputs: per prompt, its images (see :meth:`add_request`).
         Returns:
             one Completion per prompt, in order; a prompt rejected by validation gets ``error`` set.
         """
@@ -728,9 +775,9 @@ class LLMEngine:
         ids = request_ids or [f"gen-{i}" for i in range(len(prompts))]
         results = {rid: Completion(rid, list(p)) for rid, p in zip(ids, prompts)}
         processor = OutputProcessor(self.tokenizer)
-        for rid, prompt, p in zip(ids, prompts, params_list):
+        for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params_list)):
             try:
-                self.add_request(rid, prompt, p)
+                self.add_request(rid, prompt, p, mm_inputs=mm_inputs[i] if mm_inputs else None)
             except ValueError as e:
                 results[rid].error, results[rid].finish_reason = str(e), "error"
                 continue
@@ -766,6 +813,7 @@ class LLMEngine:
             **(self.spec_stats.to_dict() if self.proposer is not None else {}),
             **(self._host_stats() if kv.host is not None else {}),
             **(self.runner.cp.stats() if self.runner.cp is not None else {}),
+            **(self.runner.encoder_cache.stats() if self.runner.encoder_cache is not None else {}),
         }
 
     def _host_stats(self) -> dict:

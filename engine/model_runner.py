@@ -85,6 +85,8 @@ class ModelRunner:
         self.host_cache = None  # a HostKVCache when the host KV tier is on (set by the engine)
         self.capture_hidden = False
         self.cp = None
+        # a vision-language model's image embeddings by content hash (engine.multimodal); None for text models
+        self.encoder_cache = None
 
     def capture_cuda_graphs(self, max_model_len: int, max_num_seqs: int) -> None:
         """Capture decode graphs (CUDA only)."""
@@ -144,6 +146,11 @@ class ModelRunner:
         all_sampled = len(sample_rows) == num_tokens  # then the sampled rows are all rows, in order
         if sample_idx and not all_sampled:
             extra.append(sample_rows)
+        mm_embeds = None
+        if self.encoder_cache is not None:  # encodes the images this step needs that are not cached
+            from rayinfer.engine.multimodal import gather_mm_embeds
+
+            mm_embeds = gather_mm_embeds(self.model, self.encoder_cache, scheduled, requests, starts, self.device)
         # one host-to-device copy for all inputs
         with no_host_sync(self.sync_guard), batch_invariant_mode(self.batch_invariant):
             ids, pos, *dev = to_device([input_ids, positions, starts, *meta_arrays, *local_arrays, *extra], self.device)
@@ -155,7 +162,9 @@ class ModelRunner:
             if holes.size:
                 ids[extra[0]] = prev.token_ids[extra[1]]
             prenorm = None
-            if self.capture_hidden:
+            if mm_embeds is not None:  # image rows: eager, never a decode graph
+                hidden = self.model(ids, pos, self.model_kv, meta, mm_embeds=mm_embeds)
+            elif self.capture_hidden:
                 hidden, prenorm = self.model.forward_with_prenorm(ids, pos, self.model_kv, meta)
             elif self.graphs is not None and meta.is_decode_only and self.graphs.padded_size(len(scheduled)) is not None:
                 hidden = self.graphs.run(ids, pos, meta.slot_mapping, meta.seq_lens, meta.block_tables)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, AsyncIterator, Protocol, runtime_checkable
 
-from rayinfer.engine.types import Completion, RequestOutput, SamplingParams
+from rayinfer.engine.types import Completion, MultiModalInput, RequestOutput, SamplingParams
 
 
 @dataclass
@@ -173,8 +173,10 @@ class EngineClient(Protocol):
     max_model_len: int
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                 request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream one request's deltas (``params.n`` must be 1; callers fan out ``n``).
+                 request_id: str | None = None, mm_inputs: list[MultiModalInput] | None = None
+                 ) -> AsyncIterator[RequestOutput]:
+        """Stream one request's deltas (``params.n`` must be 1; callers fan out ``n``). ``mm_inputs``:
+        the prompt's images (vision-language models; the colocated topology only).
 
         Leaving the iterator early (client disconnect, cancellation) aborts the request and frees its
         KV blocks.
@@ -187,7 +189,7 @@ class EngineClient(Protocol):
         ...
 
     async def complete(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None) -> Completion:
+                       request_id: str | None = None, mm_inputs: list[MultiModalInput] | None = None) -> Completion:
         """Run one request to the end; a rejected or failed request comes back with ``error`` set."""
         ...
 

@@ -168,6 +168,33 @@ class ContextParallelPrefill:
     token_ids: tuple[int, ...]
 
 
+@dataclass(frozen=True, eq=False)
+class MultiModalInput:
+    """One image of a request: its content hash, where its placeholder tokens are in the prompt, and its
+    pixels or precomputed embeddings (see ``rayinfer.engine.multimodal``).
+
+    Attributes:
+        content_hash: sha256 hex of the image's content (``multimodal.hash_pixel_values``); keys the
+            encoder cache and goes into the prefix-cache hashes of the blocks its placeholders fall in.
+        offset: prompt position of its first placeholder token.
+        length: placeholder tokens (= the rows its embeddings have).
+        pixel_values: [3, H, W] float tensor from the model's image processor, or None with ``embeds``.
+        embeds: [length, hidden_size] precomputed embeddings (an encoder replica's), or None.
+        num_patches: vision patches of the image (an encoder's work unit, for load balancing).
+    """
+
+    content_hash: str
+    offset: int
+    length: int
+    pixel_values: Any = None
+    embeds: Any = None
+    num_patches: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
 @dataclass(eq=False)
 class Request:
     """One sequence in the engine. Prefill and decode are not phases: each step computes some of the
@@ -198,6 +225,7 @@ class Request:
     kv_handle: KVHandle | None = None  # DECODE role: the KV to import on admission
     cache_salt: int | None = None  # extra key of the hash chain (LoRA id, tenant salt)
     draft_token_ids: list[int] = field(default_factory=list)  # speculative: proposed for the next step
+    mm_inputs: list[MultiModalInput] = field(default_factory=list)  # images, in prompt order
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -178,11 +178,14 @@ class LineParser:
         defaults: sampling fields of every ``rayinfer`` line (a line's own fields win); ``openai``
             bodies are taken as the service takes them.
         key_model: the model name that goes into each resume key (the model's path or name).
+        images: a vision-language model's :class:`~rayinfer.serve.images.ImageLoader`: chat lines may then
+            carry ``image_url`` parts as the service takes them (``data:`` URLs, paths under its allowed
+            directory); None refuses them.
     """
 
     def __init__(self, tokenizer, model_name: str, max_model_len: int, defaults: dict[str, Any] | None = None,
-                 key_model: str | None = None):
-        self.serving = OpenAIServing(None, tokenizer, model_name, max_model_len)
+                 key_model: str | None = None, images=None):
+        self.serving = OpenAIServing(None, tokenizer, model_name, max_model_len, images=images)
         self.handlers = {"chat": ChatServing(self.serving), "completions": CompletionServing(self.serving)}
         self.defaults = dict(defaults or {})
         self.key_model = key_model or model_name

@@ -140,6 +140,15 @@ def _ray_copy_hint(cfg: GenerateConfig) -> str:
             "submitted command so that relative paths mean the directory you submit from)")
 
 
+def _image_loader(model: str):
+    """A vision-language model's ImageLoader (chat lines may carry ``data:`` image parts); None otherwise."""
+    from rayinfer.model.mm_processor import ImageInputProcessor
+    from rayinfer.serve.images import ImageLoader
+
+    processor = ImageInputProcessor.for_model(model)
+    return ImageLoader(processor) if processor is not None else None
+
+
 def run(cfg: GenerateConfig, client=None) -> int:
     """Run the job; returns the process exit code (0 even when some lines failed).
 
@@ -191,9 +200,11 @@ def run(cfg: GenerateConfig, client=None) -> int:
     resolve_model(cfg.model.model)  # unknown model: ValueError before any work; converts once
     tokenizer = load_tokenizer(cfg.model.model)
     lines = read_lines(in_path) if in_path else [(i + 1, json.dumps(p)) for i, p in enumerate(BUILTIN_PROMPTS)]
-    max_model_len = cfg.model.max_model_len or load_config(cfg.model.model).max_position_embeddings
+    hf_config = load_config(cfg.model.model)
+    max_model_len = cfg.model.max_model_len or getattr(hf_config, "text_config", hf_config).max_position_embeddings
     parser = LineParser(tokenizer, cfg.served_model_name or cfg.model.model, max_model_len,
-                        {"max_tokens": 256, "temperature": 0.0, **cfg.sampling}, key_model=cfg.model.model)
+                        {"max_tokens": 256, "temperature": 0.0, **cfg.sampling}, key_model=cfg.model.model,
+                        images=_image_loader(cfg.model.model))
     jobs = parser.parse(lines, cfg.input_format)
     if jobs:
         print(f"read {len(jobs)} lines ({jobs[0].format} format) from {in_path or 'the built-in prompts'}")
@@ -221,7 +232,7 @@ def run(cfg: GenerateConfig, client=None) -> int:
             try:
                 # the response's id names the engine requests too (<id>-<choice>), as in the service
                 states = await parser.serving.collect(job.prepared.request_id, job.prepared.jobs,
-                                                      time.perf_counter())
+                                                      time.perf_counter(), job.prepared.mm_inputs)
                 return job, states, None
             except Exception as e:  # noqa: BLE001 - this line fails alone, as its request would in the service
                 err = run_error(e, job.prepared.request_id)

@@ -183,15 +183,19 @@ class PagedCausalLM(nn.Module):
         return PagedCausalLM.forward_with_prenorm(self, input_ids, positions, kv_cache, meta)[0]
 
     def forward_with_prenorm(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward`, also returning the last layer's hidden states before the final norm (what
         DeepSeek-V3's MTP modules read).
 
+        ``inputs_embeds`` [T, hidden_size]: the decoder's input rows instead of ``embed_tokens(input_ids)``
+        (a vision-language model's prompt with image features spliced in, see ``rayinfer.model.llava``).
+
         Returns:
             (hidden after the final norm, hidden before it): both [T, hidden_size] in the model dtype.
         """
-        hidden = self.model.embed_tokens(input_ids)
+        hidden = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         rope = self.rope_args(positions, hidden)
         residual = None
         for i, layer in enumerate(self.model.layers):

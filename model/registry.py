@@ -11,6 +11,7 @@ ARCHITECTURES: dict[str, str] = {
     "DeepseekV3ForCausalLM": "rayinfer.model.deepseek_v3:DeepseekV3ForCausalLM",
     "Qwen3MoeForCausalLM": "rayinfer.model.qwen3_moe:Qwen3MoeForCausalLM",
     "Gemma3ForCausalLM": "rayinfer.model.gemma3:Gemma3ForCausalLM",
+    "LlavaForConditionalGeneration": "rayinfer.model.llava:LlavaForConditionalGeneration",
 }
 
 

@@ -30,6 +30,11 @@ class ServeConfig:
         max_prompt_chars: the most characters of prompt text one request may carry (every string in
             chat ``messages`` and ``tools``, or in a completion ``prompt``); more is a 400 before any
             tokenization.
+        allowed_media_dir: vision-language models: a directory whose image files chat requests may name
+            by path in ``image_url.url``; None (the default) allows only ``data:`` URLs. Images are never
+            fetched from the network.
+        max_image_pixels: the most pixels (width x height) of one image; a larger one is a 400.
+        max_images_per_request: the most images in one chat request; more is a 400.
         public_metrics_and_docs: with ``api_key`` set, still serve ``/metrics``, ``/docs``,
             ``/redoc`` and ``/openapi.json`` without the key (vLLM's behaviour). False (the default)
             puts them behind the key; ``/health`` is always open.
@@ -52,6 +57,9 @@ class ServeConfig:
     max_ongoing_requests: int = 1024
     max_request_bytes: int = 8 * 2**20
     max_prompt_chars: int = 2**20
+    allowed_media_dir: str | None = None
+    max_image_pixels: int = 4096 * 4096
+    max_images_per_request: int = 8
     public_metrics_and_docs: bool = False
     metrics_names: str = "rayinfer"
     ray: RayConfig = field(default_factory=RayConfig)
@@ -66,7 +74,7 @@ class ServeConfig:
             raise ValueError(f"port must be in [0, 65536), got {self.port!r}")
         if self.max_ongoing_requests <= 0:
             raise ValueError(f"max_ongoing_requests must be positive, got {self.max_ongoing_requests}")
-        for name in ("max_request_bytes", "max_prompt_chars"):
+        for name in ("max_request_bytes", "max_prompt_chars", "max_image_pixels", "max_images_per_request"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

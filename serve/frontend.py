@@ -71,13 +71,26 @@ class OpenAIFrontend:
         async with self._connect_lock:
             if self.serving is None:
                 client = await self._connect_client()
+                images = await asyncio.to_thread(self._image_loader)  # reads the model's config: off the loop
                 serving = OpenAIServing(client, self.tokenizer, self.model_name, client.max_model_len,
                                         self.metrics, executor=self.executor,
-                                        max_prompt_chars=self.cfg.max_prompt_chars)
+                                        max_prompt_chars=self.cfg.max_prompt_chars, images=images)
                 self.chat, self.completion = ChatServing(serving), CompletionServing(serving)
                 self.client, self.serving = client, serving
                 logger.info("serving %s, context %d", self.model_name, client.max_model_len)
         return self.serving
+
+    def _image_loader(self):
+        """The image-part handler of a vision-language model (an ImageLoader), None for a text model."""
+        from rayinfer.model.mm_processor import ImageInputProcessor
+
+        processor = ImageInputProcessor.for_model(self.cfg.model.model)
+        if processor is None:
+            return None
+        from rayinfer.serve.images import ImageLoader
+
+        cfg = self.cfg
+        return ImageLoader(processor, cfg.max_image_pixels, cfg.max_images_per_request, cfg.allowed_media_dir)
 
     # -- checks ------------------------------------------------------------------------------------
     def check_auth(self, request: Request) -> None:

@@ -13,7 +13,7 @@ from typing import Any, AsyncGenerator, Callable, TypeVar
 
 from rayinfer.engine.errors import EngineInternalError
 from rayinfer.engine.structured_output import GrammarError, check_response_format
-from rayinfer.engine.types import RequestOutput, SampledToken, SamplingParams
+from rayinfer.engine.types import MultiModalInput, RequestOutput, SampledToken, SamplingParams
 from rayinfer.serve.logprobs import TextOffsets, TokenBytes
 from rayinfer.serve.protocol import APIError, from_error, from_value_error, num_text_chars
 
@@ -79,11 +79,13 @@ class PreparedRequest:
             prompt; a completion with several prompts has ``n`` per prompt, prompt-major).
         respond: builds the non-streaming response body (a ``chat.completion`` or ``text_completion``
             dict) from one finished :class:`ChoiceState` per job, in the order of ``jobs``.
+        mm_inputs: the images of a chat prompt (vision-language models), the same for every job.
     """
 
     request_id: str
     jobs: list[tuple[list[int], SamplingParams]]
     respond: Callable[[list["ChoiceState"]], dict]
+    mm_inputs: list[MultiModalInput] = field(default_factory=list)  # the prompt's images, every job's
 
 
 def refused(e: Exception, param: str | None = None) -> APIError:
@@ -113,10 +115,12 @@ class OpenAIServing:
             None runs them inline (tests).
         max_prompt_chars: the most characters of prompt text a request may carry (checked before any
             tokenization).
+        images: turns chat image parts into image inputs (a vision-language model's
+            :class:`~rayinfer.serve.images.ImageLoader`); None refuses image parts.
     """
 
     def __init__(self, client, tokenizer, model_name: str, max_model_len: int, metrics=None,
-                 executor: Executor | None = None, max_prompt_chars: int = 2**20):
+                 executor: Executor | None = None, max_prompt_chars: int = 2**20, images=None):
         self.client = client
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -124,6 +128,7 @@ class OpenAIServing:
         self.metrics = metrics
         self.executor = executor
         self.max_prompt_chars = max_prompt_chars
+        self.images = images
         self.token_bytes = TokenBytes(tokenizer)
 
     async def prepare(self, fn: Callable[..., _T], *args: Any, param: str | None = None) -> _T:
@@ -219,8 +224,10 @@ class OpenAIServing:
 
     # -- the fan-out ---------------------------------------------------------------------------
     async def run(self, request_id: str, jobs: list[tuple[list[int], SamplingParams]],
-                  arrival: float) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+                  arrival: float, mm_inputs: list[MultiModalInput] | None = None
+                  ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """Run one engine request per job concurrently and yield ``(job index, delta)`` as they come.
+        ``mm_inputs``: the prompt's images, sent with every job.
 
         If the consumer stops early or is cancelled (client disconnect), every engine request still
         running is aborted (EngineClient.generate frees its KV blocks on the replica).
@@ -233,7 +240,8 @@ class OpenAIServing:
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, prompt_ids: list[int], params: SamplingParams) -> None:
-            gen = self.client.generate(prompt_ids, params, request_id=f"{request_id}-{i}")
+            extra = {"mm_inputs": mm_inputs} if mm_inputs else {}
+            gen = self.client.generate(prompt_ids, params, request_id=f"{request_id}-{i}", **extra)
             first = last = queue_time = reason = None
             num_out, itl = 0, []
             try:
@@ -283,7 +291,7 @@ class OpenAIServing:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def start(self, request_id: str, jobs, arrival: float):
+    async def start(self, request_id: str, jobs, arrival: float, mm_inputs: list[MultiModalInput] | None = None):
         """Start :meth:`run` and wait for its first delta, so a rejected request is still a plain 400.
 
         Returns:
@@ -291,7 +299,7 @@ class OpenAIServing:
         Raises:
             APIError: 400 when the engine rejects the request.
         """
-        stream = self.run(request_id, jobs, arrival)
+        stream = self.run(request_id, jobs, arrival, mm_inputs)
         try:
             first = await stream.__anext__()
         except StopAsyncIteration:
@@ -304,11 +312,12 @@ class OpenAIServing:
             raise
         return stream, first
 
-    async def collect(self, request_id: str, jobs, arrival: float) -> list[ChoiceState]:
+    async def collect(self, request_id: str, jobs, arrival: float,
+                      mm_inputs: list[MultiModalInput] | None = None) -> list[ChoiceState]:
         """Run to the end; one ChoiceState per job. Raises APIError 400 when the engine rejects it."""
         states = [ChoiceState(i, len(ids)) for i, (ids, _) in enumerate(jobs)]
         try:
-            async for i, out in self.run(request_id, jobs, arrival):
+            async for i, out in self.run(request_id, jobs, arrival, mm_inputs):
                 states[i].add(out)
         except ValueError as e:
             raise _engine_error(e, request_id) from None

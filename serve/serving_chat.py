@@ -6,6 +6,8 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
+from rayinfer.engine.errors import RayInferError
+from rayinfer.engine.types import MultiModalInput
 from rayinfer.serve.chat import render_messages
 from rayinfer.serve.protocol import (
     APIError,
@@ -64,9 +66,9 @@ class ChatServing:
         ctx, jobs = await s.prepare(self._prepare, body, request_id, record, param="messages")
         num_prompt_tokens = len(jobs[0][0])
         if ctx.req.stream:
-            stream, first = await s.start(request_id, jobs, arrival)
+            stream, first = await s.start(request_id, jobs, arrival, ctx.mm_inputs)
             return self._stream(ctx, stream, first, num_prompt_tokens, ctx.req.n)
-        states = await s.collect(request_id, jobs, arrival)
+        states = await s.collect(request_id, jobs, arrival, ctx.mm_inputs)
         return self._response(ctx, states, num_prompt_tokens)
 
     def prepare(self, body: Any, request_id: str | None = None) -> PreparedRequest:
@@ -87,7 +89,8 @@ class ChatServing:
         except Exception as e:  # noqa: BLE001 - whatever the template or tokenizer raised: a 400
             raise refused(e, "messages") from None
         num_prompt_tokens = len(jobs[0][0])
-        return PreparedRequest(request_id, jobs, lambda states: self._response(ctx, states, num_prompt_tokens))
+        return PreparedRequest(request_id, jobs, lambda states: self._response(ctx, states, num_prompt_tokens),
+                               ctx.mm_inputs)
 
     def _prepare(self, body: Any, request_id: str, record: RequestRecord | None):
         """Parse, render and tokenize (on the serving's executor): ``(context, [(prompt_ids, params)])``."""
@@ -119,9 +122,20 @@ class ChatServing:
         s.check_response_format(rf)
 
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        mm_inputs: list[MultiModalInput] = []
+        on_image = None
+        if s.images is not None:
+            loader = s.images
+
+            def on_image(url: str, offset: int, index: int) -> list[int]:
+                mm = loader.load(url, offset, index)  # InvalidRequestError naming the image: a 400
+                mm_inputs.append(mm)
+                return loader.processor.placeholder_ids(mm.length)
         try:
             prompt_ids = render_messages(s.tokenizer, messages, tools if use_tools else None,
-                                         add_generation_prompt=req.add_generation_prompt)
+                                         add_generation_prompt=req.add_generation_prompt, on_image=on_image)
+        except RayInferError as e:
+            raise APIError(e.message, param=e.param or "messages") from None
         except ValueError as e:
             raise APIError(str(e), param="messages") from None
 
@@ -139,6 +153,7 @@ class ChatServing:
                                    response_format=rf, n=req.n)
         tool_names = {t["function"]["name"] for t in tools or []} if use_tools else set()
         ctx = _Context(request_id, int(time.time()), s.model_name, req, top_n, tool_names, record)
+        ctx.mm_inputs = mm_inputs
         return ctx, [(prompt_ids, p) for p in params]
 
     # -- plain response ------------------------------------------------------------------------
@@ -224,3 +239,4 @@ class _Context:
         self.top_n, self.tool_names = top_n, tool_names
         self.record = record if record is not None else RequestRecord()
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.mm_inputs: list[MultiModalInput] = []  # the prompt's images

@@ -62,3 +62,50 @@ class SharedModel:
 def smollm2():
     """The default model loaded once (see :class:`SharedModel`)."""
     return SharedModel()
+
+
+def build_tiny_llava(path):
+    """Save a tiny random LLaVA (CLIP 32x32 px, patch 8 -> 16 tokens per image, 2 layers; Llama 2 layers,
+    hidden 64) with the default tokenizer plus an ``<image>`` token and a LlavaProcessor into ``path``."""
+    import torch
+    import transformers
+
+    from rayinfer.model.default_model import ensure_default_model
+
+    tok = transformers.AutoTokenizer.from_pretrained(ensure_default_model(), local_files_only=True)
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=4, image_size=32, patch_size=8, projection_dim=32)
+    text = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=256,
+                                    eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    config = transformers.LlavaConfig(vision_config=vision, text_config=text,
+                                      image_token_index=tok.convert_tokens_to_ids("<image>"), vision_feature_layer=-2,
+                                      vision_feature_select_strategy="default", projector_hidden_act="gelu")
+    torch.manual_seed(0)
+    model = transformers.LlavaForConditionalGeneration(config).eval()
+    image_processor = transformers.CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    processor = transformers.LlavaProcessor(image_processor=image_processor, tokenizer=tok, patch_size=8, num_additional_image_tokens=1,
+                                            vision_feature_select_strategy="default")
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return path
+
+
+def random_images(n: int, seed: int = 0, size=(40, 48)):
+    """``n`` random RGB PIL images (height, width = ``size``) from a fixed seed."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8)) for _ in range(n)]
+
+
+@pytest.fixture(scope="session")
+def tiny_llava(tmp_path_factory):
+    """Directory of a tiny random LLaVA checkpoint (see :func:`build_tiny_llava`), built once per session."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return build_tiny_llava(tmp_path_factory.mktemp("tiny-llava"))
