@@ -303,8 +303,10 @@ class EngineActorImpl:
         e = self.engine.engine
 
         def start_peers(token_ids: list[int]):
-            refs = [p.prefill.remote(token_ids) for p in peers]
-            return lambda: ray.get(refs)
+            # called on the engine's step thread, never the event loop: wait on futures (ray.get here would
+            # only draw Ray's "blocking ray.get inside async actor" warning)
+            futures = [p.prefill.remote(token_ids).future() for p in peers]
+            return lambda: [f.result() for f in futures]
 
         cp_size = len(peers) + 1
         prefiller = CPPrefiller(cp_size, min_tokens, torch_all_gather(), start_peers)
