@@ -162,6 +162,10 @@ class LLMEngine:
         # sliding-window models (Gemma 3): the full-attention layers' cache here, and a small second cache
         # for the sliding layers, whose tables keep only each request's window (engine.kv_cache_manager)
         sliding_window = getattr(self.model, "sliding_window", None) if hasattr(self.model, "kv_cache_group_shapes") else None
+        if sliding_window and self.role != EngineRole.NORMAL:
+            raise ValueError(f"role={self.role.value}: prefill/decode disaggregation does not support sliding-window "
+                             f"models ({type(self.model).__name__}) yet; a KV handle carries only the "
+                             "full-attention layers, and the decode side would have to replay the window")
         num_local_blocks = self._num_local_blocks(sliding_window) if sliding_window else 0
         self.local_kv_cache = None
         if sliding_window:

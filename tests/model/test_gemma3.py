@@ -113,3 +113,9 @@ def test_prefix_hit_replays_only_the_window(engine, gemma, prompts, reference):
     suffix = len(prompts[-1]) - hit
     computed = after["num_computed_tokens"] - before["num_computed_tokens"]
     assert computed == (window - 1) + suffix + MAX_TOKENS - 1
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_pd_roles_refuse_sliding_window_models(gemma, role):
+    with pytest.raises(ValueError, match=f"role={role}: prefill/decode disaggregation does not support sliding-window"):
+        engine_for(gemma, role=role)
