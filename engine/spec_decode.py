@@ -213,21 +213,12 @@ class DraftModelProposer(Proposer):
             hidden = self.model(ids, torch.from_numpy(positions).to(dev), cache.kv_cache, meta)
             last = torch.from_numpy(qsl[1:].astype(np.int64) - 1).to(dev)
             probs = torch.softmax(self.model.compute_logits(hidden[last])[:, : self.vocab_size].float(), dim=-1)
-            top_p, top_id = probs.max(dim=-1)
-            top_p, top_id = top_p.tolist(), top_id.tolist()
-            next_live, next_chunks, next_starts = [], [], []
-            for j, i in enumerate(live):
-                d = drafts[i]
+            for j in range(len(live)):
                 cache.computed[rids[j]] = cache.computed[rids[j]] + chunks[j]
-                d.token_ids.append(top_id[j])
-                assert d.probs is not None
-                d.probs.append(top_p[j])
-                num_left[i] -= 1
-                if num_left[i] > 0:
-                    next_live.append(i)
-                    next_chunks.append([top_id[j]])
-                    next_starts.append(seq_lens[j])
-            live, chunks, starts = next_live, next_chunks, next_starts
+            top_id, keep = _append_top1(probs, drafts, live, num_left)
+            live = [live[j] for j in keep]
+            chunks = [[top_id[j]] for j in keep]
+            starts = [seq_lens[j] for j in keep]
         return drafts
 
 
@@ -355,17 +346,7 @@ class MtpProposer(Proposer):
             out = model.mtp_forward(ids, torch.cat(prev), torch.from_numpy(positions).to(dev), cache.kv_cache, meta)
             out = out[torch.from_numpy(qsl[1:].astype(np.int64) - 1).to(dev)]  # each request's last entry
             probs = torch.softmax(model.mtp_logits(out)[:, : self.vocab_size], dim=-1)
-            top_p, top_id = probs.max(dim=-1)
-            top_p, top_id = top_p.tolist(), top_id.tolist()
-            keep = []
-            for j, i in enumerate(live):
-                d = drafts[i]
-                d.token_ids.append(top_id[j])
-                assert d.probs is not None
-                d.probs.append(top_p[j])
-                num_left[i] -= 1
-                if num_left[i] > 0:
-                    keep.append(j)
+            top_id, keep = _append_top1(probs, drafts, live, num_left)
             live = [live[j] for j in keep]
             chunks = [[top_id[j]] for j in keep]
             prev = [out[j: j + 1] for j in keep]
@@ -373,6 +354,25 @@ class MtpProposer(Proposer):
             starts = [seq_lens[j] for j in keep]
         return drafts
 
+
+
+def _append_top1(probs: torch.Tensor, drafts, live: list[int],
+                 num_left: dict[int, int]) -> tuple[list[int], list[int]]:
+    """One greedy draft step for the ``live`` requests (row j of ``probs`` [len(live), vocab] is request
+    ``live[j]``): append each row's top-1 token and its probability to its draft and count it off
+    ``num_left``. Returns the top-1 ids (per row) and the rows whose requests still want drafts."""
+    top_p, top_id = probs.max(dim=-1)
+    top_p, top_id = top_p.tolist(), top_id.tolist()
+    keep = []
+    for j, i in enumerate(live):
+        d = drafts[i]
+        d.token_ids.append(top_id[j])
+        assert d.probs is not None
+        d.probs.append(top_p[j])
+        num_left[i] -= 1
+        if num_left[i] > 0:
+            keep.append(j)
+    return top_id, keep
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))

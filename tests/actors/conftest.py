@@ -92,3 +92,19 @@ def pd():
     """The PD tests' helpers: model, engine_config(**overrides), stream_all, check_streams."""
     return SimpleNamespace(model=MODEL, engine_config=engine_config, stream_all=stream_all,
                            check_streams=check_streams)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_config(tmp_path_factory) -> ModelConfig:
+    """A 2-layer random Llama (SmolLM2's vocabulary, float32) saved as a Hugging Face checkpoint, for
+    multi-actor tests that need a model too small to notice (the KV store tier, CP fleets)."""
+    import torch
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   tie_word_embeddings=True, initializer_range=0.1)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    return ModelConfig(str(path), dtype="float32")

@@ -19,16 +19,8 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def model_config(tmp_path_factory) -> ModelConfig:
-    import transformers
-
-    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                   tie_word_embeddings=True, initializer_range=0.1)
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny-llama")
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
-    return ModelConfig(str(path), dtype="float32")
+def model_config(tiny_llama_config) -> ModelConfig:
+    return tiny_llama_config
 
 
 def test_store_across_replicas_and_restart(ray_cluster, model_config, tmp_path):
