@@ -1,14 +1,23 @@
-"""CUDA graphs for decode steps: the model's forward captured once per padded batch size.
+"""CUDA graphs for decode and verification steps: the model's forward captured once per padded batch
+size and query length.
 
 A decode step of a small model is a few hundred tiny kernel launches whose CPU cost exceeds their GPU
 time; replaying a captured graph launches them all at once. Inputs live in static buffers that each
-step overwrites; padding rows get slot -1 (their KV is never written) and context length 1.
+step overwrites; padding rows get slot -1 (their KV is never written).
+
+Speculative decoding adds steps in which each request computes its last token plus its drafts (a
+*verification* step, 2..k+1 query tokens per request) and the draft model's catch-up steps. Those are
+captured too, per query length ``q`` (``max_query_len``), for batches up to ``max_verify_seqs``: a step
+whose requests have different query lengths runs in the graph of its longest one, each request padded to
+``q`` rows (:meth:`DecodeGraphs.run_ragged`). A padding row sits after its request's real rows, so causal
+attention never shows it to them, and its slot is -1.
 """
 
 from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from rayinfer.kernels.attention_metadata import AttentionMetadata
@@ -26,77 +35,172 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """Captured decode forwards for a set of batch sizes.
+    """Captured forwards for a set of (batch size, query length) pairs.
 
     Args:
         model: the model (``forward(input_ids, positions, kv_cache, meta)``).
         kv_cache: the paged cache tensor.
         block_size: tokens per block.
         max_model_len: longest context a replay may see (attention's split-KV size is baked in for it).
-        max_num_seqs: largest batch captured.
+        max_num_seqs: largest batch captured for one-token (decode) steps.
+        max_query_len: longest query per request captured (1: decode only; k + 1 for speculative
+            verification with k drafts).
+        max_verify_seqs: largest batch captured for query lengths above 1.
+        eager: run the model on the static buffers instead of replaying graphs (no capture; for CPU tests
+            of the padding and buffer logic).
     """
 
-    def __init__(self, model, kv_cache: torch.Tensor, block_size: int, max_model_len: int, max_num_seqs: int):
+    def __init__(self, model, kv_cache: torch.Tensor, block_size: int, max_model_len: int, max_num_seqs: int,
+                 max_query_len: int = 1, max_verify_seqs: int = 64, eager: bool = False):
         dev = kv_cache.device
         self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
         self.max_model_len = max_model_len
+        self.eager = eager
         self.sizes = capture_sizes(max_num_seqs)
+        self.verify_sizes = [s for s in self.sizes if s <= max_verify_seqs] if max_query_len > 1 else []
+        self.max_query_len = max_query_len if self.verify_sizes else 1
         n = self.sizes[-1]
+        num_tokens = max(n, (self.verify_sizes[-1] if self.verify_sizes else 0) * self.max_query_len)
         max_blocks = -(-max_model_len // block_size)
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=dev)
+        self.input_ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(num_tokens, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.full((num_tokens,), -1, dtype=torch.long, device=dev)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=dev)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        # per query length q: request i's rows start at i * q
+        self.query_start_loc = {q: torch.arange(0, (n + 1) * q, q, dtype=torch.int32, device=dev)
+                                for q in range(1, self.max_query_len + 1)}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
 
-    def _meta(self, bs: int) -> AttentionMetadata:
-        return AttentionMetadata(self.query_start_loc[: bs + 1], self.seq_lens[:bs], self.block_tables[:bs],
-                                 self.slot_mapping[:bs], self.block_size, [1] * bs, [self.max_model_len] * bs)
+    def _meta(self, bs: int, q: int) -> AttentionMetadata:
+        return AttentionMetadata(self.query_start_loc[q][: bs + 1], self.seq_lens[:bs], self.block_tables[:bs],
+                                 self.slot_mapping[: bs * q], self.block_size, [q] * bs, [self.max_model_len] * bs)
+
+    def _args(self, bs: int, q: int) -> tuple:
+        t = bs * q
+        return self.input_ids[:t], self.positions[:t], self.kv_cache, self._meta(bs, q)
+
+    def _sizes_for(self, q: int) -> list[int]:
+        return self.sizes if q == 1 else self.verify_sizes
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every size, largest first, sharing one memory pool."""
-        pool = None
-        for bs in reversed(self.sizes):
-            args = (self.input_ids[:bs], self.positions[:bs], self.kv_cache, self._meta(bs))
-            self.model(*args)  # warm-up: Triton compiles outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[bs] = self.model(*args)
-            pool = graph.pool()
-            self.graphs[bs] = graph
-        torch.cuda.synchronize()
-        logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+        """Capture every (size, query length), largest first, sharing one memory pool.
 
-    def padded_size(self, num_reqs: int) -> int | None:
-        """Smallest captured size holding ``num_reqs`` requests, or None."""
-        for bs in self.sizes:
+        A query length above 1 whose capture fails (a model whose multi-token attention cannot be
+        captured) is dropped with a warning: those steps then run eagerly.
+        """
+        if self.eager:
+            return
+        pool = None
+        for q in range(1, self.max_query_len + 1):
+            self.seq_lens.fill_(q)  # a context of q tokens at capture (its keys: block 0's slots)
+            try:
+                for bs in reversed(self._sizes_for(q)):
+                    args = self._args(bs, q)
+                    self.model(*args)  # warm-up: Triton compiles outside the capture
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        self.outputs[(bs, q)] = self.model(*args)
+                    pool = graph.pool()
+                    self.graphs[(bs, q)] = graph
+            except Exception as exc:  # noqa: BLE001 - any capture failure leaves eager steps, not a dead engine
+                if q == 1:
+                    raise
+                logger.warning("CUDA graphs for %d-token queries not captured (%s): those steps run eagerly", q, exc)
+                for key in [k for k in self.graphs if k[1] >= q]:
+                    del self.graphs[key], self.outputs[key]
+                self.max_query_len = q - 1
+                torch.cuda.synchronize()
+                break
+        self.seq_lens.fill_(1)
+        torch.cuda.synchronize()
+        logger.info("captured CUDA graphs for batch sizes %s (1-token queries)%s", self.sizes,
+                    f" and {self.verify_sizes} (2..{self.max_query_len}-token queries)" if self.max_query_len > 1 else "")
+
+    def padded_size(self, num_reqs: int, query_len: int = 1) -> int | None:
+        """Smallest captured size holding ``num_reqs`` requests of ``query_len`` tokens, or None."""
+        if not 1 <= query_len <= self.max_query_len:
+            return None
+        for bs in self._sizes_for(query_len):
             if bs >= num_reqs:
                 return bs
         return None
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-            seq_lens: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-        """Replay the graph for a decode batch of ``n`` requests (all inputs already on the device).
+            seq_lens: torch.Tensor, block_tables: torch.Tensor, query_len: int = 1) -> torch.Tensor:
+        """Replay the graph for ``n`` requests of ``query_len`` tokens each (inputs already on the device).
 
         Args:
-            input_ids, positions, slot_mapping: [n]. seq_lens: [n] int32. block_tables: [n, w] int32.
+            input_ids, positions, slot_mapping: [n * query_len], request i's tokens at rows
+                ``i * query_len ...``. seq_lens: [n] int32. block_tables: [n, w] int32 (w at most the
+                blocks of ``max_model_len``).
         Returns:
-            hidden states [n, hidden_size] (a view of the graph's output buffer, valid until the next replay).
+            hidden states [n * query_len, hidden_size] (a view of the graph's output buffer, valid until
+            the next replay).
         """
-        n = input_ids.shape[0]
-        bs = self.padded_size(n)
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(slot_mapping)
-        self.slot_mapping[n:bs].fill_(-1)
+        n, q = seq_lens.shape[0], query_len
+        bs = self.padded_size(n, q)
+        assert bs is not None, f"no graph for {n} requests of {q} tokens"
+        t = n * q
+        self.input_ids[:t].copy_(input_ids)
+        self.positions[:t].copy_(positions)
+        self.slot_mapping[:t].copy_(slot_mapping)
+        self.slot_mapping[t : bs * q].fill_(-1)
         self.seq_lens[:n].copy_(seq_lens)
-        self.seq_lens[n:bs].fill_(1)
-        self.block_tables[:n, : block_tables.shape[1]].copy_(block_tables)
+        self.seq_lens[n:bs].fill_(q)
+        w = min(block_tables.shape[1], self.block_tables.shape[1])  # later blocks hold no position < max_model_len
+        self.block_tables[:n, :w].copy_(block_tables[:, :w])
+        self.block_tables[:n, w:].zero_()
         self.block_tables[n:bs].zero_()
-        self.graphs[bs].replay()
-        return self.outputs[bs][:n]
+        if self.eager:  # the host lists the CPU attention reads are the real ones here
+            ids, pos, kv, meta = self._args(bs, q)
+            meta.seq_lens_cpu = self.seq_lens[:bs].tolist()
+            return self.model(ids, pos, kv, meta)[:t]
+        self.graphs[(bs, q)].replay()
+        return self.outputs[(bs, q)][:t]
+
+    def ragged_width(self, query_lens: list[int], seq_lens: list[int]) -> int | None:
+        """The query length whose graphs can run a step of these requests (its longest query), or None
+        (none captured, too many requests, or a padded context past ``max_model_len``)."""
+        if not query_lens:
+            return None
+        width = max(query_lens)
+        if self.padded_size(len(query_lens), width) is None:
+            return None
+        if any(s - q + width > self.max_model_len for q, s in zip(query_lens, seq_lens)):
+            return None
+        return width
+
+    def run_ragged(self, input_ids: np.ndarray | torch.Tensor, slot_mapping: np.ndarray, query_lens: list[int], seq_lens: list[int], block_tables: np.ndarray, width: int) -> torch.Tensor:
+        """Replay the graph of ``width``-token queries for requests of up to ``width`` new tokens each.
+
+        Each request is padded to ``width`` rows at its end (slot -1, the positions that follow its
+        last), its context to ``seq_len - query_len + width``.
+
+        Args:
+            input_ids: [T] int64 (a device tensor; a host array only off CUDA) and slot_mapping: [T]
+                int64 (host), the step's tokens request after request; query_lens, seq_lens: per request
+                (tokens; the positions follow from them); block_tables: [n, w] int32 (host); width: from
+                :meth:`ragged_width`.
+        Returns:
+            hidden states [T, hidden_size] of the real rows, in order (a new tensor).
+        """
+        from rayinfer.engine.staging import to_device
+
+        dev = self.input_ids.device
+        n = len(query_lens)
+        q = np.asarray(query_lens, dtype=np.int64)
+        first = np.asarray(seq_lens, dtype=np.int64) - q  # each request's first new position
+        rows = np.concatenate([i * width + np.arange(k) for i, k in enumerate(query_lens)])
+        pos = (first[:, None] + np.arange(width)[None, :]).reshape(-1)
+        slots = np.full(n * width, -1, dtype=np.int64)
+        slots[rows] = slot_mapping
+        tables = np.ascontiguousarray(block_tables, dtype=np.int32)
+        # one non-blocking copy of the padded inputs (launching a step must not wait for the device)
+        rows_t, pos_t, slots_t, seq_t, tables_t = to_device([rows, pos, slots, (first + width).astype(np.int32), tables], dev)
+        ids = torch.zeros(n * width, dtype=torch.long, device=dev)
+        ids[rows_t] = input_ids if isinstance(input_ids, torch.Tensor) else torch.from_numpy(input_ids).to(dev)
+        return self.run(ids, pos_t, slots_t, seq_t, tables_t, query_len=width)[rows_t]

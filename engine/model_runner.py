@@ -88,11 +88,13 @@ class ModelRunner:
         # a vision-language model's image embeddings by content hash (engine.multimodal); None for text models
         self.encoder_cache = None
 
-    def capture_cuda_graphs(self, max_model_len: int, max_num_seqs: int) -> None:
-        """Capture decode graphs (CUDA only)."""
+    def capture_cuda_graphs(self, max_model_len: int, max_num_seqs: int, max_query_len: int = 1) -> None:
+        """Capture decode graphs (CUDA only), and verification graphs up to ``max_query_len`` tokens per
+        request (speculative decoding: k + 1)."""
         from rayinfer.engine.cuda_graph import DecodeGraphs
 
-        self.graphs = DecodeGraphs(self.model, self.kv_cache, self.block_size, max_model_len, max_num_seqs)
+        self.graphs = DecodeGraphs(self.model, self.kv_cache, self.block_size, max_model_len, max_num_seqs,
+                                   max_query_len=max_query_len)
         with batch_invariant_mode(self.batch_invariant):
             self.graphs.capture()
 
@@ -144,6 +146,10 @@ class ModelRunner:
         else:
             sample_rows = starts[1:][sample_idx].astype(np.int64) - 1
         all_sampled = len(sample_rows) == num_tokens  # then the sampled rows are all rows, in order
+        verify_width = None  # a verification step (last tokens + drafts only) that a captured graph runs
+        if (offsets is not None and all_sampled and self.graphs is not None and not holes.size and not local_arrays
+                and not self.capture_hidden and self.encoder_cache is None):
+            verify_width = self.graphs.ragged_width(query_lens, seq_lens)
         if sample_idx and not all_sampled:
             extra.append(sample_rows)
         mm_embeds = None
@@ -168,6 +174,8 @@ class ModelRunner:
                 hidden, prenorm = self.model.forward_with_prenorm(ids, pos, self.model_kv, meta)
             elif self.graphs is not None and meta.is_decode_only and self.graphs.padded_size(len(scheduled)) is not None:
                 hidden = self.graphs.run(ids, pos, meta.slot_mapping, meta.seq_lens, meta.block_tables)
+            elif verify_width is not None:
+                hidden = self.graphs.run_ragged(ids, meta_arrays[2], query_lens, seq_lens, meta_arrays[1], verify_width)
             else:
                 hidden = self.model(ids, pos, self.model_kv, meta)
             step = PendingStep(sample_reqs, drafts=drafts, hidden=prenorm)

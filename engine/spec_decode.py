@@ -175,6 +175,16 @@ class DraftModelProposer(Proposer):
         self.model, self.vocab_size = model, vocab_size
         self.device = weight.device
         self.cache = _DraftCache(model.kv_cache_shape(num_blocks, block_size), block_size, weight.dtype, self.device)
+        self.graphs = None  # DecodeGraphs over the draft cache once captured
+
+    def capture_cuda_graphs(self, max_model_len: int, max_num_seqs: int, max_query_len: int) -> None:
+        """Capture the draft model's forwards (CUDA only): one-token draft steps, and catch-up steps of up
+        to ``max_query_len`` tokens (the last verification's accepted tokens)."""
+        from rayinfer.engine.cuda_graph import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self.model, self.cache.kv_cache, self.cache.block_size, max_model_len,
+                                   max_num_seqs, max_query_len=max_query_len)
+        self.graphs.capture()
 
     def release(self, request_id: str) -> None:
         self.cache.release(request_id)
@@ -207,10 +217,14 @@ class DraftModelProposer(Proposer):
             tables = [cache.block_ids[rid] for rid in rids]
             qsl, sl, bt, slots, positions = host_arrays(query_lens, seq_lens, tables, cache.block_size)
             dev = self.device
-            qsl_t, sl_t, bt_t, slots_t = (torch.from_numpy(a).to(dev) for a in (qsl, sl, bt, slots))
-            meta = AttentionMetadata(qsl_t, sl_t, bt_t, slots_t, cache.block_size, query_lens, seq_lens)
             ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=dev)
-            hidden = self.model(ids, torch.from_numpy(positions).to(dev), cache.kv_cache, meta)
+            width = self.graphs.ragged_width(query_lens, seq_lens) if self.graphs is not None else None
+            if width is not None:  # draft steps and short catch-ups: a captured graph
+                hidden = self.graphs.run_ragged(ids, slots, query_lens, seq_lens, bt, width)
+            else:
+                qsl_t, sl_t, bt_t, slots_t = (torch.from_numpy(a).to(dev) for a in (qsl, sl, bt, slots))
+                meta = AttentionMetadata(qsl_t, sl_t, bt_t, slots_t, cache.block_size, query_lens, seq_lens)
+                hidden = self.model(ids, torch.from_numpy(positions).to(dev), cache.kv_cache, meta)
             last = torch.from_numpy(qsl[1:].astype(np.int64) - 1).to(dev)
             probs = torch.softmax(self.model.compute_logits(hidden[last])[:, : self.vocab_size].float(), dim=-1)
             for j in range(len(live)):

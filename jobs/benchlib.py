@@ -157,6 +157,7 @@ class RequestTiming:
     num_output_tokens: int = 0
     ttft_s: float | None = None  # first output token
     latency_s: float | None = None  # last output token
+    token_ids: list[int] = field(default_factory=list)  # the output, to compare runs
 
     @property
     def tpot_s(self) -> float | None:
@@ -244,6 +245,7 @@ def run_offline(engine, items: list[WorkItem], request_prefix: str = "bench") ->
                 t.ttft_s = now
             t.latency_s = now
             t.num_output_tokens += len(out.new_token_ids)
+            t.token_ids.extend(out.new_token_ids)
     return OfflineRun(list(timings.values()), time.perf_counter() - start, steps, engine.stats())
 
 

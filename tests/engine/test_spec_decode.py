@@ -249,6 +249,46 @@ def test_confidence_schedule_keeps_greedy_output(tiny_pair, tokenizer, spec):
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_verification_and_draft_steps_through_graph_buffers(tiny_pair, tokenizer, method):
+    """The CUDA-graph path of speculative steps (engine/cuda_graph.py ``run_ragged``), replayed eagerly on
+    the CPU: verification steps and the draft model's steps padded per request to their longest query
+    (confidence-scheduled, so widths vary) and to a captured batch size (3 requests in a graph of 4);
+    greedy and seeded outputs equal plain decoding."""
+    from rayinfer.engine.cuda_graph import DecodeGraphs
+
+    prompts = list(PROMPTS)
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.8, max_tokens=23, ignore_eos=True, seed=5),
+              SamplingParams(temperature=0.0, max_tokens=21, ignore_eos=True, logprobs=0)]
+    plain = _tiny_spec_engine(tiny_pair, tokenizer, {}).generate(prompts, params)
+    engine = _tiny_spec_engine(tiny_pair, tokenizer, dict(method=method, schedule="confidence", num_draft_tokens=3))
+    replays = []
+
+    def counted(graphs):
+        run = graphs.run
+
+        def wrapper(*args, query_len=1, **kw):
+            replays.append((graphs is engine.runner.graphs, args[3].shape[0], query_len))
+            return run(*args, query_len=query_len, **kw)
+        graphs.run = wrapper
+        return graphs
+
+    runner = engine.runner
+    runner.graphs = counted(DecodeGraphs(runner.model, runner.kv_cache, runner.block_size, 512, 4, max_query_len=4, eager=True))
+    if method == "draft_model":
+        prop = engine.proposer
+        prop.graphs = counted(DecodeGraphs(prop.model, prop.cache.kv_cache, prop.cache.block_size, 512, 4,
+                                           max_query_len=4, eager=True))
+    _check_same(engine.generate(prompts, params), plain)
+    verify = [r for r in replays if r[0] and r[2] > 1]
+    assert verify and any(n == 3 for _, n, _ in verify), replays  # 3 requests padded to a graph of 4
+    assert len({q for _, _, q in verify}) > 1, "every verification had the same width"
+    if method == "draft_model":
+        assert any(not mine and q == 1 for mine, _, q in replays)  # one-token draft steps
+    assert engine.stats()["spec_num_drafts_accepted"] > 0
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_greedy_and_seeded_output_under_preemption(tiny_pair, tokenizer, method):
     prompts = list(PROMPTS)
     params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=["zzzz"]),

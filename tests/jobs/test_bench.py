@@ -257,3 +257,30 @@ def test_decode_timing_takes_the_graph_path_when_there_is_one():
     assert r["eager_step_s"] > 0 and not r["kv_aliased"]
     r = bl.time_decode_step(model, kv, 16, batch=8, context=40, warmup=0, iters=1, graphs=FakeGraphs())
     assert r["path"] == "eager" and r["graph_step_s"] is None and r["kv_aliased"]  # 8 * 3 blocks > 8
+
+
+def test_spec_section_rows_compare_speed_and_outputs_with_plain():
+    """jobs/bench_spec.py on a tiny random Llama (CPU, float32): one row per method with its speedup over
+    plain decoding, the speculative counters, and the share of outputs equal to plain's (all of them:
+    greedy speculation never changes the output)."""
+    import transformers
+
+    from rayinfer.engine.config import EngineConfig, ModelConfig
+    from rayinfer.jobs.bench_spec import SpecBenchSpec, run_spec_section
+    from rayinfer.model.llama import LlamaForCausalLM
+    from rayinfer.model.loader import load_tokenizer
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                                   architectures=["LlamaForCausalLM"])
+    model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
+    spec = SpecBenchSpec(batches=[2], output_len=6, num_kv_blocks=128, methods=["plain", "ngram", "self-draft"])
+    lines = []
+    rows = run_spec_section(spec, ModelConfig("tiny-llama", max_model_len=512),
+                            EngineConfig(device="cpu", async_scheduling=False), model,
+                            load_tokenizer("SmolLM2-135M-Instruct"), line=lines.append)
+    assert [r["method"] for r in rows] == ["plain", "ngram", "self-draft"] and len(lines) == 3
+    assert rows[0]["speedup"] == 1.0 and all(r["fraction_outputs_equal_plain"] == 1.0 for r in rows)
+    assert rows[2]["spec_num_drafts_accepted"] == rows[2]["spec_num_drafts_verified"] > 0  # drafting for itself
+    assert all(r["num_output_tokens"] == 12 for r in rows)
