@@ -237,7 +237,9 @@ def fused_moe_triton(
     num_tokens, top_k = topk_ids.shape
     num_experts, two_inter, hidden_size = w13.shape
     if num_tokens == 0:
-        return torch.zeros_like(hidden) if reduce_slots else hidden.new_zeros((0, top_k, hidden_size), dtype=torch.float32)
+        if reduce_slots:
+            return torch.zeros_like(hidden)
+        return hidden.new_zeros((0, top_k, hidden_size), dtype=torch.float32)
     sorted_pairs, block_experts = moe_align(topk_ids, num_experts, block_m)
     weights = topk_weights.reshape(-1).contiguous()
     num_pairs = num_tokens * top_k

@@ -89,8 +89,8 @@ def check_mla(device, dtype, heads, rank, rope, prompt_len, chunks):
     table, other_table = list(range(num_blocks)), list(range(num_blocks, num_blocks + other_blocks))
     to = dict(device=device, dtype=dtype)
     cache = torch.randn(num_blocks + other_blocks, block_size, rank + rope, generator=gen).to(**to)
-    ql, qp = torch.randn(prompt_len, heads, rank, generator=gen).to(**to), torch.randn(prompt_len, heads, rope, generator=gen).to(**to)
-    ol, op = torch.randn(other_len, heads, rank, generator=gen).to(**to), torch.randn(other_len, heads, rope, generator=gen).to(**to)
+    ql, qp, ol, op = (torch.randn(n, heads, d, generator=gen).to(**to)
+                      for n, d in [(prompt_len, rank), (prompt_len, rope), (other_len, rank), (other_len, rope)])
     scale = (rank + rope) ** -0.5
 
     def build(query_lens, seq_lens, tables):

@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from rayinfer.kernels._triton_utils import HAS_TRITON
-from rayinfer.kernels.fused_moe import fused_moe, fused_moe_ref, fused_moe_slots, fused_moe_slots_ref, moe_align, sum_slots
+from rayinfer.kernels.fused_moe import (
+    fused_moe, fused_moe_ref, fused_moe_slots, fused_moe_slots_ref, moe_align, sum_slots,
+)
 
 CUDA = torch.cuda.is_available()
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 3e-2}
