@@ -5,16 +5,36 @@ depend on how many rows the call has, where the row sits among them, how the req
 chunked, or whether its prefix came from the cache; so a greedy request's tokens and logprobs are the same
 bits whatever else shares its steps. What each dispatcher does then:
 
-- linear layers (prefill GEMM, decode GEMV, LM head, MoE router and shared experts):
+- linear layers (prefill GEMM, decode GEMV, LM head, MoE routers (DeepSeek-V3's in float32) and shared
+  experts, MLA's low-rank query and latent projections and output):
   :func:`rayinfer.kernels.matmul.dense_linear` takes the persistent Triton matmul, without split-K
   (its tiles follow the row count; they do not change the bits); the fused batch-1 GEMVs are off;
+  MLA's absorbed per-head up-projections (a batched GEMM) take the same kernel once per head
+  (:func:`~rayinfer.kernels.matmul.dense_batched_linear`);
 - attention: one key tile (``BLOCK_N``) for prefill, extend and decode, no split-KV, every tile through
   the same masked code path, so every query row reads its keys in the same tiles from position 0
   (``kernels.paged_attention``);
-- fused MoE: a fixed row tile, and the top-k sum in a fixed order (``kernels.fused_moe``);
+- MLA (DeepSeek-V3): every step attends in the absorbed form (the model otherwise expands the latents
+  for steps with a prefill, which rounds differently), whose kernel gives each query token a program of
+  its own over fixed key tiles (``kernels.mla_attention``);
+- MoE routing: the sum of a token's k routing weights (renormalization) in slot order, and DeepSeek-V3's
+  grouped top-k returns its experts by descending score (``topk(sorted=False)``'s order may follow the
+  algorithm torch picks for the batch's shape) (``model.moe``);
+- fused MoE: a fixed row tile, and the top-k sum in slot order (``kernels.fused_moe``); under expert
+  parallelism the ranks exchange each (token, slot)'s output unsummed, so the cross-rank sum adds one
+  nonzero term per element (exact in any order) and a token's row equals the one-process layer's
+  (``model.moe.RoutedExperts``);
 - log-softmax of the logprobs: one program per row (``kernels.log_softmax``).
 
-RMSNorm, RoPE, the KV write, SiLU-and-mul and the sampler's draw are row-wise in both modes.
+RMSNorm (also the per-head q/k norms and MLA's latent norms), RoPE, the KV write, SiLU-and-mul, the
+routers' softmax / sigmoid and top-k, and the sampler's draw are row-wise in both modes.
+
+Checked bit for bit on CPU through the Triton interpreter (``tests/engine/test_batch_invariant.py``:
+tiny Llama, Qwen3-MoE and DeepSeek-V3 engines with varied chunking, prefix hits and preemption, 1P1D;
+``tests/model/test_moe_ep.py``: the expert-parallel layer over 4 gloo ranks;
+``tests/kernels/test_batch_invariant_kernels.py``: each kernel's rows), and on an H200 for the dense
+Llama path (SmolLM2 shape, bf16); the GPU tests also hold a DeepSeek-V3 (MLA + MoE) case and MoE / MLA
+kernel rows, not yet run there.
 
 The switch is a context variable: the model runner enters :func:`batch_invariant_mode` around its
 forwards (and the CUDA-graph capture), so engines of one process keep their own modes and nothing

@@ -64,6 +64,45 @@ def fused_moe_ref(
     return out
 
 
+def sum_slots(x: torch.Tensor) -> torch.Tensor:
+    """``x[:, 0] + x[:, 1] + ... + x[:, k-1]``, added in slot order by elementwise adds.
+
+    x: [T, k, ...]. Returns [T, ...] in x's dtype. The batch-invariant sum over a token's k routed
+    outputs (or routing weights): ``x.sum(1)`` leaves the order to the reduction kernel, which on a GPU
+    may follow the tensor's shape.
+    """
+    total = x[:, 0].clone()
+    for slot in range(1, x.shape[1]):
+        total += x[:, slot]
+    return total
+
+
+def fused_moe_slots_ref(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+) -> torch.Tensor:
+    """Each (token, slot)'s weighted expert output, not yet summed over the k slots (plain torch).
+
+    Args: as :func:`fused_moe_ref`.
+    Returns:
+        [T, k, H] float32; zeros where the slot's id is skipped (outside ``[0, E)``).
+    """
+    _check_shapes(hidden, w13, w2, topk_ids, topk_weights)
+    num_experts = w13.shape[0]
+    num_tokens, top_k = topk_ids.shape
+    out = torch.zeros((num_tokens * top_k, hidden.shape[1]), dtype=torch.float32, device=hidden.device)
+    flat_ids = topk_ids.reshape(-1)
+    flat_weights = topk_weights.reshape(-1)
+    for e in torch.unique(flat_ids[(flat_ids >= 0) & (flat_ids < num_experts)]).tolist():
+        pairs = (flat_ids == e).nonzero().squeeze(1)
+        h = silu_and_mul_ref(F.linear(hidden[pairs // top_k], w13[e]))
+        out[pairs] = F.linear(h, w2[e]).float() * flat_weights[pairs, None].float()
+    return out.view(num_tokens, top_k, -1)
+
+
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort the (token, slot) pairs by expert and pad each expert's run to a multiple of ``block_m``.
 
@@ -180,15 +219,17 @@ def fused_moe_triton(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     block_m: int = 16,
+    reduce_slots: bool = True,
 ) -> torch.Tensor:
     """Triton grouped GEMM of :func:`fused_moe_ref` (same contract; no host sync).
 
     Args:
         block_m: rows per tile (>= 16); 16 suits decode, 64 large prefills.
+        reduce_slots: False returns :func:`fused_moe_slots_ref`'s per-slot outputs ([T, k, H] float32).
 
     In batch-invariant mode (``kernels.batch_invariant``) the k routed outputs of a token are added in
-    slot order; with a fixed ``block_m`` (as :func:`fused_moe` passes then) a token's row is computed by
-    the same tiles whatever else the batch holds.
+    slot order (:func:`sum_slots`); with a fixed ``block_m`` (as :func:`fused_moe` passes then) a
+    token's row is computed by the same tiles whatever else the batch holds.
     """
     invariant = is_batch_invariant()
     rowwise = invariant and is_interpreting()
@@ -196,7 +237,9 @@ def fused_moe_triton(
     num_tokens, top_k = topk_ids.shape
     num_experts, two_inter, hidden_size = w13.shape
     if num_tokens == 0:
-        return torch.zeros_like(hidden)
+        if reduce_slots:
+            return torch.zeros_like(hidden)
+        return hidden.new_zeros((0, top_k, hidden_size), dtype=torch.float32)
     sorted_pairs, block_experts = moe_align(topk_ids, num_experts, block_m)
     weights = topk_weights.reshape(-1).contiguous()
     num_pairs = num_tokens * top_k
@@ -207,12 +250,24 @@ def fused_moe_triton(
     out = torch.zeros((num_pairs, hidden_size), dtype=torch.float32, device=hidden.device)
     _moe_gemm(act, w2, out, sorted_pairs, block_experts, weights, 1, True, block_m, rowwise)
     out = out.view(num_tokens, top_k, hidden_size)
+    if not reduce_slots:
+        return out
     if invariant:
-        total = out[:, 0].clone()
-        for slot in range(1, top_k):
-            total += out[:, slot]
-        return total.to(hidden.dtype)
+        return sum_slots(out).to(hidden.dtype)
     return out.sum(1).to(hidden.dtype)
+
+
+def _triton_applies(hidden, w13, w2, topk_ids, topk_weights) -> bool:
+    return (
+        hidden.dim() == 2
+        and hidden.dtype == w13.dtype == w2.dtype
+        and hidden.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and use_triton(hidden, w13, w2, topk_ids, topk_weights)
+    )
+
+
+def _block_m(topk_ids: torch.Tensor) -> int:
+    return 64 if is_batch_invariant() or topk_ids.numel() > 1024 else 16
 
 
 def fused_moe(
@@ -223,13 +278,27 @@ def fused_moe(
     topk_weights: torch.Tensor,
 ) -> torch.Tensor:
     """Same contract as :func:`fused_moe_ref`; the Triton grouped GEMM on CUDA tensors (64-row tiles
-    whatever the batch in batch-invariant mode)."""
-    if (
-        hidden.dim() == 2
-        and hidden.dtype == w13.dtype == w2.dtype
-        and hidden.dtype in (torch.float16, torch.bfloat16, torch.float32)
-        and use_triton(hidden, w13, w2, topk_ids, topk_weights)
-    ):
-        block_m = 64 if is_batch_invariant() or topk_ids.numel() > 1024 else 16
-        return fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, block_m=block_m)
+    whatever the batch in batch-invariant mode). In batch-invariant mode without Triton, the k outputs
+    of :func:`fused_moe_slots_ref` are added in slot order, as expert parallelism adds them."""
+    if _triton_applies(hidden, w13, w2, topk_ids, topk_weights):
+        return fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, block_m=_block_m(topk_ids))
+    if is_batch_invariant():
+        return sum_slots(fused_moe_slots_ref(hidden, w13, w2, topk_ids, topk_weights)).to(hidden.dtype)
     return fused_moe_ref(hidden, w13, w2, topk_ids, topk_weights)
+
+
+def fused_moe_slots(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+) -> torch.Tensor:
+    """Same contract as :func:`fused_moe_slots_ref` ([T, k, H] float32); the Triton grouped GEMM where
+    :func:`fused_moe` takes it, with the same tiles, so that ``sum_slots(fused_moe_slots(...))`` cast to
+    hidden's dtype is :func:`fused_moe`'s result bit for bit in batch-invariant mode (how expert
+    parallelism combines the ranks' outputs then, ``model.moe.RoutedExperts``)."""
+    if _triton_applies(hidden, w13, w2, topk_ids, topk_weights):
+        return fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, block_m=_block_m(topk_ids),
+                                reduce_slots=False)
+    return fused_moe_slots_ref(hidden, w13, w2, topk_ids, topk_weights)

@@ -7,7 +7,9 @@ programs walk the output tiles in grouped order (persistent kernel, after Triton
 
 cuBLAS picks its algorithm (tile, split-K) per M, so a row's result there changes with the batch; this
 kernel trades some speed for that invariance, and runs only in batch-invariant mode
-(:func:`dense_linear`; see ``kernels.batch_invariant``).
+(:func:`dense_linear`; see ``kernels.batch_invariant``). A batched call (``[B, M, K] x [B, N, K]``,
+:func:`dense_batched_linear`) runs the same programs once per batch entry (grid axis 1), for cuBLAS's
+batched GEMM (``torch.bmm``, ``einsum``), whose algorithm also follows M.
 """
 
 from __future__ import annotations
@@ -27,10 +29,15 @@ def persistent_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 @triton.jit
 def _persistent_linear_kernel(
     x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K,
-    stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
+    stride_xb, stride_xm, stride_xk, stride_wb, stride_wn, stride_wk, stride_yb, stride_ym, stride_yn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_SMS: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, ROWWISE: tl.constexpr,
 ):
+    # grid axis 1: the batch entry of a batched call (one per head of MLA's absorbed projections), else 0
+    batch = tl.program_id(1).to(tl.int64)
+    x_ptr = x_ptr + batch * stride_xb
+    w_ptr = w_ptr + batch * stride_wb
+    y_ptr = y_ptr + batch * stride_yb
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
@@ -112,32 +119,45 @@ def persistent_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     """Triton kernel of :func:`persistent_linear_ref`, batch-invariant (see the module docstring).
 
     Args:
-        x: [M, K] (any strides); weight: [N, K], x's dtype; bias: [N] or None.
+        x: [M, K], or [B, M, K] for B independent products (any strides); weight: [N, K], or [B, N, K]
+            with a batched x, x's dtype; bias: [N] or None (2-D only).
         config: tile override (block_m, block_n, block_k, group_m, num_warps, num_stages); on 16-bit
             tensor cores any tiles give a row the same bits (see :func:`_choose_config`).
     Returns:
-        [M, N] in x's dtype, float32 accumulation.
+        [M, N] (or [B, M, N]) in x's dtype, float32 accumulation; a batch entry's rows are those of a 2-D
+        call on that entry alone.
     Raises:
         ValueError: when the shapes or dtypes do not match.
     """
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+    batched = x.dim() == 3
+    if x.dim() not in (2, 3) or weight.dim() != x.dim() or x.shape[-1] != weight.shape[-1] or (
+            batched and (x.shape[0] != weight.shape[0] or bias is not None)):
         raise ValueError(f"persistent_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not multiply")
     if weight.dtype != x.dtype or (bias is not None and bias.shape != (weight.shape[0],)):
         raise ValueError("persistent_linear: weight must have x's dtype and bias shape [N]")
-    m, k = x.shape
-    n = weight.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0 or n == 0:
+    if batched:
+        return _persistent_linear(x, weight, None, config)
+    return _persistent_linear(x[None], weight[None], bias, config)[0]
+
+
+def _persistent_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       config: dict | None) -> torch.Tensor:
+    """x [B, M, K], weight [B, N, K], bias [N] or None -> [B, M, N]: one launch, grid (programs, B)."""
+    b, m, k = x.shape
+    n = weight.shape[1]
+    y = torch.empty((b, m, n), dtype=x.dtype, device=x.device)
+    if b == 0 or m == 0 or n == 0:
         return y
     if k == 0:
-        return y.zero_() if bias is None else y.copy_(bias.expand(m, n))
+        return y.zero_() if bias is None else y.copy_(bias.expand(b, m, n))
     cfg = {**_choose_config(m, n, k, x.dtype), **(config or {})}
     num_tiles = triton.cdiv(m, cfg["block_m"]) * triton.cdiv(n, cfg["block_n"])
     # the interpreter runs programs one after another: one program per tile costs nothing more there
-    num_sms = num_tiles if is_interpreting() else min(device_sms(x), num_tiles)
-    _persistent_linear_kernel[(num_sms,)](
+    num_sms = num_tiles if is_interpreting() else min(max(1, device_sms(x) // b), num_tiles)
+    _persistent_linear_kernel[(num_sms, b)](
         x, weight, bias if bias is not None else weight, y, m, n, k,
-        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
+        x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1), weight.stride(2),
+        y.stride(0), y.stride(1), y.stride(2),
         BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], GROUP_M=cfg["group_m"],
         NUM_SMS=num_sms, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, ROWWISE=is_interpreting(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -146,11 +166,11 @@ def persistent_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 
 def persistent_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether :func:`dense_linear` can take the Triton kernel: 2-D float16/bfloat16/float32 operands of
-    one dtype on CUDA (or under the Triton interpreter)."""
+    """Whether :func:`dense_linear` (2-D operands) or :func:`dense_batched_linear` (3-D) can take the
+    Triton kernel: float16/bfloat16/float32 operands of one dtype on CUDA (or under the Triton interpreter)."""
     return (
-        x.dim() == 2
-        and weight.dim() == 2
+        x.dim() in (2, 3)
+        and weight.dim() == x.dim()
         and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
         and weight.dtype == x.dtype
         and use_triton(x, weight)
@@ -167,3 +187,14 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         if persistent_linear_applies(x2, weight):
             return persistent_linear(x2, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
+
+
+def dense_batched_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """B independent linear layers, ``torch.bmm(x, weight.mT)``, or in batch-invariant mode the persistent
+    matmul where it applies (MLA's absorbed key and value up-projections, one entry per head).
+
+    x: [B, M, K]; weight: [B, N, K] (any strides). Returns [B, M, N] in x's dtype.
+    """
+    if is_batch_invariant() and persistent_linear_applies(x, weight):
+        return persistent_linear(x, weight)
+    return torch.bmm(x, weight.transpose(1, 2))

@@ -11,6 +11,11 @@ written by slot mapping. Two ways to attend over it (DeepSeek-V2 paper, section 
   (``q_latent = q_nope @ W_UK``) and the value up-projection applied after, so attention runs as
   multi-query attention straight over the latents (one shared "head" of width R + P, values of width
   R); cheap when few queries read a long context (decode).
+
+In batch-invariant mode (``kernels.batch_invariant``) the model takes the absorbed form for every step
+(``model.deepseek_v3``): its kernel computes each query token in a program of its own, reading the
+token's keys in the same ``BLOCK_N`` tiles from position 0, masked alike, without split-KV, so a token's
+row is the same bits in a prefill, an extend after a prefix hit or chunk, and a decode.
 """
 
 from __future__ import annotations
@@ -18,8 +23,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rayinfer.kernels._triton_utils import tl, triton, use_triton
+from rayinfer.kernels._triton_utils import is_interpreting, tl, triton, use_triton
 from rayinfer.kernels.attention_metadata import AttentionMetadata
+from rayinfer.kernels.batch_invariant import is_batch_invariant
 
 
 def store_mla_kv_ref(
@@ -177,7 +183,8 @@ def mla_decode_ref(
 # Triton kernel of the absorbed form. Program (t, g) computes query token t for a tile of BLOCK_H heads;
 # every head of the tile shares each latent tile read from the cache (MQA), streamed in BLOCK_N tokens
 # through the block table with an online base-2 softmax (FlashAttention-2). Not yet tuned: no split-KV,
-# and with many heads the context is read once per head tile.
+# and with many heads the context is read once per head tile. Tiles depend on the model's shape only and
+# every tile takes the masked path, so a token's result does not depend on its batch (batch-invariant).
 # ----------------------------------------------------------------------------------------------------
 
 
@@ -188,6 +195,7 @@ def _mla_decode_kernel(
     stride_lt, stride_lh, stride_pt, stride_ph, stride_ot, stride_oh, stride_cb, stride_cs, stride_bt,
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr,
+    ROWWISE: tl.constexpr = False,
 ):
     token = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -215,7 +223,10 @@ def _mla_decode_kernel(
         rows = blk.to(tl.int64) * stride_cb + (n % KV_BLOCK_SIZE) * stride_cs
         kl = tl.load(cache_ptr + rows[:, None] + r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
         kp = tl.load(cache_ptr + rows[:, None] + RANK + p[None, :], mask=n_ok[:, None] & p_ok[None, :], other=0.0)
-        if IEEE:
+        if ROWWISE:  # batch-invariant mode under the interpreter (see ROWWISE in kernels._triton_utils)
+            s = (tl.sum(ql.to(tl.float32)[:, :, None] * tl.trans(kl).to(tl.float32)[None, :, :], 1)
+                 + tl.sum(qp.to(tl.float32)[:, :, None] * tl.trans(kp).to(tl.float32)[None, :, :], 1))
+        elif IEEE:
             s = tl.dot(ql, tl.trans(kl), input_precision="ieee") + tl.dot(qp, tl.trans(kp), input_precision="ieee")
         else:
             s = tl.dot(ql, tl.trans(kl)) + tl.dot(qp, tl.trans(kp))
@@ -224,7 +235,9 @@ def _mla_decode_kernel(
         prob = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(prob, 1)
-        if IEEE:
+        if ROWWISE:
+            acc = acc * alpha[:, None] + tl.sum(prob[:, :, None] * kl.to(tl.float32)[None, :, :], 1)
+        elif IEEE:
             acc = acc * alpha[:, None] + tl.dot(prob, kl, input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(prob.to(kl.dtype), kl)
@@ -259,7 +272,7 @@ def mla_decode_triton(
         kv_cache.stride(0), kv_cache.stride(1), meta.block_tables.stride(0),
         RANK=rank, ROPE=rope, BLOCK_R=block_r, BLOCK_P=max(16, triton.next_power_of_2(rope)),
         BLOCK_H=block_h, BLOCK_N=block_n, KV_BLOCK_SIZE=kv_cache.shape[1], IEEE=q_latent.dtype == torch.float32,
-        num_warps=4, num_stages=2,
+        ROWWISE=is_batch_invariant() and is_interpreting(), num_warps=4, num_stages=2,
     )
     return out
 

@@ -26,12 +26,15 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from rayinfer.kernels.attention_metadata import AttentionMetadata
+from rayinfer.kernels.batch_invariant import is_batch_invariant
+from rayinfer.kernels.matmul import dense_batched_linear, dense_linear
 from rayinfer.kernels.mla_attention import mla_decode, mla_prefill_ref, store_mla_kv
 from rayinfer.model.llama import PagedCausalLM, PreNormDecoderLayer, RMSNorm
 from rayinfer.model.moe import ExpertParallelism, GatedMLP, MoEModelMixin, RoutedExperts, grouped_topk
@@ -139,27 +142,34 @@ class DeepseekV3Attention(nn.Module):
         """hidden [T, hidden_size] -> [T, hidden_size]; writes this step's latents into ``kv_cache`` (one layer).
 
         Pure decode batches attend in the absorbed form (:func:`mla_decode`), others expanded
-        (:func:`mla_prefill_ref`).
+        (:func:`mla_prefill_ref`). In batch-invariant mode (``kernels.batch_invariant``) every step takes
+        the absorbed form, so a token's attention is the same arithmetic whether its step is a prefill, an
+        extend or a decode and whatever the step's other requests do (the two forms round differently);
+        the projections then run through the persistent matmul (per head for the absorbed ones).
         """
         t, heads = hidden.shape[0], self.num_heads
         if self.q_lora_rank is None:
-            q = self.q_proj(hidden)
+            q = dense_linear(hidden, self.q_proj.weight)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+            q_a = self.q_a_layernorm(dense_linear(hidden, self.q_a_proj.weight, self.q_a_proj.bias))
+            q = dense_linear(q_a, self.q_b_proj.weight)
         # explicit sizes: an EP rank without work runs this over t = 0 tokens, where -1 is ambiguous
         q_nope, q_pe = q.view(t, heads, self.nope_dim + self.rope_dim).split([self.nope_dim, self.rope_dim], dim=-1)
-        c_kv, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv_a = dense_linear(hidden, self.kv_a_proj_with_mqa.weight, self.kv_a_proj_with_mqa.bias)
+        c_kv, k_pe = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
         q_pe, k_pe = apply_rope(q_pe, k_pe[:, None, :], cos, sin, self.interleave)
         store_mla_kv(c_kv, k_pe[:, 0], kv_cache, meta.slot_mapping)
-        if meta.is_decode_only:
+        if meta.is_decode_only or is_batch_invariant():
             w_kv_b = self.kv_b_proj.weight.view(heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
-            q_latent = torch.einsum("thd,hdr->thr", q_nope, w_kv_b[:, : self.nope_dim])
+            # per head h: q_latent[:, h] = q_nope[:, h] @ W_UK[h] ([Dn, R]); out[:, h] = latent @ W_UV[h].T
+            w_uk_t = w_kv_b[:, : self.nope_dim].transpose(1, 2)  # [H, R, Dn]
+            q_latent = dense_batched_linear(q_nope.transpose(0, 1), w_uk_t).transpose(0, 1)  # [T, H, R]
             out_latent = mla_decode(q_latent, q_pe.contiguous(), kv_cache, meta, self.scale)
-            out = torch.einsum("thr,hvr->thv", out_latent, w_kv_b[:, self.nope_dim :])
+            out = dense_batched_linear(out_latent.transpose(0, 1), w_kv_b[:, self.nope_dim :]).transpose(0, 1)
         else:
             out = mla_prefill_ref(q_nope, q_pe, kv_cache, meta, self.kv_b_proj.weight, self.scale)
-        return self.o_proj(out.reshape(t, heads * self.v_dim))
+        return dense_linear(out.reshape(t, heads * self.v_dim), self.o_proj.weight, self.o_proj.bias)
 
 
 class DeepseekV3TopkRouter(nn.Module):
@@ -192,7 +202,7 @@ class DeepseekV3MoE(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, hidden_size] -> [T, hidden_size]; routing in float32 as Hugging Face."""
         c = self.config
-        logits = F.linear(hidden.float(), self.gate.weight.float())
+        logits = dense_linear(hidden.float(), self.gate.weight.float())
         weights, ids = grouped_topk(
             logits, self.gate.e_score_correction_bias.float(), c.num_experts_per_tok, c.n_group, c.topk_group,
             c.norm_topk_prob, c.routed_scaling_factor,
@@ -317,21 +327,21 @@ class DeepseekV3ForCausalLM(MoEModelMixin, PagedCausalLM):
             [T, hidden_size] the module's output before ``shared_head.norm`` (chains as ``prev_hidden``).
         Source: DeepSeek-V3 technical report (arXiv:2412.19437) §2.2, eq. 21-23.
         """
-        layer = self.mtp[depth]
+        layer = cast(DeepseekV3MTPLayer, self.mtp[depth])
         weight = self.model.embed_tokens.weight if layer.embed_weight is None else layer.embed_weight
         embeds = F.embedding(input_ids, weight)
-        hidden = layer.eh_proj(torch.cat([layer.enorm(embeds), layer.hnorm(prev_hidden)], dim=-1))
+        hidden = dense_linear(torch.cat([layer.enorm(embeds), layer.hnorm(prev_hidden)], dim=-1), layer.eh_proj.weight)
         hidden, residual = layer(hidden, None, *self.rope_args(positions, hidden), kv_cache[depth], meta)
         return hidden + residual
 
     def mtp_logits(self, hidden: torch.Tensor, depth: int = 0) -> torch.Tensor:
         """MTP output [N, hidden_size] -> logits [N, vocab_size] float32 (``shared_head.norm``, then the
         LM head: the main model's unless the checkpoint gave the module its own)."""
-        layer = self.mtp[depth]
+        layer = cast(DeepseekV3MTPLayer, self.mtp[depth])
         normed = layer.shared_head.norm(hidden)
         if layer.head_weight is None:
             return self.compute_logits(normed)
-        return F.linear(normed, layer.head_weight).float()
+        return dense_linear(normed, layer.head_weight).float()
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """:meth:`MoEModelMixin.load_weights`, with the MTP layers (``model.layers.{num_hidden_layers + d}.*``)

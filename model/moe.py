@@ -24,7 +24,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from rayinfer.kernels.activation import silu_and_mul
-from rayinfer.kernels.fused_moe import fused_moe
+from rayinfer.kernels.batch_invariant import is_batch_invariant
+from rayinfer.kernels.fused_moe import fused_moe, fused_moe_slots, sum_slots
 from rayinfer.kernels.matmul import dense_linear
 
 
@@ -54,14 +55,21 @@ def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> 
         top_k: experts per token.
         renormalize: divide the k probabilities by their sum (``norm_topk_prob``).
     Returns:
-        (topk_weights [T, k] in router_logits' dtype, topk_ids [T, k] int64).
+        (topk_weights [T, k] in router_logits' dtype, topk_ids [T, k] int64), by descending probability.
     Source: Hugging Face ``Qwen3MoeTopKRouter``.
     """
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights / _sum_k(weights)
     return weights.to(router_logits.dtype), ids
+
+
+def _sum_k(weights: torch.Tensor) -> torch.Tensor:
+    """[T, k] -> [T, 1], the sum of each token's k routing weights; in slot order in batch-invariant mode."""
+    if is_batch_invariant():
+        return sum_slots(weights)[:, None]
+    return weights.sum(dim=-1, keepdim=True)
 
 
 def grouped_topk(
@@ -88,7 +96,9 @@ def grouped_topk(
         renormalize: ``norm_topk_prob``.
         routed_scaling_factor: multiplies the weights.
     Returns:
-        (topk_weights [T, k] float32, topk_ids [T, k] int64).
+        (topk_weights [T, k] float32, topk_ids [T, k] int64); in batch-invariant mode by descending
+        choice (``topk(sorted=False)``'s order may follow the algorithm torch picks for the batch's shape,
+        and the slot order is the order in which a token's expert outputs are added).
     Source: DeepSeek-V3 technical report (2024), section 2.1.2; Hugging Face ``DeepseekV3TopkRouter``.
     """
     num_tokens, num_experts = router_logits.shape
@@ -100,10 +110,10 @@ def grouped_topk(
     group_mask = torch.zeros_like(group_scores).scatter_(1, group_ids, 1)
     score_mask = group_mask.unsqueeze(-1).expand(-1, num_groups, per_group).reshape(num_tokens, num_experts)
     choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
-    ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    ids = torch.topk(choice, k=top_k, dim=-1, sorted=is_batch_invariant())[1]
     weights = scores.gather(1, ids)
     if renormalize:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights / (_sum_k(weights) + 1e-20)
     return weights * routed_scaling_factor, ids
 
 
@@ -169,6 +179,12 @@ class RoutedExperts(nn.Module):
     logical expert (row = index in the gathered batch), deterministic on every rank; 3. compute the
     contributions of this rank's slots; 4. sum over ranks (reduce-scatter on NCCL, all-reduce on gloo)
     and keep this rank's rows. The result equals ep=1 up to float summation order.
+
+    In batch-invariant mode (``kernels.batch_invariant``) step 3 keeps each (token, slot)'s output apart
+    ([N, k, H] float32, :func:`~rayinfer.kernels.fused_moe.fused_moe_slots`), so step 4 adds one
+    nonzero term per element (exact in any order: the collectives' order follows the row's place in
+    the buffer), and the home rank then adds a token's k outputs in slot order: its row is the bits of
+    ep=1 whatever the other ranks hold, for k float32 rows per token in the collective instead of one.
     """
 
     def __init__(
@@ -258,14 +274,21 @@ class RoutedExperts(nn.Module):
         hidden_all = self._all_gather(F.pad(hidden, (0, 0, 0, pad)))
         ids_all = self._all_gather(F.pad(topk_ids.long(), (0, 0, 0, pad), value=-1))
         weights_all = self._all_gather(F.pad(topk_weights, (0, 0, 0, pad)))
-        partial = fused_moe(hidden_all, self.w13, self.w2, self._local_ids(ids_all), weights_all)
+        invariant = is_batch_invariant()
+        moe = fused_moe_slots if invariant else fused_moe
+        partial = moe(hidden_all, self.w13, self.w2, self._local_ids(ids_all), weights_all)
+        if invariant:  # [N, k, H] float32 -> [N, k * H]: one nonzero term per element over the ranks
+            partial = partial.reshape(partial.shape[0], -1)
         if dist.get_backend(self.group) == "nccl":
             out = partial.new_empty((max_tokens, partial.shape[1]))
             dist.reduce_scatter_tensor(out, partial, group=self.group)
         else:  # gloo has no reduce-scatter
             dist.all_reduce(partial, group=self.group)
             out = partial[self.ep_rank * max_tokens : (self.ep_rank + 1) * max_tokens]
-        return out[:num_tokens]
+        out = out[:num_tokens]
+        if invariant:
+            out = sum_slots(out.view(num_tokens, topk_ids.shape[1], -1)).to(hidden.dtype)
+        return out
 
     def _all_gather(self, x: torch.Tensor) -> torch.Tensor:
         parts = [torch.empty_like(x) for _ in range(self.ep_size)]

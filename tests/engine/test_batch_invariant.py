@@ -2,14 +2,28 @@
 companion requests (batches of varying size and length, prefix-cache hits, chunk sizes, preemption)
 gives exactly one output, token ids and logprobs bit for bit.
 
-On CPU the property is checked through the Triton interpreter on a tiny random Llama (the kernels the
-GPU runs, with ``tl.dot`` written out row by row: see ROWWISE in ``kernels._triton_utils``), colocated
-and through a PREFILL engine whose KV a DECODE engine imports (1P1D without Ray); the GPU test
-runs SmolLM2 in bfloat16 with CUDA graphs and pipelined scheduling, 100 trials, and also reports how
-many distinct outputs the default mode gave.
+On CPU the property is checked through the Triton interpreter (the kernels the GPU runs, with ``tl.dot``
+written out row by row: see ROWWISE in ``kernels._triton_utils``) on one-layer random models:
+
+- Llama: 6 trials colocated, then 3 through a PREFILL engine whose KV a DECODE engine imports (1P1D
+  without Ray);
+- Qwen3-MoE (router GEMM, softmax top-k, fused MoE): 4 trials colocated;
+- DeepSeek-V3 (MLA with low-rank queries, attending in the absorbed form at every step; shared + routed
+  experts, grouped sigmoid top-k): 4 trials colocated and 1 through 1P1D (MLA's compressed KV handle).
+
+Every model's trials run over three engines (whole prompts; 5-token chunks, pipelined; 7-token chunks
+with a pool that preempts), so they cover chunking, prefix hits (companions share the target's prefix,
+and from the fourth trial an engine holds it from before) and preemption with recompute. With the mode
+off the same trials give several outputs (3 of 3 for each MoE model when this was written). Expert-
+parallel replicas are checked at the MoE layer in ``tests/model/test_moe_ep.py``.
+
+The GPU test runs SmolLM2's shape and the tiny DeepSeek-V3 shape (MLA + MoE) in bfloat16 with CUDA
+graphs and pipelined scheduling, 100 trials, and also reports how many distinct outputs the default mode
+gave.
 
 Run as a script (``python tests/engine/test_batch_invariant.py``) it runs the GPU test through pytest;
-with ``--interpret`` (and ``TRITON_INTERPRET=1``) the CPU check.
+with ``--interpret`` (and ``TRITON_INTERPRET=1``) the CPU check of the Llama, with ``--interpret --moe``
+that of the MoE models.
 """
 
 from __future__ import annotations
@@ -104,27 +118,49 @@ def distinct_outputs(engines, target, num_trials: int, seed: int, progress: bool
 CPU_ENGINES = [(512, 128, False), (5, 128, True), (7, 12, False)]
 
 
-def _tiny_model():
+# One-layer variants of model.shapes' tiny MoE shapes with a 256-token vocab (the LM head dominates the
+# interpreter's time otherwise): Qwen3-MoE (GQA, softmax top-2 of 8 experts), DeepSeek-V3 (MLA with
+# low-rank queries, then shared + routed experts with grouped sigmoid top-2: its one layer is an MoE one).
+_TINY_MOE = {
+    "qwen3-moe": ("qwen3-moe-tiny", dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32)),
+    "deepseek-v3": ("deepseek-v3-tiny", dict(num_attention_heads=2, num_key_value_heads=2, first_k_dense_replace=0,
+                                             num_nextn_predict_layers=0)),
+}
+
+
+def _tiny_model(kind: str = "llama"):
+    """A one-layer random model of ``kind`` ("llama" or a key of ``_TINY_MOE``), weights spread (std 0.3)
+    so that logits sit far from ties and any rounding difference shows in the logprobs."""
     import transformers
 
-    from rayinfer.model.llama import LlamaForCausalLM
     from rayinfer.model.loader import load_tokenizer
 
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=256, tie_word_embeddings=False, initializer_range=0.5)
-    model = LlamaForCausalLM(cfg)
-    for p in model.parameters():  # spread weights: logits far from ties, so any rounding shows in logprobs
+    if kind == "llama":
+        from rayinfer.model.llama import LlamaForCausalLM
+
+        model = LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=1, max_position_embeddings=256, tie_word_embeddings=False, initializer_range=0.5))
+    else:
+        from rayinfer.model.registry import get_model_class
+        from rayinfer.model.shapes import SHAPES
+
+        shape, overrides = _TINY_MOE[kind]
+        kwargs = {**SHAPES[shape], "vocab_size": 256, "num_hidden_layers": 1, "max_position_embeddings": 256,
+                  **overrides}
+        cfg = transformers.AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+        model = get_model_class(kwargs["architectures"][0])(cfg)
+    for p in model.parameters():
         torch.nn.init.normal_(p, std=0.3)
     return model.eval().requires_grad_(False), load_tokenizer("SmolLM2-135M-Instruct")
 
 
-def _tiny_engines(batch_invariant: bool):
+def _tiny_engines(batch_invariant: bool, kind: str = "llama"):
     from rayinfer.engine.config import EngineConfig, ModelConfig
     from rayinfer.engine.llm_engine import LLMEngine
 
-    model, tokenizer = _tiny_model()
+    model, tokenizer = _tiny_model(kind)
     return [LLMEngine(ModelConfig("tiny-llama", max_model_len=256),
                       EngineConfig(device="cpu", block_size=4, num_kv_blocks=blocks, max_num_seqs=6,
                                    max_num_batched_tokens=chunk, async_scheduling=async_, batch_invariant=batch_invariant),
@@ -177,11 +213,11 @@ def pd_trial(prefill, decode, target: list[int], rng: random.Random, tag: str, *
     return tuple(out)
 
 
-def _pd_engines(batch_invariant: bool):
+def _pd_engines(batch_invariant: bool, kind: str = "llama"):
     from rayinfer.engine.config import EngineConfig, ModelConfig
     from rayinfer.engine.llm_engine import LLMEngine
 
-    model, tokenizer = _tiny_model()
+    model, tokenizer = _tiny_model(kind)
     base = dict(device="cpu", block_size=4, num_kv_blocks=128, max_num_seqs=6, batch_invariant=batch_invariant)
     return (LLMEngine(ModelConfig("tiny-llama", max_model_len=256),
                       EngineConfig(role="prefill", max_num_batched_tokens=6, **base), model=model, tokenizer=tokenizer),
@@ -189,29 +225,45 @@ def _pd_engines(batch_invariant: bool):
                       EngineConfig(role="decode", **base), model=model, tokenizer=tokenizer))
 
 
-def _interpreter_check() -> None:
+def _interpreter_check(kind: str = "llama", num_trials: int = 6, num_pd_trials: int = 3) -> None:
+    """``num_trials`` colocated trials over :data:`CPU_ENGINES` (round-robin: from the fourth on, an engine
+    meets the target's prefix in its cache), then ``num_pd_trials`` 1P1D ones: one output in all."""
     target = [17, 3, 99, 250, 4, 4, 61, 8, 120, 33, 7, 201, 5, 90]
     kw = dict(max_companions=4, max_len=20, max_new=3, vocab=256, companion_max_new=6)
-    on, companions, preemptions = distinct_outputs(_tiny_engines(True), target, 6, seed=1, **kw)
-    print(f"interpreter, 6 trials, {companions} companions, {preemptions} preemptions: batch_invariant=on "
-          f"{len(on)} distinct output(s)")
+    on, companions, preemptions = distinct_outputs(_tiny_engines(True, kind), target, num_trials, seed=1, **kw)
+    print(f"interpreter, {kind}, {num_trials} trials, {companions} companions, {preemptions} preemptions: "
+          f"batch_invariant=on {len(on)} distinct output(s)")
     assert preemptions > 0, "the small pool never preempted: the scenario lost its preemption case"
-    assert len(on) == 1, f"batch-invariant mode gave {len(on)} distinct outputs: {sorted(on)}"
+    assert len(on) == 1, f"{kind}: batch-invariant mode gave {len(on)} distinct outputs: {sorted(on)}"
+    if not num_pd_trials:
+        return
     # 1P1D: prefilled in 6-token chunks among companions, its KV moved to a DECODE engine, decoded there
-    prefill, decode = _pd_engines(True)
+    prefill, decode = _pd_engines(True, kind)
     rng = random.Random(2)
-    pd = {pd_trial(prefill, decode, target, rng, f"pd{i}", **kw) for i in range(3)}
-    print(f"interpreter, 1P1D, 3 trials: {len(pd)} distinct output(s), equal to colocated: {pd == on}")
-    assert pd == on, f"1P1D gave {sorted(pd)}, colocated {sorted(on)}"
+    pd = {pd_trial(prefill, decode, target, rng, f"pd{i}", **kw) for i in range(num_pd_trials)}
+    print(f"interpreter, {kind}, 1P1D, {num_pd_trials} trials: {len(pd)} distinct output(s), equal to colocated: "
+          f"{pd == on}")
+    assert pd == on, f"{kind}: 1P1D gave {sorted(pd)}, colocated {sorted(on)}"
+
+
+def _run_interpreted(*args: str) -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, __file__, "--interpret", *args], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    print(proc.stdout)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_one_output_among_companions_through_triton_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, __file__, "--interpret"], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    print(proc.stdout)
+    _run_interpreted()
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_moe_and_mla_one_output_through_triton_interpreter():
+    """Tiny Qwen3-MoE (router GEMM, softmax top-k, fused MoE) and DeepSeek-V3 (MLA's low-rank projections
+    and absorbed attention for every step, shared + routed experts, grouped top-k) in one subprocess."""
+    _run_interpreted("--moe")
 
 
 def test_config_and_mode_switch():
@@ -235,16 +287,20 @@ def test_runner_carries_the_mode(tiny_engine):
 
 
 # ---------------------------------------------------------------------------------------------------
-# GPU: the SmolLM2 shape in bfloat16 (dummy weights), CUDA graphs and pipelined scheduling on
+# GPU: the SmolLM2 shape and the tiny DeepSeek-V3 shape (MLA + MoE) in bfloat16 (dummy weights), CUDA
+# graphs and pipelined scheduling on
 # ---------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_one_output_in_100_trials_on_gpu():
+@pytest.mark.parametrize("model", ["SmolLM2-135M-Instruct", "deepseek-v3-tiny"])
+def test_one_output_in_100_trials_on_gpu(model):
     """100 trials of one prompt among 0..255 companions of 1..256 tokens, over engines with whole
     prompts, 512- and 128-token chunks, and a small pool that preempts: one distinct output with the mode
-    on; the count with the mode off is printed (the nondeterminism the mode removes)."""
+    on; the count with the mode off is printed (the nondeterminism the mode removes). ``deepseek-v3-tiny``
+    (``model.shapes``: MLA, a dense layer, then shared + routed experts with grouped top-k) takes the
+    MoE and MLA paths."""
     from rayinfer.engine.config import EngineConfig, ModelConfig
     from rayinfer.engine.llm_engine import LLMEngine
 
@@ -252,9 +308,9 @@ def test_one_output_in_100_trials_on_gpu():
         made = []
         # explicit pools (20000 blocks: 7 GiB of SmolLM2 KV each): three engines share the GPU
         for chunk, blocks in ((None, 20000), (512, 20000), (128, 48)):
-            # SmolLM2's shape and tokenizer with seeded random weights (the GPU machine has no real ones;
+            # the model's shape and tokenizer with seeded random weights (the GPU machine has no real ones;
             # random weights make near ties common, which is what exposes batch-dependent rounding)
-            made.append(LLMEngine(ModelConfig(dtype="bfloat16", max_model_len=2048, load_format="dummy"),
+            made.append(LLMEngine(ModelConfig(model, dtype="bfloat16", max_model_len=2048, load_format="dummy"),
                                   EngineConfig(device="cuda", max_num_batched_tokens=chunk, num_kv_blocks=blocks,
                                                batch_invariant=batch_invariant)))
             assert made[-1].runner.graphs is not None and made[-1].async_scheduling
@@ -270,7 +326,7 @@ def test_one_output_in_100_trials_on_gpu():
     torch.cuda.empty_cache()
     # the mode off: the first 30 of the same trials (enough to show the spread the mode removes)
     off, _, off_preemptions = distinct_outputs(engines(False), target, 30, seed=0, progress=True, **kw)
-    print(f"\nGPU, 100 trials (30 with the mode off), {companions} companions, "
+    print(f"\nGPU, {model}, 100 trials (30 with the mode off), {companions} companions, "
           f"{preemptions}/{off_preemptions} preemptions: "
           f"batch_invariant=on {len(on)} distinct output(s), off {len(off)}")
     assert len(on) == 1, f"batch-invariant mode gave {len(on)} distinct outputs"
@@ -278,7 +334,10 @@ def test_one_output_in_100_trials_on_gpu():
 
 
 if __name__ == "__main__":
-    if "--interpret" in sys.argv:
+    if "--interpret" in sys.argv and "--moe" in sys.argv:
+        _interpreter_check("qwen3-moe", num_trials=4, num_pd_trials=0)
+        _interpreter_check("deepseek-v3", num_trials=4, num_pd_trials=1)
+    elif "--interpret" in sys.argv:
         _interpreter_check()
     else:
         sys.exit(pytest.main([__file__, "-m", "gpu", "-q", "-s", *sys.argv[1:]]))

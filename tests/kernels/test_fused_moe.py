@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from rayinfer.kernels._triton_utils import HAS_TRITON
-from rayinfer.kernels.fused_moe import fused_moe, fused_moe_ref, moe_align
+from rayinfer.kernels.fused_moe import (
+    fused_moe, fused_moe_ref, fused_moe_slots, fused_moe_slots_ref, moe_align, sum_slots,
+)
 
 CUDA = torch.cuda.is_available()
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 3e-2}
@@ -51,6 +53,16 @@ def test_ref_matches_loop(case):
     torch.testing.assert_close(got, loop_moe(x, w13, w2, ids, w), atol=1e-5, rtol=1e-5)
 
 
+def test_slots_ref_sum_to_ref():
+    """Per-slot outputs (expert parallelism's batch-invariant combine): zeros at skipped slots, and their
+    sum is the routed output."""
+    x, w13, w2, ids, w = make_case(13, 6, 24, 16, 3, torch.float32, "cpu", skip_every=4)
+    slots = fused_moe_slots_ref(x, w13, w2, ids, w)
+    assert slots.shape == (13, 3, 24) and slots.dtype == torch.float32
+    assert (slots.view(-1, 24)[::4] == 0).all()
+    torch.testing.assert_close(sum_slots(slots), fused_moe_ref(x, w13, w2, ids, w), atol=1e-5, rtol=1e-5)
+
+
 def test_ref_rejects_bad_shapes():
     x, w13, w2, ids, w = make_case(3, 4, 16, 8, 2, torch.float32, "cpu")
     with pytest.raises(ValueError):
@@ -79,6 +91,9 @@ def check_kernel(device, cases):
         tol = TOL[dtype]
         torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol, msg=lambda m: f"case {i}: {m}")
         worst = max(worst, (got.float() - want.float()).abs().max().item())
+        if i == 0:  # the unsummed outputs take the same kernels
+            torch.testing.assert_close(fused_moe_slots(x, w13, w2, ids, w), fused_moe_slots_ref(x, w13, w2, ids, w),
+                                       atol=tol, rtol=tol, msg=lambda m: f"slots: {m}")
     return worst
 
 

@@ -5,6 +5,15 @@ only its slice of the physical experts: identity placement, redundant experts (P
 placement update that moves weights between ranks. Then a whole tiny Qwen3-MoE with one request per
 rank (data-parallel attention, expert-parallel MoE) against the same model in one process.
 
+Batch-invariant mode (``engine.batch_invariant``): probe tokens on every rank, among companions whose
+number differs per rank and per trial (none included), come out of the expert-parallel layer with the
+bits of the one-process layer on the probes alone (:func:`check_batch_invariant_layer`). That check runs
+the Triton kernels the GPU runs, through the Triton interpreter (``tl.dot`` written out row-wise, see
+ROWWISE in ``kernels._triton_utils``): on plain CPU the engine keeps torch's ops, whose rows the mode does
+not claim exact. The ranks start with ``TRITON_INTERPRET=1`` so that the kernels are built for the
+interpreter; the other checks switch it off for their calls (the dispatchers read it per call) and run
+the torch path, which is many times faster there.
+
 One spawn of 4 processes serves both sizes (the 2-rank group is global ranks 1 and 3, so group and
 global ranks differ), which halves the start-up time on a small machine. The ranks run this file
 through ``runpy`` under the name ``__ep_worker__`` (see the bottom), so they do not depend on how
@@ -13,6 +22,8 @@ pytest imported the test module.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import runpy
 from datetime import timedelta
 from types import SimpleNamespace
@@ -21,7 +32,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from rayinfer.kernels._triton_utils import HAS_TRITON
 from rayinfer.kernels.attention_metadata import AttentionMetadata
+from rayinfer.kernels.batch_invariant import batch_invariant_mode
 from rayinfer.model.moe import ExpertParallelism, RoutedExperts
 from rayinfer.model.qwen3_moe import Qwen3MoeForCausalLM
 
@@ -32,8 +45,10 @@ TOKENS_PER_RANK = {2: [7, 4], 4: [5, 0, 9, 3]}
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 
-def test_expert_parallel_equals_one_process(tmp_path):
+def test_expert_parallel_equals_one_process(tmp_path, monkeypatch):
     world_size = 4
+    if HAS_TRITON:  # the ranks inherit it: their kernels are built for the interpreter (module docstring)
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
     ctx = torch.multiprocessing.get_context("spawn")
     procs = []
     for rank in range(world_size):
@@ -159,6 +174,50 @@ def check_qwen3_model(group) -> None:
     assert (load.sum(1) == (prompt_len + 2 if prompt_len else 0) * TOP_K).all()
 
 
+def check_batch_invariant_layer(group) -> None:
+    """Batch-invariant mode: 3 probe tokens on every rank, placed among 0..8 random companions (another
+    count on each rank and in each of 3 trials, so the probes sit at other rows of the gathered batch),
+    through the layer with redundant experts: the bits of the one-process layer on the probes alone.
+    Top-4 routing: with two experts per token any order of adding them gives the same bits."""
+    rank, top_k = dist.get_rank(group), 4
+    torch.manual_seed(0)
+    full = RoutedExperts(NUM_EXPERTS, HIDDEN, INTER)
+    layer = RoutedExperts(NUM_EXPERTS, HIDDEN, INTER, group=group, phy2log=torch.tensor(REDUNDANT))
+    for e in range(NUM_EXPERTS):
+        layer.load_expert_weight(e, "gate_proj", full.gate_up_proj.data[e, :INTER])
+        layer.load_expert_weight(e, "up_proj", full.gate_up_proj.data[e, INTER:])
+        layer.load_expert_weight(e, "down_proj", full.down_proj.data[e])
+
+    def tokens(n: int, gen: torch.Generator):
+        return (torch.randn(n, HIDDEN, generator=gen), torch.rand(n, NUM_EXPERTS, generator=gen).topk(top_k, dim=-1)[1],
+                torch.rand(n, top_k, generator=gen))
+
+    probe = tokens(3, torch.Generator().manual_seed(5))
+    with batch_invariant_mode():
+        want = full(*probe)
+        for trial in range(3):
+            gen = torch.Generator().manual_seed(100 * trial + rank)
+            n = int(torch.randint(0, 9, (), generator=gen))
+            at = int(torch.randint(0, n + 1, (), generator=gen))
+            batch = [torch.cat([c[:at], p, c[at:]]) for c, p in zip(tokens(n, gen), probe)]
+            got = layer(*batch)[at : at + 3]
+            assert torch.equal(got, want), (rank, trial, (got - want).abs().max())
+
+
+@contextlib.contextmanager
+def _interpreter(on: bool):
+    """Route the dispatchers' calls through the interpreter-built kernels (on) or the torch ops (off)."""
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
 def _worker(rank: int, world: int, store: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
@@ -167,8 +226,12 @@ def _worker(rank: int, world: int, store: str) -> None:
         pair = dist.new_group([1, 3])  # collective: every rank calls it
         for group in [dist.group.WORLD, pair]:
             if dist.get_rank(group) >= 0:  # -1 on ranks outside the group
-                check_layer(group)
-                check_qwen3_model(group)
+                with _interpreter(False):
+                    check_layer(group)
+                    check_qwen3_model(group)
+        if HAS_TRITON:
+            with _interpreter(True):
+                check_batch_invariant_layer(dist.group.WORLD)
     finally:
         dist.destroy_process_group()
 
