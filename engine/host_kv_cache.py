@@ -90,10 +90,14 @@ class HostBlockIndex:
 class HostKVCache:
     """The host pool's tensor and the copies between it and the device cache.
 
-    On CUDA the pool is pinned and both directions run on a side stream: an offload gathers the evicted
-    blocks on the device (the compute stream waits only for that gather before the step may overwrite
-    them), then copies them to pinned staging asynchronously; the host-side scatter into the pool is
-    finished lazily (at the next step, or before a load reads those slots). On CPU both are plain copies.
+    The pool is block-major (``[num_blocks, L, ...]``): a block's KV for every layer is one contiguous
+    run of host memory, so a load copies each block straight from the pool to the device, with no gather
+    on the host. On CUDA the pool is pinned and both directions run on a side stream: an offload gathers
+    the evicted blocks on the device into block-major order (the compute stream waits only for that
+    gather before the step may overwrite them), then copies them to pinned staging asynchronously; the
+    host-side copy into the pool is finished lazily (at the next step, or before a load reads those
+    slots). A load copies its blocks (runs of adjacent slots at a time) into a device staging buffer and
+    scatters them into the cache on the device. On CPU both are plain copies.
 
     Args:
         kv_cache: the device cache ``[L, num_blocks, ...]`` (block axis 1).
@@ -104,15 +108,16 @@ class HostKVCache:
         self.kv_cache = kv_cache
         self.device = kv_cache.device
         on_cuda = self.device.type == "cuda"
-        shape = (kv_cache.shape[0], num_blocks, *kv_cache.shape[2:])
+        shape = (num_blocks, kv_cache.shape[0], *kv_cache.shape[2:])
         self.host = torch.zeros(shape, dtype=kv_cache.dtype, pin_memory=on_cuda)
         self.stream = torch.cuda.Stream(self.device) if on_cuda else None
         self._pending: list[tuple[object, torch.Tensor, list[int]]] = []  # (event, pinned staging, slots)
+        self._loading: list[tuple[object, set[int]]] = []  # (event, slots) of loads the device may still read
         self.num_bytes_moved = 0
 
     @property
     def block_bytes(self) -> int:
-        return self.host[:, 0].numel() * self.host.element_size()
+        return self.host[0].numel() * self.host.element_size()
 
     def offload(self, block_ids: Sequence[int], slots: Sequence[int]) -> None:
         """Copy device blocks ``block_ids`` to host ``slots`` (before the step that reuses the blocks)."""
@@ -121,12 +126,13 @@ class HostKVCache:
         self.num_bytes_moved += len(block_ids) * self.block_bytes
         idx = torch.tensor(list(block_ids), dtype=torch.long)
         if self.stream is None:
-            self.host[:, list(slots)] = self.kv_cache[:, idx]
+            self.host[list(slots)] = self.kv_cache[:, idx].transpose(0, 1)
             return
         compute = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(compute)  # the blocks' last writes come first
         with torch.cuda.stream(self.stream):
             gathered = torch.index_select(self.kv_cache, 1, idx.to(self.device, non_blocking=True))
+            gathered = gathered.transpose(0, 1).contiguous()  # block-major, as the pool
             staging = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
             staging.copy_(gathered, non_blocking=True)
             event = torch.cuda.Event()
@@ -136,12 +142,13 @@ class HostKVCache:
         self._pending.append((event, staging, list(slots)))
 
     def finish_offloads(self, wait: bool = False) -> None:
-        """Scatter finished offloads into the pool (all of them, waiting, if ``wait``)."""
+        """Copy finished offloads into the pool (all of them, waiting, if ``wait``)."""
         keep = []
         for event, staging, slots in self._pending:
             if wait or event.query():  # type: ignore[attr-defined]
                 event.synchronize()  # type: ignore[attr-defined]
-                self.host[:, slots] = staging
+                self._wait_for_loads(slots)
+                self.host[slots] = staging
             else:
                 keep.append((event, staging, slots))
         self._pending = keep
@@ -154,8 +161,27 @@ class HostKVCache:
             wanted = set(slots)
             self.finish_offloads(wait=any(wanted.intersection(p[2]) for p in self._pending))
         self.num_bytes_moved += len(slots) * self.block_bytes
-        payload = self.host[:, list(slots)]
         idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
-        if self.stream is not None:
-            payload = payload.pin_memory()
-        self.kv_cache[:, idx] = payload.to(self.device, non_blocking=True)
+        if self.stream is None:
+            self.kv_cache[:, idx] = self.host[list(slots)].transpose(0, 1)
+            return
+        # each run of adjacent slots is one contiguous pinned range: copied as is, no host-side gather
+        staging = torch.empty((len(slots), *self.host.shape[1:]), dtype=self.host.dtype, device=self.device)
+        start = 0
+        for end in range(1, len(slots) + 1):
+            if end == len(slots) or slots[end] != slots[end - 1] + 1:
+                staging[start:end].copy_(self.host[slots[start] : slots[end - 1] + 1], non_blocking=True)
+                start = end
+        self.kv_cache[:, idx] = staging.transpose(0, 1)
+        event = torch.cuda.Event()
+        event.record()
+        self._loading = [(e, ss) for e, ss in self._loading if not e.query()]  # type: ignore[attr-defined]
+        self._loading.append((event, set(slots)))
+
+    def _wait_for_loads(self, slots: Sequence[int]) -> None:
+        """Before the pool's ``slots`` are overwritten: wait for any load still reading them (the copies
+        read the pinned pool directly, after the step that scheduled them released its pins)."""
+        wanted = set(slots)
+        for event, loading in self._loading:
+            if wanted & loading:
+                event.synchronize()  # type: ignore[attr-defined]
