@@ -52,6 +52,26 @@ class _FleetClient:
         self.max_model_len = info.max_model_len
         self.owned = owned
         self._muxes: dict[str, OutputMux] = {}  # by actor id: this process's output stream from each replica
+        self.encoder_pool = None  # the fleet's encoder replicas, if any (encode / prefill / decode)
+        if info.encoders:
+            from rayinfer.actors.encoder_actor import EncoderPool, actor_encode
+
+            self.encoder_pool = EncoderPool([actor_encode(e) for e in info.encoders])
+
+    async def encode(self, mm_inputs: list[MultiModalInput] | None) -> list[MultiModalInput] | None:
+        """A request's images with their embeddings from the fleet's encoder replicas (as object-store
+        refs, ``encoder_actor.EmbedsRef``), or as given when the fleet has none.
+
+        Raises:
+            InvalidRequestError ("image"): an image the encoder rejects (this request only).
+            EngineInternalError: every encoder replica failed.
+        """
+        if not mm_inputs or self.encoder_pool is None:
+            return mm_inputs
+        try:
+            return await self.encoder_pool.encode(mm_inputs)
+        except ray.exceptions.RayError as e:
+            raise EngineInternalError(f"image encoding failed: {type(e).__name__}: {e}") from e
 
     def mux(self, actor) -> OutputMux:
         """This client's output stream from ``actor`` (an EngineActor), opened on first use."""
@@ -222,6 +242,7 @@ class ColocatedClient(_FleetClient):
                        ) -> AsyncIterator[RequestOutput]:
         """Stream a request's deltas from the replica the router picks (see ``EngineClient.generate``)."""
         request_id = request_id or uuid.uuid4().hex
+        mm_inputs = await self.encode(mm_inputs)
         idx = await granted(self.router.pick.remote(list(prompt_token_ids[: self.info.block_size])),
                             lambda i: self.router.release.remote(i))
         mux = self.mux(self.info.replicas[idx])
@@ -242,6 +263,12 @@ class ColocatedClient(_FleetClient):
         """Run one request to the end on the replica the router picks, in one call (no per-token
         stream: the batch job's path); a rejected or failed request comes back with ``error`` set."""
         request_id = request_id or uuid.uuid4().hex
+        try:
+            mm_inputs = await self.encode(mm_inputs)
+        except RayInferError as e:
+            result = Completion(request_id, list(prompt_token_ids))
+            result.error, result.finish_reason = str(e), "error"
+            return result
         idx = await granted(self.router.pick.remote(list(prompt_token_ids[: self.info.block_size])),
                             lambda i: self.router.release.remote(i))
         extra = {"mm_inputs": mm_inputs} if mm_inputs else {}
@@ -263,7 +290,7 @@ class EPClient(_FleetClient):
                        ) -> AsyncIterator[RequestOutput]:
         """Stream a request's deltas from the EP ranks (see ``EngineClient.generate``)."""
         if mm_inputs:
-            raise UnsupportedError("images are served by the colocated topology only, not ep", "image_url")
+            raise UnsupportedError("images are served by the colocated and pd topologies, not ep", "image_url")
         request_id = request_id or uuid.uuid4().hex
         gen = self.router.generate.options(num_returns="streaming").remote(request_id, list(prompt_token_ids),
                                                                            params)

@@ -6,29 +6,63 @@ The logic is in plain classes (:class:`BatchingEncoder`, :class:`EncoderPool`) t
 Ray; the actor only wires a model to a BatchingEncoder. An engine given an image's ``embeds`` (a
 ``MultiModalInput`` with ``embeds`` set) never runs its own encoder for it (``engine.multimodal``).
 
-Not built yet: an ``parallel=epd`` topology (E + 1P1D) that starts encoder replicas and has the
-router fetch embeddings before the prefill; today the colocated engine runs its encoder itself.
+Encode / prefill / decode disaggregation (``parallel.encoder.num_encoders`` > 0, ``conf/parallel/epd.yaml``),
+per request with images:
+
+1. the client (``rayinfer.actors.client`` / ``rayinfer.actors.pd``) sends the request's images to an
+   :class:`EncoderPool` over the fleet's EncoderActors (:class:`actor_encode`): each image goes to the
+   replica with the fewest patches in flight, and each replica batches the images of concurrent
+   requests into one ``encode_images`` call;
+2. the embeddings stay in the Ray object store: the client gets :class:`EmbedsRef` (an ObjectRef and an
+   index), never the tensors, and hands them to the prefill (or NORMAL) replica with the request;
+3. that replica's actor resolves them (:func:`resolve_embeds`: one object-store read, zero-copy on CPU)
+   before its engine sees the request, so the engine's encoder never runs (``num_encoder_runs`` stays 0);
+4. the decode replica gets the images without pixels or embeddings: it only needs their content hashes,
+   which key the KV blocks' hashes (so the PD handle's hashes check out and its prefix cache stays per
+   image).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
 import ray
+import ray.exceptions
 import torch
 
+from rayinfer.engine.errors import InvalidRequestError, RayInferError
 from rayinfer.engine.multimodal import EncoderCache, encode_missing
 from rayinfer.engine.types import MultiModalInput
+from rayinfer.placement.parallel_config import ParallelConfig
 from rayinfer.policy.encoder_balance import PatchBalancer
+
+
+def check_encoder_model(parallel: ParallelConfig, model: str) -> None:
+    """Refuse encoder replicas for a model without a vision encoder (before anything starts).
+
+    Raises:
+        ValueError: naming ``encoder.num_encoders`` and the model.
+    """
+    if not parallel.num_encoders:
+        return
+    from rayinfer.model.loader import load_config
+
+    if getattr(load_config(model), "vision_config", None) is None:
+        raise ValueError(f"parallel.encoder.num_encoders={parallel.num_encoders} needs a vision-language model "
+                         f"(LLaVA); model {model!r} has no vision encoder (set encoder.num_encoders=0)")
 
 
 class BatchingEncoder:
     """Encodes the images of concurrent callers in one batch per wake-up, through an :class:`EncoderCache`.
 
     Args:
-        model: has ``encode_images(pixel_values [N, 3, H, W]) -> [N, tokens, hidden]`` (LLaVA).
+        model: has ``encode_images(pixel_values [N, 3, H, W]) -> [N, tokens, hidden]`` (LLaVA), and
+            optionally ``image_size`` / ``num_image_tokens`` (each image is checked against them first).
         cache_tokens: embedding rows the cache keeps.
         device: where pixels go for the encoder.
     """
@@ -41,13 +75,19 @@ class BatchingEncoder:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self.num_batches = 0
+        self.num_images = 0  # images asked for (encoded, cached or given)
 
     async def encode(self, images: Sequence[MultiModalInput]) -> list[torch.Tensor]:
-        """Embeddings ``[length, hidden]`` (on the CPU) of ``images``, in order.
+        """Embeddings ``[length, hidden]`` (model dtype, on the CPU) of ``images``, in order.
 
         Raises:
-            ValueError: from the encoder (bad pixels) for every caller of the failed batch.
+            InvalidRequestError ("image"): an image whose pixels or placeholder count do not fit the model
+                (checked before batching: only this caller fails).
+            ValueError: from the encoder for this caller's images (a batch that fails is encoded again
+                caller by caller, so other callers' requests do not fail with it).
         """
+        self._check(images)
+        self.num_images += len(images)
         if self._task is None:
             self._wake = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._loop())
@@ -57,6 +97,21 @@ class BatchingEncoder:
         self._wake.set()
         return await future
 
+    def _check(self, images: Sequence[MultiModalInput]) -> None:
+        size = getattr(self.model, "image_size", None)
+        num_tokens = getattr(self.model, "num_image_tokens", None)
+        for i, m in enumerate(images):
+            if m.embeds is not None:
+                continue
+            if m.pixel_values is None:
+                raise InvalidRequestError(f"image {i} has neither pixel_values nor embeddings", "image")
+            if size is not None and tuple(m.pixel_values.shape) != (3, size, size):
+                raise InvalidRequestError(f"image {i}: pixel_values have shape {tuple(m.pixel_values.shape)}, "
+                                          f"expected {(3, size, size)} (use the model's image processor)", "image")
+            if num_tokens is not None and m.length != num_tokens:
+                raise InvalidRequestError(f"image {i} has {m.length} placeholder tokens; this model gives an "
+                                          f"image {num_tokens}", "image")
+
     async def _loop(self) -> None:
         assert self._wake is not None
         while True:
@@ -64,88 +119,209 @@ class BatchingEncoder:
             self._wake.clear()
             await asyncio.sleep(0)  # let the callers of this wake-up queue up: one batch for all of them
             batch, self._pending = self._pending, []
-            if not batch:
-                continue
-            try:
-                with torch.inference_mode():
-                    by_hash = encode_missing(self.model, self.cache, [m for images, _ in batch for m in images],
-                                             self.device)
-                self.num_batches += 1
-            except Exception as e:  # noqa: BLE001 - the batch's callers get the error, the actor goes on
-                for _, future in batch:
-                    if not future.done():
-                        future.set_exception(e)
-                continue
-            for images, future in batch:
-                if not future.done():
-                    future.set_result([by_hash[m.content_hash].cpu() for m in images])
+            if batch:
+                self._run(batch)
+
+    def _run(self, batch: list[tuple[list[MultiModalInput], asyncio.Future]]) -> None:
+        """Encode a batch and answer its callers; if it fails, each caller is encoded on its own (so the
+        error reaches the callers whose images cause it, and only them)."""
+        try:
+            with torch.inference_mode():
+                by_hash = encode_missing(self.model, self.cache, [m for images, _ in batch for m in images],
+                                         self.device)
+            self.num_batches += 1
+        except Exception as e:  # noqa: BLE001 - the callers get the error, the actor goes on
+            if len(batch) > 1:
+                for one in batch:
+                    self._run([one])
+                return
+            if not batch[0][1].done():
+                batch[0][1].set_exception(e)
+            return
+        for images, future in batch:
+            if not future.done():
+                future.set_result([by_hash[m.content_hash].cpu() for m in images])
 
     def stats(self) -> dict:
-        return {**self.cache.stats(), "num_batches": self.num_batches}
+        return {**self.cache.stats(), "num_batches": self.num_batches, "num_images": self.num_images}
+
+
+@dataclass(frozen=True)
+class EmbedsRef:
+    """One image's embeddings in the Ray object store, as a ``MultiModalInput.embeds`` in transit:
+    item ``index`` of the list ``ref`` resolves to, a ``[rows, hidden]`` array in wire form
+    (``kv_transport.to_wire``: an integer view of ``dtype``). Resolved by :func:`resolve_embeds`.
+
+    Attributes:
+        ref: ObjectRef of ``list[np.ndarray]`` (one EncoderActor call's images).
+        index: this image's item.
+        dtype: the embeddings' torch dtype name ("float32", "bfloat16", ...).
+    """
+
+    ref: Any
+    index: int
+    dtype: str
+
+
+async def resolve_embeds(mm_inputs: Sequence[MultiModalInput] | None) -> list[MultiModalInput] | None:
+    """``mm_inputs`` with every :class:`EmbedsRef` replaced by its tensor ``[rows, hidden]`` (each
+    ObjectRef fetched once; on the CPU a read-only view of the object store's buffer, which the engine
+    only reads).
+
+    Raises:
+        ray.exceptions.RayError: an embeddings object is lost (its encoder's node failed).
+    """
+    if not mm_inputs:
+        return None if mm_inputs is None else list(mm_inputs)
+    from rayinfer.actors.kv_transport import from_wire
+
+    refs = list(dict.fromkeys(m.embeds.ref for m in mm_inputs if isinstance(m.embeds, EmbedsRef)))
+    if not refs:
+        return list(mm_inputs)
+    values = dict(zip(refs, await asyncio.gather(*refs)))
+    out = []
+    for m in mm_inputs:
+        e = m.embeds
+        if isinstance(e, EmbedsRef):
+            m = dataclasses.replace(m, embeds=from_wire(values[e.ref][e.index], getattr(torch, e.dtype)))
+        out.append(m)
+    return out
 
 
 @ray.remote
 class EncoderActor:
     """A vision encoder replica (role ENCODE): the model's ``encode_images`` behind a
-    :class:`BatchingEncoder`.
+    :class:`BatchingEncoder`. Only the vision tower and projector stay loaded (the decoder is dropped).
 
     Args:
-        model: a model name or directory (a vision-language model), loaded with ``dtype`` on ``device``.
+        model_config: the vision-language model (``rayinfer.engine.config.ModelConfig``: name or directory,
+            dtype, load_format, seed; dummy weights equal the engines' for the same seed).
+        device: "auto" (cuda when available), "cpu" or "cuda".
         cache_tokens: the encoder cache's size in embedding rows.
+    Raises:
+        ValueError: the model has no vision encoder.
     """
 
-    def __init__(self, model: str, dtype: str = "auto", device: str = "cpu", cache_tokens: int = 16384):
-        from rayinfer.model.loader import load_model
+    def __init__(self, model_config, device: str = "auto", cache_tokens: int = 16384):
+        from rayinfer.engine.llm_engine import resolve_device
+        from rayinfer.model.loader import load_model, parse_dtype
 
-        net = load_model(model, dtype, device)
+        dev = resolve_device(device)
+        net = load_model(model_config.model, parse_dtype(model_config.dtype, dev), dev, model_config.load_format,
+                         model_config.seed)
         if not getattr(net, "is_multimodal", False):
-            raise ValueError(f"model {model!r} has no vision encoder")
-        self.encoder = BatchingEncoder(net, cache_tokens, device)
+            raise ValueError(f"model {model_config.model!r} has no vision encoder")
+        for name in ("model", "lm_head"):  # the decoder: never run here
+            if isinstance(getattr(net, name, None), torch.nn.Module):
+                setattr(net, name, None)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        self.device = dev
+        self.encoder = BatchingEncoder(net, cache_tokens, dev)
 
-    async def encode(self, images: list[MultiModalInput]) -> list[torch.Tensor]:
-        return await self.encoder.encode(images)
+    def ready(self) -> dict:
+        """The replica's static facts, once the model is loaded."""
+        return {"device": str(self.device), "num_image_tokens": getattr(self.encoder.model, "num_image_tokens", 0)}
+
+    @ray.method(num_returns=2)
+    async def encode(self, images: list[MultiModalInput]) -> tuple[tuple[str, list[int]], list[np.ndarray]]:
+        """Encode ``images``; two objects: ``(dtype name, rows per image)`` (small: the caller awaits it)
+        and the embeddings, one ``[rows, hidden]`` array in wire form per image (left in the object store
+        for the engine replica; see :class:`EmbedsRef`).
+
+        Raises:
+            InvalidRequestError, ValueError: see :meth:`BatchingEncoder.encode`.
+        """
+        from rayinfer.actors.kv_transport import to_wire
+
+        embeds = await self.encoder.encode(images)
+        dtype = str(embeds[0].dtype).removeprefix("torch.") if embeds else "float32"
+        return (dtype, [e.shape[0] for e in embeds]), [to_wire(e) for e in embeds]
 
     def stats(self) -> dict:
+        """The encoder cache's counters (``num_encoder_runs``, ``encoder_cache_hits``,
+        ``encoder_cache_tokens``), ``num_batches`` and ``num_images``."""
         return self.encoder.stats()
 
 
 class EncoderPool:
     """The caller's side of several encoder replicas: each image goes to the replica with the fewest
-    patches in flight; images come back as inputs with ``embeds`` set (pixels dropped).
+    patches in flight; images come back as inputs with ``embeds`` set (pixels dropped). Images that
+    already have embeddings pass through untouched.
+
+    A replica that fails (its actor died or is restarting) is left out and its images go to another
+    replica, up to one attempt per replica.
 
     Args:
         replicas: objects whose ``encode(images)`` returns an awaitable of embeddings (EncoderActor
-            handles' ``encode.remote``, wrapped by :func:`actor_encode`, or BatchingEncoders in tests).
+            handles wrapped by :class:`actor_encode`, or BatchingEncoders in tests).
     """
 
     def __init__(self, replicas: Sequence[Any]):
         self.replicas = list(replicas)
         self.balancer = PatchBalancer(len(self.replicas))
+        self.num_retries = 0  # image groups sent again after their replica failed
 
     async def encode(self, images: Sequence[MultiModalInput]) -> list[MultiModalInput]:
-        """Encode a request's images (spread over the replicas); returns them with ``embeds``."""
-        picks = [self.balancer.pick(m.num_patches) for m in images]
-        groups: dict[int, list[int]] = {}
-        for i, r in enumerate(picks):
-            groups.setdefault(r, []).append(i)
-        try:
-            results = await asyncio.gather(*(self.replicas[r].encode([images[i] for i in idx])
-                                             for r, idx in groups.items()))
-        finally:
-            for m, r in zip(images, picks):
-                self.balancer.release(r, m.num_patches)
+        """Encode a request's images (spread over the replicas); returns them with ``embeds``.
+
+        Raises:
+            whatever a replica raised for these images (InvalidRequestError for a bad image), or its
+            ``ray.exceptions.RayActorError`` once every replica failed.
+        """
         out = list(images)
-        for (r, idx), embeds in zip(groups.items(), results):
-            for i, e in zip(idx, embeds):
-                out[i] = dataclasses.replace(images[i], embeds=e, pixel_values=None)
+        todo = [i for i, m in enumerate(images) if m.embeds is None]
+        failed: set[int] = set()
+        for attempt in range(len(self.replicas) + 1):
+            if not todo:
+                break
+            picks = {i: self.balancer.pick(images[i].num_patches, failed) for i in todo}
+            groups: dict[int, list[int]] = {}
+            for i, r in picks.items():
+                groups.setdefault(r, []).append(i)
+            try:
+                results = await asyncio.gather(*(self.replicas[r].encode([images[i] for i in idx])
+                                                 for r, idx in groups.items()), return_exceptions=True)
+            finally:
+                for i, r in picks.items():
+                    self.balancer.release(r, images[i].num_patches)
+            todo = []
+            for (r, idx), res in zip(groups.items(), results):
+                if isinstance(res, BaseException):
+                    if isinstance(res, ray.exceptions.RayActorError) and attempt < len(self.replicas):
+                        failed.add(r)
+                        todo += idx
+                        self.num_retries += 1
+                        continue
+                    raise res
+                for i, e in zip(idx, res):
+                    out[i] = dataclasses.replace(images[i], embeds=e, pixel_values=None)
         return out
 
 
 class actor_encode:
-    """Adapts an EncoderActor handle to :class:`EncoderPool`'s ``encode(images) -> awaitable``."""
+    """Adapts an EncoderActor handle to :class:`EncoderPool`'s ``encode(images) -> awaitable``: returns
+    one :class:`EmbedsRef` per image once the replica has encoded them (the embeddings themselves stay in
+    the object store).
+
+    Raises (from ``encode``):
+        rayinfer's errors (InvalidRequestError for a bad image) and ValueError as the replica raised them;
+        ``ray.exceptions.RayActorError`` when the replica failed.
+    """
 
     def __init__(self, handle):
         self.handle = handle
 
-    def encode(self, images):
-        return self.handle.encode.remote(list(images))
+    async def encode(self, images: Sequence[MultiModalInput]) -> list[EmbedsRef]:
+        meta, embeds = self.handle.encode.remote(list(images))
+        try:
+            dtype, rows = await meta
+        except ray.exceptions.RayTaskError as e:
+            with contextlib.suppress(Exception):  # the same error: seen here, not logged as unhandled
+                await embeds
+            if isinstance(e.cause, RayInferError):
+                raise e.cause from None
+            if isinstance(e.cause, ValueError):
+                raise InvalidRequestError(f"image: {e.cause}", "image") from None
+            raise
+        return [EmbedsRef(embeds, i, dtype) for i in range(len(rows))]

@@ -80,6 +80,7 @@ class EngineActorImpl:
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        **kwargs) -> AsyncIterator[RequestOutput]:
         """Stream a request's deltas (a Ray streaming generator). Raises ValueError for bad input."""
+        await _resolve_mm(kwargs)
         await self._with_stored_prefix(request_id, prompt_token_ids, kwargs)
         async for out in self.engine.generate(request_id, prompt_token_ids, params, **kwargs):
             yield out
@@ -87,6 +88,7 @@ class EngineActorImpl:
     async def complete(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        **kwargs) -> Completion:
         """Run a request to the end; errors come back in ``Completion.error``."""
+        await _resolve_mm(kwargs)
         await self._with_stored_prefix(request_id, prompt_token_ids, kwargs)
         return await self.engine.complete(request_id, prompt_token_ids, params, **kwargs)
 
@@ -156,7 +158,8 @@ class EngineActorImpl:
     # -- prefill/decode disaggregation -----------------------------------------------------------
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       output_token_ids: list[int] | None = None,
-                      stored: tuple[list[int], str | None, list] | None = None) -> RequestOutput:
+                      stored: tuple[list[int], str | None, list] | None = None,
+                      mm_inputs: list | None = None) -> RequestOutput:
         """PREFILL role: compute a request's tokens and sample the next one; its KV stays parked in the pool
         for :meth:`send_kv` (nccl, gloo), :meth:`pop_kv` (cuda_ipc) or :meth:`export_kv` (object store).
 
@@ -170,16 +173,20 @@ class EngineActorImpl:
             output_token_ids: tokens generated so far (a re-prefill after preemption or a failure).
             stored: (block hashes, layout tag, ObjectRefs of ``[L, 1, 2, bs, H, D]`` blocks in wire form) from the store:
                 the leading blocks of prompt + outputs; unreadable or mismatched blocks are recomputed.
+            mm_inputs: the prompt's images (vision-language models): pixels, embeddings, or
+                ``encoder_actor.EmbedsRef`` from an encoder replica (fetched here from the object store).
         Returns:
             the one output: the sampled token, ``finish_reason`` "prefilled" with ``kv_handle`` (payload
             None: the KV is parked here), or a real finish reason (stop, length) with no handle.
         Raises:
             ValueError: if the engine rejects the request.
         """
+        extra: dict = {"mm_inputs": mm_inputs} if mm_inputs else {}
+        await _resolve_mm(extra)
         handle = await self._load_stored(request_id, stored)
         out = None
         async for out in self.engine.generate(request_id, prompt_token_ids, params,
-                                              output_token_ids=output_token_ids, kv_handle=handle):
+                                              output_token_ids=output_token_ids, kv_handle=handle, **extra):
             pass
         if out is not None and out.kv_handle is not None:
             self._write_through(out.kv_handle, len(handle.block_hashes) if handle else 0)
@@ -391,7 +398,9 @@ class EngineActorImpl:
                 payload an earlier :meth:`recv_kv` / :meth:`receive_kv` brought.
             detokenize: False streams the core's token deltas without text or stop strings (the caller
                 detokenizes; see ``AsyncLLMEngine.submit``).
-            mm_inputs: the prompt's images (``engine.types.MultiModalInput``; vision-language models).
+            mm_inputs: the prompt's images (``engine.types.MultiModalInput``; vision-language models), their
+                embeddings possibly ``encoder_actor.EmbedsRef`` (fetched here). DECODE role: content hashes
+                and placeholder ranges only (they key the imported blocks' hashes).
         Raises:
             KeyError: DECODE role, kv_payload None and nothing received for the request.
             ValueError: an invalid response_format. Other rejections (the engine's checks) arrive on the
@@ -401,6 +410,7 @@ class EngineActorImpl:
         if box is None:
             box = self._outboxes[client_id] = _Outbox()
         kwargs: dict = {"mm_inputs": mm_inputs} if mm_inputs else {}
+        await _resolve_mm(kwargs)
         if kv_handle is not None:
             if kv_payload is None:
                 kv_payload = self._kv_in.pop(request_id)[1]
@@ -469,6 +479,14 @@ class _Outbox:
         self.ready.set()
         if isinstance(item, Exception) or item.finished:
             self.live.discard(request_id)
+
+
+async def _resolve_mm(kwargs: dict) -> None:
+    """Replace encoder replicas' embeddings refs in ``kwargs["mm_inputs"]`` by their tensors."""
+    if kwargs.get("mm_inputs"):
+        from rayinfer.actors.encoder_actor import resolve_embeds
+
+        kwargs["mm_inputs"] = await resolve_embeds(kwargs["mm_inputs"])
 
 
 def _block_bytes(kv_cache: torch.Tensor) -> int:

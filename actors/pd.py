@@ -6,6 +6,11 @@ to the store -> the router picks a decode replica -> the KV moves (a ref through
 to the decode task; or device to device, batched with other requests' KV by the router) -> decode: import
 the KV, stream tokens. Text is detokenized here, once per request, so stop strings that span a handoff are found.
 
+A request's images go first to the fleet's encoder replicas when it has some (encode / prefill / decode:
+their embeddings reach the prefill replica as object-store refs; without encoders the prefill replica
+encodes them); the decode replica gets the images' content hashes and placeholder ranges only (they key
+the KV blocks' hashes, and the store lookups here hash them the same way).
+
 This is the shell: one ``rayinfer.policy.pd.PDRequest`` per request makes every decision (legs, retries,
 hand-backs, cleanups, leaving RDT); ``generate`` feeds it events and carries out its actions. Balancers,
 failed-replica bookkeeping and RDT transfers belong to the Router (``rayinfer.actors.router``), so every
@@ -16,6 +21,7 @@ the prefill actor); the KVStoreActor owns stored blocks; Ray restarts dead engin
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 from collections import deque
@@ -28,7 +34,7 @@ import ray.exceptions
 from rayinfer.actors.client import _FleetClient, granted, unwrap
 from rayinfer.actors.router import FleetInfo
 from rayinfer.engine.detokenizer import IncrementalDetokenizer
-from rayinfer.engine.errors import InvalidRequestError, UnsupportedError
+from rayinfer.engine.errors import InvalidRequestError
 from rayinfer.engine.types import KVHandle, MultiModalInput, RequestOutput, SamplingParams
 from rayinfer.policy import pd as P
 from rayinfer.policy.kv_store_index import block_hashes
@@ -67,6 +73,8 @@ class _Run:
     leg: _Leg = field(default_factory=_Leg)
     logprobs: list | None = None  # of the replica output the next Emit sends
     queue_time_s: float | None = None  # the first prefill's wait in its engine (vLLM's queue time)
+    mm_inputs: list[MultiModalInput] | None = None  # for the prefill: pixels, embeddings or their refs
+    decode_mm_inputs: list[MultiModalInput] | None = None  # for the decode: hashes and placeholder ranges only
 
 
 class PDClient(_FleetClient):
@@ -101,21 +109,24 @@ class PDClient(_FleetClient):
                        request_id: str | None = None, mm_inputs: list[MultiModalInput] | None = None
                        ) -> AsyncIterator[RequestOutput]:
         """Stream a request's deltas: prefill on one replica, decode on another, retried on failures.
-        Images (``mm_inputs``) are refused with UnsupportedError: PD transfer of image requests is not built.
+        Images (``mm_inputs``) are encoded first by the fleet's encoder replicas when it has some (else the
+        prefill replica encodes them); the decode replica gets only their hashes and placeholder ranges.
 
         If the consumer stops early (or the task is cancelled), the state machine's cleanups run: the request
         is aborted on its decode replica, exported KV is dropped, tickets are given back.
 
         Raises:
-            InvalidRequestError: when an engine rejects the request.
-            UnsupportedError: for a request with images.
+            InvalidRequestError: when an engine or encoder rejects the request.
+            EngineInternalError: every encoder replica failed.
         """
-        if mm_inputs:
-            raise UnsupportedError("images are served by the colocated topology only, not pd", "image_url")
+        mm_inputs = await self.encode(mm_inputs)
         prompt = list(prompt_token_ids)
         req = P.PDRequest(request_id or uuid.uuid4().hex, prompt, self.block_size, self.max_retries,
                           self.kv_state, self.retry_deadline_s)
         run = _Run(prompt, params, IncrementalDetokenizer(self.tokenizer, prompt, params))
+        if mm_inputs:
+            run.mm_inputs = list(mm_inputs)
+            run.decode_mm_inputs = [dataclasses.replace(m, pixel_values=None, embeds=None) for m in mm_inputs]
         # wait here, before the prefill, while the decode replicas are full (pd.admission_headroom)
         await granted(self.router.admit.remote(), lambda _: self.router.leave.remote())
         actions = deque(req.handle(P.Start()))
@@ -153,7 +164,7 @@ class PDClient(_FleetClient):
         match action:
             case P.LookupStore():
                 run.leg = leg = _Leg()
-                leg.hashes = block_hashes(list(action.token_ids), self.block_size)
+                leg.hashes = block_hashes(list(action.token_ids), self.block_size, mm_inputs=run.mm_inputs or ())
                 leg.layout, leg.refs = await self._stored(leg.hashes)
                 return P.StoreLookupDone(len(leg.refs))
             case P.RunPrefill():
@@ -167,7 +178,8 @@ class PDClient(_FleetClient):
                 mux = self.mux(leg.decode)
                 # the replica streams token ids only: this client detokenizes and finds stop strings
                 leg.stream = mux.generate(leg.engine_request_id, leg.decode.submit, run.prompt, run.params,
-                                          list(action.output_token_ids), leg.kv_handle, leg.payload, False)
+                                          list(action.output_token_ids), leg.kv_handle, leg.payload, False,
+                                          run.decode_mm_inputs)
             case P.GrowDecode():
                 await self._grow_decode(leg, action.num_tokens)
             case P.ReleaseDecode():
@@ -213,7 +225,7 @@ class PDClient(_FleetClient):
             leg.prefill = self.prefills[leg.prefill_ticket.replica]
             stored = (leg.hashes[: len(leg.refs)], leg.layout, leg.refs)
             out = await unwrap(leg.prefill.prefill.remote(erid, run.prompt, run.params,
-                                                          list(action.output_token_ids), stored))
+                                                          list(action.output_token_ids), stored, run.mm_inputs))
         except (ray.exceptions.RayError, ValueError) as e:
             leg.error = e
             return P.PrefillFailed(_failure_kind(e), _describe(e))

@@ -13,6 +13,11 @@ clients (Serve ingress replicas, the job's driver) share it and its one view of 
 - ep: one expert-parallel replica whose ranks step in lockstep; its step loop runs here on a thread and
   requests stream through :meth:`Router.generate`.
 
+With ``parallel.encoder.num_encoders > 0`` (colocated or pd; "epd" for encode / prefill / decode
+disaggregation) the fleet also runs that many EncoderActors (``rayinfer.actors.encoder_actor``), one
+placement group of one bundle each; clients send every request's images there first and pass the
+embeddings' object refs on to the prefill (or NORMAL) replica, whose encoder then never runs.
+
 With ``parallel.cp > 1`` (colocated only) each replica is ``cp`` ranks in one placement group: the
 EngineActor on bundle 0 and ``cp - 1`` CP peers (``rayinfer.actors.cp_group``) that join its long prefills.
 
@@ -37,12 +42,13 @@ import ray.exceptions
 from ray.util import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rayinfer.actors.encoder_actor import EncoderActor, check_encoder_model
 from rayinfer.actors.engine_actor import EngineActor, EngineActorImpl
 from rayinfer.actors.kv_store import KVStoreActor
 from rayinfer.actors.kv_transport import COLLECTIVE_TRANSPORTS, resolve_kv_transport
 from rayinfer.engine.config import EngineConfig, ModelConfig
 from rayinfer.engine.errors import EngineInternalError, UnsupportedError
-from rayinfer.engine.protocol import EPStats, FleetStats, KVStoreStats, ReplicaStats
+from rayinfer.engine.protocol import EncoderStats, EPStats, FleetStats, KVStoreStats, ReplicaStats
 from rayinfer.engine.types import RequestOutput, SamplingParams
 from rayinfer.placement.bundles import fleet_shortfall, rank_resources
 from rayinfer.placement.parallel_config import ParallelConfig
@@ -67,6 +73,7 @@ class FleetInfo:
         model: the model name or path (for the client's tokenizer).
         max_retries: PD: re-runs of one request's leg after errors other than a replica failing.
         retry_deadline_s: PD: seconds after its first failure a request keeps retrying (``pd.retry_deadline_s``).
+        encoders: the EncoderActors (``encoder.num_encoders``; empty: the engines encode their images).
     """
 
     topology: str
@@ -79,6 +86,7 @@ class FleetInfo:
     model: str = ""
     max_retries: int = 0
     retry_deadline_s: float = 0.0
+    encoders: list = field(default_factory=list)
 
     @property
     def prefills(self) -> list:
@@ -104,6 +112,10 @@ def check_supported(parallel: ParallelConfig) -> None:
     if parallel.ep > 1 and (parallel.dp > 1 or parallel.is_disaggregated):
         raise UnsupportedError("parallel.ep > 1 runs one expert-parallel replica: keep dp = 1 and no "
                                "num_prefill/num_decode", "ep")
+    if parallel.num_encoders and parallel.ep > 1:
+        raise UnsupportedError("parallel.encoder.num_encoders > 0 (vision-encoder replicas) runs with colocated or "
+                               "pd replicas, not with ep > 1 (the MoE models served with ep take no images)",
+                               "encoder.num_encoders")
 
 
 class Router:
@@ -126,6 +138,8 @@ class Router:
         self._placed = parallel  # with num_cpus_per_replica resolved, in start()
         self._placement_groups: list = []
         self._cp_peers: list = []  # colocated with cp > 1: every replica's CP ranks 1..cp-1
+        self.encoders: list = []  # EncoderActors (encoder.num_encoders)
+        self._encoders_loaded: list = []  # their ready() refs
         # colocated
         self.balancer: ReplicaLoadBalancer | None = None
         # pd
@@ -176,12 +190,15 @@ class Router:
         if missing is not None:  # nodes may still join (an autoscaler): wait, but say so at once
             logger.warning("%s; waiting up to %g s (parallel.placement_timeout_s) for more nodes",
                            missing, p.placement_timeout_s)
+        check_encoder_model(p, self.model_config.model)
         if self.topology == "ep":
             from rayinfer.actors.ep_group import EPLoop
 
             self.ep_loop = await asyncio.to_thread(EPLoop, self.model_config, cfg, self._placed)
             self.info = FleetInfo("ep", self.ep_loop.max_model_len, cfg.block_size, model=self.model_config.model)
             return self.info
+        if p.num_encoders:  # placed first, loading while the engines start
+            await self._start_encoders()
         if self.topology == "pd":
             await self._start_pd()
         else:
@@ -194,27 +211,47 @@ class Router:
             replicas = [await self._place(EngineActor, i, self.model_config, cfg, i, kv_store=store)
                         for i in range(p.dp)]
             info = await asyncio.gather(*[r.ready.remote() for r in replicas])
+            await self._encoders_ready()
             if p.cp > 1:
                 await asyncio.gather(*[self._start_cp(pg, r) for pg, r in zip(self._placement_groups, replicas)])
             self.balancer = ReplicaLoadBalancer(p.dp, cfg.block_size)
             self.info = FleetInfo("colocated", info[0]["max_model_len"], cfg.block_size, replicas,
-                                  kv_store=store, model=self.model_config.model)
-        logger.info("fleet ready: %s, %d replica(s)", self.topology, len(self.fleet.replicas))
+                                  kv_store=store, model=self.model_config.model, encoders=self.encoders)
+        logger.info("fleet ready: %s, %d replica(s), %d encoder(s)", self.topology, len(self.fleet.replicas),
+                    len(self.fleet.encoders))
         return self.fleet
+
+    async def _start_encoders(self) -> None:
+        """Start the EncoderActors, each in a placement group of one bundle (the engine ranks' resources),
+        restarted in place by Ray; an encode call that an actor's death cut short is retried by Ray. Their
+        ``ready`` is awaited with the engines' (:meth:`_encoders_ready`)."""
+        p, cfg = self._placed, self.engine_config
+        encoders = [await self._place(EncoderActor, self.parallel.num_replicas + i, self.model_config, cfg.device,
+                                      p.encoder.cache_tokens, num_bundles=1, max_task_retries=-1)
+                    for i in range(p.num_encoders)]
+        self.encoders = encoders
+        self._encoders_loaded = [e.ready.remote() for e in encoders]
+
+    async def _encoders_ready(self) -> None:
+        await asyncio.gather(*self._encoders_loaded)
 
     def _resolved(self, p: ParallelConfig) -> ParallelConfig:
         """``p`` with ``num_cpus_per_replica`` set: None splits the cluster's CPUs over the ranks."""
         if p.num_cpus_per_replica is not None:
             return p
         cpus = ray.available_resources().get("CPU", 1.0)
-        return dataclasses.replace(p, num_cpus_per_replica=float(max(1, math.floor(cpus / p.world_size))))
+        return dataclasses.replace(p, num_cpus_per_replica=float(max(1, math.floor(cpus / p.num_bundles))))
 
-    async def _place(self, actor_cls, replica_id: int, *args, **kwargs):
+    async def _place(self, actor_cls, replica_id: int, *args, num_bundles: int | None = None,
+                     max_task_retries: int = 0, **kwargs):
         """One replica in a placement group of its own (so it restarts in place): its ``cp`` ranks' bundles
-        (``rayinfer.placement``; one unless colocated with cp > 1), the actor (rank 0) on bundle 0."""
+        (``rayinfer.placement``; one unless colocated with cp > 1, or ``num_bundles``), the actor (rank 0) on
+        bundle 0."""
         p = self._placed
         bundle = rank_resources(p)
-        pg = placement_group([bundle] * (p.cp if self.topology == "colocated" else 1), strategy="PACK", name="")
+        if num_bundles is None:
+            num_bundles = p.cp if self.topology == "colocated" else 1
+        pg = placement_group([bundle] * num_bundles, strategy="PACK", name="")
         self._placement_groups.append(pg)
         timeout = p.placement_timeout_s
         try:
@@ -227,7 +264,7 @@ class Router:
                 "(lower parallel.num_cpus_per_replica / num_gpus_per_replica or the replica count, or add "
                 "nodes)") from None
         opts = dict(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0.0), max_restarts=p.max_restarts,
-                    max_concurrency=4096,
+                    max_concurrency=4096, **({"max_task_retries": max_task_retries} if max_task_retries else {}),
                     scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
                                                                          placement_group_bundle_index=0))
         return actor_cls.options(**opts).remote(*args, **kwargs)  # pyright: ignore[reportCallIssue]
@@ -262,6 +299,7 @@ class Router:
         decodes = [await self._place(actor_cls, p.num_prefill + i, self.model_config, dcfg, p.num_prefill + i,
                                      kv_transport=transport) for i in range(p.num_decode)]
         info = await asyncio.gather(*[r.ready.remote() for r in prefills + decodes])
+        await self._encoders_ready()
         if group:  # replica i is rank i: prefill replicas first, then decode replicas
             replicas = prefills + decodes
             address, port = await replicas[0].transfer_address.remote()
@@ -278,7 +316,8 @@ class Router:
             limit = max(1, math.ceil(p.num_decode * max_num_seqs * (1 + pd.admission_headroom)))
             self.admission = AdmissionGate(limit, lambda: self.num_admitted)
         self.info = FleetInfo("pd", info[0]["max_model_len"], cfg.block_size, prefills + decodes, p.num_prefill,
-                              store, transport, self.model_config.model, pd.max_retries, pd.retry_deadline_s)
+                              store, transport, self.model_config.model, pd.max_retries, pd.retry_deadline_s,
+                              self.encoders)
         logger.info("pd fleet: %d prefill + %d decode replicas, KV over %s%s", p.num_prefill, p.num_decode,
                     transport, f" (batches up to {pd.transfer_buffer_gib:g} GiB)" if group else "")
 
@@ -491,6 +530,9 @@ class Router:
         calls = [r.stats.remote() for r in info.replicas]
         if info.kv_store is not None:
             calls.append(info.kv_store.stats.remote())
+        encoder_results = await asyncio.gather(*[e.stats.remote() for e in info.encoders], return_exceptions=True)
+        encoders = [EncoderStats(replica_id=i, error=f"{type(r).__name__}: {r}") if isinstance(r, BaseException)
+                    else EncoderStats.from_dict(r, replica_id=i) for i, r in enumerate(encoder_results)]
         results = await asyncio.gather(*calls, return_exceptions=True)
         replicas = []
         for i, r in enumerate(results[: len(info.replicas)]):
@@ -505,7 +547,7 @@ class Router:
             store = (KVStoreStats(error=f"{type(r).__name__}: {r}") if isinstance(r, BaseException)
                      else KVStoreStats.from_dict(r))
         return FleetStats(info.topology, replicas, store, num_retries=self.num_retries,
-                          num_handbacks=self.num_handbacks)
+                          num_handbacks=self.num_handbacks, encoders=encoders)
 
     async def flush(self) -> None:
         """Wait until the replicas' KV-store writes reached the store (PD prefill replicas; colocated
@@ -522,9 +564,9 @@ class Router:
         if self.info is not None:
             for actor in self.info.replicas + ([self.info.kv_store] if self.info.kv_store is not None else []):
                 ray.kill(actor, no_restart=True)
-        for actor in self._cp_peers:
+        for actor in self._cp_peers + self.encoders:
             ray.kill(actor, no_restart=True)
-        self._cp_peers = []
+        self._cp_peers, self.encoders = [], []
         for pg in self._placement_groups:
             remove_placement_group(pg)
         self._placement_groups = []

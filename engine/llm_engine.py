@@ -18,6 +18,7 @@ from rayinfer.engine.block_pool import hash_block_chain
 from rayinfer.engine.config import KV_CACHE_DTYPES, EngineConfig, ModelConfig
 from rayinfer.engine.errors import InvalidRequestError
 from rayinfer.engine.model_runner import ModelRunner, kv_layout_tag
+from rayinfer.engine.multimodal import mm_hash_block_chain
 from rayinfer.engine.output_processor import OutputProcessor
 from rayinfer.engine.sampler import Sampler
 from rayinfer.engine.scheduler import Scheduler, SchedulerConfig
@@ -312,7 +313,9 @@ class LLMEngine:
                 all tokens so far when a preempted or failed request is re-prefilled); a grammar is
                 advanced over them.
             mm_inputs: the prompt's images (vision-language models), in prompt order: content hash,
-                placeholder range, pixels or precomputed embeddings (see ``engine.multimodal``).
+                placeholder range, pixels or precomputed embeddings (see ``engine.multimodal``). An image
+                whose placeholders all lie in ``kv_handle``'s tokens needs neither (DECODE role: its content
+                hash keys the blocks' hashes, so the prefix cache and the handle's hashes stay per image).
         Raises:
             InvalidRequestError: naming the problem, with ``param`` "prompt" (empty or too long, a token
                 id out of range), "max_tokens" (beyond the context), "n", "response_format" (output
@@ -345,12 +348,9 @@ class LLMEngine:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
         all_ids = list(prompt_token_ids) + list(output_token_ids or [])
         if mm_inputs:
-            if kv_handle is not None:
-                raise InvalidRequestError("requests with images cannot import KV (PD transfer of images is not "
-                                          "supported)", "image")
-            self._check_mm_inputs(mm_inputs, prompt_token_ids)
+            self._check_mm_inputs(mm_inputs, prompt_token_ids, kv_handle.num_tokens if kv_handle is not None else 0)
         if kv_handle is not None:
-            self._check_handle(kv_handle, all_ids)
+            self._check_handle(kv_handle, all_ids, mm_inputs or ())
         elif not output_token_ids and not mm_inputs and self._uses_cp(prompt_token_ids):  # CP: text prompts only
             # the CP ranks compute all but the last prompt token when this request's KV is imported; the
             # next step computes the last one here and samples (rayinfer.engine.context_parallel)
@@ -399,8 +399,9 @@ class LLMEngine:
             num_cached += 1
         return cp.applies(len(prompt_token_ids) - 1 - num_cached * bs)
 
-    def _check_mm_inputs(self, mm_inputs: list[MultiModalInput], prompt: list[int]) -> None:
-        """Raises InvalidRequestError ("image") unless the images fit this model and the prompt."""
+    def _check_mm_inputs(self, mm_inputs: list[MultiModalInput], prompt: list[int], num_imported: int = 0) -> None:
+        """Raises InvalidRequestError ("image") unless the images fit this model and the prompt; an image
+        within the first ``num_imported`` tokens (imported KV) may come without pixels or embeddings."""
         if not self.is_multimodal:
             raise InvalidRequestError(f"model {self.model_config.model!r} does not take images", "image")
         model, end = self.model, 0
@@ -418,7 +419,8 @@ class LLMEngine:
                     raise InvalidRequestError(f"image {i}: embeddings have shape {tuple(m.embeds.shape)}, expected "
                                               f"{(m.length, hidden)}", "image")
             elif m.pixel_values is None:
-                raise InvalidRequestError(f"image {i} has neither pixel_values nor embeddings", "image")
+                if m.offset + m.length > num_imported:
+                    raise InvalidRequestError(f"image {i} has neither pixel_values nor embeddings", "image")
             else:
                 want = (3, model.image_size, model.image_size)
                 if tuple(m.pixel_values.shape) != want:
@@ -428,13 +430,14 @@ class LLMEngine:
                     raise InvalidRequestError(f"image {i} has {m.length} placeholder tokens; this model gives an "
                                               f"image {model.num_image_tokens}", "image")
 
-    def _check_handle(self, handle: KVHandle, token_ids: list[int]) -> None:
+    def _check_handle(self, handle: KVHandle, token_ids: list[int], mm_inputs=()) -> None:
         bs = self.engine_config.block_size
         if not 0 < handle.num_tokens < len(token_ids):
             raise InvalidRequestError(f"KV handle covers {handle.num_tokens} tokens; the request has "
                                       f"{len(token_ids)} and at least one must be left to compute")
         n = len(handle.block_hashes)
-        if n > handle.num_tokens // bs or hash_block_chain(token_ids[: n * bs], bs) != list(handle.block_hashes):
+        if n > handle.num_tokens // bs or mm_hash_block_chain(token_ids[: n * bs], bs, None, mm_inputs) != list(
+                handle.block_hashes):
             raise InvalidRequestError("KV handle's block hashes do not match the request's tokens")
         if handle.layout != kv_layout_tag(self.kv_cache):
             raise InvalidRequestError(f"KV layout {handle.layout!r} does not match this engine's "

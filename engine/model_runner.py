@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from rayinfer.engine.block_pool import hash_block_chain
+from rayinfer.engine.multimodal import mm_hash_block_chain
 from rayinfer.engine.sampler import Sampler, SamplerOutput
 from rayinfer.engine.staging import to_device
 from rayinfer.engine.types import PLACEHOLDER, ContextParallelPrefill, KVHandle, Request, SchedulerOutput, StepOutput
@@ -268,7 +268,8 @@ class ModelRunner:
         full = num_tokens // self.block_size
         hashes = req.block_hashes[:full]
         if len(hashes) < full:  # prefix caching off: the scheduler kept no hashes, the KV store needs them
-            hashes = hash_block_chain(req.all_token_ids[: full * self.block_size], self.block_size, req.cache_salt)
+            hashes = mm_hash_block_chain(req.all_token_ids[: full * self.block_size], self.block_size, req.cache_salt,
+                                         req.mm_inputs)
         return KVHandle(req.request_id, list(hashes), num_tokens, kv_layout_tag(self.kv_cache))
 
     def import_kv(self, block_ids, handle: KVHandle) -> None:

@@ -24,6 +24,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from rayinfer.engine.block_pool import NONE_HASH, hash_block, hash_block_chain
 from rayinfer.engine.errors import InvalidRequestError
 from rayinfer.engine.types import MultiModalInput, Request, ScheduledRequest
 
@@ -55,6 +56,28 @@ def block_extra_key(cache_salt: int | None, mm_inputs: Sequence[MultiModalInput]
         h.update(struct.pack("<q", m.offset))
         h.update(m.content_hash.encode())
     return int.from_bytes(h.digest(), "little", signed=True)
+
+
+def mm_hash_block_chain(token_ids: Sequence[int], block_size: int, cache_salt: int | None = None,
+                        mm_inputs: Sequence[MultiModalInput] = ()) -> list[int]:
+    """Chained hashes of the full blocks of ``token_ids`` as the engine's prefix cache keys them: each
+    block's extra key is :func:`block_extra_key` (the salt, mixed with the content hashes of the images
+    whose placeholders it holds). Without images, ``block_pool.hash_block_chain`` exactly.
+
+    The PD handoff (a KVHandle's hashes, checked by the importing replica) and KV-store lookups use it, so
+    the same text with another image never matches another image's KV.
+
+    Returns:
+        ``len(token_ids) // block_size`` non-zero 64-bit ints (a partial tail block is not hashed).
+    """
+    if not mm_inputs:
+        return hash_block_chain(token_ids, block_size, cache_salt)
+    out, parent = [], NONE_HASH
+    for b in range(len(token_ids) // block_size):
+        lo, hi = b * block_size, (b + 1) * block_size
+        parent = hash_block(parent, token_ids[lo:hi], block_extra_key(cache_salt, mm_inputs, lo, hi))
+        out.append(parent)
+    return out
 
 
 def placeholder_ranges(token_ids: Sequence[int], image_token_id: int, lengths: Sequence[int]) -> list[tuple[int, int]]:

@@ -40,6 +40,9 @@ class ReplicaStats:
         host_kv_offloaded_blocks, host_kv_loaded_blocks, host_kv_bytes_moved: host tier traffic.
         kv_store_lookups, kv_store_hit_blocks: NORMAL role with a KV store: store lookups made for
             prompts the replica's own tiers missed, and blocks loaded from the store.
+        num_encoder_runs, encoder_cache_hits, encoder_cache_tokens: vision-language models: images this
+            replica's own encoder ran on, images served from its encoder cache, and the cache's rows (all
+            stay 0 behind encoder replicas, which send embeddings).
         kv_transfer: nccl / gloo PD transports: ``kv_transfer_batches``, ``kv_transfer_bytes_sent``,
             ``kv_transfer_bytes_received``, ``kv_transfer_budget`` (bytes), ``kv_transfer_budget_used`` and
             ``kv_transfer_budget_peak`` (received bytes not yet imported, now and at most).
@@ -78,6 +81,9 @@ class ReplicaStats:
     host_kv_bytes_moved: int = 0
     kv_store_lookups: int = 0
     kv_store_hit_blocks: int = 0
+    num_encoder_runs: int = 0
+    encoder_cache_hits: int = 0
+    encoder_cache_tokens: int = 0
     kv_transfer: dict[str, int] = field(default_factory=dict)
     spec_decode: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
@@ -119,6 +125,32 @@ class KVStoreStats:
 
 
 @dataclass
+class EncoderStats:
+    """One vision-encoder replica's counters (``rayinfer.actors.encoder_actor.EncoderActor``).
+
+    Attributes:
+        replica_id: the encoder's index in the fleet.
+        num_images: images asked of it; num_encoder_runs: images it encoded (the rest were cache hits,
+            ``encoder_cache_hits``, or duplicates within a batch); num_batches: ``encode_images`` calls.
+        encoder_cache_tokens: embedding rows its cache holds.
+        error: set when the encoder could not be asked (dead or restarting).
+    """
+
+    replica_id: int = 0
+    num_images: int = 0
+    num_encoder_runs: int = 0
+    encoder_cache_hits: int = 0
+    encoder_cache_tokens: int = 0
+    num_batches: int = 0
+    error: str | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], **extra: Any) -> "EncoderStats":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in {**data, **extra}.items() if k in names})
+
+
+@dataclass
 class EPStats:
     """The expert-parallel replica's balance.
 
@@ -148,6 +180,7 @@ class FleetStats:
         ep: the expert-parallel balance (EP), else None.
         num_retries: PD legs re-run after an actor failure.
         num_handbacks: PD legs re-run after a decode replica preempted a request.
+        encoders: the vision-encoder replicas (``encoder.num_encoders``), else empty.
     """
 
     topology: str = "colocated"
@@ -156,6 +189,7 @@ class FleetStats:
     ep: EPStats | None = None
     num_retries: int = 0
     num_handbacks: int = 0
+    encoders: list[EncoderStats] = field(default_factory=list)
 
     def by_role(self, role: str) -> list[ReplicaStats]:
         """The replicas of one role."""
@@ -176,7 +210,7 @@ class EngineClient(Protocol):
                  request_id: str | None = None, mm_inputs: list[MultiModalInput] | None = None
                  ) -> AsyncIterator[RequestOutput]:
         """Stream one request's deltas (``params.n`` must be 1; callers fan out ``n``). ``mm_inputs``:
-        the prompt's images (vision-language models; the colocated topology only).
+        the prompt's images (vision-language models; colocated and pd topologies).
 
         Leaving the iterator early (client disconnect, cancellation) aborts the request and frees its
         KV blocks.

@@ -93,10 +93,11 @@ class ProgressClient:
         self.max_model_len = client.max_model_len
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, mm_inputs: list | None = None) -> AsyncIterator[RequestOutput]:
         """The wrapped client's stream, unchanged; each delta is counted as it passes."""
         prefilled = False
-        gen = self.client.generate(prompt_token_ids, params, request_id=request_id)
+        gen = self.client.generate(prompt_token_ids, params, request_id=request_id,
+                                   **({"mm_inputs": mm_inputs} if mm_inputs else {}))
         try:
             async for out in gen:
                 num_prompt = 0
@@ -109,8 +110,9 @@ class ProgressClient:
         finally:
             await gen.aclose()
 
-    async def complete(self, prompt_token_ids, params, request_id=None):
-        return await self.client.complete(prompt_token_ids, params, request_id)
+    async def complete(self, prompt_token_ids, params, request_id=None, mm_inputs=None):
+        return await self.client.complete(prompt_token_ids, params, request_id,
+                                          **({"mm_inputs": mm_inputs} if mm_inputs else {}))
 
     async def stats(self):
         return await self.client.stats()

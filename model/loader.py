@@ -149,7 +149,8 @@ def load_tokenizer(model: str | Path) -> transformers.PreTrainedTokenizerBase:
     resolved = resolve_model(model)
     if isinstance(resolved, Path) and any((resolved / f).is_file() for f in _TOKENIZER_FILES):
         return transformers.AutoTokenizer.from_pretrained(resolved, local_files_only=True)
-    vocab_size = load_config(resolved).vocab_size
+    config = load_config(resolved)
+    vocab_size = getattr(config, "text_config", config).vocab_size  # a vision-language model: its decoder's
     tok = transformers.AutoTokenizer.from_pretrained(ensure_default_model(), local_files_only=True)
     if len(tok) > vocab_size:
         raise ValueError(f"model '{model}' has no tokenizer, and the default one ({len(tok)} tokens) does not "

@@ -48,6 +48,33 @@ SHAPES: dict[str, dict] = {
         rope_theta=10000.0, max_position_embeddings=2048, num_nextn_predict_layers=1, rms_norm_eps=1e-6,
         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, initializer_range=0.1,
     ),
+    # LLaVA-1.5 layout over a ~1.1B Llama-3.2-1B-like decoder: the CLIP ViT-L/14-336 vision tower (~300M; 576
+    # image tokens from the penultimate layer, no CLS), a two-layer GELU projector. The vocabulary is the
+    # default tokenizer's plus the <image> token (id 49152), padded to 49280. Encoder benchmarks (jobs/bench_encoder.py).
+    "llava-clip-l-1b": dict(
+        model_type="llava", architectures=["LlavaForConditionalGeneration"], image_token_index=49152,
+        vision_feature_layer=-2, vision_feature_select_strategy="default", projector_hidden_act="gelu",
+        text_config=dict(model_type="llama", vocab_size=49280, hidden_size=2048, intermediate_size=8192,
+                         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                         rope_theta=500000.0, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=1024, intermediate_size=4096,
+                           num_hidden_layers=24, num_attention_heads=16, image_size=336, patch_size=14,
+                           projection_dim=768, hidden_act="quick_gelu", layer_norm_eps=1e-5),
+    ),
+    # The same layout at toy size (CLIP 32x32 px, patch 8 -> 16 image tokens; Llama hidden 64): EPD and the
+    # encoder benchmark on a laptop CPU in seconds.
+    "llava-tiny": dict(
+        model_type="llava", architectures=["LlavaForConditionalGeneration"], image_token_index=49152,
+        vision_feature_layer=-2, vision_feature_select_strategy="default", projector_hidden_act="gelu",
+        text_config=dict(model_type="llama", vocab_size=49280, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         rope_theta=10000.0, max_position_embeddings=2048, rms_norm_eps=1e-5,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, image_size=32, patch_size=8, projection_dim=32,
+                           hidden_act="quick_gelu", layer_norm_eps=1e-5),
+    ),
 }
 
 

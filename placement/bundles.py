@@ -7,6 +7,8 @@ Layout, all by construction (so every list here can be checked by hand):
   replicas. Replica k holds the contiguous ranks ``[k * R, (k + 1) * R)`` with ``R = cp * ep``.
 - Inside a replica, ``local_rank = cp_rank * ep + ep_rank`` (ep fastest, so an EP group's all-to-all
   stays on neighbouring devices, inside a node when it fits).
+- Encoder replicas (``encoder.num_encoders``) come after every engine rank: encoder replica i holds
+  bundle ``world_size + i`` (:func:`encoder_bundle_indices`), one rank each.
 - An EP group is the ``ep`` ranks of one replica that share a cp rank; its ranks also run attention
   data-parallel. A CP group is the ``cp`` ranks of one replica that share an ep rank.
 
@@ -90,11 +92,12 @@ def fleet_shortfall(cfg: ParallelConfig, total: Mapping[str, float],
         e.g. "parallel needs 4 ranks x {CPU: 1} = {CPU: 4}; the cluster has {CPU: 2} in all", or None.
     """
     bundle = rank_resources(cfg)
-    need = {k: v * cfg.world_size for k, v in bundle.items()}
+    need = {k: v * cfg.num_bundles for k, v in bundle.items()}
     have = total if free is None else free
     if all(have.get(k, 0.0) >= v for k, v in need.items()):
         return None
-    line = (f"parallel ({cfg.topology}) needs {cfg.world_size} ranks x {_fmt(bundle)} = {_fmt(need)}; "
+    encoders = f" + {cfg.num_encoders} encoder(s)" if cfg.num_encoders else ""
+    line = (f"parallel ({cfg.topology}{encoders}) needs {cfg.num_bundles} ranks x {_fmt(bundle)} = {_fmt(need)}; "
             f"the cluster has {_fmt(total, need)} in all")
     return line if free is None else f"{line}, {_fmt(free, need)} free"
 
@@ -106,8 +109,14 @@ def _fmt(resources: Mapping[str, float], keys=None) -> str:
 
 
 def placement_bundles(cfg: ParallelConfig) -> list[dict[str, float]]:
-    """The placement-group bundle list: ``cfg.world_size`` bundles, bundle i for global rank i."""
-    return [rank_resources(cfg) for _ in range(cfg.world_size)]
+    """The placement-group bundle list: ``cfg.num_bundles`` bundles, bundle i for global rank i (the
+    engine ranks, then the encoder replicas)."""
+    return [rank_resources(cfg) for _ in range(cfg.num_bundles)]
+
+
+def encoder_bundle_indices(cfg: ParallelConfig) -> list[int]:
+    """The bundle of each encoder replica, by encoder index: ``[world_size, ..., num_bundles - 1]``."""
+    return list(range(cfg.world_size, cfg.num_bundles))
 
 
 def replica_roles(cfg: ParallelConfig) -> list[tuple[EngineRole, int]]:

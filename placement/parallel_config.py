@@ -16,6 +16,9 @@ Vocabulary (one rank = one device = one placement-group bundle, since tp is rese
 
 Topologies (:attr:`ParallelConfig.topology`): "colocated" (``dp`` NORMAL replicas), "pd"
 (``num_prefill`` + ``num_decode`` > 0) and "ep" (``ep`` > 1: one MoE replica of ``ep`` rank actors).
+``encoder.num_encoders`` > 0 puts vision-encoder replicas in front of a colocated or pd fleet
+("epd": encode / prefill / decode disaggregation, ``conf/parallel/epd.yaml``); each encoder is one
+more rank, after the engine ranks.
 """
 
 from __future__ import annotations
@@ -169,18 +172,25 @@ class EPLBSection(_Sealed):
 
 @dataclass
 class EncoderSection(_Sealed):
-    """Vision-encoder replicas (role ENCODE) in front of prefill; reserved for vision-language models.
+    """Vision-encoder replicas (role ENCODE, ``rayinfer.actors.encoder_actor``) in front of the engine
+    replicas, for vision-language models (E + PD, "epd"; or E + colocated replicas).
+
+    Each encoder replica is one rank (one bundle, of the same resources as an engine rank) holding the
+    model's vision tower; clients send every image there (fewest patches in flight first) and pass its
+    embeddings to the prefill (or NORMAL) replica through the Ray object store, so the engines never
+    run their own encoders.
 
     Attributes:
-        num_encoders: encoder replicas; must be 0 until a vision-language model is supported.
+        num_encoders: encoder replicas; 0 (default): the engines encode their images themselves.
+        cache_tokens: each encoder replica's cache of embeddings by image content hash, in rows.
     """
 
     num_encoders: int = 0
+    cache_tokens: int = 16384
 
     def __post_init__(self) -> None:
         _check_int("encoder.num_encoders", self.num_encoders, 0)
-        if self.num_encoders:
-            raise ValueError("encoder.num_encoders must be 0: no vision-language model is supported yet")
+        _check_int("encoder.cache_tokens", self.cache_tokens, 0)
         self._seal()
 
 
@@ -218,7 +228,7 @@ class ParallelConfig(_Sealed):
             disaggregation, GPUs with device=cpu, or a replica/EP group that straddles node boundaries.
             Combinations the placement maps but no topology runs yet (cp > 1 with disaggregation or
             ep > 1, ep > 1 with dp > 1 or with disaggregation) are refused when the fleet starts
-            (``rayinfer.actors.router.check_supported``).
+            (``rayinfer.actors.router.check_supported``), as are encoder replicas with ep > 1.
     """
 
     dp: int = 1
@@ -320,15 +330,25 @@ class ParallelConfig(_Sealed):
 
     @property
     def world_size(self) -> int:
-        """Devices (ranks, bundles) of the whole deployment."""
+        """Devices (ranks) of the engine replicas; the encoder replicas come on top (:attr:`num_bundles`)."""
         return self.num_replicas * self.ranks_per_replica
+
+    @property
+    def num_encoders(self) -> int:
+        """Vision-encoder replicas (``encoder.num_encoders``), one rank each."""
+        return self.encoder.num_encoders
+
+    @property
+    def num_bundles(self) -> int:
+        """Devices (bundles) of the whole deployment: the engine ranks, then one per encoder replica."""
+        return self.world_size + self.num_encoders
 
     @property
     def num_nodes(self) -> int:
         """Nodes the deployment fills when packed; 1 when ``devices_per_node`` is unknown."""
         if self.devices_per_node is None:
             return 1
-        return -(-self.world_size // self.devices_per_node)
+        return -(-self.num_bundles // self.devices_per_node)
 
     @property
     def ep_num_nodes(self) -> int:

@@ -7,6 +7,8 @@ counts patches. Ties go to the lowest replica index.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 
 class PatchBalancer:
     """Patches in flight per encoder replica.
@@ -22,11 +24,13 @@ class PatchBalancer:
             raise ValueError(f"num_replicas must be positive, got {num_replicas}")
         self.in_flight = [0] * num_replicas
 
-    def pick(self, num_patches: int) -> int:
-        """Assign an image of ``num_patches`` patches to the least-loaded replica; returns its index."""
+    def pick(self, num_patches: int, exclude: Collection[int] = ()) -> int:
+        """Assign an image of ``num_patches`` patches to the least-loaded replica not in ``exclude`` (all
+        replicas when every one is excluded); returns its index."""
         if num_patches < 0:
             raise ValueError(f"num_patches must be >= 0, got {num_patches}")
-        idx = min(range(len(self.in_flight)), key=self.in_flight.__getitem__)
+        candidates = [i for i in range(len(self.in_flight)) if i not in exclude] or range(len(self.in_flight))
+        idx = min(candidates, key=self.in_flight.__getitem__)
         self.in_flight[idx] += num_patches
         return idx
 

@@ -26,7 +26,8 @@ from rayinfer.engine.block_pool import NONE_HASH, hash_block_chain
 __all__ = ["KVStoreIndex", "PutResult", "StoredBlock", "block_hashes"]
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, extra_key: int | None = None) -> list[int]:
+def block_hashes(token_ids: Sequence[int], block_size: int, extra_key: int | None = None,
+                 mm_inputs: Sequence[Any] = ()) -> list[int]:
     """Chained hashes of the full blocks of ``token_ids`` that a store lookup may use.
 
     At least one token is left to compute (its logits give the next token), so only full blocks inside
@@ -36,10 +37,16 @@ def block_hashes(token_ids: Sequence[int], block_size: int, extra_key: int | Non
         token_ids: the sequence (prompt plus any outputs so far).
         block_size: tokens per block.
         extra_key: the hash chain's extra key (LoRA id, cache salt), or None.
+        mm_inputs: the prompt's images (``MultiModalInput``): blocks holding their placeholders also key on
+            their content hashes, as the engine keys them (``engine.multimodal.mm_hash_block_chain``).
     Returns:
         ``(len(token_ids) - 1) // block_size`` hashes, each a non-zero unsigned 64-bit int.
     """
     n = max(len(token_ids) - 1, 0) // block_size
+    if mm_inputs:
+        from rayinfer.engine.multimodal import mm_hash_block_chain
+
+        return mm_hash_block_chain(token_ids[: n * block_size], block_size, extra_key, mm_inputs)
     return hash_block_chain(token_ids[: n * block_size], block_size, extra_key)
 
 

@@ -97,6 +97,13 @@ _ENGINE_METRICS = (
      "damaged file.", "counter"),
     ("kv_store_blocks", "rayinfer_kv_store_blocks", (), "Blocks held by the KV store.", "gauge"),
     ("kv_store_hit_rate", "rayinfer_kv_store_hit_rate", (), "KV store lookups that hit (0..1).", "gauge"),
+    ("num_encoder_runs", "rayinfer_encoder_runs", (), "Images run through a vision encoder (an encoder replica's, "
+     "or a replica's own).", "counter"),
+    ("encoder_cache_hits", "rayinfer_encoder_cache_hits", (), "Images served from an encoder cache (by content "
+     "hash).", "counter"),
+    ("encoder_cache_tokens", "rayinfer_encoder_cache_tokens", (), "Embedding rows held by an encoder cache.", "gauge"),
+    ("num_images", "rayinfer_encoder_images", (), "Images asked of an encoder replica.", "counter"),
+    ("num_batches", "rayinfer_encoder_batches", (), "Batched encoder calls of an encoder replica.", "counter"),
     ("moe_lb", "rayinfer_moe_lb", (), "Expert-parallel balance: max rank load / mean (1 is even).", "gauge"),
     ("num_parked_kv", "rayinfer_pd_parked_kv_requests", (), "Prefilled requests whose KV waits in the prefill "
      "pool for its transfer (PD).", "gauge"),
@@ -234,7 +241,7 @@ class ServeMetrics:
             stats: the fleet's :class:`~rayinfer.engine.protocol.FleetStats`, or None when the fleet could
                 not be asked (every engine gauge vanishes); replicas that could not answer are left out
                 (their gauges vanish rather than freeze), the KV store's counters are exposed as a
-                replica named "kv_store", the EP balance as replica "ep".
+                replica named "kv_store", the EP balance as replica "ep", encoder replica i as "encoder<i>".
         """
         if stats is None:
             with self._engine.lock:
@@ -243,6 +250,8 @@ class ServeMetrics:
         rows = [{**r.to_dict(), **r.kv_transfer, **r.spec_decode} for r in stats.replicas if r.error is None]
         if stats.kv_store is not None and stats.kv_store.error is None:
             rows.append({"replica_id": "kv_store", **dataclasses.asdict(stats.kv_store)})
+        rows += [{**dataclasses.asdict(e), "replica_id": f"encoder{e.replica_id}"}
+                 for e in getattr(stats, "encoders", ()) if e.error is None]
         if stats.ep is not None:
             rows.append({"replica_id": "ep", "moe_lb": stats.ep.moe_lb, "num_rebalances": stats.ep.num_rebalances})
         with self._engine.lock:

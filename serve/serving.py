@@ -241,10 +241,13 @@ class OpenAIServing:
 
         async def pump(i: int, prompt_ids: list[int], params: SamplingParams) -> None:
             extra = {"mm_inputs": mm_inputs} if mm_inputs else {}
-            gen = self.client.generate(prompt_ids, params, request_id=f"{request_id}-{i}", **extra)
+            gen = None
             first = last = queue_time = reason = None
             num_out, itl = 0, []
             try:
+                # called inside the try: a client that raises at the call (not in the stream) still
+                # answers the consumer, which would otherwise wait on the queue forever
+                gen = self.client.generate(prompt_ids, params, request_id=f"{request_id}-{i}", **extra)
                 async for out in gen:
                     if out.finish_reason == "error":  # failed (a PD request out of retries, a step fault):
                         # an error event or a 5xx, never an answer that looks complete
@@ -273,7 +276,8 @@ class OpenAIServing:
             except BaseException as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
                 queue.put_nowait((i, e))
             finally:
-                await gen.aclose()
+                if gen is not None:
+                    await gen.aclose()
 
         tasks = [asyncio.create_task(pump(i, ids, p)) for i, (ids, p) in enumerate(jobs)]
         remaining = len(tasks)

@@ -2,11 +2,13 @@
 by patches in flight (tiny random LLaVA, CPU)."""
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
 
 from rayinfer.actors.encoder_actor import BatchingEncoder, EncoderPool
+from rayinfer.engine.errors import InvalidRequestError
 from rayinfer.policy.encoder_balance import PatchBalancer
 from tests.conftest import random_images
 
@@ -59,3 +61,42 @@ def test_encoder_pool_spreads_images_by_patches(llava_images):
     assert [r.cache.num_encoder_runs for r in replicas] == [2, 1]  # 16 patches each: 0, 1, 0
     assert all(m.embeds is not None and m.pixel_values is None and m.embeds.shape == (16, 64) for m in out)
     assert pool.balancer.in_flight == [0, 0]
+
+
+def test_a_failing_caller_does_not_fail_its_batch_mates(llava_images):
+    """The model raises for one caller's image: that caller gets the error, the others their embeddings."""
+    model, (a, b, _) = llava_images
+
+    class Picky:
+        image_size, num_image_tokens = model.image_size, model.num_image_tokens
+
+        def encode_images(self, pixels):
+            if (pixels > 100).any():
+                raise ValueError("pixels out of range")
+            return model.encode_images(pixels)
+
+    enc = BatchingEncoder(Picky())
+    bad = dataclasses.replace(b, content_hash="bad", pixel_values=b.pixel_values + 1000)
+
+    async def go():
+        return await asyncio.gather(enc.encode([a]), enc.encode([bad]), return_exceptions=True)
+
+    good, err = asyncio.run(go())
+    assert isinstance(err, ValueError) and not isinstance(good, BaseException) and good[0].shape == (16, 64)
+    with pytest.raises(InvalidRequestError, match=r"pixel_values have shape \(3, 8, 8\)"):
+        asyncio.run(enc.encode([dataclasses.replace(a, pixel_values=torch.zeros(3, 8, 8))]))
+
+
+def test_encoder_pool_moves_images_off_a_failed_replica(llava_images):
+    import ray.exceptions
+
+    model, images = llava_images
+
+    class Dead:
+        async def encode(self, images):
+            raise ray.exceptions.RayActorError()
+
+    live = BatchingEncoder(model)
+    pool = EncoderPool([Dead(), live])
+    out = asyncio.run(pool.encode(images))
+    assert all(m.embeds is not None for m in out) and live.cache.num_encoder_runs == 3 and pool.num_retries == 1

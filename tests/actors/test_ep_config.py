@@ -30,6 +30,16 @@ def test_other_yamls(name, topology, num_replicas):
     assert (cfg.topology, cfg.num_replicas) == (topology, num_replicas)
 
 
+@pytest.mark.parametrize("name, num_encoders", [("epd", 1), ("2e1p1d", 2)])
+def test_epd_yamls(name, num_encoders):
+    from rayinfer.placement import encoder_bundle_indices, placement_bundles
+
+    cfg = load(name)
+    assert (cfg.topology, cfg.num_replicas, cfg.num_encoders) == ("pd", 2, num_encoders)
+    assert len(placement_bundles(cfg)) == cfg.num_bundles == 2 + num_encoders
+    assert encoder_bundle_indices(cfg) == list(range(2, 2 + num_encoders))  # after the engine ranks
+
+
 def test_misspelt_key_is_rejected():
     with pytest.raises(Exception, match="eplb_interval"):
         OmegaConf.merge(OmegaConf.structured(ParallelConfig), {"eplb_interval": 3})

@@ -103,3 +103,33 @@ def test_bad_image_inputs_fail_that_request_only(llava):
         assert e.value.param == "image"
     engine.add_request("ok", ids, GREEDY, mm_inputs=[mm])
     assert engine.scheduler.num_waiting == 1
+
+
+def test_pd_handoff_of_an_image_request(llava):
+    """PREFILL (given the image's embeddings) -> DECODE (given only its hash): the colocated engine's tokens,
+    and neither engine runs its encoder; a handle offered with another image's hash is refused."""
+    import dataclasses
+
+    model, proc, _ = llava
+    normal = make_engine(llava)
+    prefill, decode = make_engine(llava, role="prefill"), make_engine(llava, role="decode")
+    ids, [mm] = proc.prompt_with_images("<image> Describe it.", random_images(1, seed=71))
+    want = normal.generate([ids], GREEDY, request_ids=["n"], mm_inputs=[[mm]])[0].output_token_ids
+    with torch.no_grad():
+        embeds = model.encode_images(mm.pixel_values[None])[0]
+    prefill.add_request("r", ids, GREEDY, mm_inputs=[dataclasses.replace(mm, pixel_values=None, embeds=embeds)])
+    outs = []
+    while prefill.has_unfinished_requests():
+        outs += prefill.step()
+    [out] = [o for o in outs if o.finished]
+    assert out.finish_reason == "prefilled" and prefill.stats()["num_encoder_runs"] == 0
+    handle = dataclasses.replace(out.kv_handle, payload=prefill.take_kv("r"))
+    other = dataclasses.replace(mm, content_hash="ab" * 32, pixel_values=None)
+    with pytest.raises(InvalidRequestError, match="block hashes do not match"):
+        decode.add_request("x", ids, GREEDY, kv_handle=handle, output_token_ids=out.new_token_ids, mm_inputs=[other])
+    decode.add_request("r", ids, GREEDY, kv_handle=handle, output_token_ids=out.new_token_ids,
+                       mm_inputs=[dataclasses.replace(mm, pixel_values=None)])
+    tokens = list(out.new_token_ids)
+    while decode.has_unfinished_requests():
+        tokens += [t for o in decode.step() for t in o.new_token_ids]
+    assert tokens == want and decode.stats()["num_encoder_runs"] == 0

@@ -114,3 +114,6 @@ def test_fleet_shortfall_names_what_the_cluster_lacks():
     assert fleet_shortfall(gpu, {"CPU": 16.0, "GPU": 1.0}) == (
         "parallel (colocated) needs 2 ranks x {GPU: 1, CPU: 2} = {GPU: 2, CPU: 4}; the cluster has "
         "{GPU: 1, CPU: 16} in all")
+    epd = ParallelConfig(num_prefill=1, num_decode=1, num_cpus_per_replica=1, encoder={"num_encoders": 2})
+    assert fleet_shortfall(epd, {"CPU": 3.0}) == (
+        "parallel (pd + 2 encoder(s)) needs 4 ranks x {CPU: 1} = {CPU: 4}; the cluster has {CPU: 3} in all")

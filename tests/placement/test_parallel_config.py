@@ -83,7 +83,9 @@ def test_sections_validate_and_copy():
                                    (PDSection, dict(retry_deadline_s=float("nan")), "pd.retry_deadline_s"),
                                    (PDSection, dict(kv_store_max_gib=0), "pd.kv_store_max_gib"),
                                    (EPLBSection, dict(window=0), "eplb.window"),
-                                   (EncoderSection, dict(num_encoders=1), "encoder.num_encoders")]:
+                                   (EncoderSection, dict(num_encoders=-1), "encoder.num_encoders"),
+                                   (EncoderSection, dict(num_encoders=1.5), "encoder.num_encoders"),
+                                   (EncoderSection, dict(cache_tokens=-1), "encoder.cache_tokens")]:
         with pytest.raises(ValueError, match=field):
             section(**kwargs)
     for kwargs, field in [(dict(num_gpus_per_replica=-1), "num_gpus_per_replica"),
