@@ -226,10 +226,16 @@ class LLMEngine:
         self._inflight = None  # (SchedulerOutput, PendingStep, its requests) launched but not yet processed
         if on_cuda and not cfg.enforce_eager and not self.runner.capture_hidden and self.local_kv_cache is None:
             # speculative: verification steps (each request's last token + up to k drafts) get graphs too
-            max_query_len = spec.num_draft_tokens + 1 if spec.enabled else 1
-            self.runner.capture_cuda_graphs(self.max_model_len, min(cfg.max_num_seqs, 512), max_query_len)
+            def graph_query_len(model) -> int:
+                # not for MLA: its multi-token attention slices the KV by host-side lengths, which a graph
+                # would bake in
+                mla = getattr(getattr(model, "config", None), "kv_lora_rank", None) is not None
+                return spec.num_draft_tokens + 1 if spec.enabled and not mla else 1
+
+            self.runner.capture_cuda_graphs(self.max_model_len, min(cfg.max_num_seqs, 512), graph_query_len(self.model))
             if isinstance(self.proposer, DraftModelProposer):
-                self.proposer.capture_cuda_graphs(self.max_model_len, min(cfg.max_num_seqs, 512), max_query_len)
+                self.proposer.capture_cuda_graphs(self.max_model_len, min(cfg.max_num_seqs, 512),
+                                                  graph_query_len(self.proposer.model))
         self.num_prompt_tokens = 0  # counters for metrics
         self.num_generation_tokens = 0
         self.num_computed_tokens = 0
