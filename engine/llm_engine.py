@@ -117,14 +117,14 @@ class LLMEngine:
             self.device, self.dtype = weight.device, weight.dtype
             if cfg.device != "auto" and torch.device(cfg.device).type != self.device.type:
                 raise ValueError(f"engine_config.device={cfg.device!r} but the given model is on {self.device}")
-        chosen = cfg.max_num_seqs is None or cfg.max_num_batched_tokens is None
+        chosen = [k for k in ("max_num_seqs", "max_num_batched_tokens") if getattr(cfg, k) is None]
         mem_gib = (torch.cuda.get_device_properties(self.device).total_memory / _GIB
                    if self.device.type == "cuda" else 0.0)
         self.engine_config = cfg = cfg.for_device(self.device.type, mem_gib)
-        if chosen:
-            logger.info("max_num_seqs=%d max_num_batched_tokens=%d (chosen for %s%s; set engine.max_num_seqs / "
-                        "engine.max_num_batched_tokens to override)", cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                        self.device.type, f", {mem_gib:.0f} GiB" if mem_gib else "")
+        if chosen:  # name only what the user left unset
+            logger.info("%s (chosen for %s%s; set %s to override)",
+                        " ".join(f"{k}={getattr(cfg, k)}" for k in chosen), self.device.type,
+                        f", {mem_gib:.0f} GiB" if mem_gib else "", " / ".join(f"engine.{k}" for k in chosen))
         kv_name = KV_CACHE_DTYPES[cfg.kv_cache_dtype]
         self.kv_dtype = getattr(torch, kv_name) if kv_name else self.dtype
         self.role = EngineRole(cfg.role)

@@ -205,6 +205,10 @@ def run(cfg: GenerateConfig, client=None) -> int:
     parser = LineParser(tokenizer, cfg.served_model_name or cfg.model.model, max_model_len,
                         {"max_tokens": 256, "temperature": 0.0, **cfg.sampling}, key_model=cfg.model.model,
                         images=_image_loader(cfg.model.model))
+    if cfg.sampling:  # a bad default would fail every line: refuse it before any work
+        probe = parser.parse([(0, json.dumps({"prompt": "probe"}))], "rayinfer")[0]
+        if probe.error is not None:
+            raise ValueError(f"sampling ({', '.join(f'{k}={v}' for k, v in cfg.sampling.items())}): {probe.error}")
     jobs = parser.parse(lines, cfg.input_format)
     if jobs:
         print(f"read {len(jobs)} lines ({jobs[0].format} format) from {in_path or 'the built-in prompts'}")
@@ -335,4 +339,13 @@ if __name__ == "__main__":
 
     sys.argv[1:] = normalize_overrides(sys.argv[1:])  # model=<shape, path or unknown name> -> model.model=...
     register_configs()
+    # an override the schema refuses (a misspelt key, a value of the wrong type, an unknown preset): one
+    # line and exit 2, as the job's own config errors, instead of Hydra's multi-line message and exit 1
+    from rayinfer.cli import compose
+
+    try:
+        compose("generate", [a for a in sys.argv[1:] if not a.startswith(("-", "hydra.", "+hydra.", "~hydra."))])
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     main()

@@ -154,9 +154,34 @@ def compose(config_name: str, overrides: list[str]):
 
     try:
         with initialize_config_module(config_module="rayinfer.conf", version_base="1.3"):
-            return hydra_compose(config_name=config_name, overrides=overrides)
+            cfg = hydra_compose(config_name=config_name, overrides=overrides)
     except (HydraException, OmegaConfBaseException) as e:
         raise ValueError(f"bad {config_name} config: {' '.join(str(e).split())}") from None
+    extra = unknown_keys(cfg)
+    if extra:  # "+key=value" adds a key to a schema node, where nothing would ever read it
+        raise ValueError(f"bad {config_name} config: unknown key(s) {', '.join(extra)}")
+    return cfg
+
+
+def unknown_keys(node, prefix: str = "") -> list[str]:
+    """Dotted keys of ``node`` (a composed DictConfig) that its dataclass schema does not declare (what
+    a ``+key=value`` override adds to a typed node: accepted by Hydra, read by nothing)."""
+    import dataclasses
+
+    from omegaconf import DictConfig, OmegaConf
+
+    schema = OmegaConf.get_type(node)
+    declared = {f.name for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else None
+    out = []
+    for key in node.keys():
+        name = f"{prefix}{key}"
+        if declared is not None and key not in declared:
+            out.append(name)
+            continue
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
+            out += unknown_keys(child, name + ".")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
