@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import time
@@ -210,13 +209,10 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv=None) -> None:
+    from rayinfer.jobs.benchlib import emit_json
+
     args = _args(argv)
-    out = run(args)
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit_json(run(args), args.out)
 
 
 if __name__ == "__main__":

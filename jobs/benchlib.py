@@ -20,6 +20,8 @@ Plug-ins (jobs/bench_moe.py)::
 
 from __future__ import annotations
 
+import json
+
 import contextlib
 import math
 import os
@@ -59,6 +61,15 @@ def git_revision(root: Path = REPO_ROOT) -> tuple[str, bool | None]:
         return rev, dirty
     except (OSError, RuntimeError, subprocess.TimeoutExpired):
         return "unknown", None
+
+
+def emit_json(result: dict[str, Any], path: str | None) -> None:
+    """Print ``result`` as indented JSON, and write it to ``path`` too when given (a bench script's output)."""
+    text = json.dumps(result, indent=2)
+    print(text)
+    if path:
+        with open(path, "w") as f:
+            f.write(text + "\n")
 
 
 def run_metadata(device: torch.device, git_rev: str | None = None) -> dict[str, Any]:
