@@ -109,7 +109,9 @@ class EncoderCache:
     Args:
         max_tokens: embedding rows kept at most (an image bigger than that is still returned, not kept).
     Attributes:
-        num_encoder_runs: images encoded; hits: lookups served from the cache.
+        num_encoder_runs: images encoded; hits: images served without running the encoder, from the
+            cache or as a repeat of an image earlier in the same encoder batch (so runs + hits count every
+            image asked for by pixels).
     """
 
     def __init__(self, max_tokens: int):
@@ -159,6 +161,8 @@ def encode_missing(model: Any, cache: EncoderCache, inputs: Sequence[MultiModalI
     todo: dict[str, MultiModalInput] = {}
     for m in inputs:
         if m.content_hash in out or m.content_hash in todo:
+            if m.embeds is None:
+                cache.hits += 1  # a repeat within this batch: encoded (or looked up) once
             continue
         if m.embeds is not None:
             out[m.content_hash] = m.embeds.to(device)
