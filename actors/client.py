@@ -56,7 +56,7 @@ class _FleetClient:
         if info.encoders:
             from rayinfer.actors.encoder_actor import EncoderPool, actor_encode
 
-            self.encoder_pool = EncoderPool([actor_encode(e) for e in info.encoders])
+            self.encoder_pool = EncoderPool([actor_encode(e, info.encoder_transport) for e in info.encoders])
 
     async def encode(self, mm_inputs: list[MultiModalInput] | None) -> list[MultiModalInput] | None:
         """A request's images with their embeddings from the fleet's encoder replicas (as object-store

@@ -77,8 +77,9 @@ class BatchingEncoder:
         self.num_batches = 0
         self.num_images = 0  # images asked for (encoded, cached or given)
 
-    async def encode(self, images: Sequence[MultiModalInput]) -> list[torch.Tensor]:
-        """Embeddings ``[length, hidden]`` (model dtype, on the CPU) of ``images``, in order.
+    async def encode(self, images: Sequence[MultiModalInput], on_device: bool = False) -> list[torch.Tensor]:
+        """Embeddings ``[length, hidden]`` (model dtype; on the CPU, or on the encoder's device with
+        ``on_device``) of ``images``, in order.
 
         Raises:
             InvalidRequestError ("image"): an image whose pixels or placeholder count do not fit the model
@@ -95,7 +96,8 @@ class BatchingEncoder:
         future = asyncio.get_running_loop().create_future()
         self._pending.append((list(images), future))
         self._wake.set()
-        return await future
+        embeds = await future
+        return embeds if on_device else [e.cpu() for e in embeds]
 
     def _check(self, images: Sequence[MultiModalInput]) -> None:
         size = getattr(self.model, "image_size", None)
@@ -140,7 +142,7 @@ class BatchingEncoder:
             return
         for images, future in batch:
             if not future.done():
-                future.set_result([by_hash[m.content_hash].cpu() for m in images])
+                future.set_result([by_hash[m.content_hash] for m in images])
 
     def stats(self) -> dict:
         return {**self.cache.stats(), "num_batches": self.num_batches, "num_images": self.num_images}
@@ -153,14 +155,17 @@ class EmbedsRef:
     (``kv_transport.to_wire``: an integer view of ``dtype``). Resolved by :func:`resolve_embeds`.
 
     Attributes:
-        ref: ObjectRef of ``list[np.ndarray]`` (one EncoderActor call's images).
+        ref: ObjectRef of ``list[np.ndarray]`` (one EncoderActor call's images), or with ``transport``
+            "cuda_ipc" of ``list[torch.Tensor]`` on the encoder's GPU (Ray Direct Transport).
         index: this image's item.
         dtype: the embeddings' torch dtype name ("float32", "bfloat16", ...).
+        transport: "object_store" or "cuda_ipc".
     """
 
     ref: Any
     index: int
     dtype: str
+    transport: str = "object_store"
 
 
 async def resolve_embeds(mm_inputs: Sequence[MultiModalInput] | None) -> list[MultiModalInput] | None:
@@ -175,21 +180,50 @@ async def resolve_embeds(mm_inputs: Sequence[MultiModalInput] | None) -> list[Mu
         return None if mm_inputs is None else list(mm_inputs)
     from rayinfer.actors.kv_transport import from_wire
 
-    refs = list(dict.fromkeys(m.embeds.ref for m in mm_inputs if isinstance(m.embeds, EmbedsRef)))
-    if not refs:
+    embeds = [m.embeds for m in mm_inputs if isinstance(m.embeds, EmbedsRef)]
+    refs = list(dict.fromkeys(e.ref for e in embeds if e.transport == "object_store"))
+    device_refs = list(dict.fromkeys(e.ref for e in embeds if e.transport != "object_store"))
+    if not refs and not device_refs:
         return list(mm_inputs)
     values = dict(zip(refs, await asyncio.gather(*refs)))
+    if device_refs:
+        # Ray Direct Transport (one-sided, cuda_ipc): ray.get maps the encoder's tensors; off the event loop
+        tensors = await asyncio.to_thread(ray.get, device_refs)
+        values.update(zip(device_refs, tensors))
     out = []
     for m in mm_inputs:
         e = m.embeds
         if isinstance(e, EmbedsRef):
-            m = dataclasses.replace(m, embeds=from_wire(values[e.ref][e.index], getattr(torch, e.dtype)))
+            value = values[e.ref][e.index]
+            if e.transport == "object_store":
+                value = from_wire(value, getattr(torch, e.dtype))
+            else:  # our own copy on the device: the mapping is the encoder's memory, freed with the object
+                value = value.clone()
+            m = dataclasses.replace(m, embeds=value)
         out.append(m)
     return out
 
 
-@ray.remote
-class EncoderActor:
+def resolve_encoder_transport(transport: str, num_gpus_per_replica: float) -> str:
+    """Resolve ``encoder.transport`` "auto": "cuda_ipc" when replicas hold a fraction of a GPU each (the
+    encoder and the engines may share one), else "object_store". Other names pass through.
+
+    Raises:
+        ValueError: for a name outside ``placement.parallel_config.ENCODER_TRANSPORTS``.
+    """
+    from rayinfer.placement.parallel_config import ENCODER_TRANSPORTS
+
+    if transport not in ENCODER_TRANSPORTS:
+        raise ValueError(f"encoder.transport must be one of {ENCODER_TRANSPORTS}, got {transport!r}")
+    if transport != "auto":
+        return transport
+    return "cuda_ipc" if 0 < num_gpus_per_replica < 1 else "object_store"
+
+
+_HELD_TTL_S = 120.0  # device embeddings not taken by then are dropped (their client gave up)
+
+
+class EncoderActorImpl:
     """A vision encoder replica (role ENCODE): the model's ``encode_images`` behind a
     :class:`BatchingEncoder`. Only the vision tower and projector stay loaded (the decoder is dropped).
 
@@ -218,6 +252,8 @@ class EncoderActor:
             torch.cuda.empty_cache()
         self.device = dev
         self.encoder = BatchingEncoder(net, cache_tokens, dev)
+        self._held: dict[int, tuple[float, list[torch.Tensor]]] = {}  # cuda_ipc: embeddings until taken
+        self._next_id = 0
 
     def ready(self) -> dict:
         """The replica's static facts, once the model is loaded."""
@@ -238,10 +274,41 @@ class EncoderActor:
         dtype = str(embeds[0].dtype).removeprefix("torch.") if embeds else "float32"
         return (dtype, [e.shape[0] for e in embeds]), [to_wire(e) for e in embeds]
 
+    async def encode_for_transfer(self, images: list[MultiModalInput]) -> tuple[str, list[int], int]:
+        """Encode ``images`` and hold their embeddings on this replica's device for :meth:`take`
+        (Ray Direct Transport); returns ``(dtype name, rows per image, hold id)``.
+
+        Raises:
+            InvalidRequestError, ValueError: see :meth:`BatchingEncoder.encode`.
+        """
+        import time
+
+        embeds = await self.encoder.encode(images, on_device=True)
+        now = time.monotonic()
+        self._held = {k: v for k, v in self._held.items() if now - v[0] < _HELD_TTL_S}
+        self._next_id += 1
+        self._held[self._next_id] = (now, [e.contiguous() for e in embeds])
+        dtype = str(embeds[0].dtype).removeprefix("torch.") if embeds else "float32"
+        return dtype, [e.shape[0] for e in embeds], self._next_id
+
+    def take(self, hold_id: int) -> list[torch.Tensor]:
+        """The embeddings held by :meth:`encode_for_transfer` (called with
+        ``.options(tensor_transport="cuda_ipc")``: they stay on the device and the engine replica maps them).
+
+        Raises:
+            KeyError: nothing held under ``hold_id`` (taken already, or dropped after the TTL).
+        """
+        return self._held.pop(hold_id)[1]
+
     def stats(self) -> dict:
         """The encoder cache's counters (``num_encoder_runs``, ``encoder_cache_hits``,
         ``encoder_cache_tokens``), ``num_batches`` and ``num_images``."""
         return self.encoder.stats()
+
+
+EncoderActor = ray.remote(EncoderActorImpl)
+# with Ray Direct Transport (encoder.transport "cuda_ipc"): ``take`` returns device tensors by reference
+EncoderActorRDT = ray.remote(enable_tensor_transport=True)(EncoderActorImpl)  # pyright: ignore[reportCallIssue]
 
 
 class EncoderPool:
@@ -302,26 +369,34 @@ class EncoderPool:
 class actor_encode:
     """Adapts an EncoderActor handle to :class:`EncoderPool`'s ``encode(images) -> awaitable``: returns
     one :class:`EmbedsRef` per image once the replica has encoded them (the embeddings themselves stay in
-    the object store).
+    the object store, or with ``transport`` "cuda_ipc" on the replica's GPU until the engine replica takes
+    them by Ray Direct Transport).
 
     Raises (from ``encode``):
         rayinfer's errors (InvalidRequestError for a bad image) and ValueError as the replica raised them;
         ``ray.exceptions.RayActorError`` when the replica failed.
     """
 
-    def __init__(self, handle):
+    def __init__(self, handle, transport: str = "object_store"):
         self.handle = handle
+        self.transport = transport
 
     async def encode(self, images: Sequence[MultiModalInput]) -> list[EmbedsRef]:
-        meta, embeds = self.handle.encode.remote(list(images))
+        embeds = None
         try:
-            dtype, rows = await meta
+            if self.transport == "object_store":
+                meta, embeds = self.handle.encode.remote(list(images))
+                dtype, rows = await meta
+            else:  # held on the encoder's device; the engine replica fetches them by Ray Direct Transport
+                dtype, rows, hold_id = await self.handle.encode_for_transfer.remote(list(images))
+                embeds = self.handle.take.options(tensor_transport=self.transport).remote(hold_id)
         except ray.exceptions.RayTaskError as e:
-            with contextlib.suppress(Exception):  # the same error: seen here, not logged as unhandled
-                await embeds
+            if embeds is not None:
+                with contextlib.suppress(Exception):  # the same error: seen here, not logged as unhandled
+                    await embeds
             if isinstance(e.cause, RayInferError):
                 raise e.cause from None
             if isinstance(e.cause, ValueError):
                 raise InvalidRequestError(f"image: {e.cause}", "image") from None
             raise
-        return [EmbedsRef(embeds, i, dtype) for i in range(len(rows))]
+        return [EmbedsRef(embeds, i, dtype, self.transport) for i in range(len(rows))]

@@ -42,7 +42,7 @@ import ray.exceptions
 from ray.util import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rayinfer.actors.encoder_actor import EncoderActor, check_encoder_model
+from rayinfer.actors.encoder_actor import EncoderActor, EncoderActorRDT, check_encoder_model, resolve_encoder_transport
 from rayinfer.actors.engine_actor import EngineActor, EngineActorImpl
 from rayinfer.actors.kv_store import KVStoreActor
 from rayinfer.actors.kv_transport import COLLECTIVE_TRANSPORTS, resolve_kv_transport
@@ -74,6 +74,7 @@ class FleetInfo:
         max_retries: PD: re-runs of one request's leg after errors other than a replica failing.
         retry_deadline_s: PD: seconds after its first failure a request keeps retrying (``pd.retry_deadline_s``).
         encoders: the EncoderActors (``encoder.num_encoders``; empty: the engines encode their images).
+        encoder_transport: how their embeddings reach the engines ("object_store" or "cuda_ipc").
     """
 
     topology: str
@@ -87,6 +88,7 @@ class FleetInfo:
     max_retries: int = 0
     retry_deadline_s: float = 0.0
     encoders: list = field(default_factory=list)
+    encoder_transport: str = "object_store"
 
     @property
     def prefills(self) -> list:
@@ -208,7 +210,7 @@ class Router:
                 store = KVStoreActor.options(num_cpus=0, max_restarts=-1).remote(
                     ks.max_blocks, int(ks.max_gib * _GIB) if ks.max_gib else None, ks.ttl_s, ks.directory,
                     self.model_config.model)
-            replicas = [await self._place(EngineActor, i, self.model_config, cfg, i, kv_store=store)
+            replicas = [await self._place(self._engine_actor_cls(), i, self.model_config, cfg, i, kv_store=store)
                         for i in range(p.dp)]
             info = await asyncio.gather(*[r.ready.remote() for r in replicas])
             await self._encoders_ready()
@@ -217,6 +219,7 @@ class Router:
             self.balancer = ReplicaLoadBalancer(p.dp, cfg.block_size)
             self.info = FleetInfo("colocated", info[0]["max_model_len"], cfg.block_size, replicas,
                                   kv_store=store, model=self.model_config.model, encoders=self.encoders)
+        self.fleet.encoder_transport = self._encoder_transport
         logger.info("fleet ready: %s, %d replica(s), %d encoder(s)", self.topology, len(self.fleet.replicas),
                     len(self.fleet.encoders))
         return self.fleet
@@ -226,11 +229,25 @@ class Router:
         restarted in place by Ray; an encode call that an actor's death cut short is retried by Ray. Their
         ``ready`` is awaited with the engines' (:meth:`_encoders_ready`)."""
         p, cfg = self._placed, self.engine_config
-        encoders = [await self._place(EncoderActor, self.parallel.num_replicas + i, self.model_config, cfg.device,
+        cls = EncoderActorRDT if self._encoder_transport != "object_store" else EncoderActor
+        encoders = [await self._place(cls, self.parallel.num_replicas + i, self.model_config, cfg.device,
                                       p.encoder.cache_tokens, num_bundles=1, max_task_retries=-1)
                     for i in range(p.num_encoders)]
         self.encoders = encoders
         self._encoders_loaded = [e.ready.remote() for e in encoders]
+
+    @property
+    def _encoder_transport(self) -> str:
+        p = self.parallel
+        return resolve_encoder_transport(p.encoder.transport, p.num_gpus_per_replica) if p.num_encoders \
+            else "object_store"
+
+    def _engine_actor_cls(self, kv_transport: str | None = None):
+        """EngineActor, with Ray Direct Transport enabled when KV (``kv_transport``) or image embeddings
+        move by cuda_ipc."""
+        if kv_transport == "cuda_ipc" or self._encoder_transport == "cuda_ipc":
+            return ray.remote(enable_tensor_transport=True)(EngineActorImpl)  # pyright: ignore[reportCallIssue]
+        return EngineActor
 
     async def _encoders_ready(self) -> None:
         await asyncio.gather(*self._encoders_loaded)
@@ -292,8 +309,7 @@ class Router:
         max_bytes = int(pd.kv_store_max_gib * _GIB) if pd.kv_store_max_gib else None
         store = KVStoreActor.options(num_cpus=0, max_restarts=-1).remote(
             pd.kv_store_max_blocks, max_bytes, pd.kv_store_ttl_s, p.kv_store.directory, self.model_config.model)
-        actor_cls = EngineActor if transport != "cuda_ipc" else ray.remote(  # pyright: ignore[reportCallIssue]
-            enable_tensor_transport=True)(EngineActorImpl)
+        actor_cls = self._engine_actor_cls(transport)
         prefills = [await self._place(actor_cls, i, self.model_config, pcfg, i, kv_store=store,
                                       kv_transport=transport) for i in range(p.num_prefill)]
         decodes = [await self._place(actor_cls, p.num_prefill + i, self.model_config, dcfg, p.num_prefill + i,

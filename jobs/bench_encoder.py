@@ -19,7 +19,8 @@ latency per batch and images/s = batch / p50 latency.
 ``--prompt-tokens`` random text tokens around its placeholders, asking ``--max-tokens`` tokens; every
 ``--repeat-every``-th request reuses an earlier image (encoder-cache and prefix-cache hits). The same
 workload runs on two fleets, one after the other: ``colocated`` (one NORMAL replica that encodes its own
-images) and ``epd`` (``--encoders`` EncoderActors + 1 prefill + 1 decode replica). Reports TTFT p50 / p90 /
+images) and ``epd`` (``--encoders`` EncoderActors + 1 prefill + 1 decode replica; one ``epd-<transport>`` fleet
+per ``--encoder-transports`` entry when several are given: how embeddings reach the prefill replica). Reports TTFT p50 / p90 /
 mean and the wall time per fleet, plus the encoder counters (images encoded and cache hits, on the
 encoders and on the prefill replica, which must encode none).
 
@@ -52,6 +53,8 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--encoders", type=int, default=1)
+    p.add_argument("--encoder-transports", nargs="+", default=["auto"],
+                   help="EPD fleets to run, one per encoder.transport (object_store, cuda_ipc, auto)")
     p.add_argument("--gpus-per-replica", type=float, default=1.0, help="GPUs of each replica and encoder (cuda)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
     p.add_argument("--ray-address", default="local",
@@ -140,9 +143,11 @@ def ttft_compare(args, model_config, engine_config, net, on_cuda: bool) -> dict:
     warm = image_workload(2, 0, args.prompt_tokens, net.image_size, net.num_image_tokens, net.patch_size,
                           net.image_token_id, seed=1)
     gpus = args.gpus_per_replica if on_cuda else 0.0
-    fleets = {"colocated": ParallelConfig(num_cpus_per_replica=1, num_gpus_per_replica=gpus),
-              "epd": ParallelConfig(num_prefill=1, num_decode=1, num_cpus_per_replica=1, num_gpus_per_replica=gpus,
-                                    encoder=EncoderSection(num_encoders=args.encoders))}
+    fleets = {"colocated": ParallelConfig(num_cpus_per_replica=1, num_gpus_per_replica=gpus)}
+    for transport in args.encoder_transports:
+        name = "epd" if len(args.encoder_transports) == 1 else f"epd-{transport}"
+        fleets[name] = ParallelConfig(num_prefill=1, num_decode=1, num_cpus_per_replica=1, num_gpus_per_replica=gpus,
+                                      encoder=EncoderSection(num_encoders=args.encoders, transport=transport))
     out = {}
     for name, parallel in fleets.items():
         client = make_client(model_config, engine_config, parallel)

@@ -212,12 +212,20 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
             [N, num_image_tokens, text hidden_size] in the model dtype (``num_image_tokens`` =
             ``(image_size / patch_size) ** 2``, plus one with the "full" strategy's class token).
         Raises:
-            ValueError: for another image size.
+            ValueError: for another image size, or after :meth:`drop_vision_encoder`.
         """
+        if self.vision_tower is None or self.multi_modal_projector is None:
+            raise ValueError("this replica dropped its vision encoder (a DECODE replica never encodes images)")
         states = self.vision_tower(pixel_values, self.feature_layers)
         if self.select_strategy == "default":
             states = [s[:, 1:] for s in states]
         return self.multi_modal_projector(torch.cat(states, dim=-1))
+
+    def drop_vision_encoder(self) -> None:
+        """Free the vision tower and projector (a DECODE replica: its prompts arrive prefilled, so it only
+        needs the images' content hashes). :meth:`encode_images` raises ValueError afterwards."""
+        self.vision_tower = None  # pyright: ignore[reportAttributeAccessIssue]
+        self.multi_modal_projector = None  # pyright: ignore[reportAttributeAccessIssue]
 
     def forward(self, input_ids, positions, kv_cache, meta, mm_embeds=None):
         """:meth:`PagedCausalLM.forward`, with ``mm_embeds = (rows [M] int64, embeds [M, hidden])``

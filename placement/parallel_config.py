@@ -170,6 +170,9 @@ class EPLBSection(_Sealed):
         self._seal()
 
 
+ENCODER_TRANSPORTS = ("auto", "object_store", "cuda_ipc")
+
+
 @dataclass
 class EncoderSection(_Sealed):
     """Vision-encoder replicas (role ENCODE, ``rayinfer.actors.encoder_actor``) in front of the engine
@@ -183,14 +186,21 @@ class EncoderSection(_Sealed):
     Attributes:
         num_encoders: encoder replicas; 0 (default): the engines encode their images themselves.
         cache_tokens: each encoder replica's cache of embeddings by image content hash, in rows.
+        transport: how embeddings reach the engine replica: "object_store" (host copies through Ray's
+            object store), "cuda_ipc" (Ray Direct Transport between actors sharing a GPU: the engine maps
+            the encoder's device tensors and copies them on the device) or "auto" (cuda_ipc when replicas
+            hold a fraction of a GPU each, else object_store).
     """
 
     num_encoders: int = 0
     cache_tokens: int = 16384
+    transport: str = "auto"
 
     def __post_init__(self) -> None:
         _check_int("encoder.num_encoders", self.num_encoders, 0)
         _check_int("encoder.cache_tokens", self.cache_tokens, 0)
+        if self.transport not in ENCODER_TRANSPORTS:
+            raise ValueError(f"encoder.transport must be one of {ENCODER_TRANSPORTS}; got {self.transport!r}")
         self._seal()
 
 

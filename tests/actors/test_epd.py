@@ -136,3 +136,45 @@ def test_encoder_config_errors_name_the_problem():
     with pytest.raises(ValueError, match=r"encoder.num_encoders=1 needs a vision-language model"):
         check_encoder_model(ParallelConfig(encoder={"num_encoders": 1}), "llama-tiny")
     check_encoder_model(ParallelConfig(), "llama-tiny")  # no encoders: any model
+
+
+def test_encoder_transport_resolves_and_bad_names_are_refused():
+    from rayinfer.actors.encoder_actor import resolve_encoder_transport
+
+    assert resolve_encoder_transport("auto", 0.3) == "cuda_ipc"  # replicas share GPUs
+    assert resolve_encoder_transport("auto", 1) == "object_store"
+    assert resolve_encoder_transport("auto", 0) == "object_store"  # CPU
+    assert resolve_encoder_transport("object_store", 0.5) == "object_store"
+    with pytest.raises(ValueError, match="encoder.transport"):
+        EncoderSection(num_encoders=1, transport="nccl")
+
+
+@pytest.mark.gpu
+def test_epd_over_cuda_ipc_on_one_gpu_equals_colocated(ray_cluster, proc, tiny_llava):
+    """Encoder, prefill and decode replicas share one GPU (0.3 each): embeddings move by Ray Direct
+    Transport (cuda_ipc); greedy outputs equal one in-process GPU engine's."""
+    from rayinfer.actors.client import make_client
+    from rayinfer.engine.llm_engine import LLMEngine
+
+    cfg = EngineConfig(device="cuda", num_kv_blocks=64, block_size=16, max_num_seqs=4)
+    model = ModelConfig(str(tiny_llava), dtype="float32")
+    a, b = random_images(2, seed=51)
+    prompts = [proc.prompt_with_images(TEXTS[0], [a]), proc.prompt_with_images(TEXTS[1], [b]),
+               proc.prompt_with_images(TEXTS[1], [a])]
+    engine = LLMEngine(model, cfg)
+    ids, mm = zip(*prompts)
+    want = [c.output_token_ids for c in engine.generate(list(ids), GREEDY, mm_inputs=list(mm))]
+    del engine
+    torch.cuda.empty_cache()
+    client = make_client(model, cfg, ParallelConfig(num_prefill=1, num_decode=1, num_cpus_per_replica=1,
+                                                    num_gpus_per_replica=0.3,
+                                                    encoder=EncoderSection(num_encoders=1, transport="auto")))
+    try:
+        assert client.info.encoder_transport == "cuda_ipc"
+        outs = run_all(client, prompts)
+        assert [o.error for o in outs] == [None] * 3
+        assert [o.output_token_ids for o in outs] == want
+        prefill, _, encoder = stats(client)
+        assert prefill.num_encoder_runs == 0 and encoder.num_encoder_runs == 2
+    finally:
+        client.shutdown()

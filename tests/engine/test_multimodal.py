@@ -133,3 +133,16 @@ def test_pd_handoff_of_an_image_request(llava):
     while decode.has_unfinished_requests():
         tokens += [t for o in decode.step() for t in o.new_token_ids]
     assert tokens == want and decode.stats()["num_encoder_runs"] == 0
+
+
+def test_decode_replica_drops_the_vision_encoder(llava):
+    from rayinfer.engine.config import EngineConfig, ModelConfig
+    from rayinfer.engine.llm_engine import LLMEngine
+
+    _, proc, path = llava
+    cfg = EngineConfig(device="cpu", num_kv_blocks=16, block_size=4, max_num_seqs=2, role="decode")
+    engine = LLMEngine(ModelConfig(model=str(path), dtype="float32"), cfg, tokenizer=proc.processor.tokenizer)
+    assert engine.model.vision_tower is None and engine.model.multi_modal_projector is None
+    with pytest.raises(ValueError, match="dropped its vision encoder"):
+        engine.model.encode_images(torch.zeros(1, 3, 8, 8))
+    assert llava[0].vision_tower is not None  # a model handed in (shared) is left whole
