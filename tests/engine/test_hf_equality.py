@@ -25,12 +25,12 @@ def build_prompts(tok):
         [{"role": "user", "content": "Write a haiku about autumn leaves."}],
     ]
     raws = ["The quick brown fox", "def fibonacci(n):\n   ", "Paris is"]
-    long_text = " ".join(f"Item {i}: the weather on day {i} was {'sunny' if i % 3 else 'rainy'}." for i in range(120))
+    long_text = " ".join(f"Item {i}: the weather on day {i} was {'sunny' if i % 3 else 'rainy'}." for i in range(64))
     prompts = [render_chat(tok, c) for c in chats] + [encode_plain(tok, r) for r in raws]
     # exactly two blocks long: its first decoded token needs a new block (forces preemption below)
     prompts.append(encode_plain(tok, "Once upon a time, in a small village by the sea, " * 4)[:32])
     prompts.append(render_chat(tok, [{"role": "user", "content": long_text + "\nSummarize the weather."}]))
-    assert len(prompts[-1]) > 1000
+    assert len(prompts[-1]) > 512  # several chunks of the chunked-prefill test, 30+ blocks
     return prompts
 
 
@@ -134,5 +134,7 @@ def test_batch_composition_does_not_change_outputs(smollm2, reference):
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     alone = [engine.generate([p], params, request_ids=[f"solo-{i}"])[0] for i, p in enumerate(prompts[:4])]
     check_equal(alone, refs[:4])
-    mixed = engine.generate(prompts[::-1], params, request_ids=[f"rev-{i}" for i in range(len(prompts))])
-    check_equal(mixed, refs[::-1])
+    # reversed order, three at a time; the 500-token prompt is left to the chunked-prefill test (its
+    # prefill alone would double this test's time)
+    mixed = engine.generate(prompts[-2::-1], params, request_ids=[f"rev-{i}" for i in range(len(prompts) - 1)])
+    check_equal(mixed, refs[-2::-1])
