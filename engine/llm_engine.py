@@ -29,6 +29,7 @@ from rayinfer.engine.spec_decode import (
     NgramProposer,
     SpecStats,
     StepTimeModel,
+    SpeculationGate,
     choose_num_drafts,
 )
 from rayinfer.engine.types import (
@@ -137,6 +138,10 @@ class LLMEngine:
             torch.manual_seed(model_config.seed)
             model = load_model(model_config.model, self.dtype, self.device, model_config.load_format,
                                seed=model_config.seed, model_kwargs=model_kwargs)
+            if self.role == EngineRole.DECODE and hasattr(model, "drop_vision_encoder"):
+                model.drop_vision_encoder()  # prompts arrive prefilled: the tower's memory goes to the KV cache
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
         self.model = model
         hf_config = self.model.config
         self.max_model_len = model_config.max_model_len or hf_config.max_position_embeddings
@@ -209,6 +214,7 @@ class LLMEngine:
         self.spec_stats = SpecStats(spec.num_draft_tokens)
         self.step_time = StepTimeModel()
         self.calibrator = AcceptanceCalibrator(spec.num_draft_tokens)
+        self.gate = SpeculationGate()  # "confidence": speculate only where it measured faster than plain
         self._draft_probs: dict[str, list[float] | None] = {}  # of the drafts being verified, by request
         if spec.enabled:
             if spec.method == "ngram":
@@ -219,9 +225,11 @@ class LLMEngine:
                 self.proposer = DraftModelProposer(draft_model, num_blocks, cfg.block_size, self.vocab_size)
             # MTP reads the target's hidden states: every step runs eagerly and keeps them
             self.runner.capture_hidden = self.proposer.needs_hidden
-            if self.async_scheduling:
-                # drafts need the last step's tokens on the host: speculative engines run their steps drained
-                logger.info("speculative decoding (%s): pipelined scheduling is off, steps run drained", spec.method)
+            if self.async_scheduling and (self.proposer.needs_hidden or spec.schedule != "confidence"):
+                # drafts need the last step's tokens (MTP: its hidden states) on the host: every step drafts, so
+                # every step drains; with the confidence schedule only drafting steps drain, plain ones pipeline
+                logger.info("speculative decoding (%s, %s schedule): pipelined scheduling is off, steps run "
+                            "drained", spec.method, spec.schedule)
                 self.async_scheduling = False
         self._inflight = None  # (SchedulerOutput, PendingStep, its requests) launched but not yet processed
         if on_cuda and not cfg.enforce_eager and not self.runner.capture_hidden and self.local_kv_cache is None:
@@ -520,6 +528,15 @@ class LLMEngine:
             self.proposer.release(request_id)
             self._draft_probs.pop(request_id, None)
 
+    def _speculate_next(self) -> bool:
+        """Whether the next step drafts: always with ``schedule="fixed"``; with "confidence" when the
+        :class:`SpeculationGate` measured speculation faster at the running batch size (or is measuring).
+        A step that does not draft may run pipelined."""
+        if self.engine_config.speculative.schedule != "confidence":
+            return True
+        running = len(self.scheduler.running)
+        return running > 0 and self.gate.speculate(running)
+
     def _propose(self) -> None:
         """Speculative decoding: draft tokens for the running requests that decode next (their only token
         left to compute is the last one), as many as the schedule picks (``speculative.schedule``).
@@ -586,12 +603,17 @@ class LLMEngine:
         penalties, min_tokens) first drains the pipeline.
         """
         started = time.perf_counter()
-        if self.proposer is not None:
+        drained: list[RequestOutput] = []
+        speculating = self.proposer is not None and self._speculate_next()
+        if speculating:
+            if self._inflight is not None:  # drafts start from the last step's tokens: drain the pipeline
+                drained = self._process(*self._inflight)
+                self._inflight = None
             self._propose()
         sched = self.scheduler.schedule() if step_kind is None else self.scheduler.schedule(step_kind)
         live = self.scheduler.requests
         step_reqs = {s.request_id: live[s.request_id] for s in sched.scheduled}  # before anything finishes
-        outputs = [self._handed_back_output(req) for req in self.scheduler.take_handed_back()]
+        outputs = drained + [self._handed_back_output(req) for req in self.scheduler.take_handed_back()]
         prev = self._inflight
         self._inflight = None
         if prev is not None and (not self.async_scheduling or sched.is_empty or self._needs_drain(sched)):
@@ -609,7 +631,8 @@ class LLMEngine:
                     prev = None
                 outputs += self._execute_isolated(sched, step_reqs, prev_step, e)
             else:
-                if self.async_scheduling:
+                # a verification step is never left in flight: the next step starts from its accepted tokens
+                if self.async_scheduling and not any(s.num_draft_tokens for s in sched.scheduled):
                     self._inflight = (sched, launched, step_reqs)
                 else:
                     outputs += self._process(sched, launched, step_reqs)
@@ -618,7 +641,12 @@ class LLMEngine:
         if prev is not None:
             outputs += self._process(*prev)
         if self.proposer is not None and not sched.is_empty:
-            self.step_time.update(sched.num_scheduled_tokens, time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            self.step_time.update(sched.num_scheduled_tokens, seconds)
+            num_drafts = sum(s.num_draft_tokens for s in sched.scheduled)
+            if sched.num_scheduled_tokens == len(sched.scheduled) + num_drafts:  # a pure decode step
+                self.gate.record(speculating, len(sched.scheduled), sum(len(o.new_token_ids) for o in outputs),
+                                 seconds)
         return outputs
 
     def _needs_drain(self, sched) -> bool:
@@ -827,7 +855,8 @@ class LLMEngine:
             **({"num_replayed_tokens": self.scheduler.num_replayed_tokens,
                 "num_local_free_blocks": kv.local_pool.num_free_blocks,
                 "num_local_blocks": kv.local_pool.num_blocks} if kv.local_pool is not None else {}),
-            **(self.spec_stats.to_dict() if self.proposer is not None else {}),
+            **({**self.spec_stats.to_dict(), "num_spec_gated_steps": self.gate.num_plain_steps}
+               if self.proposer is not None else {}),
             **(self._host_stats() if kv.host is not None else {}),
             **(self.runner.cp.stats() if self.runner.cp is not None else {}),
             **(self.runner.encoder_cache.stats() if self.runner.encoder_cache is not None else {}),

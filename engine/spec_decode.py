@@ -13,7 +13,8 @@ token-for-token that of non-speculative decoding, greedy or seeded.
 How many drafts to verify: all of them (``schedule="fixed"``), or (``"confidence"``) per request the
 prefix whose expected gain pays for its cost: :class:`AcceptanceCalibrator` turns the drafter's
 probabilities into confidences, :class:`StepTimeModel` fits step time to token count from measured
-steps, and :func:`choose_num_drafts` picks the drafts that maximize expected tokens per second.
+steps, and :func:`choose_num_drafts` picks the drafts that maximize expected tokens per second;
+:class:`SpeculationGate` turns speculation off for a batch size where plain decode steps measured faster.
 
 Proposers: :class:`NgramProposer` (prompt lookup), :class:`DraftModelProposer` (a small model),
 :class:`MtpProposer` (DeepSeek-V3's multi-token-prediction module over the target's hidden states).
@@ -463,6 +464,74 @@ class StepTimeModel:
             self.a = max(a, 0.0)
         elif w > 0:
             self.a = max(st / w - self.b * sn / w, 0.0)
+
+
+class SpeculationGate:
+    """Whether a pure-decode step speculates at all (``schedule="confidence"``): the closed loop compares
+    the output tokens per second that speculative and plain decode steps measured at this batch size.
+
+    Drafting and verification have a fixed cost per step (the proposer's host work, a wider forward)
+    that the per-draft schedule (:func:`choose_num_drafts`) cannot see, since every step it times
+    speculates. At large batches a decode step is bound by its weights and not by its token count, so
+    the extra tokens are cheap but the fixed costs are not, and speculation can lose to plain decoding.
+    The gate keeps an exponential moving average of the measured output rate of each mode per
+    power-of-two batch bucket, takes the faster mode, and runs the other one every ``explore_every``-th
+    step to keep both measurements fresh (the measure-and-correct loop of DeepInfer's scheduler).
+
+    Args:
+        explore_every: every this many decisions in a bucket, the mode that is not ahead runs once.
+        decay: weight of the past per new sample, in [0, 1).
+    Raises:
+        ValueError: for ``explore_every < 2`` or ``decay`` outside [0, 1).
+    """
+
+    def __init__(self, explore_every: int = 16, decay: float = 0.8):
+        if explore_every < 2:
+            raise ValueError(f"explore_every must be >= 2, got {explore_every}")
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay must be in [0, 1), got {decay}")
+        self.explore_every, self.decay = explore_every, decay
+        self._sums: dict[tuple[bool, int], tuple[float, float]] = {}  # (speculative, bucket) -> (tokens, s)
+        self._decisions: dict[int, int] = {}
+        self.num_plain_steps = 0  # decode steps the gate kept plain (engine stats)
+
+    @property
+    def rates(self) -> dict[tuple[bool, int], float]:
+        """Measured output tokens per second by (speculative, batch bucket)."""
+        return {k: tokens / seconds for k, (tokens, seconds) in self._sums.items() if seconds > 0}
+
+    @staticmethod
+    def bucket(batch_size: int) -> int:
+        return max(int(batch_size), 1).bit_length()
+
+    def speculate(self, batch_size: int) -> bool:
+        """Whether the next decode step of ``batch_size`` requests should draft and verify. Unmeasured
+        modes are tried first: speculation, then plain decoding."""
+        b = self.bucket(batch_size)
+        rates = self.rates
+        spec, plain = rates.get((True, b)), rates.get((False, b))
+        if spec is None or plain is None:
+            choice = spec is None
+        else:
+            n = self._decisions[b] = self._decisions.get(b, 0) + 1
+            choice = spec >= plain
+            if n % self.explore_every == 0:
+                choice = not choice
+        if not choice:
+            self.num_plain_steps += 1
+        return choice
+
+    def record(self, speculative: bool, batch_size: int, num_output_tokens: int, seconds: float) -> None:
+        """Fold in one decode step of ``batch_size`` requests, run in the mode :meth:`speculate` chose,
+        that gave ``num_output_tokens`` tokens in ``seconds`` (host and device: proposing, scheduling, the
+        forward and sampling; pipelined, the tokens are the previous step's). Tokens and seconds are
+        averaged apart, so a pipelined step that returned nothing yet does not count as a zero rate."""
+        if seconds <= 0 or batch_size <= 0:
+            return
+        key = (speculative, self.bucket(batch_size))
+        tokens, secs = self._sums.get(key, (0.0, 0.0))
+        d = self.decay if key in self._sums else 0.0
+        self._sums[key] = (d * tokens + (1 - d) * num_output_tokens, d * secs + (1 - d) * seconds)
 
 
 def choose_num_drafts(confidence: torch.Tensor, num_base_tokens: int, base_tokens_out: float, a: float, b: float,

@@ -92,6 +92,74 @@ def test_choose_num_drafts_maximizes_expected_tokens_per_second():
     assert choose_num_drafts(conf, 2, 2.0, 0.0, 1.0, 100, 0.0).tolist() == [0, 0]  # drafts cost a token each
 
 
+def test_speculation_gate_takes_the_faster_mode_and_explores_the_other():
+    from rayinfer.engine.spec_decode import SpeculationGate
+
+    gate = SpeculationGate(explore_every=4, decay=0.5)
+    assert gate.speculate(8)  # nothing measured: speculation first
+    gate.record(True, 8, num_output_tokens=16, seconds=0.004)  # 4,000 tok/s
+    assert not gate.speculate(8)  # then plain once
+    gate.record(False, 8, num_output_tokens=8, seconds=0.001)  # 8,000 tok/s
+    picks = [gate.speculate(8) for _ in range(8)]
+    assert picks == [False, False, False, True, False, False, False, True]  # plain wins, spec every 4th
+    assert gate.speculate(1)  # another batch bucket has its own measurements
+    for _ in range(3):
+        gate.record(True, 8, num_output_tokens=40, seconds=0.004)  # speculation got faster: 10,000 tok/s
+    assert gate.rates[(True, gate.bucket(8))] > gate.rates[(False, gate.bucket(8))]
+    assert [gate.speculate(8) for _ in range(4)] == [True, True, True, False]
+    with pytest.raises(ValueError, match="explore_every"):
+        SpeculationGate(explore_every=1)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["drained", "pipelined"])
+def test_confidence_schedule_stops_speculating_where_it_loses(tiny_pair, tokenizer, async_scheduling):
+    """A proposer that costs 30 ms a step makes speculation slower than plain decoding: the gate keeps
+    the decode steps plain and calls the proposer only to re-measure; greedy output is unchanged. With
+    pipelined scheduling the plain steps run pipelined (launched while the previous one is in flight)
+    and drafting steps drain the pipeline first."""
+    import time as _time
+
+    prompts = list(PROMPTS)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    plain = _tiny_spec_engine(tiny_pair, tokenizer, {}).generate(prompts, params)
+
+    def slow_engine(spec):
+        engine = _tiny_spec_engine(tiny_pair, tokenizer, spec, async_scheduling=async_scheduling)
+        propose, calls, overlapped = engine.proposer.propose, [], []
+        engine.proposer.propose = lambda reqs, ks: (calls.append(len(reqs)), _time.sleep(0.03), propose(reqs, ks))[2]
+        execute = engine.runner.execute_async
+        # pipelined: a step is launched with the previous one still in flight (its tokens as placeholders)
+        engine.runner.execute_async = lambda sched, reqs, prev=None: (overlapped.append(prev is not None),
+                                                                      execute(sched, reqs, prev))[1]
+        return engine, calls, overlapped
+
+    engine, calls, overlapped = slow_engine(dict(method="ngram", schedule="confidence"))
+    assert engine.async_scheduling is async_scheduling
+    assert [c.output_token_ids for c in engine.generate(prompts, params)] == [c.output_token_ids for c in plain]
+    assert 1 <= len(calls) <= 8 and engine.stats()["num_spec_gated_steps"] >= 30
+    assert engine.stats()["spec_num_drafts_proposed"] > 0  # it did measure speculation
+    assert (sum(overlapped) > 20) is async_scheduling
+    fixed, fixed_calls, _ = slow_engine(dict(method="ngram"))  # fixed-k always speculates (and drains)
+    assert fixed.async_scheduling is False
+    assert [c.output_token_ids for c in fixed.generate(prompts, params)] == [c.output_token_ids for c in plain]
+    assert len(fixed_calls) > 30 and fixed.stats()["num_spec_gated_steps"] == 0
+
+
+@pytest.mark.parametrize("spec", [dict(method="ngram", schedule="confidence"),
+                                  dict(method="draft_model", schedule="confidence")], ids=["ngram", "draft"])
+def test_pipelined_confidence_schedule_keeps_greedy_and_seeded_output(tiny_pair, tokenizer, spec):
+    prompts = list(PROMPTS)
+    for params in (SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+                   SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True)):
+        plain = _tiny_spec_engine(tiny_pair, tokenizer, {}).generate(prompts, params)
+        engine = _tiny_spec_engine(tiny_pair, tokenizer, spec, async_scheduling=True)
+        turns = iter(range(10**6))
+        engine.gate.speculate = lambda batch_size: next(turns) % 3 == 0  # drafting steps between pipelined ones
+        got = engine.generate(prompts, params)
+        assert engine.stats()["spec_num_drafts_verified"] > 0
+        assert [c.output_token_ids for c in got] == [c.output_token_ids for c in plain]
+
+
 def test_calibrator_learns_acceptance_from_verifications():
     cal = AcceptanceCalibrator(max_drafts=3)
     d = Draft([1, 2], probs=[0.05, 0.05])  # a flat drafter whose drafts are nonetheless always accepted
@@ -222,17 +290,21 @@ def tiny_pair(tokenizer):
 PROMPTS = ([5, 9, 11, 5, 9, 11, 5, 9], [3, 1, 4, 1, 5, 9, 2, 6], [7, 7, 2, 7, 7, 2, 7])
 
 
-def _tiny_spec_engine(tiny_pair, tokenizer, spec, num_kv_blocks=1024):
+def _tiny_spec_engine(tiny_pair, tokenizer, spec, num_kv_blocks=1024, async_scheduling=False, gate=True):
+    """``gate=False``: the confidence schedule always drafts (its SpeculationGate would turn speculation
+    off on this tiny model, where plain decode steps are faster)."""
     from rayinfer.engine.spec_decode import DraftModelProposer
 
     target, draft = tiny_pair
     engine = LLMEngine(ModelConfig("tiny-llama", max_model_len=512),
                        EngineConfig(device="cpu", block_size=4, num_kv_blocks=num_kv_blocks, max_num_seqs=128,
-                                    max_num_batched_tokens=2048, async_scheduling=False,
+                                    max_num_batched_tokens=2048, async_scheduling=async_scheduling,
                                     speculative=SpeculativeConfig(**spec)),
                        model=target, tokenizer=tokenizer)
     if spec.get("method") == "draft_model":  # draft with the perturbed copy instead of the target itself
         engine.proposer = DraftModelProposer(draft, 1024, 4, engine.vocab_size)
+    if not gate:
+        engine.gate.speculate = lambda batch_size: True
     return engine
 
 
@@ -242,7 +314,7 @@ def test_confidence_schedule_keeps_greedy_output(tiny_pair, tokenizer, spec):
     prompts = list(PROMPTS)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     plain = _tiny_spec_engine(tiny_pair, tokenizer, {}).generate(prompts, params)
-    engine = _tiny_spec_engine(tiny_pair, tokenizer, spec)
+    engine = _tiny_spec_engine(tiny_pair, tokenizer, spec, gate=False)
     assert [c.output_token_ids for c in engine.generate(prompts, params)] == [c.output_token_ids for c in plain]
     stats = engine.stats()
     assert 0 < stats["spec_num_drafts_verified"] <= stats["spec_num_drafts_proposed"]
@@ -261,7 +333,8 @@ def test_verification_and_draft_steps_through_graph_buffers(tiny_pair, tokenizer
               SamplingParams(temperature=0.8, max_tokens=23, ignore_eos=True, seed=5),
               SamplingParams(temperature=0.0, max_tokens=21, ignore_eos=True, logprobs=0)]
     plain = _tiny_spec_engine(tiny_pair, tokenizer, {}).generate(prompts, params)
-    engine = _tiny_spec_engine(tiny_pair, tokenizer, dict(method=method, schedule="confidence", num_draft_tokens=3))
+    engine = _tiny_spec_engine(tiny_pair, tokenizer, dict(method=method, schedule="confidence", num_draft_tokens=3),
+                               gate=False)
     replays = []
 
     def counted(graphs):
