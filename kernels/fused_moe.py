@@ -8,6 +8,8 @@ example -1) is skipped: expert parallelism marks the experts another rank comput
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -103,7 +105,42 @@ def fused_moe_slots_ref(
     return out.view(num_tokens, top_k, -1)
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True)
+class ExpertMap:
+    """Where each logical expert is computed: this rank's physical slots (expert parallelism, EPLB).
+
+    Attributes:
+        log2phy: [L, max_replicas] int64, the physical slots of each logical expert (-1 padded).
+        replica_counts: [L] int64, replicas of each logical expert.
+        first_local: the first physical slot this rank holds.
+        num_local: E, the slots this rank holds (``first_local .. first_local + E - 1``).
+
+    Pair ``(token, slot)`` of logical expert ``e`` goes to replica ``token % replica_counts[e]`` of
+    ``e``, the same on every rank (``model.moe.RoutedExperts``).
+    """
+
+    log2phy: torch.Tensor
+    replica_counts: torch.Tensor
+    first_local: int
+    num_local: int
+
+    def local_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """[T, k] logical ids (-1 = none) -> [T, k] int64 ids of this rank's slots, -1 where another rank
+        computes (plain torch)."""
+        rows = torch.arange(topk_ids.shape[0], device=topk_ids.device)[:, None]
+        valid = topk_ids >= 0
+        logical = topk_ids.long().clamp(min=0)
+        physical = self.log2phy[logical, rows % self.replica_counts[logical]]
+        local = physical - self.first_local
+        mine = valid & (local >= 0) & (local < self.num_local)
+        return torch.where(mine, local, torch.full_like(local, -1))
+
+
+def _aligned_size(num_pairs: int, num_experts: int, block_m: int) -> int:
+    return triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
+
+
+def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort the (token, slot) pairs by expert and pad each expert's run to a multiple of ``block_m``.
 
     Device-only torch ops with shapes fixed by ``T * k``, ``E`` and ``block_m``: no host sync, so a
@@ -114,8 +151,9 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
         num_experts: E.
         block_m: rows per GEMM tile.
     Returns:
-        sorted_pairs: [P] int64 flat pair index ``token * k + slot``, grouped by expert, each group
-            padded with the sentinel ``T * k``; ``P = ceil((T*k + E*(block_m-1)) / block_m) * block_m``.
+        sorted_pairs: [P] int64 flat pair index ``token * k + slot``, grouped by expert in ascending
+            pair order, each group padded with the sentinel ``T * k``;
+            ``P = ceil((T*k + E*(block_m-1)) / block_m) * block_m``.
         block_experts: [P // block_m] int64, the expert of each tile, -1 for tiles past the end.
     """
     device = topk_ids.device
@@ -131,7 +169,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     order = torch.argsort(key, stable=True)
     sorted_key = key[order]
     rank_in_expert = torch.arange(num_pairs, device=device) - (torch.cumsum(counts, 0) - counts)[sorted_key]
-    size = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
+    size = _aligned_size(num_pairs, num_experts, block_m)
     dest = torch.where(
         sorted_key < num_experts,
         pad_start[sorted_key.clamp(max=num_experts - 1)] + rank_in_expert,
@@ -143,6 +181,190 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     block_experts = torch.searchsorted(pad_end, tile_start, right=True)
     block_experts = torch.where(block_experts < num_experts, block_experts, torch.full_like(block_experts, -1))
     return sorted_pairs[:size], block_experts
+
+
+# ----------------------------------------------------------------------------------------------------
+# Triton alignment in two launches. The pairs are cut into C chunks (C <= 64). Kernel 1: program c
+# maps chunk c's ids to this rank's expert slots (ExpertMap), optionally adds the logical ids to the
+# expert-load counters (atomics), and writes the chunk's histogram over experts. Kernel 2: program c
+# reads all histograms, so knows each expert's padded start (an exclusive scan over experts) and the
+# pairs of its expert in earlier chunks, then scatters its chunk in ascending pair order (ranks within
+# a sub-chunk from a one-hot cumsum) and writes the sentinel padding and tile experts of its share of
+# the output. Same result as moe_align_ref, with fixed sizes and no host sync.
+# ----------------------------------------------------------------------------------------------------
+_ALIGN_MAX_CHUNKS = 64
+_ALIGN_SUB = 32
+
+
+@triton.jit
+def _slot_of_pairs(ids_ptr, offs, num_pairs, log2phy_ptr, replica_counts_ptr, stride_r, first_local,
+                   num_experts, num_logical, TOP_K: tl.constexpr, MAP: tl.constexpr):
+    """(expert slot of each pair, E where dropped; its logical id is valid)."""
+    ok = offs < num_pairs
+    ids = tl.load(ids_ptr + offs, mask=ok, other=-1).to(tl.int32)
+    if MAP:
+        valid = ok & (ids >= 0) & (ids < num_logical)
+        logical = tl.where(valid, ids, 0)
+        replicas = tl.load(replica_counts_ptr + logical, mask=valid, other=1).to(tl.int32)
+        rows = offs // TOP_K
+        physical = tl.load(log2phy_ptr + logical.to(tl.int64) * stride_r + rows % replicas, mask=valid, other=-1)
+        local = physical.to(tl.int32) - first_local
+        mine = valid & (local >= 0) & (local < num_experts)
+        return tl.where(mine, local, num_experts), valid
+    valid = ok & (ids >= 0) & (ids < num_experts)
+    return tl.where(valid, ids, num_experts), valid
+
+
+@triton.jit
+def _moe_count_kernel(
+    ids_ptr, log2phy_ptr, replica_counts_ptr, load_ptr, chunk_counts_ptr,
+    num_pairs, stride_r, first_local, num_experts, num_logical,
+    TOP_K: tl.constexpr, MAP: tl.constexpr, COUNT_LOAD: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_L: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    slot, valid = _slot_of_pairs(ids_ptr, offs, num_pairs, log2phy_ptr, replica_counts_ptr, stride_r, first_local,
+                                 num_experts, num_logical, TOP_K, MAP)
+    if COUNT_LOAD:
+        ids = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int32)
+        load = tl.histogram(ids, BLOCK_L, mask=valid)
+        experts = tl.arange(0, BLOCK_L)
+        tl.atomic_add(load_ptr + experts, load.to(tl.int64), mask=(experts < num_logical) & (load > 0))
+    hist = tl.histogram(slot, BLOCK_E, mask=slot < num_experts)
+    experts = tl.arange(0, BLOCK_E)
+    tl.store(chunk_counts_ptr + chunk * num_experts + experts, hist, mask=experts < num_experts)
+
+
+@triton.jit
+def _moe_scatter_kernel(
+    ids_ptr, log2phy_ptr, replica_counts_ptr, chunk_counts_ptr, sorted_pairs_ptr, block_experts_ptr,
+    num_pairs, stride_r, first_local, num_experts, num_logical, num_chunks, num_tiles,
+    TOP_K: tl.constexpr, MAP: tl.constexpr, BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr, SUB: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr, TILES: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    experts = tl.arange(0, BLOCK_E)
+    expert_ok = experts < num_experts
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    before = tl.zeros([BLOCK_E], dtype=tl.int32)  # pairs of each expert in chunks < this one
+    for r0 in range(0, num_chunks, ROWS):
+        rows = r0 + tl.arange(0, ROWS)
+        cc = tl.load(chunk_counts_ptr + rows[:, None] * num_experts + experts[None, :],
+                     mask=(rows[:, None] < num_chunks) & expert_ok[None, :], other=0)
+        counts += tl.sum(cc, 0)
+        before += tl.sum(tl.where(rows[:, None] < chunk, cc, 0), 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    pad_end = tl.cumsum(padded, 0)
+    pad_start = pad_end - padded
+    # 1. this chunk's pairs, in ascending pair order within each expert
+    if chunk < num_chunks:
+        base = pad_start + before
+        for s in range(0, CHUNK, SUB):
+            offs = chunk * CHUNK + s + tl.arange(0, SUB)
+            slot, _ = _slot_of_pairs(ids_ptr, offs, num_pairs, log2phy_ptr, replica_counts_ptr, stride_r,
+                                     first_local, num_experts, num_logical, TOP_K, MAP)
+            onehot = (slot[:, None] == experts[None, :]).to(tl.int32)  # [SUB, BLOCK_E]
+            rank = tl.sum(onehot * tl.cumsum(onehot, 0), 1) - 1
+            dest = tl.sum(onehot * base[None, :], 1) + rank
+            tl.store(sorted_pairs_ptr + dest, offs, mask=slot < num_experts)
+            base += tl.sum(onehot, 0)
+    # 2. this program's share of the tiles: their expert, and the sentinel in their unused rows
+    tiles_per_program = tl.cdiv(num_tiles, tl.num_programs(0))
+    first_tile = chunk * tiles_per_program
+    last_tile = tl.minimum(first_tile + tiles_per_program, num_tiles)
+    rows_in_tile = tl.arange(0, BLOCK_M)
+    for t0 in range(first_tile, last_tile, TILES):
+        tiles = t0 + tl.arange(0, TILES)
+        tile_ok = tiles < last_tile
+        start = tiles * BLOCK_M
+        expert = tl.sum((expert_ok[None, :] & (pad_end[None, :] <= start[:, None])).to(tl.int32), 1)
+        tl.store(block_experts_ptr + tiles, tl.where(expert < num_experts, expert, -1), mask=tile_ok)
+        mine = expert_ok[None, :] & (experts[None, :] == expert[:, None])  # [TILES, BLOCK_E]
+        expert_start = tl.sum(tl.where(mine, pad_start[None, :], 0), 1)
+        expert_count = tl.sum(tl.where(mine, counts[None, :], 0), 1)
+        filled = expert_count - (start - expert_start)  # rows of the tile holding pairs (may be <= 0)
+        pad = tile_ok[:, None] & (rows_in_tile[None, :] >= filled[:, None])
+        sentinel = tl.zeros([TILES, BLOCK_M], dtype=tl.int32) + num_pairs
+        tl.store(sorted_pairs_ptr + start[:, None] + rows_in_tile[None, :], sentinel, mask=pad)
+
+
+def moe_align_triton(
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    block_m: int,
+    expert_map: ExpertMap | None = None,
+    expert_load: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`moe_align_ref` in two Triton launches, with the expert-slot mapping and load counting folded in.
+
+    Args:
+        topk_ids: [T, k] int expert ids (logical ids when ``expert_map`` is given).
+        num_experts: E, expert slots of this call.
+        block_m: rows per GEMM tile, a power of two >= 16.
+        expert_map: maps the logical ids to this rank's slots first (as ``expert_map.local_ids``).
+        expert_load: [L] int64 counters; each valid logical id adds one to its expert (EPLB's load).
+    Returns:
+        (sorted_pairs [P] int32, block_experts [P // block_m] int32): :func:`moe_align_ref`'s values
+        for ``expert_map.local_ids(topk_ids)`` (or topk_ids), exactly.
+    """
+    num_tokens, top_k = topk_ids.shape
+    num_pairs = num_tokens * top_k
+    device = topk_ids.device
+    size = _aligned_size(num_pairs, num_experts, block_m)
+    sorted_pairs = torch.empty(size, dtype=torch.int32, device=device)
+    block_experts = torch.empty(size // block_m, dtype=torch.int32, device=device)
+    chunk = max(_ALIGN_SUB, triton.next_power_of_2(triton.cdiv(max(num_pairs, 1), _ALIGN_MAX_CHUNKS)))
+    num_chunks = max(1, triton.cdiv(num_pairs, chunk))
+    chunk_counts = torch.empty((num_chunks, num_experts), dtype=torch.int32, device=device)
+    ids = topk_ids.reshape(-1)
+    if expert_map is not None:
+        log2phy, replica_counts = expert_map.log2phy, expert_map.replica_counts
+        first_local, num_logical, stride_r = expert_map.first_local, log2phy.shape[0], log2phy.stride(0)
+    else:
+        log2phy = replica_counts = ids  # unread
+        first_local, num_logical, stride_r = 0, num_experts, 0
+    common = dict(TOP_K=top_k, MAP=expert_map is not None, CHUNK=chunk, BLOCK_E=triton.next_power_of_2(num_experts))
+    _moe_count_kernel[(num_chunks,)](
+        ids, log2phy, replica_counts, expert_load if expert_load is not None else ids, chunk_counts,
+        num_pairs, stride_r, first_local, num_experts, num_logical,
+        COUNT_LOAD=expert_load is not None, BLOCK_L=triton.next_power_of_2(num_logical), **common,
+    )
+    num_tiles = size // block_m
+    tiles = 16
+    num_programs = max(num_chunks, min(triton.cdiv(num_tiles, tiles), _ALIGN_MAX_CHUNKS))
+    _moe_scatter_kernel[(num_programs,)](
+        ids, log2phy, replica_counts, chunk_counts, sorted_pairs, block_experts,
+        num_pairs, stride_r, first_local, num_experts, num_logical, num_chunks, num_tiles,
+        BLOCK_M=block_m, SUB=_ALIGN_SUB, ROWS=16, TILES=tiles, **common,
+    )
+    return sorted_pairs, block_experts
+
+
+def moe_align(
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    block_m: int,
+    expert_map: ExpertMap | None = None,
+    expert_load: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert-sorted, tile-padded pairs (:func:`moe_align_ref`); the Triton kernels on CUDA tensors.
+
+    Args: as :func:`moe_align_triton` (mapping and load counting in torch when Triton does not apply).
+    Returns: as :func:`moe_align_ref` (int32 from the kernels, int64 from torch).
+    """
+    if use_triton(topk_ids) and topk_ids.dim() == 2:
+        return moe_align_triton(topk_ids, num_experts, block_m, expert_map, expert_load)
+    return moe_align_ref(_map_and_count(topk_ids, expert_map, expert_load), num_experts, block_m)
+
+
+def _map_and_count(topk_ids: torch.Tensor, expert_map: ExpertMap | None, expert_load: torch.Tensor | None):
+    """The torch path of the mapping and load counting that :func:`moe_align_triton` folds in."""
+    if expert_load is not None:
+        flat = topk_ids.reshape(-1).long()
+        valid = (flat >= 0) & (flat < expert_load.numel())
+        expert_load.index_add_(0, flat[valid], torch.ones_like(flat[valid]))
+    return topk_ids if expert_map is None else expert_map.local_ids(topk_ids)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -220,12 +442,15 @@ def fused_moe_triton(
     topk_weights: torch.Tensor,
     block_m: int = 16,
     reduce_slots: bool = True,
+    expert_map: ExpertMap | None = None,
+    expert_load: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton grouped GEMM of :func:`fused_moe_ref` (same contract; no host sync).
 
     Args:
         block_m: rows per tile (>= 16); 16 suits decode, 64 large prefills.
         reduce_slots: False returns :func:`fused_moe_slots_ref`'s per-slot outputs ([T, k, H] float32).
+        expert_map, expert_load: as :func:`moe_align_triton` (topk_ids are then logical ids).
 
     In batch-invariant mode (``kernels.batch_invariant``) the k routed outputs of a token are added in
     slot order (:func:`sum_slots`); with a fixed ``block_m`` (as :func:`fused_moe` passes then) a
@@ -240,7 +465,7 @@ def fused_moe_triton(
         if reduce_slots:
             return torch.zeros_like(hidden)
         return hidden.new_zeros((0, top_k, hidden_size), dtype=torch.float32)
-    sorted_pairs, block_experts = moe_align(topk_ids, num_experts, block_m)
+    sorted_pairs, block_experts = moe_align(topk_ids, num_experts, block_m, expert_map, expert_load)
     weights = topk_weights.reshape(-1).contiguous()
     num_pairs = num_tokens * top_k
     # Pairs no tile visits (skipped ids) must read as zeros in the activation and the sum over k.
@@ -276,12 +501,20 @@ def fused_moe(
     w2: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
+    expert_map: ExpertMap | None = None,
+    expert_load: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`fused_moe_ref`; the Triton grouped GEMM on CUDA tensors (64-row tiles
     whatever the batch in batch-invariant mode). In batch-invariant mode without Triton, the k outputs
-    of :func:`fused_moe_slots_ref` are added in slot order, as expert parallelism adds them."""
+    of :func:`fused_moe_slots_ref` are added in slot order, as expert parallelism adds them.
+
+    expert_map: topk_ids are logical ids, computed by this rank's slots (:class:`ExpertMap`);
+    expert_load: [L] int64 counters, += tokens routed to each logical expert (EPLB's load).
+    """
     if _triton_applies(hidden, w13, w2, topk_ids, topk_weights):
-        return fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, block_m=_block_m(topk_ids))
+        return fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, block_m=_block_m(topk_ids),
+                                expert_map=expert_map, expert_load=expert_load)
+    topk_ids = _map_and_count(topk_ids, expert_map, expert_load)
     if is_batch_invariant():
         return sum_slots(fused_moe_slots_ref(hidden, w13, w2, topk_ids, topk_weights)).to(hidden.dtype)
     return fused_moe_ref(hidden, w13, w2, topk_ids, topk_weights)
@@ -293,12 +526,14 @@ def fused_moe_slots(
     w2: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
+    expert_map: ExpertMap | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`fused_moe_slots_ref` ([T, k, H] float32); the Triton grouped GEMM where
     :func:`fused_moe` takes it, with the same tiles, so that ``sum_slots(fused_moe_slots(...))`` cast to
     hidden's dtype is :func:`fused_moe`'s result bit for bit in batch-invariant mode (how expert
-    parallelism combines the ranks' outputs then, ``model.moe.RoutedExperts``)."""
+    parallelism combines the ranks' outputs then, ``model.moe.RoutedExperts``). expert_map: as
+    :func:`fused_moe`."""
     if _triton_applies(hidden, w13, w2, topk_ids, topk_weights):
         return fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, block_m=_block_m(topk_ids),
-                                reduce_slots=False)
-    return fused_moe_slots_ref(hidden, w13, w2, topk_ids, topk_weights)
+                                reduce_slots=False, expert_map=expert_map)
+    return fused_moe_slots_ref(hidden, w13, w2, _map_and_count(topk_ids, expert_map, None), topk_weights)
