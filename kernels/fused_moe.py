@@ -8,6 +8,7 @@ example -1) is skipped: expert parallelism marks the experts another rank comput
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from rayinfer.kernels._triton_utils import is_interpreting, tl, triton, use_triton
 from rayinfer.kernels.activation import silu_and_mul, silu_and_mul_ref
 from rayinfer.kernels.batch_invariant import is_batch_invariant
+from rayinfer.kernels.fused_moe_config import MoETileConfig, tile_config
 
 
 def _check_shapes(hidden, w13, w2, topk_ids, topk_weights) -> None:
@@ -418,19 +420,19 @@ def _moe_gemm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _moe_gemm(a, w, c, sorted_pairs, block_experts, weights, a_row_div: int, mul_weight: bool, block_m: int,
-              rowwise: bool = False):
+def _moe_gemm(a, w, c, sorted_pairs, block_experts, weights, a_row_div: int, mul_weight: bool,
+              tiles: MoETileConfig, rowwise: bool = False):
     n, k = w.shape[1], w.shape[2]
-    block_n = 64 if n >= 64 else max(16, triton.next_power_of_2(n))
-    block_k = 64 if k >= 64 else max(16, triton.next_power_of_2(k))
+    block_n = min(tiles.block_n, max(16, triton.next_power_of_2(n)))  # no wider than the weight
+    block_k = min(tiles.block_k, max(16, triton.next_power_of_2(k)))
     grid = (block_experts.numel(), triton.cdiv(n, block_n))
     _moe_gemm_kernel[grid](
         a, w, c, sorted_pairs, block_experts, weights,
         n, k, c.shape[0],
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1),
         A_ROW_DIV=a_row_div, MUL_WEIGHT=mul_weight,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=a.dtype == torch.float32, ROWWISE=rowwise,
-        num_warps=4, num_stages=2,
+        BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=a.dtype == torch.float32, ROWWISE=rowwise,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
 
 
@@ -440,7 +442,7 @@ def fused_moe_triton(
     w2: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
-    block_m: int = 16,
+    tiles: MoETileConfig | None = None,
     reduce_slots: bool = True,
     expert_map: ExpertMap | None = None,
     expert_load: torch.Tensor | None = None,
@@ -448,12 +450,13 @@ def fused_moe_triton(
     """Triton grouped GEMM of :func:`fused_moe_ref` (same contract; no host sync).
 
     Args:
-        block_m: rows per tile (>= 16); 16 suits decode, 64 large prefills.
+        tiles: the GEMM's tiles; None takes :func:`fused_moe_tiles`'s (the device's tuned table, else
+            the heuristic: 16-row tiles for decode, 64 for large prefills).
         reduce_slots: False returns :func:`fused_moe_slots_ref`'s per-slot outputs ([T, k, H] float32).
         expert_map, expert_load: as :func:`moe_align_triton` (topk_ids are then logical ids).
 
     In batch-invariant mode (``kernels.batch_invariant``) the k routed outputs of a token are added in
-    slot order (:func:`sum_slots`); with a fixed ``block_m`` (as :func:`fused_moe` passes then) a
+    slot order (:func:`sum_slots`); with fixed tiles (what :func:`fused_moe_tiles` gives then) a
     token's row is computed by the same tiles whatever else the batch holds.
     """
     invariant = is_batch_invariant()
@@ -465,15 +468,17 @@ def fused_moe_triton(
         if reduce_slots:
             return torch.zeros_like(hidden)
         return hidden.new_zeros((0, top_k, hidden_size), dtype=torch.float32)
-    sorted_pairs, block_experts = moe_align(topk_ids, num_experts, block_m, expert_map, expert_load)
+    tiles = tiles or fused_moe_tiles(hidden, w13, top_k)
+    sorted_pairs, block_experts = moe_align(topk_ids, num_experts, tiles.block_m, expert_map, expert_load)
     weights = topk_weights.reshape(-1).contiguous()
     num_pairs = num_tokens * top_k
-    # Pairs no tile visits (skipped ids) must read as zeros in the activation and the sum over k.
-    gate_up = torch.zeros((num_pairs, two_inter), dtype=hidden.dtype, device=hidden.device)
-    _moe_gemm(hidden, w13, gate_up, sorted_pairs, block_experts, weights, top_k, False, block_m, rowwise)
+    # Rows of pairs no tile visits (skipped ids) are never read by the second GEMM, but the sum over k
+    # reads every pair's output: it must be zero there.
+    gate_up = torch.empty((num_pairs, two_inter), dtype=hidden.dtype, device=hidden.device)
+    _moe_gemm(hidden, w13, gate_up, sorted_pairs, block_experts, weights, top_k, False, tiles, rowwise)
     act = silu_and_mul(gate_up)
     out = torch.zeros((num_pairs, hidden_size), dtype=torch.float32, device=hidden.device)
-    _moe_gemm(act, w2, out, sorted_pairs, block_experts, weights, 1, True, block_m, rowwise)
+    _moe_gemm(act, w2, out, sorted_pairs, block_experts, weights, 1, True, tiles, rowwise)
     out = out.view(num_tokens, top_k, hidden_size)
     if not reduce_slots:
         return out
@@ -491,8 +496,18 @@ def _triton_applies(hidden, w13, w2, topk_ids, topk_weights) -> bool:
     )
 
 
-def _block_m(topk_ids: torch.Tensor) -> int:
-    return 64 if is_batch_invariant() or topk_ids.numel() > 1024 else 16
+@functools.lru_cache(maxsize=None)
+def _device_name(index: int | None) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def fused_moe_tiles(hidden: torch.Tensor, w13: torch.Tensor, top_k: int) -> MoETileConfig:
+    """The grouped GEMM's tiles for hidden [T, H] and w13 [E, 2I, H]: on CUDA the device's tuned table
+    entry (``kernels.fused_moe_config``), else (and in batch-invariant mode) the fixed heuristic."""
+    device_name = _device_name(hidden.device.index) if hidden.is_cuda else None
+    num_experts, n, k = w13.shape
+    dtype = str(hidden.dtype).removeprefix("torch.")
+    return tile_config(device_name, num_experts, n, k, dtype, hidden.shape[0], top_k, is_batch_invariant())
 
 
 def fused_moe(
@@ -512,8 +527,8 @@ def fused_moe(
     expert_load: [L] int64 counters, += tokens routed to each logical expert (EPLB's load).
     """
     if _triton_applies(hidden, w13, w2, topk_ids, topk_weights):
-        return fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, block_m=_block_m(topk_ids),
-                                expert_map=expert_map, expert_load=expert_load)
+        return fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, expert_map=expert_map,
+                                expert_load=expert_load)
     topk_ids = _map_and_count(topk_ids, expert_map, expert_load)
     if is_batch_invariant():
         return sum_slots(fused_moe_slots_ref(hidden, w13, w2, topk_ids, topk_weights)).to(hidden.dtype)
@@ -534,6 +549,6 @@ def fused_moe_slots(
     parallelism combines the ranks' outputs then, ``model.moe.RoutedExperts``). expert_map: as
     :func:`fused_moe`."""
     if _triton_applies(hidden, w13, w2, topk_ids, topk_weights):
-        return fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, block_m=_block_m(topk_ids),
-                                reduce_slots=False, expert_map=expert_map)
+        return fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, reduce_slots=False,
+                                expert_map=expert_map)
     return fused_moe_slots_ref(hidden, w13, w2, _map_and_count(topk_ids, expert_map, None), topk_weights)
