@@ -179,6 +179,51 @@ def test_align_kernel_matches_ref_on_gpu():
     check_align_kernel("cuda", ALIGN_CASES + [(4096, 8, 256, 64), (8192, 6, 64, 64), (1, 8, 288, 16)])
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_routing_and_moe_replay_from_a_cuda_graph():
+    """Router kernel + alignment + grouped GEMMs (with an EP-style ExpertMap and load counting) captured in
+    one CUDA graph (no host sync) and replayed on new logits: the reference's output and expert load."""
+    from rayinfer.kernels.moe_routing import grouped_topk
+
+    num_tokens, num_experts, hidden_size, inter, top_k = 48, 64, 256, 128, 6
+    x, w13, w2, _, _ = make_case(num_tokens, num_experts, hidden_size, inter, top_k, torch.bfloat16, "cuda")
+    phy2log = torch.arange(num_experts + 8) % num_experts  # 8 redundant slots on one rank
+    log2phy, replica_counts = log2phy_table(phy2log, num_experts)
+    emap = ExpertMap(log2phy.cuda(), replica_counts.cuda(), first_local=0, num_local=num_experts + 8)
+    w13_phy, w2_phy = w13[phy2log.cuda()], w2[phy2log.cuda()]
+    bias = torch.randn(num_experts, device="cuda") * 0.1
+    logits = torch.randn(num_tokens, num_experts, device="cuda")
+    load = torch.zeros(num_experts, dtype=torch.int64, device="cuda")
+
+    def layer():
+        weights, ids = grouped_topk(logits, bias, top_k, 8, 4, True, 2.5)
+        return fused_moe(x, w13_phy, w2_phy, ids, weights, emap, load), ids, weights
+
+    layer()  # compiles
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, ids, weights = layer()
+    logits.copy_(torch.randn(num_tokens, num_experts, device="cuda"))
+    load.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    want_w, want_ids = grouped_topk_ref_sorted(logits, bias, top_k)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_w)
+    want = fused_moe_ref(x, w13, w2, ids, weights)  # logical experts: replicas hold the same weights
+    torch.testing.assert_close(out.float(), want.float(), atol=3e-2, rtol=3e-2)
+    assert torch.equal(load, torch.bincount(ids.reshape(-1), minlength=num_experts))
+
+
+def grouped_topk_ref_sorted(logits, bias, top_k):
+    from rayinfer.kernels.batch_invariant import batch_invariant_mode
+    from rayinfer.kernels.moe_routing import grouped_topk_ref
+
+    with batch_invariant_mode():  # ids by descending choice, as the kernel's
+        return grouped_topk_ref(logits, bias, top_k, 8, 4, True, 2.5)
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_kernel_through_triton_interpreter(run_interpreted):
     run_interpreted(__file__)
