@@ -240,9 +240,9 @@ def _moe_count_kernel(
 
 @triton.jit
 def _moe_scatter_kernel(
-    ids_ptr, log2phy_ptr, replica_counts_ptr, chunk_counts_ptr, sorted_pairs_ptr, block_experts_ptr,
+    ids_ptr, log2phy_ptr, replica_counts_ptr, chunk_counts_ptr, sorted_pairs_ptr, block_experts_ptr, kept_ptr,
     num_pairs, stride_r, first_local, num_experts, num_logical, num_chunks, num_tiles,
-    TOP_K: tl.constexpr, MAP: tl.constexpr, BLOCK_M: tl.constexpr,
+    TOP_K: tl.constexpr, MAP: tl.constexpr, BLOCK_M: tl.constexpr, WRITE_KEPT: tl.constexpr,
     CHUNK: tl.constexpr, SUB: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr, TILES: tl.constexpr,
 ):
     chunk = tl.program_id(0)
@@ -270,6 +270,8 @@ def _moe_scatter_kernel(
             rank = tl.sum(onehot * tl.cumsum(onehot, 0), 1) - 1
             dest = tl.sum(onehot * base[None, :], 1) + rank
             tl.store(sorted_pairs_ptr + dest, offs, mask=slot < num_experts)
+            if WRITE_KEPT:
+                tl.store(kept_ptr + offs, (slot < num_experts).to(tl.int8), mask=offs < num_pairs)
             base += tl.sum(onehot, 0)
     # 2. this program's share of the tiles: their expert, and the sentinel in their unused rows
     tiles_per_program = tl.cdiv(num_tiles, tl.num_programs(0))
@@ -297,6 +299,7 @@ def moe_align_triton(
     block_m: int,
     expert_map: ExpertMap | None = None,
     expert_load: torch.Tensor | None = None,
+    kept: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`moe_align_ref` in two Triton launches, with the expert-slot mapping and load counting folded in.
 
@@ -306,6 +309,7 @@ def moe_align_triton(
         block_m: rows per GEMM tile, a power of two >= 16.
         expert_map: maps the logical ids to this rank's slots first (as ``expert_map.local_ids``).
         expert_load: [L] int64 counters; each valid logical id adds one to its expert (EPLB's load).
+        kept: [T * k] int8, written when given: 1 where the pair has an expert slot here, else 0.
     Returns:
         (sorted_pairs [P] int32, block_experts [P // block_m] int32): :func:`moe_align_ref`'s values
         for ``expert_map.local_ids(topk_ids)`` (or topk_ids), exactly.
@@ -336,9 +340,9 @@ def moe_align_triton(
     tiles = 16
     num_programs = max(num_chunks, min(triton.cdiv(num_tiles, tiles), _ALIGN_MAX_CHUNKS))
     _moe_scatter_kernel[(num_programs,)](
-        ids, log2phy, replica_counts, chunk_counts, sorted_pairs, block_experts,
+        ids, log2phy, replica_counts, chunk_counts, sorted_pairs, block_experts, kept if kept is not None else ids,
         num_pairs, stride_r, first_local, num_experts, num_logical, num_chunks, num_tiles,
-        BLOCK_M=block_m, SUB=_ALIGN_SUB, ROWS=16, TILES=tiles, **common,
+        BLOCK_M=block_m, WRITE_KEPT=kept is not None, SUB=_ALIGN_SUB, ROWS=16, TILES=tiles, **common,
     )
     return sorted_pairs, block_experts
 
@@ -436,6 +440,21 @@ def _moe_gemm(a, w, c, sorted_pairs, block_experts, weights, a_row_div: int, mul
     )
 
 
+@triton.jit
+def _moe_sum_kernel(out_ptr, kept_ptr, dst_ptr, hidden_size, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    # dst[t] = out[t, 0] + out[t, 1] + ... in slot order in float32 (a slot not kept reads as 0), cast to dst
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    col_ok = cols < hidden_size
+    zero = tl.zeros([BLOCK_H], dtype=tl.int8)
+    kept = (tl.load(kept_ptr + token * TOP_K) + zero) != 0  # broadcast: a vector mask
+    acc = tl.load(out_ptr + token * TOP_K * hidden_size + cols, mask=col_ok & kept, other=0.0)
+    for slot in tl.static_range(1, TOP_K):
+        kept = (tl.load(kept_ptr + token * TOP_K + slot) + zero) != 0
+        acc += tl.load(out_ptr + (token * TOP_K + slot) * hidden_size + cols, mask=col_ok & kept, other=0.0)
+    tl.store(dst_ptr + token * hidden_size + cols, acc.to(dst_ptr.dtype.element_ty), mask=col_ok)
+
+
 def fused_moe_triton(
     hidden: torch.Tensor,
     w13: torch.Tensor,
@@ -455,8 +474,8 @@ def fused_moe_triton(
         reduce_slots: False returns :func:`fused_moe_slots_ref`'s per-slot outputs ([T, k, H] float32).
         expert_map, expert_load: as :func:`moe_align_triton` (topk_ids are then logical ids).
 
-    In batch-invariant mode (``kernels.batch_invariant``) the k routed outputs of a token are added in
-    slot order (:func:`sum_slots`); with fixed tiles (what :func:`fused_moe_tiles` gives then) a
+    A token's k routed outputs are added in slot order (:func:`sum_slots`'s order, one kernel that also
+    casts), which batch-invariant mode (``kernels.batch_invariant``) needs; with fixed tiles (what :func:`fused_moe_tiles` gives then) a
     token's row is computed by the same tiles whatever else the batch holds.
     """
     invariant = is_batch_invariant()
@@ -469,22 +488,27 @@ def fused_moe_triton(
             return torch.zeros_like(hidden)
         return hidden.new_zeros((0, top_k, hidden_size), dtype=torch.float32)
     tiles = tiles or fused_moe_tiles(hidden, w13, top_k)
-    sorted_pairs, block_experts = moe_align(topk_ids, num_experts, tiles.block_m, expert_map, expert_load)
-    weights = topk_weights.reshape(-1).contiguous()
     num_pairs = num_tokens * top_k
-    # Rows of pairs no tile visits (skipped ids) are never read by the second GEMM, but the sum over k
-    # reads every pair's output: it must be zero there.
+    # Rows of pairs no tile visits (skipped ids) are never read by the second GEMM; the sum over k skips
+    # them (``kept``), and the unsummed output is zero there.
+    kept = torch.empty(num_pairs, dtype=torch.int8, device=hidden.device) if reduce_slots else None
+    sorted_pairs, block_experts = moe_align_triton(topk_ids, num_experts, tiles.block_m, expert_map, expert_load,
+                                                   kept)
+    weights = topk_weights.reshape(-1).contiguous()
     gate_up = torch.empty((num_pairs, two_inter), dtype=hidden.dtype, device=hidden.device)
     _moe_gemm(hidden, w13, gate_up, sorted_pairs, block_experts, weights, top_k, False, tiles, rowwise)
     act = silu_and_mul(gate_up)
-    out = torch.zeros((num_pairs, hidden_size), dtype=torch.float32, device=hidden.device)
+    alloc = torch.empty if reduce_slots else torch.zeros
+    out = alloc((num_pairs, hidden_size), dtype=torch.float32, device=hidden.device)
     _moe_gemm(act, w2, out, sorted_pairs, block_experts, weights, 1, True, tiles, rowwise)
-    out = out.view(num_tokens, top_k, hidden_size)
     if not reduce_slots:
-        return out
-    if invariant:
-        return sum_slots(out).to(hidden.dtype)
-    return out.sum(1).to(hidden.dtype)
+        return out.view(num_tokens, top_k, hidden_size)
+    # the k outputs added in slot order (sum_slots' order, also outside batch-invariant mode), then cast
+    result = torch.empty_like(hidden)
+    block_h = min(1024, triton.next_power_of_2(hidden_size))
+    _moe_sum_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
+        out, kept, result, hidden_size, TOP_K=top_k, BLOCK_H=block_h, num_warps=4)
+    return result
 
 
 def _triton_applies(hidden, w13, w2, topk_ids, topk_weights) -> bool:
