@@ -81,7 +81,8 @@ def tune_shape(shape: tuple[int, int, int, int], m_values: list[int], dtype: tor
         def time_us(tiles) -> float:
             fn = lambda: fused_moe_triton(x, w13, w2, ids, weights, tiles=tiles)  # noqa: E731
             fn()
-            return 1e3 * do_bench_cudagraph(fn, rep=10)
+            ms = do_bench_cudagraph(fn, rep=10)  # return_mode "mean": one float
+            return 1e3 * float(ms)  # type: ignore[arg-type]
 
         default = default_tile_config(m, top_k)
         default_us = time_us(default)
@@ -121,7 +122,7 @@ def merge_table(path: Path, device: str, dtype: str, tuned: dict[tuple[int, int,
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--shapes", default="deepseek-v2-lite",
                         help=f"comma-separated names ({', '.join(SHAPES)}) or ExIxHxk")
     parser.add_argument("--m", default=",".join(map(str, M_VALUES)), help="token counts to tune")
