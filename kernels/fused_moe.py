@@ -192,10 +192,12 @@ def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tup
 # reads all histograms, so knows each expert's padded start (an exclusive scan over experts) and the
 # pairs of its expert in earlier chunks, then scatters its chunk in ascending pair order (ranks within
 # a sub-chunk from a one-hot cumsum) and writes the sentinel padding and tile experts of its share of
-# the output. Same result as moe_align_ref, with fixed sizes and no host sync.
+# the output. Same result as moe_align_ref, with fixed sizes and no host sync. Up to
+# _ALIGN_ONE_LAUNCH pairs (small decode batches) kernel 2 counts its single chunk itself: one launch.
 # ----------------------------------------------------------------------------------------------------
 _ALIGN_MAX_CHUNKS = 64
 _ALIGN_SUB = 32
+_ALIGN_ONE_LAUNCH = 64
 
 
 @triton.jit
@@ -218,6 +220,15 @@ def _slot_of_pairs(ids_ptr, offs, num_pairs, log2phy_ptr, replica_counts_ptr, st
 
 
 @triton.jit
+def _count_load(ids_ptr, offs, valid, load_ptr, num_logical, BLOCK_L: tl.constexpr):
+    # expert_load[e] += pairs of logical expert e among offs (EPLB's load)
+    ids = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int32)
+    load = tl.histogram(ids, BLOCK_L, mask=valid)
+    experts = tl.arange(0, BLOCK_L)
+    tl.atomic_add(load_ptr + experts, load.to(tl.int64), mask=(experts < num_logical) & (load > 0))
+
+
+@triton.jit
 def _moe_count_kernel(
     ids_ptr, log2phy_ptr, replica_counts_ptr, load_ptr, chunk_counts_ptr,
     num_pairs, stride_r, first_local, num_experts, num_logical,
@@ -229,10 +240,7 @@ def _moe_count_kernel(
     slot, valid = _slot_of_pairs(ids_ptr, offs, num_pairs, log2phy_ptr, replica_counts_ptr, stride_r, first_local,
                                  num_experts, num_logical, TOP_K, MAP)
     if COUNT_LOAD:
-        ids = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int32)
-        load = tl.histogram(ids, BLOCK_L, mask=valid)
-        experts = tl.arange(0, BLOCK_L)
-        tl.atomic_add(load_ptr + experts, load.to(tl.int64), mask=(experts < num_logical) & (load > 0))
+        _count_load(ids_ptr, offs, valid, load_ptr, num_logical, BLOCK_L)
     hist = tl.histogram(slot, BLOCK_E, mask=slot < num_experts)
     experts = tl.arange(0, BLOCK_E)
     tl.store(chunk_counts_ptr + chunk * num_experts + experts, hist, mask=experts < num_experts)
@@ -241,8 +249,9 @@ def _moe_count_kernel(
 @triton.jit
 def _moe_scatter_kernel(
     ids_ptr, log2phy_ptr, replica_counts_ptr, chunk_counts_ptr, sorted_pairs_ptr, block_experts_ptr, kept_ptr,
-    num_pairs, stride_r, first_local, num_experts, num_logical, num_chunks, num_tiles,
+    load_ptr, num_pairs, stride_r, first_local, num_experts, num_logical, num_chunks, num_tiles,
     TOP_K: tl.constexpr, MAP: tl.constexpr, BLOCK_M: tl.constexpr, WRITE_KEPT: tl.constexpr,
+    ONE_LAUNCH: tl.constexpr, COUNT_LOAD: tl.constexpr, BLOCK_L: tl.constexpr,
     CHUNK: tl.constexpr, SUB: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr, TILES: tl.constexpr,
 ):
     chunk = tl.program_id(0)
@@ -250,12 +259,21 @@ def _moe_scatter_kernel(
     expert_ok = experts < num_experts
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
     before = tl.zeros([BLOCK_E], dtype=tl.int32)  # pairs of each expert in chunks < this one
-    for r0 in range(0, num_chunks, ROWS):
-        rows = r0 + tl.arange(0, ROWS)
-        cc = tl.load(chunk_counts_ptr + rows[:, None] * num_experts + experts[None, :],
-                     mask=(rows[:, None] < num_chunks) & expert_ok[None, :], other=0)
-        counts += tl.sum(cc, 0)
-        before += tl.sum(tl.where(rows[:, None] < chunk, cc, 0), 0)
+    if ONE_LAUNCH:  # one chunk (CHUNK == SUB), counted here by every program
+        offs = tl.arange(0, SUB)
+        slot, valid = _slot_of_pairs(ids_ptr, offs, num_pairs, log2phy_ptr, replica_counts_ptr, stride_r,
+                                     first_local, num_experts, num_logical, TOP_K, MAP)
+        counts = tl.histogram(slot, BLOCK_E, mask=slot < num_experts)
+        if COUNT_LOAD:
+            if chunk == 0:
+                _count_load(ids_ptr, offs, valid, load_ptr, num_logical, BLOCK_L)
+    else:
+        for r0 in range(0, num_chunks, ROWS):
+            rows = r0 + tl.arange(0, ROWS)
+            cc = tl.load(chunk_counts_ptr + rows[:, None] * num_experts + experts[None, :],
+                         mask=(rows[:, None] < num_chunks) & expert_ok[None, :], other=0)
+            counts += tl.sum(cc, 0)
+            before += tl.sum(tl.where(rows[:, None] < chunk, cc, 0), 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     pad_end = tl.cumsum(padded, 0)
     pad_start = pad_end - padded
@@ -301,7 +319,8 @@ def moe_align_triton(
     expert_load: torch.Tensor | None = None,
     kept: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`moe_align_ref` in two Triton launches, with the expert-slot mapping and load counting folded in.
+    """:func:`moe_align_ref` in two Triton launches (one up to 64 pairs), with the expert-slot mapping and
+    load counting folded in.
 
     Args:
         topk_ids: [T, k] int expert ids (logical ids when ``expert_map`` is given).
@@ -320,9 +339,13 @@ def moe_align_triton(
     size = _aligned_size(num_pairs, num_experts, block_m)
     sorted_pairs = torch.empty(size, dtype=torch.int32, device=device)
     block_experts = torch.empty(size // block_m, dtype=torch.int32, device=device)
-    chunk = max(_ALIGN_SUB, triton.next_power_of_2(triton.cdiv(max(num_pairs, 1), _ALIGN_MAX_CHUNKS)))
+    one_launch = num_pairs <= _ALIGN_ONE_LAUNCH
+    if one_launch:
+        chunk = sub = max(_ALIGN_SUB, triton.next_power_of_2(num_pairs))
+    else:
+        chunk = max(_ALIGN_SUB, triton.next_power_of_2(triton.cdiv(num_pairs, _ALIGN_MAX_CHUNKS)))
+        sub = _ALIGN_SUB
     num_chunks = max(1, triton.cdiv(num_pairs, chunk))
-    chunk_counts = torch.empty((num_chunks, num_experts), dtype=torch.int32, device=device)
     ids = topk_ids.reshape(-1)
     if expert_map is not None:
         log2phy, replica_counts = expert_map.log2phy, expert_map.replica_counts
@@ -330,19 +353,25 @@ def moe_align_triton(
     else:
         log2phy = replica_counts = ids  # unread
         first_local, num_logical, stride_r = 0, num_experts, 0
-    common = dict(TOP_K=top_k, MAP=expert_map is not None, CHUNK=chunk, BLOCK_E=triton.next_power_of_2(num_experts))
-    _moe_count_kernel[(num_chunks,)](
-        ids, log2phy, replica_counts, expert_load if expert_load is not None else ids, chunk_counts,
-        num_pairs, stride_r, first_local, num_experts, num_logical,
-        COUNT_LOAD=expert_load is not None, BLOCK_L=triton.next_power_of_2(num_logical), **common,
-    )
+    load = expert_load if expert_load is not None else ids
+    common = dict(TOP_K=top_k, MAP=expert_map is not None, CHUNK=chunk, BLOCK_E=triton.next_power_of_2(num_experts),
+                  COUNT_LOAD=expert_load is not None, BLOCK_L=triton.next_power_of_2(num_logical))
+    if one_launch:
+        chunk_counts = ids  # unread
+    else:
+        chunk_counts = torch.empty((num_chunks, num_experts), dtype=torch.int32, device=device)
+        _moe_count_kernel[(num_chunks,)](
+            ids, log2phy, replica_counts, load, chunk_counts,
+            num_pairs, stride_r, first_local, num_experts, num_logical, **common,
+        )
     num_tiles = size // block_m
     tiles = 16
     num_programs = max(num_chunks, min(triton.cdiv(num_tiles, tiles), _ALIGN_MAX_CHUNKS))
     _moe_scatter_kernel[(num_programs,)](
         ids, log2phy, replica_counts, chunk_counts, sorted_pairs, block_experts, kept if kept is not None else ids,
-        num_pairs, stride_r, first_local, num_experts, num_logical, num_chunks, num_tiles,
-        BLOCK_M=block_m, WRITE_KEPT=kept is not None, SUB=_ALIGN_SUB, ROWS=16, TILES=tiles, **common,
+        load, num_pairs, stride_r, first_local, num_experts, num_logical, num_chunks, num_tiles,
+        BLOCK_M=block_m, WRITE_KEPT=kept is not None, ONE_LAUNCH=one_launch, SUB=sub, ROWS=16, TILES=tiles,
+        **common,
     )
     return sorted_pairs, block_experts
 
@@ -475,8 +504,9 @@ def fused_moe_triton(
         expert_map, expert_load: as :func:`moe_align_triton` (topk_ids are then logical ids).
 
     A token's k routed outputs are added in slot order (:func:`sum_slots`'s order, one kernel that also
-    casts), which batch-invariant mode (``kernels.batch_invariant``) needs; with fixed tiles (what :func:`fused_moe_tiles` gives then) a
-    token's row is computed by the same tiles whatever else the batch holds.
+    casts), which batch-invariant mode (``kernels.batch_invariant``) needs; with fixed tiles (what
+    :func:`fused_moe_tiles` gives then) a token's row is computed by the same tiles whatever else the
+    batch holds.
     """
     invariant = is_batch_invariant()
     rowwise = invariant and is_interpreting()
