@@ -111,11 +111,11 @@ def random_ids(num_tokens, top_k, num_ids, seed, drop=0.1):
     return torch.where(torch.rand(num_tokens, top_k, generator=gen) < drop, -1, ids)
 
 
-ALIGN_CASES = [(1, 1, 4, 16), (3, 2, 5, 16), (40, 6, 64, 16), (129, 8, 33, 32), (700, 6, 64, 64)]
+ALIGN_CASES = [(1, 1, 4, 16), (3, 2, 5, 16), (40, 6, 64, 16), (700, 6, 64, 64)]  # T, k, E, block_m
 
 
 def test_moe_align_ref_is_valid():
-    for i, (t, k, e, bm) in enumerate(ALIGN_CASES):
+    for i, (t, k, e, bm) in enumerate(ALIGN_CASES + [(129, 8, 33, 32)]):
         ids = random_ids(t, k, e + 2, seed=i)  # ids >= e are dropped too
         check_alignment(*moe_align_ref(ids, e, bm), ids, e, bm)
 
@@ -176,7 +176,8 @@ def test_kernel_matches_ref():
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_align_kernel_matches_ref_on_gpu():
-    check_align_kernel("cuda", ALIGN_CASES + [(4096, 8, 256, 64), (8192, 6, 64, 64), (1, 8, 288, 16)])
+    check_align_kernel("cuda", ALIGN_CASES + [(129, 8, 33, 32), (4096, 8, 256, 64), (8192, 6, 64, 64),
+                                              (1, 8, 288, 16), (10, 6, 64, 16)])
 
 
 @pytest.mark.gpu
