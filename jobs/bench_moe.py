@@ -22,7 +22,9 @@ the logits of the sampled rows (no sampling, no scheduling): eager, and on CUDA 
 from the engine's CUDA graphs (``engine.cuda_graph.DecodeGraphs``; ``ms_graph``), the way the engine
 runs decode steps (``--no-graphs`` skips them). The fused MoE rows time the routed-expert kernel alone
 (alignment, both grouped GEMMs, activation, top-k sum; eager) for M = 1 ... 4096 tokens against its
-roofline (the experts it reads, or its FLOPs) and its torch reference.
+roofline (the experts it reads, or its FLOPs) and its torch reference; the routing_align rows time the
+router (grouped top-k) and the alignment (with load counting) kernels against their torch references,
+each replayed from a CUDA graph.
 
 Writes JSON (command, device, git revision, ceilings, one row per case) to ``--out``, by default
 ``benchmarks/results/moe-<device>.json``. :func:`run` is the entry point for other jobs;
@@ -194,6 +196,48 @@ def _graph_step_ms(model, kv, meta, ids, pos, seq_len: int, reps: int) -> float:
     finally:
         del graphs
         torch.cuda.empty_cache()
+
+
+def graph_ms(fn, device: torch.device, reps: int) -> float:
+    """Median ms of ``fn`` replayed from a CUDA graph captured once (on CPU: :func:`time_ms`, eager), so
+    that a step of small kernels is timed as the engine runs it, without per-launch host cost."""
+    if device.type != "cuda":
+        return time_ms(fn, device, reps)
+    fn()  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_ms(graph.replay, device, reps)
+
+
+def bench_routing_align(cfg, num_tokens: int, device: torch.device, reps: int) -> dict:
+    """The MoE layer's small ops at ``num_tokens`` tokens, kernels against their torch references, each
+    timed from a CUDA graph on CUDA: the router (grouped top-k) and the alignment (with expert-load
+    counting, as ``RoutedExperts`` runs it)."""
+    from rayinfer.kernels._triton_utils import use_triton
+    from rayinfer.kernels.fused_moe import _map_and_count, moe_align_ref, moe_align_triton
+    from rayinfer.kernels.fused_moe_config import default_tile_config
+    from rayinfer.kernels.moe_routing import grouped_topk_ref, grouped_topk_triton
+
+    num_experts, top_k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    gen = torch.Generator(device=device).manual_seed(num_tokens)
+    logits = torch.randn(num_tokens, num_experts, generator=gen, device=device)
+    bias = torch.randn(num_experts, generator=gen, device=device) * 0.01
+    args = (top_k, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+    ids = grouped_topk_ref(logits, bias, *args)[1]
+    load = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    block_m = default_tile_config(num_tokens, top_k).block_m
+    row = {"num_tokens": num_tokens, "kernel": "triton" if use_triton(logits) else "none (no Triton here)"}
+    with torch.inference_mode():
+        row["routing_ref_ms"] = graph_ms(lambda: grouped_topk_ref(logits, bias, *args), device, reps)
+        row["align_ref_ms"] = graph_ms(
+            lambda: moe_align_ref(_map_and_count(ids, None, load), num_experts, block_m), device, reps)
+        if use_triton(logits):
+            row["routing_kernel_ms"] = graph_ms(lambda: grouped_topk_triton(logits, bias, *args), device, reps)
+            row["align_kernel_ms"] = graph_ms(
+                lambda: moe_align_triton(ids, num_experts, block_m, expert_load=load), device, reps)
+    return row
 
 
 def bench_fused_moe(ceil: dict, cfg, num_tokens: int, device: torch.device, dtype: torch.dtype, reps: int) -> dict:
@@ -411,6 +455,14 @@ def _run(tiny, dev, dt, batches, context, prefill, moe_tokens, reps, command, gi
         print(f"fused_moe T={n:<5} ref {r['ref_ms']:9.3f} ms | {r['kernel']} {r['kernel_ms']:9.3f} ms | "
               f"x{r['speedup_vs_ref']:.1f} | roofline {r['roofline_ms']:.3f} ms ({r['pct_of_roofline']:.0f}%) | "
               f"err {r['max_abs_err_vs_ref']:.1e}", flush=True)
+    small_ops = []
+    for n in moe_tokens:
+        small_ops.append(bench_routing_align(config, n, dev, reps))
+        r = small_ops[-1]
+        print(f"routing+align T={n:<5} routing ref {r['routing_ref_ms'] * 1e3:8.1f} us"
+              f" kernel {r.get('routing_kernel_ms', float('nan')) * 1e3:8.1f} us | align ref"
+              f" {r['align_ref_ms'] * 1e3:8.1f} us kernel {r.get('align_kernel_ms', float('nan')) * 1e3:8.1f} us"
+              f" ({'CUDA graph' if dev.type == 'cuda' else 'eager'})", flush=True)
     return {
         "command": command or "python " + " ".join(sys.argv),
         "device": device_name(dev),
@@ -429,6 +481,7 @@ def _run(tiny, dev, dt, batches, context, prefill, moe_tokens, reps, command, gi
         "decode": decode,
         "prefill": prefill_rows,
         "fused_moe": moe,
+        "routing_align": small_ops,
         "seconds": time.time() - started,
     }
 
