@@ -397,8 +397,8 @@ def _map_and_count(topk_ids: torch.Tensor, expert_map: ExpertMap | None, expert_
     """The torch path of the mapping and load counting that :func:`moe_align_triton` folds in."""
     if expert_load is not None:
         flat = topk_ids.reshape(-1).long()
-        valid = (flat >= 0) & (flat < expert_load.numel())
-        expert_load.index_add_(0, flat[valid], torch.ones_like(flat[valid]))
+        valid = (flat >= 0) & (flat < expert_load.numel())  # no boolean indexing: no host sync
+        expert_load.index_add_(0, torch.where(valid, flat, 0), valid.long())
     return topk_ids if expert_map is None else expert_map.local_ids(topk_ids)
 
 
