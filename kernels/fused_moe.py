@@ -214,9 +214,11 @@ def _slot_of_pairs(ids_ptr, offs, num_pairs, log2phy_ptr, replica_counts_ptr, st
         physical = tl.load(log2phy_ptr + logical.to(tl.int64) * stride_r + rows % replicas, mask=valid, other=-1)
         local = physical.to(tl.int32) - first_local
         mine = valid & (local >= 0) & (local < num_experts)
-        return tl.where(mine, local, num_experts), valid
-    valid = ok & (ids >= 0) & (ids < num_experts)
-    return tl.where(valid, ids, num_experts), valid
+        slot = tl.where(mine, local, num_experts)
+    else:
+        valid = ok & (ids >= 0) & (ids < num_experts)
+        slot = tl.where(valid, ids, num_experts)
+    return slot, valid
 
 
 @triton.jit
