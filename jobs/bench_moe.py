@@ -17,8 +17,14 @@ read plus written) and the bf16 matmul rate of a large square matmul. A step can
 and LM head, the routed experts it actually routes to, counted from the model's expert load, the
 embedding rows) plus the KV cache it reads and writes, and FLOPs are 2 x the active parameters per token
 (routed experts at top-k) x tokens plus attention (absorbed MLA for decode, causal expanded MLA for
-prefill). Decode is memory-bound, prefill compute-bound. Times are medians, eager (no CUDA graphs),
-model forward plus the logits of the sampled rows (no sampling, no scheduling).
+prefill). Decode is memory-bound, prefill compute-bound. Times are medians of the model forward plus
+the logits of the sampled rows (no sampling, no scheduling): eager, and on CUDA decode also replayed
+from the engine's CUDA graphs (``engine.cuda_graph.DecodeGraphs``; ``ms_graph``), the way the engine
+runs decode steps (``--no-graphs`` skips them). The fused MoE rows time the routed-expert kernel alone
+(alignment, both grouped GEMMs, activation, top-k sum; eager) for M = 1 ... 4096 tokens against its
+roofline (the experts it reads, or its FLOPs) and its torch reference; the routing_align rows time the
+router (grouped top-k) and the alignment (with load counting) kernels against their torch references,
+each replayed from a CUDA graph.
 
 Writes JSON (command, device, git revision, ceilings, one row per case) to ``--out``, by default
 ``benchmarks/results/moe-<device>.json``. :func:`run` is the entry point for other jobs;
@@ -62,7 +68,8 @@ TINY_V3_ARCH = dict(
     rope_parameters=dict(rope_type="default", rope_theta=10000.0),
 )
 BLOCK_SIZE = 64
-FULL = dict(batches=[1, 16, 64, 256], context=1024, prefill=[1024, 4096, 8192], moe_tokens=[1, 16, 64, 256, 1024, 4096])
+FULL = dict(batches=[1, 16, 32, 64, 256], context=1024, prefill=[1024, 4096, 8192],
+            moe_tokens=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096])
 TINY = dict(batches=[1, 4], context=32, prefill=[32], moe_tokens=[1, 16])
 
 
@@ -119,9 +126,13 @@ def _roofline(ceil: dict, num_bytes: float, flops: float) -> dict:
             "roofline_ms": max(mem_ms, compute_ms), "bound": "memory" if mem_ms >= compute_ms else "compute"}
 
 
-def bench_step(model, ceil: dict, counts: dict, *, batch: int, query_len: int, context: int, reps: int) -> dict:
+def bench_step(model, ceil: dict, counts: dict, *, batch: int, query_len: int, context: int, reps: int,
+               graphs: bool = False) -> dict:
     """Time one forward of ``batch`` requests computing ``query_len`` new tokens each after ``context``
-    cached tokens, plus the logits of each request's last token; compare with the roofline."""
+    cached tokens, plus the logits of each request's last token; compare with the roofline.
+
+    graphs: (decode on CUDA) also time the forward replayed from the engine's ``DecodeGraphs``
+    (``ms_graph``, ``pct_of_roofline_graph``)."""
     from rayinfer.kernels.attention_metadata import AttentionMetadata
 
     cfg, device, dtype = model.config, model.lm_head.weight.device, model.lm_head.weight.dtype
@@ -143,6 +154,7 @@ def bench_step(model, ceil: dict, counts: dict, *, batch: int, query_len: int, c
         step()
         touched = int((model.expert_load(reset=True) > 0).sum())  # routed experts this batch reads
         ms = time_ms(step, device, reps)
+        graph_ms = _graph_step_ms(model, kv, meta, ids, pos, seq_len, reps) if graphs and query_len == 1 else None
     tokens, item = batch * query_len, dtype.itemsize
     kv_width, layers = cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.num_hidden_layers
     num_bytes = item * (counts["dense"] + counts["lm_head"] + touched * counts["per_expert"]
@@ -159,6 +171,72 @@ def bench_step(model, ceil: dict, counts: dict, *, batch: int, query_len: int, c
            "routed_experts_read": touched, **_roofline(ceil, num_bytes, flops)}
     row["pct_of_roofline"] = 100 * row["roofline_ms"] / ms
     row["tokens_per_s"] = tokens / ms * 1e3
+    if graph_ms is not None:
+        row["ms_graph"] = graph_ms
+        row["pct_of_roofline_graph"] = 100 * row["roofline_ms"] / graph_ms
+        row["tokens_per_s_graph"] = tokens / graph_ms * 1e3
+    return row
+
+
+def _graph_step_ms(model, kv, meta, ids, pos, seq_len: int, reps: int) -> float:
+    """Median ms of a decode step (one token per request) replayed from the engine's CUDA graphs, plus the
+    logits (eager, as the engine computes them)."""
+    from rayinfer.engine.cuda_graph import DecodeGraphs
+
+    batch = meta.seq_lens.shape[0]
+    graphs = DecodeGraphs(model, kv, BLOCK_SIZE, max_model_len=seq_len, max_num_seqs=batch)
+    graphs.capture()
+
+    def step():
+        hidden = graphs.run(ids, pos, meta.slot_mapping, meta.seq_lens, meta.block_tables)
+        return model.compute_logits(hidden)
+
+    try:
+        return time_ms(step, kv.device, reps)
+    finally:
+        del graphs
+        torch.cuda.empty_cache()
+
+
+def graph_ms(fn, device: torch.device, reps: int) -> float:
+    """Median ms of ``fn`` replayed from a CUDA graph captured once (on CPU: :func:`time_ms`, eager), so
+    that a step of small kernels is timed as the engine runs it, without per-launch host cost."""
+    if device.type != "cuda":
+        return time_ms(fn, device, reps)
+    fn()  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_ms(graph.replay, device, reps)
+
+
+def bench_routing_align(cfg, num_tokens: int, device: torch.device, reps: int) -> dict:
+    """The MoE layer's small ops at ``num_tokens`` tokens, kernels against their torch references, each
+    timed from a CUDA graph on CUDA: the router (grouped top-k) and the alignment (with expert-load
+    counting, as ``RoutedExperts`` runs it)."""
+    from rayinfer.kernels._triton_utils import use_triton
+    from rayinfer.kernels.fused_moe import _map_and_count, moe_align_ref, moe_align_triton
+    from rayinfer.kernels.fused_moe_config import default_tile_config
+    from rayinfer.kernels.moe_routing import grouped_topk_ref, grouped_topk_triton
+
+    num_experts, top_k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    gen = torch.Generator(device=device).manual_seed(num_tokens)
+    logits = torch.randn(num_tokens, num_experts, generator=gen, device=device)
+    bias = torch.randn(num_experts, generator=gen, device=device) * 0.01
+    args = (top_k, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+    ids = grouped_topk_ref(logits, bias, *args)[1]
+    load = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    block_m = default_tile_config(num_tokens, top_k).block_m
+    row = {"num_tokens": num_tokens, "kernel": "triton" if use_triton(logits) else "none (no Triton here)"}
+    with torch.inference_mode():
+        row["routing_ref_ms"] = graph_ms(lambda: grouped_topk_ref(logits, bias, *args), device, reps)
+        row["align_ref_ms"] = graph_ms(
+            lambda: moe_align_ref(_map_and_count(ids, None, load), num_experts, block_m), device, reps)
+        if use_triton(logits):
+            row["routing_kernel_ms"] = graph_ms(lambda: grouped_topk_triton(logits, bias, *args), device, reps)
+            row["align_kernel_ms"] = graph_ms(
+                lambda: moe_align_triton(ids, num_experts, block_m, expert_load=load), device, reps)
     return row
 
 
@@ -312,7 +390,8 @@ def build_model(shape: dict, dtype: torch.dtype, device: torch.device):
 
 def run(tiny: bool = False, device: str | None = None, dtype: str = "bfloat16", batches: list[int] | None = None,
         context: int | None = None, prefill: list[int] | None = None, moe_tokens: list[int] | None = None,
-        reps: int | None = None, command: str | None = None, git_rev: str | None = None) -> dict:
+        reps: int | None = None, command: str | None = None, git_rev: str | None = None,
+        graphs: bool = True) -> dict:
     """Run every case and return the results (see the module docstring for what is measured).
 
     Args:
@@ -324,6 +403,7 @@ def run(tiny: bool = False, device: str | None = None, dtype: str = "bfloat16", 
         moe_tokens: token counts of the fused MoE cases.
         reps: timed repetitions per case (median reported).
         command, git_rev: recorded as given (defaults: this process's argv, :func:`git_revision`).
+        graphs: on CUDA, also time decode replayed from CUDA graphs.
     """
     from rayinfer.model.loader import parse_dtype
 
@@ -334,12 +414,13 @@ def run(tiny: bool = False, device: str | None = None, dtype: str = "bfloat16", 
         # region of a multi-threaded op (times then measure the scheduler, not the op).
         torch.set_num_threads(1)
     try:
-        return _run(tiny, dev, parse_dtype(dtype), batches, context, prefill, moe_tokens, reps, command, git_rev)
+        return _run(tiny, dev, parse_dtype(dtype), batches, context, prefill, moe_tokens, reps, command, git_rev,
+                    graphs and dev.type == "cuda")
     finally:
         torch.set_num_threads(threads)
 
 
-def _run(tiny, dev, dt, batches, context, prefill, moe_tokens, reps, command, git_rev) -> dict:
+def _run(tiny, dev, dt, batches, context, prefill, moe_tokens, reps, command, git_rev, graphs) -> dict:
     cases = TINY if tiny else FULL
     batches, context = batches or cases["batches"], context or cases["context"]
     prefill, moe_tokens = prefill or cases["prefill"], moe_tokens or cases["moe_tokens"]
@@ -352,8 +433,13 @@ def _run(tiny, dev, dt, batches, context, prefill, moe_tokens, reps, command, gi
     counts = param_counts(model)
     decode = []
     for batch in batches:
-        decode.append(bench_step(model, ceil, counts, batch=batch, query_len=1, context=context, reps=reps))
+        decode.append(bench_step(model, ceil, counts, batch=batch, query_len=1, context=context, reps=reps,
+                                 graphs=graphs))
         _print("decode", decode[-1], f"B={batch} ctx={context}")
+        if "ms_graph" in decode[-1]:
+            r = decode[-1]
+            _print("decode", dict(r, ms=r["ms_graph"], pct_of_roofline=r["pct_of_roofline_graph"],
+                                  tokens_per_s=r["tokens_per_s_graph"]), f"B={batch} graph")
     prefill_rows = []
     for n in prefill:
         prefill_rows.append(bench_step(model, ceil, counts, batch=1, query_len=n, context=0, reps=max(3, reps // 3)))
@@ -369,6 +455,14 @@ def _run(tiny, dev, dt, batches, context, prefill, moe_tokens, reps, command, gi
         print(f"fused_moe T={n:<5} ref {r['ref_ms']:9.3f} ms | {r['kernel']} {r['kernel_ms']:9.3f} ms | "
               f"x{r['speedup_vs_ref']:.1f} | roofline {r['roofline_ms']:.3f} ms ({r['pct_of_roofline']:.0f}%) | "
               f"err {r['max_abs_err_vs_ref']:.1e}", flush=True)
+    small_ops = []
+    for n in moe_tokens:
+        small_ops.append(bench_routing_align(config, n, dev, reps))
+        r = small_ops[-1]
+        print(f"routing+align T={n:<5} routing ref {r['routing_ref_ms'] * 1e3:8.1f} us"
+              f" kernel {r.get('routing_kernel_ms', float('nan')) * 1e3:8.1f} us | align ref"
+              f" {r['align_ref_ms'] * 1e3:8.1f} us kernel {r.get('align_kernel_ms', float('nan')) * 1e3:8.1f} us"
+              f" ({'CUDA graph' if dev.type == 'cuda' else 'eager'})", flush=True)
     return {
         "command": command or "python " + " ".join(sys.argv),
         "device": device_name(dev),
@@ -381,11 +475,13 @@ def _run(tiny, dev, dt, batches, context, prefill, moe_tokens, reps, command, gi
         "shape": {k: v for k, v in shape.items() if k != "architectures"},
         "params": counts,
         "ceilings": ceil,
-        "notes": ("ms: median wall time, eager, forward + logits of each request's last token. roofline_ms: "
-                  "max(bytes / copy bandwidth, FLOPs / matmul rate); pct_of_roofline = roofline_ms / ms."),
+        "notes": ("ms: median wall time, eager, forward + logits of each request's last token; ms_graph: the same "
+                  "decode step replayed from the engine's CUDA graphs. roofline_ms: max(bytes / copy bandwidth, "
+                  "FLOPs / matmul rate); pct_of_roofline = roofline_ms / ms."),
         "decode": decode,
         "prefill": prefill_rows,
         "fused_moe": moe,
+        "routing_align": small_ops,
         "seconds": time.time() - started,
     }
 
@@ -415,12 +511,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prefill", type=_ints, default=None, help="prefill lengths, e.g. 1024,4096")
     parser.add_argument("--moe-tokens", type=_ints, default=None, help="fused MoE token counts")
     parser.add_argument("--reps", type=int, default=None)
+    parser.add_argument("--no-graphs", action="store_true", help="decode eager only (no CUDA-graph rows)")
     parser.add_argument("--git-rev", default=None, help="revision of the code (default: git rev-parse HEAD)")
     parser.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/moe-<device>.json)")
     args = parser.parse_args(argv)
     argv_text = " ".join(sys.argv[1:] if argv is None else argv)
     result = run(args.tiny, args.device, args.dtype, args.batches, args.context, args.prefill, args.moe_tokens,
-                 args.reps, command=f"python jobs/bench_moe.py {argv_text}".strip(), git_rev=args.git_rev)
+                 args.reps, command=f"python jobs/bench_moe.py {argv_text}".strip(), git_rev=args.git_rev,
+                 graphs=not args.no_graphs)
     out = Path(args.out or Path(__file__).resolve().parents[1] / "benchmarks" / "results"
                / f"moe-{'tiny-' if args.tiny else ''}{_slug(result['device'])}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

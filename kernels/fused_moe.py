@@ -8,12 +8,16 @@ example -1) is skipped: expert parallelism marks the experts another rank comput
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from rayinfer.kernels._triton_utils import is_interpreting, tl, triton, use_triton
 from rayinfer.kernels.activation import silu_and_mul, silu_and_mul_ref
 from rayinfer.kernels.batch_invariant import is_batch_invariant
+from rayinfer.kernels.fused_moe_config import MoETileConfig, tile_config
 
 
 def _check_shapes(hidden, w13, w2, topk_ids, topk_weights) -> None:
@@ -103,7 +107,42 @@ def fused_moe_slots_ref(
     return out.view(num_tokens, top_k, -1)
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True)
+class ExpertMap:
+    """Where each logical expert is computed: this rank's physical slots (expert parallelism, EPLB).
+
+    Attributes:
+        log2phy: [L, max_replicas] int64, the physical slots of each logical expert (-1 padded).
+        replica_counts: [L] int64, replicas of each logical expert.
+        first_local: the first physical slot this rank holds.
+        num_local: E, the slots this rank holds (``first_local .. first_local + E - 1``).
+
+    Pair ``(token, slot)`` of logical expert ``e`` goes to replica ``token % replica_counts[e]`` of
+    ``e``, the same on every rank (``model.moe.RoutedExperts``).
+    """
+
+    log2phy: torch.Tensor
+    replica_counts: torch.Tensor
+    first_local: int
+    num_local: int
+
+    def local_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """[T, k] logical ids (-1 = none) -> [T, k] int64 ids of this rank's slots, -1 where another rank
+        computes (plain torch)."""
+        rows = torch.arange(topk_ids.shape[0], device=topk_ids.device)[:, None]
+        valid = topk_ids >= 0
+        logical = topk_ids.long().clamp(min=0)
+        physical = self.log2phy[logical, rows % self.replica_counts[logical]]
+        local = physical - self.first_local
+        mine = valid & (local >= 0) & (local < self.num_local)
+        return torch.where(mine, local, torch.full_like(local, -1))
+
+
+def _aligned_size(num_pairs: int, num_experts: int, block_m: int) -> int:
+    return triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
+
+
+def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort the (token, slot) pairs by expert and pad each expert's run to a multiple of ``block_m``.
 
     Device-only torch ops with shapes fixed by ``T * k``, ``E`` and ``block_m``: no host sync, so a
@@ -114,8 +153,9 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
         num_experts: E.
         block_m: rows per GEMM tile.
     Returns:
-        sorted_pairs: [P] int64 flat pair index ``token * k + slot``, grouped by expert, each group
-            padded with the sentinel ``T * k``; ``P = ceil((T*k + E*(block_m-1)) / block_m) * block_m``.
+        sorted_pairs: [P] int64 flat pair index ``token * k + slot``, grouped by expert in ascending
+            pair order, each group padded with the sentinel ``T * k``;
+            ``P = ceil((T*k + E*(block_m-1)) / block_m) * block_m``.
         block_experts: [P // block_m] int64, the expert of each tile, -1 for tiles past the end.
     """
     device = topk_ids.device
@@ -131,7 +171,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     order = torch.argsort(key, stable=True)
     sorted_key = key[order]
     rank_in_expert = torch.arange(num_pairs, device=device) - (torch.cumsum(counts, 0) - counts)[sorted_key]
-    size = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
+    size = _aligned_size(num_pairs, num_experts, block_m)
     dest = torch.where(
         sorted_key < num_experts,
         pad_start[sorted_key.clamp(max=num_experts - 1)] + rank_in_expert,
@@ -143,6 +183,225 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     block_experts = torch.searchsorted(pad_end, tile_start, right=True)
     block_experts = torch.where(block_experts < num_experts, block_experts, torch.full_like(block_experts, -1))
     return sorted_pairs[:size], block_experts
+
+
+# ----------------------------------------------------------------------------------------------------
+# Triton alignment in two launches. The pairs are cut into C chunks (C <= 64). Kernel 1: program c
+# maps chunk c's ids to this rank's expert slots (ExpertMap), optionally adds the logical ids to the
+# expert-load counters (atomics), and writes the chunk's histogram over experts. Kernel 2: program c
+# reads all histograms, so knows each expert's padded start (an exclusive scan over experts) and the
+# pairs of its expert in earlier chunks, then scatters its chunk in ascending pair order (ranks within
+# a sub-chunk from a one-hot cumsum) and writes the sentinel padding and tile experts of its share of
+# the output. Same result as moe_align_ref, with fixed sizes and no host sync. Up to
+# _ALIGN_ONE_LAUNCH pairs (small decode batches) kernel 2 counts its single chunk itself: one launch.
+# ----------------------------------------------------------------------------------------------------
+_ALIGN_MAX_CHUNKS = 64
+_ALIGN_SUB = 32
+_ALIGN_ONE_LAUNCH = 64
+
+
+@triton.jit
+def _slot_of_pairs(ids_ptr, offs, num_pairs, log2phy_ptr, replica_counts_ptr, stride_r, first_local,
+                   num_experts, num_logical, TOP_K: tl.constexpr, MAP: tl.constexpr):
+    """(expert slot of each pair, E where dropped; its logical id is valid)."""
+    ok = offs < num_pairs
+    ids = tl.load(ids_ptr + offs, mask=ok, other=-1).to(tl.int32)
+    if MAP:
+        valid = ok & (ids >= 0) & (ids < num_logical)
+        logical = tl.where(valid, ids, 0)
+        replicas = tl.load(replica_counts_ptr + logical, mask=valid, other=1).to(tl.int32)
+        rows = offs // TOP_K
+        physical = tl.load(log2phy_ptr + logical.to(tl.int64) * stride_r + rows % replicas, mask=valid, other=-1)
+        local = physical.to(tl.int32) - first_local
+        mine = valid & (local >= 0) & (local < num_experts)
+        slot = tl.where(mine, local, num_experts)
+    else:
+        valid = ok & (ids >= 0) & (ids < num_experts)
+        slot = tl.where(valid, ids, num_experts)
+    return slot, valid
+
+
+@triton.jit
+def _count_load(ids_ptr, offs, valid, load_ptr, num_logical, BLOCK_L: tl.constexpr):
+    # expert_load[e] += pairs of logical expert e among offs (EPLB's load)
+    ids = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int32)
+    load = tl.histogram(ids, BLOCK_L, mask=valid)
+    experts = tl.arange(0, BLOCK_L)
+    tl.atomic_add(load_ptr + experts, load.to(tl.int64), mask=(experts < num_logical) & (load > 0))
+
+
+@triton.jit
+def _moe_count_kernel(
+    ids_ptr, log2phy_ptr, replica_counts_ptr, load_ptr, chunk_counts_ptr,
+    num_pairs, stride_r, first_local, num_experts, num_logical,
+    TOP_K: tl.constexpr, MAP: tl.constexpr, COUNT_LOAD: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_L: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    slot, valid = _slot_of_pairs(ids_ptr, offs, num_pairs, log2phy_ptr, replica_counts_ptr, stride_r, first_local,
+                                 num_experts, num_logical, TOP_K, MAP)
+    if COUNT_LOAD:
+        _count_load(ids_ptr, offs, valid, load_ptr, num_logical, BLOCK_L)
+    hist = tl.histogram(slot, BLOCK_E, mask=slot < num_experts)
+    experts = tl.arange(0, BLOCK_E)
+    tl.store(chunk_counts_ptr + chunk * num_experts + experts, hist, mask=experts < num_experts)
+
+
+@triton.jit
+def _moe_scatter_kernel(
+    ids_ptr, log2phy_ptr, replica_counts_ptr, chunk_counts_ptr, sorted_pairs_ptr, block_experts_ptr, kept_ptr,
+    load_ptr, num_pairs, stride_r, first_local, num_experts, num_logical, num_chunks, num_tiles,
+    TOP_K: tl.constexpr, MAP: tl.constexpr, BLOCK_M: tl.constexpr, WRITE_KEPT: tl.constexpr,
+    ONE_LAUNCH: tl.constexpr, COUNT_LOAD: tl.constexpr, BLOCK_L: tl.constexpr,
+    CHUNK: tl.constexpr, SUB: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr, TILES: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    experts = tl.arange(0, BLOCK_E)
+    expert_ok = experts < num_experts
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    before = tl.zeros([BLOCK_E], dtype=tl.int32)  # pairs of each expert in chunks < this one
+    if ONE_LAUNCH:  # one chunk (CHUNK == SUB), counted here by every program
+        offs = tl.arange(0, SUB)
+        slot, valid = _slot_of_pairs(ids_ptr, offs, num_pairs, log2phy_ptr, replica_counts_ptr, stride_r,
+                                     first_local, num_experts, num_logical, TOP_K, MAP)
+        counts = tl.histogram(slot, BLOCK_E, mask=slot < num_experts)
+        if COUNT_LOAD:
+            if chunk == 0:
+                _count_load(ids_ptr, offs, valid, load_ptr, num_logical, BLOCK_L)
+    else:
+        for r0 in range(0, num_chunks, ROWS):
+            rows = r0 + tl.arange(0, ROWS)
+            cc = tl.load(chunk_counts_ptr + rows[:, None] * num_experts + experts[None, :],
+                         mask=(rows[:, None] < num_chunks) & expert_ok[None, :], other=0)
+            counts += tl.sum(cc, 0)
+            before += tl.sum(tl.where(rows[:, None] < chunk, cc, 0), 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    pad_end = tl.cumsum(padded, 0)
+    pad_start = pad_end - padded
+    # 1. this chunk's pairs, in ascending pair order within each expert
+    if chunk < num_chunks:
+        base = pad_start + before
+        for s in range(0, CHUNK, SUB):
+            offs = chunk * CHUNK + s + tl.arange(0, SUB)
+            slot, _ = _slot_of_pairs(ids_ptr, offs, num_pairs, log2phy_ptr, replica_counts_ptr, stride_r,
+                                     first_local, num_experts, num_logical, TOP_K, MAP)
+            onehot = (slot[:, None] == experts[None, :]).to(tl.int32)  # [SUB, BLOCK_E]
+            rank = tl.sum(onehot * tl.cumsum(onehot, 0), 1) - 1
+            dest = tl.sum(onehot * base[None, :], 1) + rank
+            tl.store(sorted_pairs_ptr + dest, offs, mask=slot < num_experts)
+            if WRITE_KEPT:
+                tl.store(kept_ptr + offs, (slot < num_experts).to(tl.int8), mask=offs < num_pairs)
+            base += tl.sum(onehot, 0)
+    # 2. this program's share of the tiles: their expert, and the sentinel in their unused rows
+    tiles_per_program = tl.cdiv(num_tiles, tl.num_programs(0))
+    first_tile = chunk * tiles_per_program
+    last_tile = tl.minimum(first_tile + tiles_per_program, num_tiles)
+    rows_in_tile = tl.arange(0, BLOCK_M)
+    for t0 in range(first_tile, last_tile, TILES):
+        tiles = t0 + tl.arange(0, TILES)
+        tile_ok = tiles < last_tile
+        start = tiles * BLOCK_M
+        expert = tl.sum((expert_ok[None, :] & (pad_end[None, :] <= start[:, None])).to(tl.int32), 1)
+        tl.store(block_experts_ptr + tiles, tl.where(expert < num_experts, expert, -1), mask=tile_ok)
+        mine = expert_ok[None, :] & (experts[None, :] == expert[:, None])  # [TILES, BLOCK_E]
+        expert_start = tl.sum(tl.where(mine, pad_start[None, :], 0), 1)
+        expert_count = tl.sum(tl.where(mine, counts[None, :], 0), 1)
+        filled = expert_count - (start - expert_start)  # rows of the tile holding pairs (may be <= 0)
+        pad = tile_ok[:, None] & (rows_in_tile[None, :] >= filled[:, None])
+        sentinel = tl.zeros([TILES, BLOCK_M], dtype=tl.int32) + num_pairs
+        tl.store(sorted_pairs_ptr + start[:, None] + rows_in_tile[None, :], sentinel, mask=pad)
+
+
+def moe_align_triton(
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    block_m: int,
+    expert_map: ExpertMap | None = None,
+    expert_load: torch.Tensor | None = None,
+    kept: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`moe_align_ref` in two Triton launches (one up to 64 pairs), with the expert-slot mapping and
+    load counting folded in.
+
+    Args:
+        topk_ids: [T, k] int expert ids (logical ids when ``expert_map`` is given).
+        num_experts: E, expert slots of this call.
+        block_m: rows per GEMM tile, a power of two >= 16.
+        expert_map: maps the logical ids to this rank's slots first (as ``expert_map.local_ids``).
+        expert_load: [L] int64 counters; each valid logical id adds one to its expert (EPLB's load).
+        kept: [T * k] int8, written when given: 1 where the pair has an expert slot here, else 0.
+    Returns:
+        (sorted_pairs [P] int32, block_experts [P // block_m] int32): :func:`moe_align_ref`'s values
+        for ``expert_map.local_ids(topk_ids)`` (or topk_ids), exactly.
+    """
+    num_tokens, top_k = topk_ids.shape
+    num_pairs = num_tokens * top_k
+    device = topk_ids.device
+    size = _aligned_size(num_pairs, num_experts, block_m)
+    sorted_pairs = torch.empty(size, dtype=torch.int32, device=device)
+    block_experts = torch.empty(size // block_m, dtype=torch.int32, device=device)
+    one_launch = num_pairs <= _ALIGN_ONE_LAUNCH
+    if one_launch:
+        chunk = sub = max(_ALIGN_SUB, triton.next_power_of_2(num_pairs))
+    else:
+        chunk = max(_ALIGN_SUB, triton.next_power_of_2(triton.cdiv(num_pairs, _ALIGN_MAX_CHUNKS)))
+        sub = _ALIGN_SUB
+    num_chunks = max(1, triton.cdiv(num_pairs, chunk))
+    ids = topk_ids.reshape(-1)
+    if expert_map is not None:
+        log2phy, replica_counts = expert_map.log2phy, expert_map.replica_counts
+        first_local, num_logical, stride_r = expert_map.first_local, log2phy.shape[0], log2phy.stride(0)
+    else:
+        log2phy = replica_counts = ids  # unread
+        first_local, num_logical, stride_r = 0, num_experts, 0
+    load = expert_load if expert_load is not None else ids
+    common = dict(TOP_K=top_k, MAP=expert_map is not None, CHUNK=chunk, BLOCK_E=triton.next_power_of_2(num_experts),
+                  COUNT_LOAD=expert_load is not None, BLOCK_L=triton.next_power_of_2(num_logical))
+    if one_launch:
+        chunk_counts = ids  # unread
+    else:
+        chunk_counts = torch.empty((num_chunks, num_experts), dtype=torch.int32, device=device)
+        _moe_count_kernel[(num_chunks,)](
+            ids, log2phy, replica_counts, load, chunk_counts,
+            num_pairs, stride_r, first_local, num_experts, num_logical, **common,
+        )
+    num_tiles = size // block_m
+    tiles = 16
+    num_programs = max(num_chunks, min(triton.cdiv(num_tiles, tiles), _ALIGN_MAX_CHUNKS))
+    _moe_scatter_kernel[(num_programs,)](
+        ids, log2phy, replica_counts, chunk_counts, sorted_pairs, block_experts, kept if kept is not None else ids,
+        load, num_pairs, stride_r, first_local, num_experts, num_logical, num_chunks, num_tiles,
+        BLOCK_M=block_m, WRITE_KEPT=kept is not None, ONE_LAUNCH=one_launch, SUB=sub, ROWS=16, TILES=tiles,
+        **common,
+    )
+    return sorted_pairs, block_experts
+
+
+def moe_align(
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    block_m: int,
+    expert_map: ExpertMap | None = None,
+    expert_load: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert-sorted, tile-padded pairs (:func:`moe_align_ref`); the Triton kernels on CUDA tensors.
+
+    Args: as :func:`moe_align_triton` (mapping and load counting in torch when Triton does not apply).
+    Returns: as :func:`moe_align_ref` (int32 from the kernels, int64 from torch).
+    """
+    if use_triton(topk_ids) and topk_ids.dim() == 2:
+        return moe_align_triton(topk_ids, num_experts, block_m, expert_map, expert_load)
+    return moe_align_ref(_map_and_count(topk_ids, expert_map, expert_load), num_experts, block_m)
+
+
+def _map_and_count(topk_ids: torch.Tensor, expert_map: ExpertMap | None, expert_load: torch.Tensor | None):
+    """The torch path of the mapping and load counting that :func:`moe_align_triton` folds in."""
+    if expert_load is not None:
+        flat = topk_ids.reshape(-1).long()
+        valid = (flat >= 0) & (flat < expert_load.numel())  # no boolean indexing: no host sync
+        expert_load.index_add_(0, torch.where(valid, flat, 0), valid.long())
+    return topk_ids if expert_map is None else expert_map.local_ids(topk_ids)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -196,20 +455,35 @@ def _moe_gemm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _moe_gemm(a, w, c, sorted_pairs, block_experts, weights, a_row_div: int, mul_weight: bool, block_m: int,
-              rowwise: bool = False):
+def _moe_gemm(a, w, c, sorted_pairs, block_experts, weights, a_row_div: int, mul_weight: bool,
+              tiles: MoETileConfig, rowwise: bool = False):
     n, k = w.shape[1], w.shape[2]
-    block_n = 64 if n >= 64 else max(16, triton.next_power_of_2(n))
-    block_k = 64 if k >= 64 else max(16, triton.next_power_of_2(k))
+    block_n = min(tiles.block_n, max(16, triton.next_power_of_2(n)))  # no wider than the weight
+    block_k = min(tiles.block_k, max(16, triton.next_power_of_2(k)))
     grid = (block_experts.numel(), triton.cdiv(n, block_n))
     _moe_gemm_kernel[grid](
         a, w, c, sorted_pairs, block_experts, weights,
         n, k, c.shape[0],
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1),
         A_ROW_DIV=a_row_div, MUL_WEIGHT=mul_weight,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=a.dtype == torch.float32, ROWWISE=rowwise,
-        num_warps=4, num_stages=2,
+        BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=a.dtype == torch.float32, ROWWISE=rowwise,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
+
+
+@triton.jit
+def _moe_sum_kernel(out_ptr, kept_ptr, dst_ptr, hidden_size, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    # dst[t] = out[t, 0] + out[t, 1] + ... in slot order in float32 (a slot not kept reads as 0), cast to dst
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    col_ok = cols < hidden_size
+    zero = tl.zeros([BLOCK_H], dtype=tl.int8)
+    kept = (tl.load(kept_ptr + token * TOP_K) + zero) != 0  # broadcast: a vector mask
+    acc = tl.load(out_ptr + token * TOP_K * hidden_size + cols, mask=col_ok & kept, other=0.0)
+    for slot in tl.static_range(1, TOP_K):
+        kept = (tl.load(kept_ptr + token * TOP_K + slot) + zero) != 0
+        acc += tl.load(out_ptr + (token * TOP_K + slot) * hidden_size + cols, mask=col_ok & kept, other=0.0)
+    tl.store(dst_ptr + token * hidden_size + cols, acc.to(dst_ptr.dtype.element_ty), mask=col_ok)
 
 
 def fused_moe_triton(
@@ -218,18 +492,23 @@ def fused_moe_triton(
     w2: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
-    block_m: int = 16,
+    tiles: MoETileConfig | None = None,
     reduce_slots: bool = True,
+    expert_map: ExpertMap | None = None,
+    expert_load: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton grouped GEMM of :func:`fused_moe_ref` (same contract; no host sync).
 
     Args:
-        block_m: rows per tile (>= 16); 16 suits decode, 64 large prefills.
+        tiles: the GEMM's tiles; None takes :func:`fused_moe_tiles`'s (the device's tuned table, else
+            the heuristic: 16-row tiles for decode, 64 for large prefills).
         reduce_slots: False returns :func:`fused_moe_slots_ref`'s per-slot outputs ([T, k, H] float32).
+        expert_map, expert_load: as :func:`moe_align_triton` (topk_ids are then logical ids).
 
-    In batch-invariant mode (``kernels.batch_invariant``) the k routed outputs of a token are added in
-    slot order (:func:`sum_slots`); with a fixed ``block_m`` (as :func:`fused_moe` passes then) a
-    token's row is computed by the same tiles whatever else the batch holds.
+    A token's k routed outputs are added in slot order (:func:`sum_slots`'s order, one kernel that also
+    casts), which batch-invariant mode (``kernels.batch_invariant``) needs; with fixed tiles (what
+    :func:`fused_moe_tiles` gives then) a token's row is computed by the same tiles whatever else the
+    batch holds.
     """
     invariant = is_batch_invariant()
     rowwise = invariant and is_interpreting()
@@ -240,21 +519,28 @@ def fused_moe_triton(
         if reduce_slots:
             return torch.zeros_like(hidden)
         return hidden.new_zeros((0, top_k, hidden_size), dtype=torch.float32)
-    sorted_pairs, block_experts = moe_align(topk_ids, num_experts, block_m)
-    weights = topk_weights.reshape(-1).contiguous()
+    tiles = tiles or fused_moe_tiles(hidden, w13, top_k)
     num_pairs = num_tokens * top_k
-    # Pairs no tile visits (skipped ids) must read as zeros in the activation and the sum over k.
-    gate_up = torch.zeros((num_pairs, two_inter), dtype=hidden.dtype, device=hidden.device)
-    _moe_gemm(hidden, w13, gate_up, sorted_pairs, block_experts, weights, top_k, False, block_m, rowwise)
+    # Rows of pairs no tile visits (skipped ids) are never read by the second GEMM; the sum over k skips
+    # them (``kept``), and the unsummed output is zero there.
+    kept = torch.empty(num_pairs, dtype=torch.int8, device=hidden.device) if reduce_slots else None
+    sorted_pairs, block_experts = moe_align_triton(topk_ids, num_experts, tiles.block_m, expert_map, expert_load,
+                                                   kept)
+    weights = topk_weights.reshape(-1).contiguous()
+    gate_up = torch.empty((num_pairs, two_inter), dtype=hidden.dtype, device=hidden.device)
+    _moe_gemm(hidden, w13, gate_up, sorted_pairs, block_experts, weights, top_k, False, tiles, rowwise)
     act = silu_and_mul(gate_up)
-    out = torch.zeros((num_pairs, hidden_size), dtype=torch.float32, device=hidden.device)
-    _moe_gemm(act, w2, out, sorted_pairs, block_experts, weights, 1, True, block_m, rowwise)
-    out = out.view(num_tokens, top_k, hidden_size)
+    alloc = torch.empty if reduce_slots else torch.zeros
+    out = alloc((num_pairs, hidden_size), dtype=torch.float32, device=hidden.device)
+    _moe_gemm(act, w2, out, sorted_pairs, block_experts, weights, 1, True, tiles, rowwise)
     if not reduce_slots:
-        return out
-    if invariant:
-        return sum_slots(out).to(hidden.dtype)
-    return out.sum(1).to(hidden.dtype)
+        return out.view(num_tokens, top_k, hidden_size)
+    # the k outputs added in slot order (sum_slots' order, also outside batch-invariant mode), then cast
+    result = torch.empty_like(hidden)
+    block_h = min(1024, triton.next_power_of_2(hidden_size))
+    _moe_sum_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
+        out, kept, result, hidden_size, TOP_K=top_k, BLOCK_H=block_h, num_warps=4)
+    return result
 
 
 def _triton_applies(hidden, w13, w2, topk_ids, topk_weights) -> bool:
@@ -266,8 +552,18 @@ def _triton_applies(hidden, w13, w2, topk_ids, topk_weights) -> bool:
     )
 
 
-def _block_m(topk_ids: torch.Tensor) -> int:
-    return 64 if is_batch_invariant() or topk_ids.numel() > 1024 else 16
+@functools.lru_cache(maxsize=None)
+def _device_name(index: int | None) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def fused_moe_tiles(hidden: torch.Tensor, w13: torch.Tensor, top_k: int) -> MoETileConfig:
+    """The grouped GEMM's tiles for hidden [T, H] and w13 [E, 2I, H]: on CUDA the device's tuned table
+    entry (``kernels.fused_moe_config``), else (and in batch-invariant mode) the fixed heuristic."""
+    device_name = _device_name(hidden.device.index) if hidden.is_cuda else None
+    num_experts, n, k = w13.shape
+    dtype = str(hidden.dtype).removeprefix("torch.")
+    return tile_config(device_name, num_experts, n, k, dtype, hidden.shape[0], top_k, is_batch_invariant())
 
 
 def fused_moe(
@@ -276,12 +572,20 @@ def fused_moe(
     w2: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
+    expert_map: ExpertMap | None = None,
+    expert_load: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`fused_moe_ref`; the Triton grouped GEMM on CUDA tensors (64-row tiles
     whatever the batch in batch-invariant mode). In batch-invariant mode without Triton, the k outputs
-    of :func:`fused_moe_slots_ref` are added in slot order, as expert parallelism adds them."""
+    of :func:`fused_moe_slots_ref` are added in slot order, as expert parallelism adds them.
+
+    expert_map: topk_ids are logical ids, computed by this rank's slots (:class:`ExpertMap`);
+    expert_load: [L] int64 counters, += tokens routed to each logical expert (EPLB's load).
+    """
     if _triton_applies(hidden, w13, w2, topk_ids, topk_weights):
-        return fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, block_m=_block_m(topk_ids))
+        return fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, expert_map=expert_map,
+                                expert_load=expert_load)
+    topk_ids = _map_and_count(topk_ids, expert_map, expert_load)
     if is_batch_invariant():
         return sum_slots(fused_moe_slots_ref(hidden, w13, w2, topk_ids, topk_weights)).to(hidden.dtype)
     return fused_moe_ref(hidden, w13, w2, topk_ids, topk_weights)
@@ -293,12 +597,14 @@ def fused_moe_slots(
     w2: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
+    expert_map: ExpertMap | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`fused_moe_slots_ref` ([T, k, H] float32); the Triton grouped GEMM where
     :func:`fused_moe` takes it, with the same tiles, so that ``sum_slots(fused_moe_slots(...))`` cast to
     hidden's dtype is :func:`fused_moe`'s result bit for bit in batch-invariant mode (how expert
-    parallelism combines the ranks' outputs then, ``model.moe.RoutedExperts``)."""
+    parallelism combines the ranks' outputs then, ``model.moe.RoutedExperts``). expert_map: as
+    :func:`fused_moe`."""
     if _triton_applies(hidden, w13, w2, topk_ids, topk_weights):
-        return fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, block_m=_block_m(topk_ids),
-                                reduce_slots=False)
-    return fused_moe_slots_ref(hidden, w13, w2, topk_ids, topk_weights)
+        return fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, reduce_slots=False,
+                                expert_map=expert_map)
+    return fused_moe_slots_ref(hidden, w13, w2, _map_and_count(topk_ids, expert_map, None), topk_weights)

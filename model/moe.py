@@ -1,5 +1,6 @@
-"""Shared pieces of mixture-of-experts (MoE) models: routers, the routed-expert layer with expert
-parallelism and expert-load counting, and weight loading from Hugging Face names.
+"""Shared pieces of mixture-of-experts (MoE) models: routers (re-exported from ``kernels.moe_routing``),
+the routed-expert layer with expert parallelism and expert-load counting, and weight loading from
+Hugging Face names.
 
 Glossary:
     logical expert: an expert of the checkpoint (``L = n_routed_experts`` / ``num_experts`` of them).
@@ -25,8 +26,9 @@ from torch.nn import functional as F
 
 from rayinfer.kernels.activation import silu_and_mul
 from rayinfer.kernels.batch_invariant import is_batch_invariant
-from rayinfer.kernels.fused_moe import fused_moe, fused_moe_slots, sum_slots
+from rayinfer.kernels.fused_moe import ExpertMap, fused_moe, fused_moe_slots, sum_slots
 from rayinfer.kernels.matmul import dense_linear
+from rayinfer.kernels.moe_routing import grouped_topk, softmax_topk  # noqa: F401 (the models' routers)
 
 
 class GatedMLP(nn.Module):
@@ -45,76 +47,6 @@ class GatedMLP(nn.Module):
         """x [T, H] -> [T, H]."""
         gate_up = torch.cat([dense_linear(x, self.gate_proj.weight), dense_linear(x, self.up_proj.weight)], dim=-1)
         return dense_linear(silu_and_mul(gate_up), self.down_proj.weight)
-
-
-def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax top-k routing (Qwen3-MoE, Mixtral).
-
-    Args:
-        router_logits: [T, L], the hidden states' dtype.
-        top_k: experts per token.
-        renormalize: divide the k probabilities by their sum (``norm_topk_prob``).
-    Returns:
-        (topk_weights [T, k] in router_logits' dtype, topk_ids [T, k] int64), by descending probability.
-    Source: Hugging Face ``Qwen3MoeTopKRouter``.
-    """
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / _sum_k(weights)
-    return weights.to(router_logits.dtype), ids
-
-
-def _sum_k(weights: torch.Tensor) -> torch.Tensor:
-    """[T, k] -> [T, 1], the sum of each token's k routing weights; in slot order in batch-invariant mode."""
-    if is_batch_invariant():
-        return sum_slots(weights)[:, None]
-    return weights.sum(dim=-1, keepdim=True)
-
-
-def grouped_topk(
-    router_logits: torch.Tensor,
-    e_score_correction_bias: torch.Tensor,
-    top_k: int,
-    num_groups: int,
-    topk_groups: int,
-    renormalize: bool,
-    routed_scaling_factor: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3 routing: sigmoid scores, bias-corrected choice within the best expert groups.
-
-    Steps: 1. scores = sigmoid(logits); choice = scores + bias. 2. A group's score is the sum of its
-    two best choices; keep the ``topk_groups`` best groups. 3. Pick the ``top_k`` best choices inside
-    them. 4. Weights are the picked *uncorrected* scores, optionally renormalized (sum + 1e-20), times
-    ``routed_scaling_factor``.
-
-    Args:
-        router_logits: [T, L] float32.
-        e_score_correction_bias: [L] float32 (aux-loss-free load balancing bias).
-        top_k, num_groups (``n_group``), topk_groups (``topk_group``): as in the config; L must divide
-            into ``num_groups`` groups of at least two experts.
-        renormalize: ``norm_topk_prob``.
-        routed_scaling_factor: multiplies the weights.
-    Returns:
-        (topk_weights [T, k] float32, topk_ids [T, k] int64); in batch-invariant mode by descending
-        choice (``topk(sorted=False)``'s order may follow the algorithm torch picks for the batch's shape,
-        and the slot order is the order in which a token's expert outputs are added).
-    Source: DeepSeek-V3 technical report (2024), section 2.1.2; Hugging Face ``DeepseekV3TopkRouter``.
-    """
-    num_tokens, num_experts = router_logits.shape
-    scores = router_logits.sigmoid()
-    choice = scores + e_score_correction_bias
-    per_group = num_experts // num_groups  # explicit sizes: T may be 0 (an EP rank without work)
-    group_scores = choice.view(num_tokens, num_groups, per_group).topk(2, dim=-1)[0].sum(dim=-1)
-    group_ids = torch.topk(group_scores, k=topk_groups, dim=-1, sorted=False)[1]
-    group_mask = torch.zeros_like(group_scores).scatter_(1, group_ids, 1)
-    score_mask = group_mask.unsqueeze(-1).expand(-1, num_groups, per_group).reshape(num_tokens, num_experts)
-    choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
-    ids = torch.topk(choice, k=top_k, dim=-1, sorted=is_batch_invariant())[1]
-    weights = scores.gather(1, ids)
-    if renormalize:
-        weights = weights / (_sum_k(weights) + 1e-20)
-    return weights * routed_scaling_factor, ids
 
 
 def log2phy_table(phy2log: torch.Tensor, num_logical: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -239,16 +171,20 @@ class RoutedExperts(nn.Module):
         self.phy2log = torch.as_tensor(phy2log, dtype=torch.int64).to(device)
         self.log2phy = log2phy.to(device)
         self.replica_counts = replica_counts.to(device)
+        self._identity_placement = self.ep_size == 1 and torch.equal(
+            self.phy2log.cpu(), torch.arange(self.num_logical_experts))
+
+    @property
+    def expert_map(self) -> ExpertMap | None:
+        """Logical ids -> this rank's slots; None where that is the identity (one rank, no replicas)."""
+        if self._identity_placement:
+            return None
+        return ExpertMap(self.log2phy, self.replica_counts, self.first_local, self.num_local_experts)
 
     def _local_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
         """[N, k] logical ids (-1 = none) -> ids of this rank's slots, -1 where another rank computes."""
-        rows = torch.arange(topk_ids.shape[0], device=topk_ids.device)[:, None]
-        valid = topk_ids >= 0
-        logical = topk_ids.clamp(min=0)
-        physical = self.log2phy[logical, rows % self.replica_counts[logical]]
-        local = physical - self.first_local
-        mine = valid & (local >= 0) & (local < self.num_local_experts)
-        return torch.where(mine, local, torch.full_like(local, -1))
+        expert_map = ExpertMap(self.log2phy, self.replica_counts, self.first_local, self.num_local_experts)
+        return expert_map.local_ids(topk_ids)
 
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Weighted sum of each token's routed experts; counts the tokens per logical expert.
@@ -259,12 +195,14 @@ class RoutedExperts(nn.Module):
             topk_weights: [T, k] float routing weights.
         Returns:
             [T, H], hidden's dtype.
-        Side effects: ``expert_counts += bincount(topk_ids)``; under EP, collectives on ``group``.
+        Side effects: ``expert_counts += bincount(topk_ids)`` (on one rank inside the alignment kernel);
+        under EP, collectives on ``group``.
         """
+        if self.group is None:
+            return fused_moe(hidden, self.w13, self.w2, topk_ids, topk_weights, self.expert_map,
+                             expert_load=self.expert_counts)
         ids = topk_ids.reshape(-1).long()
         self.expert_counts.index_add_(0, ids, torch.ones_like(ids))
-        if self.group is None:
-            return fused_moe(hidden, self.w13, self.w2, self._local_ids(topk_ids), topk_weights)
         num_tokens = topk_ids.shape[0]
         sizes = self._all_gather(torch.tensor([num_tokens], dtype=torch.int64, device=hidden.device))
         max_tokens = int(sizes.max())
@@ -276,7 +214,7 @@ class RoutedExperts(nn.Module):
         weights_all = self._all_gather(F.pad(topk_weights, (0, 0, 0, pad)))
         invariant = is_batch_invariant()
         moe = fused_moe_slots if invariant else fused_moe
-        partial = moe(hidden_all, self.w13, self.w2, self._local_ids(ids_all), weights_all)
+        partial = moe(hidden_all, self.w13, self.w2, ids_all, weights_all, self.expert_map)
         if invariant:  # [N, k, H] float32 -> [N, k * H]: one nonzero term per element over the ranks
             partial = partial.reshape(partial.shape[0], -1)
         if dist.get_backend(self.group) == "nccl":

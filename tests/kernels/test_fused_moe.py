@@ -11,8 +11,10 @@ import torch.nn.functional as F
 
 from rayinfer.kernels._triton_utils import HAS_TRITON
 from rayinfer.kernels.fused_moe import (
-    fused_moe, fused_moe_ref, fused_moe_slots, fused_moe_slots_ref, moe_align, sum_slots,
+    ExpertMap, fused_moe, fused_moe_ref, fused_moe_slots, fused_moe_slots_ref, moe_align, moe_align_ref,
+    moe_align_triton, sum_slots,
 )
+from rayinfer.model.moe import log2phy_table
 
 CUDA = torch.cuda.is_available()
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 3e-2}
@@ -75,12 +77,71 @@ def test_ref_rejects_bad_shapes():
 
 def test_moe_align_by_hand():
     ids = torch.tensor([[2, 0], [2, -1], [0, 2]])  # pairs 0..5: experts 2,0,2,-,0,2
-    sorted_pairs, block_experts = moe_align(ids, num_experts=3, block_m=2)
+    sorted_pairs, block_experts = moe_align_ref(ids, num_experts=3, block_m=2)
     # expert 0 -> pairs 1,4; expert 1 -> none; expert 2 -> pairs 0,2,5 (+ one pad); sentinel is 6
     assert sorted_pairs.tolist()[:6] == [1, 4, 0, 2, 5, 6]
     assert set(sorted_pairs.tolist()[6:]) == {6}
     assert block_experts.tolist()[:2] == [0, 2] and block_experts.tolist()[2] == 2
     assert all(e == -1 for e in block_experts.tolist()[3:])
+
+
+def check_alignment(sorted_pairs, block_experts, ids, num_experts, block_m) -> None:
+    """A valid alignment of ids (no reference): each kept pair exactly once, in a tile of its expert;
+    every other row the sentinel; tiles past the last used one marked -1; tiles in ascending expert."""
+    flat = ids.reshape(-1).cpu().long()
+    num_pairs = flat.numel()
+    pairs, tiles = sorted_pairs.cpu().long(), block_experts.cpu().long()
+    assert pairs.numel() == tiles.numel() * block_m
+    kept = ((flat >= 0) & (flat < num_experts)).nonzero().squeeze(1)
+    real = pairs[pairs != num_pairs]
+    assert sorted(real.tolist()) == kept.tolist(), "each kept pair exactly once"
+    tile_of_row = tiles.repeat_interleave(block_m)
+    rows = (pairs != num_pairs).nonzero().squeeze(1)
+    assert torch.equal(tile_of_row[rows], flat[pairs[rows]]), "pairs in their expert's tiles"
+    used = tiles[tiles >= 0]
+    assert (used[1:] >= used[:-1]).all(), "tiles in ascending expert"
+    assert (tiles[used.numel():] == -1).all() and (tiles[: used.numel()] >= 0).all()
+    counts = torch.bincount(flat[kept], minlength=num_experts)
+    assert torch.equal(torch.bincount(used, minlength=num_experts), (counts + block_m - 1) // block_m)
+
+
+def random_ids(num_tokens, top_k, num_ids, seed, drop=0.1):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, num_ids, (num_tokens, top_k), generator=gen)
+    return torch.where(torch.rand(num_tokens, top_k, generator=gen) < drop, -1, ids)
+
+
+ALIGN_CASES = [(1, 1, 4, 16), (3, 2, 5, 16), (40, 6, 64, 16), (700, 6, 64, 64)]  # T, k, E, block_m
+
+
+def test_moe_align_ref_is_valid():
+    for i, (t, k, e, bm) in enumerate(ALIGN_CASES + [(129, 8, 33, 32)]):
+        ids = random_ids(t, k, e + 2, seed=i)  # ids >= e are dropped too
+        check_alignment(*moe_align_ref(ids, e, bm), ids, e, bm)
+
+
+def check_align_kernel(device, cases) -> None:
+    """moe_align_triton equals the reference exactly (plain ids; mapped through an ExpertMap with
+    replicas; logical load counting), and is valid."""
+    for i, (t, k, e, bm) in enumerate(cases):
+        ids = random_ids(t, k, e + 2, seed=i).to(device)
+        got = moe_align_triton(ids, e, bm)
+        want = moe_align_ref(ids, e, bm)
+        assert torch.equal(got[0].long(), want[0]) and torch.equal(got[1].long(), want[1]), f"case {i}"
+        check_alignment(*got, ids, e, bm)
+        # 2 ranks of e slots each over `logical` experts with replicas, this rank the second
+        logical = max(1, e * 2 - 3)
+        phy2log = torch.arange(2 * e) % logical
+        log2phy, replica_counts = log2phy_table(phy2log, logical)
+        emap = ExpertMap(log2phy.to(device), replica_counts.to(device), first_local=e, num_local=e)
+        logical_ids = random_ids(t, k, logical, seed=50 + i).to(device)
+        load = torch.zeros(logical, dtype=torch.int64, device=device)
+        got = moe_align_triton(logical_ids, e, bm, emap, load)
+        local = emap.local_ids(logical_ids)
+        want = moe_align_ref(local, e, bm)
+        assert torch.equal(got[0].long(), want[0]) and torch.equal(got[1].long(), want[1]), f"mapped case {i}"
+        kept = logical_ids[logical_ids >= 0]
+        assert torch.equal(load, torch.bincount(kept, minlength=logical)), f"load case {i}"
 
 
 def check_kernel(device, cases):
@@ -112,6 +173,58 @@ def test_kernel_matches_ref():
     print(f"fused_moe: max abs err {check_kernel('cuda', GPU_CASES):.2e}")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_align_kernel_matches_ref_on_gpu():
+    check_align_kernel("cuda", ALIGN_CASES + [(129, 8, 33, 32), (4096, 8, 256, 64), (8192, 6, 64, 64),
+                                              (1, 8, 288, 16), (10, 6, 64, 16)])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_routing_and_moe_replay_from_a_cuda_graph():
+    """Router kernel + alignment + grouped GEMMs (with an EP-style ExpertMap and load counting) captured in
+    one CUDA graph (no host sync) and replayed on new logits: the reference's output and expert load."""
+    from rayinfer.kernels.moe_routing import grouped_topk
+
+    num_tokens, num_experts, hidden_size, inter, top_k = 48, 64, 256, 128, 6
+    x, w13, w2, _, _ = make_case(num_tokens, num_experts, hidden_size, inter, top_k, torch.bfloat16, "cuda")
+    phy2log = torch.arange(num_experts + 8) % num_experts  # 8 redundant slots on one rank
+    log2phy, replica_counts = log2phy_table(phy2log, num_experts)
+    emap = ExpertMap(log2phy.cuda(), replica_counts.cuda(), first_local=0, num_local=num_experts + 8)
+    w13_phy, w2_phy = w13[phy2log.cuda()], w2[phy2log.cuda()]
+    bias = torch.randn(num_experts, device="cuda") * 0.1
+    logits = torch.randn(num_tokens, num_experts, device="cuda")
+    load = torch.zeros(num_experts, dtype=torch.int64, device="cuda")
+
+    def layer():
+        weights, ids = grouped_topk(logits, bias, top_k, 8, 4, True, 2.5)
+        return fused_moe(x, w13_phy, w2_phy, ids, weights, emap, load), ids, weights
+
+    layer()  # compiles
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, ids, weights = layer()
+    logits.copy_(torch.randn(num_tokens, num_experts, device="cuda"))
+    load.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    want_w, want_ids = grouped_topk_ref_sorted(logits, bias, top_k)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_w)
+    want = fused_moe_ref(x, w13, w2, ids, weights)  # logical experts: replicas hold the same weights
+    torch.testing.assert_close(out.float(), want.float(), atol=3e-2, rtol=3e-2)
+    assert torch.equal(load, torch.bincount(ids.reshape(-1), minlength=num_experts))
+
+
+def grouped_topk_ref_sorted(logits, bias, top_k):
+    from rayinfer.kernels.batch_invariant import batch_invariant_mode
+    from rayinfer.kernels.moe_routing import grouped_topk_ref
+
+    with batch_invariant_mode():  # ids by descending choice, as the kernel's
+        return grouped_topk_ref(logits, bias, top_k, 8, 4, True, 2.5)
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_kernel_through_triton_interpreter(run_interpreted):
     run_interpreted(__file__)
@@ -121,5 +234,6 @@ if __name__ == "__main__":
     if "--interpret" in sys.argv:
         f32 = torch.float32
         check_kernel("cpu", [(5, 4, 32, 16, 2, f32), (1, 8, 48, 24, 3, f32), (40, 6, 40, 20, 2, f32)])
+        check_align_kernel("cpu", ALIGN_CASES)
     else:
         sys.exit(pytest.main([__file__, "-m", "gpu", "-q", *sys.argv[1:]]))

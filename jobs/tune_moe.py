@@ -1,0 +1,161 @@
+"""Tune the fused-MoE grouped GEMM's tiles on this GPU and write its table (``kernels/configs/<device>.json``).
+
+    python jobs/tune_moe.py                                   # DeepSeek-V2-Lite's expert shape, M = 1..4096
+    python jobs/tune_moe.py --shapes deepseek-v2-lite,qwen3-30b-a3b --out $OUT/NVIDIA_H200.json
+    python jobs/tune_moe.py --shapes 64x1408x2048x6 --m 1,16,256 --budget-s 60
+
+For each expert shape (E experts, intermediate I, hidden H, top-k) and token count M, times
+``fused_moe_triton`` (alignment, both grouped GEMMs, activation, top-k sum; the way a layer runs it) under
+a CUDA graph (``triton.testing.do_bench_cudagraph``) for every candidate tile config, on random bf16
+weights and uniformly random routing, checks the winner against ``fused_moe_ref``, and merges the
+winners into the device's table (entries of other shapes in the file are kept). The candidates: BLOCK_M
+from 16 up to about twice the mean pairs per expert (at most 128), BLOCK_N and BLOCK_K in {64, 128},
+4 or 8 warps, 3 or 4 stages (``--wide`` adds BLOCK_N 32 / BLOCK_K 32 / 2 stages). The default run (one
+shape, 13 M values) takes about 3 minutes on an H200, most of it compiling; ``--budget-s`` stops early
+(the table keeps what was tuned; lookups take the nearest tuned M). See ``kernels.fused_moe_config``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+SHAPES = {  # name: (E, I, H, top_k) of one rank's routed experts
+    "deepseek-v2-lite": (64, 1408, 2048, 6),
+    "qwen3-30b-a3b": (128, 768, 2048, 8),
+    "deepseek-v3-ep8": (32, 2048, 7168, 8),  # 256 experts over 8 ranks
+}
+M_VALUES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+
+
+def candidates(num_tokens: int, num_experts: int, top_k: int, wide: bool = False) -> list:
+    """Tile configs worth timing at M tokens: BLOCK_M up to ~2x the mean pairs per expert."""
+    from rayinfer.kernels.fused_moe_config import MoETileConfig
+
+    per_expert = num_tokens * top_k / num_experts
+    block_ms = [b for b in (16, 32, 64, 128) if b == 16 or b <= 2 * per_expert]
+    block_ns = (32, 64, 128) if wide else (64, 128)
+    block_ks = (32, 64, 128) if wide else (64, 128)
+    stages = (2, 3, 4) if wide else (3, 4)
+    return [MoETileConfig(*c) for c in itertools.product(block_ms, block_ns, block_ks, (4, 8), stages)]
+
+
+def parse_shape(text: str) -> tuple[str, tuple[int, int, int, int]]:
+    """A name of :data:`SHAPES` or ``ExIxHxk`` -> (name, (E, I, H, k)). Raises: ValueError."""
+    if text in SHAPES:
+        return text, SHAPES[text]
+    try:
+        e, i, h, k = (int(x) for x in text.split("x"))
+    except ValueError:
+        raise ValueError(f"shape {text!r} is neither one of {sorted(SHAPES)} nor ExIxHxk") from None
+    return text, (e, i, h, k)
+
+
+def tune_shape(shape: tuple[int, int, int, int], m_values: list[int], dtype: torch.dtype, deadline: float,
+               wide: bool, log=print) -> dict[int, dict]:
+    """{M: {"config": tile config JSON, "us": best time, "default_us": the heuristic's time}} of one shape."""
+    from triton.testing import do_bench_cudagraph
+
+    from rayinfer.kernels.fused_moe import fused_moe_ref, fused_moe_triton
+    from rayinfer.kernels.fused_moe_config import default_tile_config
+
+    num_experts, inter, hidden_size, top_k = shape
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden_size, generator=gen, device="cuda") * 0.02).to(dtype)
+    w2 = (torch.randn(num_experts, hidden_size, inter, generator=gen, device="cuda") * 0.02).to(dtype)
+    results: dict[int, dict] = {}
+    for m in m_values:
+        if time.time() > deadline:
+            log(f"  budget spent: M >= {m} not tuned")
+            break
+        x = torch.randn(m, hidden_size, generator=gen, device="cuda").to(dtype)
+        weights, ids = torch.rand(m, num_experts, generator=gen, device="cuda").topk(top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+
+        def time_us(tiles) -> float:
+            fn = lambda: fused_moe_triton(x, w13, w2, ids, weights, tiles=tiles)  # noqa: E731
+            fn()
+            ms = do_bench_cudagraph(fn, rep=10)  # return_mode "mean": one float
+            return 1e3 * float(ms)  # type: ignore[arg-type]
+
+        default = default_tile_config(m, top_k)
+        default_us = time_us(default)
+        best, best_us = default, default_us
+        for tiles in candidates(m, num_experts, top_k, wide):
+            if time.time() > deadline:
+                break
+            try:
+                us = time_us(tiles)
+            except Exception as exc:  # a config the device cannot hold (shared memory, registers)
+                log(f"  M={m} {tiles.to_json()}: {type(exc).__name__}")
+                continue
+            if us < best_us:
+                best, best_us = tiles, us
+        want = fused_moe_ref(x, w13, w2, ids, weights).float()
+        err = float((fused_moe_triton(x, w13, w2, ids, weights, tiles=best).float() - want).abs().max())
+        if err > 3e-2 * max(1.0, float(want.abs().max())):
+            raise RuntimeError(f"M={m}: tuned config {best.to_json()} is wrong (max abs err {err:.3g})")
+        results[m] = {"config": best.to_json(), "us": best_us, "default_us": default_us}
+        log(f"  M={m:<5} best {best_us:8.1f} us {best.to_json()} | default {default_us:8.1f} us "
+            f"(x{default_us / best_us:.2f})")
+    return results
+
+
+def merge_table(path: Path, device: str, dtype: str, tuned: dict[tuple[int, int, int, int], dict[int, dict]]
+                ) -> dict:
+    """Add the tuned entries to the table at ``path`` (kept entries of other shapes); returns the table."""
+    from rayinfer.kernels.fused_moe_config import parse_table, shape_key
+
+    table = json.loads(path.read_text()) if path.is_file() else {"device": device, "entries": {}}
+    if table.get("device") != device:
+        raise ValueError(f"{path} holds the table of {table.get('device')!r}, not of {device!r}")
+    for (e, i, h, _), by_m in tuned.items():
+        table["entries"][shape_key(e, 2 * i, h, dtype)] = {str(m): r["config"] for m, r in sorted(by_m.items())}
+    parse_table(table)  # validates what is written
+    return table
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--shapes", default="deepseek-v2-lite",
+                        help=f"comma-separated names ({', '.join(SHAPES)}) or ExIxHxk")
+    parser.add_argument("--m", default=",".join(map(str, M_VALUES)), help="token counts to tune")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--budget-s", type=float, default=220.0, help="stop tuning after this many seconds")
+    parser.add_argument("--wide", action="store_true", help="a wider candidate set (slower)")
+    parser.add_argument("--out", default=None, help="table path (default: kernels/configs/<device>.json)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("tune_moe needs a CUDA device")
+    from rayinfer.kernels.fused_moe_config import table_path
+
+    shapes = [parse_shape(s) for s in args.shapes.split(",") if s]
+    m_values = sorted({int(m) for m in args.m.split(",") if m})
+    dtype = getattr(torch, args.dtype)
+    device = torch.cuda.get_device_name()
+    started = time.time()
+    deadline = started + args.budget_s
+    tuned, report = {}, {}
+    with torch.inference_mode():
+        for name, shape in shapes:
+            print(f"{name}: E={shape[0]} I={shape[1]} H={shape[2]} k={shape[3]} on {device}", flush=True)
+            tuned[shape] = tune_shape(shape, m_values, dtype, deadline, args.wide,
+                                      log=lambda s: print(s, flush=True))
+            report[name] = {str(m): r for m, r in tuned[shape].items()}
+    out = Path(args.out) if args.out else table_path(device)
+    table = merge_table(out, device, args.dtype, tuned)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(table, indent=1) + "\n")
+    print(f"wrote {out} ({time.time() - started:.0f} s)")
+    command = "python jobs/tune_moe.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    return {"device": device, "command": command, "results": report}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,283 @@
+"""MoE routers: each token's top-k experts and routing weights from its router logits.
+
+Two routers, each as a plain-torch reference (the CPU path) and a Triton kernel with one program per
+token row (one launch per layer instead of a dozen small torch kernels, which dominate a decode step):
+
+- :func:`softmax_topk`: softmax top-k (Qwen3-MoE, Mixtral), optionally renormalized;
+- :func:`grouped_topk`: DeepSeek-V3's sigmoid scores, bias-corrected choice within the best expert
+  groups, normalization and ``routed_scaling_factor``.
+
+Glossary: T tokens, L (logical) experts, k experts per token, G expert groups.
+
+The kernels return the k experts by descending score (ties: the lower expert id first) and add a
+token's k weights in slot order, the batch-invariant contract of the references (see
+``kernels.batch_invariant``); outside that mode the references' ``topk(sorted=False)`` and
+``sum`` may order differently (same set of experts, weights equal up to rounding).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rayinfer.kernels._triton_utils import tl, triton, use_triton
+from rayinfer.kernels.batch_invariant import is_batch_invariant
+
+_MAX_EXPERTS = 4096  # one program holds a row of router logits in registers
+
+
+def _sum_k(weights: torch.Tensor) -> torch.Tensor:
+    """[T, k] -> [T, 1], the sum of each token's k routing weights; in slot order in batch-invariant mode."""
+    if is_batch_invariant():
+        total = weights[:, 0].clone()
+        for slot in range(1, weights.shape[1]):
+            total += weights[:, slot]
+        return total[:, None]
+    return weights.sum(dim=-1, keepdim=True)
+
+
+def _check_topk(router_logits: torch.Tensor, top_k: int) -> None:
+    if router_logits.dim() != 2:
+        raise ValueError(f"router_logits must be [T, L], got shape {tuple(router_logits.shape)}")
+    if not 1 <= top_k <= router_logits.shape[1]:
+        raise ValueError(f"top_k={top_k} must be in [1, {router_logits.shape[1]}] (the number of experts)")
+
+
+def softmax_topk_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax top-k routing in plain torch (Qwen3-MoE, Mixtral).
+
+    Args:
+        router_logits: [T, L], the hidden states' dtype.
+        top_k: experts per token.
+        renormalize: divide the k probabilities by their sum (``norm_topk_prob``).
+    Returns:
+        (topk_weights [T, k] in router_logits' dtype, topk_ids [T, k] int64), by descending probability.
+    Source: Hugging Face ``Qwen3MoeTopKRouter``.
+    """
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / _sum_k(weights)
+    return weights.to(router_logits.dtype), ids
+
+
+def grouped_topk_ref(
+    router_logits: torch.Tensor,
+    e_score_correction_bias: torch.Tensor,
+    top_k: int,
+    num_groups: int,
+    topk_groups: int,
+    renormalize: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 routing in plain torch: sigmoid scores, bias-corrected choice within the best groups.
+
+    Steps: 1. scores = sigmoid(logits); choice = scores + bias. 2. A group's score is the sum of its
+    two best choices; keep the ``topk_groups`` best groups. 3. Pick the ``top_k`` best choices inside
+    them. 4. Weights are the picked *uncorrected* scores, optionally renormalized (sum + 1e-20), times
+    ``routed_scaling_factor``.
+
+    Args:
+        router_logits: [T, L] float32.
+        e_score_correction_bias: [L] float32 (aux-loss-free load balancing bias).
+        top_k, num_groups (``n_group``), topk_groups (``topk_group``): as in the config; L must divide
+            into ``num_groups`` groups of at least two experts.
+        renormalize: ``norm_topk_prob``.
+        routed_scaling_factor: multiplies the weights.
+    Returns:
+        (topk_weights [T, k] float32, topk_ids [T, k] int64); in batch-invariant mode by descending
+        choice (``topk(sorted=False)``'s order may follow the algorithm torch picks for the batch's shape,
+        and the slot order is the order in which a token's expert outputs are added).
+    Source: DeepSeek-V3 technical report (2024), section 2.1.2; Hugging Face ``DeepseekV3TopkRouter``.
+    """
+    num_tokens, num_experts = router_logits.shape
+    scores = router_logits.sigmoid()
+    choice = scores + e_score_correction_bias
+    per_group = num_experts // num_groups  # explicit sizes: T may be 0 (an EP rank without work)
+    group_scores = choice.view(num_tokens, num_groups, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+    group_ids = torch.topk(group_scores, k=topk_groups, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_ids, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(-1, num_groups, per_group).reshape(num_tokens, num_experts)
+    choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+    ids = torch.topk(choice, k=top_k, dim=-1, sorted=is_batch_invariant())[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (_sum_k(weights) + 1e-20)
+    return weights * routed_scaling_factor, ids
+
+
+# ----------------------------------------------------------------------------------------------------
+# Triton kernels: program r routes token r. Top-k is k rounds of (max, lowest index holding it, mask
+# it out); the k results are kept in registers as [BLOCK_K] vectors and stored once.
+# ----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _softmax_topk_kernel(
+    logits_ptr, weights_ptr, ids_ptr, num_experts, stride_t,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, BLOCK_E)
+    ok = experts < num_experts
+    x = tl.load(logits_ptr + row * stride_t + experts, mask=ok, other=float("-inf")).to(tl.float32)
+    e = tl.exp(x - tl.max(x, 0))
+    probs = tl.where(ok, e / tl.sum(e, 0), float("-inf"))
+    slots = tl.arange(0, BLOCK_K)
+    ids = tl.zeros([BLOCK_K], dtype=tl.int64)
+    weights = tl.zeros([BLOCK_K], dtype=tl.float32)
+    total = 0.0
+    for i in tl.static_range(TOP_K):
+        best = tl.max(probs, 0)
+        idx = tl.min(tl.where(probs == best, experts, BLOCK_E), 0)
+        ids = tl.where(slots == i, idx.to(tl.int64), ids)
+        weights = tl.where(slots == i, best, weights)
+        total = total + best  # slot order: the batch-invariant sum
+        probs = tl.where(experts == idx, float("-inf"), probs)
+    if RENORMALIZE:
+        weights = weights / total
+    out = row * TOP_K + slots
+    tl.store(ids_ptr + out, ids, mask=slots < TOP_K)
+    tl.store(weights_ptr + out, weights.to(weights_ptr.dtype.element_ty), mask=slots < TOP_K)
+
+
+@triton.jit
+def _grouped_topk_kernel(
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_t, scaling_factor,
+    NUM_GROUPS: tl.constexpr, PER_GROUP: tl.constexpr, TOP_K: tl.constexpr, TOPK_GROUPS: tl.constexpr,
+    RENORMALIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    groups = tl.arange(0, BLOCK_G)
+    members = tl.arange(0, BLOCK_P)
+    ok = (groups[:, None] < NUM_GROUPS) & (members[None, :] < PER_GROUP)
+    experts = groups[:, None] * PER_GROUP + members[None, :]  # [BLOCK_G, BLOCK_P]
+    x = tl.load(logits_ptr + row * stride_t + experts, mask=ok, other=0.0).to(tl.float32)
+    scores = tl.sigmoid(x)
+    bias = tl.load(bias_ptr + experts, mask=ok, other=0.0).to(tl.float32)
+    choice = tl.where(ok, scores + bias, float("-inf"))
+    if TOPK_GROUPS < NUM_GROUPS:
+        # a group's score: its two best choices added (torch: topk(2).sum(-1))
+        top1 = tl.max(choice, 1)
+        first = tl.min(tl.where(choice == top1[:, None], members[None, :], BLOCK_P), 1)
+        top2 = tl.max(tl.where(members[None, :] == first[:, None], float("-inf"), choice), 1)
+        group_scores = tl.where(groups < NUM_GROUPS, top1 + top2, float("-inf"))
+        keep = groups < 0
+        for _ in tl.static_range(TOPK_GROUPS):
+            best = tl.max(group_scores, 0)
+            g = tl.min(tl.where(group_scores == best, groups, BLOCK_G), 0)
+            keep = keep | (groups == g)
+            group_scores = tl.where(groups == g, float("-inf"), group_scores)
+        choice = tl.where(keep[:, None], choice, float("-inf"))
+    slots = tl.arange(0, BLOCK_K)
+    ids = tl.zeros([BLOCK_K], dtype=tl.int64)
+    weights = tl.zeros([BLOCK_K], dtype=tl.float32)
+    total = 0.0
+    for i in tl.static_range(TOP_K):
+        best = tl.max(tl.max(choice, 1), 0)
+        idx = tl.min(tl.min(tl.where(choice == best, experts, BLOCK_G * BLOCK_P), 1), 0)
+        picked = experts == idx
+        score = tl.max(tl.max(tl.where(picked, scores, float("-inf")), 1), 0)
+        ids = tl.where(slots == i, idx.to(tl.int64), ids)
+        weights = tl.where(slots == i, score, weights)
+        total = total + score  # slot order: the batch-invariant sum
+        choice = tl.where(picked, float("-inf"), choice)
+    if RENORMALIZE:
+        weights = weights / (total + 1e-20)
+    weights = weights * scaling_factor
+    out = row * TOP_K + slots
+    tl.store(ids_ptr + out, ids, mask=slots < TOP_K)
+    tl.store(weights_ptr + out, weights, mask=slots < TOP_K)
+
+
+def _kernel_applies(router_logits: torch.Tensor, *others: torch.Tensor) -> bool:
+    return (
+        router_logits.shape[0] > 0
+        and router_logits.shape[1] <= _MAX_EXPERTS
+        and router_logits.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and router_logits.stride(1) == 1
+        and use_triton(router_logits, *others)
+    )
+
+
+def softmax_topk_triton(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`softmax_topk_ref` in one Triton launch (same contract; ``router_logits.stride(1) == 1``)."""
+    _check_topk(router_logits, top_k)
+    num_tokens, num_experts = router_logits.shape
+    weights = router_logits.new_empty((num_tokens, top_k))
+    ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=router_logits.device)
+    _softmax_topk_kernel[(num_tokens,)](
+        router_logits, weights, ids, num_experts, router_logits.stride(0),
+        TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
+        BLOCK_K=max(2, triton.next_power_of_2(top_k)), num_warps=4 if num_experts > 256 else 1,
+    )
+    return weights, ids
+
+
+def grouped_topk_triton(
+    router_logits: torch.Tensor,
+    e_score_correction_bias: torch.Tensor,
+    top_k: int,
+    num_groups: int,
+    topk_groups: int,
+    renormalize: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`grouped_topk_ref` in one Triton launch (same contract; experts by descending choice)."""
+    num_tokens, num_experts = router_logits.shape
+    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=router_logits.device)
+    per_group = num_experts // num_groups
+    _grouped_topk_kernel[(num_tokens,)](
+        router_logits, e_score_correction_bias, weights, ids, router_logits.stride(0), float(routed_scaling_factor),
+        NUM_GROUPS=num_groups, PER_GROUP=per_group, TOP_K=top_k, TOPK_GROUPS=topk_groups, RENORMALIZE=renormalize,
+        BLOCK_G=triton.next_power_of_2(num_groups), BLOCK_P=max(2, triton.next_power_of_2(per_group)),
+        BLOCK_K=max(2, triton.next_power_of_2(top_k)), num_warps=4 if num_experts > 256 else 1,
+    )
+    return weights, ids
+
+
+def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax top-k routing (Qwen3-MoE, Mixtral); the Triton kernel on CUDA tensors.
+
+    Args and returns: as :func:`softmax_topk_ref` (experts by descending probability).
+    Raises:
+        ValueError: if router_logits is not 2-D or top_k is not in ``[1, L]``.
+    """
+    _check_topk(router_logits, top_k)
+    if _kernel_applies(router_logits):
+        return softmax_topk_triton(router_logits, top_k, renormalize)
+    return softmax_topk_ref(router_logits, top_k, renormalize)
+
+
+def grouped_topk(
+    router_logits: torch.Tensor,
+    e_score_correction_bias: torch.Tensor,
+    top_k: int,
+    num_groups: int,
+    topk_groups: int,
+    renormalize: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 routing (see :func:`grouped_topk_ref`); the Triton kernel on CUDA tensors, which
+    returns the experts by descending choice in either mode.
+
+    Raises:
+        ValueError: if L does not split into ``num_groups`` groups of at least two experts, or
+            ``topk_groups`` / ``top_k`` do not fit (``1 <= top_k <= topk_groups * L / num_groups``).
+    """
+    _check_topk(router_logits, top_k)
+    num_experts = router_logits.shape[1]
+    if num_groups < 1 or num_experts % num_groups or num_experts // num_groups < 2:
+        raise ValueError(f"{num_experts} experts do not split into num_groups={num_groups} groups of at least 2")
+    if not 1 <= topk_groups <= num_groups or top_k > topk_groups * (num_experts // num_groups):
+        raise ValueError(f"topk_groups={topk_groups} of {num_groups} groups cannot hold top_k={top_k} experts")
+    if e_score_correction_bias.shape != (num_experts,):
+        raise ValueError(f"e_score_correction_bias {tuple(e_score_correction_bias.shape)} must be [{num_experts}]")
+    if (router_logits.dtype == torch.float32 and e_score_correction_bias.dtype == torch.float32
+            and _kernel_applies(router_logits, e_score_correction_bias)):
+        return grouped_topk_triton(router_logits, e_score_correction_bias.contiguous(), top_k, num_groups,
+                                   topk_groups, renormalize, routed_scaling_factor)
+    return grouped_topk_ref(router_logits, e_score_correction_bias, top_k, num_groups, topk_groups, renormalize,
+                            routed_scaling_factor)

@@ -1,0 +1,89 @@
+"""The fused-MoE tile tables: parsing, nearest-M lookup, the default and batch-invariant fallbacks, and the
+shipped tables' validity."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rayinfer.kernels import fused_moe_config as fmc
+from rayinfer.kernels.fused_moe_config import MoETileConfig, default_tile_config, load_table, lookup, tile_config
+
+ENTRY = {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
+SHAPE = "E=64,N=2816,K=2048,dtype=bfloat16"
+
+
+def write_table(tmp_path, device="NVIDIA Test GPU-80GB", entries=None):
+    entries = entries if entries is not None else {SHAPE: {"1": dict(ENTRY, BLOCK_M=16), "64": ENTRY,
+                                                           "1024": dict(ENTRY, BLOCK_M=64)}}
+    path = fmc.table_path(device, tmp_path)
+    path.write_text(json.dumps({"device": device, "entries": entries}))
+    return path
+
+
+def test_lookup_takes_the_nearest_tuned_m(tmp_path):
+    path = write_table(tmp_path)
+    assert path.name == "NVIDIA_Test_GPU_80GB.json"
+    table = load_table("NVIDIA Test GPU-80GB", tmp_path)
+    pick = [getattr(lookup(table, 64, 2816, 2048, "bfloat16", m), "block_m", None)
+            for m in (1, 20, 32, 33, 100, 600, 5000)]
+    assert pick == [16, 16, 16, 32, 32, 64, 64]  # 32 is as near 1 as 64 (ties: the smaller M)
+    assert lookup(table, 64, 2816, 2048, "bfloat16", 64) == MoETileConfig(32, 128, 64, 8, 3)
+    assert lookup(table, 64, 2816, 2048, "float16", 64) is None  # other dtype
+    assert lookup(table, 128, 2816, 2048, "bfloat16", 64) is None  # other shape
+
+
+def test_tile_config_prefers_the_table_but_not_in_batch_invariant_mode(tmp_path, monkeypatch):
+    write_table(tmp_path)
+    monkeypatch.setattr(fmc, "CONFIG_DIR", tmp_path)
+    fmc.load_table.cache_clear()
+    fmc.tile_config.cache_clear()
+    try:
+        dev = "NVIDIA Test GPU-80GB"
+        assert tile_config(dev, 64, 2816, 2048, "bfloat16", 64, 6) == MoETileConfig(32, 128, 64, 8, 3)
+        assert tile_config(dev, 64, 2816, 2048, "bfloat16", 64, 6, batch_invariant=True) == MoETileConfig(64)
+        assert tile_config(dev, 64, 1408, 2048, "bfloat16", 64, 6) == default_tile_config(64, 6)  # no entry
+    finally:
+        fmc.load_table.cache_clear()
+        fmc.tile_config.cache_clear()
+    assert tile_config(None, 64, 2816, 2048, "bfloat16", 1, 6) == MoETileConfig(block_m=16)
+    assert tile_config(None, 64, 2816, 2048, "bfloat16", 512, 6).block_m == 64  # 3072 pairs
+    assert tile_config("no such device", 64, 2816, 2048, "bfloat16", 1, 6).block_m == 16
+
+
+def test_malformed_tables_name_the_problem(tmp_path):
+    with pytest.raises(ValueError, match="power of two"):
+        MoETileConfig(block_m=24)
+    with pytest.raises(ValueError, match="exactly the keys"):
+        MoETileConfig.from_json({"BLOCK_M": 16})
+    write_table(tmp_path, "Bad GPU", {SHAPE: {"1": dict(ENTRY, num_warps=3)}})
+    with pytest.raises(ValueError, match="Bad_GPU.json.*E=64"):
+        load_table("Bad GPU", tmp_path)
+
+
+def test_shipped_tables_parse():
+    files = sorted(fmc.CONFIG_DIR.glob("*.json"))
+    for path in files:
+        data = json.loads(path.read_text())
+        assert fmc.table_path(data["device"]) == path, f"{path.name} is not named after its device"
+        assert fmc.parse_table(data), f"{path.name} has no entries"
+
+
+def test_tuner_candidates_and_table_merge(tmp_path):
+    from rayinfer.jobs import tune_moe
+
+    small = {c.block_m for c in tune_moe.candidates(1, 64, 6)}
+    large = {c.block_m for c in tune_moe.candidates(4096, 64, 6)}
+    assert small == {16} and large == {16, 32, 64, 128}
+    assert tune_moe.parse_shape("64x1408x2048x6") == ("64x1408x2048x6", (64, 1408, 2048, 6))
+    with pytest.raises(ValueError, match="ExIxHxk"):
+        tune_moe.parse_shape("v3")
+    path = write_table(tmp_path)
+    tuned = {(8, 16, 32, 2): {1: {"config": ENTRY}, 64: {"config": dict(ENTRY, BLOCK_M=64)}}}
+    table = tune_moe.merge_table(path, "NVIDIA Test GPU-80GB", "float16", tuned)
+    parsed = fmc.parse_table(table)
+    assert set(parsed) == {SHAPE, "E=8,N=32,K=32,dtype=float16"}  # the file's other shape is kept
+    assert parsed["E=8,N=32,K=32,dtype=float16"][64].block_m == 64
+    with pytest.raises(ValueError, match="not of 'Other'"):
+        tune_moe.merge_table(path, "Other", "float16", tuned)
