@@ -16,6 +16,14 @@ In batch-invariant mode (``kernels.batch_invariant``) the model takes the absorb
 (``model.deepseek_v3``): its kernel computes each query token in a program of its own, reading the
 token's keys in the same ``BLOCK_N`` tiles from position 0, masked alike, without split-KV, so a token's
 row is the same bits in a prefill, an extend after a prefix hit or chunk, and a decode.
+
+Kernels and grids. ``_mla_decode_kernel`` (absorbed form): grid (tokens, head tiles of ``BLOCK_H``,
+KV splits); with one split a program writes its token's output, with several (split-KV, "flash
+decoding": a batch-1 decode is otherwise one program on a 132-multiprocessor GPU) each writes a partial
+output and log-sum-exp over its share of the keys and ``_mla_merge_splits_kernel`` (grid (tokens,
+heads)) combines them. The split count comes from the launch shape and the longest context a CUDA
+graph may replay (:func:`choose_num_splits`), never from the device's lengths, so the launch has no host
+sync and captures; each token sizes its splits from its own length in the kernel.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rayinfer.kernels._triton_utils import is_interpreting, tl, triton, use_triton
+from rayinfer.kernels._triton_utils import device_sms, is_interpreting, tl, triton, use_triton
 from rayinfer.kernels.attention_metadata import AttentionMetadata
 from rayinfer.kernels.batch_invariant import is_batch_invariant
 
@@ -180,28 +188,39 @@ def mla_decode_ref(
 
 
 # ----------------------------------------------------------------------------------------------------
-# Triton kernel of the absorbed form. Program (t, g) computes query token t for a tile of BLOCK_H heads;
-# every head of the tile shares each latent tile read from the cache (MQA), streamed in BLOCK_N tokens
-# through the block table with an online base-2 softmax (FlashAttention-2). Not yet tuned: no split-KV,
-# and with many heads the context is read once per head tile. Tiles depend on the model's shape only and
-# every tile takes the masked path, so a token's result does not depend on its batch (batch-invariant).
+# Triton kernel of the absorbed form. Program (t, g, s) computes query token t for a tile of BLOCK_H heads
+# over split s of the token's keys; every head of the tile shares each latent tile read from the cache
+# (MQA), streamed in BLOCK_N tokens through the block table with an online base-2 softmax
+# (FlashAttention-2). With one split the program writes the output; with several (split-KV, "flash
+# decoding") each writes its partial output and log-sum-exp and a second kernel merges them. The split
+# count is a launch constant (from the batch shape and the longest context a graph may replay); each
+# token's split size is computed in the kernel from its own length, so a short context still uses
+# every split and a split past the token's keys is empty (log-sum-exp -inf, weight 0 in the merge).
+# In batch-invariant mode there is one split, so every tile takes the same path whatever the batch.
 # ----------------------------------------------------------------------------------------------------
 
 
 @triton.jit
 def _mla_decode_kernel(
-    ql_ptr, qp_ptr, cache_ptr, out_ptr, req_of_token_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-    num_heads, qk_scale,
+    ql_ptr, qp_ptr, cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    req_of_token_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    num_heads, num_splits, qk_scale,
     stride_lt, stride_lh, stride_pt, stride_ph, stride_ot, stride_oh, stride_cb, stride_cs, stride_bt,
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr,
-    ROWWISE: tl.constexpr = False,
+    ROWWISE: tl.constexpr = False, USE_SPLITS: tl.constexpr = False,
 ):
     token = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     req = tl.load(req_of_token_ptr + token)
     q_end = tl.load(query_start_loc_ptr + req + 1)
     kv_hi = tl.load(seq_lens_ptr + req) - (q_end - token) + 1  # own position + 1
+    kv_lo = 0
+    split = tl.program_id(2)
+    if USE_SPLITS:  # whole BLOCK_N tiles per split; trailing splits of a short context are empty
+        split_size = tl.cdiv(tl.cdiv(kv_hi, num_splits), BLOCK_N) * BLOCK_N
+        kv_lo = split * split_size
+        kv_hi = tl.minimum(kv_hi, kv_lo + split_size)
     h_ok = heads < num_heads
     r = tl.arange(0, BLOCK_R)
     p = tl.arange(0, BLOCK_P)
@@ -216,7 +235,7 @@ def _mla_decode_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
     table = block_tables_ptr + req.to(tl.int64) * stride_bt
-    for start in range(0, kv_hi, BLOCK_N):
+    for start in range(kv_lo, kv_hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < kv_hi
         blk = tl.load(table + n // KV_BLOCK_SIZE, mask=n_ok, other=0)
@@ -231,7 +250,7 @@ def _mla_decode_kernel(
         else:
             s = tl.dot(ql, tl.trans(kl)) + tl.dot(qp, tl.trans(kp))
         s = tl.where(n_ok[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: key 0 is visible to every query
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: the tile's first key (start < kv_hi) is visible
         prob = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(prob, 1)
@@ -242,20 +261,86 @@ def _mla_decode_kernel(
         else:
             acc = acc * alpha[:, None] + tl.dot(prob.to(kl.dtype), kl)
         m_i = m_new
-    out = acc / l_i[:, None]
-    o_ptrs = out_ptr + t64 * stride_ot + heads[:, None] * stride_oh + r[None, :]
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & r_ok[None, :])
+    if USE_SPLITS:
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # an empty split: weight 0 in the merge
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+        part = (t64 * num_heads + heads) * num_splits + split  # [T, H, num_splits] row-major
+        tl.store(part_lse_ptr + part, lse, mask=h_ok)
+        tl.store(part_out_ptr + part[:, None] * BLOCK_R + r[None, :], acc / l_safe[:, None],
+                 mask=h_ok[:, None] & r_ok[None, :])
+    else:
+        out = acc / l_i[:, None]
+        o_ptrs = out_ptr + t64 * stride_ot + heads[:, None] * stride_oh + r[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & r_ok[None, :])
+
+
+@triton.jit
+def _mla_merge_splits_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, num_heads, num_splits, stride_ot, stride_oh,
+    RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Program (t, h): out = sum_s w_s * part_out_s / sum_s w_s with w_s = 2^(lse_s - max lse)."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    base = (token * num_heads + head) * num_splits
+    splits = tl.arange(0, BLOCK_S)
+    lse = tl.load(part_lse_ptr + base + splits, mask=splits < num_splits, other=float("-inf"))
+    m = tl.max(lse, 0)  # finite: the split holding the token's own position is never empty
+    denom = tl.sum(tl.exp2(lse - m), 0)
+    r = tl.arange(0, BLOCK_R)
+    r_ok = r < RANK
+    acc = tl.zeros([BLOCK_R], tl.float32)
+    for s in range(0, num_splits):  # one [R] row at a time: a [splits, 512] tile would spill registers
+        w = tl.exp2(tl.load(part_lse_ptr + base + s) - m)
+        acc += w * tl.load(part_out_ptr + (base + s) * BLOCK_R + r, mask=r_ok, other=0.0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + r, (acc / denom).to(out_ptr.dtype.element_ty),
+             mask=r_ok)
+
+
+_MAX_SPLITS = 32
+_MIN_SPLIT_TOKENS = 64
+
+
+def choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int) -> int:
+    """Split-KV factor of :func:`mla_decode_triton`: about two programs per multiprocessor, at least
+    ``_MIN_SPLIT_TOKENS`` keys per split, at most ``_MAX_SPLITS``.
+
+    Args:
+        num_programs: programs without splitting (tokens x head tiles).
+        max_seq_len: bound on every context length (a CUDA graph passes the longest it will replay).
+        num_sms: multiprocessors of the device.
+    Returns:
+        the split count, >= 1; it depends on the arguments only (never on the device's lengths).
+    Source: split-KV decoding ("Flash-Decoding", Dao et al. 2023); the tile rule of ``paged_attention``.
+    """
+    if num_programs >= 2 * num_sms or max_seq_len < 2 * _MIN_SPLIT_TOKENS:
+        return 1
+    want = triton.cdiv(2 * num_sms, num_programs)
+    return max(1, min(want, max_seq_len // _MIN_SPLIT_TOKENS, _MAX_SPLITS))
 
 
 def mla_decode_triton(
-    q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    num_splits: int | None = None, max_seq_len: int | None = None,
 ) -> torch.Tensor:
-    """Triton kernel of :func:`mla_decode_ref` (same contract; no host sync)."""
+    """Triton kernel of :func:`mla_decode_ref` (same contract; no host sync).
+
+    Args:
+        num_splits: split-KV factor; by default :func:`choose_num_splits` of the batch shape. Always 1 in
+            batch-invariant mode (``kernels.batch_invariant``): a split count that depends on the batch
+            would change a token's result with its companions.
+        max_seq_len: bound on every ``seq_lens`` entry (default ``meta.max_seq_len``, which a captured
+            graph's metadata sets to ``max_model_len``); it picks the split count baked into the launch.
+    Raises:
+        ValueError: for ``num_splits`` < 1.
+    """
     num_tokens, num_heads, rank = q_latent.shape
     rope = q_pe.shape[-1]
     out = torch.empty((num_tokens, num_heads, rank), dtype=q_latent.dtype, device=q_latent.device)
     if num_tokens == 0 or meta.num_reqs == 0:
         return out
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     q_latent = q_latent if q_latent.stride(-1) == 1 else q_latent.contiguous()
     q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
     query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
@@ -265,15 +350,36 @@ def mla_decode_triton(
     block_r = max(16, triton.next_power_of_2(rank))
     block_h = 16 if block_r >= 256 else max(16, min(32, triton.next_power_of_2(num_heads)))  # acc is [H, R] fp32
     block_n = 16 if block_r >= 512 else 32
-    _mla_decode_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
-        q_latent, q_pe, kv_cache, out, req_of_token, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-        num_heads, scale * 1.4426950408889634,
+    head_tiles = triton.cdiv(num_heads, block_h)
+    max_seq_len = max(max_seq_len or meta.max_seq_len, 1)
+    invariant = is_batch_invariant()
+    if invariant:
+        num_splits = 1
+    elif num_splits is None:
+        num_splits = choose_num_splits(num_tokens * head_tiles, max_seq_len, device_sms(q_latent))
+    num_splits = max(1, min(num_splits, triton.cdiv(max_seq_len, block_n)))
+    use_splits = num_splits > 1
+    if use_splits:
+        part_out = torch.empty((num_tokens, num_heads, num_splits, block_r), dtype=torch.float32,
+                               device=q_latent.device)
+        part_lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q_latent.device)
+    else:
+        part_out = part_lse = out  # unused
+    _mla_decode_kernel[(num_tokens, head_tiles, num_splits)](
+        q_latent, q_pe, kv_cache, out, part_out, part_lse,
+        req_of_token, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+        num_heads, num_splits, scale * 1.4426950408889634,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), meta.block_tables.stride(0),
         RANK=rank, ROPE=rope, BLOCK_R=block_r, BLOCK_P=max(16, triton.next_power_of_2(rope)),
         BLOCK_H=block_h, BLOCK_N=block_n, KV_BLOCK_SIZE=kv_cache.shape[1], IEEE=q_latent.dtype == torch.float32,
-        ROWWISE=is_batch_invariant() and is_interpreting(), num_warps=4, num_stages=2,
+        ROWWISE=invariant and is_interpreting(), USE_SPLITS=use_splits, num_warps=4, num_stages=2,
     )
+    if use_splits:
+        _mla_merge_splits_kernel[(num_tokens, num_heads)](
+            part_out, part_lse, out, num_heads, num_splits, out.stride(0), out.stride(1),
+            RANK=rank, BLOCK_R=block_r, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
+        )
     return out
 
 
