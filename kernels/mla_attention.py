@@ -383,6 +383,22 @@ def mla_decode_triton(
     return out
 
 
+ABSORBED_MAX_QUERY_LEN = 16
+
+
+def use_absorbed(meta: AttentionMetadata) -> bool:
+    """Whether a step attends in the absorbed form (:func:`mla_decode`) rather than the expanded one.
+
+    True when every request computes at most ``ABSORBED_MAX_QUERY_LEN`` new tokens (decode,
+    speculative verification of the last token plus its drafts, short extends), or in batch-invariant
+    mode (every step). Decided from the host list of query lengths, which a captured CUDA graph's
+    metadata fixes to the graph's query length, so a captured step always takes the same branch. The
+    absorbed kernel reads every length on the device, so such steps can be captured; the expanded
+    reference slices the context by host-side lengths and cannot.
+    """
+    return meta.max_query_len <= ABSORBED_MAX_QUERY_LEN or is_batch_invariant()
+
+
 def mla_decode(
     q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:

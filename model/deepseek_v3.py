@@ -33,9 +33,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from rayinfer.kernels.attention_metadata import AttentionMetadata
-from rayinfer.kernels.batch_invariant import is_batch_invariant
 from rayinfer.kernels.matmul import dense_batched_linear, dense_linear
-from rayinfer.kernels.mla_attention import mla_decode, mla_prefill_ref, store_mla_kv
+from rayinfer.kernels.mla_attention import ABSORBED_MAX_QUERY_LEN, mla_decode, mla_prefill_ref, store_mla_kv, use_absorbed
 from rayinfer.model.llama import PagedCausalLM, PreNormDecoderLayer, RMSNorm
 from rayinfer.model.moe import ExpertParallelism, GatedMLP, MoEModelMixin, RoutedExperts, grouped_topk
 
@@ -141,8 +140,9 @@ class DeepseekV3Attention(nn.Module):
     def forward(self, hidden, cos, sin, kv_cache, meta: AttentionMetadata):
         """hidden [T, hidden_size] -> [T, hidden_size]; writes this step's latents into ``kv_cache`` (one layer).
 
-        Pure decode batches attend in the absorbed form (:func:`mla_decode`), others expanded
-        (:func:`mla_prefill_ref`). In batch-invariant mode (``kernels.batch_invariant``) every step takes
+        Steps whose queries are all short (decode, speculative verification: at most
+        ``ABSORBED_MAX_QUERY_LEN`` tokens per request, :func:`use_absorbed`) attend in the absorbed form
+        (:func:`mla_decode`), others expanded (:func:`mla_prefill_ref`). In batch-invariant mode (``kernels.batch_invariant``) every step takes
         the absorbed form, so a token's attention is the same arithmetic whether its step is a prefill, an
         extend or a decode and whatever the step's other requests do (the two forms round differently);
         the projections then run through the persistent matmul (per head for the absorbed ones).
@@ -160,7 +160,7 @@ class DeepseekV3Attention(nn.Module):
         c_kv = self.kv_a_layernorm(c_kv)
         q_pe, k_pe = apply_rope(q_pe, k_pe[:, None, :], cos, sin, self.interleave)
         store_mla_kv(c_kv, k_pe[:, 0], kv_cache, meta.slot_mapping)
-        if meta.is_decode_only or is_batch_invariant():
+        if use_absorbed(meta):
             w_kv_b = self.kv_b_proj.weight.view(heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
             # per head h: q_latent[:, h] = q_nope[:, h] @ W_UK[h] ([Dn, R]); out[:, h] = latent @ W_UV[h].T
             w_uk_t = w_kv_b[:, : self.nope_dim].transpose(1, 2)  # [H, R, Dn]
@@ -277,6 +277,9 @@ class DeepseekV3ForCausalLM(MoEModelMixin, PagedCausalLM):
 
     supports_fp8_kv_cache = False  # MLA's cache and kernels are the model's dtype only
     supports_mtp = True
+    # longest query per request a CUDA graph may capture: the absorbed attention's (the expanded form
+    # slices the context by host-side lengths, which a graph would bake in)
+    max_graph_query_len = ABSORBED_MAX_QUERY_LEN
 
     def __init__(self, config, ep: ExpertParallelism | None = None, enable_mtp: bool = False):
         """Raises: ValueError for an unsupported rope type, activation or expert grouping; with
