@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from rayinfer.kernels._triton_utils import device_sms, is_interpreting, tl, triton, use_triton
 from rayinfer.kernels.attention_metadata import AttentionMetadata
 from rayinfer.kernels.batch_invariant import is_batch_invariant
+from rayinfer.kernels.paged_attention import _find_request
 
 
 def store_mla_kv_ref(
@@ -414,3 +415,160 @@ def mla_decode(
     ):
         return mla_decode_triton(q_latent, q_pe, kv_cache, meta, scale)
     return mla_decode_ref(q_latent, q_pe, kv_cache, meta, scale)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Triton path of the expanded form, without a loop over requests: every request's context latents in one
+# indexed read (the index built on the device from the block tables and lengths), one ``kv_b_proj``
+# up-projection of all of them, then a varlen causal flash-attention kernel. Program (i, h) computes a tile
+# of BLOCK_M query tokens of one request (``paged_attention._find_request``) for head h: keys are the
+# request's rows of the up-projected context (per-head k_nope and v) with the shared roped key k_pe
+# read straight from the gathered latents (never expanded per head), streamed in BLOCK_N tiles with an
+# online base-2 softmax (FlashAttention-2). A query at position p sees its request's keys 0..p, so
+# chunks after a cached prefix and prefix-cache hits need nothing special.
+# ----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _mla_prefill_kernel(
+    qn_ptr, qp_ptr, kv_ptr, lat_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr, kv_start_loc_ptr,
+    num_reqs, qk_scale,
+    stride_qnt, stride_qnh, stride_qpt, stride_qph, stride_kvs, stride_kvh, stride_ls, stride_ot, stride_oh,
+    NOPE: tl.constexpr, ROPE: tl.constexpr, V_DIM: tl.constexpr, RANK: tl.constexpr,
+    BLOCK_DN: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):
+    program = tl.program_id(0)
+    head = tl.program_id(1)
+    req = _find_request(query_start_loc_ptr, program, num_reqs, BLOCK_M)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    tile_first = (program - (q_start // BLOCK_M + req)) * BLOCK_M
+    if tile_first >= q_len:
+        return
+    ctx_len = tl.load(seq_lens_ptr + req) - q_len
+    kv_row0 = tl.load(kv_start_loc_ptr + req).to(tl.int64)
+    tok = tile_first + tl.arange(0, BLOCK_M)
+    row_ok = tok < q_len
+    q_rows = (q_start + tok).to(tl.int64)
+    q_pos = ctx_len + tok
+    dn = tl.arange(0, BLOCK_DN)
+    dp = tl.arange(0, BLOCK_P)
+    dv = tl.arange(0, BLOCK_DV)
+    dn_ok, dp_ok, dv_ok = dn < NOPE, dp < ROPE, dv < V_DIM
+    qn = tl.load(qn_ptr + q_rows[:, None] * stride_qnt + head * stride_qnh + dn[None, :],
+                 mask=row_ok[:, None] & dn_ok[None, :], other=0.0)
+    qp = tl.load(qp_ptr + q_rows[:, None] * stride_qpt + head * stride_qph + dp[None, :],
+                 mask=row_ok[:, None] & dp_ok[None, :], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    kv_hi = ctx_len + tl.minimum(q_len, tile_first + BLOCK_M)  # the tile's last position + 1
+    kv_head = kv_ptr + head.to(tl.int64) * stride_kvh
+    for start in range(0, kv_hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < kv_hi
+        rows = kv_row0 + n
+        kn = tl.load(kv_head + rows[:, None] * stride_kvs + dn[None, :], mask=n_ok[:, None] & dn_ok[None, :],
+                     other=0.0)
+        kp = tl.load(lat_ptr + rows[:, None] * stride_ls + RANK + dp[None, :], mask=n_ok[:, None] & dp_ok[None, :],
+                     other=0.0)
+        v = tl.load(kv_head + rows[:, None] * stride_kvs + NOPE + dv[None, :], mask=n_ok[:, None] & dv_ok[None, :],
+                    other=0.0)
+        if IEEE:
+            s = tl.dot(qn, tl.trans(kn), input_precision="ieee") + tl.dot(qp, tl.trans(kp), input_precision="ieee")
+        else:
+            s = tl.dot(qn, tl.trans(kn)) + tl.dot(qp, tl.trans(kp))
+        visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        s = tl.where(visible, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a padding row sees no key: no inf - inf
+        prob = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(prob, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(prob, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + dv[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & dv_ok[None, :])
+
+
+def gather_mla_context(kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every request's cached rows in position order, requests one after another, in one indexed read.
+
+    Args:
+        kv_cache: [num_blocks, block_size, R + P] (one layer).
+        meta: the step's metadata; the total ``sum(seq_lens)`` comes from its host list (no host sync).
+    Returns:
+        (latents [sum(seq_lens), R + P] in the cache's dtype, kv_start_loc [B + 1] int32: request i's rows
+        are ``kv_start_loc[i]:kv_start_loc[i + 1]``).
+    """
+    dev, block_size = kv_cache.device, kv_cache.shape[1]
+    total = sum(meta.seq_lens_cpu)
+    seq_lens = meta.seq_lens.long()
+    kv_start_loc = torch.zeros(meta.num_reqs + 1, dtype=torch.long, device=dev)
+    torch.cumsum(seq_lens, 0, out=kv_start_loc[1:])
+    req = torch.repeat_interleave(torch.arange(meta.num_reqs, device=dev), seq_lens, output_size=total)
+    pos = torch.arange(total, device=dev) - kv_start_loc[req]
+    slots = meta.block_tables.long()[req, pos // block_size] * block_size + pos % block_size
+    return kv_cache.view(-1, kv_cache.shape[-1])[slots], kv_start_loc.to(torch.int32)
+
+
+def mla_prefill_triton(
+    q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+    kv_b_weight: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """Triton path of :func:`mla_prefill_ref` (same contract; no host sync, no loop over requests).
+
+    Reads the context's latents with :func:`gather_mla_context`, up-projects them in one GEMM
+    (``kv_b_proj``: [S, R] -> [S, H, Dn + Dv]) and runs ``_mla_prefill_kernel``, a varlen causal
+    flash-attention over q [T, H, Dn + P], k [S, H, Dn + P] (k_pe shared by the heads), v [S, H, Dv].
+    Source: DeepSeek-V2 (2024) eq. 9-19; FlashAttention-2 (Dao 2023) for the kernel.
+    """
+    num_tokens, num_heads, nope_dim = q_nope.shape
+    rope_dim = q_pe.shape[-1]
+    rank = kv_cache.shape[-1] - rope_dim
+    v_dim = kv_b_weight.shape[0] // num_heads - nope_dim
+    out = torch.empty((num_tokens, num_heads, v_dim), dtype=q_nope.dtype, device=q_nope.device)
+    if num_tokens == 0 or meta.num_reqs == 0:
+        return out
+    latents, kv_start_loc = gather_mla_context(kv_cache, meta)
+    kv = F.linear(latents[:, :rank].to(q_nope.dtype), kv_b_weight).view(-1, num_heads, nope_dim + v_dim)
+    latents = latents.to(q_nope.dtype)
+    q_nope = q_nope if q_nope.stride(-1) == 1 else q_nope.contiguous()
+    q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
+    is_fp32 = q_nope.dtype == torch.float32
+    block_m, block_n = (32, 32) if is_fp32 else (64, 64)
+    grid = (num_tokens // block_m + meta.num_reqs, num_heads)
+    _mla_prefill_kernel[grid](
+        q_nope, q_pe, kv, latents, out, meta.query_start_loc, meta.seq_lens, kv_start_loc,
+        meta.num_reqs, scale * 1.4426950408889634,
+        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), kv.stride(1),
+        latents.stride(0), out.stride(0), out.stride(1),
+        NOPE=nope_dim, ROPE=rope_dim, V_DIM=v_dim, RANK=rank,
+        BLOCK_DN=max(16, triton.next_power_of_2(nope_dim)), BLOCK_P=max(16, triton.next_power_of_2(rope_dim)),
+        BLOCK_DV=max(16, triton.next_power_of_2(v_dim)), BLOCK_M=block_m, BLOCK_N=block_n, IEEE=is_fp32,
+        num_warps=4 if is_fp32 else 8, num_stages=2,
+    )
+    return out
+
+
+def mla_prefill(
+    q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+    kv_b_weight: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """Same contract as :func:`mla_prefill_ref`; the Triton path on CUDA tensors (outside batch-invariant
+    mode, whose model never takes the expanded form)."""
+    if (
+        q_nope.dim() == 3
+        and kv_cache.dim() == 3
+        and q_nope.dtype == q_pe.dtype == kv_cache.dtype == kv_b_weight.dtype
+        and q_nope.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and kv_cache.is_contiguous()
+        and use_triton(q_nope, q_pe, kv_cache, kv_b_weight, meta.block_tables, meta.seq_lens, meta.query_start_loc)
+    ):
+        return mla_prefill_triton(q_nope, q_pe, kv_cache, meta, kv_b_weight, scale)
+    return mla_prefill_ref(q_nope, q_pe, kv_cache, meta, kv_b_weight, scale)

@@ -34,7 +34,7 @@ from torch.nn import functional as F
 
 from rayinfer.kernels.attention_metadata import AttentionMetadata
 from rayinfer.kernels.matmul import dense_batched_linear, dense_linear
-from rayinfer.kernels.mla_attention import ABSORBED_MAX_QUERY_LEN, mla_decode, mla_prefill_ref, store_mla_kv, use_absorbed
+from rayinfer.kernels.mla_attention import ABSORBED_MAX_QUERY_LEN, mla_decode, mla_prefill, store_mla_kv, use_absorbed
 from rayinfer.model.llama import PagedCausalLM, PreNormDecoderLayer, RMSNorm
 from rayinfer.model.moe import ExpertParallelism, GatedMLP, MoEModelMixin, RoutedExperts, grouped_topk
 
@@ -142,10 +142,11 @@ class DeepseekV3Attention(nn.Module):
 
         Steps whose queries are all short (decode, speculative verification: at most
         ``ABSORBED_MAX_QUERY_LEN`` tokens per request, :func:`use_absorbed`) attend in the absorbed form
-        (:func:`mla_decode`), others expanded (:func:`mla_prefill_ref`). In batch-invariant mode (``kernels.batch_invariant``) every step takes
-        the absorbed form, so a token's attention is the same arithmetic whether its step is a prefill, an
-        extend or a decode and whatever the step's other requests do (the two forms round differently);
-        the projections then run through the persistent matmul (per head for the absorbed ones).
+        (:func:`mla_decode`), others expanded (:func:`mla_prefill`). In batch-invariant mode
+        (``kernels.batch_invariant``) every step takes the absorbed form, so a token's attention is the
+        same arithmetic whether its step is a prefill, an extend or a decode and whatever the step's other
+        requests do (the two forms round differently); the projections then run through the persistent
+        matmul (per head for the absorbed ones).
         """
         t, heads = hidden.shape[0], self.num_heads
         if self.q_lora_rank is None:
@@ -168,7 +169,7 @@ class DeepseekV3Attention(nn.Module):
             out_latent = mla_decode(q_latent, q_pe.contiguous(), kv_cache, meta, self.scale)
             out = dense_batched_linear(out_latent.transpose(0, 1), w_kv_b[:, self.nope_dim :]).transpose(0, 1)
         else:
-            out = mla_prefill_ref(q_nope, q_pe, kv_cache, meta, self.kv_b_proj.weight, self.scale)
+            out = mla_prefill(q_nope, q_pe, kv_cache, meta, self.kv_b_proj.weight, self.scale)
         return dense_linear(out.reshape(t, heads * self.v_dim), self.o_proj.weight, self.o_proj.bias)
 
 

@@ -516,13 +516,13 @@ def test_mla_verification_steps_through_graph_buffers(mtp_checkpoint, tokenizer,
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (24, 23, 21)]
     plain = _mtp_engine(path, tokenizer, model=engine.model).generate(prompts, params)
     replays, in_graph = [], [False]
-    expanded = dsv3.mla_prefill_ref
+    expanded = dsv3.mla_prefill
 
     def no_expanded_in_graphs(*args, **kw):
         assert not in_graph[0], "the expanded MLA (host-side lengths) ran inside a graph"
         return expanded(*args, **kw)
 
-    monkeypatch.setattr(dsv3, "mla_prefill_ref", no_expanded_in_graphs)
+    monkeypatch.setattr(dsv3, "mla_prefill", no_expanded_in_graphs)
     runner = engine.runner
     graphs = DecodeGraphs(runner.model, runner.kv_cache, runner.block_size, 256, 4,
                           max_query_len=engine.model.max_graph_query_len, eager=True,

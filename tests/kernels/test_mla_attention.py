@@ -12,7 +12,8 @@ from rayinfer.kernels._triton_utils import HAS_TRITON
 from rayinfer.kernels.attention_metadata import AttentionMetadata
 from rayinfer.kernels.batch_invariant import batch_invariant_mode
 from rayinfer.kernels.mla_attention import (
-    choose_num_splits, mla_decode, mla_decode_ref, mla_decode_triton, mla_prefill_ref, store_mla_kv, store_mla_kv_ref,
+    choose_num_splits, gather_mla_context, mla_decode, mla_decode_ref, mla_decode_triton, mla_prefill, mla_prefill_ref,
+    store_mla_kv, store_mla_kv_ref,
 )
 
 CUDA = torch.cuda.is_available()
@@ -112,6 +113,36 @@ def check_kernels(device, cases, num_splits=None):
     return worst
 
 
+def check_prefill(device, cases):
+    """mla_prefill against mla_prefill_ref; each case: (query_lens, seq_lens, heads, rank, rope, nope, v_dim,
+    block_size, dtype). A query length below its sequence length is a chunk after a cached prefix."""
+    worst = 0.0
+    for i, (query_lens, seq_lens, heads, rank, rope, nope, v_dim, bs, dtype) in enumerate(cases):
+        nb = sum(-(-s // bs) for s in seq_lens) + 3
+        meta = make_batch(query_lens, seq_lens, bs, nb, seed=i, device=device)
+        gen = torch.Generator().manual_seed(100 + i)
+        to = dict(device=device, dtype=dtype)
+        cache = torch.randn(nb, bs, rank + rope, generator=gen).to(**to)
+        w = (torch.randn(heads * (nope + v_dim), rank, generator=gen) / rank**0.5).to(**to)
+        t = sum(query_lens)
+        q_nope = torch.randn(t, heads, nope, generator=gen).to(**to)
+        q_pe = torch.randn(t, heads, rope, generator=gen).to(**to)
+        scale = (nope + rope) ** -0.5
+        got, want = mla_prefill(q_nope, q_pe, cache, meta, w, scale), mla_prefill_ref(q_nope, q_pe, cache, meta, w, scale)
+        tol = TOL[dtype]
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol, msg=lambda m: f"prefill case {i}: {m}")
+        worst = max(worst, (got.float() - want.float()).abs().max().item())
+    return worst
+
+
+def test_gather_context_by_hand():
+    """Two requests' rows in position order through scattered blocks, one after the other."""
+    cache = torch.arange(6 * 2 * 1.0).view(6, 2, 1)  # row value = block * 2 + offset
+    meta = AttentionMetadata.build([1, 2], [3, 2], [[4, 1], [0]], 2)
+    latents, starts = gather_mla_context(cache, meta)
+    assert latents[:, 0].tolist() == [8.0, 9.0, 2.0, 0.0, 1.0] and starts.tolist() == [0, 3, 5]
+
+
 GPU_CASES = [
     ([1] * 8, [100, 1, 517, 64, 3, 1000, 17, 256], 16, 512, 64, 64, torch.bfloat16),
     ([1] * 4, [300, 20, 7, 64], 128, 512, 64, 16, torch.bfloat16),
@@ -135,6 +166,22 @@ SPLIT_GPU_CASES = [
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_kernels_match_ref():
     print(f"mla_decode: max abs err {check_kernels('cuda', GPU_CASES):.2e}")
+
+
+# DeepSeek-V2-Lite's shape (16 heads, R 512, P 64, Dn 128, Dv 128): whole prompts, chunks after cached
+# prefixes (prefix hits), one-token rows in the same batch
+PREFILL_GPU_CASES = [
+    ([1000, 37, 1, 300], [1000, 2085, 50, 300], 16, 512, 64, 128, 128, 64, torch.bfloat16),
+    ([512] * 4, [512, 1024, 4096, 777], 16, 512, 64, 128, 128, 16, torch.bfloat16),
+    ([129, 64], [129, 200], 4, 64, 32, 48, 40, 16, torch.float16),
+    ([70, 5], [100, 5], 3, 32, 16, 16, 24, 16, torch.float32),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_prefill_kernel_matches_ref():
+    print(f"mla_prefill: max abs err {check_prefill('cuda', PREFILL_GPU_CASES):.2e}")
 
 
 @pytest.mark.gpu
@@ -188,5 +235,8 @@ if __name__ == "__main__":
         # split-KV: 4 splits of whole 32-key tiles; the 5-token context leaves 3 splits empty, the 150-token one 1
         check_kernels("cpu", [([1, 1, 2], [5, 150, 70], 4, 32, 16, 4, f32)], num_splits=4)
         check_kernels("cpu", [([3, 1], [97, 1], 20, 24, 8, 8, f32)], num_splits=3)
+        # expanded: whole prompts, chunks after cached prefixes, a tile boundary (32 rows), a one-token row
+        check_prefill("cpu", [([40, 7, 1, 3], [40, 30, 9, 3], 2, 32, 16, 16, 24, 4, f32),
+                              ([33], [70], 3, 24, 8, 12, 20, 8, f32)])
     else:
         sys.exit(pytest.main([__file__, "-m", "gpu", "-q", *sys.argv[1:]]))
