@@ -58,6 +58,7 @@ def mla_rope_store_ref(
     rope = kv_a.shape[-1] - norm_weight.shape[0]
     c_kv, k_pe = kv_a.split([kv_a.shape[-1] - rope, rope], dim=-1)
     c_kv = rms_norm_ref(c_kv, norm_weight, eps)
+    assert isinstance(c_kv, torch.Tensor)  # no residual: one tensor
     q_pe, k_pe = apply_rope(q[..., q.shape[-1] - rope:], k_pe[:, None, :], cos, sin, interleave)
     store_mla_kv_ref(c_kv, k_pe[:, 0], kv_cache, slot_mapping)
     return q_pe.contiguous()
