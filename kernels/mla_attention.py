@@ -23,7 +23,13 @@ decoding": a batch-1 decode is otherwise one program on a 132-multiprocessor GPU
 output and log-sum-exp over its share of the keys and ``_mla_merge_splits_kernel`` (grid (tokens,
 heads)) combines them. The split count comes from the launch shape and the longest context a CUDA
 graph may replay (:func:`choose_num_splits`), never from the device's lengths, so the launch has no host
-sync and captures; each token sizes its splits from its own length in the kernel.
+sync and captures; each token sizes its splits from its own length in the kernel. The model takes this
+form for every step of short queries (:func:`use_absorbed`: decode, speculative verification), so
+those steps are captured in CUDA graphs. ``_mla_prefill_kernel`` (expanded form, :func:`mla_prefill`):
+grid (query tiles of ``BLOCK_M`` tokens of one request, heads), a varlen causal flash-attention over the
+context latents gathered in one indexed read and up-projected in one GEMM; it needs the step's total
+context length on the host, so it runs eagerly. The latent's norm, RoPE and store before attention are
+one kernel of their own (``kernels.mla_rope``).
 """
 
 from __future__ import annotations
