@@ -195,8 +195,9 @@ def mla_decode_ref(
 
 
 # ----------------------------------------------------------------------------------------------------
-# Triton kernel of the absorbed form. Program (t, g, s) computes query token t for a tile of BLOCK_H heads
-# over split s of the token's keys; every head of the tile shares each latent tile read from the cache
+# Triton kernel of the absorbed form. Program (t, g, s) computes query token t (its request found by a
+# binary search of query_start_loc: no per-step index tensor) for a tile of BLOCK_H heads over split s of
+# the token's keys; every head of the tile shares each latent tile read from the cache
 # (MQA), streamed in BLOCK_N tokens through the block table with an online base-2 softmax
 # (FlashAttention-2). With one split the program writes the output; with several (split-KV, "flash
 # decoding") each writes its partial output and log-sum-exp and a second kernel merges them. The split
@@ -208,10 +209,24 @@ def mla_decode_ref(
 
 
 @triton.jit
+def _request_of_token(query_start_loc_ptr, token, num_reqs):
+    """The request owning batch row ``token``: the last i with ``query_start_loc[i] <= token`` (binary search)."""
+    lo = tl.zeros([], dtype=tl.int32)
+    hi = tl.zeros([], dtype=tl.int32) + num_reqs  # a tensor even when num_reqs is specialized to 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(query_start_loc_ptr + mid) <= token:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
 def _mla_decode_kernel(
     ql_ptr, qp_ptr, cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    req_of_token_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-    num_heads, num_splits, qk_scale,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    num_reqs, num_heads, num_splits, qk_scale,
     stride_lt, stride_lh, stride_pt, stride_ph, stride_ot, stride_oh, stride_cb, stride_cs, stride_bt,
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr,
@@ -219,7 +234,7 @@ def _mla_decode_kernel(
 ):
     token = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    req = tl.load(req_of_token_ptr + token)
+    req = _request_of_token(query_start_loc_ptr, token, num_reqs)
     q_end = tl.load(query_start_loc_ptr + req + 1)
     kv_hi = tl.load(seq_lens_ptr + req) - (q_end - token) + 1  # own position + 1
     kv_lo = 0
@@ -350,10 +365,6 @@ def mla_decode_triton(
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     q_latent = q_latent if q_latent.stride(-1) == 1 else q_latent.contiguous()
     q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
-    query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
-    req_of_token = torch.repeat_interleave(
-        torch.arange(meta.num_reqs, dtype=torch.int32, device=q_latent.device), query_lens, output_size=num_tokens
-    )
     block_r = max(16, triton.next_power_of_2(rank))
     block_h = 16 if block_r >= 256 else max(16, min(32, triton.next_power_of_2(num_heads)))  # acc is [H, R] fp32
     block_n = 16 if block_r >= 512 else 32
@@ -374,8 +385,8 @@ def mla_decode_triton(
         part_out = part_lse = out  # unused
     _mla_decode_kernel[(num_tokens, head_tiles, num_splits)](
         q_latent, q_pe, kv_cache, out, part_out, part_lse,
-        req_of_token, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-        num_heads, num_splits, scale * 1.4426950408889634,
+        meta.query_start_loc, meta.seq_lens, meta.block_tables,
+        meta.num_reqs, num_heads, num_splits, scale * 1.4426950408889634,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), meta.block_tables.stride(0),
         RANK=rank, ROPE=rope, BLOCK_R=block_r, BLOCK_P=max(16, triton.next_power_of_2(rope)),
