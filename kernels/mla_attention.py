@@ -534,6 +534,21 @@ def gather_mla_context(kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple
     return kv_cache.view(-1, kv_cache.shape[-1])[slots], kv_start_loc.to(torch.int32)
 
 
+_MAX_GATHER_ROWS = 65536  # context rows up-projected at once: [rows, H * (Dn + Dv)] (512 MiB at V2-Lite, bf16)
+
+
+def _request_groups(seq_lens: list[int], max_rows: int) -> list[tuple[int, int]]:
+    """Consecutive request ranges [i, j) whose contexts sum to at most ``max_rows`` (a longer one alone)."""
+    groups, first, rows = [], 0, 0
+    for i, s in enumerate(seq_lens):
+        if i > first and rows + s > max_rows:
+            groups.append((first, i))
+            first, rows = i, 0
+        rows += s
+    groups.append((first, len(seq_lens)))
+    return groups
+
+
 def mla_prefill_triton(
     q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
     kv_b_weight: torch.Tensor, scale: float,
@@ -543,20 +558,43 @@ def mla_prefill_triton(
     Reads the context's latents with :func:`gather_mla_context`, up-projects them in one GEMM
     (``kv_b_proj``: [S, R] -> [S, H, Dn + Dv]) and runs ``_mla_prefill_kernel``, a varlen causal
     flash-attention over q [T, H, Dn + P], k [S, H, Dn + P] (k_pe shared by the heads), v [S, H, Dv].
+    The up-projected context is transient memory: steps whose contexts sum to more than
+    ``_MAX_GATHER_ROWS`` tokens run in groups of consecutive requests (one pass each).
     Source: DeepSeek-V2 (2024) eq. 9-19; FlashAttention-2 (Dao 2023) for the kernel.
     """
     num_tokens, num_heads, nope_dim = q_nope.shape
     rope_dim = q_pe.shape[-1]
-    rank = kv_cache.shape[-1] - rope_dim
     v_dim = kv_b_weight.shape[0] // num_heads - nope_dim
     out = torch.empty((num_tokens, num_heads, v_dim), dtype=q_nope.dtype, device=q_nope.device)
     if num_tokens == 0 or meta.num_reqs == 0:
         return out
+    q_nope = q_nope if q_nope.stride(-1) == 1 else q_nope.contiguous()
+    q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
+    groups = _request_groups(meta.seq_lens_cpu, _MAX_GATHER_ROWS)
+    if len(groups) == 1:
+        _mla_prefill_pass(q_nope, q_pe, kv_cache, meta, kv_b_weight, scale, out)
+        return out
+    q_starts = [0]
+    for q in meta.query_lens_cpu:
+        q_starts.append(q_starts[-1] + q)
+    for i, j in groups:
+        t0, t1 = q_starts[i], q_starts[j]
+        sub = AttentionMetadata(meta.query_start_loc[i: j + 1] - t0, meta.seq_lens[i:j], meta.block_tables[i:j],
+                                meta.slot_mapping[t0:t1], meta.block_size, meta.query_lens_cpu[i:j],
+                                meta.seq_lens_cpu[i:j])
+        _mla_prefill_pass(q_nope[t0:t1], q_pe[t0:t1], kv_cache, sub, kv_b_weight, scale, out[t0:t1])
+    return out
+
+
+def _mla_prefill_pass(q_nope, q_pe, kv_cache, meta: AttentionMetadata, kv_b_weight, scale, out) -> None:
+    """One gather + up-projection + kernel over all of ``meta``'s requests, into ``out`` [T, H, Dv]."""
+    num_tokens, num_heads, nope_dim = q_nope.shape
+    rope_dim = q_pe.shape[-1]
+    rank = kv_cache.shape[-1] - rope_dim
+    v_dim = out.shape[-1]
     latents, kv_start_loc = gather_mla_context(kv_cache, meta)
     kv = F.linear(latents[:, :rank].to(q_nope.dtype), kv_b_weight).view(-1, num_heads, nope_dim + v_dim)
     latents = latents.to(q_nope.dtype)
-    q_nope = q_nope if q_nope.stride(-1) == 1 else q_nope.contiguous()
-    q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
     is_fp32 = q_nope.dtype == torch.float32
     block_m, block_n = (32, 32) if is_fp32 else (64, 64)
     grid = (num_tokens // block_m + meta.num_reqs, num_heads)
@@ -570,7 +608,6 @@ def mla_prefill_triton(
         BLOCK_DV=max(16, triton.next_power_of_2(v_dim)), BLOCK_M=block_m, BLOCK_N=block_n, IEEE=is_fp32,
         num_warps=4 if is_fp32 else 8, num_stages=2,
     )
-    return out
 
 
 def mla_prefill(
