@@ -5,7 +5,9 @@ Usage (on a CUDA machine)::
     python benchmarks/kernels.py [--out benchmarks/results/kernels-h200.json] [--git-rev REV] [--quick]
 
 ``--only-sweeps gemv decode_tiles`` skips the table and sweeps tile configurations instead (the
-one-row GEMV against cuBLAS; decode attention per batch shape and KV dtype), writing JSON after each.
+one-row GEMV against cuBLAS; decode attention per batch shape and KV dtype), writing JSON after each;
+``--only-sweeps mla`` times DeepSeek-V2-Lite's MLA kernels (split-KV decode, varlen prefill, fused
+norm + RoPE + store).
 
 The ceilings are measured in the same run: HBM bandwidth as a large device-to-device copy (bytes read
 plus written) and bf16 matrix throughput as an 8192^3 matmul on random data. For each case it reports
@@ -204,6 +206,81 @@ def sweep_decode_splits(ceil) -> list[dict]:
                 rows.append({"batch": batch, "ctx_len": ctx, "num_splits": splits, "graph_us": us, "pct_of_copy_bw": pct})
                 print(f"  decode B={batch} ctx={ctx} splits={splits}: {us:7.1f} us {pct:5.1f}% bw", flush=True)
             del cache
+    return rows
+
+
+def sweep_mla(ceil) -> list[dict]:
+    """DeepSeek-V2-Lite's MLA (16 heads, latent 512, rope 64, nope 128, v 128, block 64): graph time per
+    layer of the absorbed decode kernel per split-KV factor (None: the default), of the expanded prefill
+    (the varlen Triton path against the per-request reference, eager) and of the fused norm + RoPE + store."""
+    from rayinfer.kernels.mla_attention import mla_decode_ref, mla_decode_triton, mla_prefill_ref, mla_prefill_triton
+    from rayinfer.kernels.mla_rope import mla_rope_store_ref, mla_rope_store_triton
+
+    heads, rank, rope, nope, v_dim, bs = 16, 512, 64, 128, 128, 64
+    rows = []
+    for batch, query_len in ((1, 1), (8, 1), (32, 1), (64, 1), (32, 4)):
+        for ctx in (1024, 4096):
+            nb = batch * math.ceil(ctx / bs)
+            layers = layers_for(nb * bs * (rank + rope) * 2)
+            cache = torch.randn((layers, nb, bs, rank + rope), device="cuda", dtype=DT)
+            perm = torch.randperm(nb).tolist()
+            per = nb // batch
+            meta = AttentionMetadata.build([query_len] * batch, [ctx] * batch,
+                                           [perm[i * per:(i + 1) * per] for i in range(batch)], bs, "cuda")
+            ql = torch.randn((batch * query_len, heads, rank), device="cuda", dtype=DT)
+            qp = torch.randn((batch * query_len, heads, rope), device="cuda", dtype=DT)
+            want = mla_decode_ref(ql, qp, cache[0], meta, 0.1).float()
+            nbytes = batch * ctx * (rank + rope) * 2
+            for splits in (None, 1, 4, 16):
+                run = lambda i=0, s=splits: mla_decode_triton(ql, qp, cache[i], meta, 0.1, num_splits=s)  # noqa: E731
+                err = (run().float() - want).abs().max().item()
+                us = bench_graph([lambda i=i: run(i) for i in range(layers)])
+                pct = 100 * nbytes / us / 1e3 / ceil["copy_GBps"] if us else None
+                rows.append({"op": "mla_decode", "batch": batch, "query_len": query_len, "ctx_len": ctx,
+                             "num_splits": splits, "graph_us": us, "pct_of_copy_bw": pct, "max_abs_err": err})
+                print(f"  mla decode B={batch} q={query_len} ctx={ctx} splits={splits}: {us or float('nan'):7.1f} us "
+                      f"{pct or float('nan'):5.1f}% bw err {err:.1e}", flush=True)
+            del cache
+    for num_prompts, prompt_len, prefix in ((64, 512, 0), (8, 2048, 0), (8, 512, 1536)):
+        seq = prompt_len + prefix
+        nb = num_prompts * math.ceil(seq / bs)
+        cache = torch.randn((nb, bs, rank + rope), device="cuda", dtype=DT)
+        per = nb // num_prompts
+        perm = torch.randperm(nb).tolist()
+        meta = AttentionMetadata.build([prompt_len] * num_prompts, [seq] * num_prompts,
+                                       [perm[i * per:(i + 1) * per] for i in range(num_prompts)], bs, "cuda")
+        t = num_prompts * prompt_len
+        q_nope = torch.randn((t, heads, nope), device="cuda", dtype=DT)
+        q_pe = torch.randn((t, heads, rope), device="cuda", dtype=DT)
+        w = torch.randn((heads * (nope + v_dim), rank), device="cuda", dtype=DT) / rank**0.5
+        scale = (nope + rope) ** -0.5
+        ref = lambda: mla_prefill_ref(q_nope, q_pe, cache, meta, w, scale)  # noqa: E731
+        kern = lambda: mla_prefill_triton(q_nope, q_pe, cache, meta, w, scale)  # noqa: E731
+        err = (kern().float() - ref().float()).abs().max().item()
+        ref_ms, kernel_ms = bench_eager(ref), bench_eager(kern)
+        visible = num_prompts * sum(prefix + j + 1 for j in range(prompt_len))
+        tflops = 2 * visible * heads * (nope + rope + v_dim) / kernel_ms / 1e9
+        rows.append({"op": "mla_prefill", "num_prompts": num_prompts, "prompt_len": prompt_len, "prefix": prefix,
+                     "ref_ms": ref_ms, "kernel_ms": kernel_ms, "attention_TFLOPs": tflops, "max_abs_err": err})
+        print(f"  mla prefill {num_prompts} x {prompt_len} (prefix {prefix}): ref {ref_ms:8.3f} ms, "
+              f"kernel {kernel_ms:8.3f} ms ({tflops:5.1f} attention TFLOP/s incl. gather + kv_b_proj) err {err:.1e}",
+              flush=True)
+        del cache
+    for t in (1, 64, 4096):
+        q = torch.randn((t, heads, nope + rope), device="cuda", dtype=DT)
+        kv_a = torch.randn((t, rank + rope), device="cuda", dtype=DT)
+        wn = torch.ones(rank, device="cuda", dtype=DT)
+        ang = torch.rand((t, rope // 2), device="cuda") * 6
+        cos, sin = ang.cos().to(DT), ang.sin().to(DT)
+        cache = torch.zeros((t // bs + 2, bs, rank + rope), device="cuda", dtype=DT)
+        slots = torch.arange(t, device="cuda")
+        # the torch ops (their store's boolean mask syncs, so no graph): eager, launches included
+        ref_ms = bench_eager(lambda: mla_rope_store_ref(q, kv_a, wn, 1e-6, cos, sin, cache, slots, True))
+        kernel_ms = bench_eager(lambda: mla_rope_store_triton(q, kv_a, wn, 1e-6, cos, sin, cache, slots, True))
+        us = bench_graph([lambda: mla_rope_store_triton(q, kv_a, wn, 1e-6, cos, sin, cache, slots, True)])
+        rows.append({"op": "mla_rope_store", "num_tokens": t, "ref_ms": ref_ms, "kernel_ms": kernel_ms, "graph_us": us})
+        print(f"  mla rope+norm+store T={t}: torch ops {ref_ms * 1e3:7.1f} us eager, kernel {kernel_ms * 1e3:7.1f} us "
+              f"eager, {us or float('nan'):7.1f} us graph", flush=True)
     return rows
 
 
@@ -445,7 +522,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer cases")
     parser.add_argument("--sweep", action="store_true", help="also sweep prefill tiles and decode split factors")
     parser.add_argument("--only-sweeps", nargs="*", default=None,
-                        help="skip the kernel table; run these sweeps (gemv, decode_tiles, prefill, decode_splits, decode_step)")
+                        help="skip the kernel table; run these sweeps (gemv, decode_tiles, prefill, decode_splits, "
+                        "decode_step, mla)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA device")
@@ -465,7 +543,7 @@ def main() -> None:
     sweeps = {}
     if args.only_sweeps is not None:
         funcs = {"gemv": sweep_gemv, "decode_tiles": sweep_decode_tiles, "prefill": sweep_prefill,
-                 "decode_splits": sweep_decode_splits, "decode_step": sweep_decode_step}
+                 "decode_splits": sweep_decode_splits, "decode_step": sweep_decode_step, "mla": sweep_mla}
         for name in args.only_sweeps:
             sweeps[name] = funcs[name](ceil)
             with open(args.out, "w") as f:  # after each sweep, so a cut-off run keeps what it measured

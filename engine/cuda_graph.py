@@ -11,6 +11,9 @@ captured too, per query length ``q`` (``max_query_len``), for batches up to ``ma
 whose requests have different query lengths runs in the graph of its longest one, each request padded to
 ``q`` rows (:meth:`DecodeGraphs.run_ragged`). A padding row sits after its request's real rows, so causal
 attention never shows it to them, and its slot is -1.
+
+With ``with_hidden`` (MTP drafting reads the target's last hidden states) the captured forward is
+``model.forward_with_prenorm`` and each replay returns both outputs.
 """
 
 from __future__ import annotations
@@ -23,6 +26,12 @@ import torch
 from rayinfer.kernels.attention_metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
+
+Outputs = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # a forward's hidden states, or the pair with_hidden
+
+
+def _rows(out: Outputs, index) -> Outputs:
+    return tuple(o[index] for o in out) if isinstance(out, tuple) else out[index]  # type: ignore[return-value]
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -48,12 +57,15 @@ class DecodeGraphs:
         max_verify_seqs: largest batch captured for query lengths above 1.
         eager: run the model on the static buffers instead of replaying graphs (no capture; for CPU tests
             of the padding and buffer logic).
+        with_hidden: capture ``model.forward_with_prenorm``: replays return (hidden after the final
+            norm, hidden before it), both [rows, hidden_size].
     """
 
     def __init__(self, model, kv_cache: torch.Tensor, block_size: int, max_model_len: int, max_num_seqs: int,
-                 max_query_len: int = 1, max_verify_seqs: int = 64, eager: bool = False):
+                 max_query_len: int = 1, max_verify_seqs: int = 64, eager: bool = False, with_hidden: bool = False):
         dev = kv_cache.device
         self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
+        self.forward = model.forward_with_prenorm if with_hidden else model
         self.max_model_len = max_model_len
         self.eager = eager
         self.sizes = capture_sizes(max_num_seqs)
@@ -71,7 +83,7 @@ class DecodeGraphs:
         self.query_start_loc = {q: torch.arange(0, (n + 1) * q, q, dtype=torch.int32, device=dev)
                                 for q in range(1, self.max_query_len + 1)}
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.outputs: dict[tuple[int, int], Outputs] = {}
 
     def _meta(self, bs: int, q: int) -> AttentionMetadata:
         return AttentionMetadata(self.query_start_loc[q][: bs + 1], self.seq_lens[:bs], self.block_tables[:bs],
@@ -99,11 +111,11 @@ class DecodeGraphs:
             try:
                 for bs in reversed(self._sizes_for(q)):
                     args = self._args(bs, q)
-                    self.model(*args)  # warm-up: Triton compiles outside the capture
+                    self.forward(*args)  # warm-up: Triton compiles outside the capture
                     torch.cuda.synchronize()
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool):
-                        self.outputs[(bs, q)] = self.model(*args)
+                        self.outputs[(bs, q)] = self.forward(*args)
                     pool = graph.pool()
                     self.graphs[(bs, q)] = graph
             except Exception as exc:  # noqa: BLE001 - any capture failure leaves eager steps, not a dead engine
@@ -130,7 +142,7 @@ class DecodeGraphs:
         return None
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-            seq_lens: torch.Tensor, block_tables: torch.Tensor, query_len: int = 1) -> torch.Tensor:
+            seq_lens: torch.Tensor, block_tables: torch.Tensor, query_len: int = 1) -> Outputs:
         """Replay the graph for ``n`` requests of ``query_len`` tokens each (inputs already on the device).
 
         Args:
@@ -139,7 +151,7 @@ class DecodeGraphs:
                 blocks of ``max_model_len``).
         Returns:
             hidden states [n * query_len, hidden_size] (a view of the graph's output buffer, valid until
-            the next replay).
+            the next replay); with ``with_hidden`` the pair (after the final norm, before it).
         """
         n, q = seq_lens.shape[0], query_len
         bs = self.padded_size(n, q)
@@ -158,9 +170,9 @@ class DecodeGraphs:
         if self.eager:  # the host lists the CPU attention reads are the real ones here
             ids, pos, kv, meta = self._args(bs, q)
             meta.seq_lens_cpu = self.seq_lens[:bs].tolist()
-            return self.model(ids, pos, kv, meta)[:t]
+            return _rows(self.forward(ids, pos, kv, meta), slice(0, t))
         self.graphs[(bs, q)].replay()
-        return self.outputs[(bs, q)][:t]
+        return _rows(self.outputs[(bs, q)], slice(0, t))
 
     def ragged_width(self, query_lens: list[int], seq_lens: list[int]) -> int | None:
         """The query length whose graphs can run a step of these requests (its longest query), or None
@@ -174,7 +186,7 @@ class DecodeGraphs:
             return None
         return width
 
-    def run_ragged(self, input_ids: np.ndarray | torch.Tensor, slot_mapping: np.ndarray, query_lens: list[int], seq_lens: list[int], block_tables: np.ndarray, width: int) -> torch.Tensor:
+    def run_ragged(self, input_ids: np.ndarray | torch.Tensor, slot_mapping: np.ndarray, query_lens: list[int], seq_lens: list[int], block_tables: np.ndarray, width: int) -> Outputs:
         """Replay the graph of ``width``-token queries for requests of up to ``width`` new tokens each.
 
         Each request is padded to ``width`` rows at its end (slot -1, the positions that follow its
@@ -186,7 +198,8 @@ class DecodeGraphs:
                 (tokens; the positions follow from them); block_tables: [n, w] int32 (host); width: from
                 :meth:`ragged_width`.
         Returns:
-            hidden states [T, hidden_size] of the real rows, in order (a new tensor).
+            hidden states [T, hidden_size] of the real rows, in order (a new tensor; with ``with_hidden``
+            the pair, as :meth:`run`).
         """
         from rayinfer.engine.staging import to_device
 
@@ -203,4 +216,4 @@ class DecodeGraphs:
         rows_t, pos_t, slots_t, seq_t, tables_t = to_device([rows, pos, slots, (first + width).astype(np.int32), tables], dev)
         ids = torch.zeros(n * width, dtype=torch.long, device=dev)
         ids[rows_t] = input_ids if isinstance(input_ids, torch.Tensor) else torch.from_numpy(input_ids).to(dev)
-        return self.run(ids, pos_t, slots_t, seq_t, tables_t, query_len=width)[rows_t]
+        return _rows(self.run(ids, pos_t, slots_t, seq_t, tables_t, query_len=width), rows_t)

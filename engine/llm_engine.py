@@ -223,7 +223,7 @@ class LLMEngine:
                 self.proposer = MtpProposer(self.model, num_blocks, cfg.block_size, self.vocab_size)
             else:
                 self.proposer = DraftModelProposer(draft_model, num_blocks, cfg.block_size, self.vocab_size)
-            # MTP reads the target's hidden states: every step runs eagerly and keeps them
+            # MTP reads the target's hidden states: every step keeps them (graphs capture them too)
             self.runner.capture_hidden = self.proposer.needs_hidden
             if self.async_scheduling and (self.proposer.needs_hidden or spec.schedule != "confidence"):
                 # drafts need the last step's tokens (MTP: its hidden states) on the host: every step drafts, so
@@ -232,13 +232,13 @@ class LLMEngine:
                             "drained", spec.method, spec.schedule)
                 self.async_scheduling = False
         self._inflight = None  # (SchedulerOutput, PendingStep, its requests) launched but not yet processed
-        if on_cuda and not cfg.enforce_eager and not self.runner.capture_hidden and self.local_kv_cache is None:
+        if on_cuda and not cfg.enforce_eager and self.local_kv_cache is None:
             # speculative: verification steps (each request's last token + up to k drafts) get graphs too
             def graph_query_len(model) -> int:
-                # not for MLA: its multi-token attention slices the KV by host-side lengths, which a graph
-                # would bake in
-                mla = getattr(getattr(model, "config", None), "kv_lora_rank", None) is not None
-                return spec.num_draft_tokens + 1 if spec.enabled and not mla else 1
+                # a model may cap it (MLA: only its absorbed attention reads the lengths on the device)
+                if not spec.enabled:
+                    return 1
+                return min(spec.num_draft_tokens + 1, getattr(model, "max_graph_query_len", None) or 1 << 30)
 
             self.runner.capture_cuda_graphs(self.max_model_len, min(cfg.max_num_seqs, 512), graph_query_len(self.model))
             if isinstance(self.proposer, DraftModelProposer):

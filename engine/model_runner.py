@@ -63,9 +63,10 @@ class ModelRunner:
     :class:`~rayinfer.engine.context_parallel.CPPrefiller` that computes the KV of an imported
     :class:`~rayinfer.engine.types.ContextParallelPrefill` handle; None otherwise.
 
-    ``capture_hidden`` (set by the engine for MTP drafting): every step runs eagerly through
-    ``model.forward_with_prenorm`` and keeps the last layer's hidden states before the final norm in
-    :attr:`PendingStep.hidden` (rows in the step's token order).
+    ``capture_hidden`` (set by the engine for MTP drafting, before :meth:`capture_cuda_graphs`): every step
+    runs ``model.forward_with_prenorm`` (eagerly, or the graphs captured with it) and keeps the last
+    layer's hidden states before the final norm in :attr:`PendingStep.hidden` (rows in the step's token
+    order).
     """
 
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int, sampler: Sampler,
@@ -94,7 +95,7 @@ class ModelRunner:
         from rayinfer.engine.cuda_graph import DecodeGraphs
 
         self.graphs = DecodeGraphs(self.model, self.kv_cache, self.block_size, max_model_len, max_num_seqs,
-                                   max_query_len=max_query_len)
+                                   max_query_len=max_query_len, with_hidden=self.capture_hidden)
         with batch_invariant_mode(self.batch_invariant):
             self.graphs.capture()
 
@@ -148,7 +149,7 @@ class ModelRunner:
         all_sampled = len(sample_rows) == num_tokens  # then the sampled rows are all rows, in order
         verify_width = None  # a verification step (last tokens + drafts only) that a captured graph runs
         if (offsets is not None and all_sampled and self.graphs is not None and not holes.size and not local_arrays
-                and not self.capture_hidden and self.encoder_cache is None):
+                and self.encoder_cache is None):
             verify_width = self.graphs.ragged_width(query_lens, seq_lens)
         if sample_idx and not all_sampled:
             extra.append(sample_rows)
@@ -169,15 +170,19 @@ class ModelRunner:
                 ids[extra[0]] = prev.token_ids[extra[1]]
             prenorm = None
             if mm_embeds is not None:  # image rows: eager, never a decode graph
-                hidden = self.model(ids, pos, self.model_kv, meta, mm_embeds=mm_embeds)
-            elif self.capture_hidden:
-                hidden, prenorm = self.model.forward_with_prenorm(ids, pos, self.model_kv, meta)
+                out = self.model(ids, pos, self.model_kv, meta, mm_embeds=mm_embeds)
             elif self.graphs is not None and meta.is_decode_only and self.graphs.padded_size(len(scheduled)) is not None:
-                hidden = self.graphs.run(ids, pos, meta.slot_mapping, meta.seq_lens, meta.block_tables)
+                out = self.graphs.run(ids, pos, meta.slot_mapping, meta.seq_lens, meta.block_tables)
             elif verify_width is not None:
-                hidden = self.graphs.run_ragged(ids, meta_arrays[2], query_lens, seq_lens, meta_arrays[1], verify_width)
+                out = self.graphs.run_ragged(ids, meta_arrays[2], query_lens, seq_lens, meta_arrays[1], verify_width)
+            elif self.capture_hidden:
+                out = self.model.forward_with_prenorm(ids, pos, self.model_kv, meta)
             else:
-                hidden = self.model(ids, pos, self.model_kv, meta)
+                out = self.model(ids, pos, self.model_kv, meta)
+            if isinstance(out, tuple):  # capture_hidden (the graphs then return the pair too)
+                hidden, prenorm = out
+            else:
+                hidden = out
             step = PendingStep(sample_reqs, drafts=drafts, hidden=prenorm)
             if not sample_idx:
                 return step

@@ -16,6 +16,20 @@ In batch-invariant mode (``kernels.batch_invariant``) the model takes the absorb
 (``model.deepseek_v3``): its kernel computes each query token in a program of its own, reading the
 token's keys in the same ``BLOCK_N`` tiles from position 0, masked alike, without split-KV, so a token's
 row is the same bits in a prefill, an extend after a prefix hit or chunk, and a decode.
+
+Kernels and grids. ``_mla_decode_kernel`` (absorbed form): grid (tokens, head tiles of ``BLOCK_H``,
+KV splits); with one split a program writes its token's output, with several (split-KV, "flash
+decoding": a batch-1 decode is otherwise one program on a 132-multiprocessor GPU) each writes a partial
+output and log-sum-exp over its share of the keys and ``_mla_merge_splits_kernel`` (grid (tokens,
+heads)) combines them. The split count comes from the launch shape and the longest context a CUDA
+graph may replay (:func:`choose_num_splits`), never from the device's lengths, so the launch has no host
+sync and captures; each token sizes its splits from its own length in the kernel. The model takes this
+form for every step of short queries (:func:`use_absorbed`: decode, speculative verification), so
+those steps are captured in CUDA graphs. ``_mla_prefill_kernel`` (expanded form, :func:`mla_prefill`):
+grid (query tiles of ``BLOCK_M`` tokens of one request, heads), a varlen causal flash-attention over the
+context latents gathered in one indexed read and up-projected in one GEMM; it needs the step's total
+context length on the host, so it runs eagerly. The latent's norm, RoPE and store before attention are
+one kernel of their own (``kernels.mla_rope``).
 """
 
 from __future__ import annotations
@@ -23,9 +37,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rayinfer.kernels._triton_utils import is_interpreting, tl, triton, use_triton
+from rayinfer.kernels._triton_utils import device_sms, is_interpreting, tl, triton, use_triton
 from rayinfer.kernels.attention_metadata import AttentionMetadata
 from rayinfer.kernels.batch_invariant import is_batch_invariant
+from rayinfer.kernels.paged_attention import _find_request
 
 
 def store_mla_kv_ref(
@@ -180,28 +195,54 @@ def mla_decode_ref(
 
 
 # ----------------------------------------------------------------------------------------------------
-# Triton kernel of the absorbed form. Program (t, g) computes query token t for a tile of BLOCK_H heads;
-# every head of the tile shares each latent tile read from the cache (MQA), streamed in BLOCK_N tokens
-# through the block table with an online base-2 softmax (FlashAttention-2). Not yet tuned: no split-KV,
-# and with many heads the context is read once per head tile. Tiles depend on the model's shape only and
-# every tile takes the masked path, so a token's result does not depend on its batch (batch-invariant).
+# Triton kernel of the absorbed form. Program (t, g, s) computes query token t (its request found by a
+# binary search of query_start_loc: no per-step index tensor) for a tile of BLOCK_H heads over split s of
+# the token's keys; every head of the tile shares each latent tile read from the cache
+# (MQA), streamed in BLOCK_N tokens through the block table with an online base-2 softmax
+# (FlashAttention-2). With one split the program writes the output; with several (split-KV, "flash
+# decoding") each writes its partial output and log-sum-exp and a second kernel merges them. The split
+# count is a launch constant (from the batch shape and the longest context a graph may replay); each
+# token's split size is computed in the kernel from its own length, so a short context still uses
+# every split and a split past the token's keys is empty (log-sum-exp -inf, weight 0 in the merge).
+# In batch-invariant mode there is one split, so every tile takes the same path whatever the batch.
 # ----------------------------------------------------------------------------------------------------
 
 
 @triton.jit
+def _request_of_token(query_start_loc_ptr, token, num_reqs):
+    """The request owning batch row ``token``: the last i with ``query_start_loc[i] <= token`` (binary search)."""
+    lo = tl.zeros([], dtype=tl.int32)
+    hi = tl.zeros([], dtype=tl.int32) + num_reqs  # a tensor even when num_reqs is specialized to 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(query_start_loc_ptr + mid) <= token:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
 def _mla_decode_kernel(
-    ql_ptr, qp_ptr, cache_ptr, out_ptr, req_of_token_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-    num_heads, qk_scale,
+    ql_ptr, qp_ptr, cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    num_reqs, num_heads, num_splits, qk_scale,
     stride_lt, stride_lh, stride_pt, stride_ph, stride_ot, stride_oh, stride_cb, stride_cs, stride_bt,
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr,
-    ROWWISE: tl.constexpr = False,
+    ROWWISE: tl.constexpr = False, USE_SPLITS: tl.constexpr = False,
 ):
     token = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    req = tl.load(req_of_token_ptr + token)
+    req = _request_of_token(query_start_loc_ptr, token, num_reqs)
     q_end = tl.load(query_start_loc_ptr + req + 1)
     kv_hi = tl.load(seq_lens_ptr + req) - (q_end - token) + 1  # own position + 1
+    kv_lo = 0
+    split = tl.program_id(2)
+    if USE_SPLITS:  # whole BLOCK_N tiles per split; trailing splits of a short context are empty
+        split_size = tl.cdiv(tl.cdiv(kv_hi, num_splits), BLOCK_N) * BLOCK_N
+        kv_lo = split * split_size
+        kv_hi = tl.minimum(kv_hi, kv_lo + split_size)
     h_ok = heads < num_heads
     r = tl.arange(0, BLOCK_R)
     p = tl.arange(0, BLOCK_P)
@@ -216,7 +257,7 @@ def _mla_decode_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
     table = block_tables_ptr + req.to(tl.int64) * stride_bt
-    for start in range(0, kv_hi, BLOCK_N):
+    for start in range(kv_lo, kv_hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < kv_hi
         blk = tl.load(table + n // KV_BLOCK_SIZE, mask=n_ok, other=0)
@@ -231,7 +272,7 @@ def _mla_decode_kernel(
         else:
             s = tl.dot(ql, tl.trans(kl)) + tl.dot(qp, tl.trans(kp))
         s = tl.where(n_ok[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: key 0 is visible to every query
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: the tile's first key (start < kv_hi) is visible
         prob = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(prob, 1)
@@ -242,39 +283,138 @@ def _mla_decode_kernel(
         else:
             acc = acc * alpha[:, None] + tl.dot(prob.to(kl.dtype), kl)
         m_i = m_new
-    out = acc / l_i[:, None]
-    o_ptrs = out_ptr + t64 * stride_ot + heads[:, None] * stride_oh + r[None, :]
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & r_ok[None, :])
+    if USE_SPLITS:
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # an empty split: weight 0 in the merge
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+        part = (t64 * num_heads + heads) * num_splits + split  # [T, H, num_splits] row-major
+        tl.store(part_lse_ptr + part, lse, mask=h_ok)
+        tl.store(part_out_ptr + part[:, None] * BLOCK_R + r[None, :], acc / l_safe[:, None],
+                 mask=h_ok[:, None] & r_ok[None, :])
+    else:
+        out = acc / l_i[:, None]
+        o_ptrs = out_ptr + t64 * stride_ot + heads[:, None] * stride_oh + r[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & r_ok[None, :])
+
+
+@triton.jit
+def _mla_merge_splits_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, num_heads, num_splits, stride_ot, stride_oh,
+    RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Program (t, h): out = sum_s w_s * part_out_s / sum_s w_s with w_s = 2^(lse_s - max lse)."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    base = (token * num_heads + head) * num_splits
+    splits = tl.arange(0, BLOCK_S)
+    lse = tl.load(part_lse_ptr + base + splits, mask=splits < num_splits, other=float("-inf"))
+    m = tl.max(lse, 0)  # finite: the split holding the token's own position is never empty
+    denom = tl.sum(tl.exp2(lse - m), 0)
+    r = tl.arange(0, BLOCK_R)
+    r_ok = r < RANK
+    acc = tl.zeros([BLOCK_R], tl.float32)
+    for s in range(0, num_splits):  # one [R] row at a time: a [splits, 512] tile would spill registers
+        w = tl.exp2(tl.load(part_lse_ptr + base + s) - m)
+        acc += w * tl.load(part_out_ptr + (base + s) * BLOCK_R + r, mask=r_ok, other=0.0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + r, (acc / denom).to(out_ptr.dtype.element_ty),
+             mask=r_ok)
+
+
+_MAX_SPLITS = 32
+_MIN_SPLIT_TOKENS = 64
+
+
+def choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int) -> int:
+    """Split-KV factor of :func:`mla_decode_triton`: about two programs per multiprocessor, at least
+    ``_MIN_SPLIT_TOKENS`` keys per split, at most ``_MAX_SPLITS``.
+
+    Args:
+        num_programs: programs without splitting (tokens x head tiles).
+        max_seq_len: bound on every context length (a CUDA graph passes the longest it will replay).
+        num_sms: multiprocessors of the device.
+    Returns:
+        the split count, >= 1; it depends on the arguments only (never on the device's lengths).
+    Source: split-KV decoding ("Flash-Decoding", Dao et al. 2023); the tile rule of ``paged_attention``.
+    """
+    if num_programs >= 2 * num_sms or max_seq_len < 2 * _MIN_SPLIT_TOKENS:
+        return 1
+    want = triton.cdiv(2 * num_sms, num_programs)
+    return max(1, min(want, max_seq_len // _MIN_SPLIT_TOKENS, _MAX_SPLITS))
 
 
 def mla_decode_triton(
-    q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    num_splits: int | None = None, max_seq_len: int | None = None,
 ) -> torch.Tensor:
-    """Triton kernel of :func:`mla_decode_ref` (same contract; no host sync)."""
+    """Triton kernel of :func:`mla_decode_ref` (same contract; no host sync).
+
+    Args:
+        num_splits: split-KV factor; by default :func:`choose_num_splits` of the batch shape. Always 1 in
+            batch-invariant mode (``kernels.batch_invariant``): a split count that depends on the batch
+            would change a token's result with its companions.
+        max_seq_len: bound on every ``seq_lens`` entry (default ``meta.max_seq_len``, which a captured
+            graph's metadata sets to ``max_model_len``); it picks the split count baked into the launch.
+    Raises:
+        ValueError: for ``num_splits`` < 1.
+    """
     num_tokens, num_heads, rank = q_latent.shape
     rope = q_pe.shape[-1]
     out = torch.empty((num_tokens, num_heads, rank), dtype=q_latent.dtype, device=q_latent.device)
     if num_tokens == 0 or meta.num_reqs == 0:
         return out
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     q_latent = q_latent if q_latent.stride(-1) == 1 else q_latent.contiguous()
     q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
-    query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
-    req_of_token = torch.repeat_interleave(
-        torch.arange(meta.num_reqs, dtype=torch.int32, device=q_latent.device), query_lens, output_size=num_tokens
-    )
     block_r = max(16, triton.next_power_of_2(rank))
     block_h = 16 if block_r >= 256 else max(16, min(32, triton.next_power_of_2(num_heads)))  # acc is [H, R] fp32
     block_n = 16 if block_r >= 512 else 32
-    _mla_decode_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
-        q_latent, q_pe, kv_cache, out, req_of_token, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-        num_heads, scale * 1.4426950408889634,
+    head_tiles = triton.cdiv(num_heads, block_h)
+    max_seq_len = max(max_seq_len or meta.max_seq_len, 1)
+    invariant = is_batch_invariant()
+    if invariant:
+        num_splits = 1
+    elif num_splits is None:
+        num_splits = choose_num_splits(num_tokens * head_tiles, max_seq_len, device_sms(q_latent))
+    num_splits = max(1, min(num_splits, triton.cdiv(max_seq_len, block_n)))
+    use_splits = num_splits > 1
+    if use_splits:
+        part_out = torch.empty((num_tokens, num_heads, num_splits, block_r), dtype=torch.float32,
+                               device=q_latent.device)
+        part_lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q_latent.device)
+    else:
+        part_out = part_lse = out  # unused
+    _mla_decode_kernel[(num_tokens, head_tiles, num_splits)](
+        q_latent, q_pe, kv_cache, out, part_out, part_lse,
+        meta.query_start_loc, meta.seq_lens, meta.block_tables,
+        meta.num_reqs, num_heads, num_splits, scale * 1.4426950408889634,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), meta.block_tables.stride(0),
         RANK=rank, ROPE=rope, BLOCK_R=block_r, BLOCK_P=max(16, triton.next_power_of_2(rope)),
         BLOCK_H=block_h, BLOCK_N=block_n, KV_BLOCK_SIZE=kv_cache.shape[1], IEEE=q_latent.dtype == torch.float32,
-        ROWWISE=is_batch_invariant() and is_interpreting(), num_warps=4, num_stages=2,
+        ROWWISE=invariant and is_interpreting(), USE_SPLITS=use_splits, num_warps=4, num_stages=2,
     )
+    if use_splits:
+        _mla_merge_splits_kernel[(num_tokens, num_heads)](
+            part_out, part_lse, out, num_heads, num_splits, out.stride(0), out.stride(1),
+            RANK=rank, BLOCK_R=block_r, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
+        )
     return out
+
+
+ABSORBED_MAX_QUERY_LEN = 16
+
+
+def use_absorbed(meta: AttentionMetadata) -> bool:
+    """Whether a step attends in the absorbed form (:func:`mla_decode`) rather than the expanded one.
+
+    True when every request computes at most ``ABSORBED_MAX_QUERY_LEN`` new tokens (decode,
+    speculative verification of the last token plus its drafts, short extends), or in batch-invariant
+    mode (every step). Decided from the host list of query lengths, which a captured CUDA graph's
+    metadata fixes to the graph's query length, so a captured step always takes the same branch. The
+    absorbed kernel reads every length on the device, so such steps can be captured; the expanded
+    reference slices the context by host-side lengths and cannot.
+    """
+    return meta.max_query_len <= ABSORBED_MAX_QUERY_LEN or is_batch_invariant()
 
 
 def mla_decode(
@@ -292,3 +432,197 @@ def mla_decode(
     ):
         return mla_decode_triton(q_latent, q_pe, kv_cache, meta, scale)
     return mla_decode_ref(q_latent, q_pe, kv_cache, meta, scale)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Triton path of the expanded form, without a loop over requests: every request's context latents in one
+# indexed read (the index built on the device from the block tables and lengths), one ``kv_b_proj``
+# up-projection of all of them, then a varlen causal flash-attention kernel. Program (i, h) computes a tile
+# of BLOCK_M query tokens of one request (``paged_attention._find_request``) for head h: keys are the
+# request's rows of the up-projected context (per-head k_nope and v) with the shared roped key k_pe
+# read straight from the gathered latents (never expanded per head), streamed in BLOCK_N tiles with an
+# online base-2 softmax (FlashAttention-2). A query at position p sees its request's keys 0..p, so
+# chunks after a cached prefix and prefix-cache hits need nothing special.
+# ----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _mla_prefill_kernel(
+    qn_ptr, qp_ptr, kv_ptr, lat_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr, kv_start_loc_ptr,
+    num_reqs, qk_scale,
+    stride_qnt, stride_qnh, stride_qpt, stride_qph, stride_kvs, stride_kvh, stride_ls, stride_ot, stride_oh,
+    NOPE: tl.constexpr, ROPE: tl.constexpr, V_DIM: tl.constexpr, RANK: tl.constexpr,
+    BLOCK_DN: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):
+    program = tl.program_id(0)
+    head = tl.program_id(1)
+    req = _find_request(query_start_loc_ptr, program, num_reqs, BLOCK_M)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    tile_first = (program - (q_start // BLOCK_M + req)) * BLOCK_M
+    if tile_first >= q_len:
+        return
+    ctx_len = tl.load(seq_lens_ptr + req) - q_len
+    kv_row0 = tl.load(kv_start_loc_ptr + req).to(tl.int64)
+    tok = tile_first + tl.arange(0, BLOCK_M)
+    row_ok = tok < q_len
+    q_rows = (q_start + tok).to(tl.int64)
+    q_pos = ctx_len + tok
+    dn = tl.arange(0, BLOCK_DN)
+    dp = tl.arange(0, BLOCK_P)
+    dv = tl.arange(0, BLOCK_DV)
+    dn_ok, dp_ok, dv_ok = dn < NOPE, dp < ROPE, dv < V_DIM
+    qn = tl.load(qn_ptr + q_rows[:, None] * stride_qnt + head * stride_qnh + dn[None, :],
+                 mask=row_ok[:, None] & dn_ok[None, :], other=0.0)
+    qp = tl.load(qp_ptr + q_rows[:, None] * stride_qpt + head * stride_qph + dp[None, :],
+                 mask=row_ok[:, None] & dp_ok[None, :], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    kv_hi = ctx_len + tl.minimum(q_len, tile_first + BLOCK_M)  # the tile's last position + 1
+    kv_head = kv_ptr + head.to(tl.int64) * stride_kvh
+    for start in range(0, kv_hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < kv_hi
+        rows = kv_row0 + n
+        kn = tl.load(kv_head + rows[:, None] * stride_kvs + dn[None, :], mask=n_ok[:, None] & dn_ok[None, :],
+                     other=0.0)
+        kp = tl.load(lat_ptr + rows[:, None] * stride_ls + RANK + dp[None, :], mask=n_ok[:, None] & dp_ok[None, :],
+                     other=0.0)
+        v = tl.load(kv_head + rows[:, None] * stride_kvs + NOPE + dv[None, :], mask=n_ok[:, None] & dv_ok[None, :],
+                    other=0.0)
+        if IEEE:
+            s = tl.dot(qn, tl.trans(kn), input_precision="ieee") + tl.dot(qp, tl.trans(kp), input_precision="ieee")
+        else:
+            s = tl.dot(qn, tl.trans(kn)) + tl.dot(qp, tl.trans(kp))
+        visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        s = tl.where(visible, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a padding row sees no key: no inf - inf
+        prob = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(prob, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(prob, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + dv[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & dv_ok[None, :])
+
+
+def gather_mla_context(kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every request's cached rows in position order, requests one after another, in one indexed read.
+
+    Args:
+        kv_cache: [num_blocks, block_size, R + P] (one layer).
+        meta: the step's metadata; the total ``sum(seq_lens)`` comes from its host list (no host sync).
+    Returns:
+        (latents [sum(seq_lens), R + P] in the cache's dtype, kv_start_loc [B + 1] int32: request i's rows
+        are ``kv_start_loc[i]:kv_start_loc[i + 1]``).
+    """
+    dev, block_size = kv_cache.device, kv_cache.shape[1]
+    total = sum(meta.seq_lens_cpu)
+    seq_lens = meta.seq_lens.long()
+    kv_start_loc = torch.zeros(meta.num_reqs + 1, dtype=torch.long, device=dev)
+    torch.cumsum(seq_lens, 0, out=kv_start_loc[1:])
+    req = torch.repeat_interleave(torch.arange(meta.num_reqs, device=dev), seq_lens, output_size=total)
+    pos = torch.arange(total, device=dev) - kv_start_loc[req]
+    slots = meta.block_tables.long()[req, pos // block_size] * block_size + pos % block_size
+    return kv_cache.view(-1, kv_cache.shape[-1])[slots], kv_start_loc.to(torch.int32)
+
+
+_MAX_GATHER_ROWS = 65536  # context rows up-projected at once: [rows, H * (Dn + Dv)] (512 MiB at V2-Lite, bf16)
+
+
+def _request_groups(seq_lens: list[int], max_rows: int) -> list[tuple[int, int]]:
+    """Consecutive request ranges [i, j) whose contexts sum to at most ``max_rows`` (a longer one alone)."""
+    groups, first, rows = [], 0, 0
+    for i, s in enumerate(seq_lens):
+        if i > first and rows + s > max_rows:
+            groups.append((first, i))
+            first, rows = i, 0
+        rows += s
+    groups.append((first, len(seq_lens)))
+    return groups
+
+
+def mla_prefill_triton(
+    q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+    kv_b_weight: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """Triton path of :func:`mla_prefill_ref` (same contract; no host sync, no loop over requests).
+
+    Reads the context's latents with :func:`gather_mla_context`, up-projects them in one GEMM
+    (``kv_b_proj``: [S, R] -> [S, H, Dn + Dv]) and runs ``_mla_prefill_kernel``, a varlen causal
+    flash-attention over q [T, H, Dn + P], k [S, H, Dn + P] (k_pe shared by the heads), v [S, H, Dv].
+    The up-projected context is transient memory: steps whose contexts sum to more than
+    ``_MAX_GATHER_ROWS`` tokens run in groups of consecutive requests (one pass each).
+    Source: DeepSeek-V2 (2024) eq. 9-19; FlashAttention-2 (Dao 2023) for the kernel.
+    """
+    num_tokens, num_heads, nope_dim = q_nope.shape
+    rope_dim = q_pe.shape[-1]
+    v_dim = kv_b_weight.shape[0] // num_heads - nope_dim
+    out = torch.empty((num_tokens, num_heads, v_dim), dtype=q_nope.dtype, device=q_nope.device)
+    if num_tokens == 0 or meta.num_reqs == 0:
+        return out
+    q_nope = q_nope if q_nope.stride(-1) == 1 else q_nope.contiguous()
+    q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
+    groups = _request_groups(meta.seq_lens_cpu, _MAX_GATHER_ROWS)
+    if len(groups) == 1:
+        _mla_prefill_pass(q_nope, q_pe, kv_cache, meta, kv_b_weight, scale, out)
+        return out
+    q_starts = [0]
+    for q in meta.query_lens_cpu:
+        q_starts.append(q_starts[-1] + q)
+    for i, j in groups:
+        t0, t1 = q_starts[i], q_starts[j]
+        sub = AttentionMetadata(meta.query_start_loc[i: j + 1] - t0, meta.seq_lens[i:j], meta.block_tables[i:j],
+                                meta.slot_mapping[t0:t1], meta.block_size, meta.query_lens_cpu[i:j],
+                                meta.seq_lens_cpu[i:j])
+        _mla_prefill_pass(q_nope[t0:t1], q_pe[t0:t1], kv_cache, sub, kv_b_weight, scale, out[t0:t1])
+    return out
+
+
+def _mla_prefill_pass(q_nope, q_pe, kv_cache, meta: AttentionMetadata, kv_b_weight, scale, out) -> None:
+    """One gather + up-projection + kernel over all of ``meta``'s requests, into ``out`` [T, H, Dv]."""
+    num_tokens, num_heads, nope_dim = q_nope.shape
+    rope_dim = q_pe.shape[-1]
+    rank = kv_cache.shape[-1] - rope_dim
+    v_dim = out.shape[-1]
+    latents, kv_start_loc = gather_mla_context(kv_cache, meta)
+    kv = F.linear(latents[:, :rank].to(q_nope.dtype), kv_b_weight).view(-1, num_heads, nope_dim + v_dim)
+    latents = latents.to(q_nope.dtype)
+    is_fp32 = q_nope.dtype == torch.float32
+    block_m, block_n = (32, 32) if is_fp32 else (64, 64)
+    grid = (num_tokens // block_m + meta.num_reqs, num_heads)
+    _mla_prefill_kernel[grid](
+        q_nope, q_pe, kv, latents, out, meta.query_start_loc, meta.seq_lens, kv_start_loc,
+        meta.num_reqs, scale * 1.4426950408889634,
+        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), kv.stride(1),
+        latents.stride(0), out.stride(0), out.stride(1),
+        NOPE=nope_dim, ROPE=rope_dim, V_DIM=v_dim, RANK=rank,
+        BLOCK_DN=max(16, triton.next_power_of_2(nope_dim)), BLOCK_P=max(16, triton.next_power_of_2(rope_dim)),
+        BLOCK_DV=max(16, triton.next_power_of_2(v_dim)), BLOCK_M=block_m, BLOCK_N=block_n, IEEE=is_fp32,
+        num_warps=4 if is_fp32 else 8, num_stages=2,
+    )
+
+
+def mla_prefill(
+    q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+    kv_b_weight: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """Same contract as :func:`mla_prefill_ref`; the Triton path on CUDA tensors (outside batch-invariant
+    mode, whose model never takes the expanded form)."""
+    if (
+        q_nope.dim() == 3
+        and kv_cache.dim() == 3
+        and q_nope.dtype == q_pe.dtype == kv_cache.dtype == kv_b_weight.dtype
+        and q_nope.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and kv_cache.is_contiguous()
+        and use_triton(q_nope, q_pe, kv_cache, kv_b_weight, meta.block_tables, meta.seq_lens, meta.query_start_loc)
+    ):
+        return mla_prefill_triton(q_nope, q_pe, kv_cache, meta, kv_b_weight, scale)
+    return mla_prefill_ref(q_nope, q_pe, kv_cache, meta, kv_b_weight, scale)

@@ -33,9 +33,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from rayinfer.kernels.attention_metadata import AttentionMetadata
-from rayinfer.kernels.batch_invariant import is_batch_invariant
 from rayinfer.kernels.matmul import dense_batched_linear, dense_linear
-from rayinfer.kernels.mla_attention import mla_decode, mla_prefill_ref, store_mla_kv
+from rayinfer.kernels.mla_attention import ABSORBED_MAX_QUERY_LEN, mla_decode, mla_prefill, use_absorbed
+from rayinfer.kernels.mla_rope import mla_rope_store
 from rayinfer.model.llama import PagedCausalLM, PreNormDecoderLayer, RMSNorm
 from rayinfer.model.moe import ExpertParallelism, GatedMLP, MoEModelMixin, RoutedExperts, grouped_topk
 
@@ -93,27 +93,6 @@ def deepseek_rope(config) -> tuple[torch.Tensor, float, float]:
     return inv_freq, float(attention_factor), softmax_factor
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool):
-    """Rotate the rope part of queries [T, H, P] and keys [T, 1, P] by cos/sin [T, P // 2].
-
-    ``interleave`` (``config.rope_interleave``, DeepSeek's checkpoint layout): pairs are (2i, 2i+1) and
-    the result is de-interleaved, evens' rotations then odds', exactly as Hugging Face's
-    ``apply_rotary_pos_emb_interleave``; otherwise rotate-half pairs (i, i + P/2). Queries and keys
-    get the same permutation, so their dot products are those of the interleaved rotation.
-    """
-    cos, sin = cos[:, None, :], sin[:, None, :]
-
-    def rotate(x):
-        if interleave:
-            x1, x2 = x[..., 0::2], x[..., 1::2]
-            return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-        x1, x2 = x.chunk(2, dim=-1)
-        c, s = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
-        return x * c + torch.cat([-x2, x1], dim=-1) * s
-
-    return rotate(q), rotate(k)
-
-
 class DeepseekV3Attention(nn.Module):
     """MLA with optional low-rank queries (``q_lora_rank``); see ``rayinfer.kernels.mla_attention``."""
 
@@ -141,11 +120,13 @@ class DeepseekV3Attention(nn.Module):
     def forward(self, hidden, cos, sin, kv_cache, meta: AttentionMetadata):
         """hidden [T, hidden_size] -> [T, hidden_size]; writes this step's latents into ``kv_cache`` (one layer).
 
-        Pure decode batches attend in the absorbed form (:func:`mla_decode`), others expanded
-        (:func:`mla_prefill_ref`). In batch-invariant mode (``kernels.batch_invariant``) every step takes
-        the absorbed form, so a token's attention is the same arithmetic whether its step is a prefill, an
-        extend or a decode and whatever the step's other requests do (the two forms round differently);
-        the projections then run through the persistent matmul (per head for the absorbed ones).
+        Steps whose queries are all short (decode, speculative verification: at most
+        ``ABSORBED_MAX_QUERY_LEN`` tokens per request, :func:`use_absorbed`) attend in the absorbed form
+        (:func:`mla_decode`), others expanded (:func:`mla_prefill`). In batch-invariant mode
+        (``kernels.batch_invariant``) every step takes the absorbed form, so a token's attention is the
+        same arithmetic whether its step is a prefill, an extend or a decode and whatever the step's other
+        requests do (the two forms round differently); the projections then run through the persistent
+        matmul (per head for the absorbed ones).
         """
         t, heads = hidden.shape[0], self.num_heads
         if self.q_lora_rank is None:
@@ -154,21 +135,21 @@ class DeepseekV3Attention(nn.Module):
             q_a = self.q_a_layernorm(dense_linear(hidden, self.q_a_proj.weight, self.q_a_proj.bias))
             q = dense_linear(q_a, self.q_b_proj.weight)
         # explicit sizes: an EP rank without work runs this over t = 0 tokens, where -1 is ambiguous
-        q_nope, q_pe = q.view(t, heads, self.nope_dim + self.rope_dim).split([self.nope_dim, self.rope_dim], dim=-1)
+        q = q.view(t, heads, self.nope_dim + self.rope_dim)
+        q_nope = q[..., : self.nope_dim]
         kv_a = dense_linear(hidden, self.kv_a_proj_with_mqa.weight, self.kv_a_proj_with_mqa.bias)
-        c_kv, k_pe = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        c_kv = self.kv_a_layernorm(c_kv)
-        q_pe, k_pe = apply_rope(q_pe, k_pe[:, None, :], cos, sin, self.interleave)
-        store_mla_kv(c_kv, k_pe[:, 0], kv_cache, meta.slot_mapping)
-        if meta.is_decode_only or is_batch_invariant():
+        # the latent's RMSNorm, RoPE of q_pe and k_pe, and the cache store: one kernel on the GPU
+        norm = self.kv_a_layernorm
+        q_pe = mla_rope_store(q, kv_a, norm.weight, norm.eps, cos, sin, kv_cache, meta.slot_mapping, self.interleave)
+        if use_absorbed(meta):
             w_kv_b = self.kv_b_proj.weight.view(heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
             # per head h: q_latent[:, h] = q_nope[:, h] @ W_UK[h] ([Dn, R]); out[:, h] = latent @ W_UV[h].T
             w_uk_t = w_kv_b[:, : self.nope_dim].transpose(1, 2)  # [H, R, Dn]
             q_latent = dense_batched_linear(q_nope.transpose(0, 1), w_uk_t).transpose(0, 1)  # [T, H, R]
-            out_latent = mla_decode(q_latent, q_pe.contiguous(), kv_cache, meta, self.scale)
+            out_latent = mla_decode(q_latent, q_pe, kv_cache, meta, self.scale)
             out = dense_batched_linear(out_latent.transpose(0, 1), w_kv_b[:, self.nope_dim :]).transpose(0, 1)
         else:
-            out = mla_prefill_ref(q_nope, q_pe, kv_cache, meta, self.kv_b_proj.weight, self.scale)
+            out = mla_prefill(q_nope, q_pe, kv_cache, meta, self.kv_b_proj.weight, self.scale)
         return dense_linear(out.reshape(t, heads * self.v_dim), self.o_proj.weight, self.o_proj.bias)
 
 
@@ -277,6 +258,9 @@ class DeepseekV3ForCausalLM(MoEModelMixin, PagedCausalLM):
 
     supports_fp8_kv_cache = False  # MLA's cache and kernels are the model's dtype only
     supports_mtp = True
+    # longest query per request a CUDA graph may capture: the absorbed attention's (the expanded form
+    # slices the context by host-side lengths, which a graph would bake in)
+    max_graph_query_len = ABSORBED_MAX_QUERY_LEN
 
     def __init__(self, config, ep: ExpertParallelism | None = None, enable_mtp: bool = False):
         """Raises: ValueError for an unsupported rope type, activation or expert grouping; with

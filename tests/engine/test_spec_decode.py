@@ -572,3 +572,81 @@ def test_mtp_needs_a_model_with_mtp_modules(tiny_pair, tokenizer):
         LLMEngine(ModelConfig("tiny"), EngineConfig(device="cpu", num_kv_blocks=16,
                                                     speculative=SpeculativeConfig(method="mtp")),
                   model=tiny_pair[0], tokenizer=tokenizer)
+
+
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_mla_verification_steps_through_graph_buffers(mtp_checkpoint, tokenizer, monkeypatch, method):
+    """DeepSeek-V3 (MLA) verification steps run in the captured-graph path (``run_ragged``, replayed
+    eagerly on the CPU) in the absorbed attention, never the expanded one, which reads host-side lengths;
+    with MTP the graphs also return the hidden states it drafts from. Greedy output equals plain."""
+    import rayinfer.model.deepseek_v3 as dsv3
+    from rayinfer.engine.cuda_graph import DecodeGraphs
+
+    path, _ = mtp_checkpoint
+    # confidence-scheduled: some steps verify no draft, so the one-token graphs run too
+    engine = _mtp_engine(path, tokenizer, dict(method=method, num_draft_tokens=3, schedule="confidence"))
+    prompts = list(MTP_PROMPTS)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (24, 23, 21)]
+    plain = _mtp_engine(path, tokenizer, model=engine.model).generate(prompts, params)
+    replays, in_graph = [], [False]
+    expanded = dsv3.mla_prefill
+
+    def no_expanded_in_graphs(*args, **kw):
+        assert not in_graph[0], "the expanded MLA (host-side lengths) ran inside a graph"
+        return expanded(*args, **kw)
+
+    monkeypatch.setattr(dsv3, "mla_prefill", no_expanded_in_graphs)
+    runner = engine.runner
+    graphs = DecodeGraphs(runner.model, runner.kv_cache, runner.block_size, 256, 4,
+                          max_query_len=engine.model.max_graph_query_len, eager=True,
+                          with_hidden=runner.capture_hidden)
+    run = graphs.run
+
+    def wrapper(*args, query_len=1, **kw):
+        replays.append((args[3].shape[0], query_len))
+        in_graph[0] = True
+        try:
+            return run(*args, query_len=query_len, **kw)
+        finally:
+            in_graph[0] = False
+
+    graphs.run = wrapper
+    runner.graphs = graphs
+    _check_same(engine.generate(prompts, params), plain)
+    assert any(q > 1 for _, q in replays) and any(q == 1 for _, q in replays), replays
+    assert any(n == 3 for n, q in replays if q > 1), replays  # 3 requests padded to a graph of 4
+    assert engine.stats()["spec_num_drafts_accepted"] > 0
+    assert runner.capture_hidden == (method == "mtp")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_mla_verification_cuda_graphs_on_gpu(mtp_checkpoint, tokenizer, method):
+    """On the GPU, DeepSeek-V3's verification steps replay captured graphs (split-KV absorbed MLA; with MTP
+    the graphs return the hidden states too) without a host sync, and greedy output equals the eager
+    plain engine's."""
+    path, _ = mtp_checkpoint
+    prompts = list(MTP_PROMPTS)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (24, 23, 21)]
+    plain = _mtp_engine(path, tokenizer, device="cuda", enforce_eager=True).generate(prompts, params)
+    engine = _mtp_engine(path, tokenizer, dict(method=method, num_draft_tokens=3), device="cuda",
+                         debug_sync_guard=True)
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.max_query_len == 4 and any(q == 4 for _, q in graphs.graphs)
+    replays = []
+    run = graphs.run
+
+    def counted(*args, query_len=1, **kw):
+        replays.append(query_len)
+        return run(*args, query_len=query_len, **kw)
+
+    graphs.run = counted
+    out = engine.generate(prompts, params)
+    # float32 both; the graphs split the KV for max_model_len, eager steps for the real lengths, so a
+    # difference is tolerated only as a near-tie flip late in one sequence (as tests/engine/test_gpu_engine.py)
+    same = sum(c.output_token_ids == p.output_token_ids for c, p in zip(out, plain))
+    assert same >= len(out) - 1, [(c.output_token_ids, p.output_token_ids) for c, p in zip(out, plain)]
+    assert all(c.output_token_ids[:8] == p.output_token_ids[:8] for c, p in zip(out, plain))
+    assert any(q > 1 for q in replays), replays
+    assert engine.stats()["spec_num_drafts_accepted"] > 0

@@ -10,7 +10,11 @@ import torch
 
 from rayinfer.kernels._triton_utils import HAS_TRITON
 from rayinfer.kernels.attention_metadata import AttentionMetadata
-from rayinfer.kernels.mla_attention import mla_decode, mla_decode_ref, mla_prefill_ref, store_mla_kv, store_mla_kv_ref
+from rayinfer.kernels.batch_invariant import batch_invariant_mode
+from rayinfer.kernels.mla_attention import (
+    choose_num_splits, gather_mla_context, mla_decode, mla_decode_ref, mla_decode_triton, mla_prefill, mla_prefill_ref,
+    store_mla_kv, store_mla_kv_ref,
+)
 
 CUDA = torch.cuda.is_available()
 TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
@@ -79,7 +83,8 @@ def test_store_ref_by_hand():
     assert cache.count_nonzero() == 4
 
 
-def check_kernels(device, cases):
+def check_kernels(device, cases, num_splits=None):
+    """Each case against the references; ``num_splits``: force that split-KV factor (else the default)."""
     worst = 0.0
     for i, (query_lens, seq_lens, heads, rank, rope, bs, dtype) in enumerate(cases):
         nb = sum(-(-s // bs) for s in seq_lens) + 3
@@ -90,7 +95,11 @@ def check_kernels(device, cases):
         t = sum(query_lens)
         ql = torch.randn(t, heads, rank, generator=gen).to(**to)
         qp = torch.randn(t, heads, rope, generator=gen).to(**to)
-        got, want = mla_decode(ql, qp, cache, meta, rank**-0.5), mla_decode_ref(ql, qp, cache, meta, rank**-0.5)
+        if num_splits is None:
+            got = mla_decode(ql, qp, cache, meta, rank**-0.5)
+        else:
+            got = mla_decode_triton(ql, qp, cache, meta, rank**-0.5, num_splits=num_splits)
+        want = mla_decode_ref(ql, qp, cache, meta, rank**-0.5)
         tol = TOL[dtype]
         torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol, msg=lambda m: f"case {i}: {m}")
         worst = max(worst, (got.float() - want.float()).abs().max().item())
@@ -104,6 +113,36 @@ def check_kernels(device, cases):
     return worst
 
 
+def check_prefill(device, cases):
+    """mla_prefill against mla_prefill_ref; each case: (query_lens, seq_lens, heads, rank, rope, nope, v_dim,
+    block_size, dtype). A query length below its sequence length is a chunk after a cached prefix."""
+    worst = 0.0
+    for i, (query_lens, seq_lens, heads, rank, rope, nope, v_dim, bs, dtype) in enumerate(cases):
+        nb = sum(-(-s // bs) for s in seq_lens) + 3
+        meta = make_batch(query_lens, seq_lens, bs, nb, seed=i, device=device)
+        gen = torch.Generator().manual_seed(100 + i)
+        to = dict(device=device, dtype=dtype)
+        cache = torch.randn(nb, bs, rank + rope, generator=gen).to(**to)
+        w = (torch.randn(heads * (nope + v_dim), rank, generator=gen) / rank**0.5).to(**to)
+        t = sum(query_lens)
+        q_nope = torch.randn(t, heads, nope, generator=gen).to(**to)
+        q_pe = torch.randn(t, heads, rope, generator=gen).to(**to)
+        scale = (nope + rope) ** -0.5
+        got, want = mla_prefill(q_nope, q_pe, cache, meta, w, scale), mla_prefill_ref(q_nope, q_pe, cache, meta, w, scale)
+        tol = TOL[dtype]
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol, msg=lambda m: f"prefill case {i}: {m}")
+        worst = max(worst, (got.float() - want.float()).abs().max().item())
+    return worst
+
+
+def test_gather_context_by_hand():
+    """Two requests' rows in position order through scattered blocks, one after the other."""
+    cache = torch.arange(6 * 2 * 1.0).view(6, 2, 1)  # row value = block * 2 + offset
+    meta = AttentionMetadata.build([1, 2], [3, 2], [[4, 1], [0]], 2)
+    latents, starts = gather_mla_context(cache, meta)
+    assert latents[:, 0].tolist() == [8.0, 9.0, 2.0, 0.0, 1.0] and starts.tolist() == [0, 3, 5]
+
+
 GPU_CASES = [
     ([1] * 8, [100, 1, 517, 64, 3, 1000, 17, 256], 16, 512, 64, 64, torch.bfloat16),
     ([1] * 4, [300, 20, 7, 64], 128, 512, 64, 16, torch.bfloat16),
@@ -112,10 +151,76 @@ GPU_CASES = [
 ]
 
 
+# DeepSeek-V2-Lite's attention shape (16 heads, R 512, P 64) at 1K and 4K context: several KV splits at
+# batch 1 and 4 on an H200 (choose_num_splits), one split at batch 64
+SPLIT_GPU_CASES = [
+    ([1], [1024], 16, 512, 64, 64, torch.bfloat16),
+    ([1], [4096], 16, 512, 64, 16, torch.bfloat16),
+    ([1] * 4, [4096, 1000, 1, 3000], 16, 512, 64, 64, torch.bfloat16),
+    ([4, 1, 8], [1024, 4096, 2000], 16, 512, 64, 64, torch.bfloat16),  # verification-like short queries
+    ([1] * 64, [1024] * 64, 16, 512, 64, 64, torch.bfloat16),
+]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_kernels_match_ref():
     print(f"mla_decode: max abs err {check_kernels('cuda', GPU_CASES):.2e}")
+
+
+# DeepSeek-V2-Lite's shape (16 heads, R 512, P 64, Dn 128, Dv 128): whole prompts, chunks after cached
+# prefixes (prefix hits), one-token rows in the same batch
+PREFILL_GPU_CASES = [
+    ([1000, 37, 1, 300], [1000, 2085, 50, 300], 16, 512, 64, 128, 128, 64, torch.bfloat16),
+    ([512] * 4, [512, 1024, 4096, 777], 16, 512, 64, 128, 128, 16, torch.bfloat16),
+    ([129, 64], [129, 200], 4, 64, 32, 48, 40, 16, torch.float16),
+    ([70, 5], [100, 5], 3, 32, 16, 16, 24, 16, torch.float32),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_prefill_kernel_matches_ref():
+    print(f"mla_prefill: max abs err {check_prefill('cuda', PREFILL_GPU_CASES):.2e}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_split_kv_matches_ref_at_long_context():
+    assert choose_num_splits(1, 1024, torch.cuda.get_device_properties(0).multi_processor_count) > 1
+    print(f"mla_decode split-KV (default splits): max abs err {check_kernels('cuda', SPLIT_GPU_CASES):.2e}")
+    print(f"mla_decode split-KV (7 splits): max abs err {check_kernels('cuda', SPLIT_GPU_CASES[:2], 7):.2e}")
+
+
+def test_choose_num_splits():
+    """About two programs per multiprocessor, >= 64 keys per split, at most 32 splits."""
+    assert choose_num_splits(1, 1024, 132) == 16  # 1024 // 64
+    assert choose_num_splits(1, 8192, 132) == 32
+    assert choose_num_splits(64, 4096, 132) == 5  # cdiv(264, 64)
+    assert choose_num_splits(264, 4096, 132) == 1
+    assert choose_num_splits(1, 100, 132) == 1  # too short to split
+
+
+def test_batch_invariant_mode_never_splits(monkeypatch):
+    """In batch-invariant mode the kernel runs unsplit whatever the caller asks (checked on the launch)."""
+    import rayinfer.kernels.mla_attention as mla
+
+    grids = []
+
+    class Launch:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return lambda *a, **k: None
+
+    monkeypatch.setattr(mla, "_mla_decode_kernel", Launch())
+    monkeypatch.setattr(mla, "_mla_merge_splits_kernel", Launch())
+    meta = make_batch([1], [1024], 16, 64)
+    args = (torch.zeros(1, 4, 32), torch.zeros(1, 4, 16), torch.zeros(64, 16, 48), meta, 0.1)
+    mla_decode_triton(*args, num_splits=8)
+    assert grids == [(1, 1, 8), (1, 4)]
+    with batch_invariant_mode(True):
+        mla_decode_triton(*args, num_splits=8)
+    assert grids[2:] == [(1, 1, 1)]
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
@@ -127,5 +232,16 @@ if __name__ == "__main__":
     if "--interpret" in sys.argv:
         f32 = torch.float32
         check_kernels("cpu", [([1, 3, 1], [5, 9, 40], 4, 32, 16, 4, f32), ([2], [2], 20, 24, 8, 8, f32)])
+        # split-KV: 4 splits of whole 32-key tiles; the 5-token context leaves 3 splits empty, the 150-token one 1
+        check_kernels("cpu", [([1, 1, 2], [5, 150, 70], 4, 32, 16, 4, f32)], num_splits=4)
+        check_kernels("cpu", [([3, 1], [97, 1], 20, 24, 8, 8, f32)], num_splits=3)
+        # expanded: whole prompts, chunks after cached prefixes, a tile boundary (32 rows), a one-token row
+        check_prefill("cpu", [([40, 7, 1, 3], [40, 30, 9, 3], 2, 32, 16, 16, 24, 4, f32),
+                              ([33], [70], 3, 24, 8, 12, 20, 8, f32)])
+        import rayinfer.kernels.mla_attention as mla
+
+        mla._MAX_GATHER_ROWS = 40  # contexts 40 + 30 + 9 + 3 in three passes: [40], [30, 9], [3]
+        assert mla._request_groups([40, 30, 9, 3], 40) == [(0, 1), (1, 3), (3, 4)]
+        check_prefill("cpu", [([40, 7, 1, 3], [40, 30, 9, 3], 2, 32, 16, 16, 24, 4, f32)])
     else:
         sys.exit(pytest.main([__file__, "-m", "gpu", "-q", *sys.argv[1:]]))

@@ -72,10 +72,14 @@ def mtp_checkpoint(cfg, main_state, seed) -> dict[str, torch.Tensor]:
     return to_checkpoint_names(out, cfg, add_mtp=False)
 
 
-@pytest.mark.parametrize("variant", ["base", "no_q_lora_no_interleave", "yarn", "with_mtp"])
-def test_prefill_then_decode_matches_hf(variant, paged):
+@pytest.mark.parametrize("variant", ["base", "no_q_lora_no_interleave", "yarn", "with_mtp", "expanded"])
+def test_prefill_then_decode_matches_hf(variant, paged, monkeypatch):
+    """Every chunk of SCHEDULE is short, so its steps attend in the absorbed form; ``expanded``: the
+    multi-token steps take the expanded form (as long prompts do)."""
     extra = {"base": {}, "no_q_lora_no_interleave": dict(q_lora_rank=None, rope_interleave=False),
-             "yarn": dict(rope_parameters=YARN), "with_mtp": {}}[variant]
+             "yarn": dict(rope_parameters=YARN), "with_mtp": {}, "expanded": {}}[variant]
+    if variant == "expanded":
+        monkeypatch.setattr("rayinfer.kernels.mla_attention.ABSORBED_MAX_QUERY_LEN", 1)
     ref, ours = make_pair(tiny_config(**extra), mtp=variant == "with_mtp")
     seqs = [torch.randint(0, 128, (14,)), torch.randint(0, 128, (12,))]
     paged.assert_matches_hf(ref, ours, seqs, TABLES, SCHEDULE, BLOCK_SIZE)
