@@ -149,6 +149,15 @@ class BatchingEncoder:
 
 
 @dataclass(frozen=True)
+class DeviceEmbeds:
+    """Embeddings an EncoderActor holds on its GPU (:meth:`EncoderActorImpl.encode_for_transfer`): its
+    handle and the hold id that the engine replica passes to ``take``."""
+
+    handle: Any
+    hold_id: int
+
+
+@dataclass(frozen=True)
 class EmbedsRef:
     """One image's embeddings in the Ray object store, as a ``MultiModalInput.embeds`` in transit:
     item ``index`` of the list ``ref`` resolves to, a ``[rows, hidden]`` array in wire form
@@ -156,7 +165,8 @@ class EmbedsRef:
 
     Attributes:
         ref: ObjectRef of ``list[np.ndarray]`` (one EncoderActor call's images), or with ``transport``
-            "cuda_ipc" of ``list[torch.Tensor]`` on the encoder's GPU (Ray Direct Transport).
+            "cuda_ipc" a :class:`DeviceEmbeds` (``list[torch.Tensor]`` on the encoder's GPU, taken by Ray
+            Direct Transport).
         index: this image's item.
         dtype: the embeddings' torch dtype name ("float32", "bfloat16", ...).
         transport: "object_store" or "cuda_ipc".
@@ -182,14 +192,16 @@ async def resolve_embeds(mm_inputs: Sequence[MultiModalInput] | None) -> list[Mu
 
     embeds = [m.embeds for m in mm_inputs if isinstance(m.embeds, EmbedsRef)]
     refs = list(dict.fromkeys(e.ref for e in embeds if e.transport == "object_store"))
-    device_refs = list(dict.fromkeys(e.ref for e in embeds if e.transport != "object_store"))
-    if not refs and not device_refs:
+    held = list(dict.fromkeys(e.ref for e in embeds if e.transport != "object_store"))
+    if not refs and not held:
         return list(mm_inputs)
     values = dict(zip(refs, await asyncio.gather(*refs)))
-    if device_refs:
-        # Ray Direct Transport (one-sided, cuda_ipc): ray.get maps the encoder's tensors; off the event loop
-        tensors = await asyncio.to_thread(ray.get, device_refs)
-        values.update(zip(device_refs, tensors))
+    if held:
+        # Ray Direct Transport (one-sided, cuda_ipc): this replica calls ``take``, so it owns the result, and
+        # ray.get (off the event loop) maps the encoder's tensors
+        transport = next(e.transport for e in embeds if e.transport != "object_store")
+        taken = [h.handle.take.options(tensor_transport=transport).remote(h.hold_id) for h in held]
+        values.update(zip(held, await asyncio.to_thread(ray.get, taken)))
     out = []
     for m in mm_inputs:
         e = m.embeds
@@ -387,9 +399,10 @@ class actor_encode:
             if self.transport == "object_store":
                 meta, embeds = self.handle.encode.remote(list(images))
                 dtype, rows = await meta
-            else:  # held on the encoder's device; the engine replica fetches them by Ray Direct Transport
+            else:  # held on the encoder's device; the engine replica takes them by Ray Direct Transport
                 dtype, rows, hold_id = await self.handle.encode_for_transfer.remote(list(images))
-                embeds = self.handle.take.options(tensor_transport=self.transport).remote(hold_id)
+                # the engine replica calls ``take`` itself: Ray fetches a device object only for its owner
+                embeds = DeviceEmbeds(self.handle, hold_id)
         except ray.exceptions.RayTaskError as e:
             if embeds is not None:
                 with contextlib.suppress(Exception):  # the same error: seen here, not logged as unhandled
