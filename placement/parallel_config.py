@@ -187,9 +187,9 @@ class EncoderSection(_Sealed):
         num_encoders: encoder replicas; 0 (default): the engines encode their images themselves.
         cache_tokens: each encoder replica's cache of embeddings by image content hash, in rows.
         transport: how embeddings reach the engine replica: "object_store" (host copies through Ray's
-            object store), "cuda_ipc" (Ray Direct Transport between actors sharing a GPU: the engine maps
-            the encoder's device tensors and copies them on the device) or "auto" (cuda_ipc when replicas
-            hold a fraction of a GPU each, else object_store).
+            object store), "cuda_ipc" (Ray Direct Transport between GPU actors: the engine replica takes
+            the encoder's device tensors and copies them on the device) or "auto" (object_store, which
+            measured faster for images of a few MB; see ``actors.encoder_actor.resolve_encoder_transport``).
     """
 
     num_encoders: int = 0
