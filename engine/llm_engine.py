@@ -607,8 +607,13 @@ class LLMEngine:
         speculating = self.proposer is not None and self._speculate_next()
         if speculating:
             if self._inflight is not None:  # drafts start from the last step's tokens: drain the pipeline
+                plain_sched = self._inflight[0]
                 drained = self._process(*self._inflight)
                 self._inflight = None
+                # the drained step was a plain one: its tokens and the wait for them count for plain decoding
+                self.gate.record(False, len(plain_sched.scheduled), sum(len(o.new_token_ids) for o in drained),
+                                 time.perf_counter() - started)
+                started = time.perf_counter()
             self._propose()
         sched = self.scheduler.schedule() if step_kind is None else self.scheduler.schedule(step_kind)
         live = self.scheduler.requests
@@ -645,8 +650,8 @@ class LLMEngine:
             self.step_time.update(sched.num_scheduled_tokens, seconds)
             num_drafts = sum(s.num_draft_tokens for s in sched.scheduled)
             if sched.num_scheduled_tokens == len(sched.scheduled) + num_drafts:  # a pure decode step
-                self.gate.record(speculating, len(sched.scheduled), sum(len(o.new_token_ids) for o in outputs),
-                                 seconds)
+                self.gate.record(speculating, len(sched.scheduled),
+                                 sum(len(o.new_token_ids) for o in outputs[len(drained):]), seconds)
         return outputs
 
     def _needs_drain(self, sched) -> bool:

@@ -485,13 +485,14 @@ class SpeculationGate:
         ValueError: for ``explore_every < 2`` or ``decay`` outside [0, 1).
     """
 
-    def __init__(self, explore_every: int = 16, decay: float = 0.8):
+    def __init__(self, explore_every: int = 16, decay: float = 0.5):
         if explore_every < 2:
             raise ValueError(f"explore_every must be >= 2, got {explore_every}")
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay must be in [0, 1), got {decay}")
         self.explore_every, self.decay = explore_every, decay
         self._sums: dict[tuple[bool, int], tuple[float, float]] = {}  # (speculative, bucket) -> (tokens, s)
+        self._seen: set[tuple[bool, int]] = set()  # modes whose first (warm-up) sample was dropped
         self._decisions: dict[int, int] = {}
         self.num_plain_steps = 0  # decode steps the gate kept plain (engine stats)
 
@@ -525,10 +526,14 @@ class SpeculationGate:
         """Fold in one decode step of ``batch_size`` requests, run in the mode :meth:`speculate` chose,
         that gave ``num_output_tokens`` tokens in ``seconds`` (host and device: proposing, scheduling, the
         forward and sampling; pipelined, the tokens are the previous step's). Tokens and seconds are
-        averaged apart, so a pipelined step that returned nothing yet does not count as a zero rate."""
+        averaged apart, so a pipelined step that returned nothing yet does not count as a zero rate. The
+        first step of each mode and bucket is dropped (one-time costs such as kernel compiles)."""
         if seconds <= 0 or batch_size <= 0:
             return
         key = (speculative, self.bucket(batch_size))
+        if key not in self._seen:  # a mode's first step at a batch size may pay one-time costs (compiles)
+            self._seen.add(key)
+            return
         tokens, secs = self._sums.get(key, (0.0, 0.0))
         d = self.decay if key in self._sums else 0.0
         self._sums[key] = (d * tokens + (1 - d) * num_output_tokens, d * secs + (1 - d) * seconds)

@@ -97,9 +97,15 @@ def test_speculation_gate_takes_the_faster_mode_and_explores_the_other():
 
     gate = SpeculationGate(explore_every=4, decay=0.5)
     assert gate.speculate(8)  # nothing measured: speculation first
+    gate.record(True, 8, num_output_tokens=16, seconds=1.0)  # a mode's first step (compiles): dropped
+    assert gate.speculate(8)
     gate.record(True, 8, num_output_tokens=16, seconds=0.004)  # 4,000 tok/s
-    assert not gate.speculate(8)  # then plain once
-    gate.record(False, 8, num_output_tokens=8, seconds=0.001)  # 8,000 tok/s
+    assert not gate.speculate(8)  # then plain
+    gate.record(False, 8, num_output_tokens=8, seconds=0.5)  # dropped
+    assert not gate.speculate(8)
+    gate.record(False, 8, num_output_tokens=0, seconds=0.0002)  # pipelined: launched, nothing back yet
+    gate.record(False, 8, num_output_tokens=16, seconds=0.0018)  # 16 tokens in 2 ms over the two: 8,000 tok/s
+    assert gate.rates[(False, gate.bucket(8))] == pytest.approx(16 * 0.5 / (0.5 * 0.0002 + 0.5 * 0.0018), rel=0.3)
     picks = [gate.speculate(8) for _ in range(8)]
     assert picks == [False, False, False, True, False, False, False, True]  # plain wins, spec every 4th
     assert gate.speculate(1)  # another batch bucket has its own measurements
