@@ -71,12 +71,21 @@ def live_server(ray_session) -> LiveServer:
     from rayinfer.serve.app import build_app_from_config
     from rayinfer.serve.config import ServeConfig
 
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     cfg = ServeConfig(model=ModelConfig(max_model_len=MAX_MODEL_LEN),
                       engine=EngineConfig(device="cpu", num_kv_blocks=NUM_KV_BLOCKS, max_num_seqs=64),
                       api_key=API_KEY, parallel=ParallelConfig(dp=1, num_cpus_per_replica=2))
-    serve.run(build_app_from_config(cfg), name="rayinfer-test", route_prefix="/")
+    for attempt in range(3):
+        # the free port can be taken between probing it and Serve's proxy binding it (Ray's own processes
+        # open ports meanwhile): then Serve starts again on another one
+        port = _free_port()
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            serve.run(build_app_from_config(cfg), name="rayinfer-test", route_prefix="/")
+            break
+        except Exception as e:  # noqa: BLE001 - only a failed bind is retried
+            if "Failed to bind" not in str(e) or attempt == 2:
+                raise
+            serve.shutdown()
     return LiveServer(f"http://127.0.0.1:{port}", API_KEY, cfg.model_name, "rayinfer-test")
 
 
