@@ -151,10 +151,12 @@ class BatchingEncoder:
 @dataclass(frozen=True)
 class DeviceEmbeds:
     """Embeddings an EncoderActor holds on its GPU (:meth:`EncoderActorImpl.encode_for_transfer`): its
-    handle and the hold id that the engine replica passes to ``take``."""
+    handle, the hold id that the engine replica passes to ``take``, and the Ray Direct Transport
+    ``take`` runs with ("cuda_ipc")."""
 
     handle: Any
     hold_id: int
+    transport: str
 
 
 @dataclass(frozen=True)
@@ -164,18 +166,16 @@ class EmbedsRef:
     (``kv_transport.to_wire``: an integer view of ``dtype``). Resolved by :func:`resolve_embeds`.
 
     Attributes:
-        ref: ObjectRef of ``list[np.ndarray]`` (one EncoderActor call's images), or with ``transport``
-            "cuda_ipc" a :class:`DeviceEmbeds` (``list[torch.Tensor]`` on the encoder's GPU, taken by Ray
-            Direct Transport).
+        ref: ObjectRef of ``list[np.ndarray]`` (one EncoderActor call's images), or a
+            :class:`DeviceEmbeds` (``list[torch.Tensor]`` on the encoder's GPU, taken by Ray Direct
+            Transport).
         index: this image's item.
         dtype: the embeddings' torch dtype name ("float32", "bfloat16", ...).
-        transport: "object_store" or "cuda_ipc".
     """
 
     ref: Any
     index: int
     dtype: str
-    transport: str = "object_store"
 
 
 async def resolve_embeds(mm_inputs: Sequence[MultiModalInput] | None) -> list[MultiModalInput] | None:
@@ -191,23 +191,22 @@ async def resolve_embeds(mm_inputs: Sequence[MultiModalInput] | None) -> list[Mu
     from rayinfer.actors.kv_transport import from_wire
 
     embeds = [m.embeds for m in mm_inputs if isinstance(m.embeds, EmbedsRef)]
-    refs = list(dict.fromkeys(e.ref for e in embeds if e.transport == "object_store"))
-    held = list(dict.fromkeys(e.ref for e in embeds if e.transport != "object_store"))
+    refs = list(dict.fromkeys(e.ref for e in embeds if not isinstance(e.ref, DeviceEmbeds)))
+    held = list(dict.fromkeys(e.ref for e in embeds if isinstance(e.ref, DeviceEmbeds)))
     if not refs and not held:
         return list(mm_inputs)
     values = dict(zip(refs, await asyncio.gather(*refs)))
     if held:
         # Ray Direct Transport (one-sided, cuda_ipc): this replica calls ``take``, so it owns the result, and
         # ray.get (off the event loop) maps the encoder's tensors
-        transport = next(e.transport for e in embeds if e.transport != "object_store")
-        taken = [h.handle.take.options(tensor_transport=transport).remote(h.hold_id) for h in held]
+        taken = [h.handle.take.options(tensor_transport=h.transport).remote(h.hold_id) for h in held]
         values.update(zip(held, await asyncio.to_thread(ray.get, taken)))
     out = []
     for m in mm_inputs:
         e = m.embeds
         if isinstance(e, EmbedsRef):
             value = values[e.ref][e.index]
-            if e.transport == "object_store":
+            if not isinstance(e.ref, DeviceEmbeds):
                 value = from_wire(value, getattr(torch, e.dtype))
             else:  # our own copy on the device: the mapping is the encoder's memory, freed with the object
                 value = value.clone()
@@ -407,7 +406,7 @@ class actor_encode:
             else:  # held on the encoder's device; the engine replica takes them by Ray Direct Transport
                 dtype, rows, hold_id = await self.handle.encode_for_transfer.remote(list(images))
                 # the engine replica calls ``take`` itself: Ray fetches a device object only for its owner
-                embeds = DeviceEmbeds(self.handle, hold_id)
+                embeds = DeviceEmbeds(self.handle, hold_id, self.transport)
         except ray.exceptions.RayTaskError as e:
             if embeds is not None:
                 with contextlib.suppress(Exception):  # the same error: seen here, not logged as unhandled
@@ -417,4 +416,4 @@ class actor_encode:
             if isinstance(e.cause, ValueError):
                 raise InvalidRequestError(f"image: {e.cause}", "image") from None
             raise
-        return [EmbedsRef(embeds, i, dtype, self.transport) for i in range(len(rows))]
+        return [EmbedsRef(embeds, i, dtype) for i in range(len(rows))]

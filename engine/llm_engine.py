@@ -619,6 +619,7 @@ class LLMEngine:
         live = self.scheduler.requests
         step_reqs = {s.request_id: live[s.request_id] for s in sched.scheduled}  # before anything finishes
         outputs = drained + [self._handed_back_output(req) for req in self.scheduler.take_handed_back()]
+        num_drafts = sum(s.num_draft_tokens for s in sched.scheduled)
         prev = self._inflight
         self._inflight = None
         if prev is not None and (not self.async_scheduling or sched.is_empty or self._needs_drain(sched)):
@@ -637,7 +638,7 @@ class LLMEngine:
                 outputs += self._execute_isolated(sched, step_reqs, prev_step, e)
             else:
                 # a verification step is never left in flight: the next step starts from its accepted tokens
-                if self.async_scheduling and not any(s.num_draft_tokens for s in sched.scheduled):
+                if self.async_scheduling and not num_drafts:
                     self._inflight = (sched, launched, step_reqs)
                 else:
                     outputs += self._process(sched, launched, step_reqs)
@@ -648,7 +649,6 @@ class LLMEngine:
         if self.proposer is not None and not sched.is_empty:
             seconds = time.perf_counter() - started
             self.step_time.update(sched.num_scheduled_tokens, seconds)
-            num_drafts = sum(s.num_draft_tokens for s in sched.scheduled)
             if sched.num_scheduled_tokens == len(sched.scheduled) + num_drafts:  # a pure decode step
                 self.gate.record(speculating, len(sched.scheduled),
                                  sum(len(o.new_token_ids) for o in outputs[len(drained):]), seconds)
