@@ -231,15 +231,25 @@ def sweep_mla(ceil) -> list[dict]:
             qp = torch.randn((batch * query_len, heads, rope), device="cuda", dtype=DT)
             want = mla_decode_ref(ql, qp, cache[0], meta, 0.1).float()
             nbytes = batch * ctx * (rank + rope) * 2
-            for splits in (None, 1, 4, 16):
-                run = lambda i=0, s=splits: mla_decode_triton(ql, qp, cache[i], meta, 0.1, num_splits=s)  # noqa: E731
+            for backend, splits in [("triton", s) for s in (None, 1, 4, 16)] + [("tilelang", s) for s in (None, 1)]:
+                if backend == "tilelang":
+                    from rayinfer.kernels.mla_tilelang import mla_decode_tilelang, tilelang_available
+
+                    if not tilelang_available():
+                        continue
+                    fn = mla_decode_tilelang
+                else:
+                    fn = mla_decode_triton
+                # a graph's metadata bounds contexts by max_model_len (8192 here), which sets the split count
+                run = lambda i=0, s=splits, f=fn: f(ql, qp, cache[i], meta, 0.1, num_splits=s, max_seq_len=8192)  # noqa: E731
                 err = (run().float() - want).abs().max().item()
                 us = bench_graph([lambda i=i: run(i) for i in range(layers)])
                 pct = 100 * nbytes / us / 1e3 / ceil["copy_GBps"] if us else None
-                rows.append({"op": "mla_decode", "batch": batch, "query_len": query_len, "ctx_len": ctx,
-                             "num_splits": splits, "graph_us": us, "pct_of_copy_bw": pct, "max_abs_err": err})
-                print(f"  mla decode B={batch} q={query_len} ctx={ctx} splits={splits}: {us or float('nan'):7.1f} us "
-                      f"{pct or float('nan'):5.1f}% bw err {err:.1e}", flush=True)
+                rows.append({"op": "mla_decode", "backend": backend, "batch": batch, "query_len": query_len,
+                             "ctx_len": ctx, "num_splits": splits, "max_seq_len": 8192, "graph_us": us,
+                             "pct_of_copy_bw": pct, "max_abs_err": err})
+                print(f"  mla decode {backend} B={batch} q={query_len} ctx={ctx} splits={splits}: "
+                      f"{us or float('nan'):7.1f} us {pct or float('nan'):5.1f}% bw err {err:.1e}", flush=True)
             del cache
     for num_prompts, prompt_len, prefix in ((64, 512, 0), (8, 2048, 0), (8, 512, 1536)):
         seq = prompt_len + prefix

@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from rayinfer import envs
 from rayinfer.kernels._triton_utils import device_sms, is_interpreting, tl, triton, use_triton
 from rayinfer.kernels.attention_metadata import AttentionMetadata
 from rayinfer.kernels.batch_invariant import is_batch_invariant
@@ -202,8 +203,10 @@ def mla_decode_ref(
 # (FlashAttention-2). With one split the program writes the output; with several (split-KV, "flash
 # decoding") each writes its partial output and log-sum-exp and a second kernel merges them. The split
 # count is a launch constant (from the batch shape and the longest context a graph may replay); each
-# token's split size is computed in the kernel from its own length, so a short context still uses
-# every split and a split past the token's keys is empty (log-sum-exp -inf, weight 0 in the merge).
+# token sizes its splits in the kernel from its own length: it uses at most one split per
+# MIN_SPLIT_TOKENS keys, and a split past those is empty (it writes log-sum-exp -inf and no partial
+# output, and the merge skips it), so a short context in a graph sized for long ones does not pay for
+# writing and merging partial outputs it does not need.
 # In batch-invariant mode there is one split, so every tile takes the same path whatever the batch.
 # ----------------------------------------------------------------------------------------------------
 
@@ -230,7 +233,7 @@ def _mla_decode_kernel(
     stride_lt, stride_lh, stride_pt, stride_ph, stride_ot, stride_oh, stride_cb, stride_cs, stride_bt,
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr,
-    ROWWISE: tl.constexpr = False, USE_SPLITS: tl.constexpr = False,
+    ROWWISE: tl.constexpr = False, USE_SPLITS: tl.constexpr = False, MIN_SPLIT_TOKENS: tl.constexpr = 128,
 ):
     token = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -239,16 +242,24 @@ def _mla_decode_kernel(
     kv_hi = tl.load(seq_lens_ptr + req) - (q_end - token) + 1  # own position + 1
     kv_lo = 0
     split = tl.program_id(2)
-    if USE_SPLITS:  # whole BLOCK_N tiles per split; trailing splits of a short context are empty
-        split_size = tl.cdiv(tl.cdiv(kv_hi, num_splits), BLOCK_N) * BLOCK_N
+    h_ok = heads < num_heads
+    t64 = token.to(tl.int64)
+    if USE_SPLITS:
+        # The launch's split count is sized for the longest context a graph may replay; a shorter one
+        # uses only as many splits as give each MIN_SPLIT_TOKENS keys (whole BLOCK_N tiles), and the
+        # splits past those write an empty log-sum-exp and nothing else (their partial output is never read).
+        used = tl.minimum(num_splits, tl.maximum(tl.cdiv(kv_hi, MIN_SPLIT_TOKENS), 1))
+        split_size = tl.cdiv(tl.cdiv(kv_hi, used), BLOCK_N) * BLOCK_N
         kv_lo = split * split_size
         kv_hi = tl.minimum(kv_hi, kv_lo + split_size)
-    h_ok = heads < num_heads
+        if kv_lo >= kv_hi:
+            part = (t64 * num_heads + heads) * num_splits + split
+            tl.store(part_lse_ptr + part, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=h_ok)
+            return
     r = tl.arange(0, BLOCK_R)
     p = tl.arange(0, BLOCK_P)
     r_ok = r < RANK
     p_ok = p < ROPE
-    t64 = token.to(tl.int64)
     ql = tl.load(ql_ptr + t64 * stride_lt + heads[:, None] * stride_lh + r[None, :],
                  mask=h_ok[:, None] & r_ok[None, :], other=0.0)
     qp = tl.load(qp_ptr + t64 * stride_pt + heads[:, None] * stride_ph + p[None, :],
@@ -313,8 +324,9 @@ def _mla_merge_splits_kernel(
     r_ok = r < RANK
     acc = tl.zeros([BLOCK_R], tl.float32)
     for s in range(0, num_splits):  # one [R] row at a time: a [splits, 512] tile would spill registers
-        w = tl.exp2(tl.load(part_lse_ptr + base + s) - m)
-        acc += w * tl.load(part_out_ptr + (base + s) * BLOCK_R + r, mask=r_ok, other=0.0)
+        lse_s = tl.load(part_lse_ptr + base + s)
+        if lse_s > float("-inf"):  # an unused or empty split wrote no partial output
+            acc += tl.exp2(lse_s - m) * tl.load(part_out_ptr + (base + s) * BLOCK_R + r, mask=r_ok, other=0.0)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + r, (acc / denom).to(out_ptr.dtype.element_ty),
              mask=r_ok)
 
@@ -417,10 +429,31 @@ def use_absorbed(meta: AttentionMetadata) -> bool:
     return meta.max_query_len <= ABSORBED_MAX_QUERY_LEN or is_batch_invariant()
 
 
+def _tilelang_applies(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    if envs.mla_backend() != "tilelang" or is_batch_invariant() or not q_latent.is_cuda:
+        return False
+    from rayinfer.kernels.mla_tilelang import tilelang_available
+
+    if not tilelang_available():
+        raise RuntimeError("RAYINFER_MLA_BACKEND=tilelang needs the tilelang package and a CUDA device")
+    return (q_latent.dtype in (torch.float16, torch.bfloat16) and q_latent.dtype == q_pe.dtype == kv_cache.dtype
+            and q_latent.shape[-1] % 16 == 0 and q_pe.shape[-1] % 16 == 0 and kv_cache.stride(-1) == 1)
+
+
 def mla_decode(
     q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """Same contract as :func:`mla_decode_ref`; the Triton kernel on CUDA tensors."""
+    """Same contract as :func:`mla_decode_ref`; the Triton kernel on CUDA tensors, or the TileLang one
+    (``kernels.mla_tilelang``) when ``RAYINFER_MLA_BACKEND=tilelang`` and the shapes suit it (16-bit,
+    R and P multiples of 16, not batch-invariant mode).
+
+    Raises:
+        RuntimeError: when the TileLang backend is asked for but tilelang or CUDA is missing.
+    """
+    if _tilelang_applies(q_latent, q_pe, kv_cache):
+        from rayinfer.kernels.mla_tilelang import mla_decode_tilelang
+
+        return mla_decode_tilelang(q_latent, q_pe, kv_cache, meta, scale)
     if (
         q_latent.dim() == 3
         and kv_cache.dim() == 3

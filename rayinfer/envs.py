@@ -12,6 +12,8 @@ Variables:
         (``rayinfer.jobs.generate`` then warns about relative output paths).
     RAYINFER_ONE_ROW_FUSION: "0" runs a one-token Llama step through the generic layer instead of
         the fused-GEMV one (``model.llama.LlamaDecoderLayer.forward_one_row``); for A/B benchmarks.
+    RAYINFER_MLA_BACKEND: "triton" (default) or "tilelang": the kernel of MLA's absorbed decode attention
+        on the GPU (``kernels.mla_attention.mla_decode``); "tilelang" needs the tilelang package.
 """
 
 from __future__ import annotations
@@ -65,3 +67,15 @@ def ray_job_working_dir() -> str | None:
         return None
     working_dir = runtime_env.get("working_dir") if isinstance(runtime_env, dict) else None
     return str(working_dir) if working_dir else None
+
+
+def mla_backend() -> str:
+    """RAYINFER_MLA_BACKEND, lower-cased: "triton" (default) or "tilelang".
+
+    Raises:
+        ValueError: for any other value.
+    """
+    value = (os.environ.get("RAYINFER_MLA_BACKEND") or "triton").strip().lower()
+    if value not in ("triton", "tilelang"):
+        raise ValueError(f"RAYINFER_MLA_BACKEND must be 'triton' or 'tilelang', got {value!r}")
+    return value

@@ -1,0 +1,242 @@
+"""Absorbed MLA decode attention as a TileLang kernel (split-KV), the GPU alternative to the Triton kernel.
+
+Same contract as :func:`rayinfer.kernels.mla_attention.mla_decode_ref`: every head's query (latent part
+``q_latent`` [T, H, R] and roped part ``q_pe`` [T, H, P]) attends causally over one layer's compressed
+paged cache ``[num_blocks, block_size, R + P]`` as multi-query attention with values the latents
+(DeepSeek-V2 section 2.1.3). Program (t, g, s) handles query token t, a tile of ``BLOCK_H`` heads and
+split s of the token's keys: it finds the token's request in ``query_start_loc``, gathers ``BLOCK_N``
+cached rows at a time through the block table into shared memory, and runs the FlashAttention-2 online
+softmax with both products on the tensor cores (``T.gemm``: scores ``[BLOCK_H, BLOCK_N]`` from the latent
+and rope parts, output ``[BLOCK_H, R]`` from the latents). Splits follow the Triton kernel's rule
+(:mod:`rayinfer.kernels.mla_attention`): the launch's split count is fixed by the shapes (graph-safe), each
+token uses one split per ``_MIN_SPLIT_TOKENS`` of its own keys, unused splits write an empty
+log-sum-exp, and the Triton merge kernel combines the partial outputs.
+
+TileLang is optional (not a dependency of the package): :func:`tilelang_available` says whether it is
+importable with a CUDA device; ``RAYINFER_MLA_BACKEND=tilelang`` makes :func:`mla_decode` take this kernel
+(``kernels.mla_attention``). Kernels are compiled once per (heads, R, P, block size, dtype, splits) shape.
+Source: DeepSeek-V2 (2024) for the absorbed form; FlashMLA's decode layout; TileLang's published MLA
+decode examples for the shape of a TileLang flash-decoding kernel.
+"""
+
+# no "from __future__ import annotations": TileLang evaluates the kernel signature's annotations
+
+import functools
+import importlib.util
+
+import torch
+
+from rayinfer.kernels.attention_metadata import AttentionMetadata
+
+_MIN_SPLIT_TOKENS = 128
+_LOG2E = 1.4426950408889634
+
+
+@functools.lru_cache(maxsize=1)
+def tilelang_available() -> bool:
+    """Whether TileLang is importable and a CUDA device is present."""
+    return importlib.util.find_spec("tilelang") is not None and torch.cuda.is_available()
+
+
+def _torch_dtype_name(dtype: torch.dtype) -> str:
+    names = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+    if dtype not in names:
+        raise ValueError(f"the TileLang MLA decode kernel takes bfloat16 or float16, not {dtype}")
+    return names[dtype]
+
+
+def build_mla_decode(num_heads: int, rank: int, rope: int, block_size: int, dtype: str, num_splits: int,
+                     block_h: int = 16, block_n: int = 64, threads: int = 128, num_stages: int = 2,
+                     gather: str = "blocks"):
+    """The TileLang program of one (shape, split count); see the module docstring.
+
+    Args:
+        num_heads, rank, rope: H, R, P (R and P multiples of 16).
+        block_size: tokens per cache block.
+        dtype: "bfloat16" or "float16" (queries, cache and output).
+        num_splits: splits of the launch (>= 1); 1 writes the output, more write partial outputs
+            [T, H, num_splits, R] float32 and log-sum-exps [T, H, num_splits] (base 2) for the merge.
+    Returns:
+        a ``tilelang.language`` prim_func with arguments (q_latent [T, H, R], q_pe [T, H, P],
+        kv_cache [NB, block_size, R + P], query_start_loc [num_reqs + 1] int32, seq_lens [num_reqs] int32,
+        block_tables [num_reqs, max_blocks] int32, part_out, part_lse, out [T, H, R], qk_scale float32
+        already multiplied by log2(e)); T, NB, num_reqs and max_blocks are dynamic.
+    """
+    import tilelang.language as T
+
+    accum = "float32"
+    width = rank + rope
+    head_tiles = -(-num_heads // block_h)
+    num_tokens = T.dynamic("num_tokens")
+    num_blocks = T.dynamic("num_blocks")
+    num_reqs = T.dynamic("num_reqs")
+    max_blocks = T.dynamic("max_blocks")
+    splits = num_splits
+    sub = min(block_n, block_size)  # rows per copy: a run inside one cache block
+    if block_n % sub or block_size % sub:
+        raise ValueError(f"block_n {block_n} and block_size {block_size} must be multiples of each other")
+
+    @T.prim_func
+    def mla_decode_kernel(
+        q_latent: T.Tensor((num_tokens, num_heads, rank), dtype),
+        q_pe: T.Tensor((num_tokens, num_heads, rope), dtype),
+        kv_cache: T.Tensor((num_blocks, block_size, width), dtype),
+        query_start_loc: T.Tensor((num_reqs + 1,), "int32"),
+        seq_lens: T.Tensor((num_reqs,), "int32"),
+        block_tables: T.Tensor((num_reqs, max_blocks), "int32"),
+        part_out: T.Tensor((num_tokens, num_heads, splits, rank), accum),
+        part_lse: T.Tensor((num_tokens, num_heads, splits), accum),
+        out: T.Tensor((num_tokens, num_heads, rank), dtype),
+        qk_scale: T.float32,
+    ):
+        with T.Kernel(num_tokens, head_tiles, splits, threads=threads) as (tok, tile, split):
+            q_shared = T.alloc_shared((block_h, rank), dtype)
+            qp_shared = T.alloc_shared((block_h, rope), dtype)
+            kv_shared = T.alloc_shared((block_n, rank), dtype)
+            kp_shared = T.alloc_shared((block_n, rope), dtype)
+            p_shared = T.alloc_shared((block_h, block_n), dtype)
+            scores = T.alloc_fragment((block_h, block_n), accum)
+            acc = T.alloc_fragment((block_h, rank), accum)
+            m_prev = T.alloc_fragment((block_h,), accum)
+            m_cur = T.alloc_fragment((block_h,), accum)
+            alpha = T.alloc_fragment((block_h,), accum)
+            row_sum = T.alloc_fragment((block_h,), accum)
+            l_sum = T.alloc_fragment((block_h,), accum)
+            req = T.alloc_var("int32")
+            kv_lo = T.alloc_var("int32")
+            kv_hi = T.alloc_var("int32")
+
+            # the request of this token: the last r with query_start_loc[r] <= tok
+            req = 0
+            for r in T.serial(num_reqs):
+                if query_start_loc[r] <= tok:
+                    req = r
+            kv_hi = seq_lens[req] - (query_start_loc[req + 1] - tok) + 1  # own position + 1
+            kv_lo = 0
+            if splits > 1:
+                used = T.min(splits, T.max(T.ceildiv(kv_hi, _MIN_SPLIT_TOKENS), 1))
+                split_size = T.ceildiv(T.ceildiv(kv_hi, used), block_n) * block_n
+                kv_lo = split * split_size
+                kv_hi = T.min(kv_hi, kv_lo + split_size)
+
+            for i, j in T.Parallel(block_h, rank):
+                q_shared[i, j] = T.if_then_else(tile * block_h + i < num_heads,
+                                                q_latent[tok, tile * block_h + i, j], T.cast(0, dtype))
+            for i, j in T.Parallel(block_h, rope):
+                qp_shared[i, j] = T.if_then_else(tile * block_h + i < num_heads,
+                                                 q_pe[tok, tile * block_h + i, j], T.cast(0, dtype))
+            T.fill(acc, 0)
+            T.fill(l_sum, 0)
+            T.fill(m_cur, -T.infinity(accum))
+
+            num_tiles = T.ceildiv(T.max(kv_hi - kv_lo, 0), block_n)
+            for k in T.Pipelined(num_tiles, num_stages=num_stages):
+                start = kv_lo + k * block_n
+                if gather == "rows":
+                    for i, j in T.Parallel(block_n, rank):
+                        pos = T.min(start + i, kv_hi - 1)
+                        kv_shared[i, j] = kv_cache[block_tables[req, pos // block_size], pos % block_size, j]
+                    for i, j in T.Parallel(block_n, rope):
+                        pos = T.min(start + i, kv_hi - 1)
+                        kp_shared[i, j] = kv_cache[block_tables[req, pos // block_size], pos % block_size, rank + j]
+                else:  # whole runs of a cache block per copy (async copies the pipeline can overlap)
+                    for c in T.unroll(block_n // sub):
+                        pos = start + c * sub
+                        blk = block_tables[req, T.min(pos // block_size, max_blocks - 1)]
+                        T.copy(kv_cache[blk, pos % block_size:pos % block_size + sub, 0:rank],
+                               kv_shared[c * sub:(c + 1) * sub, :])
+                        T.copy(kv_cache[blk, pos % block_size:pos % block_size + sub, rank:width],
+                               kp_shared[c * sub:(c + 1) * sub, :])
+                    # rows past the token's keys may hold anything (even NaN): zero them before the products
+                    for i, j in T.Parallel(block_n, rank):
+                        kv_shared[i, j] = T.if_then_else(start + i < kv_hi, kv_shared[i, j], T.cast(0, dtype))
+                    for i, j in T.Parallel(block_n, rope):
+                        kp_shared[i, j] = T.if_then_else(start + i < kv_hi, kp_shared[i, j], T.cast(0, dtype))
+                T.clear(scores)
+                T.gemm(q_shared, kv_shared, scores, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                T.gemm(qp_shared, kp_shared, scores, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                for i, j in T.Parallel(block_h, block_n):
+                    scores[i, j] = T.if_then_else(start + j < kv_hi, scores[i, j] * qk_scale, -T.infinity(accum))
+                T.copy(m_cur, m_prev)
+                T.reduce_max(scores, m_cur, dim=1, clear=False)
+                for i in T.Parallel(block_h):
+                    alpha[i] = T.exp2(m_prev[i] - m_cur[i])
+                for i, j in T.Parallel(block_h, block_n):
+                    scores[i, j] = T.exp2(scores[i, j] - m_cur[i])
+                T.reduce_sum(scores, row_sum, dim=1)
+                for i in T.Parallel(block_h):
+                    l_sum[i] = l_sum[i] * alpha[i] + row_sum[i]
+                for i, j in T.Parallel(block_h, rank):
+                    acc[i, j] *= alpha[i]
+                T.copy(scores, p_shared)
+                T.gemm(p_shared, kv_shared, acc, policy=T.GemmWarpPolicy.FullRow)
+
+            if splits > 1:
+                for i in T.Parallel(block_h):
+                    if tile * block_h + i < num_heads:
+                        part_lse[tok, tile * block_h + i, split] = T.if_then_else(
+                            l_sum[i] > 0, m_cur[i] + T.log2(T.max(l_sum[i], 1e-30)), -T.infinity(accum))
+                if kv_lo < kv_hi:
+                    for i, j in T.Parallel(block_h, rank):
+                        if tile * block_h + i < num_heads:
+                            part_out[tok, tile * block_h + i, split, j] = acc[i, j] / l_sum[i]
+            else:
+                for i, j in T.Parallel(block_h, rank):
+                    if tile * block_h + i < num_heads:
+                        out[tok, tile * block_h + i, j] = T.cast(acc[i, j] / l_sum[i], dtype)
+
+    return mla_decode_kernel
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(num_heads: int, rank: int, rope: int, block_size: int, dtype: str, num_splits: int):
+    import tilelang
+
+    return tilelang.compile(build_mla_decode(num_heads, rank, rope, block_size, dtype, num_splits),
+                            out_idx=None, target="cuda")
+
+
+def mla_decode_tilelang(
+    q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    num_splits: int | None = None, max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """TileLang kernel of :func:`~rayinfer.kernels.mla_attention.mla_decode_ref` (same contract; no host
+    sync; CUDA graph-safe once compiled). ``num_splits``/``max_seq_len`` as
+    :func:`~rayinfer.kernels.mla_attention.mla_decode_triton` (batch-invariant mode: one split).
+
+    Raises:
+        ValueError: for a dtype other than bfloat16/float16, or R/P not multiples of 16.
+    """
+    from rayinfer.kernels._triton_utils import device_sms, triton
+    from rayinfer.kernels.batch_invariant import is_batch_invariant
+    from rayinfer.kernels.mla_attention import _mla_merge_splits_kernel, choose_num_splits
+
+    num_tokens, num_heads, rank = q_latent.shape
+    rope = q_pe.shape[-1]
+    dtype = _torch_dtype_name(q_latent.dtype)
+    if rank % 16 or rope % 16:
+        raise ValueError(f"the TileLang MLA decode kernel needs R and P multiples of 16, got {rank}, {rope}")
+    out = torch.empty((num_tokens, num_heads, rank), dtype=q_latent.dtype, device=q_latent.device)
+    if num_tokens == 0 or meta.num_reqs == 0:
+        return out
+    max_seq_len = max(max_seq_len or meta.max_seq_len, 1)
+    head_tiles = -(-num_heads // 16)
+    if is_batch_invariant():
+        num_splits = 1
+    elif num_splits is None:
+        num_splits = choose_num_splits(num_tokens * head_tiles, max_seq_len, device_sms(q_latent))
+    num_splits = max(1, min(num_splits, -(-max_seq_len // _MIN_SPLIT_TOKENS)))
+    if rank & (rank - 1):
+        num_splits = 1  # the merge kernel tiles R as a power of two
+    kernel = _compiled(num_heads, rank, rope, kv_cache.shape[1], dtype, num_splits)
+    # with one split the partial buffers are never written; they keep the signature's shapes
+    part_out = torch.empty((num_tokens, num_heads, num_splits, rank), dtype=torch.float32, device=out.device)
+    part_lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=out.device)
+    kernel(q_latent.contiguous(), q_pe.contiguous(), kv_cache, meta.query_start_loc.int(), meta.seq_lens.int(),
+           meta.block_tables.int(), part_out, part_lse, out, float(scale * _LOG2E))
+    if num_splits > 1:
+        _mla_merge_splits_kernel[(num_tokens, num_heads)](
+            part_out, part_lse, out, num_heads, num_splits, out.stride(0), out.stride(1),
+            RANK=rank, BLOCK_R=rank, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
+        )
+    return out
