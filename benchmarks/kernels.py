@@ -294,6 +294,62 @@ def sweep_mla(ceil) -> list[dict]:
     return rows
 
 
+MLA_TRITON_TILES = [  # (block_h, block_n, num_warps, num_stages, min_split_tokens)
+    (16, 16, 4, 2, 128), (16, 16, 4, 2, 64), (16, 32, 4, 3, 128), (16, 32, 8, 3, 128), (16, 64, 8, 3, 128),
+    (16, 64, 8, 2, 256), (16, 32, 4, 4, 64),
+]
+MLA_TILELANG_TILES = [  # (block_n, threads, num_stages, min_split_tokens, gather)
+    (64, 256, 2, 128, "blocks"), (64, 128, 2, 128, "blocks"), (32, 128, 2, 64, "blocks"), (64, 256, 3, 256, "blocks"),
+    (64, 256, 2, 128, "rows"),
+]
+
+
+def sweep_mla_tiles(ceil) -> list[dict]:
+    """DeepSeek-V2-Lite's absorbed MLA decode (16 heads, R 512, P 64, cache blocks of 16 as the engine's
+    default) per tile set of each backend, at the split count a graph bounded by max_model_len 8192 gets:
+    graph time per layer and the share of the measured copy bandwidth the latent cache reads reach."""
+    from rayinfer.kernels.mla_attention import mla_decode_ref, mla_decode_triton
+    from rayinfer.kernels.mla_tilelang import mla_decode_tilelang, tilelang_available
+
+    heads, rank, rope, bs = 16, 512, 64, 16
+    rows = []
+    for batch, ctx in ((1, 1024), (1, 4096), (32, 1024), (32, 4096), (64, 4096), (128, 4096)):
+        nb = batch * math.ceil(ctx / bs)
+        layers = layers_for(nb * bs * (rank + rope) * 2)
+        cache = torch.randn((layers, nb, bs, rank + rope), device="cuda", dtype=DT)
+        perm = torch.randperm(nb).tolist()
+        per = nb // batch
+        meta = AttentionMetadata.build([1] * batch, [ctx] * batch, [perm[i * per:(i + 1) * per] for i in range(batch)],
+                                       bs, "cuda")
+        ql = torch.randn((batch, heads, rank), device="cuda", dtype=DT)
+        qp = torch.randn((batch, heads, rope), device="cuda", dtype=DT)
+        want = mla_decode_ref(ql, qp, cache[0], meta, 0.1).float()
+        nbytes = batch * ctx * (rank + rope) * 2
+        cases = [("triton", dict(zip(("block_h", "block_n", "num_warps", "num_stages", "min_split_tokens"), t)))
+                 for t in MLA_TRITON_TILES]
+        if tilelang_available():
+            cases += [("tilelang", dict(zip(("block_n", "threads", "num_stages", "min_split_tokens", "gather"), t)))
+                      for t in MLA_TILELANG_TILES]
+        for backend, cfg in cases:
+            fn = mla_decode_triton if backend == "triton" else mla_decode_tilelang
+            run = lambda i=0, f=fn, c=cfg: f(ql, qp, cache[i], meta, 0.1, max_seq_len=8192, config=c)  # noqa: E731
+            try:
+                err = (run().float() - want).abs().max().item()
+                us = bench_graph([lambda i=i: run(i) for i in range(layers)])
+            except Exception as exc:  # a tile set that does not compile or fit is a row with its error
+                rows.append({"op": "mla_decode_tiles", "backend": backend, "config": cfg, "batch": batch,
+                             "ctx_len": ctx, "error": repr(exc)[:300]})
+                print(f"  {backend} {cfg} B={batch} ctx={ctx}: failed {exc!r}"[:300], flush=True)
+                continue
+            pct = 100 * nbytes / us / 1e3 / ceil["copy_GBps"] if us else None
+            rows.append({"op": "mla_decode_tiles", "backend": backend, "config": cfg, "batch": batch, "ctx_len": ctx,
+                         "graph_us": us, "pct_of_copy_bw": pct, "max_abs_err": err})
+            print(f"  {backend} {cfg} B={batch} ctx={ctx}: {us or float('nan'):7.1f} us "
+                  f"{pct or float('nan'):5.1f}% bw err {err:.1e}", flush=True)
+        del cache
+    return rows
+
+
 def store_kv_case(results, ceil, num_tokens):
     num_blocks = max(64, math.ceil(num_tokens / BLOCK) * 2)
     cache = torch.randn((num_blocks, 2, BLOCK, KV_HEADS, HEAD_DIM), device="cuda", dtype=DT)
@@ -553,7 +609,8 @@ def main() -> None:
     sweeps = {}
     if args.only_sweeps is not None:
         funcs = {"gemv": sweep_gemv, "decode_tiles": sweep_decode_tiles, "prefill": sweep_prefill,
-                 "decode_splits": sweep_decode_splits, "decode_step": sweep_decode_step, "mla": sweep_mla}
+                 "decode_splits": sweep_decode_splits, "decode_step": sweep_decode_step, "mla": sweep_mla,
+                 "mla_tiles": sweep_mla_tiles}
         for name in args.only_sweeps:
             sweeps[name] = funcs[name](ceil)
             with open(args.out, "w") as f:  # after each sweep, so a cut-off run keeps what it measured

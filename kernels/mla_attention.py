@@ -355,9 +355,10 @@ def choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int) -> int:
 
 def mla_decode_triton(
     q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-    num_splits: int | None = None, max_seq_len: int | None = None,
+    num_splits: int | None = None, max_seq_len: int | None = None, config: dict | None = None,
 ) -> torch.Tensor:
-    """Triton kernel of :func:`mla_decode_ref` (same contract; no host sync).
+    """Triton kernel of :func:`mla_decode_ref` (same contract; no host sync; ``config`` overrides the
+    tiles: block_h, block_n, num_warps, num_stages, min_split_tokens).
 
     Args:
         num_splits: split-KV factor; by default :func:`choose_num_splits` of the batch shape. Always 1 in
@@ -378,8 +379,10 @@ def mla_decode_triton(
     q_latent = q_latent if q_latent.stride(-1) == 1 else q_latent.contiguous()
     q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
     block_r = max(16, triton.next_power_of_2(rank))
-    block_h = 16 if block_r >= 256 else max(16, min(32, triton.next_power_of_2(num_heads)))  # acc is [H, R] fp32
-    block_n = 16 if block_r >= 512 else 32
+    cfg = {"block_h": 16 if block_r >= 256 else max(16, min(32, triton.next_power_of_2(num_heads))),  # acc [H, R] fp32
+           "block_n": 16 if block_r >= 512 else 32, "num_warps": 4, "num_stages": 2, "min_split_tokens": 128,
+           **(config or {})}
+    block_h, block_n = cfg["block_h"], cfg["block_n"]
     head_tiles = triton.cdiv(num_heads, block_h)
     max_seq_len = max(max_seq_len or meta.max_seq_len, 1)
     invariant = is_batch_invariant()
@@ -403,7 +406,8 @@ def mla_decode_triton(
         kv_cache.stride(0), kv_cache.stride(1), meta.block_tables.stride(0),
         RANK=rank, ROPE=rope, BLOCK_R=block_r, BLOCK_P=max(16, triton.next_power_of_2(rope)),
         BLOCK_H=block_h, BLOCK_N=block_n, KV_BLOCK_SIZE=kv_cache.shape[1], IEEE=q_latent.dtype == torch.float32,
-        ROWWISE=invariant and is_interpreting(), USE_SPLITS=use_splits, num_warps=4, num_stages=2,
+        ROWWISE=invariant and is_interpreting(), USE_SPLITS=use_splits, MIN_SPLIT_TOKENS=cfg["min_split_tokens"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if use_splits:
         _mla_merge_splits_kernel[(num_tokens, num_heads)](

@@ -47,7 +47,7 @@ def _torch_dtype_name(dtype: torch.dtype) -> str:
 
 def build_mla_decode(num_heads: int, rank: int, rope: int, block_size: int, dtype: str, num_splits: int,
                      block_h: int = 16, block_n: int = 64, threads: int = 128, num_stages: int = 2,
-                     gather: str = "blocks"):
+                     gather: str = "blocks", min_split_tokens: int = _MIN_SPLIT_TOKENS):
     """The TileLang program of one (shape, split count); see the module docstring.
 
     Args:
@@ -114,7 +114,7 @@ def build_mla_decode(num_heads: int, rank: int, rope: int, block_size: int, dtyp
             kv_hi = seq_lens[req] - (query_start_loc[req + 1] - tok) + 1  # own position + 1
             kv_lo = 0
             if splits > 1:
-                used = T.min(splits, T.max(T.ceildiv(kv_hi, _MIN_SPLIT_TOKENS), 1))
+                used = T.min(splits, T.max(T.ceildiv(kv_hi, min_split_tokens), 1))
                 split_size = T.ceildiv(T.ceildiv(kv_hi, used), block_n) * block_n
                 kv_lo = split * split_size
                 kv_hi = T.min(kv_hi, kv_lo + split_size)
@@ -140,18 +140,19 @@ def build_mla_decode(num_heads: int, rank: int, rope: int, block_size: int, dtyp
                         pos = T.min(start + i, kv_hi - 1)
                         kp_shared[i, j] = kv_cache[block_tables[req, pos // block_size], pos % block_size, rank + j]
                 else:  # whole runs of a cache block per copy (async copies the pipeline can overlap)
+                    # rows past the token's keys are read as they are: their scores are masked to -inf,
+                    # so their probabilities are 0, which needs finite values there (the engine
+                    # zero-initializes its caches and writes only finite latents)
                     for c in T.unroll(block_n // sub):
-                        pos = start + c * sub
-                        blk = block_tables[req, T.min(pos // block_size, max_blocks - 1)]
-                        T.copy(kv_cache[blk, pos % block_size:pos % block_size + sub, 0:rank],
-                               kv_shared[c * sub:(c + 1) * sub, :])
-                        T.copy(kv_cache[blk, pos % block_size:pos % block_size + sub, rank:width],
-                               kp_shared[c * sub:(c + 1) * sub, :])
-                    # rows past the token's keys may hold anything (even NaN): zero them before the products
-                    for i, j in T.Parallel(block_n, rank):
-                        kv_shared[i, j] = T.if_then_else(start + i < kv_hi, kv_shared[i, j], T.cast(0, dtype))
-                    for i, j in T.Parallel(block_n, rope):
-                        kp_shared[i, j] = T.if_then_else(start + i < kv_hi, kp_shared[i, j], T.cast(0, dtype))
+                        first = start + c * sub  # a multiple of sub: kv_lo and start are multiples of block_n
+                        blk = block_tables[req, T.min(first // block_size, max_blocks - 1)]
+                        if sub == block_size:  # a whole cache block: a static slice the compiler can bound
+                            T.copy(kv_cache[blk, 0:sub, 0:rank], kv_shared[c * sub:(c + 1) * sub, :])
+                            T.copy(kv_cache[blk, 0:sub, rank:width], kp_shared[c * sub:(c + 1) * sub, :])
+                        else:
+                            off = first % block_size
+                            T.copy(kv_cache[blk, off:off + sub, 0:rank], kv_shared[c * sub:(c + 1) * sub, :])
+                            T.copy(kv_cache[blk, off:off + sub, rank:width], kp_shared[c * sub:(c + 1) * sub, :])
                 T.clear(scores)
                 T.gemm(q_shared, kv_shared, scores, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 T.gemm(qp_shared, kp_shared, scores, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
@@ -189,20 +190,29 @@ def build_mla_decode(num_heads: int, rank: int, rope: int, block_size: int, dtyp
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(num_heads: int, rank: int, rope: int, block_size: int, dtype: str, num_splits: int):
+def _compiled(num_heads: int, rank: int, rope: int, block_size: int, dtype: str, num_splits: int,
+              config: tuple = ()):
     import tilelang
 
-    return tilelang.compile(build_mla_decode(num_heads, rank, rope, block_size, dtype, num_splits),
+    return tilelang.compile(build_mla_decode(num_heads, rank, rope, block_size, dtype, num_splits, **dict(config)),
                             out_idx=None, target="cuda")
+
+
+def default_config(num_heads: int) -> dict:
+    """Tiles of the TileLang kernel: a head tile of up to 64 heads (MQA over the latents: every head of
+    the tile shares each cached row), 64 keys per step, 256 threads, two stages."""
+    return dict(block_h=min(64, max(16, 1 << (num_heads - 1).bit_length())), block_n=64, threads=256, num_stages=2,
+                min_split_tokens=_MIN_SPLIT_TOKENS)
 
 
 def mla_decode_tilelang(
     q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-    num_splits: int | None = None, max_seq_len: int | None = None,
+    num_splits: int | None = None, max_seq_len: int | None = None, config: dict | None = None,
 ) -> torch.Tensor:
     """TileLang kernel of :func:`~rayinfer.kernels.mla_attention.mla_decode_ref` (same contract; no host
     sync; CUDA graph-safe once compiled). ``num_splits``/``max_seq_len`` as
-    :func:`~rayinfer.kernels.mla_attention.mla_decode_triton` (batch-invariant mode: one split).
+    :func:`~rayinfer.kernels.mla_attention.mla_decode_triton` (batch-invariant mode: one split);
+    ``config`` overrides :func:`default_config`'s tiles (block_h, block_n, threads, num_stages, gather).
 
     Raises:
         ValueError: for a dtype other than bfloat16/float16, or R/P not multiples of 16.
@@ -220,15 +230,16 @@ def mla_decode_tilelang(
     if num_tokens == 0 or meta.num_reqs == 0:
         return out
     max_seq_len = max(max_seq_len or meta.max_seq_len, 1)
-    head_tiles = -(-num_heads // 16)
+    cfg = {**default_config(num_heads), **(config or {})}
+    head_tiles = -(-num_heads // cfg["block_h"])
     if is_batch_invariant():
         num_splits = 1
     elif num_splits is None:
         num_splits = choose_num_splits(num_tokens * head_tiles, max_seq_len, device_sms(q_latent))
-    num_splits = max(1, min(num_splits, -(-max_seq_len // _MIN_SPLIT_TOKENS)))
+    num_splits = max(1, min(num_splits, -(-max_seq_len // cfg["min_split_tokens"])))
     if rank & (rank - 1):
         num_splits = 1  # the merge kernel tiles R as a power of two
-    kernel = _compiled(num_heads, rank, rope, kv_cache.shape[1], dtype, num_splits)
+    kernel = _compiled(num_heads, rank, rope, kv_cache.shape[1], dtype, num_splits, tuple(sorted(cfg.items())))
     # with one split the partial buffers are never written; they keep the signature's shapes
     part_out = torch.empty((num_tokens, num_heads, num_splits, rank), dtype=torch.float32, device=out.device)
     part_lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=out.device)
