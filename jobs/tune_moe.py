@@ -2,9 +2,10 @@
 
     python jobs/tune_moe.py                                   # DeepSeek-V2-Lite's expert shape, M = 1..4096
     python jobs/tune_moe.py --shapes deepseek-v2-lite,qwen3-30b-a3b --out $OUT/NVIDIA_H200.json
-    python jobs/tune_moe.py --shapes 64x1408x2048x6 --m 1,16,256 --budget-s 60
+    python jobs/tune_moe.py --shapes 64x1408x2048x6x2 --m 1,16,256 --budget-s 60     # ExIxHxk[xS]
 
-For each expert shape (E experts, intermediate I, hidden H, top-k) and token count M, times
+For each expert shape (E routed experts, intermediate I, hidden H, top-k, S shared experts fused as
+extra slots every token takes: the kernel then holds E + S experts) and token count M, times
 ``fused_moe_triton`` (alignment, both grouped GEMMs, activation, top-k sum; the way a layer runs it) under
 a CUDA graph (``triton.testing.do_bench_cudagraph``) for every candidate tile config, on random bf16
 weights and uniformly random routing, checks the winner against ``fused_moe_ref``, and merges the
@@ -26,10 +27,11 @@ from pathlib import Path
 
 import torch
 
-SHAPES = {  # name: (E, I, H, top_k) of one rank's routed experts
-    "deepseek-v2-lite": (64, 1408, 2048, 6),
-    "qwen3-30b-a3b": (128, 768, 2048, 8),
-    "deepseek-v3-ep8": (32, 2048, 7168, 8),  # 256 experts over 8 ranks
+SHAPES = {  # name: (E, I, H, top_k, S) of one rank's routed experts; S shared experts fused as extra slots
+    "deepseek-v2-lite": (64, 1408, 2048, 6, 2),  # the kernel sees E + S = 66 experts, k + S = 8 slots
+    "deepseek-v2-lite-ep": (64, 1408, 2048, 6, 0),  # shared experts unfused (expert parallelism)
+    "qwen3-30b-a3b": (128, 768, 2048, 8, 0),
+    "deepseek-v3-ep8": (32, 2048, 7168, 8, 0),  # 256 experts over 8 ranks
 }
 M_VALUES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 
@@ -46,18 +48,29 @@ def candidates(num_tokens: int, num_experts: int, top_k: int, wide: bool = False
     return [MoETileConfig(*c) for c in itertools.product(block_ms, block_ns, block_ks, (4, 8), stages)]
 
 
-def parse_shape(text: str) -> tuple[str, tuple[int, int, int, int]]:
-    """A name of :data:`SHAPES` or ``ExIxHxk`` -> (name, (E, I, H, k)). Raises: ValueError."""
+def parse_shape(text: str) -> tuple[str, tuple[int, int, int, int, int]]:
+    """A name of :data:`SHAPES`, ``ExIxHxk`` or ``ExIxHxkxS`` -> (name, (E, I, H, k, S)). Raises: ValueError."""
     if text in SHAPES:
         return text, SHAPES[text]
     try:
-        e, i, h, k = (int(x) for x in text.split("x"))
+        dims = [int(x) for x in text.split("x")]
+        if len(dims) not in (4, 5):
+            raise ValueError
     except ValueError:
-        raise ValueError(f"shape {text!r} is neither one of {sorted(SHAPES)} nor ExIxHxk") from None
-    return text, (e, i, h, k)
+        raise ValueError(f"shape {text!r} is neither one of {sorted(SHAPES)} nor ExIxHxk[xS]") from None
+    e, i, h, k, shared = dims + [0] * (5 - len(dims))
+    return text, (e, i, h, k, shared)
 
 
-def tune_shape(shape: tuple[int, int, int, int], m_values: list[int], dtype: torch.dtype, deadline: float,
+def random_routing(num_tokens: int, num_experts: int, top_k: int, num_shared: int, gen) -> tuple:
+    """Uniformly random top-k over E routed experts, then S shared slots (experts E .. E+S-1, weight 1)."""
+    from rayinfer.kernels.moe_routing import append_shared_experts
+
+    weights, ids = torch.rand(num_tokens, num_experts, generator=gen, device="cuda").topk(top_k, dim=-1)
+    return append_shared_experts(weights / weights.sum(-1, keepdim=True), ids, num_experts, num_shared)
+
+
+def tune_shape(shape: tuple[int, int, int, int, int], m_values: list[int], dtype: torch.dtype, deadline: float,
                wide: bool, log=print) -> dict[int, dict]:
     """{M: {"config": tile config JSON, "us": best time, "default_us": the heuristic's time}} of one shape."""
     from triton.testing import do_bench_cudagraph
@@ -65,7 +78,8 @@ def tune_shape(shape: tuple[int, int, int, int], m_values: list[int], dtype: tor
     from rayinfer.kernels.fused_moe import fused_moe_ref, fused_moe_triton
     from rayinfer.kernels.fused_moe_config import default_tile_config
 
-    num_experts, inter, hidden_size, top_k = shape
+    num_routed, inter, hidden_size, top_k, num_shared = shape
+    num_experts = num_routed + num_shared
     gen = torch.Generator(device="cuda").manual_seed(0)
     w13 = (torch.randn(num_experts, 2 * inter, hidden_size, generator=gen, device="cuda") * 0.02).to(dtype)
     w2 = (torch.randn(num_experts, hidden_size, inter, generator=gen, device="cuda") * 0.02).to(dtype)
@@ -75,8 +89,7 @@ def tune_shape(shape: tuple[int, int, int, int], m_values: list[int], dtype: tor
             log(f"  budget spent: M >= {m} not tuned")
             break
         x = torch.randn(m, hidden_size, generator=gen, device="cuda").to(dtype)
-        weights, ids = torch.rand(m, num_experts, generator=gen, device="cuda").topk(top_k, dim=-1)
-        weights = weights / weights.sum(-1, keepdim=True)
+        weights, ids = random_routing(m, num_routed, top_k, num_shared, gen)
 
         def time_us(tiles) -> float:
             fn = lambda: fused_moe_triton(x, w13, w2, ids, weights, tiles=tiles)  # noqa: E731
@@ -84,10 +97,10 @@ def tune_shape(shape: tuple[int, int, int, int], m_values: list[int], dtype: tor
             ms = do_bench_cudagraph(fn, rep=10)  # return_mode "mean": one float
             return 1e3 * float(ms)  # type: ignore[arg-type]
 
-        default = default_tile_config(m, top_k)
+        default = default_tile_config(m, top_k + num_shared)
         default_us = time_us(default)
         best, best_us = default, default_us
-        for tiles in candidates(m, num_experts, top_k, wide):
+        for tiles in candidates(m, num_experts, top_k + num_shared, wide):
             if time.time() > deadline:
                 break
             try:
@@ -107,7 +120,7 @@ def tune_shape(shape: tuple[int, int, int, int], m_values: list[int], dtype: tor
     return results
 
 
-def merge_table(path: Path, device: str, dtype: str, tuned: dict[tuple[int, int, int, int], dict[int, dict]]
+def merge_table(path: Path, device: str, dtype: str, tuned: dict[tuple[int, int, int, int, int], dict[int, dict]]
                 ) -> dict:
     """Add the tuned entries to the table at ``path`` (kept entries of other shapes); returns the table."""
     from rayinfer.kernels.fused_moe_config import parse_table, shape_key
@@ -115,8 +128,8 @@ def merge_table(path: Path, device: str, dtype: str, tuned: dict[tuple[int, int,
     table = json.loads(path.read_text()) if path.is_file() else {"device": device, "entries": {}}
     if table.get("device") != device:
         raise ValueError(f"{path} holds the table of {table.get('device')!r}, not of {device!r}")
-    for (e, i, h, _), by_m in tuned.items():
-        table["entries"][shape_key(e, 2 * i, h, dtype)] = {str(m): r["config"] for m, r in sorted(by_m.items())}
+    for (e, i, h, _, shared), by_m in tuned.items():
+        table["entries"][shape_key(e + shared, 2 * i, h, dtype)] = {str(m): r["config"] for m, r in sorted(by_m.items())}
     parse_table(table)  # validates what is written
     return table
 
@@ -144,7 +157,8 @@ def main(argv: list[str] | None = None) -> dict:
     tuned, report = {}, {}
     with torch.inference_mode():
         for name, shape in shapes:
-            print(f"{name}: E={shape[0]} I={shape[1]} H={shape[2]} k={shape[3]} on {device}", flush=True)
+            print(f"{name}: E={shape[0]} I={shape[1]} H={shape[2]} k={shape[3]} shared={shape[4]} on {device}",
+                  flush=True)
             tuned[shape] = tune_shape(shape, m_values, dtype, deadline, args.wide,
                                       log=lambda s: print(s, flush=True))
             report[name] = {str(m): r for m, r in tuned[shape].items()}

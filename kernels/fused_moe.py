@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from rayinfer.kernels._triton_utils import is_interpreting, tl, triton, use_triton
-from rayinfer.kernels.activation import silu_and_mul, silu_and_mul_ref
+from rayinfer.kernels.activation import silu_and_mul_ref
 from rayinfer.kernels.batch_invariant import is_batch_invariant
 from rayinfer.kernels.fused_moe_config import MoETileConfig, tile_config
 
@@ -223,8 +223,10 @@ def _slot_of_pairs(ids_ptr, offs, num_pairs, log2phy_ptr, replica_counts_ptr, st
 
 @triton.jit
 def _count_load(ids_ptr, offs, valid, load_ptr, num_logical, BLOCK_L: tl.constexpr):
-    # expert_load[e] += pairs of logical expert e among offs (EPLB's load)
+    # expert_load[e] += pairs of logical expert e among offs (EPLB's load); ids >= num_logical (fused
+    # shared experts) are not counted
     ids = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int32)
+    valid = valid & (ids < num_logical)
     load = tl.histogram(ids, BLOCK_L, mask=valid)
     experts = tl.arange(0, BLOCK_L)
     tl.atomic_add(load_ptr + experts, load.to(tl.int64), mask=(experts < num_logical) & (load > 0))
@@ -354,7 +356,9 @@ def moe_align_triton(
         first_local, num_logical, stride_r = expert_map.first_local, log2phy.shape[0], log2phy.stride(0)
     else:
         log2phy = replica_counts = ids  # unread
-        first_local, num_logical, stride_r = 0, num_experts, 0
+        # slots past the load counters' experts (fused shared experts) are computed but not counted
+        num_logical = expert_load.numel() if expert_load is not None else num_experts
+        first_local, stride_r = 0, 0
     load = expert_load if expert_load is not None else ids
     common = dict(TOP_K=top_k, MAP=expert_map is not None, CHUNK=chunk, BLOCK_E=triton.next_power_of_2(num_experts),
                   COUNT_LOAD=expert_load is not None, BLOCK_L=triton.next_power_of_2(num_logical))
@@ -416,10 +420,12 @@ def _map_and_count(topk_ids: torch.Tensor, expert_map: ExpertMap | None, expert_
 
 @triton.jit
 def _moe_gemm_kernel(
-    a_ptr, w_ptr, c_ptr, sorted_pairs_ptr, block_experts_ptr, weights_ptr,
+    a_ptr, w_ptr, c_ptr, sorted_pairs_ptr, block_experts_ptr, weights_ptr, scale_ptr,
     N, K, num_pairs,
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_cm, stride_cn,
-    A_ROW_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+    stride_se, stride_sn, stride_sk,
+    A_ROW_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr, GATED: tl.constexpr, HAS_SCALE: tl.constexpr,
+    SCALE_BLOCK_N: tl.constexpr, SCALE_BLOCK_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
     ROWWISE: tl.constexpr = False,
 ):
@@ -434,7 +440,9 @@ def _moe_gemm_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     w_base = w_ptr + expert.to(tl.int64) * stride_we
+    s_base = scale_ptr + expert.to(tl.int64) * stride_se
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # GATED: the up rows N + cols of w13
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
@@ -442,12 +450,28 @@ def _moe_gemm_kernel(
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None] * stride_wk,
                     mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if ROWWISE:  # batch-invariant mode under the interpreter (see ROWWISE in kernels._triton_utils)
-            acc += tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
-        elif IEEE:
-            acc += tl.dot(a, b, input_precision="ieee")
-        else:
-            acc += tl.dot(a, b)
+        part = _moe_tile_dot(a, b, ROWWISE, IEEE)
+        if HAS_SCALE:  # fp8 block weights: one scale per (SCALE_BLOCK_N rows, SCALE_BLOCK_K columns) block
+            s = tl.load(s_base + (cols // SCALE_BLOCK_N) * stride_sn + (k0 // SCALE_BLOCK_K) * stride_sk,
+                        mask=col_ok, other=0.0)
+            part = part * s[None, :]
+        acc += part
+        if GATED:
+            b_up = tl.load(w_base + (N + cols)[None, :] * stride_wn + ks[:, None] * stride_wk,
+                           mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            part_up = _moe_tile_dot(a, b_up, ROWWISE, IEEE)
+            if HAS_SCALE:
+                s_up = tl.load(s_base + ((N + cols) // SCALE_BLOCK_N) * stride_sn + (k0 // SCALE_BLOCK_K) * stride_sk,
+                               mask=col_ok, other=0.0)
+                part_up = part_up * s_up[None, :]
+            acc_up += part_up
+    if GATED:
+        # silu(gate) * up with the roundings of the unfused path (gate/up stored in c's dtype, silu
+        # rounded before the product: silu_and_mul), so fusing changes no bits
+        dt = c_ptr.dtype.element_ty
+        g = acc.to(dt).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        acc = act * acc_up.to(dt).to(tl.float32)
     if MUL_WEIGHT:
         w = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
         acc = acc * w[:, None]
@@ -455,17 +479,49 @@ def _moe_gemm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _moe_tile_dot(a, b, ROWWISE: tl.constexpr, IEEE: tl.constexpr):
+    """[BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] -> float32; an fp8 weight tile is widened to a's dtype."""
+    if b.dtype != a.dtype:
+        b = b.to(a.dtype)
+    if ROWWISE:  # batch-invariant mode under the interpreter (see ROWWISE in kernels._triton_utils)
+        return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
+    elif IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+def _active_tiles(num_pairs: int, num_experts: int, block_m: int, num_tiles: int) -> int:
+    """An upper bound on the tiles holding pairs: sum_e ceil(c_e / BM) <= floor(P / BM) + min(E, P).
+
+    The aligned layout puts those tiles first (experts' padded runs back to back), so the GEMMs'
+    grids stop there: a decode step's 6 pairs over 64 experts launch 6 tile rows, not the 61 of the
+    worst-case padded size (each extra program still costs a launch slot on its SM)."""
+    return max(1, min(num_tiles, num_pairs // block_m + min(num_experts, num_pairs)))
+
+
 def _moe_gemm(a, w, c, sorted_pairs, block_experts, weights, a_row_div: int, mul_weight: bool,
-              tiles: MoETileConfig, rowwise: bool = False):
-    n, k = w.shape[1], w.shape[2]
+              tiles: MoETileConfig, rowwise: bool = False, gated: bool = False,
+              scale: torch.Tensor | None = None, scale_block: tuple[int, int] = (128, 128)):
+    """One grouped GEMM. gated: w is w13 [E, 2N, K] and c gets ``silu(a @ gate.T) * (a @ up.T)`` [pairs, N].
+    scale: fp8 block scales of w [E, ceil(rows / bn), ceil(K / bk)] float32 (``weight_scale_inv``)."""
+    n = w.shape[1] // 2 if gated else w.shape[1]
+    k = w.shape[2]
     block_n = min(tiles.block_n, max(16, triton.next_power_of_2(n)))  # no wider than the weight
     block_k = min(tiles.block_k, max(16, triton.next_power_of_2(k)))
-    grid = (block_experts.numel(), triton.cdiv(n, block_n))
+    if scale is not None:
+        block_k = min(block_k, scale_block[1])  # a K step stays inside one scale block
+    num_tiles = _active_tiles(c.shape[0], w.shape[0], tiles.block_m, block_experts.numel())
+    grid = (num_tiles, triton.cdiv(n, block_n))
+    s = scale if scale is not None else weights  # unread without a scale
+    s_strides = scale.stride() if scale is not None else (0, 0, 0)
     _moe_gemm_kernel[grid](
-        a, w, c, sorted_pairs, block_experts, weights,
+        a, w, c, sorted_pairs, block_experts, weights, s,
         n, k, c.shape[0],
-        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1),
-        A_ROW_DIV=a_row_div, MUL_WEIGHT=mul_weight,
+        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1), *s_strides,
+        A_ROW_DIV=a_row_div, MUL_WEIGHT=mul_weight, GATED=gated, HAS_SCALE=scale is not None,
+        SCALE_BLOCK_N=scale_block[0], SCALE_BLOCK_K=scale_block[1],
         BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=a.dtype == torch.float32, ROWWISE=rowwise,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
@@ -527,9 +583,9 @@ def fused_moe_triton(
     sorted_pairs, block_experts = moe_align_triton(topk_ids, num_experts, tiles.block_m, expert_map, expert_load,
                                                    kept)
     weights = topk_weights.reshape(-1).contiguous()
-    gate_up = torch.empty((num_pairs, two_inter), dtype=hidden.dtype, device=hidden.device)
-    _moe_gemm(hidden, w13, gate_up, sorted_pairs, block_experts, weights, top_k, False, tiles, rowwise)
-    act = silu_and_mul(gate_up)
+    # gate/up GEMM with SiLU-and-mul in its epilogue: [pairs, I], no gate_up tensor
+    act = torch.empty((num_pairs, two_inter // 2), dtype=hidden.dtype, device=hidden.device)
+    _moe_gemm(hidden, w13, act, sorted_pairs, block_experts, weights, top_k, False, tiles, rowwise, gated=True)
     alloc = torch.empty if reduce_slots else torch.zeros
     out = alloc((num_pairs, hidden_size), dtype=torch.float32, device=hidden.device)
     _moe_gemm(act, w2, out, sorted_pairs, block_experts, weights, 1, True, tiles, rowwise)

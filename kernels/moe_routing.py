@@ -21,6 +21,7 @@ import torch
 
 from rayinfer.kernels._triton_utils import tl, triton, use_triton
 from rayinfer.kernels.batch_invariant import is_batch_invariant
+from rayinfer.kernels.matmul import dense_linear
 
 _MAX_EXPERTS = 4096  # one program holds a row of router logits in registers
 
@@ -141,17 +142,36 @@ def _softmax_topk_kernel(
 
 
 @triton.jit
+def _router_logits(hidden_ptr, gate_ptr, row, experts, ok, hidden_size, stride_h, stride_g, BLOCK_H: tl.constexpr):
+    """Router logits of one token for the [BLOCK_G, BLOCK_P] expert grid, float32 (hidden . gate[e])."""
+    x = tl.zeros(experts.shape, dtype=tl.float32)
+    for h0 in range(0, hidden_size, BLOCK_H):
+        hs = h0 + tl.arange(0, BLOCK_H)
+        h_ok = hs < hidden_size
+        hid = tl.load(hidden_ptr + row * stride_h + hs, mask=h_ok, other=0.0).to(tl.float32)
+        w = tl.load(gate_ptr + experts[:, :, None].to(tl.int64) * stride_g + hs[None, None, :],
+                    mask=ok[:, :, None] & h_ok[None, None, :], other=0.0).to(tl.float32)
+        x += tl.sum(w * hid[None, None, :], 2)
+    return x
+
+
+@triton.jit
 def _grouped_topk_kernel(
     logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_t, scaling_factor,
+    hidden_ptr, gate_ptr, hidden_size, stride_h, stride_g,
     NUM_GROUPS: tl.constexpr, PER_GROUP: tl.constexpr, TOP_K: tl.constexpr, TOPK_GROUPS: tl.constexpr,
     RENORMALIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+    NUM_SHARED: tl.constexpr, FUSED_LOGITS: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     groups = tl.arange(0, BLOCK_G)
     members = tl.arange(0, BLOCK_P)
     ok = (groups[:, None] < NUM_GROUPS) & (members[None, :] < PER_GROUP)
     experts = groups[:, None] * PER_GROUP + members[None, :]  # [BLOCK_G, BLOCK_P]
-    x = tl.load(logits_ptr + row * stride_t + experts, mask=ok, other=0.0).to(tl.float32)
+    if FUSED_LOGITS:
+        x = _router_logits(hidden_ptr, gate_ptr, row, experts, ok, hidden_size, stride_h, stride_g, BLOCK_H)
+    else:
+        x = tl.load(logits_ptr + row * stride_t + experts, mask=ok, other=0.0).to(tl.float32)
     scores = tl.sigmoid(x)
     bias = tl.load(bias_ptr + experts, mask=ok, other=0.0).to(tl.float32)
     choice = tl.where(ok, scores + bias, float("-inf"))
@@ -184,9 +204,14 @@ def _grouped_topk_kernel(
     if RENORMALIZE:
         weights = weights / (total + 1e-20)
     weights = weights * scaling_factor
-    out = row * TOP_K + slots
-    tl.store(ids_ptr + out, ids, mask=slots < TOP_K)
-    tl.store(weights_ptr + out, weights, mask=slots < TOP_K)
+    if NUM_SHARED > 0:  # fused shared experts: slots TOP_K + s are experts L + s, weight 1
+        shared = (slots >= TOP_K) & (slots < TOP_K + NUM_SHARED)
+        ids = tl.where(shared, (NUM_GROUPS * PER_GROUP + slots - TOP_K).to(tl.int64), ids)
+        weights = tl.where(shared, 1.0, weights)
+    out_k = TOP_K + NUM_SHARED
+    out = row * out_k + slots
+    tl.store(ids_ptr + out, ids, mask=slots < out_k)
+    tl.store(weights_ptr + out, weights, mask=slots < out_k)
 
 
 def _kernel_applies(router_logits: torch.Tensor, *others: torch.Tensor) -> bool:
@@ -216,24 +241,51 @@ def softmax_topk_triton(
 
 
 def grouped_topk_triton(
-    router_logits: torch.Tensor,
+    router_logits: torch.Tensor | None,
     e_score_correction_bias: torch.Tensor,
     top_k: int,
     num_groups: int,
     topk_groups: int,
     renormalize: bool,
     routed_scaling_factor: float,
+    num_shared: int = 0,
+    hidden: torch.Tensor | None = None,
+    gate_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`grouped_topk_ref` in one Triton launch (same contract; experts by descending choice)."""
-    num_tokens, num_experts = router_logits.shape
-    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=router_logits.device)
+    """:func:`grouped_topk_ref` in one Triton launch (same contract; experts by descending choice).
+
+    num_shared: S fused shared experts appended as slots ``k .. k+S-1`` (experts ``L .. L+S-1``, weight 1).
+    hidden [T, H], gate_weight [L, H]: given instead of router_logits, the kernel computes the logits
+    itself (float32 products and sums, Hugging Face's float32 router) before routing: no logits tensor,
+    no casts, one launch per layer.
+    """
+    fused = router_logits is None
+    if fused:
+        assert hidden is not None and gate_weight is not None
+        num_tokens, (num_experts, hidden_size) = hidden.shape[0], gate_weight.shape
+        device, logits, stride_t = hidden.device, hidden, 0  # logits unread
+        stride_h, stride_g = hidden.stride(0), gate_weight.stride(0)
+    else:
+        num_tokens, num_experts = router_logits.shape
+        device, logits, stride_t = router_logits.device, router_logits, router_logits.stride(0)
+        hidden = gate_weight = router_logits  # unread
+        hidden_size = stride_h = stride_g = 0
+    out_k = top_k + num_shared
+    weights = torch.empty((num_tokens, out_k), dtype=torch.float32, device=device)
+    ids = torch.empty((num_tokens, out_k), dtype=torch.int64, device=device)
+    if num_tokens == 0:
+        return weights, ids
     per_group = num_experts // num_groups
+    block_g, block_p = triton.next_power_of_2(num_groups), max(2, triton.next_power_of_2(per_group))
+    # the logits' [BLOCK_G, BLOCK_P, BLOCK_H] weight tile: ~4K elements per step
+    block_h = max(16, min(128, triton.next_power_of_2(max(1, 4096 // (block_g * block_p)))))
     _grouped_topk_kernel[(num_tokens,)](
-        router_logits, e_score_correction_bias, weights, ids, router_logits.stride(0), float(routed_scaling_factor),
+        logits, e_score_correction_bias, weights, ids, stride_t, float(routed_scaling_factor),
+        hidden, gate_weight, hidden_size, stride_h, stride_g,
         NUM_GROUPS=num_groups, PER_GROUP=per_group, TOP_K=top_k, TOPK_GROUPS=topk_groups, RENORMALIZE=renormalize,
-        BLOCK_G=triton.next_power_of_2(num_groups), BLOCK_P=max(2, triton.next_power_of_2(per_group)),
-        BLOCK_K=max(2, triton.next_power_of_2(top_k)), num_warps=4 if num_experts > 256 else 1,
+        BLOCK_G=block_g, BLOCK_P=block_p, BLOCK_K=max(2, triton.next_power_of_2(out_k)),
+        NUM_SHARED=num_shared, FUSED_LOGITS=fused, BLOCK_H=block_h,
+        num_warps=4 if fused or num_experts > 256 else 1,
     )
     return weights, ids
 
@@ -251,6 +303,30 @@ def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> 
     return softmax_topk_ref(router_logits, top_k, renormalize)
 
 
+def append_shared_experts(weights: torch.Tensor, ids: torch.Tensor, num_experts: int, num_shared: int
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing of fused shared experts: append slots ``k .. k+S-1`` choosing experts ``L .. L+S-1`` with
+    weight 1 (shared experts run as extra experts of the fused MoE kernel, every token through all).
+
+    weights [T, k] float, ids [T, k] int64 -> ([T, k+S], [T, k+S]); unchanged when S is 0.
+    """
+    if num_shared == 0:
+        return weights, ids
+    num_tokens = ids.shape[0]
+    shared_ids = torch.arange(num_experts, num_experts + num_shared, device=ids.device).expand(num_tokens, -1)
+    shared_w = torch.ones((num_tokens, num_shared), dtype=weights.dtype, device=weights.device)
+    return torch.cat([weights, shared_w], 1), torch.cat([ids, shared_ids.to(ids.dtype)], 1)
+
+
+def _check_grouped(num_experts: int, top_k: int, num_groups: int, topk_groups: int, bias: torch.Tensor) -> None:
+    if num_groups < 1 or num_experts % num_groups or num_experts // num_groups < 2:
+        raise ValueError(f"{num_experts} experts do not split into num_groups={num_groups} groups of at least 2")
+    if not 1 <= topk_groups <= num_groups or top_k > topk_groups * (num_experts // num_groups):
+        raise ValueError(f"topk_groups={topk_groups} of {num_groups} groups cannot hold top_k={top_k} experts")
+    if bias.shape != (num_experts,):
+        raise ValueError(f"e_score_correction_bias {tuple(bias.shape)} must be [{num_experts}]")
+
+
 def grouped_topk(
     router_logits: torch.Tensor,
     e_score_correction_bias: torch.Tensor,
@@ -259,25 +335,75 @@ def grouped_topk(
     topk_groups: int,
     renormalize: bool,
     routed_scaling_factor: float,
+    num_shared: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 routing (see :func:`grouped_topk_ref`); the Triton kernel on CUDA tensors, which
     returns the experts by descending choice in either mode.
 
+    num_shared: S shared experts appended as in :func:`append_shared_experts` (returns [T, k+S]).
     Raises:
         ValueError: if L does not split into ``num_groups`` groups of at least two experts, or
             ``topk_groups`` / ``top_k`` do not fit (``1 <= top_k <= topk_groups * L / num_groups``).
     """
     _check_topk(router_logits, top_k)
     num_experts = router_logits.shape[1]
-    if num_groups < 1 or num_experts % num_groups or num_experts // num_groups < 2:
-        raise ValueError(f"{num_experts} experts do not split into num_groups={num_groups} groups of at least 2")
-    if not 1 <= topk_groups <= num_groups or top_k > topk_groups * (num_experts // num_groups):
-        raise ValueError(f"topk_groups={topk_groups} of {num_groups} groups cannot hold top_k={top_k} experts")
-    if e_score_correction_bias.shape != (num_experts,):
-        raise ValueError(f"e_score_correction_bias {tuple(e_score_correction_bias.shape)} must be [{num_experts}]")
+    _check_grouped(num_experts, top_k, num_groups, topk_groups, e_score_correction_bias)
     if (router_logits.dtype == torch.float32 and e_score_correction_bias.dtype == torch.float32
             and _kernel_applies(router_logits, e_score_correction_bias)):
         return grouped_topk_triton(router_logits, e_score_correction_bias.contiguous(), top_k, num_groups,
-                                   topk_groups, renormalize, routed_scaling_factor)
-    return grouped_topk_ref(router_logits, e_score_correction_bias, top_k, num_groups, topk_groups, renormalize,
-                            routed_scaling_factor)
+                                   topk_groups, renormalize, routed_scaling_factor, num_shared)
+    weights, ids = grouped_topk_ref(router_logits, e_score_correction_bias, top_k, num_groups, topk_groups,
+                                    renormalize, routed_scaling_factor)
+    return append_shared_experts(weights, ids, num_experts, num_shared)
+
+
+# The router's logits inside the routing kernel (one program per token reads the whole gate weight from
+# L2): for decode-sized batches and routers up to this many weight elements (DeepSeek-V2-Lite's 64 x 2048
+# and Qwen3-30B-A3B's 128 x 2048 fit, DeepSeek-V3's 256 x 7168 does not); larger ones take a GEMM.
+FUSED_ROUTER_MAX_TOKENS = 128
+FUSED_ROUTER_MAX_WEIGHTS = 1 << 19
+
+
+def router_grouped_topk(
+    hidden: torch.Tensor,
+    gate_weight: torch.Tensor,
+    e_score_correction_bias: torch.Tensor,
+    top_k: int,
+    num_groups: int,
+    topk_groups: int,
+    renormalize: bool,
+    routed_scaling_factor: float,
+    num_shared: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's router from the hidden states: float32 logits ``hidden @ gate_weight.T`` (as Hugging
+    Face's ``DeepseekV3TopkRouter``), then :func:`grouped_topk`.
+
+    On CUDA, for up to :data:`FUSED_ROUTER_MAX_TOKENS` tokens and a gate of up to
+    :data:`FUSED_ROUTER_MAX_WEIGHTS` elements, one Triton launch computes the logits and routes (a decode
+    step's router was four kernels: two casts, a GEMV and its reduction, before the routing kernel). In
+    batch-invariant mode always the GEMM (its rows do not depend on the batch; the fused logits' sums
+    would differ from it by rounding, so a token's route would follow the batch size).
+
+    Args:
+        hidden: [T, H] bf16/fp16/fp32; gate_weight: [L, H]; the rest as :func:`grouped_topk`.
+    Returns:
+        (topk_weights [T, k+S] float32, topk_ids [T, k+S] int64).
+    Raises:
+        ValueError: as :func:`grouped_topk`, or if hidden and gate_weight do not match.
+    """
+    if hidden.dim() != 2 or gate_weight.dim() != 2 or hidden.shape[1] != gate_weight.shape[1]:
+        raise ValueError(f"hidden {tuple(hidden.shape)} does not match gate weight {tuple(gate_weight.shape)}")
+    num_experts = gate_weight.shape[0]
+    if (0 < hidden.shape[0] <= FUSED_ROUTER_MAX_TOKENS and gate_weight.numel() <= FUSED_ROUTER_MAX_WEIGHTS
+            and not is_batch_invariant() and e_score_correction_bias.dtype == torch.float32
+            and hidden.stride(1) == 1 and gate_weight.stride(1) == 1
+            and hidden.dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and use_triton(hidden, gate_weight, e_score_correction_bias)):
+        _check_topk(hidden.new_empty((0, num_experts)), top_k)
+        _check_grouped(num_experts, top_k, num_groups, topk_groups, e_score_correction_bias)
+        return grouped_topk_triton(None, e_score_correction_bias.contiguous(), top_k, num_groups, topk_groups,
+                                   renormalize, routed_scaling_factor, num_shared, hidden=hidden,
+                                   gate_weight=gate_weight)
+    logits = dense_linear(hidden.float(), gate_weight.float())
+    return grouped_topk(logits, e_score_correction_bias.float(), top_k, num_groups, topk_groups, renormalize,
+                        routed_scaling_factor, num_shared)

@@ -32,12 +32,14 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from rayinfer import envs
 from rayinfer.kernels.attention_metadata import AttentionMetadata
 from rayinfer.kernels.matmul import dense_batched_linear, dense_linear
 from rayinfer.kernels.mla_attention import ABSORBED_MAX_QUERY_LEN, mla_decode, mla_prefill, use_absorbed
 from rayinfer.kernels.mla_rope import mla_rope_store
 from rayinfer.model.llama import PagedCausalLM, PreNormDecoderLayer, RMSNorm
-from rayinfer.model.moe import ExpertParallelism, GatedMLP, MoEModelMixin, RoutedExperts, grouped_topk
+from rayinfer.kernels.moe_routing import router_grouped_topk
+from rayinfer.model.moe import ExpertParallelism, GatedMLP, MoEModelMixin, RoutedExperts
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -176,19 +178,28 @@ class DeepseekV3MoE(nn.Module):
             config.n_routed_experts, config.hidden_size, config.moe_intermediate_size,
             group=ep.group, phy2log=ep.layer_phy2log(moe_layer, config.n_routed_experts),
         )
-        self.shared_experts = GatedMLP(
+        self.shared_experts: GatedMLP | None = GatedMLP(
             config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, config.hidden_act
         )
+
+    def fuse_shared_experts(self) -> bool:
+        """Move the shared experts into the routed experts' slots where the layer allows it
+        (``RoutedExperts.fuse_shared_experts``; one rank, no replicas). Returns whether it did."""
+        if self.shared_experts is None or not self.experts.can_fuse_shared:
+            return False
+        self.experts.fuse_shared_experts(self.shared_experts)
+        self.shared_experts = None
+        return True
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, hidden_size] -> [T, hidden_size]; routing in float32 as Hugging Face."""
         c = self.config
-        logits = dense_linear(hidden.float(), self.gate.weight.float())
-        weights, ids = grouped_topk(
-            logits, self.gate.e_score_correction_bias.float(), c.num_experts_per_tok, c.n_group, c.topk_group,
-            c.norm_topk_prob, c.routed_scaling_factor,
+        weights, ids = router_grouped_topk(
+            hidden, self.gate.weight, self.gate.e_score_correction_bias, c.num_experts_per_tok, c.n_group,
+            c.topk_group, c.norm_topk_prob, c.routed_scaling_factor, num_shared=self.experts.num_shared,
         )
-        return self.experts(hidden, ids, weights) + self.shared_experts(hidden)
+        out = self.experts(hidden, ids, weights)
+        return out if self.shared_experts is None else out + self.shared_experts(hidden)
 
 
 class DeepseekV3DecoderLayer(PreNormDecoderLayer):
@@ -283,6 +294,16 @@ class DeepseekV3ForCausalLM(MoEModelMixin, PagedCausalLM):
             raise ValueError("MTP (speculative.method=mtp) is not supported with expert parallelism (ep > 1)")
         n = config.num_hidden_layers
         self.mtp = nn.ModuleList(DeepseekV3MTPLayer(config, n + d, ep, softmax_factor) for d in range(num_mtp))
+
+    def process_weights_after_loading(self) -> None:
+        """Called by ``model.loader.load_model`` once the weights are in: fuses each MoE layer's shared
+        experts into its routed experts (``DeepseekV3MoE.fuse_shared_experts``, unless
+        RAYINFER_FUSE_SHARED_EXPERTS=0). A model built and loaded by hand runs unfused, with the same
+        outputs up to float summation order."""
+        if envs.fuse_shared_experts():
+            for module in self.modules():
+                if isinstance(module, DeepseekV3MoE):
+                    module.fuse_shared_experts()
 
     def expert_layers(self):
         """The main model's routed-expert layers, in order (the MTP modules' are left out of EPLB)."""

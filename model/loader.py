@@ -136,6 +136,10 @@ def load_model(
             _init_dummy(net, getattr(config, "initializer_range", None) or 0.02, seed, device)
         else:
             _load_safetensors(net, resolved)
+        # a model's own layout changes once its weights are in (e.g. DeepSeek's fused shared experts)
+        post_load = getattr(net, "process_weights_after_loading", None)
+        if post_load is not None:
+            post_load()
     return net.eval()
 
 

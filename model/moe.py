@@ -151,6 +151,7 @@ class RoutedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, intermediate_size, **kw))
         nn.init.normal_(self.gate_up_proj, std=0.02)
         nn.init.normal_(self.down_proj, std=0.02)
+        self.num_shared = 0  # fused shared experts in slots num_local .. num_local + num_shared - 1
         counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
         self.register_buffer("expert_counts", counts, persistent=False)
         for name in ("phy2log", "log2phy", "replica_counts"):  # filled by _set_placement
@@ -181,6 +182,40 @@ class RoutedExperts(nn.Module):
             return None
         return ExpertMap(self.log2phy, self.replica_counts, self.first_local, self.num_local_experts)
 
+    @property
+    def can_fuse_shared(self) -> bool:
+        """Shared experts can join this layer's slots: one rank, each logical expert in its own slot (under
+        EP or with replicas the shared experts stay a separate MLP)."""
+        return self.group is None and self._identity_placement and self.num_shared == 0
+
+    @torch.no_grad()
+    def fuse_shared_experts(self, shared: GatedMLP) -> None:
+        """Append a shared-expert MLP as ``S = I_shared / I`` extra experts (slots ``L .. L+S-1``).
+
+        An MLP of intermediate size ``S * I`` is the sum of S MLPs of size I, one per slice of its
+        intermediate channels (SiLU-and-mul acts per channel), so the shared experts run inside the fused
+        MoE kernel as experts every token picks with weight 1 (``moe_routing.append_shared_experts``),
+        instead of three GEMMs, a concatenation, an activation and an add of their own (after SGLang's
+        shared-experts fusion). The parameters are replaced by [L + S, ...] copies; the expert-load
+        counters stay [L] (the shared slots are not counted).
+
+        Raises:
+            ValueError: when :attr:`can_fuse_shared` is False or the MLP's size is not a multiple of I.
+        """
+        inter = self.intermediate_size
+        gate, up, down = shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight
+        if not self.can_fuse_shared or gate.shape[0] % inter or gate.shape[1] != self.gate_up_proj.shape[2]:
+            raise ValueError(f"cannot fuse a shared MLP of {tuple(gate.shape)} into {self.num_local_experts} "
+                             f"experts of intermediate size {inter} (ep={self.ep_size}, fused={self.num_shared})")
+        num_shared = gate.shape[0] // inter
+        w13 = torch.cat([gate.view(num_shared, inter, -1), up.view(num_shared, inter, -1)], dim=1)
+        w2 = down.view(down.shape[0], num_shared, inter).transpose(0, 1)
+        self.gate_up_proj = nn.Parameter(torch.cat([self.gate_up_proj.data, w13.to(self.gate_up_proj.dtype)]),
+                                         requires_grad=False)
+        self.down_proj = nn.Parameter(torch.cat([self.down_proj.data, w2.to(self.down_proj.dtype)]),
+                                      requires_grad=False)
+        self.num_shared = num_shared
+
     def _local_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
         """[N, k] logical ids (-1 = none) -> ids of this rank's slots, -1 where another rank computes."""
         expert_map = ExpertMap(self.log2phy, self.replica_counts, self.first_local, self.num_local_experts)
@@ -197,6 +232,9 @@ class RoutedExperts(nn.Module):
             [T, H], hidden's dtype.
         Side effects: ``expert_counts += bincount(topk_ids)`` (on one rank inside the alignment kernel);
         under EP, collectives on ``group``.
+
+        With fused shared experts (:meth:`fuse_shared_experts`) topk_ids / topk_weights are [T, k + S], the
+        last S slots the shared experts (``moe_routing.append_shared_experts``).
         """
         if self.group is None:
             return fused_moe(hidden, self.w13, self.w2, topk_ids, topk_weights, self.expert_map,
@@ -273,7 +311,7 @@ class RoutedExperts(nn.Module):
         if param is None or weight.shape != (self.num_logical_experts, *param.shape[1:]):
             raise ValueError(f"stacked expert weight {name} of shape {tuple(weight.shape)} does not fit {self}")
         local = self.phy2log[self.first_local : self.first_local + self.num_local_experts].to(weight.device)
-        param.data.copy_(weight[local])
+        param.data[: self.num_local_experts].copy_(weight[local])
 
     def _local_slots_of(self, logical_id: int) -> list[int]:
         local = self.phy2log[self.first_local : self.first_local + self.num_local_experts].tolist()
@@ -295,6 +333,8 @@ class RoutedExperts(nn.Module):
         Source: after DeepSeek EPLB's rebalancing step and vLLM's ``rearrange_expert_weights_inplace``.
         """
         new = torch.as_tensor(new_phy2log, dtype=torch.int64).cpu()
+        if self.num_shared:
+            raise ValueError("a layer with fused shared experts has one fixed placement (one rank, no replicas)")
         if new.numel() != self.num_physical_experts:
             raise ValueError(f"new phy2log has {new.numel()} slots, the layer has {self.num_physical_experts}")
         log2phy_table(new, self.num_logical_experts)  # validates

@@ -12,6 +12,8 @@ Variables:
         (``rayinfer.jobs.generate`` then warns about relative output paths).
     RAYINFER_ONE_ROW_FUSION: "0" runs a one-token Llama step through the generic layer instead of
         the fused-GEMV one (``model.llama.LlamaDecoderLayer.forward_one_row``); for A/B benchmarks.
+    RAYINFER_FUSE_SHARED_EXPERTS: "0" keeps DeepSeek's shared experts as a separate MLP instead of extra
+        experts of the fused MoE kernel (``model.moe.RoutedExperts.fuse_shared_experts``); for A/B benchmarks.
     RAYINFER_MLA_BACKEND: "triton" (default) or "tilelang": the kernel of MLA's absorbed decode attention
         on the GPU (``kernels.mla_attention.mla_decode``); "tilelang" needs the tilelang package.
 """
@@ -48,6 +50,11 @@ def pdl_enabled() -> bool:
 def one_row_fusion() -> bool:
     """RAYINFER_ONE_ROW_FUSION (default on): whether a one-token Llama step takes the fused-GEMV layers."""
     return _flag("RAYINFER_ONE_ROW_FUSION", True)
+
+
+def fuse_shared_experts() -> bool:
+    """RAYINFER_FUSE_SHARED_EXPERTS (default on): whether DeepSeek's shared experts join the fused MoE kernel."""
+    return _flag("RAYINFER_FUSE_SHARED_EXPERTS", True)
 
 
 def ray_address() -> str | None:

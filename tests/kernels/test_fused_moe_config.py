@@ -76,14 +76,17 @@ def test_tuner_candidates_and_table_merge(tmp_path):
     small = {c.block_m for c in tune_moe.candidates(1, 64, 6)}
     large = {c.block_m for c in tune_moe.candidates(4096, 64, 6)}
     assert small == {16} and large == {16, 32, 64, 128}
-    assert tune_moe.parse_shape("64x1408x2048x6") == ("64x1408x2048x6", (64, 1408, 2048, 6))
+    assert tune_moe.parse_shape("64x1408x2048x6") == ("64x1408x2048x6", (64, 1408, 2048, 6, 0))
+    assert tune_moe.parse_shape("64x1408x2048x6x2")[1] == (64, 1408, 2048, 6, 2)
     with pytest.raises(ValueError, match="ExIxHxk"):
         tune_moe.parse_shape("v3")
     path = write_table(tmp_path)
-    tuned = {(8, 16, 32, 2): {1: {"config": ENTRY}, 64: {"config": dict(ENTRY, BLOCK_M=64)}}}
+    tuned = {(8, 16, 32, 2, 0): {1: {"config": ENTRY}, 64: {"config": dict(ENTRY, BLOCK_M=64)}},
+             (8, 16, 32, 2, 1): {1: {"config": ENTRY}}}  # one fused shared expert: the kernel holds 9
     table = tune_moe.merge_table(path, "NVIDIA Test GPU-80GB", "float16", tuned)
     parsed = fmc.parse_table(table)
-    assert set(parsed) == {SHAPE, "E=8,N=32,K=32,dtype=float16"}  # the file's other shape is kept
+    # the file's other shape is kept
+    assert set(parsed) == {SHAPE, "E=8,N=32,K=32,dtype=float16", "E=9,N=32,K=32,dtype=float16"}
     assert parsed["E=8,N=32,K=32,dtype=float16"][64].block_m == 64
     with pytest.raises(ValueError, match="not of 'Other'"):
         tune_moe.merge_table(path, "Other", "float16", tuned)

@@ -11,7 +11,8 @@ import torch
 from rayinfer.kernels._triton_utils import HAS_TRITON
 from rayinfer.kernels.batch_invariant import batch_invariant_mode
 from rayinfer.kernels.moe_routing import (
-    grouped_topk, grouped_topk_ref, grouped_topk_triton, softmax_topk, softmax_topk_ref, softmax_topk_triton,
+    append_shared_experts, grouped_topk, grouped_topk_ref, grouped_topk_triton, router_grouped_topk, softmax_topk,
+    softmax_topk_ref, softmax_topk_triton,
 )
 
 CUDA = torch.cuda.is_available()
@@ -37,6 +38,42 @@ def check_grouped(device, cases) -> None:
         assert got_ids.dtype == torch.int64 and got_w.dtype == torch.float32, f"case {i}"
         assert torch.equal(got_ids, want_ids), f"case {i}: {got_ids.tolist()} != {want_ids.tolist()}"
         torch.testing.assert_close(got_w, want_w, atol=1e-6, rtol=1e-5, msg=lambda m: f"case {i}: {m}")
+
+
+def check_fused_router(device, cases) -> None:
+    """The router kernel computing its own float32 logits from hidden states (and appending S shared
+    experts) against the reference on ``linear(hidden.float(), gate.float())``.
+    cases: (T, L, H, k, G, topk_groups, renormalize, scale, S, dtype)."""
+    for i, (t, e, h, k, g, tg, renorm, scale, shared, dtype) in enumerate(cases):
+        gen = torch.Generator().manual_seed(i)
+        hidden = torch.randn(t, h, generator=gen).to(device=device, dtype=dtype)
+        gate = (torch.randn(e, h, generator=gen) / h**0.5).to(device=device, dtype=dtype)
+        bias = (torch.randn(e, generator=gen) * 0.1).to(device)
+        logits = torch.nn.functional.linear(hidden.float(), gate.float())
+        with batch_invariant_mode():
+            want_w, want_ids = grouped_topk_ref(logits, bias, k, g, tg, renorm, scale)
+        want_w, want_ids = append_shared_experts(want_w, want_ids, e, shared)
+        got_w, got_ids = grouped_topk_triton(None, bias, k, g, tg, renorm, scale, shared, hidden=hidden, gate_weight=gate)
+        assert got_ids.shape == (t, k + shared), f"case {i}"
+        assert torch.equal(got_ids, want_ids), f"case {i}: {got_ids.tolist()} != {want_ids.tolist()}"
+        torch.testing.assert_close(got_w, want_w, atol=1e-5, rtol=1e-4, msg=lambda m: f"case {i}: {m}")
+        if device == "cuda":  # the dispatcher takes the fused kernel here; the same routes
+            got_w2, got_ids2 = router_grouped_topk(hidden, gate, bias, k, g, tg, renorm, scale, shared)
+            assert torch.equal(got_ids2, got_ids), f"case {i}"
+
+
+def test_router_from_hidden_and_shared_slots_on_cpu():
+    """router_grouped_topk's torch path (the GEMM then the reference) appends the shared experts as slots
+    k .. k+S-1 with weight 1 and routes as grouped_topk on the float32 logits."""
+    gen = torch.Generator().manual_seed(0)
+    hidden, gate, bias = torch.randn(5, 32, generator=gen), torch.randn(16, 32, generator=gen), torch.zeros(16)
+    w, ids = router_grouped_topk(hidden, gate, bias, 3, 4, 2, True, 2.5, num_shared=2)
+    want_w, want_ids = grouped_topk(torch.nn.functional.linear(hidden, gate), bias, 3, 4, 2, True, 2.5)
+    assert ids.shape == (5, 5) and torch.equal(ids[:, :3], want_ids)
+    assert ids[:, 3:].tolist() == [[16, 17]] * 5 and w[:, 3:].tolist() == [[1.0, 1.0]] * 5
+    torch.testing.assert_close(w[:, :3], want_w)
+    with pytest.raises(ValueError, match="does not match gate weight"):
+        router_grouped_topk(hidden, gate[:, :8], bias, 3, 4, 2, True, 2.5)
 
 
 def check_softmax(device, cases) -> None:
@@ -103,6 +140,10 @@ SOFTMAX_GPU = [(1, 128, 8, True, torch.bfloat16), (1000, 128, 8, True, torch.bfl
 def test_kernels_match_refs_on_gpu():
     check_grouped("cuda", GROUPED_GPU)
     check_softmax("cuda", SOFTMAX_GPU)
+    b16 = torch.bfloat16
+    check_fused_router("cuda", [(1, 64, 2048, 6, 1, 1, False, 1.0, 2, b16), (128, 64, 2048, 6, 1, 1, False, 1.0, 2, b16),
+                                (7, 128, 2048, 8, 1, 1, True, 1.0, 0, b16), (33, 160, 1536, 6, 8, 3, True, 16.0, 2, b16),
+                                (3, 64, 100, 6, 1, 1, False, 1.0, 1, torch.float32)])
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
@@ -113,6 +154,9 @@ def test_kernels_through_triton_interpreter(run_interpreted):
 if __name__ == "__main__":
     if "--interpret" in sys.argv:
         check_grouped("cpu", [(3, 16, 3, 4, 2, True, 2.5), (2, 12, 2, 1, 1, False, 1.0), (2, 24, 4, 3, 3, True, 1.5)])
+        f32 = torch.float32
+        check_fused_router("cpu", [(3, 16, 40, 3, 4, 2, True, 2.5, 2, f32), (2, 12, 24, 2, 1, 1, False, 1.0, 0, f32),
+                                   (2, 64, 300, 6, 1, 1, False, 1.0, 2, f32)])
         check_softmax("cpu", [(3, 12, 4, True, torch.float32), (2, 8, 2, False, torch.float32),
                               (2, 20, 3, True, torch.bfloat16)])
     else:

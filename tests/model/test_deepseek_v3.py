@@ -72,15 +72,23 @@ def mtp_checkpoint(cfg, main_state, seed) -> dict[str, torch.Tensor]:
     return to_checkpoint_names(out, cfg, add_mtp=False)
 
 
-@pytest.mark.parametrize("variant", ["base", "no_q_lora_no_interleave", "yarn", "with_mtp", "expanded"])
+@pytest.mark.parametrize("variant", ["base", "no_q_lora_no_interleave", "yarn", "with_mtp", "expanded",
+                                     "fused_shared"])
 def test_prefill_then_decode_matches_hf(variant, paged, monkeypatch):
     """Every chunk of SCHEDULE is short, so its steps attend in the absorbed form; ``expanded``: the
-    multi-token steps take the expanded form (as long prompts do)."""
+    multi-token steps take the expanded form (as long prompts do); ``fused_shared``: two shared experts
+    moved into the routed experts' slots (what ``load_model`` does), not counted as expert load."""
     extra = {"base": {}, "no_q_lora_no_interleave": dict(q_lora_rank=None, rope_interleave=False),
-             "yarn": dict(rope_parameters=YARN), "with_mtp": {}, "expanded": {}}[variant]
+             "yarn": dict(rope_parameters=YARN), "with_mtp": {}, "expanded": {},
+             "fused_shared": dict(n_shared_experts=2)}[variant]
     if variant == "expanded":
         monkeypatch.setattr("rayinfer.kernels.mla_attention.ABSORBED_MAX_QUERY_LEN", 1)
     ref, ours = make_pair(tiny_config(**extra), mtp=variant == "with_mtp")
+    if variant == "fused_shared":
+        ours.process_weights_after_loading()
+        moe = ours.model.layers[1].mlp
+        assert moe.shared_experts is None and moe.experts.num_shared == 2
+        assert moe.experts.w13.shape[0] == 8 + 2 and moe.experts.expert_counts.shape == (8,)
     seqs = [torch.randint(0, 128, (14,)), torch.randint(0, 128, (12,))]
     paged.assert_matches_hf(ref, ours, seqs, TABLES, SCHEDULE, BLOCK_SIZE)
     load = ours.expert_load()
