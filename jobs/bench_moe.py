@@ -35,6 +35,7 @@ Writes JSON (command, device, git revision, ceilings, one row per case) to ``--o
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import platform
@@ -246,32 +247,50 @@ def bench_routing_align(cfg, num_tokens: int, device: torch.device, reps: int) -
     return row
 
 
-def bench_fused_moe(ceil: dict, cfg, num_tokens: int, device: torch.device, dtype: torch.dtype, reps: int) -> dict:
-    """fused_moe (Triton on CUDA, else its torch fallback) against fused_moe_ref at the model's expert shape."""
-    from rayinfer.kernels.fused_moe import fused_moe, fused_moe_ref
-    from rayinfer.kernels._triton_utils import use_triton
+def bench_fused_moe(ceil: dict, cfg, num_tokens: int, device: torch.device, dtype: torch.dtype, reps: int,
+                    num_shared: int = 0, fp8: bool = False) -> dict:
+    """fused_moe (Triton on CUDA, else its torch fallback) against fused_moe_ref at the model's expert shape.
 
-    num_experts, top_k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    num_shared: S shared experts fused as extra experts every token takes (the model's layout at one rank);
+    fp8: block-quantized fp8 expert weights (bf16 activations), against the reference on the dequantized
+    weights; bytes count one per weight (plus the scales)."""
+    from rayinfer.kernels._triton_utils import use_triton
+    from rayinfer.kernels.fused_moe import dequant_experts, fused_moe, fused_moe_ref, quantize_experts
+    from rayinfer.kernels.moe_routing import append_shared_experts
+
+    num_routed, top_k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    num_experts = num_routed + num_shared
     hidden_size, inter = cfg.hidden_size, cfg.moe_intermediate_size
     gen = torch.Generator(device=device).manual_seed(num_tokens)
     x = torch.randn(num_tokens, hidden_size, generator=gen, device=device).to(dtype)
     w13 = (torch.randn(num_experts, 2 * inter, hidden_size, generator=gen, device=device) * 0.02).to(dtype)
     w2 = (torch.randn(num_experts, hidden_size, inter, generator=gen, device=device) * 0.02).to(dtype)
-    scores = torch.rand(num_tokens, num_experts, generator=gen, device=device)
+    scores = torch.rand(num_tokens, num_routed, generator=gen, device=device)
     weights, ids = scores.topk(top_k, dim=-1)
-    weights = weights / weights.sum(-1, keepdim=True)
+    weights, ids = append_shared_experts(weights / weights.sum(-1, keepdim=True), ids, num_routed, num_shared)
+    scales: dict = {}
+    ref13, ref2 = w13, w2
+    if fp8:
+        (w13, s13), (w2, s2) = quantize_experts(w13), quantize_experts(w2)
+        scales = dict(w13_scale=s13, w2_scale=s2)
+        ref13, ref2 = dequant_experts(w13, s13, dtype), dequant_experts(w2, s2, dtype)
     with torch.inference_mode():
-        ref_ms = time_ms(lambda: fused_moe_ref(x, w13, w2, ids, weights), device, reps)
+        ref_ms = time_ms(lambda: fused_moe_ref(x, ref13, ref2, ids, weights), device, reps)
         # replayed from a CUDA graph, as a decode step runs it (eager wall time is mostly launches)
-        kernel_ms = graph_ms(lambda: fused_moe(x, w13, w2, ids, weights), device, reps)
-        eager_ms = time_ms(lambda: fused_moe(x, w13, w2, ids, weights), device, reps)
-        err = float((fused_moe(x, w13, w2, ids, weights).float() - fused_moe_ref(x, w13, w2, ids, weights).float())
-                    .abs().max())
+        kernel_ms = graph_ms(lambda: fused_moe(x, w13, w2, ids, weights, **scales), device, reps)
+        eager_ms = time_ms(lambda: fused_moe(x, w13, w2, ids, weights, **scales), device, reps)
+        err = float((fused_moe(x, w13, w2, ids, weights, **scales).float()
+                     - fused_moe_ref(x, ref13, ref2, ids, weights).float()).abs().max())
     touched = int(ids.unique().numel())
-    num_bytes = dtype.itemsize * (touched * 3 * hidden_size * inter + 2 * num_tokens * hidden_size)
-    flops = 2 * num_tokens * top_k * 3 * hidden_size * inter
-    row = {"num_tokens": num_tokens, "num_experts": num_experts, "top_k": top_k, "hidden": hidden_size,
-           "inter": inter, "kernel": "triton" if use_triton(x, w13, w2, ids, weights) else "torch fallback",
+    weight_bytes = 1 if fp8 else dtype.itemsize
+    scale_bytes = 4 * (scales["w13_scale"][0].numel() + scales["w2_scale"][0].numel()) if fp8 else 0
+    num_bytes = (touched * (weight_bytes * 3 * hidden_size * inter + scale_bytes)
+                 + 2 * dtype.itemsize * num_tokens * hidden_size)
+    flops = 2 * num_tokens * (top_k + num_shared) * 3 * hidden_size * inter
+    row = {"num_tokens": num_tokens, "num_experts": num_experts, "num_shared": num_shared, "top_k": top_k,
+           "weights": "fp8 block 128x128" if fp8 else str(dtype).removeprefix("torch."),
+           "hidden": hidden_size, "inter": inter,
+           "kernel": "triton" if use_triton(x, w13, w2, ids, weights) else "torch fallback",
            "ref_ms": ref_ms, "kernel_ms": kernel_ms, "kernel_eager_ms": eager_ms, "speedup_vs_ref": ref_ms / kernel_ms,
            "max_abs_err_vs_ref": err, "experts_read": touched, **_roofline(ceil, num_bytes, flops)}
     row["pct_of_roofline"] = 100 * row["roofline_ms"] / kernel_ms
@@ -457,10 +476,14 @@ def _run(tiny, dev, dt, batches, context, prefill, moe_tokens, reps, command, gi
         torch.cuda.empty_cache()
     config = _config(shape)
     moe = []
-    for n in moe_tokens:
-        moe.append(bench_fused_moe(ceil, config, n, dev, dt, reps))
+    shared = getattr(config, "n_shared_experts", 0) or 0
+    # routed experts alone; with the shared experts fused (the model's layer at one rank); fp8 weights too
+    variants = [(0, False), (shared, False), (shared, True)] if shared else [(0, False), (0, True)]
+    for (num_shared, fp8), n in itertools.product(variants, moe_tokens):
+        moe.append(bench_fused_moe(ceil, config, n, dev, dt, reps, num_shared=num_shared, fp8=fp8))
         r = moe[-1]
-        print(f"fused_moe T={n:<5} ref {r['ref_ms']:9.3f} ms | {r['kernel']} {r['kernel_ms']:9.3f} ms | "
+        print(f"fused_moe {r['weights']:<17} S={num_shared} T={n:<5} ref {r['ref_ms']:9.3f} ms | {r['kernel']} "
+              f"{r['kernel_ms']:9.3f} ms | "
               f"x{r['speedup_vs_ref']:.1f} | roofline {r['roofline_ms']:.3f} ms ({r['pct_of_roofline']:.0f}%) | "
               f"err {r['max_abs_err_vs_ref']:.1e}", flush=True)
     small_ops = []

@@ -3,6 +3,7 @@
     python jobs/tune_moe.py                                   # DeepSeek-V2-Lite's expert shape, M = 1..4096
     python jobs/tune_moe.py --shapes deepseek-v2-lite,qwen3-30b-a3b --out $OUT/NVIDIA_H200.json
     python jobs/tune_moe.py --shapes 64x1408x2048x6x2 --m 1,16,256 --budget-s 60     # ExIxHxk[xS]
+    python jobs/tune_moe.py --fp8                             # fp8 block weights (their own entries)
 
 For each expert shape (E routed experts, intermediate I, hidden H, top-k, S shared experts fused as
 extra slots every token takes: the kernel then holds E + S experts) and token count M, times
@@ -71,11 +72,11 @@ def random_routing(num_tokens: int, num_experts: int, top_k: int, num_shared: in
 
 
 def tune_shape(shape: tuple[int, int, int, int, int], m_values: list[int], dtype: torch.dtype, deadline: float,
-               wide: bool, log=print) -> dict[int, dict]:
+               wide: bool, log=print, fp8: bool = False) -> dict[int, dict]:
     """{M: {"config": tile config JSON, "us": best time, "default_us": the heuristic's time}} of one shape."""
     from triton.testing import do_bench_cudagraph
 
-    from rayinfer.kernels.fused_moe import fused_moe_ref, fused_moe_triton
+    from rayinfer.kernels.fused_moe import dequant_experts, fused_moe_ref, fused_moe_triton, quantize_experts
     from rayinfer.kernels.fused_moe_config import default_tile_config
 
     num_routed, inter, hidden_size, top_k, num_shared = shape
@@ -83,6 +84,13 @@ def tune_shape(shape: tuple[int, int, int, int, int], m_values: list[int], dtype
     gen = torch.Generator(device="cuda").manual_seed(0)
     w13 = (torch.randn(num_experts, 2 * inter, hidden_size, generator=gen, device="cuda") * 0.02).to(dtype)
     w2 = (torch.randn(num_experts, hidden_size, inter, generator=gen, device="cuda") * 0.02).to(dtype)
+    scales: dict = {}
+    if fp8:  # fp8 block weights (bf16 activations), checked against the reference on the dequantized ones
+        (w13, s13), (w2, s2) = quantize_experts(w13), quantize_experts(w2)
+        scales = dict(w13_scale=s13, w2_scale=s2)
+        ref13, ref2 = dequant_experts(w13, s13, dtype), dequant_experts(w2, s2, dtype)
+    else:
+        ref13, ref2 = w13, w2
     results: dict[int, dict] = {}
     for m in m_values:
         if time.time() > deadline:
@@ -92,7 +100,7 @@ def tune_shape(shape: tuple[int, int, int, int, int], m_values: list[int], dtype
         weights, ids = random_routing(m, num_routed, top_k, num_shared, gen)
 
         def time_us(tiles) -> float:
-            fn = lambda: fused_moe_triton(x, w13, w2, ids, weights, tiles=tiles)  # noqa: E731
+            fn = lambda: fused_moe_triton(x, w13, w2, ids, weights, tiles=tiles, **scales)  # noqa: E731
             fn()
             ms = do_bench_cudagraph(fn, rep=10)  # return_mode "mean": one float
             return 1e3 * float(ms)  # type: ignore[arg-type]
@@ -110,8 +118,8 @@ def tune_shape(shape: tuple[int, int, int, int, int], m_values: list[int], dtype
                 continue
             if us < best_us:
                 best, best_us = tiles, us
-        want = fused_moe_ref(x, w13, w2, ids, weights).float()
-        err = float((fused_moe_triton(x, w13, w2, ids, weights, tiles=best).float() - want).abs().max())
+        want = fused_moe_ref(x, ref13, ref2, ids, weights).float()
+        err = float((fused_moe_triton(x, w13, w2, ids, weights, tiles=best, **scales).float() - want).abs().max())
         if err > 3e-2 * max(1.0, float(want.abs().max())):
             raise RuntimeError(f"M={m}: tuned config {best.to_json()} is wrong (max abs err {err:.3g})")
         results[m] = {"config": best.to_json(), "us": best_us, "default_us": default_us}
@@ -139,7 +147,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--shapes", default="deepseek-v2-lite",
                         help=f"comma-separated names ({', '.join(SHAPES)}) or ExIxHxk")
     parser.add_argument("--m", default=",".join(map(str, M_VALUES)), help="token counts to tune")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"], help="activations' dtype")
+    parser.add_argument("--fp8", action="store_true",
+                        help="fp8 block-quantized expert weights (table entries of dtype float8_e4m3fn)")
     parser.add_argument("--budget-s", type=float, default=220.0, help="stop tuning after this many seconds")
     parser.add_argument("--wide", action="store_true", help="a wider candidate set (slower)")
     parser.add_argument("--out", default=None, help="table path (default: kernels/configs/<device>.json)")
@@ -160,10 +170,10 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{name}: E={shape[0]} I={shape[1]} H={shape[2]} k={shape[3]} shared={shape[4]} on {device}",
                   flush=True)
             tuned[shape] = tune_shape(shape, m_values, dtype, deadline, args.wide,
-                                      log=lambda s: print(s, flush=True))
+                                      log=lambda s: print(s, flush=True), fp8=args.fp8)
             report[name] = {str(m): r for m, r in tuned[shape].items()}
     out = Path(args.out) if args.out else table_path(device)
-    table = merge_table(out, device, args.dtype, tuned)
+    table = merge_table(out, device, "float8_e4m3fn" if args.fp8 else args.dtype, tuned)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(table, indent=1) + "\n")
     print(f"wrote {out} ({time.time() - started:.0f} s)")

@@ -542,6 +542,46 @@ def _moe_sum_kernel(out_ptr, kept_ptr, dst_ptr, hidden_size, TOP_K: tl.constexpr
     tl.store(dst_ptr + token * hidden_size + cols, acc.to(dst_ptr.dtype.element_ty), mask=col_ok)
 
 
+# fp8 weights' scale blocks (DeepSeek-V3's ``weight_block_size``): rows x columns of one scale
+FP8_BLOCK = (128, 128)
+
+
+def _check_scales(w13, w2, w13_scale, w2_scale) -> None:
+    if (w13_scale is None) != (w2_scale is None):
+        raise ValueError("fp8 experts need both w13_scale and w2_scale")
+    if w13_scale is None:
+        return
+    bn, bk = FP8_BLOCK
+    for name, w, sc in (("w13", w13, w13_scale), ("w2", w2, w2_scale)):
+        want = (w.shape[0], -(-w.shape[1] // bn), -(-w.shape[2] // bk))
+        if w.dtype != torch.float8_e4m3fn or tuple(sc.shape) != want or sc.dtype != torch.float32:
+            raise ValueError(f"{name} {w.dtype} {tuple(w.shape)} with scale {sc.dtype} {tuple(sc.shape)}: fp8 "
+                             f"experts are float8_e4m3fn with float32 scales of {want} ({bn}x{bk} blocks)")
+
+
+def dequant_experts(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp8 expert weights [E, N, K] float8_e4m3fn times their block scales [E, ceil(N/128), ceil(K/128)]
+    float32 -> [E, N, K] in ``dtype`` (the torch path and the reference dequantize first)."""
+    bn, bk = FP8_BLOCK
+    n, k = w.shape[1:]
+    full = scale.repeat_interleave(bn, 1)[:, :n].repeat_interleave(bk, 2)[:, :, :k]
+    return (w.float() * full).to(dtype)
+
+
+def quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-quantize expert weights: [E, N, K] float -> (float8_e4m3fn [E, N, K], float32 scales
+    [E, ceil(N/128), ceil(K/128)]), each 128x128 block scaled by its amax / 448 (e4m3's largest normal),
+    the layout of DeepSeek-V3's fp8 checkpoints (for dummy fp8 weights, tests and the tuner)."""
+    bn, bk = FP8_BLOCK
+    e, n, k = w.shape
+    padded = torch.zeros(e, -(-n // bn) * bn, -(-k // bk) * bk, dtype=torch.float32, device=w.device)
+    padded[:, :n, :k] = w.float()
+    blocks = padded.view(e, padded.shape[1] // bn, bn, padded.shape[2] // bk, bk)
+    scale = (blocks.abs().amax(dim=(2, 4)) / 448.0).clamp(min=1e-12)
+    q = (blocks / scale[:, :, None, :, None]).view_as(padded)[:, :n, :k].to(torch.float8_e4m3fn)
+    return q.contiguous(), scale
+
+
 def fused_moe_triton(
     hidden: torch.Tensor,
     w13: torch.Tensor,
@@ -552,6 +592,8 @@ def fused_moe_triton(
     reduce_slots: bool = True,
     expert_map: ExpertMap | None = None,
     expert_load: torch.Tensor | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton grouped GEMM of :func:`fused_moe_ref` (same contract; no host sync).
 
@@ -560,6 +602,10 @@ def fused_moe_triton(
             the heuristic: 16-row tiles for decode, 64 for large prefills).
         reduce_slots: False returns :func:`fused_moe_slots_ref`'s per-slot outputs ([T, k, H] float32).
         expert_map, expert_load: as :func:`moe_align_triton` (topk_ids are then logical ids).
+        w13_scale, w2_scale: with float8_e4m3fn w13 / w2, their block scales ([E, ceil(rows/128),
+            ceil(cols/128)] float32, DeepSeek-V3's ``weight_scale_inv``): the GEMMs widen each fp8 weight
+            tile to hidden's dtype and scale each K step's partial products per output column, so the
+            weights are dequantized in the kernel, never in memory.
 
     A token's k routed outputs are added in slot order (:func:`sum_slots`'s order, one kernel that also
     casts), which batch-invariant mode (``kernels.batch_invariant``) needs; with fixed tiles (what
@@ -569,6 +615,7 @@ def fused_moe_triton(
     invariant = is_batch_invariant()
     rowwise = invariant and is_interpreting()
     _check_shapes(hidden, w13, w2, topk_ids, topk_weights)
+    _check_scales(w13, w2, w13_scale, w2_scale)
     num_tokens, top_k = topk_ids.shape
     num_experts, two_inter, hidden_size = w13.shape
     if num_tokens == 0:
@@ -585,10 +632,12 @@ def fused_moe_triton(
     weights = topk_weights.reshape(-1).contiguous()
     # gate/up GEMM with SiLU-and-mul in its epilogue: [pairs, I], no gate_up tensor
     act = torch.empty((num_pairs, two_inter // 2), dtype=hidden.dtype, device=hidden.device)
-    _moe_gemm(hidden, w13, act, sorted_pairs, block_experts, weights, top_k, False, tiles, rowwise, gated=True)
+    _moe_gemm(hidden, w13, act, sorted_pairs, block_experts, weights, top_k, False, tiles, rowwise, gated=True,
+              scale=w13_scale, scale_block=FP8_BLOCK)
     alloc = torch.empty if reduce_slots else torch.zeros
     out = alloc((num_pairs, hidden_size), dtype=torch.float32, device=hidden.device)
-    _moe_gemm(act, w2, out, sorted_pairs, block_experts, weights, 1, True, tiles, rowwise)
+    _moe_gemm(act, w2, out, sorted_pairs, block_experts, weights, 1, True, tiles, rowwise,
+              scale=w2_scale, scale_block=FP8_BLOCK)
     if not reduce_slots:
         return out.view(num_tokens, top_k, hidden_size)
     # the k outputs added in slot order (sum_slots' order, also outside batch-invariant mode), then cast
@@ -599,10 +648,11 @@ def fused_moe_triton(
     return result
 
 
-def _triton_applies(hidden, w13, w2, topk_ids, topk_weights) -> bool:
+def _triton_applies(hidden, w13, w2, topk_ids, topk_weights, fp8: bool = False) -> bool:
+    weight_dtype = torch.float8_e4m3fn if fp8 else hidden.dtype
     return (
         hidden.dim() == 2
-        and hidden.dtype == w13.dtype == w2.dtype
+        and w13.dtype == w2.dtype == weight_dtype
         and hidden.dtype in (torch.float16, torch.bfloat16, torch.float32)
         and use_triton(hidden, w13, w2, topk_ids, topk_weights)
     )
@@ -615,10 +665,11 @@ def _device_name(index: int | None) -> str:
 
 def fused_moe_tiles(hidden: torch.Tensor, w13: torch.Tensor, top_k: int) -> MoETileConfig:
     """The grouped GEMM's tiles for hidden [T, H] and w13 [E, 2I, H]: on CUDA the device's tuned table
-    entry (``kernels.fused_moe_config``), else (and in batch-invariant mode) the fixed heuristic."""
+    entry (``kernels.fused_moe_config``; fp8 weights have entries of their own, dtype
+    ``float8_e4m3fn``), else (and in batch-invariant mode) the fixed heuristic."""
     device_name = _device_name(hidden.device.index) if hidden.is_cuda else None
     num_experts, n, k = w13.shape
-    dtype = str(hidden.dtype).removeprefix("torch.")
+    dtype = str(w13.dtype if w13.dtype == torch.float8_e4m3fn else hidden.dtype).removeprefix("torch.")
     return tile_config(device_name, num_experts, n, k, dtype, hidden.shape[0], top_k, is_batch_invariant())
 
 
@@ -630,17 +681,26 @@ def fused_moe(
     topk_weights: torch.Tensor,
     expert_map: ExpertMap | None = None,
     expert_load: torch.Tensor | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`fused_moe_ref`; the Triton grouped GEMM on CUDA tensors (64-row tiles
     whatever the batch in batch-invariant mode). In batch-invariant mode without Triton, the k outputs
     of :func:`fused_moe_slots_ref` are added in slot order, as expert parallelism adds them.
 
     expert_map: topk_ids are logical ids, computed by this rank's slots (:class:`ExpertMap`);
-    expert_load: [L] int64 counters, += tokens routed to each logical expert (EPLB's load).
+    expert_load: [L] int64 counters, += tokens routed to each logical expert (EPLB's load);
+    w13_scale, w2_scale: fp8 experts (:func:`fused_moe_triton`); the torch path dequantizes first.
+    Raises:
+        ValueError: on inconsistent shapes, or scales that do not fit fp8 weights.
     """
-    if _triton_applies(hidden, w13, w2, topk_ids, topk_weights):
+    _check_scales(w13, w2, w13_scale, w2_scale)
+    fp8 = w13_scale is not None
+    if _triton_applies(hidden, w13, w2, topk_ids, topk_weights, fp8):
         return fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, expert_map=expert_map,
-                                expert_load=expert_load)
+                                expert_load=expert_load, w13_scale=w13_scale, w2_scale=w2_scale)
+    if fp8:
+        w13, w2 = dequant_experts(w13, w13_scale, hidden.dtype), dequant_experts(w2, w2_scale, hidden.dtype)
     topk_ids = _map_and_count(topk_ids, expert_map, expert_load)
     if is_batch_invariant():
         return sum_slots(fused_moe_slots_ref(hidden, w13, w2, topk_ids, topk_weights)).to(hidden.dtype)
@@ -654,13 +714,19 @@ def fused_moe_slots(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     expert_map: ExpertMap | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`fused_moe_slots_ref` ([T, k, H] float32); the Triton grouped GEMM where
     :func:`fused_moe` takes it, with the same tiles, so that ``sum_slots(fused_moe_slots(...))`` cast to
     hidden's dtype is :func:`fused_moe`'s result bit for bit in batch-invariant mode (how expert
-    parallelism combines the ranks' outputs then, ``model.moe.RoutedExperts``). expert_map: as
-    :func:`fused_moe`."""
-    if _triton_applies(hidden, w13, w2, topk_ids, topk_weights):
+    parallelism combines the ranks' outputs then, ``model.moe.RoutedExperts``). expert_map, w13_scale,
+    w2_scale: as :func:`fused_moe`."""
+    _check_scales(w13, w2, w13_scale, w2_scale)
+    fp8 = w13_scale is not None
+    if _triton_applies(hidden, w13, w2, topk_ids, topk_weights, fp8):
         return fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, reduce_slots=False,
-                                expert_map=expert_map)
+                                expert_map=expert_map, w13_scale=w13_scale, w2_scale=w2_scale)
+    if fp8:
+        w13, w2 = dequant_experts(w13, w13_scale, hidden.dtype), dequant_experts(w2, w2_scale, hidden.dtype)
     return fused_moe_slots_ref(hidden, w13, w2, _map_and_count(topk_ids, expert_map, None), topk_weights)

@@ -24,7 +24,9 @@ def test_tiny_run_writes_results(tmp_path):
         assert row["ms"] > 0 and 0 < row["roofline_ms"] == max(row["roofline_mem_ms"], row["roofline_compute_ms"])
         assert 1 <= row["routed_experts_read"] <= moe_layers * experts
     assert data["decode"][0]["routed_experts_read"] <= moe_layers * data["shape"]["num_experts_per_tok"]
-    assert [r["num_tokens"] for r in data["fused_moe"]] == TINY["moe_tokens"]
+    # routed experts alone, with the shared expert fused, and fp8 block weights with it
+    assert [(r["num_shared"], r["weights"], r["num_tokens"]) for r in data["fused_moe"]] == [
+        (s, w, n) for s, w in [(0, "bfloat16"), (1, "bfloat16"), (1, "fp8 block 128x128")] for n in TINY["moe_tokens"]]
     assert all(r["kernel"] == "torch fallback" and r["max_abs_err_vs_ref"] < 1e-2 for r in data["fused_moe"])
 
 

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from rayinfer.kernels._triton_utils import HAS_TRITON
 from rayinfer.kernels.fused_moe import (
-    ExpertMap, fused_moe, fused_moe_ref, fused_moe_slots, fused_moe_slots_ref, moe_align, moe_align_ref,
-    moe_align_triton, sum_slots,
+    ExpertMap, dequant_experts, fused_moe, fused_moe_ref, fused_moe_slots, fused_moe_slots_ref, moe_align,
+    moe_align_ref, moe_align_triton, quantize_experts, sum_slots,
 )
 from rayinfer.model.moe import log2phy_table
 
@@ -158,6 +158,35 @@ def check_kernel(device, cases):
     return worst
 
 
+def check_fp8_kernel(device, cases) -> float:
+    """fused_moe on fp8 block-quantized experts against the reference on the dequantized weights (which is
+    what the torch path computes); the unsummed outputs too. cases: (T, E, H, I, k, dtype)."""
+    worst = 0.0
+    for i, (t, e, h, inter, k, dtype) in enumerate(cases):
+        x, w13, w2, ids, w = make_case(t, e, h, inter, k, torch.float32, device, seed=i, skip_every=5)
+        (q13, s13), (q2, s2) = quantize_experts(w13), quantize_experts(w2)
+        x = x.to(dtype)
+        d13, d2 = dequant_experts(q13, s13, dtype), dequant_experts(q2, s2, dtype)
+        assert (d13.float() - w13).abs().max() <= 0.07 * w13.abs().max()  # e4m3: 3 mantissa bits
+        got = fused_moe(x, q13, q2, ids, w, w13_scale=s13, w2_scale=s2)
+        want = fused_moe_ref(x, d13, d2, ids, w)
+        tol = TOL[dtype]
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol, msg=lambda m: f"fp8 case {i}: {m}")
+        worst = max(worst, (got.float() - want.float()).abs().max().item())
+        if i == 0:
+            torch.testing.assert_close(fused_moe_slots(x, q13, q2, ids, w, w13_scale=s13, w2_scale=s2),
+                                       fused_moe_slots_ref(x, d13, d2, ids, w), atol=tol, rtol=tol)
+    with pytest.raises(ValueError, match="both w13_scale and w2_scale"):
+        fused_moe(x, q13, q2, ids, w, w13_scale=s13)
+    with pytest.raises(ValueError, match="fp8 experts are float8_e4m3fn"):
+        fused_moe(x, q13, q2, ids, w, w13_scale=s13[:, :1], w2_scale=s2)
+    return worst
+
+
+def test_fp8_experts_torch_path():
+    check_fp8_kernel("cpu", [(6, 4, 160, 72, 2, torch.float32)])
+
+
 GPU_CASES = [
     (1, 64, 2048, 768, 8, torch.bfloat16),
     (300, 64, 2048, 768, 8, torch.bfloat16),
@@ -171,6 +200,13 @@ GPU_CASES = [
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_kernel_matches_ref():
     print(f"fused_moe: max abs err {check_kernel('cuda', GPU_CASES):.2e}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_fp8_kernel_matches_ref():
+    b16 = torch.bfloat16
+    print(f"fused_moe fp8: max abs err {check_fp8_kernel('cuda', [(1, 66, 2048, 1408, 8, b16), (300, 64, 2048, 1408, 6, b16), (2048, 128, 2048, 768, 8, b16), (7, 8, 200, 72, 2, torch.float32)]):.2e}")
 
 
 @pytest.mark.gpu
@@ -235,5 +271,6 @@ if __name__ == "__main__":
         f32 = torch.float32
         check_kernel("cpu", [(5, 4, 32, 16, 2, f32), (1, 8, 48, 24, 3, f32), (40, 6, 40, 20, 2, f32)])
         check_align_kernel("cpu", ALIGN_CASES)
+        check_fp8_kernel("cpu", [(5, 4, 160, 72, 2, f32), (3, 6, 144, 136, 3, f32)])
     else:
         sys.exit(pytest.main([__file__, "-m", "gpu", "-q", *sys.argv[1:]]))
