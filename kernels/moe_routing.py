@@ -142,36 +142,53 @@ def _softmax_topk_kernel(
 
 
 @triton.jit
-def _router_logits(hidden_ptr, gate_ptr, row, experts, ok, hidden_size, stride_h, stride_g, BLOCK_H: tl.constexpr):
-    """Router logits of one token for the [BLOCK_G, BLOCK_P] expert grid, float32 (hidden . gate[e])."""
-    x = tl.zeros(experts.shape, dtype=tl.float32)
+def _router_logits_kernel(hidden_ptr, gate_ptr, logits_ptr, num_experts, hidden_size, stride_h, stride_g,
+                          stride_t, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Program (t, c): float32 logits of token t for experts c * BLOCK_E .. + BLOCK_E - 1."""
+    row = tl.program_id(0).to(tl.int64)
+    experts = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    e_ok = experts < num_experts
+    acc = tl.zeros([BLOCK_E, BLOCK_H], dtype=tl.float32)
     for h0 in range(0, hidden_size, BLOCK_H):
         hs = h0 + tl.arange(0, BLOCK_H)
         h_ok = hs < hidden_size
         hid = tl.load(hidden_ptr + row * stride_h + hs, mask=h_ok, other=0.0).to(tl.float32)
-        w = tl.load(gate_ptr + experts[:, :, None].to(tl.int64) * stride_g + hs[None, None, :],
-                    mask=ok[:, :, None] & h_ok[None, None, :], other=0.0).to(tl.float32)
-        x += tl.sum(w * hid[None, None, :], 2)
-    return x
+        w = tl.load(gate_ptr + experts[:, None].to(tl.int64) * stride_g + hs[None, :],
+                    mask=e_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
+        acc += w * hid[None, :]
+    tl.store(logits_ptr + row * stride_t + experts, tl.sum(acc, 1), mask=e_ok)
+
+
+def router_logits_triton(hidden: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
+    """float32 ``hidden @ gate_weight.T`` for decode-sized batches: hidden [T, H], gate_weight [L, H] (any
+    float dtypes, products and sums in float32) -> [T, L] float32. Programs (token, 4 experts): a decode
+    step's router spreads its weight read over L / 4 multiprocessors (one program per token reading the
+    whole gate was bound by one SM's memory latency), with no casts of hidden or the weight."""
+    num_tokens, hidden_size = hidden.shape
+    num_experts = gate_weight.shape[0]
+    logits = torch.empty((num_tokens, num_experts), dtype=torch.float32, device=hidden.device)
+    block_e = 4
+    block_h = max(16, min(2048, triton.next_power_of_2(hidden_size)))
+    _router_logits_kernel[(num_tokens, triton.cdiv(num_experts, block_e))](
+        hidden, gate_weight, logits, num_experts, hidden_size, hidden.stride(0), gate_weight.stride(0),
+        logits.stride(0), BLOCK_E=block_e, BLOCK_H=block_h, num_warps=4,
+    )
+    return logits
 
 
 @triton.jit
 def _grouped_topk_kernel(
     logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_t, scaling_factor,
-    hidden_ptr, gate_ptr, hidden_size, stride_h, stride_g,
     NUM_GROUPS: tl.constexpr, PER_GROUP: tl.constexpr, TOP_K: tl.constexpr, TOPK_GROUPS: tl.constexpr,
     RENORMALIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_SHARED: tl.constexpr, FUSED_LOGITS: tl.constexpr, BLOCK_H: tl.constexpr,
+    NUM_SHARED: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     groups = tl.arange(0, BLOCK_G)
     members = tl.arange(0, BLOCK_P)
     ok = (groups[:, None] < NUM_GROUPS) & (members[None, :] < PER_GROUP)
     experts = groups[:, None] * PER_GROUP + members[None, :]  # [BLOCK_G, BLOCK_P]
-    if FUSED_LOGITS:
-        x = _router_logits(hidden_ptr, gate_ptr, row, experts, ok, hidden_size, stride_h, stride_g, BLOCK_H)
-    else:
-        x = tl.load(logits_ptr + row * stride_t + experts, mask=ok, other=0.0).to(tl.float32)
+    x = tl.load(logits_ptr + row * stride_t + experts, mask=ok, other=0.0).to(tl.float32)
     scores = tl.sigmoid(x)
     bias = tl.load(bias_ptr + experts, mask=ok, other=0.0).to(tl.float32)
     choice = tl.where(ok, scores + bias, float("-inf"))
@@ -241,7 +258,7 @@ def softmax_topk_triton(
 
 
 def grouped_topk_triton(
-    router_logits: torch.Tensor | None,
+    router_logits: torch.Tensor,
     e_score_correction_bias: torch.Tensor,
     top_k: int,
     num_groups: int,
@@ -249,43 +266,24 @@ def grouped_topk_triton(
     renormalize: bool,
     routed_scaling_factor: float,
     num_shared: int = 0,
-    hidden: torch.Tensor | None = None,
-    gate_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`grouped_topk_ref` in one Triton launch (same contract; experts by descending choice).
 
     num_shared: S fused shared experts appended as slots ``k .. k+S-1`` (experts ``L .. L+S-1``, weight 1).
-    hidden [T, H], gate_weight [L, H]: given instead of router_logits, the kernel computes the logits
-    itself (float32 products and sums, Hugging Face's float32 router) before routing: no logits tensor,
-    no casts, one launch per layer.
     """
-    fused = router_logits is None
-    if fused:
-        assert hidden is not None and gate_weight is not None
-        num_tokens, (num_experts, hidden_size) = hidden.shape[0], gate_weight.shape
-        device, logits, stride_t = hidden.device, hidden, 0  # logits unread
-        stride_h, stride_g = hidden.stride(0), gate_weight.stride(0)
-    else:
-        num_tokens, num_experts = router_logits.shape
-        device, logits, stride_t = router_logits.device, router_logits, router_logits.stride(0)
-        hidden = gate_weight = router_logits  # unread
-        hidden_size = stride_h = stride_g = 0
+    num_tokens, num_experts = router_logits.shape
     out_k = top_k + num_shared
-    weights = torch.empty((num_tokens, out_k), dtype=torch.float32, device=device)
-    ids = torch.empty((num_tokens, out_k), dtype=torch.int64, device=device)
+    weights = torch.empty((num_tokens, out_k), dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty((num_tokens, out_k), dtype=torch.int64, device=router_logits.device)
     if num_tokens == 0:
         return weights, ids
     per_group = num_experts // num_groups
-    block_g, block_p = triton.next_power_of_2(num_groups), max(2, triton.next_power_of_2(per_group))
-    # the logits' [BLOCK_G, BLOCK_P, BLOCK_H] weight tile: ~4K elements per step
-    block_h = max(16, min(128, triton.next_power_of_2(max(1, 4096 // (block_g * block_p)))))
     _grouped_topk_kernel[(num_tokens,)](
-        logits, e_score_correction_bias, weights, ids, stride_t, float(routed_scaling_factor),
-        hidden, gate_weight, hidden_size, stride_h, stride_g,
+        router_logits, e_score_correction_bias, weights, ids, router_logits.stride(0), float(routed_scaling_factor),
         NUM_GROUPS=num_groups, PER_GROUP=per_group, TOP_K=top_k, TOPK_GROUPS=topk_groups, RENORMALIZE=renormalize,
-        BLOCK_G=block_g, BLOCK_P=block_p, BLOCK_K=max(2, triton.next_power_of_2(out_k)),
-        NUM_SHARED=num_shared, FUSED_LOGITS=fused, BLOCK_H=block_h,
-        num_warps=4 if fused or num_experts > 256 else 1,
+        BLOCK_G=triton.next_power_of_2(num_groups), BLOCK_P=max(2, triton.next_power_of_2(per_group)),
+        BLOCK_K=max(2, triton.next_power_of_2(out_k)), NUM_SHARED=num_shared,
+        num_warps=4 if num_experts > 256 else 1,
     )
     return weights, ids
 
@@ -357,11 +355,11 @@ def grouped_topk(
     return append_shared_experts(weights, ids, num_experts, num_shared)
 
 
-# The router's logits inside the routing kernel (one program per token reads the whole gate weight from
-# L2): for decode-sized batches and routers up to this many weight elements (DeepSeek-V2-Lite's 64 x 2048
-# and Qwen3-30B-A3B's 128 x 2048 fit, DeepSeek-V3's 256 x 7168 does not); larger ones take a GEMM.
+# The router's logits by router_logits_triton (each token re-reads the gate weight, from L2) for
+# decode-sized batches and routers up to this many weight elements (DeepSeek-V2-Lite's 64 x 2048,
+# Qwen3-30B-A3B's 128 x 2048, DeepSeek-V3's 256 x 7168 = 1.8M too); larger ones take the GEMM.
 FUSED_ROUTER_MAX_TOKENS = 128
-FUSED_ROUTER_MAX_WEIGHTS = 1 << 19
+FUSED_ROUTER_MAX_WEIGHTS = 1 << 21
 
 
 def router_grouped_topk(
@@ -379,10 +377,11 @@ def router_grouped_topk(
     Face's ``DeepseekV3TopkRouter``), then :func:`grouped_topk`.
 
     On CUDA, for up to :data:`FUSED_ROUTER_MAX_TOKENS` tokens and a gate of up to
-    :data:`FUSED_ROUTER_MAX_WEIGHTS` elements, one Triton launch computes the logits and routes (a decode
-    step's router was four kernels: two casts, a GEMV and its reduction, before the routing kernel). In
-    batch-invariant mode always the GEMM (its rows do not depend on the batch; the fused logits' sums
-    would differ from it by rounding, so a token's route would follow the batch size).
+    :data:`FUSED_ROUTER_MAX_WEIGHTS` elements, two Triton launches: the logits
+    (:func:`router_logits_triton`, no casts) and the routing kernel (a decode step's router was five:
+    two casts, a GEMV and its reduction, then the routing kernel). In batch-invariant mode always the
+    GEMM (its rows do not depend on the batch; the kernel's sums differ from it by rounding, so a token's
+    route would follow the batch size).
 
     Args:
         hidden: [T, H] bf16/fp16/fp32; gate_weight: [L, H]; the rest as :func:`grouped_topk`.
@@ -401,9 +400,8 @@ def router_grouped_topk(
             and use_triton(hidden, gate_weight, e_score_correction_bias)):
         _check_topk(hidden.new_empty((0, num_experts)), top_k)
         _check_grouped(num_experts, top_k, num_groups, topk_groups, e_score_correction_bias)
-        return grouped_topk_triton(None, e_score_correction_bias.contiguous(), top_k, num_groups, topk_groups,
-                                   renormalize, routed_scaling_factor, num_shared, hidden=hidden,
-                                   gate_weight=gate_weight)
+        return grouped_topk_triton(router_logits_triton(hidden, gate_weight), e_score_correction_bias.contiguous(),
+                                   top_k, num_groups, topk_groups, renormalize, routed_scaling_factor, num_shared)
     logits = dense_linear(hidden.float(), gate_weight.float())
     return grouped_topk(logits, e_score_correction_bias.float(), top_k, num_groups, topk_groups, renormalize,
                         routed_scaling_factor, num_shared)

@@ -11,8 +11,8 @@ import torch
 from rayinfer.kernels._triton_utils import HAS_TRITON
 from rayinfer.kernels.batch_invariant import batch_invariant_mode
 from rayinfer.kernels.moe_routing import (
-    append_shared_experts, grouped_topk, grouped_topk_ref, grouped_topk_triton, router_grouped_topk, softmax_topk,
-    softmax_topk_ref, softmax_topk_triton,
+    append_shared_experts, grouped_topk, grouped_topk_ref, grouped_topk_triton, router_grouped_topk,
+    router_logits_triton, softmax_topk, softmax_topk_ref, softmax_topk_triton,
 )
 
 CUDA = torch.cuda.is_available()
@@ -41,8 +41,8 @@ def check_grouped(device, cases) -> None:
 
 
 def check_fused_router(device, cases) -> None:
-    """The router kernel computing its own float32 logits from hidden states (and appending S shared
-    experts) against the reference on ``linear(hidden.float(), gate.float())``.
+    """The router-logits kernel (float32 from bf16/fp32 hidden states and gate) and the routing kernel
+    appending S shared experts, against the reference on ``linear(hidden.float(), gate.float())``.
     cases: (T, L, H, k, G, topk_groups, renormalize, scale, S, dtype)."""
     for i, (t, e, h, k, g, tg, renorm, scale, shared, dtype) in enumerate(cases):
         gen = torch.Generator().manual_seed(i)
@@ -53,7 +53,9 @@ def check_fused_router(device, cases) -> None:
         with batch_invariant_mode():
             want_w, want_ids = grouped_topk_ref(logits, bias, k, g, tg, renorm, scale)
         want_w, want_ids = append_shared_experts(want_w, want_ids, e, shared)
-        got_w, got_ids = grouped_topk_triton(None, bias, k, g, tg, renorm, scale, shared, hidden=hidden, gate_weight=gate)
+        got_logits = router_logits_triton(hidden, gate)
+        torch.testing.assert_close(got_logits, logits, atol=1e-5, rtol=1e-5)
+        got_w, got_ids = grouped_topk_triton(got_logits, bias, k, g, tg, renorm, scale, shared)
         assert got_ids.shape == (t, k + shared), f"case {i}"
         assert torch.equal(got_ids, want_ids), f"case {i}: {got_ids.tolist()} != {want_ids.tolist()}"
         torch.testing.assert_close(got_w, want_w, atol=1e-5, rtol=1e-4, msg=lambda m: f"case {i}: {m}")
