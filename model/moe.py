@@ -26,13 +26,15 @@ from torch.nn import functional as F
 
 from rayinfer.kernels.activation import silu_and_mul
 from rayinfer.kernels.batch_invariant import is_batch_invariant
+from rayinfer.kernels.block_fp8 import FP8_DTYPE
 from rayinfer.kernels.fused_moe import ExpertMap, fused_moe, fused_moe_slots, sum_slots
-from rayinfer.kernels.matmul import dense_linear
 from rayinfer.kernels.moe_routing import grouped_topk, softmax_topk  # noqa: F401 (the models' routers)
+from rayinfer.model.quantization import SCALE_SUFFIX, adapt_checkpoint, linear
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU MLP ``down(silu(gate(x)) * up(x))`` with Hugging Face names (dense layers, shared experts)."""
+    """SwiGLU MLP ``down(silu(gate(x)) * up(x))`` with Hugging Face names (dense layers, shared experts);
+    each projection may be block-fp8 (:func:`rayinfer.model.quantization.linear`)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu"):
         """Raises: ValueError for an activation other than SiLU."""
@@ -45,8 +47,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
-        gate_up = torch.cat([dense_linear(x, self.gate_proj.weight), dense_linear(x, self.up_proj.weight)], dim=-1)
-        return dense_linear(silu_and_mul(gate_up), self.down_proj.weight)
+        gate_up = torch.cat([linear(x, self.gate_proj), linear(x, self.up_proj)], dim=-1)
+        return linear(silu_and_mul(gate_up), self.down_proj)
 
 
 def log2phy_table(phy2log: torch.Tensor, num_logical: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -367,23 +369,36 @@ class MoEModelMixin:
         (``num_nextn_predict_layers``): skipped here, as Hugging Face does (DeepSeek-V3's own
         ``load_weights`` renames them to its ``mtp`` modules first when those are built).
 
+        FP8 block-quantized checkpoints (DeepSeek-V3's ``weight`` float8_e4m3fn + ``weight_scale_inv``,
+        see :func:`~rayinfer.model.quantization.adapt_checkpoint`): a quantized dense linear
+        (:mod:`rayinfer.model.quantization`) takes both as stored, one held in the model dtype
+        (``kv_b_proj``, ``quantization="none"``) gets the weight dequantized, and a 16/32-bit checkpoint
+        weight is quantized for a quantized linear. Routed experts stay in the model dtype and refuse
+        fp8 tensors.
+
         Returns:
             names of the parameters and buffers written (experts as ``...experts.gate_up_proj`` etc.).
         Raises:
-            KeyError: for a name the model does not have; ValueError: on a shape mismatch or an FP8
-            block-quantized checkpoint (``weight_scale_inv``; dequantize it first).
+            KeyError: for a name the model does not have; ValueError: on a shape mismatch, a routed
+            expert's fp8 weight or ``weight_scale_inv`` (not supported yet; dequantize the experts
+            first), or an fp8 weight without its scale.
         """
         params = dict(self.named_parameters(remove_duplicate=False))
         params.update(self.named_buffers(remove_duplicate=False))
         experts = {name: m for name, m in self.named_modules() if isinstance(m, RoutedExperts)}
         num_layers = self.config.num_hidden_layers
         loaded: set[str] = set()
-        for name, tensor in named_tensors:
-            layer = re.match(r"model\.layers\.(\d+)\.", name)
-            if (layer and int(layer.group(1)) >= num_layers) or name.endswith("rotary_emb.inv_freq"):
-                continue
-            if name.endswith("weight_scale_inv"):
-                raise ValueError(f"{name}: FP8 block-quantized checkpoints are not supported; dequantize first")
+
+        def kept():
+            for name, tensor in named_tensors:
+                layer = re.match(r"model\.layers\.(\d+)\.", name)
+                if not ((layer and int(layer.group(1)) >= num_layers) or name.endswith("rotary_emb.inv_freq")):
+                    yield name, tensor
+
+        for name, tensor in adapt_checkpoint(kept(), params):
+            if ".experts." in name and (name.endswith(SCALE_SUFFIX) or tensor.dtype == FP8_DTYPE):
+                raise ValueError(f"{name}: fp8 routed experts are not supported yet (the dense layers are); "
+                                 "dequantize the routed experts of the checkpoint first")
             per_expert = re.fullmatch(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight", name)
             stacked = re.fullmatch(r"(.*\.experts)\.(gate_up_proj|down_proj)", name)
             if per_expert and per_expert.group(1) in experts:
