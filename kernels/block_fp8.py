@@ -143,17 +143,20 @@ def _block_fp8_linear_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _choose_config(m: int, n: int) -> dict:
-    """Tiles for ``m`` rows times an [n, K] fp8 weight.
+def _choose_config(m: int, n: int, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Tiles for ``m`` rows of ``dtype`` times an [n, K] fp8 weight.
 
     BLOCK_K is 128 (one K step per scale block) at every m, so a row's sum runs over the same K steps
     in the same order whatever the batch. Few rows (decode) only stream the weight: 16-row tiles and
     narrow column tiles (32 up to n = 4096) spread it over more programs; many rows reuse each weight
-    tile over 64- and 128-row tiles. Under the interpreter (tests) one 32 x 128 tile per program: it runs
-    programs one at a time, so fewer and larger tiles are faster there.
+    tile over 64- and 128-row tiles. float32 activations (exact products, rare on a GPU) take 64 x 64 x
+    64 tiles, whose 4-byte x tiles fit shared memory in 3 stages. Under the interpreter (tests) one
+    32 x 128 tile per program: it runs programs one at a time, so fewer and larger tiles are faster there.
     """
     if is_interpreting():
         return dict(block_m=32, block_n=128, block_k=128, group_m=8, num_warps=4, num_stages=1)
+    if dtype == torch.float32:
+        return dict(block_m=16 if m <= 16 else 64, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=3)
     if m <= 16:
         return dict(block_m=16, block_n=32 if n <= 4096 else 64, block_k=128, group_m=8, num_warps=4, num_stages=4)
     if m <= 128:
@@ -207,7 +210,7 @@ def _block_fp8_linear_triton(x: torch.Tensor, w_fp8: torch.Tensor, scale_inv: to
         return y
     if k == 0:
         return y.zero_() if bias is None else y.copy_(bias.expand(m, n))
-    cfg = {**_choose_config(m, n), **(config or {})}
+    cfg = {**_choose_config(m, n, x.dtype), **(config or {})}
     if WEIGHT_BLOCK[1] % cfg["block_k"]:
         raise ValueError(f"block_fp8_linear: block_k {cfg['block_k']} must divide {WEIGHT_BLOCK[1]}")
     grid = (triton.cdiv(m, cfg["block_m"]) * triton.cdiv(n, cfg["block_n"]),)

@@ -2,7 +2,8 @@
 (weights + ``weight_scale_inv``, MTP layer included) loads and its logits equal the same model's with
 the dequantized weights; a 16/32-bit checkpoint with ``quantization="fp8"`` is quantized as it loads
 and ``"none"`` dequantizes an fp8 one; dummy fp8 weights are the dummy weights quantized; bad
-``quantization_config`` values, routed-expert fp8 tensors and unsupported models are refused by name."""
+``quantization_config`` values, routed-expert fp8 tensors and unsupported models are refused by name;
+``ModelConfig.quantization`` reaches the loader through the engine."""
 
 import copy
 import json
@@ -237,3 +238,15 @@ def test_refusals_through_the_loader(tmp_path):
     save_checkpoint(tmp_path, cfg, state, DEEPSEEK_FP8)
     with pytest.raises(ValueError, match="without their weight_scale_inv.*kv_b_proj"):
         load_model(tmp_path, torch.float32, "cpu")
+
+
+def test_engine_passes_model_config_quantization_to_the_loader():
+    from rayinfer.engine.config import EngineConfig
+    from rayinfer.engine.llm_engine import LLMEngine
+    from rayinfer.engine.types import SamplingParams
+
+    engine = LLMEngine(ModelConfig("deepseek-v3-tiny", dtype="float32", load_format="dummy", quantization="fp8"),
+                       EngineConfig(device="cpu", num_kv_blocks=16, block_size=BLOCK_SIZE))
+    assert engine.model.model.layers[0].self_attn.o_proj.weight.dtype == FP8
+    out = engine.generate([[1, 2, 3, 4, 5]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert out[0].error is None and len(out[0].output_token_ids) == 3
