@@ -5,8 +5,8 @@ checkpoints' ``quantization_config``: ``quant_method "fp8"``, ``fmt "e4m3"``, ``
 128]``): a linear weight [N, K] is stored as ``float8_e4m3fn`` [N, K] plus ``weight_scale_inv`` float32
 [ceil(N/128), ceil(K/128)], one scale per 128 x 128 block (the last row and column of blocks may be
 partial). The real weight is ``w_fp8[n, k] * scale_inv[n // 128, k // 128]`` (DeepSeek's inference
-``weight_dequant``). Glossary: ``scale_inv`` is that multiplier (amax of the block / 448, the largest
-e4m3 value); its name says it is the inverse of the scale the quantizer divided by.
+``weight_dequant``). Glossary: ``scale_inv`` is that multiplier, amax of the block / 448 (the largest
+e4m3 value): the inverse of the quantizer's scale 448 / amax.
 
 :func:`block_fp8_linear` keeps activations in 16 bits (no activation quantization; the checkpoints'
 ``activation_scheme "dynamic"`` is DeepSeek's per-token-group fp8 activations, which this does not
@@ -152,6 +152,8 @@ def _choose_config(m: int, n: int, dtype: torch.dtype = torch.bfloat16) -> dict:
     tile over 64- and 128-row tiles. float32 activations (exact products, rare on a GPU) take 64 x 64 x
     64 tiles, whose 4-byte x tiles fit shared memory in 3 stages. Under the interpreter (tests) one
     32 x 128 tile per program: it runs programs one at a time, so fewer and larger tiles are faster there.
+    These GPU tiles are a starting point after :mod:`rayinfer.kernels.matmul`'s measured buckets, not yet
+    timed for this kernel: ``benchmarks/probe/block_fp8_tiles.py`` sweeps them at DeepSeek-V3's shapes.
     """
     if is_interpreting():
         return dict(block_m=32, block_n=128, block_k=128, group_m=8, num_warps=4, num_stages=1)

@@ -133,8 +133,9 @@ def test_kernel_matches_ref_on_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_kernel_rows_do_not_depend_on_the_batch_on_gpu():
-    """BLOCK_K is 128 at every row count and there is no split-K: a row's bits are the same alone or
-    among 300 rows (across the tile buckets of ``_choose_config``)."""
+    """BLOCK_K is 128 at every row count and there is no split-K: a row's bits should be the same alone
+    or among 300 rows (across the tile buckets of ``_choose_config``), as kernels.matmul measured for its
+    persistent kernel's tiles."""
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(300, 7168, generator=gen).to("cuda", torch.bfloat16)
     q, s = quantize_block_fp8((torch.randn(2048, 7168, generator=gen) / 7168**0.5).cuda())
