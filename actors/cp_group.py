@@ -56,7 +56,7 @@ class CPPeerImpl:
         self.kv_dtype = getattr(torch, kv_name) if kv_name else dtype
         torch.manual_seed(model_config.seed)
         self.model = load_model(model_config.model, dtype, self.device, model_config.load_format,
-                                seed=model_config.seed)
+                                seed=model_config.seed, quantization=model_config.quantization)
         self.block_size, self.cp_rank, self.cp_size = engine_config.block_size, cp_rank, cp_size
         self.peer = None
 

@@ -258,7 +258,7 @@ class EncoderActorImpl:
 
         dev = resolve_device(device)
         net = load_model(model_config.model, parse_dtype(model_config.dtype, dev), dev, model_config.load_format,
-                         model_config.seed)
+                         model_config.seed, quantization=model_config.quantization)
         if not getattr(net, "is_multimodal", False):
             raise ValueError(f"model {model_config.model!r} has no vision encoder")
         for name in ("model", "lm_head"):  # the decoder: never run here

@@ -10,6 +10,7 @@ from rayinfer.engine.types import EngineRole
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
+QUANTIZATIONS = (None, "fp8", "none")
 
 
 @dataclass
@@ -23,6 +24,13 @@ class ModelConfig:
         load_format: "auto" (safetensors in the directory), "safetensors" or "dummy" (random weights).
         max_model_len: context limit in tokens; None takes the model's max_position_embeddings.
         seed: seed of dummy weights and of unseeded sampling.
+        quantization: the dense linear layers' weights. None: as the checkpoint's
+            ``quantization_config`` says (DeepSeek-V3's fp8 128 x 128 blocks, or none); "fp8": fp8
+            (e4m3) weights with a float32 scale per 128 x 128 block, quantized as they load when the
+            checkpoint is 16/32-bit or the weights are dummy; "none": the model dtype (an fp8
+            checkpoint is dequantized as it loads). Activations stay in the model dtype; routed
+            experts, embeddings, the LM head, routers and norms are never quantized. fp8 needs a model
+            with fp8 layers (DeepSeek-V3, Qwen3-MoE): the loader raises ValueError for another.
     """
 
     model: str = "SmolLM2-135M-Instruct"
@@ -30,6 +38,7 @@ class ModelConfig:
     load_format: str = "auto"
     max_model_len: int | None = None
     seed: int = 0
+    quantization: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.model, str) or not self.model:
@@ -40,6 +49,8 @@ class ModelConfig:
             raise ValueError(f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
 
 
 SPECULATIVE_METHODS = ("none", "ngram", "draft_model", "mtp")

@@ -137,7 +137,8 @@ class LLMEngine:
                 check_supports_mtp(model_config.model)
             torch.manual_seed(model_config.seed)
             model = load_model(model_config.model, self.dtype, self.device, model_config.load_format,
-                               seed=model_config.seed, model_kwargs=model_kwargs)
+                               seed=model_config.seed, model_kwargs=model_kwargs,
+                               quantization=model_config.quantization)
             if self.role == EngineRole.DECODE and hasattr(model, "drop_vision_encoder"):
                 model.drop_vision_encoder()  # prompts arrive prefilled: the tower's memory goes to the KV cache
                 if self.device.type == "cuda":

@@ -255,7 +255,8 @@ def bench_fused_moe(ceil: dict, cfg, num_tokens: int, device: torch.device, dtyp
     fp8: block-quantized fp8 expert weights (bf16 activations), against the reference on the dequantized
     weights; bytes count one per weight (plus the scales)."""
     from rayinfer.kernels._triton_utils import use_triton
-    from rayinfer.kernels.fused_moe import dequant_experts, fused_moe, fused_moe_ref, quantize_experts
+    from rayinfer.kernels.block_fp8 import block_fp8_dequant_ref, quantize_block_fp8
+    from rayinfer.kernels.fused_moe import dequant_w13, fused_moe, fused_moe_ref, quantize_w13
     from rayinfer.kernels.moe_routing import append_shared_experts
 
     num_routed, top_k = cfg.n_routed_experts, cfg.num_experts_per_tok
@@ -271,9 +272,9 @@ def bench_fused_moe(ceil: dict, cfg, num_tokens: int, device: torch.device, dtyp
     scales: dict = {}
     ref13, ref2 = w13, w2
     if fp8:
-        (w13, s13), (w2, s2) = quantize_experts(w13), quantize_experts(w2)
+        (w13, s13), (w2, s2) = quantize_w13(w13), quantize_block_fp8(w2)
         scales = dict(w13_scale=s13, w2_scale=s2)
-        ref13, ref2 = dequant_experts(w13, s13, dtype), dequant_experts(w2, s2, dtype)
+        ref13, ref2 = dequant_w13(w13, s13, dtype), block_fp8_dequant_ref(w2, s2, dtype)
     with torch.inference_mode():
         ref_ms = time_ms(lambda: fused_moe_ref(x, ref13, ref2, ids, weights), device, reps)
         # replayed from a CUDA graph, as a decode step runs it (eager wall time is mostly launches)

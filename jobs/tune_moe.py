@@ -76,7 +76,8 @@ def tune_shape(shape: tuple[int, int, int, int, int], m_values: list[int], dtype
     """{M: {"config": tile config JSON, "us": best time, "default_us": the heuristic's time}} of one shape."""
     from triton.testing import do_bench_cudagraph
 
-    from rayinfer.kernels.fused_moe import dequant_experts, fused_moe_ref, fused_moe_triton, quantize_experts
+    from rayinfer.kernels.block_fp8 import block_fp8_dequant_ref, quantize_block_fp8
+    from rayinfer.kernels.fused_moe import dequant_w13, fused_moe_ref, fused_moe_triton, quantize_w13
     from rayinfer.kernels.fused_moe_config import default_tile_config
 
     num_routed, inter, hidden_size, top_k, num_shared = shape
@@ -86,9 +87,9 @@ def tune_shape(shape: tuple[int, int, int, int, int], m_values: list[int], dtype
     w2 = (torch.randn(num_experts, hidden_size, inter, generator=gen, device="cuda") * 0.02).to(dtype)
     scales: dict = {}
     if fp8:  # fp8 block weights (bf16 activations), checked against the reference on the dequantized ones
-        (w13, s13), (w2, s2) = quantize_experts(w13), quantize_experts(w2)
+        (w13, s13), (w2, s2) = quantize_w13(w13), quantize_block_fp8(w2)
         scales = dict(w13_scale=s13, w2_scale=s2)
-        ref13, ref2 = dequant_experts(w13, s13, dtype), dequant_experts(w2, s2, dtype)
+        ref13, ref2 = dequant_w13(w13, s13, dtype), block_fp8_dequant_ref(w2, s2, dtype)
     else:
         ref13, ref2 = w13, w2
     results: dict[int, dict] = {}

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from rayinfer.kernels._triton_utils import is_interpreting, tl, triton, use_triton
 from rayinfer.kernels.activation import silu_and_mul_ref
 from rayinfer.kernels.batch_invariant import is_batch_invariant
+from rayinfer.kernels.block_fp8 import FP8_DTYPE, WEIGHT_BLOCK, block_fp8_dequant_ref, quantize_block_fp8
 from rayinfer.kernels.fused_moe_config import MoETileConfig, tile_config
 
 
@@ -423,7 +424,7 @@ def _moe_gemm_kernel(
     a_ptr, w_ptr, c_ptr, sorted_pairs_ptr, block_experts_ptr, weights_ptr, scale_ptr,
     N, K, num_pairs,
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_cm, stride_cn,
-    stride_se, stride_sn, stride_sk,
+    stride_se, stride_sn, stride_sk, up_scale_row,
     A_ROW_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr, GATED: tl.constexpr, HAS_SCALE: tl.constexpr,
     SCALE_BLOCK_N: tl.constexpr, SCALE_BLOCK_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
@@ -461,8 +462,9 @@ def _moe_gemm_kernel(
                            mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             part_up = _moe_tile_dot(a, b_up, ROWWISE, IEEE)
             if HAS_SCALE:
-                s_up = tl.load(s_base + ((N + cols) // SCALE_BLOCK_N) * stride_sn + (k0 // SCALE_BLOCK_K) * stride_sk,
-                               mask=col_ok, other=0.0)
+                # the up half's scales start at row up_scale_row = ceil(I / 128) (quantize_w13's layout)
+                s_up = tl.load(s_base + (up_scale_row + cols // SCALE_BLOCK_N) * stride_sn
+                               + (k0 // SCALE_BLOCK_K) * stride_sk, mask=col_ok, other=0.0)
                 part_up = part_up * s_up[None, :]
             acc_up += part_up
     if GATED:
@@ -505,7 +507,8 @@ def _moe_gemm(a, w, c, sorted_pairs, block_experts, weights, a_row_div: int, mul
               tiles: MoETileConfig, rowwise: bool = False, gated: bool = False,
               scale: torch.Tensor | None = None, scale_block: tuple[int, int] = (128, 128)):
     """One grouped GEMM. gated: w is w13 [E, 2N, K] and c gets ``silu(a @ gate.T) * (a @ up.T)`` [pairs, N].
-    scale: fp8 block scales of w [E, ceil(rows / bn), ceil(K / bk)] float32 (``weight_scale_inv``)."""
+    scale: fp8 block scales of w, float32 (``weight_scale_inv``): [E, ceil(rows / bn), ceil(K / bk)], for
+    w13 :func:`quantize_w13`'s [E, 2 * ceil(N / bn), ceil(K / bk)]."""
     n = w.shape[1] // 2 if gated else w.shape[1]
     k = w.shape[2]
     block_n = min(tiles.block_n, max(16, triton.next_power_of_2(n)))  # no wider than the weight
@@ -520,6 +523,7 @@ def _moe_gemm(a, w, c, sorted_pairs, block_experts, weights, a_row_div: int, mul
         a, w, c, sorted_pairs, block_experts, weights, s,
         n, k, c.shape[0],
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1), *s_strides,
+        triton.cdiv(n, scale_block[0]),
         A_ROW_DIV=a_row_div, MUL_WEIGHT=mul_weight, GATED=gated, HAS_SCALE=scale is not None,
         SCALE_BLOCK_N=scale_block[0], SCALE_BLOCK_K=scale_block[1],
         BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=a.dtype == torch.float32, ROWWISE=rowwise,
@@ -542,44 +546,37 @@ def _moe_sum_kernel(out_ptr, kept_ptr, dst_ptr, hidden_size, TOP_K: tl.constexpr
     tl.store(dst_ptr + token * hidden_size + cols, acc.to(dst_ptr.dtype.element_ty), mask=col_ok)
 
 
-# fp8 weights' scale blocks (DeepSeek-V3's ``weight_block_size``): rows x columns of one scale
-FP8_BLOCK = (128, 128)
-
-
 def _check_scales(w13, w2, w13_scale, w2_scale) -> None:
     if (w13_scale is None) != (w2_scale is None):
         raise ValueError("fp8 experts need both w13_scale and w2_scale")
     if w13_scale is None:
         return
-    bn, bk = FP8_BLOCK
+    bn, bk = WEIGHT_BLOCK
     for name, w, sc in (("w13", w13, w13_scale), ("w2", w2, w2_scale)):
-        want = (w.shape[0], -(-w.shape[1] // bn), -(-w.shape[2] // bk))
-        if w.dtype != torch.float8_e4m3fn or tuple(sc.shape) != want or sc.dtype != torch.float32:
+        rows = 2 * -(-w.shape[1] // 2 // bn) if name == "w13" else -(-w.shape[1] // bn)  # quantize_w13's layout
+        want = (w.shape[0], rows, -(-w.shape[2] // bk))
+        if w.dtype != FP8_DTYPE or tuple(sc.shape) != want or sc.dtype != torch.float32:
             raise ValueError(f"{name} {w.dtype} {tuple(w.shape)} with scale {sc.dtype} {tuple(sc.shape)}: fp8 "
                              f"experts are float8_e4m3fn with float32 scales of {want} ({bn}x{bk} blocks)")
 
 
-def dequant_experts(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """fp8 expert weights [E, N, K] float8_e4m3fn times their block scales [E, ceil(N/128), ceil(K/128)]
-    float32 -> [E, N, K] in ``dtype`` (the torch path and the reference dequantize first)."""
-    bn, bk = FP8_BLOCK
-    n, k = w.shape[1:]
-    full = scale.repeat_interleave(bn, 1)[:, :n].repeat_interleave(bk, 2)[:, :, :k]
-    return (w.float() * full).to(dtype)
+def quantize_w13(w13: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-quantize stacked gate/up weights [E, 2I, H] (gate rows first) to fp8, the gate and the up half
+    each in its own 128-row blocks: (float8_e4m3fn [E, 2I, H], scales [E, 2 * ceil(I/128), ceil(H/128)]).
+
+    Per half this is ``kernels.block_fp8.quantize_block_fp8``, so a checkpoint's per-expert gate_proj and
+    up_proj scales are the two halves of the scales as they are, whatever I (a block of the stacked rows
+    would hold gate and up rows when I is not a multiple of 128)."""
+    inter = w13.shape[1] // 2
+    (qg, sg), (qu, su) = quantize_block_fp8(w13[:, :inter]), quantize_block_fp8(w13[:, inter:])
+    return torch.cat([qg, qu], dim=1), torch.cat([sg, su], dim=1)
 
 
-def quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-quantize expert weights: [E, N, K] float -> (float8_e4m3fn [E, N, K], float32 scales
-    [E, ceil(N/128), ceil(K/128)]), each 128x128 block scaled by its amax / 448 (e4m3's largest normal),
-    the layout of DeepSeek-V3's fp8 checkpoints (for dummy fp8 weights, tests and the tuner)."""
-    bn, bk = FP8_BLOCK
-    e, n, k = w.shape
-    padded = torch.zeros(e, -(-n // bn) * bn, -(-k // bk) * bk, dtype=torch.float32, device=w.device)
-    padded[:, :n, :k] = w.float()
-    blocks = padded.view(e, padded.shape[1] // bn, bn, padded.shape[2] // bk, bk)
-    scale = (blocks.abs().amax(dim=(2, 4)) / 448.0).clamp(min=1e-12)
-    q = (blocks / scale[:, :, None, :, None]).view_as(padded)[:, :n, :k].to(torch.float8_e4m3fn)
-    return q.contiguous(), scale
+def dequant_w13(w13: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of :func:`quantize_w13`: fp8 [E, 2I, H] and its scales -> [E, 2I, H] in ``dtype``."""
+    inter, rows = w13.shape[1] // 2, scale.shape[1] // 2
+    return torch.cat([block_fp8_dequant_ref(w13[:, :inter], scale[:, :rows], dtype),
+                      block_fp8_dequant_ref(w13[:, inter:], scale[:, rows:], dtype)], dim=1)
 
 
 def fused_moe_triton(
@@ -602,8 +599,9 @@ def fused_moe_triton(
             the heuristic: 16-row tiles for decode, 64 for large prefills).
         reduce_slots: False returns :func:`fused_moe_slots_ref`'s per-slot outputs ([T, k, H] float32).
         expert_map, expert_load: as :func:`moe_align_triton` (topk_ids are then logical ids).
-        w13_scale, w2_scale: with float8_e4m3fn w13 / w2, their block scales ([E, ceil(rows/128),
-            ceil(cols/128)] float32, DeepSeek-V3's ``weight_scale_inv``): the GEMMs widen each fp8 weight
+        w13_scale, w2_scale: with float8_e4m3fn w13 / w2, their block scales (float32, DeepSeek-V3's
+            ``weight_scale_inv``: w13's of :func:`quantize_w13`, [E, 2 * ceil(I/128), ceil(H/128)], w2's
+            [E, ceil(H/128), ceil(I/128)]): the GEMMs widen each fp8 weight
             tile to hidden's dtype and scale each K step's partial products per output column, so the
             weights are dequantized in the kernel, never in memory.
 
@@ -633,11 +631,11 @@ def fused_moe_triton(
     # gate/up GEMM with SiLU-and-mul in its epilogue: [pairs, I], no gate_up tensor
     act = torch.empty((num_pairs, two_inter // 2), dtype=hidden.dtype, device=hidden.device)
     _moe_gemm(hidden, w13, act, sorted_pairs, block_experts, weights, top_k, False, tiles, rowwise, gated=True,
-              scale=w13_scale, scale_block=FP8_BLOCK)
+              scale=w13_scale, scale_block=WEIGHT_BLOCK)
     alloc = torch.empty if reduce_slots else torch.zeros
     out = alloc((num_pairs, hidden_size), dtype=torch.float32, device=hidden.device)
     _moe_gemm(act, w2, out, sorted_pairs, block_experts, weights, 1, True, tiles, rowwise,
-              scale=w2_scale, scale_block=FP8_BLOCK)
+              scale=w2_scale, scale_block=WEIGHT_BLOCK)
     if not reduce_slots:
         return out.view(num_tokens, top_k, hidden_size)
     # the k outputs added in slot order (sum_slots' order, also outside batch-invariant mode), then cast
@@ -649,7 +647,7 @@ def fused_moe_triton(
 
 
 def _triton_applies(hidden, w13, w2, topk_ids, topk_weights, fp8: bool = False) -> bool:
-    weight_dtype = torch.float8_e4m3fn if fp8 else hidden.dtype
+    weight_dtype = FP8_DTYPE if fp8 else hidden.dtype
     return (
         hidden.dim() == 2
         and w13.dtype == w2.dtype == weight_dtype
@@ -669,7 +667,7 @@ def fused_moe_tiles(hidden: torch.Tensor, w13: torch.Tensor, top_k: int) -> MoET
     ``float8_e4m3fn``), else (and in batch-invariant mode) the fixed heuristic."""
     device_name = _device_name(hidden.device.index) if hidden.is_cuda else None
     num_experts, n, k = w13.shape
-    dtype = str(w13.dtype if w13.dtype == torch.float8_e4m3fn else hidden.dtype).removeprefix("torch.")
+    dtype = str(w13.dtype if w13.dtype == FP8_DTYPE else hidden.dtype).removeprefix("torch.")
     return tile_config(device_name, num_experts, n, k, dtype, hidden.shape[0], top_k, is_batch_invariant())
 
 
@@ -690,7 +688,8 @@ def fused_moe(
 
     expert_map: topk_ids are logical ids, computed by this rank's slots (:class:`ExpertMap`);
     expert_load: [L] int64 counters, += tokens routed to each logical expert (EPLB's load);
-    w13_scale, w2_scale: fp8 experts (:func:`fused_moe_triton`); the torch path dequantizes first.
+    w13_scale, w2_scale: fp8 experts (:func:`fused_moe_triton`; ``kernels.block_fp8`` quantizes them); the
+    torch path dequantizes first.
     Raises:
         ValueError: on inconsistent shapes, or scales that do not fit fp8 weights.
     """
@@ -700,7 +699,7 @@ def fused_moe(
         return fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, expert_map=expert_map,
                                 expert_load=expert_load, w13_scale=w13_scale, w2_scale=w2_scale)
     if fp8:
-        w13, w2 = dequant_experts(w13, w13_scale, hidden.dtype), dequant_experts(w2, w2_scale, hidden.dtype)
+        w13, w2 = dequant_w13(w13, w13_scale, hidden.dtype), block_fp8_dequant_ref(w2, w2_scale, hidden.dtype)
     topk_ids = _map_and_count(topk_ids, expert_map, expert_load)
     if is_batch_invariant():
         return sum_slots(fused_moe_slots_ref(hidden, w13, w2, topk_ids, topk_weights)).to(hidden.dtype)
@@ -728,5 +727,5 @@ def fused_moe_slots(
         return fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, reduce_slots=False,
                                 expert_map=expert_map, w13_scale=w13_scale, w2_scale=w2_scale)
     if fp8:
-        w13, w2 = dequant_experts(w13, w13_scale, hidden.dtype), dequant_experts(w2, w2_scale, hidden.dtype)
+        w13, w2 = dequant_w13(w13, w13_scale, hidden.dtype), block_fp8_dequant_ref(w2, w2_scale, hidden.dtype)
     return fused_moe_slots_ref(hidden, w13, w2, _map_and_count(topk_ids, expert_map, None), topk_weights)

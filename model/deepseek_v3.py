@@ -40,6 +40,7 @@ from rayinfer.kernels.mla_rope import mla_rope_store
 from rayinfer.model.llama import PagedCausalLM, PreNormDecoderLayer, RMSNorm
 from rayinfer.kernels.moe_routing import router_grouped_topk
 from rayinfer.model.moe import ExpertParallelism, GatedMLP, MoEModelMixin, RoutedExperts
+from rayinfer.model.quantization import linear
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -96,7 +97,14 @@ def deepseek_rope(config) -> tuple[torch.Tensor, float, float]:
 
 
 class DeepseekV3Attention(nn.Module):
-    """MLA with optional low-rank queries (``q_lora_rank``); see ``rayinfer.kernels.mla_attention``."""
+    """MLA with optional low-rank queries (``q_lora_rank``); see ``rayinfer.kernels.mla_attention``.
+
+    With block-fp8 weights (:mod:`rayinfer.model.quantization`) every projection but ``kv_b_proj`` is
+    fp8: the absorbed form reads ``kv_b_proj.weight`` per head as W_UK / W_UV (batched matmuls over its
+    views) and the expanded form passes it to :func:`mla_prefill`, so an fp8 checkpoint's ``kv_b_proj``
+    is dequantized to the model dtype once at load (as SGLang does), and online quantization leaves it
+    as it is.
+    """
 
     def __init__(self, config, softmax_factor: float):
         super().__init__()
@@ -132,14 +140,13 @@ class DeepseekV3Attention(nn.Module):
         """
         t, heads = hidden.shape[0], self.num_heads
         if self.q_lora_rank is None:
-            q = dense_linear(hidden, self.q_proj.weight)
+            q = linear(hidden, self.q_proj)
         else:
-            q_a = self.q_a_layernorm(dense_linear(hidden, self.q_a_proj.weight, self.q_a_proj.bias))
-            q = dense_linear(q_a, self.q_b_proj.weight)
+            q = linear(self.q_a_layernorm(linear(hidden, self.q_a_proj)), self.q_b_proj)
         # explicit sizes: an EP rank without work runs this over t = 0 tokens, where -1 is ambiguous
         q = q.view(t, heads, self.nope_dim + self.rope_dim)
         q_nope = q[..., : self.nope_dim]
-        kv_a = dense_linear(hidden, self.kv_a_proj_with_mqa.weight, self.kv_a_proj_with_mqa.bias)
+        kv_a = linear(hidden, self.kv_a_proj_with_mqa)
         # the latent's RMSNorm, RoPE of q_pe and k_pe, and the cache store: one kernel on the GPU
         norm = self.kv_a_layernorm
         q_pe = mla_rope_store(q, kv_a, norm.weight, norm.eps, cos, sin, kv_cache, meta.slot_mapping, self.interleave)
@@ -152,7 +159,7 @@ class DeepseekV3Attention(nn.Module):
             out = dense_batched_linear(out_latent.transpose(0, 1), w_kv_b[:, self.nope_dim :]).transpose(0, 1)
         else:
             out = mla_prefill(q_nope, q_pe, kv_cache, meta, self.kv_b_proj.weight, self.scale)
-        return dense_linear(out.reshape(t, heads * self.v_dim), self.o_proj.weight, self.o_proj.bias)
+        return linear(out.reshape(t, heads * self.v_dim), self.o_proj)
 
 
 class DeepseekV3TopkRouter(nn.Module):
@@ -185,7 +192,7 @@ class DeepseekV3MoE(nn.Module):
     def fuse_shared_experts(self) -> bool:
         """Move the shared experts into the routed experts' slots where the layer allows it
         (``RoutedExperts.fuse_shared_experts``; one rank, no replicas). Returns whether it did."""
-        if self.shared_experts is None or not self.experts.can_fuse_shared:
+        if self.shared_experts is None or not self.experts.accepts_shared(self.shared_experts):
             return False
         self.experts.fuse_shared_experts(self.shared_experts)
         self.shared_experts = None
@@ -269,6 +276,8 @@ class DeepseekV3ForCausalLM(MoEModelMixin, PagedCausalLM):
 
     supports_fp8_kv_cache = False  # MLA's cache and kernels are the model's dtype only
     supports_mtp = True
+    supports_block_fp8 = True  # fp8 dense linears (model.quantization); the routed experts stay 16-bit
+    block_fp8_dequantized = ("kv_b_proj",)  # read as W_UK / W_UV views: kept in the model dtype
     # longest query per request a CUDA graph may capture: the absorbed attention's (the expanded form
     # slices the context by host-side lengths, which a graph would bake in)
     max_graph_query_len = ABSORBED_MAX_QUERY_LEN
@@ -335,7 +344,7 @@ class DeepseekV3ForCausalLM(MoEModelMixin, PagedCausalLM):
         layer = cast(DeepseekV3MTPLayer, self.mtp[depth])
         weight = self.model.embed_tokens.weight if layer.embed_weight is None else layer.embed_weight
         embeds = F.embedding(input_ids, weight)
-        hidden = dense_linear(torch.cat([layer.enorm(embeds), layer.hnorm(prev_hidden)], dim=-1), layer.eh_proj.weight)
+        hidden = linear(torch.cat([layer.enorm(embeds), layer.hnorm(prev_hidden)], dim=-1), layer.eh_proj)
         hidden, residual = layer(hidden, None, *self.rope_args(positions, hidden), kv_cache[depth], meta)
         return hidden + residual
 

@@ -18,7 +18,9 @@ import torch
 import transformers
 from torch import nn
 
+from rayinfer.kernels.block_fp8 import FP8_DTYPE, quantize_block_fp8
 from rayinfer.model.default_model import DEFAULT_MODEL, GEMMA3_270M, ensure_default_model, ensure_gguf_model
+from rayinfer.model.quantization import SCALE_SUFFIX, quantize_linears, resolve_quantization
 from rayinfer.model.registry import get_model_class
 from rayinfer.model.shapes import SHAPES, shape_config, shape_name
 
@@ -95,6 +97,7 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
     model_kwargs: dict | None = None,
+    quantization: str | None = None,
 ) -> nn.Module:
     """Build the model class registered for ``model``'s architecture and fill its weights.
 
@@ -110,12 +113,18 @@ def load_model(
         seed: seed of dummy weights.
         model_kwargs: extra keyword arguments of the model class, e.g. ``{"ep": ExpertParallelism(...)}``
             for an expert-parallel rank of a MoE model (dummy weights then equal the one-process model's).
+        quantization: the dense linear layers' weights (``ModelConfig.quantization``,
+            :func:`rayinfer.model.quantization.resolve_quantization`): None as the checkpoint's
+            ``quantization_config`` says, "fp8" 128 x 128 fp8 blocks (a 16/32-bit checkpoint or dummy
+            weights quantized as they load), "none" the model dtype (an fp8 checkpoint dequantized).
+            Quantized layers hold float8_e4m3fn weights and float32 ``weight_scale_inv``.
     Returns:
         the model in eval mode with ``requires_grad=False`` parameters; ``model.config`` is its HF config.
     Raises:
-        ValueError: for a bad ``load_format`` or ``dtype`` (naming the field), an unknown model or
-            architecture, a shape without ``load_format="dummy"``, or checkpoint keys or shapes that do
-            not match the model (missing, unexpected, mis-shaped).
+        ValueError: for a bad ``load_format``, ``dtype`` or ``quantization`` (naming the field), an unknown
+            model or architecture, a shape without ``load_format="dummy"``, an unsupported
+            ``quantization_config`` (naming its field) or fp8 on a model without fp8 layers, or checkpoint
+            keys or shapes that do not match the model (missing, unexpected, mis-shaped).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
@@ -128,12 +137,15 @@ def load_model(
     arch = (getattr(config, "architectures", None) or [None])[0]
     if arch is None:
         raise ValueError(f"config of model '{model}' names no architectures")
+    block_fp8 = resolve_quantization(quantization, config)
     with _params_on_meta():
         net = get_model_class(arch)(config, **(model_kwargs or {}))
+    if block_fp8 is not None:
+        quantize_linears(net, block_fp8)
     _materialize(net, dtype, device)
     with torch.no_grad():
         if load_format == "dummy":
-            _init_dummy(net, getattr(config, "initializer_range", None) or 0.02, seed, device)
+            _init_dummy(net, getattr(config, "initializer_range", None) or 0.02, seed, device, dtype)
         else:
             _load_safetensors(net, resolved)
         # a model's own layout changes once its weights are in (e.g. DeepSeek's fused shared experts)
@@ -181,14 +193,18 @@ def _params_on_meta():
 
 
 def _materialize(net: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
-    """Allocate the meta parameters on ``device`` (floats in ``dtype``, tied ones once); move buffers."""
+    """Allocate the meta parameters on ``device`` (floats in ``dtype``, tied ones once); move buffers.
+
+    Block-fp8 parameters keep their dtypes: fp8 weights stay float8_e4m3fn, ``weight_scale_inv`` float32.
+    """
     allocated: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id(meta) -> (meta kept alive, real)
     for module in net.modules():
         for name, p in module._parameters.items():
             if p is None:
                 continue
             if id(p) not in allocated:
-                real = torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype, device=device)
+                keep = not p.is_floating_point() or p.dtype == FP8_DTYPE or name.endswith("scale_inv")
+                real = torch.empty(p.shape, dtype=p.dtype if keep else dtype, device=device)
                 allocated[id(p)] = (p, nn.Parameter(real, requires_grad=False))
             module._parameters[name] = allocated[id(p)][1]
         for name, b in module._buffers.items():
@@ -196,16 +212,29 @@ def _materialize(net: nn.Module, dtype: torch.dtype, device: torch.device) -> No
                 module._buffers[name] = b.to(device)
 
 
-def _init_dummy(net: nn.Module, std: float, seed: int, device: torch.device) -> None:
+def _init_dummy(net: nn.Module, std: float, seed: int, device: torch.device, dtype: torch.dtype) -> None:
+    """Random weights (see :func:`load_model`), drawn in parameter order from one seeded generator."""
     gen = torch.Generator(device=device).manual_seed(seed)
     # Routed experts are drawn for all logical experts and sliced, so that every expert-parallel rank
     # (which holds only some slots, maybe replicas) gets the one-process model's weights.
     experts = {name: m for name, m in net.named_modules() if hasattr(m, "load_stacked")}
+    params = dict(net.named_parameters())
     for name, p in net.named_parameters():
         owner, _, leaf = name.rpartition(".")
+        if leaf.endswith("scale_inv"):  # filled with its fp8 weight
+            continue
         if owner in experts:
-            full = torch.empty((experts[owner].num_logical_experts, *p.shape[1:]), dtype=p.dtype, device=device)
+            # fp8 experts: drawn in the model dtype (the unquantized model's stream), quantized by load_stacked
+            full = torch.empty((experts[owner].num_logical_experts, *p.shape[1:]),
+                               dtype=dtype if p.dtype == FP8_DTYPE else p.dtype, device=device)
             experts[owner].load_stacked(leaf, full.normal_(0.0, std, generator=gen))
+        elif p.dtype == FP8_DTYPE:
+            # drawn in the model dtype as an unquantized model's, then quantized: realistic fp8 blocks, and
+            # the same random stream (a quantized dummy model is the dummy model quantized)
+            w = torch.empty(p.shape, dtype=dtype, device=device).normal_(0.0, std, generator=gen)
+            q, scale_inv = quantize_block_fp8(w)
+            p.copy_(q)
+            params[f"{owner}.{SCALE_SUFFIX}"].copy_(scale_inv)
         elif p.ndim == 1 and "norm" in name:
             p.fill_(1.0)
         elif name.endswith("bias"):

@@ -26,13 +26,15 @@ from torch.nn import functional as F
 
 from rayinfer.kernels.activation import silu_and_mul
 from rayinfer.kernels.batch_invariant import is_batch_invariant
-from rayinfer.kernels.fused_moe import ExpertMap, fused_moe, fused_moe_slots, sum_slots
-from rayinfer.kernels.matmul import dense_linear
+from rayinfer.kernels.block_fp8 import FP8_DTYPE, WEIGHT_BLOCK, block_fp8_dequant_ref, quantize_block_fp8, scale_shape
+from rayinfer.kernels.fused_moe import ExpertMap, fused_moe, fused_moe_slots, quantize_w13, sum_slots
 from rayinfer.kernels.moe_routing import grouped_topk, softmax_topk  # noqa: F401 (the models' routers)
+from rayinfer.model.quantization import SCALE_SUFFIX, adapt_checkpoint, linear
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU MLP ``down(silu(gate(x)) * up(x))`` with Hugging Face names (dense layers, shared experts)."""
+    """SwiGLU MLP ``down(silu(gate(x)) * up(x))`` with Hugging Face names (dense layers, shared experts);
+    each projection may be block-fp8 (:func:`rayinfer.model.quantization.linear`)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu"):
         """Raises: ValueError for an activation other than SiLU."""
@@ -45,8 +47,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
-        gate_up = torch.cat([dense_linear(x, self.gate_proj.weight), dense_linear(x, self.up_proj.weight)], dim=-1)
-        return dense_linear(silu_and_mul(gate_up), self.down_proj.weight)
+        gate_up = torch.cat([linear(x, self.gate_proj), linear(x, self.up_proj)], dim=-1)
+        return linear(silu_and_mul(gate_up), self.down_proj)
 
 
 def log2phy_table(phy2log: torch.Tensor, num_logical: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,6 +168,37 @@ class RoutedExperts(nn.Module):
     def w2(self) -> torch.Tensor:
         return self.down_proj
 
+    @property
+    def is_fp8(self) -> bool:
+        return self.gate_up_proj.dtype == FP8_DTYPE
+
+    def _scales(self) -> dict:
+        """fused_moe's fp8 keyword arguments (none for 16/32-bit experts)."""
+        if not self.is_fp8:
+            return {}
+        return dict(w13_scale=self.gate_up_proj_scale_inv, w2_scale=self.down_proj_scale_inv)
+
+    def quantize_fp8(self) -> None:
+        """Hold the experts as DeepSeek-V3's fp8 blocks (``kernels.block_fp8``): ``gate_up_proj`` and
+        ``down_proj`` float8_e4m3fn, with ``gate_up_proj_scale_inv`` [P, 2 * ceil(I/128), ceil(H/128)]
+        (the gate and the up half in blocks of their own, ``kernels.fused_moe.quantize_w13``) and
+        ``down_proj_scale_inv`` [P, ceil(H/128), ceil(I/128)] float32. On meta parameters (the loader's
+        build) the new ones are meta; real weights are quantized. The fused MoE kernel dequantizes in its
+        GEMMs."""
+        bn, bk = WEIGHT_BLOCK
+        w13, w2 = self.gate_up_proj, self.down_proj
+        p, _, h = w13.shape
+        if w13.is_meta:
+            q13, q2 = (torch.empty(w.shape, dtype=FP8_DTYPE, device="meta") for w in (w13, w2))
+            s13 = torch.empty((p, 2 * -(-self.intermediate_size // bn), -(-h // bk)), device="meta")
+            s2 = torch.empty(scale_shape(w2.shape), device="meta")
+        else:
+            (q13, s13), (q2, s2) = quantize_w13(w13.detach()), quantize_block_fp8(w2.detach())
+        self.gate_up_proj = nn.Parameter(q13, requires_grad=False)
+        self.down_proj = nn.Parameter(q2, requires_grad=False)
+        self.gate_up_proj_scale_inv = nn.Parameter(s13.float(), requires_grad=False)
+        self.down_proj_scale_inv = nn.Parameter(s2.float(), requires_grad=False)
+
     def _set_placement(self, phy2log: torch.Tensor) -> None:
         log2phy, replica_counts = log2phy_table(phy2log, self.num_logical_experts)
         device = self.expert_counts.device
@@ -188,6 +221,15 @@ class RoutedExperts(nn.Module):
         EP or with replicas the shared experts stay a separate MLP)."""
         return self.group is None and self._identity_placement and self.num_shared == 0
 
+    def accepts_shared(self, shared: GatedMLP) -> bool:
+        """Whether :meth:`fuse_shared_experts` can take ``shared``: :attr:`can_fuse_shared`, an MLP of S * I
+        channels of the experts' hidden size, in the experts' dtype, and for fp8 blocks that align with
+        the experts' (I a multiple of 128: its scales then copy as they are, no second rounding)."""
+        gate, inter = shared.gate_proj.weight, self.intermediate_size
+        same_dtype = all(m.weight.dtype == self.w13.dtype for m in (shared.gate_proj, shared.up_proj, shared.down_proj))
+        return (self.can_fuse_shared and gate.shape[0] % inter == 0 and gate.shape[1] == self.w13.shape[2]
+                and same_dtype and (not self.is_fp8 or inter % WEIGHT_BLOCK[0] == 0))
+
     @torch.no_grad()
     def fuse_shared_experts(self, shared: GatedMLP) -> None:
         """Append a shared-expert MLP as ``S = I_shared / I`` extra experts (slots ``L .. L+S-1``).
@@ -200,20 +242,39 @@ class RoutedExperts(nn.Module):
         counters stay [L] (the shared slots are not counted).
 
         Raises:
-            ValueError: when :attr:`can_fuse_shared` is False or the MLP's size is not a multiple of I.
+            ValueError: when :meth:`accepts_shared` is False.
         """
         inter = self.intermediate_size
         gate, up, down = shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight
-        if not self.can_fuse_shared or gate.shape[0] % inter or gate.shape[1] != self.gate_up_proj.shape[2]:
+        if not self.accepts_shared(shared):
             raise ValueError(f"cannot fuse a shared MLP of {tuple(gate.shape)} into {self.num_local_experts} "
                              f"experts of intermediate size {inter} (ep={self.ep_size}, fused={self.num_shared})")
         num_shared = gate.shape[0] // inter
-        w13 = torch.cat([gate.view(num_shared, inter, -1), up.view(num_shared, inter, -1)], dim=1)
-        w2 = down.view(down.shape[0], num_shared, inter).transpose(0, 1)
+
+        def slots(w13_rows: tuple[torch.Tensor, torch.Tensor], w2_cols: torch.Tensor, rows: int, cols: int):
+            # gate/up [S * rows, X] -> [S, 2 * rows, X]; down [Y, S * cols] -> [S, Y, cols] (also their scales)
+            g, u = w13_rows
+            w13 = torch.cat([g.reshape(num_shared, rows, -1), u.reshape(num_shared, rows, -1)], dim=1)
+            return w13, w2_cols.reshape(w2_cols.shape[0], num_shared, cols).transpose(0, 1)
+
+        if self.is_fp8:  # blocks align (accepts_shared): weights and scales copy as they are
+            w13, w2 = slots((gate, up), down, inter, inter)
+            sb = inter // WEIGHT_BLOCK[0]
+            s13, s2 = slots((shared.gate_proj.weight_scale_inv, shared.up_proj.weight_scale_inv),
+                            shared.down_proj.weight_scale_inv, sb, sb)
+        else:
+            w13, w2 = slots((gate, up), down, inter, inter)
+            s13 = s2 = None
         self.gate_up_proj = nn.Parameter(torch.cat([self.gate_up_proj.data, w13.to(self.gate_up_proj.dtype)]),
                                          requires_grad=False)
         self.down_proj = nn.Parameter(torch.cat([self.down_proj.data, w2.to(self.down_proj.dtype)]),
                                       requires_grad=False)
+        if self.is_fp8:
+            assert s13 is not None and s2 is not None
+            self.gate_up_proj_scale_inv = nn.Parameter(torch.cat([self.gate_up_proj_scale_inv.data, s13]),
+                                                       requires_grad=False)
+            self.down_proj_scale_inv = nn.Parameter(torch.cat([self.down_proj_scale_inv.data, s2.contiguous()]),
+                                                    requires_grad=False)
         self.num_shared = num_shared
 
     def _local_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -238,7 +299,7 @@ class RoutedExperts(nn.Module):
         """
         if self.group is None:
             return fused_moe(hidden, self.w13, self.w2, topk_ids, topk_weights, self.expert_map,
-                             expert_load=self.expert_counts)
+                             expert_load=self.expert_counts, **self._scales())
         ids = topk_ids.reshape(-1).long()
         self.expert_counts.index_add_(0, ids, torch.ones_like(ids))
         num_tokens = topk_ids.shape[0]
@@ -252,7 +313,7 @@ class RoutedExperts(nn.Module):
         weights_all = self._all_gather(F.pad(topk_weights, (0, 0, 0, pad)))
         invariant = is_batch_invariant()
         moe = fused_moe_slots if invariant else fused_moe
-        partial = moe(hidden_all, self.w13, self.w2, ids_all, weights_all, self.expert_map)
+        partial = moe(hidden_all, self.w13, self.w2, ids_all, weights_all, self.expert_map, **self._scales())
         if invariant:  # [N, k, H] float32 -> [N, k * H]: one nonzero term per element over the ranks
             partial = partial.reshape(partial.shape[0], -1)
         if dist.get_backend(self.group) == "nccl":
@@ -284,33 +345,68 @@ class RoutedExperts(nn.Module):
         Args:
             logical_id: the expert index of the checkpoint name ``experts.{e}.{kind}.weight``.
             kind: "gate_proj" or "up_proj" ([I, H]) or "down_proj" ([H, I]).
+            weight: in the model dtype, or float8_e4m3fn for fp8 experts (its scale comes through
+                :meth:`load_expert_scale`); a 16/32-bit weight for fp8 experts is quantized here.
         Raises:
-            ValueError: on a bad kind, id or shape.
+            ValueError: on a bad kind, id or shape, or an fp8 weight for 16/32-bit experts.
         """
         if not 0 <= logical_id < self.num_logical_experts or kind not in ("gate_proj", "up_proj", "down_proj"):
             raise ValueError(f"no expert weight {logical_id}.{kind}")
-        inter = self.intermediate_size
+        if weight.dtype == FP8_DTYPE and not self.is_fp8:
+            raise ValueError(f"expert {logical_id}.{kind}: an fp8 weight for experts held in {self.w13.dtype}")
+        scale = None
+        if self.is_fp8 and weight.dtype != FP8_DTYPE:  # a 16/32-bit checkpoint, quantized as it loads
+            weight, scale = quantize_block_fp8(weight.to(self.gate_up_proj.device))
         for slot in self._local_slots_of(logical_id):
-            if kind == "down_proj":
-                dst = self.down_proj.data[slot]
-            elif kind == "gate_proj":
-                dst = self.gate_up_proj.data[slot, :inter]
-            else:
-                dst = self.gate_up_proj.data[slot, inter:]
+            dst = self._expert_rows(self.down_proj if kind == "down_proj" else self.gate_up_proj, slot, kind,
+                                    self.intermediate_size)
             if dst.shape != weight.shape:
                 raise ValueError(f"expert {logical_id}.{kind}: expected {tuple(dst.shape)}, got {tuple(weight.shape)}")
             dst.copy_(weight)
+        if scale is not None:
+            self.load_expert_scale(logical_id, kind, scale)
+
+    def load_expert_scale(self, logical_id: int, kind: str, scale_inv: torch.Tensor) -> None:
+        """Copy one fp8 expert projection's ``weight_scale_inv`` ([I/128, ceil(H/128)] for gate/up,
+        [ceil(H/128), I/128] for down) into its slots' scales. Raises: ValueError on 16/32-bit experts,
+        a bad kind or id, or a shape mismatch."""
+        if not self.is_fp8 or not 0 <= logical_id < self.num_logical_experts:
+            raise ValueError(f"no fp8 expert scale {logical_id}.{kind} (experts held in {self.w13.dtype})")
+        rows = -(-self.intermediate_size // WEIGHT_BLOCK[0])  # the gate half's scale rows
+        for slot in self._local_slots_of(logical_id):
+            dst = self._expert_rows(self.down_proj_scale_inv if kind == "down_proj" else self.gate_up_proj_scale_inv,
+                                    slot, kind, rows)
+            if dst.shape != scale_inv.shape:
+                raise ValueError(f"expert {logical_id}.{kind} scale: expected {tuple(dst.shape)}, "
+                                 f"got {tuple(scale_inv.shape)}")
+            dst.copy_(scale_inv)
+
+    @staticmethod
+    def _expert_rows(param: torch.Tensor, slot: int, kind: str, rows: int) -> torch.Tensor:
+        if kind == "down_proj":
+            return param.data[slot]
+        return param.data[slot, :rows] if kind == "gate_proj" else param.data[slot, rows:]
 
     def load_stacked(self, name: str, weight: torch.Tensor) -> None:
-        """Copy a Hugging Face 5.x stacked tensor (``gate_up_proj`` [L, 2I, H] or ``down_proj`` [L, H, I]).
+        """Copy a Hugging Face 5.x stacked tensor (``gate_up_proj`` [L, 2I, H] or ``down_proj`` [L, H, I];
+        for fp8 experts also ``gate_up_proj_scale_inv`` / ``down_proj_scale_inv``). A 16/32-bit weight for
+        fp8 experts is quantized (with its scales).
 
         Raises:
-            ValueError: on a bad name or shape.
+            ValueError: on a bad name or shape, or fp8 weights for 16/32-bit experts.
         """
-        param = {"gate_up_proj": self.gate_up_proj, "down_proj": self.down_proj}.get(name)
-        if param is None or weight.shape != (self.num_logical_experts, *param.shape[1:]):
+        param = self._parameters.get(name) if name in _STACKED_NAMES else None
+        if param is None or weight.shape[1:] != param.shape[1:] or weight.shape[0] != self.num_logical_experts:
             raise ValueError(f"stacked expert weight {name} of shape {tuple(weight.shape)} does not fit {self}")
+        if weight.dtype == FP8_DTYPE and param.dtype != FP8_DTYPE:
+            raise ValueError(f"stacked expert weight {name}: fp8 for experts held in {param.dtype}")
         local = self.phy2log[self.first_local : self.first_local + self.num_local_experts].to(weight.device)
+        if param.dtype == FP8_DTYPE and weight.dtype != FP8_DTYPE:
+            quantize = quantize_w13 if name == "gate_up_proj" else quantize_block_fp8
+            q, scale = quantize(weight[local].to(param.device))
+            param.data[: self.num_local_experts].copy_(q)
+            self._parameters[f"{name}_scale_inv"].data[: self.num_local_experts].copy_(scale)
+            return
         param.data[: self.num_local_experts].copy_(weight[local])
 
     def _local_slots_of(self, logical_id: int) -> list[int]:
@@ -358,7 +454,8 @@ class RoutedExperts(nn.Module):
             if src == me and dst != me:
                 pending.append(dist.isend(sources[q], dist.get_global_rank(self.group, dst), group=self.group, tag=p))
             elif dst == me and src != me:
-                received[p] = self.gate_up_proj.new_empty(self.gate_up_proj[0].numel() + self.down_proj[0].numel())
+                size = sum(t[0].numel() * t.element_size() for t in self._slot_params())
+                received[p] = torch.empty(size, dtype=torch.uint8, device=self.gate_up_proj.device)
                 pending.append(dist.irecv(received[p], dist.get_global_rank(self.group, src), group=self.group, tag=p))
         for work in pending:
             work.wait()
@@ -367,13 +464,22 @@ class RoutedExperts(nn.Module):
                 self._unpack(p - self.first_local, sources[q] if src == me else received[p])
         self._set_placement(new)
 
+    def _slot_params(self) -> list[torch.Tensor]:
+        return [p for name in _STACKED_NAMES if (p := self._parameters.get(name)) is not None]
+
     def _pack(self, slot: int) -> torch.Tensor:
-        return torch.cat([self.gate_up_proj.data[slot].reshape(-1), self.down_proj.data[slot].reshape(-1)])
+        """One slot's weights (and fp8 scales) as one uint8 buffer, for a point-to-point move."""
+        return torch.cat([p.data[slot].reshape(-1).view(torch.uint8) for p in self._slot_params()])
 
     def _unpack(self, slot: int, flat: torch.Tensor) -> None:
-        n = self.gate_up_proj[slot].numel()
-        self.gate_up_proj.data[slot].copy_(flat[:n].view_as(self.gate_up_proj[slot]))
-        self.down_proj.data[slot].copy_(flat[n:].view_as(self.down_proj[slot]))
+        offset = 0
+        for p in self._slot_params():
+            n = p[slot].numel() * p.element_size()
+            p.data[slot].copy_(flat[offset : offset + n].view(p.dtype).view_as(p[slot]))
+            offset += n
+
+
+_STACKED_NAMES = ("gate_up_proj", "down_proj", "gate_up_proj_scale_inv", "down_proj_scale_inv")
 
 
 class MoEModelMixin:
@@ -407,32 +513,63 @@ class MoEModelMixin:
         (``num_nextn_predict_layers``): skipped here, as Hugging Face does (DeepSeek-V3's own
         ``load_weights`` renames them to its ``mtp`` modules first when those are built).
 
+        FP8 block-quantized checkpoints (DeepSeek-V3's ``weight`` float8_e4m3fn + ``weight_scale_inv``,
+        see :func:`~rayinfer.model.quantization.adapt_checkpoint`): a quantized dense linear
+        (:mod:`rayinfer.model.quantization`) takes both as stored, one held in the model dtype
+        (``kv_b_proj``, ``quantization="none"``) gets the weight dequantized, and a 16/32-bit checkpoint
+        weight is quantized for a quantized linear. Routed experts alike: fp8 experts
+        (:meth:`RoutedExperts.quantize_fp8`) take per-expert ``weight`` + ``weight_scale_inv`` as stored
+        (or quantize a 16/32-bit checkpoint), 16/32-bit experts get an fp8 checkpoint's weights dequantized.
+
         Returns:
             names of the parameters and buffers written (experts as ``...experts.gate_up_proj`` etc.).
         Raises:
-            KeyError: for a name the model does not have; ValueError: on a shape mismatch or an FP8
-            block-quantized checkpoint (``weight_scale_inv``; dequantize it first).
+            KeyError: for a name the model does not have; ValueError: on a shape mismatch, or an fp8
+            weight without its scale (or a scale without its weight).
         """
         params = dict(self.named_parameters(remove_duplicate=False))
         params.update(self.named_buffers(remove_duplicate=False))
         experts = {name: m for name, m in self.named_modules() if isinstance(m, RoutedExperts)}
         num_layers = self.config.num_hidden_layers
         loaded: set[str] = set()
-        for name, tensor in named_tensors:
-            layer = re.match(r"model\.layers\.(\d+)\.", name)
-            if (layer and int(layer.group(1)) >= num_layers) or name.endswith("rotary_emb.inv_freq"):
-                continue
-            if name.endswith("weight_scale_inv"):
-                raise ValueError(f"{name}: FP8 block-quantized checkpoints are not supported; dequantize first")
-            per_expert = re.fullmatch(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight", name)
-            stacked = re.fullmatch(r"(.*\.experts)\.(gate_up_proj|down_proj)", name)
+
+        def kept():
+            for name, tensor in named_tensors:
+                layer = re.match(r"model\.layers\.(\d+)\.", name)
+                if not ((layer and int(layer.group(1)) >= num_layers) or name.endswith("rotary_emb.inv_freq")):
+                    yield name, tensor
+
+        # fp8 per-expert tensors for 16/32-bit experts (quantization="none"): a weight waits for its scale
+        # (either may come first) and is loaded dequantized
+        pending: dict[tuple[str, int, str], dict[str, torch.Tensor]] = {}
+        for name, tensor in adapt_checkpoint(kept(), params):
+            per_expert = re.fullmatch(
+                r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv)", name)
+            stacked = re.fullmatch(r"(.*\.experts)\.(gate_up_proj|down_proj)(_scale_inv)?", name)
             if per_expert and per_expert.group(1) in experts:
-                prefix, e, kind = per_expert.groups()
-                experts[prefix].load_expert_weight(int(e), kind, tensor)
-                loaded.add(f"{prefix}.{'down_proj' if kind == 'down_proj' else 'gate_up_proj'}")
+                prefix, e, kind, leaf = per_expert.groups()
+                layer, stacked_name = experts[prefix], "down_proj" if kind == "down_proj" else "gate_up_proj"
+                if not layer.is_fp8 and (leaf == SCALE_SUFFIX or tensor.dtype == FP8_DTYPE):
+                    parts = pending.setdefault((prefix, int(e), kind), {})
+                    parts[leaf] = tensor
+                    if len(parts) < 2:
+                        continue
+                    leaf, tensor = "weight", block_fp8_dequant_ref(parts["weight"], parts[SCALE_SUFFIX], layer.w13.dtype)
+                    del pending[(prefix, int(e), kind)]
+                if leaf == SCALE_SUFFIX:
+                    layer.load_expert_scale(int(e), kind, tensor)
+                    loaded.add(f"{prefix}.{stacked_name}_scale_inv")
+                else:
+                    layer.load_expert_weight(int(e), kind, tensor)
+                    loaded.add(f"{prefix}.{stacked_name}")
+                    if layer.is_fp8 and tensor.dtype != FP8_DTYPE:  # quantized here, with its scale
+                        loaded.add(f"{prefix}.{stacked_name}_scale_inv")
             elif stacked and stacked.group(1) in experts:
-                experts[stacked.group(1)].load_stacked(stacked.group(2), tensor)
+                layer = experts[stacked.group(1)]
+                layer.load_stacked(stacked.group(2) + (stacked.group(3) or ""), tensor)
                 loaded.add(name)
+                if layer.is_fp8 and tensor.dtype != FP8_DTYPE and not stacked.group(3):
+                    loaded.add(f"{name}_scale_inv")
             elif name in params:
                 if params[name].shape != tensor.shape:
                     raise ValueError(f"{name}: expected {tuple(params[name].shape)}, got {tuple(tensor.shape)}")
@@ -441,4 +578,7 @@ class MoEModelMixin:
                 loaded.add(name)
             else:
                 raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+        if pending:
+            raise ValueError(f"fp8 expert weights without their {SCALE_SUFFIX} (or scales without their weight): "
+                             f"{sorted(pending)[:4]}")
         return loaded

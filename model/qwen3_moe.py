@@ -18,9 +18,12 @@ from rayinfer.kernels.paged_attention import paged_attention
 from rayinfer.kernels.rotary import rotary_store_kv
 from rayinfer.model.llama import PagedCausalLM, PreNormDecoderLayer, RMSNorm
 from rayinfer.model.moe import ExpertParallelism, GatedMLP, MoEModelMixin, RoutedExperts, softmax_topk
+from rayinfer.model.quantization import linear
 
 
 class Qwen3MoeAttention(nn.Module):
+    """Grouped-query attention; each projection may be block-fp8 (:func:`rayinfer.model.quantization.linear`)."""
+
     def __init__(self, config):
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -38,14 +41,14 @@ class Qwen3MoeAttention(nn.Module):
     def forward(self, hidden, positions, inv_freq, kv_cache, meta: AttentionMetadata):
         """hidden [T, hidden_size] -> [T, hidden_size]; writes this step's K/V into ``kv_cache`` (one layer)."""
         t, d = hidden.shape[0], self.head_dim
-        q = dense_linear(hidden, self.q_proj.weight, self.q_proj.bias)
-        k = dense_linear(hidden, self.k_proj.weight, self.k_proj.bias)
-        v = dense_linear(hidden, self.v_proj.weight, self.v_proj.bias).view(t, self.num_kv_heads, d)
+        q = linear(hidden, self.q_proj)
+        k = linear(hidden, self.k_proj)
+        v = linear(hidden, self.v_proj).view(t, self.num_kv_heads, d)
         q = self.q_norm(q.view(-1, d)).view(t, self.num_heads, d)
         k = self.k_norm(k.view(-1, d)).view(t, self.num_kv_heads, d)
         q = rotary_store_kv(q, k, v, positions, inv_freq, kv_cache, meta.slot_mapping)
         out = paged_attention(q, kv_cache, meta, self.scale)
-        return dense_linear(out.reshape(t, self.num_heads * d), self.o_proj.weight, self.o_proj.bias)
+        return linear(out.reshape(t, self.num_heads * d), self.o_proj)
 
 
 class Qwen3MoeRouter(nn.Module):
@@ -114,7 +117,11 @@ class Qwen3MoeForCausalLM(MoEModelMixin, PagedCausalLM):
     Expert parallelism: pass ``ep`` (group, physical slots, initial phy2log); every rank of the group
     must then run ``forward`` at every step, with zero tokens if it has none (the MoE layers meet in
     collectives). Attention and dense weights are replicated; each rank keeps its own KV cache.
+    Block-fp8 dense linears as DeepSeek-V3 (:mod:`rayinfer.model.quantization`); routed experts stay
+    in the model dtype.
     """
+
+    supports_block_fp8 = True
 
     def __init__(self, config, ep: ExpertParallelism | None = None):
         """Raises: ValueError for sliding-window attention, which this model does not implement."""

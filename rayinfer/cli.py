@@ -28,6 +28,7 @@ _COMMON_KEYS = {
     "dtype": "model.dtype",
     "max_model_len": "model.max_model_len",
     "load_format": "model.load_format",
+    "quantization": "model.quantization",
     "seed": "model.seed",
     "device": "engine.device",
     "max_num_seqs": "engine.max_num_seqs",
@@ -40,8 +41,8 @@ _COMMAND_KEYS = {
     "generate": {"input": "input", "output": "output", "input_format": "input_format", "base_dir": "base_dir",
                  "served_model_name": "served_model_name"},
 }
-_STRING_KEYS = {"model.dtype", "model.load_format", "engine.device", "host", "api_key", "served_model_name",
-                "input", "output", "input_format", "base_dir"}
+_STRING_KEYS = {"model.dtype", "model.load_format", "model.quantization", "engine.device", "host", "api_key",
+                "served_model_name", "input", "output", "input_format", "base_dir"}
 
 
 def config_options(group: str) -> list[str]:
@@ -100,6 +101,9 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--max-model-len", type=int, help="context limit in tokens")
     p.add_argument("--load-format", choices=["auto", "safetensors", "dummy"])
+    p.add_argument("--quantization", "-q", choices=["fp8", "none"],
+                   help="dense linear weights: fp8 (128x128 blocks, quantized at load) or none (the model dtype); "
+                        "default: as the checkpoint says")
     p.add_argument("--seed", type=int, help="seed of dummy weights and of unseeded sampling")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"])
     p.add_argument("--max-num-seqs", type=int, help="running requests per replica at most")

@@ -11,9 +11,10 @@ import torch.nn.functional as F
 
 from rayinfer.kernels._triton_utils import HAS_TRITON
 from rayinfer.kernels.fused_moe import (
-    ExpertMap, dequant_experts, fused_moe, fused_moe_ref, fused_moe_slots, fused_moe_slots_ref, moe_align,
-    moe_align_ref, moe_align_triton, quantize_experts, sum_slots,
+    ExpertMap, dequant_w13, fused_moe, fused_moe_ref, fused_moe_slots, fused_moe_slots_ref, moe_align,
+    moe_align_ref, moe_align_triton, quantize_w13, sum_slots,
 )
+from rayinfer.kernels.block_fp8 import block_fp8_dequant_ref, quantize_block_fp8
 from rayinfer.model.moe import log2phy_table
 
 CUDA = torch.cuda.is_available()
@@ -164,9 +165,9 @@ def check_fp8_kernel(device, cases) -> float:
     worst = 0.0
     for i, (t, e, h, inter, k, dtype) in enumerate(cases):
         x, w13, w2, ids, w = make_case(t, e, h, inter, k, torch.float32, device, seed=i, skip_every=5)
-        (q13, s13), (q2, s2) = quantize_experts(w13), quantize_experts(w2)
+        (q13, s13), (q2, s2) = quantize_w13(w13), quantize_block_fp8(w2)
         x = x.to(dtype)
-        d13, d2 = dequant_experts(q13, s13, dtype), dequant_experts(q2, s2, dtype)
+        d13, d2 = dequant_w13(q13, s13, dtype), block_fp8_dequant_ref(q2, s2, dtype)
         assert (d13.float() - w13).abs().max() <= 0.07 * w13.abs().max()  # e4m3: 3 mantissa bits
         got = fused_moe(x, q13, q2, ids, w, w13_scale=s13, w2_scale=s2)
         want = fused_moe_ref(x, d13, d2, ids, w)

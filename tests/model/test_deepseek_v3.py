@@ -137,8 +137,10 @@ def test_loads_checkpoint_names_and_skips_mtp():
         assert torch.equal(fresh.state_dict()[name], t), name
     with pytest.raises(KeyError):
         fresh.load_weights([("model.layers.0.mlp.bogus.weight", torch.zeros(1))])
-    with pytest.raises(ValueError, match="FP8"):
-        fresh.load_weights([("model.layers.0.mlp.gate_proj.weight_scale_inv", torch.zeros(1))])
+    with pytest.raises(ValueError, match="fp8 routed experts are not supported"):
+        fresh.load_weights([("model.layers.1.mlp.experts.0.gate_proj.weight_scale_inv", torch.ones(1, 1))])
+    with pytest.raises(ValueError, match="weight_scale_inv without their fp8 weight"):  # fp8 dense layers: tests/model/test_quantization.py
+        fresh.load_weights([("model.layers.0.mlp.gate_proj.weight_scale_inv", torch.ones(1, 1))])
 
 
 def test_cache_is_compressed():

@@ -1,0 +1,92 @@
+"""Probe: the W8A16 block-fp8 GEMM (kernels/block_fp8.py) against cuBLAS bf16 at DeepSeek-V3's dense shapes,
+per row count and tile configuration; and whether a row's bits depend on the batch.
+
+    python benchmarks/probe/block_fp8_tiles.py --out benchmarks/results/block-fp8-tiles-h200.json
+
+Times: triton's do_bench median (L2 flushed between calls, launch included), microseconds. ``bf16_us`` is
+``F.linear`` over the same weight in bf16 (two bytes a weight), ``dequant_us`` dequantize-then-cuBLAS.
+"""
+import argparse
+import json
+import subprocess
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from rayinfer.kernels.block_fp8 import _choose_config, block_fp8_dequant_ref, block_fp8_linear, quantize_block_fp8
+
+# (N, K): q_a_proj, q_b_proj, kv_a_proj_with_mqa, o_proj, dense gate (and up), dense down, shared-expert down
+SHAPES = [(1536, 7168), (24576, 1536), (576, 7168), (7168, 16384), (18432, 7168), (7168, 18432), (7168, 2048)]
+ROWS = (1, 16, 64, 128, 512, 2048)
+CANDIDATES = {
+    "small": [dict(block_m=16, block_n=bn, block_k=128, num_warps=4, num_stages=s)
+              for bn in (16, 32, 64, 128) for s in (3, 4)],
+    "mid": [dict(block_m=bm, block_n=bn, block_k=128, num_warps=4, num_stages=4)
+            for bm in (32, 64) for bn in (32, 64, 128)],
+    "large": [dict(block_m=128, block_n=bn, block_k=bk, num_warps=w, num_stages=3)
+              for bn in (64, 128, 256) for bk in (64, 128) for w in (4, 8) if not (bn == 256 and bk == 128)],
+}
+
+QUICK = {
+    "small": [dict(block_m=16, block_n=bn, block_k=128, num_warps=4, num_stages=4) for bn in (16, 64, 128)],
+    "mid": [dict(block_m=bm, block_n=bn, block_k=128, num_warps=4, num_stages=4) for bm, bn in ((32, 64), (64, 128))],
+    "large": [dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3),
+              dict(block_m=128, block_n=64, block_k=128, num_warps=4, num_stages=3),
+              dict(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=4)],
+}
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median") * 1e3
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=None)
+    p.add_argument("--quick", action="store_true", help="three candidate tiles per row-count bucket")
+    args = p.parse_args()
+    candidates = QUICK if args.quick else CANDIDATES
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for n, k in SHAPES:
+        w = (torch.randn(n, k, generator=gen) / k**0.5).cuda()
+        q, s = quantize_block_fp8(w)
+        w16 = block_fp8_dequant_ref(q, s, torch.bfloat16)
+        x = torch.randn(max(ROWS), k, generator=gen).to("cuda", torch.bfloat16)
+        full = block_fp8_linear(x, q, s)
+        invariant = all(torch.equal(block_fp8_linear(x[:m], q, s), full[:m]) for m in ROWS)
+        for m in ROWS:
+            xm = x[:m]
+            row = dict(shape=[n, k], m=m, default=_choose_config(m, n), batch_invariant=invariant,
+                       bf16_us=bench(lambda: F.linear(xm, w16)),
+                       dequant_us=bench(lambda: F.linear(xm, block_fp8_dequant_ref(q, s, torch.bfloat16))),
+                       default_us=bench(lambda: block_fp8_linear(xm, q, s)), configs=[])
+            err = (block_fp8_linear(xm, q, s).float() - F.linear(xm, w16).float()).abs().max().item()
+            row["max_abs_err_vs_bf16"] = err
+            bucket = "small" if m <= 16 else "mid" if m <= 128 else "large"
+            for cfg in candidates[bucket]:
+                try:
+                    us = bench(lambda: block_fp8_linear(xm, q, s, config={**cfg, "group_m": 8}))
+                except Exception as e:  # out of shared memory, say
+                    us = repr(e)[:120]
+                row["configs"].append(dict(cfg, us=us))
+            timed = [c for c in row["configs"] if isinstance(c["us"], float)]
+            best = min(timed, key=lambda c: c["us"])
+            row["best"] = best
+            # the fewest bytes: the fp8 weight, its scales, x and y in bf16
+            row["weight_GBps_default"] = (n * k + 2 * m * (n + k)) / row["default_us"] / 1e3
+            print(f"{n}x{k} m={m}: bf16 {row['bf16_us']:.1f} dequant+bf16 {row['dequant_us']:.1f} fp8 default "
+                  f"{row['default_us']:.1f} best {best['us']:.1f} {({k: v for k, v in best.items() if k != 'us'})} "
+                  f"({row['weight_GBps_default']:.0f} GB/s) invariant={invariant} err={err:.1e}", flush=True)
+            rows.append(row)
+        if args.out:
+            rev = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
+            with open(args.out, "w") as f:
+                json.dump(dict(command="python benchmarks/probe/block_fp8_tiles.py",
+                               device=torch.cuda.get_device_name(), torch=torch.__version__,
+                               triton=triton.__version__, git_rev=rev, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+"""FP8 block-quantized linear layers as DeepSeek-V3 ships them: W8A16, dequantized inside the GEMM.
+
+Format (DeepSeek-V3 technical report, arXiv:2412.19437 §3.3 "fine-grained quantization"; the released
+checkpoints' ``quantization_config``: ``quant_method "fp8"``, ``fmt "e4m3"``, ``weight_block_size [128,
+128]``): a linear weight [N, K] is stored as ``float8_e4m3fn`` [N, K] plus ``weight_scale_inv`` float32
+[ceil(N/128), ceil(K/128)], one scale per 128 x 128 block (the last row and column of blocks may be
+partial). The real weight is ``w_fp8[n, k] * scale_inv[n // 128, k // 128]`` (DeepSeek's inference
+``weight_dequant``). Glossary: ``scale_inv`` is that multiplier, amax of the block / 448 (the largest
+e4m3 value): the inverse of the quantizer's scale 448 / amax.
+
+:func:`block_fp8_linear` keeps activations in 16 bits (no activation quantization; the checkpoints'
+``activation_scheme "dynamic"`` is DeepSeek's per-token-group fp8 activations, which this does not
+do): each K step of the Triton GEMM loads an fp8 weight tile, widens it to x's dtype (exact: every
+e4m3 value is a bf16 and an fp16), multiplies in float32 and scales that partial product by its
+(k-block, n-block) scales before adding it up, so the weight stays one byte per element in memory.
+Each function has a plain-torch reference (``*_ref``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from rayinfer.kernels._triton_utils import is_interpreting, tl, triton, use_triton
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+WEIGHT_BLOCK = (128, 128)  # (rows N, columns K) per scale: the only block size the GEMM takes
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def scale_shape(weight_shape: tuple[int, ...] | torch.Size, block: tuple[int, int] = WEIGHT_BLOCK) -> tuple[int, ...]:
+    """Shape of the ``scale_inv`` of a weight [..., N, K]: [..., ceil(N / bn), ceil(K / bk)]."""
+    *lead, n, k = weight_shape
+    return (*lead, _cdiv(n, block[0]), _cdiv(k, block[1]))
+
+
+def quantize_block_fp8(w: torch.Tensor, block: tuple[int, int] = WEIGHT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a weight to float8_e4m3fn with one float32 scale per ``block`` (DeepSeek-V3's format).
+
+    Per block: ``scale_inv = amax(|w_block|) / 448`` (1 for an all-zero block) and
+    ``w_fp8 = round(w_block / scale_inv)`` to the nearest e4m3 value, clamped to +-448.
+
+    Args:
+        w: [..., N, K] any float dtype (leading dims: stacked experts); N and K need not be block
+            multiples (the last blocks are partial).
+        block: (rows, columns) per scale.
+    Returns:
+        (w_fp8 [..., N, K] float8_e4m3fn, scale_inv [..., ceil(N/bn), ceil(K/bk)] float32), on w's device.
+    Raises:
+        ValueError: for w with fewer than 2 dims or a non-positive block.
+    Source: DeepSeek-V3 technical report (arXiv:2412.19437) §3.3, 128 x 128 weight blocks.
+    """
+    if w.dim() < 2 or min(block) <= 0:
+        raise ValueError(f"quantize_block_fp8: w must be [..., N, K] and block positive; got {tuple(w.shape)}, {block}")
+    *lead, n, k = w.shape
+    bn, bk = block
+    nb, kb = _cdiv(n, bn), _cdiv(k, bk)
+    # zero padding to whole blocks leaves every block's amax unchanged
+    padded = F.pad(w.float(), (0, kb * bk - k, 0, nb * bn - n)).view(*lead, nb, bn, kb, bk)
+    amax = padded.abs().amax(dim=(-3, -1))  # [..., nb, kb]
+    scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (padded / scale_inv[..., :, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.view(*lead, nb * bn, kb * bk)[..., :n, :k].contiguous(), scale_inv
+
+
+def block_fp8_dequant_ref(w_fp8: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32,
+                          block: tuple[int, int] = WEIGHT_BLOCK) -> torch.Tensor:
+    """The real weight ``w_fp8 * scale_inv`` of its block (DeepSeek's ``weight_dequant``), plain torch.
+
+    Args:
+        w_fp8: [..., N, K] float8_e4m3fn (N, K any; leading dims allowed).
+        scale_inv: [..., ceil(N/bn), ceil(K/bk)] float32.
+        dtype: of the result (the product is taken in float32, then rounded once).
+    Returns:
+        [..., N, K] in ``dtype``.
+    Raises:
+        ValueError: when scale_inv's shape does not fit w_fp8's.
+    """
+    if w_fp8.dim() < 2 or tuple(scale_inv.shape) != scale_shape(w_fp8.shape, block):
+        raise ValueError(f"block_fp8_dequant: scale_inv {tuple(scale_inv.shape)} does not fit weight "
+                         f"{tuple(w_fp8.shape)} in {block} blocks (expected {scale_shape(w_fp8.shape, block)})")
+    n, k = w_fp8.shape[-2:]
+    scale = scale_inv.float().repeat_interleave(block[0], dim=-2)[..., :n, :]
+    scale = scale.repeat_interleave(block[1], dim=-1)[..., :k]
+    return (w_fp8.float() * scale).to(dtype)
+
+
+def block_fp8_linear_ref(x: torch.Tensor, w_fp8: torch.Tensor, scale_inv: torch.Tensor,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, dequant(w_fp8, scale_inv), bias)`` in x's dtype (the weight dequantized to x's dtype).
+
+    x: [..., K]; w_fp8: [N, K] float8_e4m3fn; scale_inv: [ceil(N/128), ceil(K/128)] float32; bias: [N]
+    or None. Returns [..., N] in x's dtype. Raises ValueError as :func:`block_fp8_dequant_ref`.
+    """
+    return F.linear(x, block_fp8_dequant_ref(w_fp8, scale_inv, x.dtype), bias)
+
+
+@triton.jit
+def _block_fp8_linear_kernel(
+    x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, M, N, K,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk, stride_ym, stride_yn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    # grouped order: GROUP_M row tiles run next to each other and share each weight tile while it is in L2
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    tiles_per_group = GROUP_M * num_pid_n
+    first_m = (pid // tiles_per_group) * GROUP_M
+    group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % tiles_per_group) % group_m
+    pid_n = (pid % tiles_per_group) // group_m
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk0 = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    n_ok = rn < N
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
+    w_cols = w_ptr + rn.to(tl.int64)[None, :] * stride_wn
+    # BLOCK_N may span several scale blocks: each column reads the scale of its own n-block
+    s_cols = s_ptr + (rn // SCALE_N) * stride_sn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + rk0
+        k_ok = rk < K
+        a = tl.load(x_rows + rk[None, :] * stride_xk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_cols + rk[:, None] * stride_wk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        # BLOCK_K divides SCALE_K: the whole K step lies in one k-block
+        s = tl.load(s_cols + (k0 // SCALE_K) * stride_sk, mask=n_ok, other=0.0)
+        if DOT_F32:  # float32 activations, or the interpreter (no 16-bit tl.dot there)
+            part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            part = tl.dot(a, b.to(a.dtype))
+        acc += part * s[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :] * stride_yn
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _choose_config(m: int, n: int, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Tiles for ``m`` rows of ``dtype`` times an [n, K] fp8 weight.
+
+    BLOCK_K is 128 (one K step per scale block) at every m, so a row's sum runs over the same K steps
+    in the same order whatever the batch. Few rows (decode) only stream the weight: 16-row tiles and
+    narrow column tiles (32 up to n = 4096) spread it over more programs; many rows reuse each weight
+    tile over 64- and 128-row tiles. float32 activations (exact products, rare on a GPU) take 64 x 64 x
+    64 tiles, whose 4-byte x tiles fit shared memory in 3 stages. Under the interpreter (tests) one
+    32 x 128 tile per program: it runs programs one at a time, so fewer and larger tiles are faster there.
+    These GPU tiles are a starting point after :mod:`rayinfer.kernels.matmul`'s measured buckets, not yet
+    timed for this kernel: ``benchmarks/probe/block_fp8_tiles.py`` sweeps them at DeepSeek-V3's shapes.
+    """
+    if is_interpreting():
+        return dict(block_m=32, block_n=128, block_k=128, group_m=8, num_warps=4, num_stages=1)
+    if dtype == torch.float32:
+        return dict(block_m=16 if m <= 16 else 64, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=3)
+    if m <= 16:
+        return dict(block_m=16, block_n=32 if n <= 4096 else 64, block_k=128, group_m=8, num_warps=4, num_stages=4)
+    if m <= 128:
+        return dict(block_m=64, block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=4)
+    return dict(block_m=128, block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=3)
+
+
+def block_fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None = None,
+                     config: dict | None = None) -> torch.Tensor:
+    """``x @ dequant(w_fp8, scale_inv).T + bias``: the Triton W8A16 GEMM on CUDA (or under the Triton
+    interpreter), :func:`block_fp8_linear_ref` elsewhere (CPU).
+
+    The kernel dequantizes in the GEMM, never the whole weight: per K step of ``BLOCK_K`` (a divisor of
+    128) it dots x's tile with the widened fp8 tile in float32 and adds that partial product times the
+    per-column scales ``scale_inv[cols // 128, k0 // 128]`` (see the module docstring). No split-K.
+
+    Args:
+        x: [M, K] float16, bfloat16 or float32 (any strides).
+        w_fp8: [N, K] float8_e4m3fn; scale_inv: [ceil(N/128), ceil(K/128)] float32 (128 x 128 blocks);
+            bias: [N] or None.
+        config: tile override (block_m, block_n, block_k, group_m, num_warps, num_stages) for tests and
+            benchmarks; block_k must divide 128.
+    Returns:
+        [M, N] in x's dtype (float32 accumulation).
+    Raises:
+        ValueError: when shapes or dtypes do not fit, or block_k does not divide 128.
+    Source: DeepSeek-V3 technical report (arXiv:2412.19437) §3.3; DeepSeek-V3 inference ``weight_dequant``
+    (the dequantization this fuses into the GEMM's K loop).
+    """
+    if x.dim() != 2 or w_fp8.dim() != 2 or x.shape[1] != w_fp8.shape[1]:
+        raise ValueError(f"block_fp8_linear: x {tuple(x.shape)} and weight {tuple(w_fp8.shape)} do not multiply")
+    if w_fp8.dtype != FP8_DTYPE or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"block_fp8_linear: needs a float8_e4m3fn weight and a 16/32-bit float x, got {w_fp8.dtype} "
+                         f"and {x.dtype}")
+    if tuple(scale_inv.shape) != scale_shape(w_fp8.shape) or scale_inv.dtype != torch.float32:
+        raise ValueError(f"block_fp8_linear: scale_inv must be float32 {scale_shape(w_fp8.shape)} for weight "
+                         f"{tuple(w_fp8.shape)} (128 x 128 blocks), got {scale_inv.dtype} {tuple(scale_inv.shape)}")
+    if bias is not None and tuple(bias.shape) != (w_fp8.shape[0],):
+        raise ValueError(f"block_fp8_linear: bias must be [{w_fp8.shape[0]}], got {tuple(bias.shape)}")
+    if not use_triton(x, w_fp8):
+        return block_fp8_linear_ref(x, w_fp8, scale_inv, bias)
+    return _block_fp8_linear_triton(x, w_fp8, scale_inv, bias, config)
+
+
+def _block_fp8_linear_triton(x: torch.Tensor, w_fp8: torch.Tensor, scale_inv: torch.Tensor,
+                             bias: torch.Tensor | None, config: dict | None) -> torch.Tensor:
+    m, k = x.shape
+    n = w_fp8.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:  # an expert-parallel rank without tokens still runs its attention
+        return y
+    if k == 0:
+        return y.zero_() if bias is None else y.copy_(bias.expand(m, n))
+    cfg = {**_choose_config(m, n, x.dtype), **(config or {})}
+    if WEIGHT_BLOCK[1] % cfg["block_k"]:
+        raise ValueError(f"block_fp8_linear: block_k {cfg['block_k']} must divide {WEIGHT_BLOCK[1]}")
+    grid = (triton.cdiv(m, cfg["block_m"]) * triton.cdiv(n, cfg["block_n"]),)
+    _block_fp8_linear_kernel[grid](
+        x, w_fp8, scale_inv, bias if bias is not None else scale_inv, y, m, n, k,
+        x.stride(0), x.stride(1), w_fp8.stride(0), w_fp8.stride(1), scale_inv.stride(0), scale_inv.stride(1),
+        y.stride(0), y.stride(1),
+        BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], GROUP_M=cfg["group_m"],
+        SCALE_N=WEIGHT_BLOCK[0], SCALE_K=WEIGHT_BLOCK[1], HAS_BIAS=bias is not None,
+        DOT_F32=x.dtype == torch.float32 or is_interpreting(),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return y
