@@ -115,10 +115,16 @@ def param_counts(model) -> dict:
     counts = {"dense": 0, "embed": model.model.embed_tokens.weight.numel(), "lm_head": model.lm_head.weight.numel()}
     skip = {id(model.model.embed_tokens.weight), id(model.lm_head.weight)} | expert_ids
     counts["dense"] = sum(p.numel() for p in model.parameters() if id(p) not in skip)
+    # bytes as held (fp8 weights are one byte, their float32 block scales four)
+    counts["dense_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
+    counts["lm_head_bytes"] = model.lm_head.weight.numel() * model.lm_head.weight.element_size()
     first = experts[0]
     slots = first.num_local_experts + first.num_shared  # fused shared experts sit in the last slots
     counts["per_expert"] = (first.gate_up_proj.numel() + first.down_proj.numel()) // slots
-    counts["dense"] += sum(m.num_shared for m in experts) * counts["per_expert"]  # read every step
+    counts["per_expert_bytes"] = sum(p.numel() * p.element_size() for p in first.parameters()) // slots
+    shared = sum(m.num_shared for m in experts)  # read every step
+    counts["dense"] += shared * counts["per_expert"]
+    counts["dense_bytes"] += shared * counts["per_expert_bytes"]
     counts["num_moe_layers"] = len(experts)
     counts["top_k"] = model.config.num_experts_per_tok
     return counts
@@ -161,8 +167,8 @@ def bench_step(model, ceil: dict, counts: dict, *, batch: int, query_len: int, c
         graph_ms = _graph_step_ms(model, kv, meta, ids, pos, seq_len, reps) if graphs and query_len == 1 else None
     tokens, item = batch * query_len, dtype.itemsize
     kv_width, layers = cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.num_hidden_layers
-    num_bytes = item * (counts["dense"] + counts["lm_head"] + touched * counts["per_expert"]
-                        + tokens * cfg.hidden_size + batch * seq_len * layers * kv_width)
+    num_bytes = (counts["dense_bytes"] + counts["lm_head_bytes"] + touched * counts["per_expert_bytes"]
+                 + item * (tokens * cfg.hidden_size + batch * seq_len * layers * kv_width))
     active = counts["dense"] + counts["num_moe_layers"] * counts["top_k"] * counts["per_expert"]
     heads, r, p = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     if query_len == 1:  # absorbed MLA: scores over R + P, values of width R, per head and context token
@@ -408,18 +414,20 @@ def device_name(device: torch.device) -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
-def build_model(shape: dict, dtype: torch.dtype, device: torch.device):
-    """The DeepSeek-V3 model of ``shape`` with dummy weights, through the engine's loader."""
+def build_model(shape: dict, dtype: torch.dtype, device: torch.device, quantization: str | None = None):
+    """The DeepSeek-V3 model of ``shape`` with dummy weights, through the engine's loader (``quantization``:
+    "fp8" for DeepSeek-V3's 128 x 128 fp8 blocks in every linear and routed expert)."""
     from rayinfer.model.loader import load_model
 
     with tempfile.TemporaryDirectory() as tmp:
-        return load_model(write_shape(shape, Path(tmp)), dtype, device, load_format="dummy", seed=0)
+        return load_model(write_shape(shape, Path(tmp)), dtype, device, load_format="dummy", seed=0,
+                          quantization=quantization)
 
 
 def run(tiny: bool = False, device: str | None = None, dtype: str = "bfloat16", batches: list[int] | None = None,
         context: int | None = None, prefill: list[int] | None = None, moe_tokens: list[int] | None = None,
         reps: int | None = None, command: str | None = None, git_rev: str | None = None,
-        graphs: bool = True) -> dict:
+        graphs: bool = True, quantization: str | None = None) -> dict:
     """Run every case and return the results (see the module docstring for what is measured).
 
     Args:
@@ -432,6 +440,8 @@ def run(tiny: bool = False, device: str | None = None, dtype: str = "bfloat16", 
         reps: timed repetitions per case (median reported).
         command, git_rev: recorded as given (defaults: this process's argv, :func:`git_revision`).
         graphs: on CUDA, also time decode replayed from CUDA graphs.
+        quantization: the model's weights for the decode and prefill rows ("fp8": 128 x 128 fp8 blocks in
+            every linear layer and routed expert; None: ``dtype``).
     """
     from rayinfer.model.loader import parse_dtype
 
@@ -443,12 +453,13 @@ def run(tiny: bool = False, device: str | None = None, dtype: str = "bfloat16", 
         torch.set_num_threads(1)
     try:
         return _run(tiny, dev, parse_dtype(dtype), batches, context, prefill, moe_tokens, reps, command, git_rev,
-                    graphs and dev.type == "cuda")
+                    graphs and dev.type == "cuda", quantization)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run(tiny, dev, dt, batches, context, prefill, moe_tokens, reps, command, git_rev, graphs) -> dict:
+def _run(tiny, dev, dt, batches, context, prefill, moe_tokens, reps, command, git_rev, graphs,
+         quantization=None) -> dict:
     cases = TINY if tiny else FULL
     batches, context = batches or cases["batches"], context or cases["context"]
     prefill, moe_tokens = prefill or cases["prefill"], moe_tokens or cases["moe_tokens"]
@@ -457,7 +468,7 @@ def _run(tiny, dev, dt, batches, context, prefill, moe_tokens, reps, command, gi
     started = time.time()
     ceil = measure_ceilings(dev, dt, tiny)
     print(f"ceilings: {ceil['copy_GBps']:.0f} GB/s copy, {ceil['matmul_TFLOPs']:.3g} TFLOP/s matmul", flush=True)
-    model = build_model(shape, dt, dev)
+    model = build_model(shape, dt, dev, quantization)
     counts = param_counts(model)
     decode = []
     for batch in batches:
@@ -502,6 +513,7 @@ def _run(tiny, dev, dt, batches, context, prefill, moe_tokens, reps, command, gi
         "torch": torch.__version__,
         "python": platform.python_version(),
         "dtype": str(dt),
+        "quantization": quantization,
         "model": ("tiny DeepSeek-V3 (CPU smoke shape)" if tiny else
                   "DeepSeek-V3 architecture with DeepSeek-V2-Lite dimensions (dummy weights)"),
         "shape": {k: v for k, v in shape.items() if k != "architectures"},
@@ -544,13 +556,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--moe-tokens", type=_ints, default=None, help="fused MoE token counts")
     parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--no-graphs", action="store_true", help="decode eager only (no CUDA-graph rows)")
+    parser.add_argument("--quantization", default=None, choices=["fp8"],
+                        help="the model's weights for decode/prefill rows: fp8 128x128 blocks (default: --dtype)")
     parser.add_argument("--git-rev", default=None, help="revision of the code (default: git rev-parse HEAD)")
     parser.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/moe-<device>.json)")
     args = parser.parse_args(argv)
     argv_text = " ".join(sys.argv[1:] if argv is None else argv)
     result = run(args.tiny, args.device, args.dtype, args.batches, args.context, args.prefill, args.moe_tokens,
                  args.reps, command=f"python jobs/bench_moe.py {argv_text}".strip(), git_rev=args.git_rev,
-                 graphs=not args.no_graphs)
+                 graphs=not args.no_graphs, quantization=args.quantization)
     out = Path(args.out or Path(__file__).resolve().parents[1] / "benchmarks" / "results"
                / f"moe-{'tiny-' if args.tiny else ''}{_slug(result['device'])}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

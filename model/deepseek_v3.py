@@ -126,6 +126,38 @@ class DeepseekV3Attention(nn.Module):
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, hidden, bias=bias)
         self.scale = qk_dim**-0.5 * softmax_factor
+        self.qkv_a_proj: nn.Linear | None = None  # fuse_qkv_a
+
+    @torch.no_grad()
+    def fuse_qkv_a(self) -> bool:
+        """Stack the two projections of the hidden state, ``q_proj`` (or ``q_a_proj`` with q_lora) and
+        ``kv_a_proj_with_mqa``, into one ``qkv_a_proj`` (rows: the query's, then the latent's and k_pe's),
+        so a step runs one GEMM for both (a decode step: one launch less a layer; after SGLang's
+        ``fused_qkv_a_proj_with_mqa``). fp8 blocks stack when the query's rows fill whole 128-row blocks
+        (3072 and 1536 do); their scales stack with them. Returns whether it fused (the originals are
+        dropped)."""
+        first = self.q_proj if self.q_lora_rank is None else self.q_a_proj
+        second = self.kv_a_proj_with_mqa
+        fp8 = [getattr(m, "weight_scale_inv", None) is not None for m in (first, second)]
+        if self.qkv_a_proj is not None or fp8[0] != fp8[1] or (fp8[0] and first.out_features % 128):
+            return False
+        w = first.weight
+        fused = nn.Linear(w.shape[1], first.out_features + second.out_features, bias=second.bias is not None,
+                          device="meta")
+        fused.weight = nn.Parameter(torch.cat([w, second.weight]), requires_grad=False)
+        if second.bias is not None:
+            lead = first.bias if first.bias is not None else second.bias.new_zeros(first.out_features)
+            fused.bias = nn.Parameter(torch.cat([lead, second.bias]), requires_grad=False)
+        if fp8[0]:
+            fused.register_parameter("weight_scale_inv", nn.Parameter(
+                torch.cat([first.weight_scale_inv, second.weight_scale_inv]), requires_grad=False))
+        self.qkv_a_proj = fused
+        if self.q_lora_rank is None:
+            del self.q_proj
+        else:
+            del self.q_a_proj
+        del self.kv_a_proj_with_mqa
+        return True
 
     def forward(self, hidden, cos, sin, kv_cache, meta: AttentionMetadata):
         """hidden [T, hidden_size] -> [T, hidden_size]; writes this step's latents into ``kv_cache`` (one layer).
@@ -139,14 +171,20 @@ class DeepseekV3Attention(nn.Module):
         matmul (per head for the absorbed ones).
         """
         t, heads = hidden.shape[0], self.num_heads
-        if self.q_lora_rank is None:
+        kv_a = None
+        if self.qkv_a_proj is not None:  # one GEMM for the two projections of the hidden state (fuse_qkv_a)
+            q_or_q_a, kv_a = linear(hidden, self.qkv_a_proj).split(
+                [self.qkv_a_proj.out_features - self.kv_lora_rank - self.rope_dim, self.kv_lora_rank + self.rope_dim], -1)
+            q = q_or_q_a if self.q_lora_rank is None else linear(self.q_a_layernorm(q_or_q_a), self.q_b_proj)
+        elif self.q_lora_rank is None:
             q = linear(hidden, self.q_proj)
         else:
             q = linear(self.q_a_layernorm(linear(hidden, self.q_a_proj)), self.q_b_proj)
         # explicit sizes: an EP rank without work runs this over t = 0 tokens, where -1 is ambiguous
         q = q.view(t, heads, self.nope_dim + self.rope_dim)
         q_nope = q[..., : self.nope_dim]
-        kv_a = linear(hidden, self.kv_a_proj_with_mqa)
+        if kv_a is None:
+            kv_a = linear(hidden, self.kv_a_proj_with_mqa)
         # the latent's RMSNorm, RoPE of q_pe and k_pe, and the cache store: one kernel on the GPU
         norm = self.kv_a_layernorm
         q_pe = mla_rope_store(q, kv_a, norm.weight, norm.eps, cos, sin, kv_cache, meta.slot_mapping, self.interleave)
@@ -305,14 +343,56 @@ class DeepseekV3ForCausalLM(MoEModelMixin, PagedCausalLM):
         self.mtp = nn.ModuleList(DeepseekV3MTPLayer(config, n + d, ep, softmax_factor) for d in range(num_mtp))
 
     def process_weights_after_loading(self) -> None:
-        """Called by ``model.loader.load_model`` once the weights are in: fuses each MoE layer's shared
-        experts into its routed experts (``DeepseekV3MoE.fuse_shared_experts``, unless
+        """Called by ``model.loader.load_model`` once the weights are in: stacks each attention's query and
+        latent projections (``DeepseekV3Attention.fuse_qkv_a``) and fuses each MoE layer's shared experts
+        into its routed experts (``DeepseekV3MoE.fuse_shared_experts``, unless
         RAYINFER_FUSE_SHARED_EXPERTS=0). A model built and loaded by hand runs unfused, with the same
         outputs up to float summation order."""
-        if envs.fuse_shared_experts():
-            for module in self.modules():
-                if isinstance(module, DeepseekV3MoE):
-                    module.fuse_shared_experts()
+        for module in list(self.modules()):
+            if isinstance(module, DeepseekV3Attention):
+                module.fuse_qkv_a()
+            elif isinstance(module, DeepseekV3MoE) and envs.fuse_shared_experts():
+                module.fuse_shared_experts()
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The parameters and buffers under the unfused Hugging Face 5.x names, whatever
+        :meth:`process_weights_after_loading` fused: ``qkv_a_proj`` as ``q_proj`` / ``q_a_proj`` and
+        ``kv_a_proj_with_mqa`` (row views), a layer's fused shared experts as
+        ``mlp.shared_experts.{gate,up,down}_proj.weight`` (small copies) beside the L routed experts'
+        stacked ``mlp.experts.gate_up_proj`` / ``down_proj`` (views); fp8 scales alike. For an HF twin and
+        tests that compare against checkpoint names."""
+        out: dict[str, torch.Tensor] = {}
+        for name, t in self.state_dict().items():
+            prefix, _, leaf = name.rpartition(".")
+            module = self.get_submodule(prefix) if prefix else self
+            owner = self.get_submodule(prefix.rpartition(".")[0]) if ".qkv_a_proj" in name else None
+            if isinstance(owner, DeepseekV3Attention) and prefix.endswith("qkv_a_proj"):
+                base = prefix[: -len("qkv_a_proj")]
+                first = "q_proj" if owner.q_lora_rank is None else "q_a_proj"
+                n_kv = owner.kv_lora_rank + owner.rope_dim
+                n_q = owner.qkv_a_proj.out_features - n_kv if owner.qkv_a_proj is not None else 0
+                rows = n_q if leaf != "weight_scale_inv" else n_q // 128
+                if leaf == "bias" and first == "q_proj":
+                    out[f"{base}kv_a_proj_with_mqa.bias"] = t[rows:]
+                else:
+                    out[f"{base}{first}.{leaf}"], out[f"{base}kv_a_proj_with_mqa.{leaf}"] = t[:rows], t[rows:]
+            elif isinstance(module, RoutedExperts) and module.num_shared:
+                num_routed, num_shared = module.num_local_experts, module.num_shared
+                out[name] = t[:num_routed]
+                base = prefix[: -len("experts")] + "shared_experts"
+                suffix = "weight_scale_inv" if leaf.endswith("scale_inv") else "weight"
+                shared = t[num_routed:]
+                if leaf.startswith("gate_up_proj"):
+                    half = shared.shape[1] // 2
+                    out[f"{base}.gate_proj.{suffix}"] = shared[:, :half].reshape(-1, shared.shape[2])
+                    out[f"{base}.up_proj.{suffix}"] = shared[:, half:].reshape(-1, shared.shape[2])
+                elif leaf.startswith("down_proj"):
+                    out[f"{base}.down_proj.{suffix}"] = shared.transpose(0, 1).reshape(shared.shape[1], -1)
+                else:
+                    out[name] = t
+            else:
+                out[name] = t
+        return out
 
     def expert_layers(self):
         """The main model's routed-expert layers, in order (the MTP modules' are left out of EPLB)."""

@@ -85,10 +85,16 @@ def test_prefill_then_decode_matches_hf(variant, paged, monkeypatch):
         monkeypatch.setattr("rayinfer.kernels.mla_attention.ABSORBED_MAX_QUERY_LEN", 1)
     ref, ours = make_pair(tiny_config(**extra), mtp=variant == "with_mtp")
     if variant == "fused_shared":
+        unfused = ours.state_dict()
         ours.process_weights_after_loading()
         moe = ours.model.layers[1].mlp
         assert moe.shared_experts is None and moe.experts.num_shared == 2
         assert moe.experts.w13.shape[0] == 8 + 2 and moe.experts.expert_counts.shape == (8,)
+        assert ours.model.layers[0].self_attn.qkv_a_proj is not None  # q_a_proj and kv_a_proj_with_mqa stacked
+        hf_names = ours.hf_state_dict()  # the unfused names and tensors again
+        assert hf_names.keys() == unfused.keys()
+        for name, t in unfused.items():
+            assert torch.equal(hf_names[name], t), name
     seqs = [torch.randint(0, 128, (14,)), torch.randint(0, 128, (12,))]
     paged.assert_matches_hf(ref, ours, seqs, TABLES, SCHEDULE, BLOCK_SIZE)
     load = ours.expert_load()
@@ -137,7 +143,7 @@ def test_loads_checkpoint_names_and_skips_mtp():
         assert torch.equal(fresh.state_dict()[name], t), name
     with pytest.raises(KeyError):
         fresh.load_weights([("model.layers.0.mlp.bogus.weight", torch.zeros(1))])
-    with pytest.raises(ValueError, match="fp8 routed experts are not supported"):
+    with pytest.raises(ValueError, match="fp8 expert weights without their weight_scale_inv"):  # a scale alone
         fresh.load_weights([("model.layers.1.mlp.experts.0.gate_proj.weight_scale_inv", torch.ones(1, 1))])
     with pytest.raises(ValueError, match="weight_scale_inv without their fp8 weight"):  # fp8 dense layers: tests/model/test_quantization.py
         fresh.load_weights([("model.layers.0.mlp.gate_proj.weight_scale_inv", torch.ones(1, 1))])

@@ -173,15 +173,16 @@ def test_fp8_checkpoint_loads_and_equals_the_dequantized_model(tmp_path, inter):
     assert_same_logits(ours, ref)
 
 
-def test_fp8_checkpoint_with_quantization_none_is_dequantized(tmp_path, monkeypatch):
-    monkeypatch.setenv("RAYINFER_FUSE_SHARED_EXPERTS", "0")  # the reference's layout, to compare state dicts
+def test_fp8_checkpoint_with_quantization_none_is_dequantized(tmp_path):
     cfg = tiny_config(num_nextn_predict_layers=0)
     model = random_model(cfg)
     state, ref = fp8_checkpoint(model, cfg)
     path = save_checkpoint(tmp_path, cfg, state, DEEPSEEK_FP8)
     ours = load_model(path, torch.float32, "cpu", quantization="none")
     assert {p.dtype for p in ours.parameters()} == {torch.float32}
-    for name, t in ours.state_dict().items():
+    unfused = ours.hf_state_dict()  # the loader fused the shared expert and the query/latent projections
+    assert unfused.keys() == ref.state_dict().keys()
+    for name, t in unfused.items():
         assert torch.equal(t, ref.state_dict()[name]), name
 
 
@@ -208,18 +209,19 @@ def test_16_bit_checkpoint_is_quantized_as_it_loads(tmp_path):
         assert torch.equal(params[f"{experts}.gate_up_proj_scale_inv"][0, 0 if kind == "gate_proj" else 1], sc[0])
 
 
-def test_dummy_fp8_weights_are_the_dummy_weights_quantized(monkeypatch):
-    monkeypatch.setenv("RAYINFER_FUSE_SHARED_EXPERTS", "0")  # one layout for both (fp8 at I = 32 is not fused)
-    plain = load_model("deepseek-v3-tiny", "float32", "cpu", "dummy", seed=0)
+def test_dummy_fp8_weights_are_the_dummy_weights_quantized():
+    # fp8 at I = 32 and a 48-row q_a_proj: blocks do not align, so nothing is fused; the bf16 model is fused,
+    # and compared under the unfused names (hf_state_dict)
+    plain = load_model("deepseek-v3-tiny", "float32", "cpu", "dummy", seed=0).hf_state_dict()
     fp8 = load_model("deepseek-v3-tiny", "float32", "cpu", "dummy", seed=0, quantization="fp8")
-    params, names = dict(fp8.named_parameters()), quantizable_linears(fp8)
+    params, names = fp8.state_dict(), quantizable_linears(fp8)
     assert len(names) == 2 * 4 + 3 + 3  # 4 attention projections a layer, the dense MLP, the shared expert
     for name in names:
-        q, s = quantize_block_fp8(plain.get_parameter(f"{name}.weight"))
+        q, s = quantize_block_fp8(plain[f"{name}.weight"])
         assert torch.equal(params[f"{name}.weight"].view(torch.uint8), q.view(torch.uint8)), name
         assert torch.equal(params[f"{name}.weight_scale_inv"], s), name
     experts = "model.layers.1.mlp.experts"
-    for name, p in plain.named_parameters():
+    for name, p in plain.items():
         if name.startswith(experts):  # the 8 routed slots: the dummy experts quantized
             q, s = (quantize_w13 if name.endswith("gate_up_proj") else quantize_block_fp8)(p[:8])
             assert torch.equal(params[name].view(torch.uint8), q.view(torch.uint8)), name
