@@ -464,6 +464,6 @@ register_scenario(Scenario(
                  "mixed_output_range": [2, 8]},
      "decode": {"batches": [1, 4], "contexts": [32, 160], "warmup": 1, "iters": 2},
      "prefill": {"lengths": [48, 160], "warmup": 1, "iters": 2},
-     "hf": {"num_prompts": 3, "batch_size": 2, "workloads": ["fixed", "mixed"]},
+     "hf": {"num_prompts": 3, "batch_sizes": [2, 3], "workloads": ["fixed", "mixed"]},
      "ceilings": {"copy_mib": 8, "gemm_n": 128, "iters": 3}, "cpu_threads": 1},
 ))

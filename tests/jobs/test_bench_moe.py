@@ -1,6 +1,6 @@
 """jobs/bench_moe.py and jobs/moe_cost.py: the tiny CPU runs of both MoE architectures write complete JSON; the
 full shapes are DeepSeek-V2-Lite's and Qwen3-30B-A3B's size; the cost models count the models by hand; the MoE
-scenario registers."""
+scenarios of jobs/bench.py compose."""
 
 import json
 from pathlib import Path
@@ -141,3 +141,30 @@ def test_qwen3_cost_model_counts_the_model_by_hand():
 
     assert roofline.cost_model_for(transformers.Qwen3MoeConfig(**TINY_QWEN3), 2, 1).kv_bytes_per_token == 3 * 2 * 2 * 16
 
+
+def test_moe_scenarios_of_jobs_bench(tmp_path):
+    """``jobs/bench.py scenario=qwen3-30b-a3b`` / ``scenario=deepseek-v2-lite`` compose with the README's
+    overrides; their models are the built-in shapes and cost what the published models do."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from rayinfer.jobs import bench, roofline
+    from rayinfer.jobs.moe_cost import MoECost, Qwen3MoECost
+    from rayinfer.model.loader import load_config
+
+    root = Path(__file__).resolve().parents[2]
+    bench.register_configs()
+    with initialize_config_dir(version_base="1.3", config_dir=str(root / "conf")):
+        for name, cls, billions in (("qwen3-30b-a3b", Qwen3MoECost, 30.5), ("deepseek-v2-lite", MoECost, 15.7)):
+            cfg = OmegaConf.to_object(compose("bench", overrides=[
+                f"scenario={name}", "offline.num_prompts=1000", "hf.batch_sizes=[32,64,128,256]",
+                "hf.num_prompts=null"]))
+            assert cfg.model.load_format == "dummy" and cfg.model.dtype == "bfloat16"
+            assert cfg.offline.num_prompts == 1000
+            assert (cfg.engine.max_num_seqs, cfg.engine.max_num_batched_tokens) == (256, 8192)
+            assert cfg.hf.batch_sizes == [32, 64, 128, 256] and cfg.hf.num_prompts is None
+            assert cfg.decode.batches == [1, 32, 128] and cfg.decode.contexts == [1024, 4096]
+            cost = roofline.cost_model_for(load_config(cfg.model.model), 2)
+            assert isinstance(cost, cls) and round(cost.num_params / 1e9, 1) == billions
+        old = OmegaConf.to_object(compose("bench", overrides=["scenario=tiny", "hf.batch_size=8"]))
+        assert old.hf.batch_sizes == [8]
