@@ -8,12 +8,26 @@
     python jobs/bench.py compare_batch_invariant=true sections=[offline,decode]  # the mode's cost, same run
     python jobs/bench.py scenario=smollm2-spec             # speculative decoding against plain (GPU)
 
+The MoE shapes (jobs/moe_cost.py registers their cost models and scenarios on import), the issue's
+1000 x 1000/1000 workload and HF at its best batch size, in one run (about 10-20 minutes on one H200)::
+
+    python jobs/bench.py scenario=qwen3-30b-a3b offline.num_prompts=1000 'offline.workloads=[fixed]' \
+        'hf.batch_sizes=[32,64,128,256]' hf.num_prompts=null
+    python jobs/bench.py scenario=deepseek-v2-lite offline.num_prompts=1000 'offline.workloads=[fixed]' \
+        'hf.batch_sizes=[32,64,128,256]' hf.num_prompts=null
+
+or split for 10-minute device calls: ``sections=[offline,decode,prefill]`` first, then HF alone at two
+sizes a call (``sections=[hf] 'hf.batch_sizes=[32,64]' hf.num_prompts=null hf.engine_result=<the first
+run's JSON>``); benchmarks/README.md ("MoE benchmarks") has the commands and time estimates.
+
 Sections (``sections=[offline,decode,prefill,hf]``, the default; ``spec`` on request, see
 jobs/bench_spec.py): offline throughput of a seeded random workload
 (fixed 1000 in / 1000 out, and seeded random lengths) through the engine's step loop; decode step time
 at each batch x context, driving the model directly over the engine's KV cache; prefill of one sequence,
-chunked by ``engine.max_num_batched_tokens``; the offline workload (a subset) through HF ``generate`` on
-the same weights. Each value is printed beside its roofline (bandwidth and matmul rate measured in the
+chunked by ``engine.max_num_batched_tokens``; the offline workload (the first ``hf.num_prompts`` prompts,
+or one full batch per size) through HF ``generate`` on the same weights at each of ``hf.batch_sizes``
+(a size that runs out of device memory is recorded as ``"oom"``; ``engine_over_hf`` is against the best
+size). Each value is printed beside its roofline (bandwidth and matmul rate measured in the
 same run) and written to ``benchmarks/results/bench-<scenario>-<device>-<time>.json``.
 ``compare_batch_invariant=true`` runs the offline and decode sections a second time on a new engine with
 ``engine.batch_invariant`` flipped, and records both and their ratios under ``"batch_invariant"``.
@@ -41,6 +55,9 @@ from rayinfer.engine.config import EngineConfig, ModelConfig
 from rayinfer.jobs import benchlib as bl
 from rayinfer.jobs import roofline as rl
 from rayinfer.jobs.bench_spec import SpecBenchSpec, run_spec_section, spec_model_kwargs
+from rayinfer.jobs.moe_cost import register_bench_plugins
+
+register_bench_plugins()  # the MoE cost models and scenarios (deepseek-v2-lite, qwen3-30b-a3b); in memory only
 
 SECTIONS = ("offline", "decode", "prefill", "hf", "spec")
 WORKLOADS = ("fixed", "mixed")
@@ -81,11 +98,29 @@ class PrefillSpec:
 
 @dataclass
 class HFSpec:
-    """The offline workloads' first ``num_prompts`` prompts through HF ``generate``, ``batch_size`` at a time."""
+    """The offline workloads through HF ``generate`` on the same weights, at each of ``batch_sizes``.
 
-    num_prompts: int = 32
-    batch_size: int = 32
+    Each size runs the workload's first ``num_prompts`` prompts, ``size`` at a time (None: ``size`` prompts,
+    one full batch at each size, the least work that measures every size at its own batch). A size that
+    runs out of device memory is recorded as ``"oom"`` and the next one runs; ``engine_over_hf`` is taken
+    against the best size. ``engine_result``: a result JSON of an earlier run (same scenario) whose
+    offline figures ``engine_over_hf`` uses when this run has no offline section (HF in a call of its own).
+    """
+
+    num_prompts: int | None = 32
+    batch_sizes: list[int] = field(default_factory=lambda: [32])
+    batch_size: int | None = None  # the former single size; when set it replaces batch_sizes
     workloads: list[str] = field(default_factory=lambda: ["fixed"])
+    engine_result: str | None = None
+
+    def __post_init__(self):
+        if self.batch_size is not None:
+            self.batch_sizes = [self.batch_size]
+        if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
+            raise ValueError(f"hf.batch_sizes must be a non-empty list of positive sizes, got "
+                             f"{list(self.batch_sizes)}")
+        if self.num_prompts is not None and self.num_prompts < 1:
+            raise ValueError(f"hf.num_prompts must be positive or null (one batch per size), got {self.num_prompts}")
 
 
 @dataclass
@@ -210,27 +245,63 @@ def _prefill(cfg, model, kv_cache, cost, ceilings, notes: list[str]) -> list[dic
     return rows
 
 
-def _hf(cfg, model, cost, ceilings, offline: dict) -> dict[str, Any]:
-    results = {}
+def _hf(cfg, model, cost, ceilings, offline: dict, save=None, notes: list[str] | None = None) -> dict[str, Any]:
+    """Each HF workload at every ``hf.batch_sizes`` (see :class:`HFSpec`); ``save(partial)`` after each size.
+
+    Returns:
+        ``{workload: {"by_batch_size": {"32": row or "oom", ...}, "best_batch_size", the best row's fields
+        (``output_tok_s``, ...), "engine_over_hf": engine / best HF output tok/s}}``; ``{"error": ...}``
+        when no HF twin could be built. A row is :func:`benchlib.hf_generate_throughput`'s with its
+        roofline (``max_num_seqs`` = the size) and its own ``engine_over_hf``.
+    """
+    results: dict[str, Any] = {}
     try:
         hf = bl.hf_twin(model)
     except Exception as e:  # another architecture without a mapping: the rest of the run still counts
         print(f"  hf: skipped ({e!r})", flush=True)
         return {"error": repr(e)}
     for name in cfg.hf.workloads:
-        items = _workload(cfg, name, model.config.vocab_size)[: cfg.hf.num_prompts]
-        r = bl.hf_generate_throughput(hf, items, cfg.hf.batch_size)
-        roof = rl.offline_roofline(cost, [len(i.prompt_token_ids) for i in items], [i.max_tokens for i in items],
-                                   cfg.hf.batch_size, ceilings)
-        fraction = roof["roofline_s"] / r["elapsed_s"]
+        workload = _workload(cfg, name, model.config.vocab_size)
         ours = offline.get(name, {}).get("output_tok_s")
-        results[name] = {**r, "roofline": roof, "roofline_fraction": fraction,
-                         "engine_over_hf": ours / r["output_tok_s"] if ours else None}
-        vs = f"; engine {ours / r['output_tok_s']:.2f}x" if ours else ""
-        _line(f"hf {name} ({len(items)} req, batch {cfg.hf.batch_size})",
-              f"{r['output_tok_s']:10.1f} out tok/s{vs}", roof, fraction)
+        by_size: dict[str, Any] = {}
+        results[name] = {"by_batch_size": by_size}
+        for size in cfg.hf.batch_sizes:
+            items = workload[: cfg.hf.num_prompts or size]
+            if len(items) < size and notes is not None:
+                notes.append(f"hf {name} batch {size}: only {len(items)} prompts (hf.num_prompts, the workload), "
+                             f"so its batches hold {len(items)}; hf.num_prompts=null runs one full batch per size")
+            r = bl.hf_generate_or_oom(hf, items, size)
+            if r == "oom":
+                by_size[str(size)] = "oom"
+                print(f"  hf {name} batch {size}: out of device memory (recorded as \"oom\")", flush=True)
+            else:
+                roof = rl.offline_roofline(cost, [len(i.prompt_token_ids) for i in items],
+                                           [i.max_tokens for i in items], size, ceilings)
+                fraction = roof["roofline_s"] / r["elapsed_s"]
+                by_size[str(size)] = {**r, "roofline": roof, "roofline_fraction": fraction,
+                                      "engine_over_hf": ours / r["output_tok_s"] if ours else None}
+                vs = f"; engine {ours / r['output_tok_s']:.2f}x" if ours else ""
+                _line(f"hf {name} ({len(items)} req, batch {size})", f"{r['output_tok_s']:10.1f} out tok/s{vs}",
+                      roof, fraction)
+            results[name].update(_best_hf(by_size))
+            if save:
+                save(results)
+        best = results[name]["best_batch_size"]
+        if best is not None and len(by_size) > 1:
+            vs = f", engine {results[name]['engine_over_hf']:.2f}x" if ours else ""
+            print(f"  hf {name}: best at batch {best}, {results[name]['output_tok_s']:.1f} out tok/s{vs}", flush=True)
     del hf
     return results
+
+
+def _best_hf(by_size: dict[str, Any]) -> dict[str, Any]:
+    """The fastest measured row of ``by_size`` ("oom" entries skipped), its fields at the top level, with
+    ``best_batch_size`` and ``engine_over_hf`` against it; all None when every size ran out of memory."""
+    measured = {int(k): v for k, v in by_size.items() if isinstance(v, dict)}
+    if not measured:
+        return {"best_batch_size": None, "output_tok_s": None, "engine_over_hf": None}
+    size = max(measured, key=lambda k: measured[k]["output_tok_s"])
+    return {**measured[size], "best_batch_size": size}
 
 
 def run(cfg: BenchConfig) -> dict[str, Any]:
@@ -275,9 +346,19 @@ def _run(cfg: BenchConfig) -> dict[str, Any]:
                               "num_params": getattr(cost, "num_params", None), "notes": []}
     print(f"bench {cfg.scenario}: {cfg.model.model} ({result['dtype']}) on {result['device']}, "
           f"git {result['git_rev']}{'+dirty' if result['git_dirty'] else ''}", flush=True)
+    # a reference for engine_over_hf when HF runs without the offline section (checked before the long load)
+    engine_reference = (_engine_offline(cfg.hf.engine_result, cfg, result["notes"])
+                        if "hf" in cfg.sections and "offline" not in cfg.sections and cfg.hf.engine_result else None)
     cuda = device.type == "cuda"
     path = result["path"] = str(result_path(Path(cfg.out_dir), cfg.scenario, result["device"]))
     seconds = result["section_seconds"] = {}
+
+    def save(name: str | None = None, value: Any = None) -> None:
+        """Write the result so far (with ``result[name] = value`` first, a section's partial result)."""
+        if name is not None:
+            result[name] = value
+        result["seconds"] = time.perf_counter() - t_start
+        Path(path).write_text(json.dumps(result, indent=1, default=str) + "\n")
 
     def timed(name: str, fn) -> None:
         """Run one section; a failure is recorded (and printed) and the run goes on; save after each."""
@@ -286,11 +367,11 @@ def _run(cfg: BenchConfig) -> dict[str, Any]:
             result[name] = fn()
         except Exception as e:  # one broken section (an OOM, a kernel error) must not lose the others
             traceback.print_exc()
-            result[name] = {"error": repr(e)}
+            partial = result.get(name)  # what the section saved before it failed
+            result[name] = {"error": repr(e), **({"partial": partial} if partial else {})}
             bl.release_device_memory()
         seconds[name] = time.perf_counter() - t0
-        result["seconds"] = time.perf_counter() - t_start
-        Path(path).write_text(json.dumps(result, indent=1, default=str) + "\n")
+        save()
 
     c = cfg.ceilings
     timed("ceilings", lambda: rl.measure_ceilings(device, dtype, (c.copy_mib or (2048 if cuda else 64)) << 20,
@@ -319,7 +400,9 @@ def _run(cfg: BenchConfig) -> dict[str, Any]:
     bl.release_device_memory()
     offline = result.get("offline", {})
     if "hf" in cfg.sections:
-        timed("hf", lambda: _hf(cfg, model, cost, ceilings, offline if "error" not in offline else {}))
+        offline = engine_reference or offline
+        timed("hf", lambda: _hf(cfg, model, cost, ceilings, offline if "error" not in offline else {},
+                                save=lambda partial: save("hf", partial), notes=result["notes"]))
     if "spec" in cfg.sections:
         timed("spec", lambda: run_spec_section(cfg.spec, cfg.model, cfg.engine, model, tokenizer,
                                                line=lambda text: print(text, flush=True)))
@@ -332,6 +415,27 @@ def _run(cfg: BenchConfig) -> dict[str, Any]:
     for note in result["notes"]:
         print(f"  note: {note}")
     return result
+
+
+def _engine_offline(path: str, cfg: BenchConfig, notes: list[str]) -> dict[str, Any]:
+    """The offline section of the earlier result at ``path`` (``hf.engine_result``), with a note saying so.
+
+    Raises:
+        ValueError: if the file cannot be read, has no offline figures, or is of another model.
+    """
+    try:
+        earlier = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"hf.engine_result={path!r} is not a readable bench result ({e})") from e
+    offline = earlier.get("offline")
+    if not isinstance(offline, dict) or not any("output_tok_s" in v for v in offline.values() if isinstance(v, dict)):
+        raise ValueError(f"hf.engine_result={path!r} has no offline figures to compare with")
+    model = (earlier.get("config") or {}).get("model", {}).get("model")
+    if model != cfg.model.model:
+        raise ValueError(f"hf.engine_result={path!r} is of model {model!r}, this run's is {cfg.model.model!r}")
+    notes.append(f"engine_over_hf uses the engine's offline figures of {path} (git {earlier.get('git_rev')}, "
+                 f"{earlier.get('timestamp')}), not of this run")
+    return offline
 
 
 def _batch_invariant_compare(cfg, result, cost, ceilings) -> dict[str, Any]:
@@ -394,10 +498,12 @@ def result_path(out_dir: Path, scenario: str, device: str) -> Path:
 
 
 def register_configs() -> None:
-    """Store the schema (``bench_schema``); scenarios were stored when benchlib registered them."""
+    """Store the schema (``bench_schema``); scenarios were stored when benchlib registered them (the MoE ones
+    are stored again here, in case a caller re-registered them elsewhere)."""
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name="bench_schema", node=BenchConfig)
+    register_bench_plugins()
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="bench")

@@ -1,43 +1,60 @@
-"""MoE benchmark at EP=1: decode step and prefill times of a DeepSeek-V2-Lite-shaped model against the
-roofline, and the fused MoE kernel against its torch reference.
+"""MoE benchmark at EP=1: decode step and prefill times of a MoE model (the DeepSeek-V2-Lite shape or the
+Qwen3-30B-A3B shape, dummy bf16 weights) against the roofline, and the fused MoE kernel against its torch
+reference.
 
     python jobs/bench_moe.py                      # on a CUDA machine: V2-Lite shape, bf16 dummy weights
     python jobs/bench_moe.py --tiny --device cpu  # a tiny shape, seconds on CPU (what the test runs)
     python jobs/bench_moe.py --batches 1,16,64,256 --context 1024 --prefill 1024,4096 --out results.json
+    python jobs/bench_moe.py --model qwen3-30b-a3b --tiny --device cpu   # the tiny Qwen3-MoE shape
 
-The model is the DeepSeek-V3 architecture (MLA, shared + routed experts, sigmoid grouped top-k) with
-DeepSeek-V2-Lite's dimensions: hidden 2048, 27 layers (the first dense), 64 routed + 2 shared experts,
-top-6, expert intermediate 1408, kv_lora_rank 512, qk_rope 64, qk_nope 128, v_head 128, no query
-LoRA, vocab 102400. V2-Lite itself routes with a softmax; the V3 router is used here, which moves the
-same bytes and FLOPs. Weights are random (``load_format="dummy"``), bf16.
+The issue's cases, one H200 each (benchmarks/README.md, "MoE benchmarks"; about 1-3 minutes a run)::
+
+    python jobs/bench_moe.py --model qwen3-30b-a3b --batches 1,32,128 --context 1024,4096 --prefill 4096 \
+        --moe-tokens 1,8,16,32,64,128,256,1024,4096 --out benchmarks/results/moe-qwen3-30b-a3b-h200.json
+    python jobs/bench_moe.py --model deepseek-v2-lite --batches 1,32,128 --context 1024,4096 --prefill 4096 \
+        --moe-tokens 1,8,16,32,64,128,256,1024,4096 --out benchmarks/results/moe-v2lite-h200-1k4k.json
+
+``--model`` (:data:`MODELS`): ``deepseek-v2-lite`` (the default) is the DeepSeek-V3 architecture (MLA,
+shared + routed experts, sigmoid grouped top-k) with DeepSeek-V2-Lite's dimensions: hidden 2048, 27
+layers (the first dense), 64 routed + 2 shared experts, top-6, expert intermediate 1408, kv_lora_rank 512,
+qk_rope 64, qk_nope 128, v_head 128, no query LoRA, vocab 102400 (model/shapes.py
+``deepseek-v2-lite-v3arch``). V2-Lite itself routes with a softmax; the V3 router is used here, which
+moves the same bytes and FLOPs. ``qwen3-30b-a3b`` is Qwen3-30B-A3B's shape (Qwen3-MoE: GQA 32/4 heads of
+128 with q/k RMSNorm, 48 MoE layers of 128 experts of intermediate 768, softmax top-8, no shared expert,
+vocab 151936). ``--tiny`` takes the same architecture at a CPU size. Weights are random
+(``load_format="dummy"``), bf16 by default.
 
 Roofline, both ceilings measured in the same run: HBM bandwidth as a large device-to-device copy (bytes
 read plus written) and the bf16 matmul rate of a large square matmul. A step cannot beat
 ``max(bytes / bandwidth, FLOPs / matmul rate)``, where bytes are the weights it reads (dense weights
-and LM head, the routed experts it actually routes to, counted from the model's expert load, the
-embedding rows) plus the KV cache it reads and writes, and FLOPs are 2 x the active parameters per token
-(routed experts at top-k) x tokens plus attention (absorbed MLA for decode, causal expanded MLA for
-prefill). Decode is memory-bound, prefill compute-bound. Times are medians of the model forward plus
+(attention, routers, norms, DeepSeek's shared experts) and LM head, the routed experts it actually routes
+to, counted from the model's expert load, the embedding rows) plus the KV cache it reads and writes
+(MLA: ``kv_lora_rank + qk_rope`` per token and layer; GQA: K and V of every KV head), and FLOPs are 2 x
+the active parameters per token (routed experts at top-k) x tokens plus attention (MLA: absorbed for
+decode, causal expanded for prefill; GQA: ``4 * head_dim`` per (query, key) pair and query head).
+Decode is memory-bound, prefill compute-bound. Times are medians of the model forward plus
 the logits of the sampled rows (no sampling, no scheduling): eager, and on CUDA decode also replayed
 from the engine's CUDA graphs (``engine.cuda_graph.DecodeGraphs``; ``ms_graph``), the way the engine
-runs decode steps (``--no-graphs`` skips them). The fused MoE rows time the routed-expert kernel alone
+runs decode steps (``--no-graphs`` skips them). Decode rows run every ``--context`` (a list) x
+``--batches``. The fused MoE rows time the routed-expert kernel alone at the model's expert shape
 (alignment, the gate/up GEMM with SiLU-and-mul fused, the down GEMM, top-k sum), replayed from a CUDA
 graph (``kernel_ms``; ``kernel_eager_ms`` eager) for M = 1 ... 4096 tokens against its
 roofline (the experts it reads, or its FLOPs) and its torch reference; the routing_align rows time the
-router (grouped top-k) and the alignment (with load counting) kernels against their torch references,
-each replayed from a CUDA graph.
+router (DeepSeek's grouped top-k, Qwen3's softmax top-k) and the alignment (with load counting) kernels
+against their torch references, each replayed from a CUDA graph.
 
 Writes JSON (command, device, git revision, ceilings, one row per case) to ``--out``, by default
-``benchmarks/results/moe-<device>.json``. :func:`run` is the entry point for other jobs;
-:func:`register_bench_plugins` adds the cost model and a "deepseek-v2-lite" scenario to ``jobs/bench.py``.
+``benchmarks/results/moe-<device>.json`` (``moe-qwen3-30b-a3b-<device>.json`` for Qwen3). :func:`run` is
+the entry point for other jobs; the cost models and jobs/bench.py's MoE scenarios live in
+jobs/moe_cost.py (:func:`register_bench_plugins`, re-exported here).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
 import json
-import math
 import platform
 import statistics
 import subprocess
@@ -49,18 +66,18 @@ from pathlib import Path
 
 import torch
 
+from rayinfer.jobs.moe_cost import MoECost, Qwen3MoECost, register_bench_plugins, write_shape  # noqa: F401
+from rayinfer.model.shapes import SHAPES
+
+
+def _kwargs(shape: str) -> dict:
+    """A built-in shape's config keyword arguments without ``model_type`` (a deep copy: configs may edit
+    nested dicts such as ``rope_parameters``)."""
+    return {k: copy.deepcopy(v) for k, v in SHAPES[shape].items() if k != "model_type"}
+
+
 # DeepSeek-V3 architecture with DeepSeek-V2-Lite dimensions (Hugging Face config keyword arguments).
-V2_LITE_V3_ARCH = dict(
-    architectures=["DeepseekV3ForCausalLM"], vocab_size=102400, hidden_size=2048, intermediate_size=10944,
-    moe_intermediate_size=1408, num_hidden_layers=27, first_k_dense_replace=1, num_attention_heads=16,
-    num_key_value_heads=16, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, n_group=1,
-    topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0, kv_lora_rank=512, q_lora_rank=None,
-    qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, max_position_embeddings=163840,
-    rms_norm_eps=1e-6, tie_word_embeddings=False, num_nextn_predict_layers=0, bos_token_id=100000,
-    eos_token_id=100001,
-    rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=4096,
-                         mscale=0.707, mscale_all_dim=0.707, beta_fast=32, beta_slow=1),
-)
+V2_LITE_V3_ARCH = _kwargs("deepseek-v2-lite-v3arch")
 # The same architecture, small enough for a CPU test run.
 TINY_V3_ARCH = dict(
     V2_LITE_V3_ARCH, vocab_size=1024, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
@@ -69,10 +86,38 @@ TINY_V3_ARCH = dict(
     max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
     rope_parameters=dict(rope_type="default", rope_theta=10000.0),
 )
+QWEN3_30B_A3B = _kwargs("qwen3-30b-a3b")
+TINY_QWEN3 = dict(
+    QWEN3_30B_A3B, vocab_size=1024, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+    num_experts_per_tok=2, rope_theta=10000.0, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+)
+
+
+@dataclass(frozen=True)
+class MoEBenchModel:
+    """A shape this job runs: its Hugging Face ``model_type``, the full and the tiny (CPU) config keyword
+    arguments, and how the result names them."""
+
+    model_type: str
+    full: dict
+    tiny: dict
+    description: str
+    tiny_description: str
+
+
+MODELS = {
+    "deepseek-v2-lite": MoEBenchModel("deepseek_v3", V2_LITE_V3_ARCH, TINY_V3_ARCH,
+                                      "DeepSeek-V3 architecture with DeepSeek-V2-Lite dimensions (dummy weights)",
+                                      "tiny DeepSeek-V3 (CPU smoke shape)"),
+    "qwen3-30b-a3b": MoEBenchModel("qwen3_moe", QWEN3_30B_A3B, TINY_QWEN3,
+                                   "Qwen3-30B-A3B shape, Qwen3-MoE architecture (dummy weights)",
+                                   "tiny Qwen3-MoE (CPU smoke shape)"),
+}
 BLOCK_SIZE = 64
-FULL = dict(batches=[1, 16, 32, 64, 256], context=1024, prefill=[1024, 4096, 8192],
+FULL = dict(batches=[1, 16, 32, 64, 256], contexts=[1024], prefill=[1024, 4096, 8192],
             moe_tokens=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096])
-TINY = dict(batches=[1, 4], context=32, prefill=[32], moe_tokens=[1, 16])
+TINY = dict(batches=[1, 4], contexts=[32], prefill=[32], moe_tokens=[1, 16])
 
 
 # -- measurement ---------------------------------------------------------------------------------
@@ -136,6 +181,44 @@ def _roofline(ceil: dict, num_bytes: float, flops: float) -> dict:
             "roofline_ms": max(mem_ms, compute_ms), "bound": "memory" if mem_ms >= compute_ms else "compute"}
 
 
+def _is_mla(cfg) -> bool:
+    return getattr(cfg, "kv_lora_rank", None) is not None
+
+
+def kv_elements_per_token(cfg) -> int:
+    """KV-cache elements of one token over all layers: MLA's latent and roped key (``kv_lora_rank +
+    qk_rope_head_dim``) or GQA's K and V (``2 * num_key_value_heads * head_dim``) per layer."""
+    if _is_mla(cfg):
+        return cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim
+
+
+def attention_flops(cfg, batch: int, query_len: int, context: int) -> int:
+    """Attention FLOPs of ``batch`` requests of ``query_len`` new tokens after ``context`` cached ones.
+
+    MLA decode (query_len 1) is absorbed: scores over R + P and values of width R per head and key; MLA
+    prefill is expanded, causal: ``qk_nope + qk_rope + v_head`` per (query, key) pair and head, 2 FLOPs each.
+    GQA: QK^T and PV, ``4 * head_dim`` per (query, key) pair and query head."""
+    layers, heads = cfg.num_hidden_layers, cfg.num_attention_heads
+    pairs = batch * (query_len * context + query_len * (query_len + 1) // 2)  # causal over the new tokens
+    if not _is_mla(cfg):
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        return 4 * layers * heads * head_dim * pairs
+    r, p = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    if query_len == 1:
+        return batch * layers * heads * (context + 1) * 2 * (r + p + r)
+    return layers * heads * pairs * 2 * (cfg.qk_nope_head_dim + p + cfg.v_head_dim)
+
+
+def expert_shape(cfg) -> tuple[int, int, int, int, int]:
+    """(routed experts L, top-k, hidden H, expert intermediate I, shared experts S) of a MoE config
+    (DeepSeek-V3's ``n_routed_experts`` / ``n_shared_experts`` or Qwen3-MoE's ``num_experts``, no shared)."""
+    num_routed = getattr(cfg, "n_routed_experts", None) or cfg.num_experts
+    shared = getattr(cfg, "n_shared_experts", 0) or 0
+    return num_routed, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size, shared
+
+
 def bench_step(model, ceil: dict, counts: dict, *, batch: int, query_len: int, context: int, reps: int,
                graphs: bool = False) -> dict:
     """Time one forward of ``batch`` requests computing ``query_len`` new tokens each after ``context``
@@ -166,17 +249,10 @@ def bench_step(model, ceil: dict, counts: dict, *, batch: int, query_len: int, c
         ms = time_ms(step, device, reps)
         graph_ms = _graph_step_ms(model, kv, meta, ids, pos, seq_len, reps) if graphs and query_len == 1 else None
     tokens, item = batch * query_len, dtype.itemsize
-    kv_width, layers = cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.num_hidden_layers
     num_bytes = (counts["dense_bytes"] + counts["lm_head_bytes"] + touched * counts["per_expert_bytes"]
-                 + item * (tokens * cfg.hidden_size + batch * seq_len * layers * kv_width))
+                 + item * (tokens * cfg.hidden_size + batch * seq_len * kv_elements_per_token(cfg)))
     active = counts["dense"] + counts["num_moe_layers"] * counts["top_k"] * counts["per_expert"]
-    heads, r, p = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    if query_len == 1:  # absorbed MLA: scores over R + P, values of width R, per head and context token
-        attn = batch * layers * heads * seq_len * 2 * (r + p + r)
-    else:  # expanded MLA, causal: each query sees the context and the new tokens up to itself
-        pairs = batch * (query_len * context + query_len * (query_len + 1) // 2)
-        attn = layers * heads * pairs * 2 * (cfg.qk_nope_head_dim + p + cfg.v_head_dim)
-    flops = 2 * active * tokens + 2 * counts["lm_head"] * batch + attn
+    flops = 2 * active * tokens + 2 * counts["lm_head"] * batch + attention_flops(cfg, batch, query_len, context)
     row = {"batch": batch, "query_len": query_len, "context": context, "ms": ms,
            "routed_experts_read": touched, **_roofline(ceil, num_bytes, flops)}
     row["pct_of_roofline"] = 100 * row["roofline_ms"] / ms
@@ -226,28 +302,38 @@ def graph_ms(fn, device: torch.device, reps: int, inner: int = 10) -> float:
 
 def bench_routing_align(cfg, num_tokens: int, device: torch.device, reps: int) -> dict:
     """The MoE layer's small ops at ``num_tokens`` tokens, kernels against their torch references, each
-    timed from a CUDA graph on CUDA: the router (grouped top-k) and the alignment (with expert-load
-    counting, as ``RoutedExperts`` runs it)."""
+    timed from a CUDA graph on CUDA: the router (DeepSeek-V3's grouped top-k, or Qwen3-MoE's softmax top-k,
+    over float32 logits) and the alignment (with expert-load counting, as ``RoutedExperts`` runs it)."""
     from rayinfer.kernels._triton_utils import use_triton
     from rayinfer.kernels.fused_moe import _map_and_count, moe_align_ref, moe_align_triton
     from rayinfer.kernels.fused_moe_config import default_tile_config
-    from rayinfer.kernels.moe_routing import grouped_topk_ref, grouped_topk_triton
+    from rayinfer.kernels.moe_routing import (grouped_topk_ref, grouped_topk_triton, softmax_topk_ref,
+                                              softmax_topk_triton)
 
-    num_experts, top_k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    num_experts, top_k = expert_shape(cfg)[:2]
     gen = torch.Generator(device=device).manual_seed(num_tokens)
     logits = torch.randn(num_tokens, num_experts, generator=gen, device=device)
     bias = torch.randn(num_experts, generator=gen, device=device) * 0.01
-    args = (top_k, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
-    ids = grouped_topk_ref(logits, bias, *args)[1]
+    if hasattr(cfg, "n_group"):
+        router = "grouped_topk"
+        args = (top_k, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+        ref = lambda: grouped_topk_ref(logits, bias, *args)  # noqa: E731
+        kernel = lambda: grouped_topk_triton(logits, bias, *args)  # noqa: E731
+    else:
+        router = "softmax_topk"
+        ref = lambda: softmax_topk_ref(logits, top_k, cfg.norm_topk_prob)  # noqa: E731
+        kernel = lambda: softmax_topk_triton(logits, top_k, cfg.norm_topk_prob)  # noqa: E731
+    ids = ref()[1]
     load = torch.zeros(num_experts, dtype=torch.int64, device=device)
     block_m = default_tile_config(num_tokens, top_k).block_m
-    row = {"num_tokens": num_tokens, "kernel": "triton" if use_triton(logits) else "none (no Triton here)"}
+    row = {"num_tokens": num_tokens, "router": router,
+           "kernel": "triton" if use_triton(logits) else "none (no Triton here)"}
     with torch.inference_mode():
-        row["routing_ref_ms"] = graph_ms(lambda: grouped_topk_ref(logits, bias, *args), device, reps)
+        row["routing_ref_ms"] = graph_ms(ref, device, reps)
         row["align_ref_ms"] = graph_ms(
             lambda: moe_align_ref(_map_and_count(ids, None, load), num_experts, block_m), device, reps)
         if use_triton(logits):
-            row["routing_kernel_ms"] = graph_ms(lambda: grouped_topk_triton(logits, bias, *args), device, reps)
+            row["routing_kernel_ms"] = graph_ms(kernel, device, reps)
             row["align_kernel_ms"] = graph_ms(
                 lambda: moe_align_triton(ids, num_experts, block_m, expert_load=load), device, reps)
     return row
@@ -265,9 +351,8 @@ def bench_fused_moe(ceil: dict, cfg, num_tokens: int, device: torch.device, dtyp
     from rayinfer.kernels.fused_moe import dequant_w13, fused_moe, fused_moe_ref, quantize_w13
     from rayinfer.kernels.moe_routing import append_shared_experts
 
-    num_routed, top_k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    num_routed, top_k, hidden_size, inter, _ = expert_shape(cfg)
     num_experts = num_routed + num_shared
-    hidden_size, inter = cfg.hidden_size, cfg.moe_intermediate_size
     gen = torch.Generator(device=device).manual_seed(num_tokens)
     x = torch.randn(num_tokens, hidden_size, generator=gen, device=device).to(dtype)
     w13 = (torch.randn(num_experts, 2 * inter, hidden_size, generator=gen, device=device) * 0.02).to(dtype)
@@ -304,95 +389,6 @@ def bench_fused_moe(ceil: dict, cfg, num_tokens: int, device: torch.device, dtyp
     return row
 
 
-# -- plug-in for jobs/bench.py (offline throughput through the engine, HF comparison) ------------
-@dataclass(frozen=True)
-class MoECost:
-    """Bytes and FLOPs of a DeepSeek-V3-architecture step, the ``CostModel`` of ``jobs/roofline.py``.
-
-    Weight bytes count every non-routed weight once, the LM head, one embedding row per token, and per
-    MoE layer the routed experts that ``num_tokens`` tokens touch when routing is uniform
-    (``L * (1 - (1 - k/L)^T)`` expected distinct experts). FLOPs: 2 per multiply-add of the projections
-    with top-k routed experts per token, expanded MLA attention (``qk + v`` head dims per (query, key)
-    pair and head); norms, RoPE, softmax and routing are left out. (The direct decode rows of
-    :func:`bench_step` count the experts actually read and absorbed-MLA attention instead.)
-    """
-
-    num_layers: int
-    num_moe_layers: int
-    hidden_size: int
-    vocab_size: int
-    dense_params: int  # read every step: attention, dense MLPs, shared experts, routers, norms
-    expert_params: int  # one routed expert
-    num_experts: int
-    top_k: int
-    attn_dims: int  # (qk_nope + qk_rope + v_head) * heads
-    kv_bytes_per_token: int
-    dtype_bytes: int
-
-    @classmethod
-    def from_config(cls, config, dtype_bytes: int) -> "MoECost":
-        c, h = config, config.hidden_size
-        heads, nope, rope, v = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
-        q_lora = getattr(c, "q_lora_rank", None)
-        q = h * heads * (nope + rope) if q_lora is None else h * q_lora + q_lora + q_lora * heads * (nope + rope)
-        attn = q + h * (c.kv_lora_rank + rope) + c.kv_lora_rank + c.kv_lora_rank * heads * (nope + v) + heads * v * h
-        num_moe = c.num_hidden_layers - c.first_k_dense_replace
-        moe_inter, num_experts = c.moe_intermediate_size, c.n_routed_experts
-        dense = (c.num_hidden_layers * (attn + 2 * h) + c.first_k_dense_replace * 3 * h * c.intermediate_size
-                 + num_moe * (num_experts * h + 3 * h * moe_inter * c.n_shared_experts) + h)
-        return cls(c.num_hidden_layers, num_moe, h, c.vocab_size, dense, 3 * h * moe_inter, num_experts,
-                   c.num_experts_per_tok, heads * (nope + rope + v),
-                   c.num_hidden_layers * (c.kv_lora_rank + rope) * dtype_bytes, dtype_bytes)
-
-    @property
-    def num_params(self) -> int:
-        """All parameters (embedding and LM head untied)."""
-        return (self.dense_params + 2 * self.vocab_size * self.hidden_size
-                + self.num_moe_layers * self.num_experts * self.expert_params)
-
-    def experts_touched(self, num_tokens: int) -> float:
-        """Expected distinct routed experts of one layer that ``num_tokens`` uniformly routed tokens read."""
-        return self.num_experts * (1 - (1 - self.top_k / self.num_experts) ** num_tokens)
-
-    def weight_bytes_read(self, num_tokens: int) -> int:
-        experts = self.num_moe_layers * self.experts_touched(num_tokens) * self.expert_params
-        h = self.hidden_size
-        return int((self.dense_params + self.vocab_size * h + num_tokens * h + experts) * self.dtype_bytes)
-
-    def flops(self, num_tokens: int, num_attn_pairs: int, num_logits: int) -> int:
-        active = self.dense_params + self.num_moe_layers * self.top_k * self.expert_params
-        return (2 * active * num_tokens + 2 * self.num_layers * self.attn_dims * num_attn_pairs
-                + 2 * self.hidden_size * self.vocab_size * num_logits)
-
-
-def write_shape(shape: dict, path: Path) -> Path:
-    """Write ``shape`` as a Hugging Face config.json in ``path`` (a model directory for ``load_format="dummy"``)."""
-    import transformers
-
-    path.mkdir(parents=True, exist_ok=True)
-    transformers.DeepseekV3Config(**shape).save_pretrained(path)
-    return path
-
-
-def register_bench_plugins(model_dir: Path | None = None) -> None:
-    """Plug the MoE model into ``jobs/bench.py``: the DeepSeek-V3 cost model and a "deepseek-v2-lite"
-    scenario (dummy bf16 weights on the GPU), whose config is written to ``model_dir`` (default: the
-    user cache directory).
-    """
-    import platformdirs
-
-    from rayinfer.jobs import benchlib, roofline
-
-    roofline.register_cost_model("DeepseekV3ForCausalLM", MoECost.from_config)
-    model_dir = model_dir or Path(platformdirs.user_cache_dir("rayinfer")) / "deepseek-v2-lite-v3arch"
-    path = write_shape(V2_LITE_V3_ARCH, model_dir)
-    benchlib.register_scenario(benchlib.Scenario(
-        "deepseek-v2-lite", "DeepSeek-V3 architecture with DeepSeek-V2-Lite dimensions, dummy bf16 weights, on the GPU",
-        {"model": {"model": str(path), "dtype": "bfloat16", "load_format": "dummy", "max_model_len": 8192},
-         "engine": {"max_num_seqs": 256, "max_num_batched_tokens": 8192}, "offline": {"num_prompts": 200}},
-    ))
-
-
 # -- the job -------------------------------------------------------------------------------------
 def git_revision() -> str | None:
     """``git rev-parse HEAD``, with ``-dirty`` when the tree has changes; None outside a checkout."""
@@ -414,64 +410,74 @@ def device_name(device: torch.device) -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
-def build_model(shape: dict, dtype: torch.dtype, device: torch.device, quantization: str | None = None):
-    """The DeepSeek-V3 model of ``shape`` with dummy weights, through the engine's loader (``quantization``:
-    "fp8" for DeepSeek-V3's 128 x 128 fp8 blocks in every linear and routed expert)."""
+def build_model(shape: dict, dtype: torch.dtype, device: torch.device, model_type: str = "deepseek_v3",
+                quantization: str | None = None):
+    """The model of ``shape`` (Hugging Face config keyword arguments of ``model_type``) with dummy weights,
+    through the engine's loader (which fuses DeepSeek's shared experts into the routed experts);
+    ``quantization`` "fp8": 128 x 128 fp8 blocks in every linear layer and routed expert."""
     from rayinfer.model.loader import load_model
 
     with tempfile.TemporaryDirectory() as tmp:
-        return load_model(write_shape(shape, Path(tmp)), dtype, device, load_format="dummy", seed=0,
+        return load_model(write_shape(shape, Path(tmp), model_type), dtype, device, load_format="dummy", seed=0,
                           quantization=quantization)
 
 
 def run(tiny: bool = False, device: str | None = None, dtype: str = "bfloat16", batches: list[int] | None = None,
-        context: int | None = None, prefill: list[int] | None = None, moe_tokens: list[int] | None = None,
-        reps: int | None = None, command: str | None = None, git_rev: str | None = None,
-        graphs: bool = True, quantization: str | None = None) -> dict:
+        context: int | list[int] | None = None, prefill: list[int] | None = None,
+        moe_tokens: list[int] | None = None, reps: int | None = None, command: str | None = None,
+        git_rev: str | None = None, graphs: bool = True, model: str = "deepseek-v2-lite",
+        quantization: str | None = None) -> dict:
     """Run every case and return the results (see the module docstring for what is measured).
 
     Args:
-        tiny: the tiny shape and case list (a CPU smoke run) instead of V2-Lite's.
+        tiny: the model's tiny shape and case list (a CPU smoke run) instead of its full shape.
         device: "cuda" or "cpu"; None picks cuda when available.
         dtype: parameter and activation dtype name.
-        batches, context: decode cases (requests per step, cached tokens per request).
+        batches, context: decode cases (requests per step; cached tokens per request, one or a list:
+            every context x every batch).
         prefill: prompt lengths of the prefill cases (one request, nothing cached).
         moe_tokens: token counts of the fused MoE cases.
         reps: timed repetitions per case (median reported).
         command, git_rev: recorded as given (defaults: this process's argv, :func:`git_revision`).
         graphs: on CUDA, also time decode replayed from CUDA graphs.
+        model: a key of :data:`MODELS` ("deepseek-v2-lite" or "qwen3-30b-a3b").
         quantization: the model's weights for the decode and prefill rows ("fp8": 128 x 128 fp8 blocks in
             every linear layer and routed expert; None: ``dtype``).
+    Raises:
+        ValueError: for a model not in :data:`MODELS`.
     """
     from rayinfer.model.loader import parse_dtype
 
+    if model not in MODELS:
+        raise ValueError(f"unknown model {model!r}; choose from {sorted(MODELS)}")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     threads = torch.get_num_threads()
     if tiny and dev.type == "cpu":
         # A smoke run of tiny ops: one thread, since a shared CPU's busy cores stall every parallel
         # region of a multi-threaded op (times then measure the scheduler, not the op).
         torch.set_num_threads(1)
+    contexts = [context] if isinstance(context, int) else context
     try:
-        return _run(tiny, dev, parse_dtype(dtype), batches, context, prefill, moe_tokens, reps, command, git_rev,
-                    graphs and dev.type == "cuda", quantization)
+        return _run(MODELS[model], tiny, dev, parse_dtype(dtype), batches, contexts, prefill, moe_tokens, reps,
+                    command, git_rev, graphs and dev.type == "cuda", quantization)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run(tiny, dev, dt, batches, context, prefill, moe_tokens, reps, command, git_rev, graphs,
-         quantization=None) -> dict:
+def _run(spec: MoEBenchModel, tiny, dev, dt, batches, contexts, prefill, moe_tokens, reps, command, git_rev,
+         graphs, quantization=None) -> dict:
     cases = TINY if tiny else FULL
-    batches, context = batches or cases["batches"], context or cases["context"]
+    batches, contexts = batches or cases["batches"], contexts or cases["contexts"]
     prefill, moe_tokens = prefill or cases["prefill"], moe_tokens or cases["moe_tokens"]
     reps = reps or (3 if tiny else 10)
-    shape = TINY_V3_ARCH if tiny else V2_LITE_V3_ARCH
+    shape = spec.tiny if tiny else spec.full
     started = time.time()
     ceil = measure_ceilings(dev, dt, tiny)
     print(f"ceilings: {ceil['copy_GBps']:.0f} GB/s copy, {ceil['matmul_TFLOPs']:.3g} TFLOP/s matmul", flush=True)
-    model = build_model(shape, dt, dev, quantization)
+    model = build_model(shape, dt, dev, spec.model_type, quantization)
     counts = param_counts(model)
     decode = []
-    for batch in batches:
+    for context, batch in itertools.product(contexts, batches):
         decode.append(bench_step(model, ceil, counts, batch=batch, query_len=1, context=context, reps=reps,
                                  graphs=graphs))
         _print("decode", decode[-1], f"B={batch} ctx={context}")
@@ -486,9 +492,9 @@ def _run(tiny, dev, dt, batches, context, prefill, moe_tokens, reps, command, gi
     del model
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    config = _config(shape)
+    config = _config(shape, spec.model_type)
     moe = []
-    shared = getattr(config, "n_shared_experts", 0) or 0
+    shared = expert_shape(config)[4]
     # routed experts alone; with the shared experts fused (the model's layer at one rank); fp8 weights too
     variants = [(0, False), (shared, False), (shared, True)] if shared else [(0, False), (0, True)]
     for (num_shared, fp8), n in itertools.product(variants, moe_tokens):
@@ -514,9 +520,9 @@ def _run(tiny, dev, dt, batches, context, prefill, moe_tokens, reps, command, gi
         "python": platform.python_version(),
         "dtype": str(dt),
         "quantization": quantization,
-        "model": ("tiny DeepSeek-V3 (CPU smoke shape)" if tiny else
-                  "DeepSeek-V3 architecture with DeepSeek-V2-Lite dimensions (dummy weights)"),
+        "model": spec.tiny_description if tiny else spec.description,
         "shape": {k: v for k, v in shape.items() if k != "architectures"},
+        "architecture": shape["architectures"][0],
         "params": counts,
         "ceilings": ceil,
         "notes": ("ms: median wall time, eager, forward + logits of each request's last token; ms_graph: the same "
@@ -530,10 +536,10 @@ def _run(tiny, dev, dt, batches, context, prefill, moe_tokens, reps, command, gi
     }
 
 
-def _config(shape: dict):
+def _config(shape: dict, model_type: str = "deepseek_v3"):
     import transformers
 
-    return transformers.DeepseekV3Config(**shape)
+    return transformers.AutoConfig.for_model(model_type, **shape)
 
 
 def _print(kind: str, row: dict, label: str) -> None:
@@ -547,11 +553,14 @@ def _ints(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tiny", action="store_true", help="tiny shape and cases (CPU smoke run)")
+    parser.add_argument("--model", default="deepseek-v2-lite", choices=sorted(MODELS),
+                        help="the MoE shape (default: deepseek-v2-lite)")
+    parser.add_argument("--tiny", action="store_true", help="the model's tiny shape and cases (CPU smoke run)")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--batches", type=_ints, default=None, help="decode batch sizes, e.g. 1,16,64,256")
-    parser.add_argument("--context", type=int, default=None, help="cached tokens per decode request")
+    parser.add_argument("--context", type=_ints, default=None,
+                        help="cached tokens per decode request, one or a list, e.g. 1024,4096")
     parser.add_argument("--prefill", type=_ints, default=None, help="prefill lengths, e.g. 1024,4096")
     parser.add_argument("--moe-tokens", type=_ints, default=None, help="fused MoE token counts")
     parser.add_argument("--reps", type=int, default=None)
@@ -559,14 +568,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quantization", default=None, choices=["fp8"],
                         help="the model's weights for decode/prefill rows: fp8 128x128 blocks (default: --dtype)")
     parser.add_argument("--git-rev", default=None, help="revision of the code (default: git rev-parse HEAD)")
-    parser.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/moe-<device>.json)")
+    parser.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/moe-<device>.json, "
+                        "moe-qwen3-30b-a3b-<device>.json for Qwen3)")
     args = parser.parse_args(argv)
     argv_text = " ".join(sys.argv[1:] if argv is None else argv)
     result = run(args.tiny, args.device, args.dtype, args.batches, args.context, args.prefill, args.moe_tokens,
                  args.reps, command=f"python jobs/bench_moe.py {argv_text}".strip(), git_rev=args.git_rev,
-                 graphs=not args.no_graphs, quantization=args.quantization)
+                 graphs=not args.no_graphs, model=args.model, quantization=args.quantization)
+    prefix = "" if args.model == "deepseek-v2-lite" else f"{args.model}-"  # the V2-Lite file names of before
     out = Path(args.out or Path(__file__).resolve().parents[1] / "benchmarks" / "results"
-               / f"moe-{'tiny-' if args.tiny else ''}{_slug(result['device'])}.json")
+               / f"moe-{prefix}{'tiny-' if args.tiny else ''}{_slug(result['device'])}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")

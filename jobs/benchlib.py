@@ -4,18 +4,16 @@ decode and prefill steps, the Hugging Face comparison, run metadata and the scen
 Everything here is a plain function or small class (no Hydra, no Ray) so tests drive it on CPU with the
 ``llama-tiny`` shape; the roofline arithmetic lives in :mod:`rayinfer.jobs.roofline`. Glossary: TTFT time
 to first token; TPOT time per output token after the first; roofline fraction ``roofline time / measured
-time`` (1.0 is the ceiling).
+time`` (1.0 is the ceiling). The Hugging Face twin and its ``generate`` timing live in
+:mod:`rayinfer.jobs.hf_baseline` (re-exported here).
 
-Plug-ins (jobs/bench_moe.py)::
+Plug-ins (jobs/moe_cost.py ``register_bench_plugins``, which jobs/bench.py calls on import)::
 
-    from rayinfer.jobs import bench, benchlib, roofline
+    from rayinfer.jobs import benchlib, roofline
     roofline.register_cost_model("DeepseekV3ForCausalLM", MoECost.from_config)   # bytes and FLOPs
     benchlib.register_scenario(benchlib.Scenario("deepseek-v2-lite", "DeepSeek-V2-Lite shape, dummy bf16",
                                                  {"model": {...}, "engine": {...}, "offline": {...}}))
-    benchlib.HF_TWIN_BUILDERS["DeepseekV3ForCausalLM"] = build_hf_twin             # optional
-    if __name__ == "__main__":
-        bench.register_configs()
-        bench.main()                     # python jobs/bench_moe.py scenario=deepseek-v2-lite
+    benchlib.HF_TWIN_BUILDERS["SomeArchForCausalLM"] = build_hf_twin   # only where hf_twin's mapping falls short
 """
 
 from __future__ import annotations
@@ -37,6 +35,8 @@ from typing import Any
 
 import torch
 
+from rayinfer.jobs.hf_baseline import (  # noqa: F401 (the HF comparison, re-exported for bench.py and tests)
+    HF_TWIN_BUILDERS, hf_generate_or_oom, hf_generate_throughput, hf_twin, is_out_of_memory)
 from rayinfer.jobs.roofline import time_fn
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -391,112 +391,6 @@ def time_prefill(model, kv_cache: torch.Tensor, block_size: int, num_tokens: int
             "kv_aliased": per > num_blocks}
 
 
-# -- Hugging Face transformers on the same weights ----------------------------------------------------
-# architecture -> builder of the HF twin, for models whose weights need more than hf_twin's default mapping
-HF_TWIN_BUILDERS: dict[str, Any] = {}
-
-
-def hf_twin(model) -> torch.nn.Module:
-    """A Hugging Face ``AutoModelForCausalLM`` of ``model.config`` that shares ``model``'s weight tensors.
-
-    An architecture in :data:`HF_TWIN_BUILDERS` is built by its own builder (``builder(model) -> HF model``).
-
-    Built on the meta device, then given our tensors (no copy, no extra memory): same-named ones as they
-    are, and the HF projections that our model fuses (its ``_STACKED`` map, e.g. q/k/v -> qkv_proj) as
-    row slices of the fused weight. Buffers that are in no state dict (RoPE tables) are rebuilt on the
-    model's device.
-
-    Raises:
-        ValueError: if our tensors do not cover the HF model's (another architecture needs its own mapping).
-    """
-    import copy
-
-    import transformers
-
-    arch = (getattr(model.config, "architectures", None) or [None])[0]
-    if arch in HF_TWIN_BUILDERS:
-        return HF_TWIN_BUILDERS[arch](model)
-    param = next(model.parameters())
-    config = copy.deepcopy(model.config)
-    config._attn_implementation = "sdpa"
-    with torch.device("meta"):
-        hf = transformers.AutoModelForCausalLM.from_config(config)
-    ours, wanted = model.state_dict(), hf.state_dict()
-    stacked = getattr(model, "_STACKED", {})  # checkpoint projection -> (fused projection, shard index)
-    tensors = {}
-    for name, meta in wanted.items():
-        parts = name.split(".")
-        if name in ours:
-            tensors[name] = ours[name]
-        elif len(parts) >= 2 and parts[-2] in stacked:
-            fused, shard = stacked[parts[-2]]
-            before = [p for p, (f, s) in stacked.items() if f == fused and s < shard]
-            offset = sum(wanted[".".join(parts[:-2] + [p, parts[-1]])].shape[0] for p in before)
-            source = ours.get(".".join(parts[:-2] + [fused, parts[-1]]))
-            if source is not None:
-                tensors[name] = source.narrow(0, offset, meta.shape[0])
-    missing, _ = hf.load_state_dict(tensors, strict=False, assign=True)
-    if missing:
-        raise ValueError(f"the HF model needs weights ours lacks: {missing[:8]} ({len(missing)})")
-    for module in hf.modules():
-        stale = [k for k, b in module._buffers.items() if b is not None and b.is_meta]
-        if stale:
-            fresh = type(module)(config=module.config)
-            for k in stale:
-                module._buffers[k] = fresh._buffers[k].to(param.device)
-    left = [n for n, t in [*hf.named_parameters(), *hf.named_buffers()] if t.is_meta]
-    if left:
-        raise ValueError(f"HF twin has tensors left on the meta device: {left[:8]}")
-    return hf.eval()
-
-
-@torch.inference_mode()
-def hf_generate_throughput(hf, items: list[WorkItem], batch_size: int) -> dict[str, Any]:
-    """Run ``items`` through ``hf.generate`` (greedy, exactly ``max_tokens`` new tokens each) and time it.
-
-    Items are sorted by prompt length and batched ``batch_size`` at a time, left-padded; a batch generates
-    its longest ``max_tokens`` (min_new_tokens = max_new_tokens, so EOS never stops it early) and only each
-    item's own ``max_tokens`` count as output.
-
-    Returns:
-        ``output_tok_s`` (useful output tokens / wall seconds), ``elapsed_s``, token counts, batch size.
-    """
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    device = next(hf.parameters()).device
-    order = sorted(items, key=lambda it: -len(it.prompt_token_ids))
-    batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-
-    def generate(batch: list[WorkItem], max_new: int | None = None):
-        width = max(len(it.prompt_token_ids) for it in batch)
-        ids = torch.zeros(len(batch), width, dtype=torch.long)
-        mask = torch.zeros(len(batch), width, dtype=torch.long)
-        for r, it in enumerate(batch):
-            n = len(it.prompt_token_ids)
-            ids[r, width - n:] = torch.tensor(it.prompt_token_ids)
-            mask[r, width - n:] = 1
-        new = max_new or max(it.max_tokens for it in batch)
-        out = hf.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=new,
-                          min_new_tokens=new, do_sample=False, pad_token_id=0)
-        return out.shape[1] - width
-
-    generate([WorkItem(it.prompt_token_ids[:16], 2) for it in batches[0][:2]], 2)  # warm-up
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    generated = 0
-    for batch in batches:
-        generated += generate(batch) * len(batch)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elapsed = time.perf_counter() - start
-    useful = sum(it.max_tokens for it in items)
-    return {"num_requests": len(items), "batch_size": batch_size, "num_prompt_tokens":
-            sum(len(it.prompt_token_ids) for it in items), "num_output_tokens": useful,
-            "num_generated_tokens": generated, "elapsed_s": elapsed, "output_tok_s": useful / elapsed}
-
-
 # -- scenarios ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Scenario:
@@ -570,6 +464,6 @@ register_scenario(Scenario(
                  "mixed_output_range": [2, 8]},
      "decode": {"batches": [1, 4], "contexts": [32, 160], "warmup": 1, "iters": 2},
      "prefill": {"lengths": [48, 160], "warmup": 1, "iters": 2},
-     "hf": {"num_prompts": 3, "batch_size": 2, "workloads": ["fixed", "mixed"]},
+     "hf": {"num_prompts": 3, "batch_sizes": [2, 3], "workloads": ["fixed", "mixed"]},
      "ceilings": {"copy_mib": 8, "gemm_n": 128, "iters": 3}, "cpu_threads": 1},
 ))

@@ -38,6 +38,30 @@ SHAPES: dict[str, dict] = {
         decoder_sparse_step=1, mlp_only_layers=[], rope_theta=10000.0, max_position_embeddings=2048,
         rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, initializer_range=0.1,
     ),
+    # Qwen3-30B-A3B (Qwen3MoeForCausalLM), as in its config.json: 48 MoE layers (no dense layer, no shared
+    # expert), 128 experts of intermediate 768, top-8 softmax renormalized; GQA 32/4 heads of 128. 30.5B parameters.
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, hidden_size=2048,
+        intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1000000.0, max_position_embeddings=40960,
+        rms_norm_eps=1e-6, attention_bias=False, use_sliding_window=False, tie_word_embeddings=False,
+        bos_token_id=151643, eos_token_id=151645,
+    ),
+    # The DeepSeek-V3 architecture (MLA, sigmoid grouped top-k) at DeepSeek-V2-Lite's size: hidden 2048, 27 layers
+    # (the first dense), 64 routed + 2 shared experts of 1408, top-6, kv_lora_rank 512, no query LoRA; 15.7B
+    # parameters. V2-Lite itself routes with a softmax (same bytes and FLOPs). jobs/bench_moe.py's default shape.
+    "deepseek-v2-lite-v3arch": dict(
+        model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], vocab_size=102400, hidden_size=2048,
+        intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27, first_k_dense_replace=1,
+        num_attention_heads=16, num_key_value_heads=16, n_routed_experts=64, n_shared_experts=2,
+        num_experts_per_tok=6, n_group=1, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0,
+        kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+        max_position_embeddings=163840, rms_norm_eps=1e-6, tie_word_embeddings=False, num_nextn_predict_layers=0,
+        bos_token_id=100000, eos_token_id=100001,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=4096,
+                             mscale=0.707, mscale_all_dim=0.707, beta_fast=32, beta_slow=1),
+    ),
     # MLA attention, a dense first layer, then 1 shared + 8 routed experts in 2 groups (grouped top-k).
     "deepseek-v3-tiny": dict(
         model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], vocab_size=49152, hidden_size=64,

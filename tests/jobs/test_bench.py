@@ -199,6 +199,14 @@ def test_tiny_scenario_end_to_end(tmp_path):
     assert [(p["num_tokens"], p["num_chunks"]) for p in saved["prefill"]] == [(48, 1), (160, 3)]
     assert saved["hf"]["fixed"]["num_output_tokens"] == 3 * 6 and saved["hf"]["mixed"]["output_tok_s"] > 0
     assert saved["hf"]["fixed"]["engine_over_hf"] > 0
+    for name in ("fixed", "mixed"):  # the tiny scenario's hf.batch_sizes=[2, 3]: every size, then the best
+        hf = saved["hf"][name]
+        rows = hf["by_batch_size"]
+        assert sorted(rows) == ["2", "3"] and [rows[k]["batch_size"] for k in ("2", "3")] == [2, 3]
+        assert all(r["num_requests"] == 3 and r["roofline"]["roofline_s"] > 0 for r in rows.values())
+        best = max(rows, key=lambda k: rows[k]["output_tok_s"])
+        assert hf["best_batch_size"] == int(best) and hf["output_tok_s"] == rows[best]["output_tok_s"]
+        assert hf["engine_over_hf"] == pytest.approx(saved["offline"][name]["output_tok_s"] / hf["output_tok_s"])
 
 
 def test_large_model_on_cpu_is_refused(tmp_path):
@@ -284,3 +292,75 @@ def test_spec_section_rows_compare_speed_and_outputs_with_plain():
     assert rows[0]["speedup"] == 1.0 and all(r["fraction_outputs_equal_plain"] == 1.0 for r in rows)
     assert rows[2]["spec_num_drafts_accepted"] == rows[2]["spec_num_drafts_verified"] > 0  # drafting for itself
     assert all(r["num_output_tokens"] == 12 for r in rows)
+
+
+def _earlier_result(path, model, output_tok_s):
+    path.write_text(json.dumps({"config": {"model": {"model": model}}, "git_rev": "abc1234",
+                                "offline": {"fixed": {"output_tok_s": output_tok_s}}}))
+    return str(path)
+
+
+def test_hf_batch_sizes_record_oom_and_compare_with_an_earlier_engine_run(tmp_path, monkeypatch):
+    """hf.batch_sizes: every size runs (one full batch each with hf.num_prompts=null), a size that runs out of
+    memory is "oom" and the next one still runs, the best measured size is reported; with no offline section,
+    engine_over_hf uses hf.engine_result's offline figure."""
+    from rayinfer.engine.config import EngineConfig, ModelConfig
+    from rayinfer.jobs import bench
+    from rayinfer.jobs import hf_baseline as hb
+
+    real = hb.hf_generate_throughput
+    tried = []
+
+    def fits_up_to_2(hf, items, batch_size):
+        tried.append(batch_size)
+        if batch_size > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return real(hf, items, batch_size)
+
+    monkeypatch.setattr(hb, "hf_generate_throughput", fits_up_to_2)
+
+    def config(engine_result):
+        return bench.BenchConfig(
+            scenario="hf-sizes", model=ModelConfig(model="llama-tiny", dtype="float32", load_format="dummy"),
+            engine=EngineConfig(device="cpu", num_kv_blocks=16), sections=["hf"], out_dir=str(tmp_path),
+            offline=bench.OfflineSpec(num_prompts=4, input_len=8, output_len=3),
+            hf=bench.HFSpec(num_prompts=None, batch_sizes=[1, 4, 2], engine_result=engine_result), cpu_threads=1,
+            ceilings=bench.CeilingSpec(copy_mib=1, gemm_n=32, iters=1))
+
+    result = bench.run(config(_earlier_result(tmp_path / "earlier.json", "llama-tiny", 123.0)))
+    hf = json.loads(Path(result["path"]).read_text())["hf"]["fixed"]
+    assert tried == [1, 4, 2] and hf["by_batch_size"]["4"] == "oom"
+    rows = {k: v for k, v in hf["by_batch_size"].items() if v != "oom"}
+    assert {k: v["num_requests"] for k, v in rows.items()} == {"1": 1, "2": 2}  # one full batch per size
+    best = max(rows, key=lambda k: rows[k]["output_tok_s"])
+    assert hf["best_batch_size"] == int(best) and hf["engine_over_hf"] == pytest.approx(123.0 / hf["output_tok_s"])
+    assert rows["1"]["engine_over_hf"] == pytest.approx(123.0 / rows["1"]["output_tok_s"])
+    assert any("earlier.json" in n for n in result["notes"])
+    with pytest.raises(ValueError, match="of model 'smollm2-135m'"):  # another model's run is refused up front
+        bench.run(config(_earlier_result(tmp_path / "other.json", "smollm2-135m", 1.0)))
+    with pytest.raises(ValueError, match="hf.batch_sizes"):
+        bench.HFSpec(batch_sizes=[])
+    assert bench.HFSpec(batch_size=8).batch_sizes == [8]  # the former single size still works
+
+
+def test_qwen3_moe_runs_through_the_bench_sections(tmp_path):
+    """The Qwen3-MoE cost model (registered on importing jobs/bench.py) prices the offline, decode and HF
+    sections of a tiny Qwen3-MoE on CPU; the HF twin runs at two batch sizes."""
+    from rayinfer.engine.config import EngineConfig, ModelConfig
+    from rayinfer.jobs import bench
+    from rayinfer.jobs.moe_cost import Qwen3MoECost
+
+    cfg = bench.BenchConfig(
+        scenario="qwen3-tiny", model=ModelConfig(model="qwen3-moe-tiny", dtype="float32", load_format="dummy"),
+        engine=EngineConfig(device="cpu", num_kv_blocks=32, max_num_seqs=4, max_num_batched_tokens=64),
+        sections=["offline", "decode", "hf"], out_dir=str(tmp_path), cpu_threads=1,
+        offline=bench.OfflineSpec(num_prompts=3, input_len=10, output_len=4, workloads=["fixed"]),
+        decode=bench.DecodeSpec(batches=[1, 2], contexts=[20], warmup=0, iters=1),
+        hf=bench.HFSpec(num_prompts=3, batch_sizes=[1, 3]), ceilings=bench.CeilingSpec(copy_mib=1, gemm_n=32, iters=1))
+    saved = json.loads(Path(bench.run(cfg)["path"]).read_text())
+    cost = Qwen3MoECost.from_config(shape_config("qwen3-moe-tiny"), 4)
+    assert saved["num_params"] == cost.num_params
+    assert saved["offline"]["fixed"]["num_output_tokens"] == 12 and saved["offline"]["fixed"]["roofline_fraction"] > 0
+    for row in saved["decode"]:
+        assert row["roofline"]["bytes"] == rl.decode_step_cost(cost, row["batch"], row["context"])[0]
+    assert sorted(saved["hf"]["fixed"]["by_batch_size"]) == ["1", "3"] and saved["hf"]["fixed"]["engine_over_hf"] > 0

@@ -1,6 +1,9 @@
-"""jobs/bench_moe.py: the tiny CPU run writes complete JSON; the full shape is DeepSeek-V2-Lite's size."""
+"""jobs/bench_moe.py and jobs/moe_cost.py: the tiny CPU runs of both MoE architectures write complete JSON; the
+full shapes are DeepSeek-V2-Lite's and Qwen3-30B-A3B's size; the cost models count the models by hand; the MoE
+scenarios of jobs/bench.py compose."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -79,3 +82,89 @@ def test_plugs_into_jobs_bench(tmp_path):
     config = load_config(scenario.overrides["model"]["model"])
     cost = roofline.cost_model_for(config, 2)
     assert isinstance(cost, MoECost) and round(cost.num_params / 1e9, 1) == 15.7
+
+
+def test_qwen3_tiny_run_counts_gqa_kv_and_the_experts_it_read(tmp_path):
+    """--model qwen3-30b-a3b --tiny: decode rows at every --context x --batches, bytes with GQA's K and V, the
+    fused MoE and routing rows at Qwen3's expert shape (no shared expert, softmax top-k)."""
+    from rayinfer.jobs.bench_moe import TINY_QWEN3, Qwen3MoECost, _config
+
+    out = tmp_path / "moe.json"
+    main(["--model", "qwen3-30b-a3b", "--tiny", "--device", "cpu", "--reps", "1", "--context", "16,40",
+          "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert data["architecture"] == "Qwen3MoeForCausalLM" and data["shape"]["num_experts"] == 8
+    assert [(r["context"], r["batch"]) for r in data["decode"]] == [(16, 1), (16, 4), (40, 1), (40, 4)]
+    p = data["params"]
+    cost = Qwen3MoECost.from_config(_config(TINY_QWEN3, "qwen3_moe"), 2)  # two independent parameter counts
+    assert p["dense"] == cost.dense_params and p["per_expert"] == 3 * 64 * 32 and p["num_moe_layers"] == 3
+    kv_per_token = 3 * 2 * 2 * 16  # layers * (K, V) * KV heads * head_dim
+    for r in data["decode"]:
+        seq, b = r["context"] + 1, r["batch"]
+        assert r["bytes"] == 2 * (p["dense"] + p["lm_head"] + r["routed_experts_read"] * p["per_expert"]
+                                  + b * 64 + b * seq * kv_per_token)
+        active = p["dense"] + 3 * 2 * p["per_expert"]
+        assert r["flops"] == 2 * active * b + 2 * p["lm_head"] * b + 4 * 3 * 4 * 16 * b * seq
+    assert all(r["routed_experts_read"] == 3 * 2 for r in data["decode"] if r["batch"] == 1)  # top-2, 3 layers
+    assert all(2 * 3 <= r["routed_experts_read"] <= 3 * 8 for r in data["decode"])
+    assert [r["query_len"] for r in data["prefill"]] == TINY["prefill"]
+    assert [(r["num_shared"], r["weights"], r["num_experts"], r["top_k"]) for r in data["fused_moe"]] == [
+        (0, w, 8, 2) for w in ["bfloat16", "fp8 block 128x128"] for _ in TINY["moe_tokens"]]
+    assert all(r["max_abs_err_vs_ref"] < 1e-2 for r in data["fused_moe"])
+    assert {r["router"] for r in data["routing_align"]} == {"softmax_topk"}
+
+
+def test_qwen3_cost_model_counts_the_model_by_hand():
+    import transformers
+
+    from rayinfer.jobs.bench_moe import QWEN3_30B_A3B, TINY_QWEN3, Qwen3MoECost
+    from rayinfer.model.loader import _params_on_meta
+    from rayinfer.model.qwen3_moe import Qwen3MoeForCausalLM
+
+    variants = (TINY_QWEN3, QWEN3_30B_A3B, dict(TINY_QWEN3, mlp_only_layers=[0]),
+                dict(TINY_QWEN3, decoder_sparse_step=3), dict(TINY_QWEN3, attention_bias=True),
+                dict(TINY_QWEN3, tie_word_embeddings=True))
+    for shape in variants:
+        config = transformers.Qwen3MoeConfig(**shape)
+        with _params_on_meta():
+            model = Qwen3MoeForCausalLM(config)
+        assert Qwen3MoECost.from_config(config, 2).num_params == sum(p.numel() for p in model.parameters()), shape
+    assert round(Qwen3MoECost.from_config(transformers.Qwen3MoeConfig(**QWEN3_30B_A3B), 2).num_params / 1e9, 1) == 30.5
+    cost = Qwen3MoECost.from_config(transformers.Qwen3MoeConfig(**TINY_QWEN3), 2)
+    # per layer: q, o 2*64*64 + k, v 2*64*32 + q/k norms 2*16 + 2 norms of 64; routers 8*64; final norm 64
+    assert cost.dense_params == 3 * (8192 + 4096 + 32 + 128) + 3 * 8 * 64 + 64 == 38944
+    assert cost.experts_touched(1) == 2 and 7.9 < cost.experts_touched(1000) <= 8
+    assert cost.weight_bytes_read(1) == 2 * (38944 + 1024 * 64 + 64 + 3 * 2 * 6144)
+    assert cost.kv_bytes_per_token == 3 * 2 * 2 * 16 * 2
+    assert cost.flops(10, 55, 1) == 2 * (38944 + 3 * 2 * 6144) * 10 + 4 * 3 * 4 * 16 * 55 + 2 * 64 * 1024
+    from rayinfer.jobs import roofline
+
+    assert roofline.cost_model_for(transformers.Qwen3MoeConfig(**TINY_QWEN3), 2, 1).kv_bytes_per_token == 3 * 2 * 2 * 16
+
+
+def test_moe_scenarios_of_jobs_bench(tmp_path):
+    """``jobs/bench.py scenario=qwen3-30b-a3b`` / ``scenario=deepseek-v2-lite`` compose with the README's
+    overrides; their models are the built-in shapes and cost what the published models do."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from rayinfer.jobs import bench, roofline
+    from rayinfer.jobs.moe_cost import MoECost, Qwen3MoECost
+    from rayinfer.model.loader import load_config
+
+    root = Path(__file__).resolve().parents[2]
+    bench.register_configs()
+    with initialize_config_dir(version_base="1.3", config_dir=str(root / "conf")):
+        for name, cls, billions in (("qwen3-30b-a3b", Qwen3MoECost, 30.5), ("deepseek-v2-lite", MoECost, 15.7)):
+            cfg = OmegaConf.to_object(compose("bench", overrides=[
+                f"scenario={name}", "offline.num_prompts=1000", "hf.batch_sizes=[32,64,128,256]",
+                "hf.num_prompts=null"]))
+            assert cfg.model.load_format == "dummy" and cfg.model.dtype == "bfloat16"
+            assert cfg.offline.num_prompts == 1000
+            assert (cfg.engine.max_num_seqs, cfg.engine.max_num_batched_tokens) == (256, 8192)
+            assert cfg.hf.batch_sizes == [32, 64, 128, 256] and cfg.hf.num_prompts is None
+            assert cfg.decode.batches == [1, 32, 128] and cfg.decode.contexts == [1024, 4096]
+            cost = roofline.cost_model_for(load_config(cfg.model.model), 2)
+            assert isinstance(cost, cls) and round(cost.num_params / 1e9, 1) == billions
+        old = OmegaConf.to_object(compose("bench", overrides=["scenario=tiny", "hf.batch_size=8"]))
+        assert old.hf.batch_sizes == [8]
