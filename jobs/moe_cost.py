@@ -21,8 +21,32 @@ def expected_experts_touched(num_experts: int, top_k: int, num_tokens: int) -> f
     return num_experts * (1 - (1 - top_k / num_experts) ** num_tokens)
 
 
+class _RoutedWeights:
+    """The weight reads of a MoE step, shared by the cost models below: every dense weight once, the LM
+    head, one embedding row per token, and the routed experts that ``num_tokens`` uniformly routed tokens
+    touch in each MoE layer."""
+
+    num_moe_layers: int
+    num_experts: int
+    top_k: int
+    expert_params: int
+    dense_params: int
+    vocab_size: int
+    hidden_size: int
+    dtype_bytes: int
+
+    def experts_touched(self, num_tokens: int) -> float:
+        """Expected distinct routed experts of one MoE layer that ``num_tokens`` uniformly routed tokens read."""
+        return expected_experts_touched(self.num_experts, self.top_k, num_tokens)
+
+    def weight_bytes_read(self, num_tokens: int) -> int:
+        experts = self.num_moe_layers * self.experts_touched(num_tokens) * self.expert_params
+        h = self.hidden_size
+        return int((self.dense_params + self.vocab_size * h + num_tokens * h + experts) * self.dtype_bytes)
+
+
 @dataclass(frozen=True)
-class MoECost:
+class MoECost(_RoutedWeights):
     """Bytes and FLOPs of a DeepSeek-V3-architecture step, the ``CostModel`` of ``jobs/roofline.py``.
 
     Weight bytes count every non-routed weight once, the LM head, one embedding row per token, and per
@@ -66,15 +90,6 @@ class MoECost:
         return (self.dense_params + 2 * self.vocab_size * self.hidden_size
                 + self.num_moe_layers * self.num_experts * self.expert_params)
 
-    def experts_touched(self, num_tokens: int) -> float:
-        """Expected distinct routed experts of one layer that ``num_tokens`` uniformly routed tokens read."""
-        return expected_experts_touched(self.num_experts, self.top_k, num_tokens)
-
-    def weight_bytes_read(self, num_tokens: int) -> int:
-        experts = self.num_moe_layers * self.experts_touched(num_tokens) * self.expert_params
-        h = self.hidden_size
-        return int((self.dense_params + self.vocab_size * h + num_tokens * h + experts) * self.dtype_bytes)
-
     def flops(self, num_tokens: int, num_attn_pairs: int, num_logits: int) -> int:
         active = self.dense_params + self.num_moe_layers * self.top_k * self.expert_params
         return (2 * active * num_tokens + 2 * self.num_layers * self.attn_dims * num_attn_pairs
@@ -88,7 +103,7 @@ def qwen3_moe_layer_is_sparse(config, layer_idx: int) -> bool:
 
 
 @dataclass(frozen=True)
-class Qwen3MoECost:
+class Qwen3MoECost(_RoutedWeights):
     """Bytes and FLOPs of a Qwen3-MoE step (GQA attention with q/k RMSNorm, routed experts, no shared
     expert), the ``CostModel`` of ``jobs/roofline.py``, with :class:`MoECost`'s conventions.
 
@@ -140,15 +155,6 @@ class Qwen3MoECost:
     @property
     def kv_bytes_per_token(self) -> int:
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * (self.kv_dtype_bytes or self.dtype_bytes)
-
-    def experts_touched(self, num_tokens: int) -> float:
-        """Expected distinct experts of one MoE layer that ``num_tokens`` uniformly routed tokens read."""
-        return expected_experts_touched(self.num_experts, self.top_k, num_tokens)
-
-    def weight_bytes_read(self, num_tokens: int) -> int:
-        experts = self.num_moe_layers * self.experts_touched(num_tokens) * self.expert_params
-        h = self.hidden_size
-        return int((self.dense_params + self.vocab_size * h + num_tokens * h + experts) * self.dtype_bytes)
 
     def flops(self, num_tokens: int, num_attn_pairs: int, num_logits: int) -> int:
         active = self.dense_params + self.num_moe_layers * self.top_k * self.expert_params
