@@ -26,6 +26,7 @@ running product of its top-1 probabilities up to that draft).
 
 from __future__ import annotations
 
+
 import logging
 from dataclasses import dataclass, field
 
@@ -96,15 +97,51 @@ class NgramProposer(Proposer):
 
     def __init__(self, ngram_min: int = 1, ngram_max: int = 4):
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
+        self._contexts: dict[str, TokenBuffer] = {}
 
     def propose(self, reqs: list[Request], max_drafts: list[int]) -> list[Draft]:
-        return [Draft(ngram_lookup(np.asarray(r.all_token_ids, dtype=np.int64), k, self.ngram_min, self.ngram_max))
-                for r, k in zip(reqs, max_drafts)]
+        drafts = []
+        for r, k in zip(reqs, max_drafts):
+            context = self._contexts.get(r.request_id)
+            if context is None:
+                context = self._contexts[r.request_id] = TokenBuffer()
+            drafts.append(Draft(ngram_lookup(context.sync(r.all_token_ids), k, self.ngram_min, self.ngram_max)))
+        return drafts
+
+    def release(self, request_id: str) -> None:
+        self._contexts.pop(request_id, None)
+
+
+class TokenBuffer:
+    """A request's token ids as a growing int64 array (capacity doubled as it fills), so a step converts
+    only the tokens appended since the last one instead of the whole context."""
+
+    def __init__(self):
+        self.data = np.empty(0, dtype=np.int64)
+        self.length = 0
+
+    def sync(self, tokens: list[int]) -> np.ndarray:
+        """The array of ``tokens`` (a view, valid until the next call): appends what is new, or rebuilds
+        when the kept tokens are no longer a prefix of ``tokens`` (checked at the last kept token)."""
+        n = self.length
+        if n > len(tokens) or (n and tokens[n - 1] != self.data[n - 1]):
+            n = 0
+        if len(tokens) > len(self.data):
+            grown = np.empty(max(2 * len(self.data), len(tokens), 64), dtype=np.int64)
+            grown[:n] = self.data[:n]
+            self.data = grown
+        if len(tokens) > n:
+            self.data[n: len(tokens)] = tokens[n:]
+        self.length = len(tokens)
+        return self.data[: self.length]
 
 
 def ngram_lookup(tokens: np.ndarray, k: int, ngram_min: int, ngram_max: int) -> list[int]:
     """Up to ``k`` tokens that followed an earlier occurrence of the last n tokens of ``tokens``: the
     latest one that is followed by ``k`` tokens, else the first one.
+
+    One pass over the context finds where its last token occurred before; each n then checks only
+    those candidates' preceding tokens (O(L + candidates x n), not a comparison of every window).
 
     Args:
         tokens: [L] int64, the context.
@@ -114,14 +151,18 @@ def ngram_lookup(tokens: np.ndarray, k: int, ngram_min: int, ngram_max: int) -> 
         the continuation (at most k tokens; empty when no n-gram recurs).
     """
     length = len(tokens)
+    if length < 2:
+        return []
+    ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])  # earlier occurrences' last positions
     for n in range(min(ngram_max, length - 1), ngram_min - 1, -1):
-        suffix = tokens[length - n:]
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)  # starts 0..L-1-n
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        hits = ends[ends >= n - 1]
+        for j in range(1, n):
+            hits = hits[tokens[hits - j] == tokens[length - 1 - j]]
         if hits.size:
+            starts = hits - (n - 1)
             # the latest occurrence followed by k tokens (a loop's last period is too short), else the first
-            full = hits[hits + n + k <= length]
-            start = int(full[-1] if full.size else hits[0]) + n
+            full = starts[starts + n + k <= length]
+            start = int(full[-1] if full.size else starts[0]) + n
             return tokens[start: start + k].tolist()
     return []
 

@@ -14,7 +14,7 @@ import torch
 from rayinfer.engine.config import EngineConfig, ModelConfig, SpeculativeConfig
 from rayinfer.engine.llm_engine import LLMEngine
 from rayinfer.engine.scheduler import Scheduler, SchedulerConfig
-from rayinfer.engine.spec_decode import AcceptanceCalibrator, Draft, choose_num_drafts, ngram_lookup
+from rayinfer.engine.spec_decode import AcceptanceCalibrator, Draft, TokenBuffer, choose_num_drafts, ngram_lookup
 from rayinfer.engine.types import Request, SampledToken, SamplingParams, StepOutput
 
 
@@ -30,6 +30,39 @@ def _one_thread():
 
 
 # -- the pieces ------------------------------------------------------------------------------------
+
+
+def scan_lookup(tokens, k, ngram_min, ngram_max):
+    """Prompt lookup by comparing every window of the context with its suffix (the plain reference)."""
+    length = len(tokens)
+    for n in range(min(ngram_max, length - 1), ngram_min - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)  # starts 0..L-1-n
+        hits = np.flatnonzero((windows == tokens[length - n:]).all(axis=1))
+        if hits.size:
+            full = hits[hits + n + k <= length]
+            start = int(full[-1] if full.size else hits[0]) + n
+            return tokens[start: start + k].tolist()
+    return []
+
+
+def test_ngram_lookup_equals_the_window_scan_at_every_length():
+    """The candidate search returns the window scan's draft for every prefix of sequences with loops and
+    repeats, for several k and n ranges; the token buffer gives the context array as it grows (and
+    rebuilds when the tokens change)."""
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(0, 5, 300), np.tile(rng.integers(0, 50, 7), 30), rng.integers(0, 1000, 200),
+            np.concatenate([np.tile([1, 2, 3], 20), rng.integers(0, 3, 100)])]
+    for seq in seqs:
+        buffer = TokenBuffer()
+        for length in range(1, len(seq) + 1):
+            context = buffer.sync(seq[:length].tolist())
+            assert np.array_equal(context, seq[:length])
+            for (lo, hi), k in [((1, 4), 3), ((2, 3), 5), ((1, 1), 1)]:
+                assert ngram_lookup(context, k, lo, hi) == scan_lookup(seq[:length], k, lo, hi), (length, lo, hi, k)
+    assert TokenBuffer().sync([]).size == 0
+    buffer = TokenBuffer()
+    buffer.sync([1, 2, 3, 4])
+    assert buffer.sync([1, 2, 9]).tolist() == [1, 2, 9]  # shorter and changed: rebuilt
 
 
 def test_ngram_lookup_takes_the_longest_recurring_suffix():
