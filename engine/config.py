@@ -24,12 +24,12 @@ class ModelConfig:
         load_format: "auto" (safetensors in the directory), "safetensors" or "dummy" (random weights).
         max_model_len: context limit in tokens; None takes the model's max_position_embeddings.
         seed: seed of dummy weights and of unseeded sampling.
-        quantization: the dense linear layers' weights. None: as the checkpoint's
+        quantization: the linear layers' and routed experts' weights. None: as the checkpoint's
             ``quantization_config`` says (DeepSeek-V3's fp8 128 x 128 blocks, or none); "fp8": fp8
             (e4m3) weights with a float32 scale per 128 x 128 block, quantized as they load when the
             checkpoint is 16/32-bit or the weights are dummy; "none": the model dtype (an fp8
-            checkpoint is dequantized as it loads). Activations stay in the model dtype; routed
-            experts, embeddings, the LM head, routers and norms are never quantized. fp8 needs a model
+            checkpoint is dequantized as it loads). Activations stay in the model dtype; embeddings,
+            the LM head, routers and norms are never quantized. fp8 needs a model
             with fp8 layers (DeepSeek-V3, Qwen3-MoE): the loader raises ValueError for another.
     """
 

@@ -504,17 +504,17 @@ def _active_tiles(num_pairs: int, num_experts: int, block_m: int, num_tiles: int
 
 
 def _moe_gemm(a, w, c, sorted_pairs, block_experts, weights, a_row_div: int, mul_weight: bool,
-              tiles: MoETileConfig, rowwise: bool = False, gated: bool = False,
-              scale: torch.Tensor | None = None, scale_block: tuple[int, int] = (128, 128)):
+              tiles: MoETileConfig, rowwise: bool = False, gated: bool = False, scale: torch.Tensor | None = None):
     """One grouped GEMM. gated: w is w13 [E, 2N, K] and c gets ``silu(a @ gate.T) * (a @ up.T)`` [pairs, N].
-    scale: fp8 block scales of w, float32 (``weight_scale_inv``): [E, ceil(rows / bn), ceil(K / bk)], for
-    w13 :func:`quantize_w13`'s [E, 2 * ceil(N / bn), ceil(K / bk)]."""
+    scale: fp8 block scales of w (``WEIGHT_BLOCK`` blocks), float32 (``weight_scale_inv``): [E, ceil(rows / bn),
+    ceil(K / bk)], for w13 :func:`quantize_w13`'s [E, 2 * ceil(N / bn), ceil(K / bk)]."""
+    bn, bk = WEIGHT_BLOCK
     n = w.shape[1] // 2 if gated else w.shape[1]
     k = w.shape[2]
     block_n = min(tiles.block_n, max(16, triton.next_power_of_2(n)))  # no wider than the weight
     block_k = min(tiles.block_k, max(16, triton.next_power_of_2(k)))
     if scale is not None:
-        block_k = min(block_k, scale_block[1])  # a K step stays inside one scale block
+        block_k = min(block_k, bk)  # a K step stays inside one scale block
     num_tiles = _active_tiles(c.shape[0], w.shape[0], tiles.block_m, block_experts.numel())
     grid = (num_tiles, triton.cdiv(n, block_n))
     s = scale if scale is not None else weights  # unread without a scale
@@ -523,9 +523,9 @@ def _moe_gemm(a, w, c, sorted_pairs, block_experts, weights, a_row_div: int, mul
         a, w, c, sorted_pairs, block_experts, weights, s,
         n, k, c.shape[0],
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1), *s_strides,
-        triton.cdiv(n, scale_block[0]),
+        triton.cdiv(n, bn),
         A_ROW_DIV=a_row_div, MUL_WEIGHT=mul_weight, GATED=gated, HAS_SCALE=scale is not None,
-        SCALE_BLOCK_N=scale_block[0], SCALE_BLOCK_K=scale_block[1],
+        SCALE_BLOCK_N=bn, SCALE_BLOCK_K=bk,
         BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=a.dtype == torch.float32, ROWWISE=rowwise,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
@@ -577,6 +577,11 @@ def dequant_w13(w13: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> t
     inter, rows = w13.shape[1] // 2, scale.shape[1] // 2
     return torch.cat([block_fp8_dequant_ref(w13[:, :inter], scale[:, :rows], dtype),
                       block_fp8_dequant_ref(w13[:, inter:], scale[:, rows:], dtype)], dim=1)
+
+
+def _dequant_experts(w13, w2, w13_scale, w2_scale, dtype):
+    """The torch path's fp8 experts, dequantized: (w13 [E, 2I, H], w2 [E, H, I]) in ``dtype``."""
+    return dequant_w13(w13, w13_scale, dtype), block_fp8_dequant_ref(w2, w2_scale, dtype)
 
 
 def fused_moe_triton(
@@ -631,11 +636,11 @@ def fused_moe_triton(
     # gate/up GEMM with SiLU-and-mul in its epilogue: [pairs, I], no gate_up tensor
     act = torch.empty((num_pairs, two_inter // 2), dtype=hidden.dtype, device=hidden.device)
     _moe_gemm(hidden, w13, act, sorted_pairs, block_experts, weights, top_k, False, tiles, rowwise, gated=True,
-              scale=w13_scale, scale_block=WEIGHT_BLOCK)
+              scale=w13_scale)
     alloc = torch.empty if reduce_slots else torch.zeros
     out = alloc((num_pairs, hidden_size), dtype=torch.float32, device=hidden.device)
     _moe_gemm(act, w2, out, sorted_pairs, block_experts, weights, 1, True, tiles, rowwise,
-              scale=w2_scale, scale_block=WEIGHT_BLOCK)
+              scale=w2_scale)
     if not reduce_slots:
         return out.view(num_tokens, top_k, hidden_size)
     # the k outputs added in slot order (sum_slots' order, also outside batch-invariant mode), then cast
@@ -699,7 +704,7 @@ def fused_moe(
         return fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, expert_map=expert_map,
                                 expert_load=expert_load, w13_scale=w13_scale, w2_scale=w2_scale)
     if fp8:
-        w13, w2 = dequant_w13(w13, w13_scale, hidden.dtype), block_fp8_dequant_ref(w2, w2_scale, hidden.dtype)
+        w13, w2 = _dequant_experts(w13, w2, w13_scale, w2_scale, hidden.dtype)
     topk_ids = _map_and_count(topk_ids, expert_map, expert_load)
     if is_batch_invariant():
         return sum_slots(fused_moe_slots_ref(hidden, w13, w2, topk_ids, topk_weights)).to(hidden.dtype)
@@ -727,5 +732,5 @@ def fused_moe_slots(
         return fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, reduce_slots=False,
                                 expert_map=expert_map, w13_scale=w13_scale, w2_scale=w2_scale)
     if fp8:
-        w13, w2 = dequant_w13(w13, w13_scale, hidden.dtype), block_fp8_dequant_ref(w2, w2_scale, hidden.dtype)
+        w13, w2 = _dequant_experts(w13, w2, w13_scale, w2_scale, hidden.dtype)
     return fused_moe_slots_ref(hidden, w13, w2, _map_and_count(topk_ids, expert_map, None), topk_weights)

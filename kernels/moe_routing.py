@@ -358,8 +358,8 @@ def grouped_topk(
 # The router's logits by router_logits_triton (each token re-reads the gate weight, from L2) for
 # decode-sized batches and routers up to this many weight elements (DeepSeek-V2-Lite's 64 x 2048,
 # Qwen3-30B-A3B's 128 x 2048, DeepSeek-V3's 256 x 7168 = 1.8M too); larger ones take the GEMM.
-FUSED_ROUTER_MAX_TOKENS = 128
-FUSED_ROUTER_MAX_WEIGHTS = 1 << 21
+ROUTER_LOGITS_KERNEL_MAX_TOKENS = 128
+ROUTER_LOGITS_KERNEL_MAX_WEIGHTS = 1 << 21
 
 
 def router_grouped_topk(
@@ -376,12 +376,12 @@ def router_grouped_topk(
     """DeepSeek-V3's router from the hidden states: float32 logits ``hidden @ gate_weight.T`` (as Hugging
     Face's ``DeepseekV3TopkRouter``), then :func:`grouped_topk`.
 
-    On CUDA, for up to :data:`FUSED_ROUTER_MAX_TOKENS` tokens and a gate of up to
-    :data:`FUSED_ROUTER_MAX_WEIGHTS` elements, two Triton launches: the logits
-    (:func:`router_logits_triton`, no casts) and the routing kernel (a decode step's router was five:
-    two casts, a GEMV and its reduction, then the routing kernel). In batch-invariant mode always the
-    GEMM (its rows do not depend on the batch; the kernel's sums differ from it by rounding, so a token's
-    route would follow the batch size).
+    On CUDA, for up to :data:`ROUTER_LOGITS_KERNEL_MAX_TOKENS` tokens and a gate of up to
+    :data:`ROUTER_LOGITS_KERNEL_MAX_WEIGHTS` elements, the logits come from :func:`router_logits_triton`
+    (no casts; a decode step's router was five launches: two casts, a GEMV and its reduction, then the
+    routing kernel, and is two now). In batch-invariant mode always the GEMM (its rows do not depend on
+    the batch; the kernel's sums differ from it by rounding, so a token's route would follow the batch
+    size).
 
     Args:
         hidden: [T, H] bf16/fp16/fp32; gate_weight: [L, H]; the rest as :func:`grouped_topk`.
@@ -392,16 +392,12 @@ def router_grouped_topk(
     """
     if hidden.dim() != 2 or gate_weight.dim() != 2 or hidden.shape[1] != gate_weight.shape[1]:
         raise ValueError(f"hidden {tuple(hidden.shape)} does not match gate weight {tuple(gate_weight.shape)}")
-    num_experts = gate_weight.shape[0]
-    if (0 < hidden.shape[0] <= FUSED_ROUTER_MAX_TOKENS and gate_weight.numel() <= FUSED_ROUTER_MAX_WEIGHTS
-            and not is_batch_invariant() and e_score_correction_bias.dtype == torch.float32
+    if (0 < hidden.shape[0] <= ROUTER_LOGITS_KERNEL_MAX_TOKENS
+            and gate_weight.numel() <= ROUTER_LOGITS_KERNEL_MAX_WEIGHTS and not is_batch_invariant()
             and hidden.stride(1) == 1 and gate_weight.stride(1) == 1
-            and hidden.dtype in (torch.float16, torch.bfloat16, torch.float32)
-            and use_triton(hidden, gate_weight, e_score_correction_bias)):
-        _check_topk(hidden.new_empty((0, num_experts)), top_k)
-        _check_grouped(num_experts, top_k, num_groups, topk_groups, e_score_correction_bias)
-        return grouped_topk_triton(router_logits_triton(hidden, gate_weight), e_score_correction_bias.contiguous(),
-                                   top_k, num_groups, topk_groups, renormalize, routed_scaling_factor, num_shared)
-    logits = dense_linear(hidden.float(), gate_weight.float())
+            and hidden.dtype in (torch.float16, torch.bfloat16, torch.float32) and use_triton(hidden, gate_weight)):
+        logits = router_logits_triton(hidden, gate_weight)
+    else:
+        logits = dense_linear(hidden.float(), gate_weight.float())
     return grouped_topk(logits, e_score_correction_bias.float(), top_k, num_groups, topk_groups, renormalize,
                         routed_scaling_factor, num_shared)

@@ -40,7 +40,8 @@ from rayinfer.kernels.mla_rope import mla_rope_store
 from rayinfer.model.llama import PagedCausalLM, PreNormDecoderLayer, RMSNorm
 from rayinfer.kernels.moe_routing import router_grouped_topk
 from rayinfer.model.moe import ExpertParallelism, GatedMLP, MoEModelMixin, RoutedExperts
-from rayinfer.model.quantization import linear
+from rayinfer.kernels.block_fp8 import WEIGHT_BLOCK
+from rayinfer.model.quantization import SCALE_SUFFIX, linear
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -314,7 +315,7 @@ class DeepseekV3ForCausalLM(MoEModelMixin, PagedCausalLM):
 
     supports_fp8_kv_cache = False  # MLA's cache and kernels are the model's dtype only
     supports_mtp = True
-    supports_block_fp8 = True  # fp8 dense linears (model.quantization); the routed experts stay 16-bit
+    supports_block_fp8 = True  # fp8 linears and routed experts (model.quantization)
     block_fp8_dequantized = ("kv_b_proj",)  # read as W_UK / W_UV views: kept in the model dtype
     # longest query per request a CUDA graph may capture: the absorbed attention's (the expanded form
     # slices the context by host-side lengths, which a graph would bake in)
@@ -361,37 +362,29 @@ class DeepseekV3ForCausalLM(MoEModelMixin, PagedCausalLM):
         ``mlp.shared_experts.{gate,up,down}_proj.weight`` (small copies) beside the L routed experts'
         stacked ``mlp.experts.gate_up_proj`` / ``down_proj`` (views); fp8 scales alike. For an HF twin and
         tests that compare against checkpoint names."""
-        out: dict[str, torch.Tensor] = {}
-        for name, t in self.state_dict().items():
-            prefix, _, leaf = name.rpartition(".")
-            module = self.get_submodule(prefix) if prefix else self
-            owner = self.get_submodule(prefix.rpartition(".")[0]) if ".qkv_a_proj" in name else None
-            if isinstance(owner, DeepseekV3Attention) and prefix.endswith("qkv_a_proj"):
-                base = prefix[: -len("qkv_a_proj")]
-                first = "q_proj" if owner.q_lora_rank is None else "q_a_proj"
-                n_kv = owner.kv_lora_rank + owner.rope_dim
-                n_q = owner.qkv_a_proj.out_features - n_kv if owner.qkv_a_proj is not None else 0
-                rows = n_q if leaf != "weight_scale_inv" else n_q // 128
-                if leaf == "bias" and first == "q_proj":
-                    out[f"{base}kv_a_proj_with_mqa.bias"] = t[rows:]
-                else:
-                    out[f"{base}{first}.{leaf}"], out[f"{base}kv_a_proj_with_mqa.{leaf}"] = t[:rows], t[rows:]
+        out = dict(self.state_dict())
+        for name, module in self.named_modules():
+            if isinstance(module, DeepseekV3Attention) and module.qkv_a_proj is not None:
+                first = "q_proj" if module.q_lora_rank is None else "q_a_proj"
+                n_q = module.qkv_a_proj.out_features - module.kv_lora_rank - module.rope_dim
+                for leaf, t in module.qkv_a_proj.state_dict().items():
+                    rows = n_q // WEIGHT_BLOCK[0] if leaf == SCALE_SUFFIX else n_q
+                    del out[f"{name}.qkv_a_proj.{leaf}"]
+                    if not (leaf == "bias" and first == "q_proj"):  # q_proj has no bias (zeros stacked in)
+                        out[f"{name}.{first}.{leaf}"] = t[:rows]
+                    out[f"{name}.kv_a_proj_with_mqa.{leaf}"] = t[rows:]
             elif isinstance(module, RoutedExperts) and module.num_shared:
-                num_routed, num_shared = module.num_local_experts, module.num_shared
-                out[name] = t[:num_routed]
-                base = prefix[: -len("experts")] + "shared_experts"
-                suffix = "weight_scale_inv" if leaf.endswith("scale_inv") else "weight"
-                shared = t[num_routed:]
-                if leaf.startswith("gate_up_proj"):
-                    half = shared.shape[1] // 2
-                    out[f"{base}.gate_proj.{suffix}"] = shared[:, :half].reshape(-1, shared.shape[2])
-                    out[f"{base}.up_proj.{suffix}"] = shared[:, half:].reshape(-1, shared.shape[2])
-                elif leaf.startswith("down_proj"):
-                    out[f"{base}.down_proj.{suffix}"] = shared.transpose(0, 1).reshape(shared.shape[1], -1)
-                else:
-                    out[name] = t
-            else:
-                out[name] = t
+                shared = name.removesuffix("experts") + "shared_experts"
+                for leaf, t in module.state_dict().items():
+                    num_routed, kind = module.num_local_experts, leaf.removesuffix("_scale_inv")
+                    suffix = SCALE_SUFFIX if leaf.endswith("_scale_inv") else "weight"
+                    out[f"{name}.{leaf}"], extra = t[:num_routed], t[num_routed:]
+                    if kind == "gate_up_proj":
+                        half = extra.shape[1] // 2
+                        out[f"{shared}.gate_proj.{suffix}"] = extra[:, :half].reshape(-1, extra.shape[2])
+                        out[f"{shared}.up_proj.{suffix}"] = extra[:, half:].reshape(-1, extra.shape[2])
+                    else:  # down_proj
+                        out[f"{shared}.down_proj.{suffix}"] = extra.transpose(0, 1).reshape(extra.shape[1], -1)
         return out
 
     def expert_layers(self):

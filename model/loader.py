@@ -113,7 +113,7 @@ def load_model(
         seed: seed of dummy weights.
         model_kwargs: extra keyword arguments of the model class, e.g. ``{"ep": ExpertParallelism(...)}``
             for an expert-parallel rank of a MoE model (dummy weights then equal the one-process model's).
-        quantization: the dense linear layers' weights (``ModelConfig.quantization``,
+        quantization: the linear layers' and routed experts' weights (``ModelConfig.quantization``,
             :func:`rayinfer.model.quantization.resolve_quantization`): None as the checkpoint's
             ``quantization_config`` says, "fp8" 128 x 128 fp8 blocks (a 16/32-bit checkpoint or dummy
             weights quantized as they load), "none" the model dtype (an fp8 checkpoint dequantized).

@@ -251,29 +251,20 @@ class RoutedExperts(nn.Module):
                              f"experts of intermediate size {inter} (ep={self.ep_size}, fused={self.num_shared})")
         num_shared = gate.shape[0] // inter
 
-        def slots(w13_rows: tuple[torch.Tensor, torch.Tensor], w2_cols: torch.Tensor, rows: int, cols: int):
-            # gate/up [S * rows, X] -> [S, 2 * rows, X]; down [Y, S * cols] -> [S, Y, cols] (also their scales)
-            g, u = w13_rows
+        def slots(g: torch.Tensor, u: torch.Tensor, d: torch.Tensor, rows: int):
+            # gate/up [S * rows, X] -> [S, 2 * rows, X]; down [Y, S * rows] -> [S, Y, rows] (also their scales)
             w13 = torch.cat([g.reshape(num_shared, rows, -1), u.reshape(num_shared, rows, -1)], dim=1)
-            return w13, w2_cols.reshape(w2_cols.shape[0], num_shared, cols).transpose(0, 1)
+            return w13, d.reshape(d.shape[0], num_shared, rows).transpose(0, 1).contiguous()
 
-        if self.is_fp8:  # blocks align (accepts_shared): weights and scales copy as they are
-            w13, w2 = slots((gate, up), down, inter, inter)
-            sb = inter // WEIGHT_BLOCK[0]
-            s13, s2 = slots((shared.gate_proj.weight_scale_inv, shared.up_proj.weight_scale_inv),
-                            shared.down_proj.weight_scale_inv, sb, sb)
-        else:
-            w13, w2 = slots((gate, up), down, inter, inter)
-            s13 = s2 = None
-        self.gate_up_proj = nn.Parameter(torch.cat([self.gate_up_proj.data, w13.to(self.gate_up_proj.dtype)]),
-                                         requires_grad=False)
-        self.down_proj = nn.Parameter(torch.cat([self.down_proj.data, w2.to(self.down_proj.dtype)]),
-                                      requires_grad=False)
-        if self.is_fp8:
-            assert s13 is not None and s2 is not None
+        w13, w2 = slots(gate, up, down, inter)
+        self.gate_up_proj = nn.Parameter(torch.cat([self.gate_up_proj.data, w13]), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.cat([self.down_proj.data, w2]), requires_grad=False)
+        if self.is_fp8:  # blocks align (accepts_shared): the scales copy as they are
+            s13, s2 = slots(shared.gate_proj.weight_scale_inv, shared.up_proj.weight_scale_inv,
+                            shared.down_proj.weight_scale_inv, inter // WEIGHT_BLOCK[0])
             self.gate_up_proj_scale_inv = nn.Parameter(torch.cat([self.gate_up_proj_scale_inv.data, s13]),
                                                        requires_grad=False)
-            self.down_proj_scale_inv = nn.Parameter(torch.cat([self.down_proj_scale_inv.data, s2.contiguous()]),
+            self.down_proj_scale_inv = nn.Parameter(torch.cat([self.down_proj_scale_inv.data, s2]),
                                                     requires_grad=False)
         self.num_shared = num_shared
 
@@ -346,25 +337,21 @@ class RoutedExperts(nn.Module):
             logical_id: the expert index of the checkpoint name ``experts.{e}.{kind}.weight``.
             kind: "gate_proj" or "up_proj" ([I, H]) or "down_proj" ([H, I]).
             weight: in the model dtype, or float8_e4m3fn for fp8 experts (its scale comes through
-                :meth:`load_expert_scale`); a 16/32-bit weight for fp8 experts is quantized here.
+                :meth:`load_expert_scale`; ``MoEModelMixin.load_weights`` quantizes or dequantizes a
+                checkpoint's tensors to the experts' form first).
         Raises:
-            ValueError: on a bad kind, id or shape, or an fp8 weight for 16/32-bit experts.
+            ValueError: on a bad kind, id or shape, or a weight in fp8 for 16/32-bit experts or vice versa.
         """
         if not 0 <= logical_id < self.num_logical_experts or kind not in ("gate_proj", "up_proj", "down_proj"):
             raise ValueError(f"no expert weight {logical_id}.{kind}")
-        if weight.dtype == FP8_DTYPE and not self.is_fp8:
-            raise ValueError(f"expert {logical_id}.{kind}: an fp8 weight for experts held in {self.w13.dtype}")
-        scale = None
-        if self.is_fp8 and weight.dtype != FP8_DTYPE:  # a 16/32-bit checkpoint, quantized as it loads
-            weight, scale = quantize_block_fp8(weight.to(self.gate_up_proj.device))
+        if (weight.dtype == FP8_DTYPE) != self.is_fp8:
+            raise ValueError(f"expert {logical_id}.{kind}: a {weight.dtype} weight for experts held in {self.w13.dtype}")
         for slot in self._local_slots_of(logical_id):
             dst = self._expert_rows(self.down_proj if kind == "down_proj" else self.gate_up_proj, slot, kind,
                                     self.intermediate_size)
             if dst.shape != weight.shape:
                 raise ValueError(f"expert {logical_id}.{kind}: expected {tuple(dst.shape)}, got {tuple(weight.shape)}")
             dst.copy_(weight)
-        if scale is not None:
-            self.load_expert_scale(logical_id, kind, scale)
 
     def load_expert_scale(self, logical_id: int, kind: str, scale_inv: torch.Tensor) -> None:
         """Copy one fp8 expert projection's ``weight_scale_inv`` ([I/128, ceil(H/128)] for gate/up,
@@ -539,31 +526,28 @@ class MoEModelMixin:
                 if not ((layer and int(layer.group(1)) >= num_layers) or name.endswith("rotary_emb.inv_freq")):
                     yield name, tensor
 
-        # fp8 per-expert tensors for 16/32-bit experts (quantization="none"): a weight waits for its scale
-        # (either may come first) and is loaded dequantized
-        pending: dict[tuple[str, int, str], dict[str, torch.Tensor]] = {}
-        for name, tensor in adapt_checkpoint(kept(), params):
+        # per-expert checkpoint names stand for their experts' stacked parameters, so adapt_checkpoint
+        # quantizes a 16/32-bit expert for fp8 experts and dequantizes an fp8 one for 16/32-bit experts
+        # as it does for the dense linears
+        targets = dict(params)
+        for prefix, layer in experts.items():
+            for e in range(layer.num_logical_experts):
+                for kind in ("gate_proj", "up_proj", "down_proj"):
+                    targets[f"{prefix}.{e}.{kind}.weight"] = (layer.down_proj if kind == "down_proj"
+                                                              else layer.gate_up_proj)[0]
+        for name, tensor in adapt_checkpoint(kept(), targets):
             per_expert = re.fullmatch(
                 r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv)", name)
             stacked = re.fullmatch(r"(.*\.experts)\.(gate_up_proj|down_proj)(_scale_inv)?", name)
             if per_expert and per_expert.group(1) in experts:
                 prefix, e, kind, leaf = per_expert.groups()
                 layer, stacked_name = experts[prefix], "down_proj" if kind == "down_proj" else "gate_up_proj"
-                if not layer.is_fp8 and (leaf == SCALE_SUFFIX or tensor.dtype == FP8_DTYPE):
-                    parts = pending.setdefault((prefix, int(e), kind), {})
-                    parts[leaf] = tensor
-                    if len(parts) < 2:
-                        continue
-                    leaf, tensor = "weight", block_fp8_dequant_ref(parts["weight"], parts[SCALE_SUFFIX], layer.w13.dtype)
-                    del pending[(prefix, int(e), kind)]
                 if leaf == SCALE_SUFFIX:
                     layer.load_expert_scale(int(e), kind, tensor)
                     loaded.add(f"{prefix}.{stacked_name}_scale_inv")
                 else:
                     layer.load_expert_weight(int(e), kind, tensor)
                     loaded.add(f"{prefix}.{stacked_name}")
-                    if layer.is_fp8 and tensor.dtype != FP8_DTYPE:  # quantized here, with its scale
-                        loaded.add(f"{prefix}.{stacked_name}_scale_inv")
             elif stacked and stacked.group(1) in experts:
                 layer = experts[stacked.group(1)]
                 layer.load_stacked(stacked.group(2) + (stacked.group(3) or ""), tensor)
@@ -578,7 +562,4 @@ class MoEModelMixin:
                 loaded.add(name)
             else:
                 raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-        if pending:
-            raise ValueError(f"fp8 expert weights without their {SCALE_SUFFIX} (or scales without their weight): "
-                             f"{sorted(pending)[:4]}")
         return loaded

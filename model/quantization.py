@@ -167,12 +167,13 @@ def adapt_checkpoint(named_tensors: Iterable[tuple[str, torch.Tensor]],
     2. An fp8 weight whose parameter is not fp8 (``kv_b_proj``, or ``quantization="none"``) waits for
        its ``weight_scale_inv`` (either may come first) and is yielded dequantized to the parameter's
        dtype, once; that scale is not a parameter and is not yielded.
-    3. Everything else passes unchanged (a routed expert's tensors too: ``MoEModelMixin.load_weights``
-       places them).
+    3. Everything else passes unchanged (stacked expert tensors too: ``RoutedExperts.load_stacked``
+       quantizes those itself).
 
     Args:
         named_tensors: (checkpoint name, tensor) pairs.
-        params: the model's parameters by name (the targets).
+        params: the model's parameters by name (the targets; ``MoEModelMixin.load_weights`` adds the
+            per-expert checkpoint names, each standing for its experts' stacked parameter).
     Yields:
         (name, tensor) pairs to copy into ``params``.
     Raises:
@@ -192,7 +193,7 @@ def adapt_checkpoint(named_tensors: Iterable[tuple[str, torch.Tensor]],
             else:
                 scales[weight_name] = tensor
             continue
-        target = params.get(name)
+        target = params.get(name) if name.endswith(".weight") else None  # stacked experts: load_stacked's
         is_fp8 = tensor.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz)
         if target is None or not (is_fp8 or target.dtype == FP8_DTYPE):
             yield name, tensor
@@ -209,5 +210,6 @@ def adapt_checkpoint(named_tensors: Iterable[tuple[str, torch.Tensor]],
         else:
             weights[name] = tensor
     if weights or scales:
-        raise ValueError(f"fp8 checkpoint weights without their {SCALE_SUFFIX}: {sorted(weights)[:4]}; "
+        what = "expert" if any(".experts." in n for n in [*weights, *scales]) else "checkpoint"
+        raise ValueError(f"fp8 {what} weights without their {SCALE_SUFFIX}: {sorted(weights)[:4]}; "
                          f"{SCALE_SUFFIX} without their fp8 weight: {sorted(scales)[:4]}")

@@ -117,8 +117,7 @@ class Qwen3MoeForCausalLM(MoEModelMixin, PagedCausalLM):
     Expert parallelism: pass ``ep`` (group, physical slots, initial phy2log); every rank of the group
     must then run ``forward`` at every step, with zero tokens if it has none (the MoE layers meet in
     collectives). Attention and dense weights are replicated; each rank keeps its own KV cache.
-    Block-fp8 dense linears as DeepSeek-V3 (:mod:`rayinfer.model.quantization`); routed experts stay
-    in the model dtype.
+    Block-fp8 linears and routed experts as DeepSeek-V3 (:mod:`rayinfer.model.quantization`).
     """
 
     supports_block_fp8 = True

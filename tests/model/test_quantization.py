@@ -290,3 +290,18 @@ def test_engine_passes_model_config_quantization_to_the_loader():
     assert engine.model.model.layers[0].self_attn.o_proj.weight.dtype == FP8
     out = engine.generate([[1, 2, 3, 4, 5]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     assert out[0].error is None and len(out[0].output_token_ids) == 3
+
+
+def test_stacked_16_bit_experts_are_quantized_per_half_as_they_load():
+    """A Hugging Face 5.x state dict (stacked ``experts.gate_up_proj`` / ``down_proj``, float32) loaded into
+    an fp8 model: the experts hold quantize_w13 / quantize_block_fp8 of them, scales included."""
+    from rayinfer.kernels.fused_moe import quantize_w13
+
+    plain = load_model("qwen3-moe-tiny", "float32", "cpu", "dummy", seed=0)
+    fp8 = load_model("qwen3-moe-tiny", "float32", "cpu", "dummy", seed=1, quantization="fp8")
+    fp8.load_weights(plain.state_dict().items())
+    ours, src = fp8.model.layers[0].mlp.experts, plain.model.layers[0].mlp.experts
+    for name, quantize in (("gate_up_proj", quantize_w13), ("down_proj", quantize_block_fp8)):
+        q, s = quantize(getattr(src, name))
+        assert torch.equal(getattr(ours, name).view(torch.uint8), q.view(torch.uint8)), name
+        assert torch.equal(getattr(ours, f"{name}_scale_inv"), s), name
