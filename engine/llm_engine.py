@@ -257,8 +257,9 @@ class LLMEngine:
         # in the store off this thread, and returns whether it took the write. ``stored_hashes``: hashes known to be in the store (LRU, bounded).
         self.store_writer = None
         self.stored_hashes: OrderedDict[int, None] = OrderedDict()
-        logger.info("engine ready: %s on %s (%s), %d KV blocks of %d", model_config.model, self.device,
-                    self.dtype, num_blocks, cfg.block_size)
+        fp8 = any(p.dtype == torch.float8_e4m3fn for p in self.model.parameters())  # checkpoint or model.quantization
+        logger.info("engine ready: %s on %s (%s%s), %d KV blocks of %d", model_config.model, self.device,
+                    self.dtype, ", fp8 block weights" if fp8 else "", num_blocks, cfg.block_size)
 
     def _num_host_blocks(self) -> int:
         """Host KV tier slots from ``host_kv_cache_gib`` (0 when off). Raises ValueError for a size under

@@ -552,7 +552,7 @@ def _ints(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="deepseek-v2-lite", choices=sorted(MODELS),
                         help="the MoE shape (default: deepseek-v2-lite)")
     parser.add_argument("--tiny", action="store_true", help="the model's tiny shape and cases (CPU smoke run)")
