@@ -294,9 +294,12 @@ def sweep_mla(ceil) -> list[dict]:
     return rows
 
 
-MLA_TRITON_TILES = [  # (block_h, block_n, num_warps, num_stages, min_split_tokens)
-    (16, 16, 4, 2, 128), (16, 16, 4, 2, 64), (16, 32, 4, 3, 128), (16, 32, 8, 3, 128), (16, 64, 8, 3, 128),
-    (16, 64, 8, 2, 256), (16, 32, 4, 4, 64),
+_TRITON_KEYS = ("block_h", "block_n", "num_warps", "num_stages", "min_split_tokens", "prefetch")
+MLA_TRITON_TILES = [  # (block_h, block_n, num_warps, num_stages, min_split_tokens, prefetch); the first is the default
+    (16, 16, 4, 2, 32, False), (16, 16, 4, 2, 128, False), (16, 32, 4, 3, 128, False), (16, 32, 8, 3, 128, False),
+    (16, 64, 8, 3, 128, False), (16, 64, 8, 2, 256, False), (16, 32, 4, 4, 64, False),
+    (16, 16, 4, 1, 32, True), (16, 16, 4, 2, 32, True), (16, 32, 4, 1, 32, True), (16, 32, 8, 1, 64, True),
+    (16, 64, 8, 1, 64, True), (16, 32, 8, 3, 64, True), (16, 64, 8, 2, 128, True),
 ]
 MLA_TILELANG_TILES = [  # (block_n, threads, num_stages, min_split_tokens, gather)
     (64, 256, 2, 128, "blocks"), (64, 128, 2, 128, "blocks"), (32, 128, 2, 64, "blocks"), (64, 256, 3, 256, "blocks"),
@@ -325,8 +328,7 @@ def sweep_mla_tiles(ceil) -> list[dict]:
         qp = torch.randn((batch, heads, rope), device="cuda", dtype=DT)
         want = mla_decode_ref(ql, qp, cache[0], meta, 0.1).float()
         nbytes = batch * ctx * (rank + rope) * 2
-        cases = [("triton", dict(zip(("block_h", "block_n", "num_warps", "num_stages", "min_split_tokens"), t)))
-                 for t in MLA_TRITON_TILES]
+        cases = [("triton", dict(zip(_TRITON_KEYS, t))) for t in MLA_TRITON_TILES]
         if tilelang_available():
             cases += [("tilelang", dict(zip(("block_n", "threads", "num_stages", "min_split_tokens", "gather"), t)))
                       for t in MLA_TILELANG_TILES]
@@ -347,6 +349,27 @@ def sweep_mla_tiles(ceil) -> list[dict]:
             print(f"  {backend} {cfg} B={batch} ctx={ctx}: {us or float('nan'):7.1f} us "
                   f"{pct or float('nan'):5.1f}% bw err {err:.1e}", flush=True)
         del cache
+    rows += _compiled_kernel_stats("mla_decode_kernel")
+    return rows
+
+
+def _compiled_kernel_stats(name: str) -> list[dict]:
+    """Registers and spills of every variant of the Triton kernel ``name`` compiled so far (the cache's
+    key names the constexprs), as rows ``{"op": "compiled", ...}``; none where this Triton's cache differs."""
+    from rayinfer.kernels import mla_attention
+
+    fn = getattr(mla_attention, "_" + name)
+    rows = []
+    try:
+        for cache in fn.device_caches.values():
+            for key, kernel in cache[0].items():
+                rows.append({"op": "compiled", "kernel": name, "key": str(key)[-400:], "n_regs": kernel.n_regs,
+                             "n_spills": kernel.n_spills, "num_warps": kernel.metadata.num_warps,
+                             "num_stages": kernel.metadata.num_stages, "shared_bytes": kernel.metadata.shared})
+    except Exception as exc:  # noqa: BLE001 - a diagnostic only
+        rows.append({"op": "compiled", "kernel": name, "error": repr(exc)[:300]})
+    for r in rows:
+        print(f"  compiled {name}: {r}"[:600], flush=True)
     return rows
 
 

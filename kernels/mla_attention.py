@@ -234,6 +234,7 @@ def _mla_decode_kernel(
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr,
     ROWWISE: tl.constexpr = False, USE_SPLITS: tl.constexpr = False, MIN_SPLIT_TOKENS: tl.constexpr = 128,
+    PREFETCH: tl.constexpr = False,
 ):
     token = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -268,13 +269,37 @@ def _mla_decode_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
     table = block_tables_ptr + req.to(tl.int64) * stride_bt
-    for start in range(kv_lo, kv_hi, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
+    if PREFETCH:  # the first tile's rows, and the block-table entries of the second
+        n = kv_lo + tl.arange(0, BLOCK_N)
         n_ok = n < kv_hi
         blk = tl.load(table + n // KV_BLOCK_SIZE, mask=n_ok, other=0)
         rows = blk.to(tl.int64) * stride_cb + (n % KV_BLOCK_SIZE) * stride_cs
-        kl = tl.load(cache_ptr + rows[:, None] + r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
-        kp = tl.load(cache_ptr + rows[:, None] + RANK + p[None, :], mask=n_ok[:, None] & p_ok[None, :], other=0.0)
+        kl_next = tl.load(cache_ptr + rows[:, None] + r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+        kp_next = tl.load(cache_ptr + rows[:, None] + RANK + p[None, :], mask=n_ok[:, None] & p_ok[None, :],
+                          other=0.0)
+        blk_next = tl.load(table + (n + BLOCK_N) // KV_BLOCK_SIZE, mask=n + BLOCK_N < kv_hi, other=0)
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < kv_hi
+        if PREFETCH:
+            # register double-buffering: issue the next tile's loads (and the block-table entries of the
+            # one after) before this tile's products, so each load's latency overlaps a tile of compute
+            # instead of stalling the loop (the compiler's pipeliner does not overlap this gather)
+            kl = kl_next
+            kp = kp_next
+            nn = n + BLOCK_N
+            nn_ok = nn < kv_hi
+            rows = blk_next.to(tl.int64) * stride_cb + (nn % KV_BLOCK_SIZE) * stride_cs
+            kl_next = tl.load(cache_ptr + rows[:, None] + r[None, :], mask=nn_ok[:, None] & r_ok[None, :], other=0.0)
+            kp_next = tl.load(cache_ptr + rows[:, None] + RANK + p[None, :], mask=nn_ok[:, None] & p_ok[None, :],
+                              other=0.0)
+            blk_next = tl.load(table + (nn + BLOCK_N) // KV_BLOCK_SIZE, mask=nn + BLOCK_N < kv_hi, other=0)
+        else:
+            blk = tl.load(table + n // KV_BLOCK_SIZE, mask=n_ok, other=0)
+            rows = blk.to(tl.int64) * stride_cb + (n % KV_BLOCK_SIZE) * stride_cs
+            kl = tl.load(cache_ptr + rows[:, None] + r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+            kp = tl.load(cache_ptr + rows[:, None] + RANK + p[None, :], mask=n_ok[:, None] & p_ok[None, :],
+                         other=0.0)
         if ROWWISE:  # batch-invariant mode under the interpreter (see ROWWISE in kernels._triton_utils)
             s = (tl.sum(ql.to(tl.float32)[:, :, None] * tl.trans(kl).to(tl.float32)[None, :, :], 1)
                  + tl.sum(qp.to(tl.float32)[:, :, None] * tl.trans(kp).to(tl.float32)[None, :, :], 1))
@@ -358,7 +383,8 @@ def mla_decode_triton(
     num_splits: int | None = None, max_seq_len: int | None = None, config: dict | None = None,
 ) -> torch.Tensor:
     """Triton kernel of :func:`mla_decode_ref` (same contract; no host sync; ``config`` overrides the
-    tiles: block_h, block_n, num_warps, num_stages, min_split_tokens).
+    tiles: block_h, block_n, num_warps, num_stages, min_split_tokens, and prefetch, which issues the next
+    key tile's loads before this tile's products).
 
     Args:
         num_splits: split-KV factor; by default :func:`choose_num_splits` of the batch shape. Always 1 in
@@ -384,7 +410,7 @@ def mla_decode_triton(
     # latency-bound by the serial tiles of each split (the merge it saved is ~2 us)
     cfg = {"block_h": 16 if block_r >= 256 else max(16, min(32, triton.next_power_of_2(num_heads))),  # acc [H, R] fp32
            "block_n": 16 if block_r >= 512 else 32, "num_warps": 4, "num_stages": 2, "min_split_tokens": 32,
-           **(config or {})}
+           "prefetch": False, **(config or {})}
     block_h, block_n = cfg["block_h"], cfg["block_n"]
     head_tiles = triton.cdiv(num_heads, block_h)
     max_seq_len = max(max_seq_len or meta.max_seq_len, 1)
@@ -410,7 +436,7 @@ def mla_decode_triton(
         RANK=rank, ROPE=rope, BLOCK_R=block_r, BLOCK_P=max(16, triton.next_power_of_2(rope)),
         BLOCK_H=block_h, BLOCK_N=block_n, KV_BLOCK_SIZE=kv_cache.shape[1], IEEE=q_latent.dtype == torch.float32,
         ROWWISE=invariant and is_interpreting(), USE_SPLITS=use_splits, MIN_SPLIT_TOKENS=cfg["min_split_tokens"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        PREFETCH=bool(cfg["prefetch"]), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if use_splits:
         _mla_merge_splits_kernel[(num_tokens, num_heads)](
