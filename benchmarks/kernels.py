@@ -294,12 +294,14 @@ def sweep_mla(ceil) -> list[dict]:
     return rows
 
 
-_TRITON_KEYS = ("block_h", "block_n", "num_warps", "num_stages", "min_split_tokens", "prefetch")
-MLA_TRITON_TILES = [  # (block_h, block_n, num_warps, num_stages, min_split_tokens, prefetch); the first is the default
-    (16, 16, 4, 2, 32, False), (16, 16, 4, 2, 128, False), (16, 32, 4, 3, 128, False), (16, 32, 8, 3, 128, False),
-    (16, 64, 8, 3, 128, False), (16, 64, 8, 2, 256, False), (16, 32, 4, 4, 64, False),
-    (16, 16, 4, 1, 32, True), (16, 16, 4, 2, 32, True), (16, 32, 4, 1, 32, True), (16, 32, 8, 1, 64, True),
-    (16, 64, 8, 1, 64, True), (16, 32, 8, 3, 64, True), (16, 64, 8, 2, 128, True),
+_TRITON_KEYS = ("block_h", "block_n", "num_warps", "num_stages", "min_split_tokens")
+# (block_h, block_n, num_warps, num_stages, min_split_tokens): the kernel's two default sets first (up to 4
+# tokens; more). The c087fa1 round also timed a register double-buffered key loop (the next tile's loads
+# issued before this tile's products): 20-45% slower than the compiler's pipelined loads at batch >= 32, so
+# it was dropped (results/kernels-mla-tiles-h200-c087fa1.json)
+MLA_TRITON_TILES = [
+    (16, 16, 4, 2, 32), (16, 32, 4, 4, 64), (16, 16, 4, 2, 128), (16, 32, 4, 3, 128), (16, 32, 8, 3, 128),
+    (16, 64, 8, 3, 128), (16, 64, 8, 2, 256),
 ]
 MLA_TILELANG_TILES = [  # (block_n, threads, num_stages, min_split_tokens, gather)
     (64, 256, 2, 128, "blocks"), (64, 128, 2, 128, "blocks"), (32, 128, 2, 64, "blocks"), (64, 256, 3, 256, "blocks"),

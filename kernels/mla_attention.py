@@ -234,7 +234,6 @@ def _mla_decode_kernel(
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr,
     ROWWISE: tl.constexpr = False, USE_SPLITS: tl.constexpr = False, MIN_SPLIT_TOKENS: tl.constexpr = 128,
-    PREFETCH: tl.constexpr = False,
 ):
     token = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -269,37 +268,13 @@ def _mla_decode_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
     table = block_tables_ptr + req.to(tl.int64) * stride_bt
-    if PREFETCH:  # the first tile's rows, and the block-table entries of the second
-        n = kv_lo + tl.arange(0, BLOCK_N)
-        n_ok = n < kv_hi
-        blk = tl.load(table + n // KV_BLOCK_SIZE, mask=n_ok, other=0)
-        rows = blk.to(tl.int64) * stride_cb + (n % KV_BLOCK_SIZE) * stride_cs
-        kl_next = tl.load(cache_ptr + rows[:, None] + r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
-        kp_next = tl.load(cache_ptr + rows[:, None] + RANK + p[None, :], mask=n_ok[:, None] & p_ok[None, :],
-                          other=0.0)
-        blk_next = tl.load(table + (n + BLOCK_N) // KV_BLOCK_SIZE, mask=n + BLOCK_N < kv_hi, other=0)
     for start in range(kv_lo, kv_hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < kv_hi
-        if PREFETCH:
-            # register double-buffering: issue the next tile's loads (and the block-table entries of the
-            # one after) before this tile's products, so each load's latency overlaps a tile of compute
-            # instead of stalling the loop (the compiler's pipeliner does not overlap this gather)
-            kl = kl_next
-            kp = kp_next
-            nn = n + BLOCK_N
-            nn_ok = nn < kv_hi
-            rows = blk_next.to(tl.int64) * stride_cb + (nn % KV_BLOCK_SIZE) * stride_cs
-            kl_next = tl.load(cache_ptr + rows[:, None] + r[None, :], mask=nn_ok[:, None] & r_ok[None, :], other=0.0)
-            kp_next = tl.load(cache_ptr + rows[:, None] + RANK + p[None, :], mask=nn_ok[:, None] & p_ok[None, :],
-                              other=0.0)
-            blk_next = tl.load(table + (nn + BLOCK_N) // KV_BLOCK_SIZE, mask=nn + BLOCK_N < kv_hi, other=0)
-        else:
-            blk = tl.load(table + n // KV_BLOCK_SIZE, mask=n_ok, other=0)
-            rows = blk.to(tl.int64) * stride_cb + (n % KV_BLOCK_SIZE) * stride_cs
-            kl = tl.load(cache_ptr + rows[:, None] + r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
-            kp = tl.load(cache_ptr + rows[:, None] + RANK + p[None, :], mask=n_ok[:, None] & p_ok[None, :],
-                         other=0.0)
+        blk = tl.load(table + n // KV_BLOCK_SIZE, mask=n_ok, other=0)
+        rows = blk.to(tl.int64) * stride_cb + (n % KV_BLOCK_SIZE) * stride_cs
+        kl = tl.load(cache_ptr + rows[:, None] + r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+        kp = tl.load(cache_ptr + rows[:, None] + RANK + p[None, :], mask=n_ok[:, None] & p_ok[None, :], other=0.0)
         if ROWWISE:  # batch-invariant mode under the interpreter (see ROWWISE in kernels._triton_utils)
             s = (tl.sum(ql.to(tl.float32)[:, :, None] * tl.trans(kl).to(tl.float32)[None, :, :], 1)
                  + tl.sum(qp.to(tl.float32)[:, :, None] * tl.trans(kp).to(tl.float32)[None, :, :], 1))
@@ -383,8 +358,7 @@ def mla_decode_triton(
     num_splits: int | None = None, max_seq_len: int | None = None, config: dict | None = None,
 ) -> torch.Tensor:
     """Triton kernel of :func:`mla_decode_ref` (same contract; no host sync; ``config`` overrides the
-    tiles: block_h, block_n, num_warps, num_stages, min_split_tokens, and prefetch, which issues the next
-    key tile's loads before this tile's products).
+    tiles: block_h, block_n, num_warps, num_stages, min_split_tokens).
 
     Args:
         num_splits: split-KV factor; by default :func:`choose_num_splits` of the batch shape. Always 1 in
@@ -405,16 +379,22 @@ def mla_decode_triton(
     q_latent = q_latent if q_latent.stride(-1) == 1 else q_latent.contiguous()
     q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
     block_r = max(16, triton.next_power_of_2(rank))
-    # min_split_tokens 32 (two key tiles): a batch-1 step at 1K context in a graph sized for 8K keys uses
-    # 32 splits of 32 keys; at 128 it used 9 splits of 128 keys, 18.9 us a layer against 7.6 on an H200,
-    # latency-bound by the serial tiles of each split (the merge it saved is ~2 us)
+    # Tiles from the H200 sweep (benchmarks/kernels.py --only-sweeps mla_tiles, V2-Lite's 16 heads x 576, cache
+    # blocks of 16, a graph sized for 8K keys). Up to 4 tokens: 16-key tiles, splits of at least 32 keys (a
+    # batch-1 step at 1K context takes 32 splits of 32 keys, 11.2 us a layer; splits of 128 keys took 18.9,
+    # latency-bound by each split's serial tiles). More tokens: 32-key tiles in 4 stages, splits of at least
+    # 64 keys (batch 32 at 4K context 96.9 -> 77.5 us, 1K 31.5 -> 25.8; within 3% of the best set at 64-128).
+    # Batch-invariant mode always takes the second set: a token's tiles must not depend on its companions.
+    invariant = is_batch_invariant()
+    few = num_tokens <= 4 and not invariant
+    wide = block_r >= 512
     cfg = {"block_h": 16 if block_r >= 256 else max(16, min(32, triton.next_power_of_2(num_heads))),  # acc [H, R] fp32
-           "block_n": 16 if block_r >= 512 else 32, "num_warps": 4, "num_stages": 2, "min_split_tokens": 32,
-           "prefetch": False, **(config or {})}
+           "block_n": 16 if wide and few else 32, "num_warps": 4, "num_stages": 2 if few or not wide else 4,
+           "min_split_tokens": 32 if few or not wide else 64,
+           **(config or {})}
     block_h, block_n = cfg["block_h"], cfg["block_n"]
     head_tiles = triton.cdiv(num_heads, block_h)
     max_seq_len = max(max_seq_len or meta.max_seq_len, 1)
-    invariant = is_batch_invariant()
     if invariant:
         num_splits = 1
     elif num_splits is None:
@@ -436,7 +416,7 @@ def mla_decode_triton(
         RANK=rank, ROPE=rope, BLOCK_R=block_r, BLOCK_P=max(16, triton.next_power_of_2(rope)),
         BLOCK_H=block_h, BLOCK_N=block_n, KV_BLOCK_SIZE=kv_cache.shape[1], IEEE=q_latent.dtype == torch.float32,
         ROWWISE=invariant and is_interpreting(), USE_SPLITS=use_splits, MIN_SPLIT_TOKENS=cfg["min_split_tokens"],
-        PREFETCH=bool(cfg["prefetch"]), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if use_splits:
         _mla_merge_splits_kernel[(num_tokens, num_heads)](

@@ -83,9 +83,8 @@ def test_store_ref_by_hand():
     assert cache.count_nonzero() == 4
 
 
-def check_kernels(device, cases, num_splits=None, config=None):
-    """Each case against the references; ``num_splits``: force that split-KV factor (else the default);
-    ``config``: tiles of the Triton kernel (then it is called directly)."""
+def check_kernels(device, cases, num_splits=None):
+    """Each case against the references; ``num_splits``: force that split-KV factor (else the default)."""
     worst = 0.0
     for i, (query_lens, seq_lens, heads, rank, rope, bs, dtype) in enumerate(cases):
         nb = sum(-(-s // bs) for s in seq_lens) + 3
@@ -96,10 +95,10 @@ def check_kernels(device, cases, num_splits=None, config=None):
         t = sum(query_lens)
         ql = torch.randn(t, heads, rank, generator=gen).to(**to)
         qp = torch.randn(t, heads, rope, generator=gen).to(**to)
-        if num_splits is None and config is None:
+        if num_splits is None:
             got = mla_decode(ql, qp, cache, meta, rank**-0.5)
         else:
-            got = mla_decode_triton(ql, qp, cache, meta, rank**-0.5, num_splits=num_splits, config=config)
+            got = mla_decode_triton(ql, qp, cache, meta, rank**-0.5, num_splits=num_splits)
         want = mla_decode_ref(ql, qp, cache, meta, rank**-0.5)
         tol = TOL[dtype]
         torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol, msg=lambda m: f"case {i}: {m}")
@@ -218,14 +217,6 @@ def test_split_kv_matches_ref_at_long_context():
     assert choose_num_splits(1, 1024, torch.cuda.get_device_properties(0).multi_processor_count) > 1
     print(f"mla_decode split-KV (default splits): max abs err {check_kernels('cuda', SPLIT_GPU_CASES):.2e}")
     print(f"mla_decode split-KV (7 splits): max abs err {check_kernels('cuda', SPLIT_GPU_CASES[:2], 7):.2e}")
-    for cfg in PREFETCH_CONFIGS:
-        err = check_kernels("cuda", GPU_CASES + SPLIT_GPU_CASES, config=cfg)
-        print(f"mla_decode {cfg}: max abs err {err:.2e}")
-
-
-# register double-buffered key tiles (``prefetch``) at the block sizes the benchmark sweeps
-PREFETCH_CONFIGS = [dict(prefetch=True), dict(prefetch=True, block_n=32, num_warps=8),
-                    dict(prefetch=True, block_n=64, num_warps=8, min_split_tokens=64)]
 
 
 def test_choose_num_splits():
@@ -271,11 +262,6 @@ if __name__ == "__main__":
         # split-KV: 4 splits of whole 32-key tiles; the 5-token context leaves 3 splits empty, the 150-token one 1
         check_kernels("cpu", [([1, 1, 2], [5, 150, 70], 4, 32, 16, 4, f32)], num_splits=4)
         check_kernels("cpu", [([3, 1], [97, 1], 20, 24, 8, 8, f32)], num_splits=3)
-        # prefetched key tiles: one tile, a tile boundary inside a cache block, splits ending mid-tile
-        check_kernels("cpu", [([1, 3, 1], [5, 9, 40], 4, 32, 16, 4, f32), ([1, 2], [33, 16], 2, 32, 16, 8, f32)],
-                      config=dict(prefetch=True, block_n=16))
-        check_kernels("cpu", [([1, 1, 2], [5, 150, 70], 4, 32, 16, 4, f32)], num_splits=4,
-                      config=dict(prefetch=True, block_n=16, min_split_tokens=16))
         # expanded: whole prompts, chunks after cached prefixes, a tile boundary (32 rows), a one-token row
         check_prefill("cpu", [([40, 7, 1, 3], [40, 30, 9, 3], 2, 32, 16, 16, 24, 4, f32),
                               ([33], [70], 3, 24, 8, 12, 20, 8, f32)])
