@@ -160,11 +160,39 @@ def compose(config_name: str, overrides: list[str]):
         with initialize_config_module(config_module="rayinfer.conf", version_base="1.3"):
             cfg = hydra_compose(config_name=config_name, overrides=overrides)
     except (HydraException, OmegaConfBaseException) as e:
-        raise ValueError(f"bad {config_name} config: {' '.join(str(e).split())}") from None
+        message = " ".join(str(e).split())
+        missing = re.search(r"Could not override '([^']+)'", message)
+        cause = str(e.__cause__ or "").strip().splitlines()
+        if missing:  # a misspelt key: Hydra's "+key" hint only leads to the unknown-key error below
+            message = re.sub(r"\.?\s*To append to your config use \+\S+", ": the config has no such key", message)
+            with initialize_config_module(config_module="rayinfer.conf", version_base="1.3"):
+                message += did_you_mean(hydra_compose(config_name=config_name), missing.group(1))
+        elif cause and cause[0] not in message:  # "Error merging override k=v" says why only in its cause
+            message += f": {cause[0]}"
+        raise ValueError(f"bad {config_name} config: {message}") from None
     extra = unknown_keys(cfg)
     if extra:  # "+key=value" adds a key to a schema node, where nothing would ever read it
-        raise ValueError(f"bad {config_name} config: unknown key(s) {', '.join(extra)}")
+        raise ValueError(f"bad {config_name} config: unknown key(s) {', '.join(extra)}"
+                         + "".join(did_you_mean(cfg, k) for k in extra))
     return cfg
+
+
+def did_you_mean(cfg, dotted: str) -> str:
+    """`` (did you mean <key>?)`` for the declared key of ``dotted``'s parent node in ``cfg`` closest to its
+    last part (``difflib``), or "" when none is close or the parent is not a config node."""
+    import dataclasses
+    import difflib
+
+    from omegaconf import DictConfig, OmegaConf
+
+    parent, _, leaf = dotted.lstrip("+~").rpartition(".")
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    if not isinstance(node, DictConfig):
+        return ""
+    schema = OmegaConf.get_type(node)
+    names = [f.name for f in dataclasses.fields(schema)] if dataclasses.is_dataclass(schema) else [str(k) for k in node.keys()]
+    close = difflib.get_close_matches(leaf, [n for n in names if n != leaf], n=1)
+    return f" (did you mean {parent + '.' if parent else ''}{close[0]}?)" if close else ""
 
 
 def unknown_keys(node, prefix: str = "") -> list[str]:

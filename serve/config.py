@@ -101,17 +101,16 @@ def compose_config(overrides: list[str] | None = None) -> ServeConfig:
     Raises:
         ValueError: for a bad override or value.
     """
-    from hydra import compose, initialize_config_module
-    from hydra.errors import HydraException
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    from rayinfer.cli import compose
+
     register_configs()
+    cfg = compose("serve", list(overrides or []))  # a bad override: ValueError naming it (and a close key)
     try:
-        with initialize_config_module(config_module="rayinfer.conf", version_base="1.3"):
-            cfg = compose(config_name="serve", overrides=list(overrides or []))
         result = OmegaConf.to_object(cfg)
-    except (HydraException, OmegaConfBaseException) as e:
+    except OmegaConfBaseException as e:
         raise ValueError(f"bad serve config: {e}") from None
     if not isinstance(result, ServeConfig):
         raise ValueError(f"bad serve config: composed a {type(result).__name__}, not a ServeConfig")

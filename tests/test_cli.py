@@ -110,3 +110,22 @@ def test_rayinfer_generate_runs(tmp_path, ray_cluster):
     recs = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["id"] for r in recs] == ["a", "b"]
     assert all(r["error"] is None and len(r["output_token_ids"]) == 3 for r in recs)
+
+
+def test_a_misspelt_key_names_the_closest_declared_one():
+    from rayinfer.cli import did_you_mean
+    from rayinfer.jobs import generate
+
+    generate.register_configs()
+    cfg = compose("generate", [])
+    assert did_you_mean(cfg, "engine.max_num_seq") == " (did you mean engine.max_num_seqs?)"
+    assert did_you_mean(cfg, "+sampling.temprature") == " (did you mean sampling.temperature?)"
+    assert did_you_mean(cfg, "engine.zzzz") == ""  # nothing close
+    assert did_you_mean(cfg, "no_such_group.key") == ""  # no such parent node
+    with pytest.raises(ValueError, match=r"'model\.dtpe': the config has no such key \(did you mean model\.dtype\?\)"):
+        compose("generate", ["model.dtpe=float32"])
+    with pytest.raises(ValueError, match=r"unknown key\(s\) engine\.max_num_seq \(did you mean engine\.max_num_seqs\?\)"):
+        compose("generate", ["+engine.max_num_seq=4"])
+    # a value of the wrong type: Hydra's own message says only "Error merging override"; its cause says why
+    with pytest.raises(ValueError, match=r"engine\.max_num_seqs=abc: Value 'abc' of type 'str' could not be converted"):
+        compose("generate", ["engine.max_num_seqs=abc"])

@@ -118,8 +118,10 @@ def test_job_end_to_end_with_errors_and_resume(tmp_path, fleet):
     ("engine.max_num_seqs=0", "max_num_seqs"),
     ("input=/no/such/file.jsonl", "input file not found: /no/such/file.jsonl"),
     ("ray.address=127.0.0.1:1", "no Ray cluster answers at 127.0.0.1:1 (ray.address)"),
-    ("engine.max_num_seq=4", "max_num_seq"),  # a misspelt key: refused by the schema, not Hydra's exit 1
-    ("+engine.max_num_seq=4", "unknown key(s) engine.max_num_seq"),  # Hydra would add it, and nothing read it
+    # a misspelt key: refused by the schema, not Hydra's exit 1, with the declared key it is closest to
+    ("engine.max_num_seq=4", "engine.max_num_seq': the config has no such key (did you mean engine.max_num_seqs?)"),
+    # Hydra would add it, and nothing read it
+    ("+engine.max_num_seq=4", "unknown key(s) engine.max_num_seq (did you mean engine.max_num_seqs?)"),
     ("parallel=3p1d", "3p1d"),  # an unknown preset
     ("sampling.temperature=-1", "temperature must be >= 0.0"),  # a default every line would fail on
 ])
