@@ -190,7 +190,10 @@ def did_you_mean(cfg, dotted: str) -> str:
     if not isinstance(node, DictConfig):
         return ""
     schema = OmegaConf.get_type(node)
-    names = [f.name for f in dataclasses.fields(schema)] if dataclasses.is_dataclass(schema) else [str(k) for k in node.keys()]
+    if dataclasses.is_dataclass(schema):
+        names = [f.name for f in dataclasses.fields(schema)]
+    else:
+        names = [str(k) for k in node.keys()]
     close = difflib.get_close_matches(leaf, [n for n in names if n != leaf], n=1)
     return f" (did you mean {parent + '.' if parent else ''}{close[0]}?)" if close else ""
 
