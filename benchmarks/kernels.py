@@ -313,7 +313,7 @@ def sweep_mla_tiles(ceil) -> list[dict]:
     """DeepSeek-V2-Lite's absorbed MLA decode (16 heads, R 512, P 64, cache blocks of 16 as the engine's
     default) per tile set of each backend, at the split count a graph bounded by max_model_len 8192 gets:
     graph time per layer and the share of the measured copy bandwidth the latent cache reads reach."""
-    from rayinfer.kernels.mla_attention import mla_decode_ref, mla_decode_triton
+    from rayinfer.kernels.mla_attention import _mla_decode_kernel, mla_decode_ref, mla_decode_triton
     from rayinfer.kernels.mla_tilelang import mla_decode_tilelang, tilelang_available
 
     heads, rank, rope, bs = 16, 512, 64, 16
@@ -351,16 +351,14 @@ def sweep_mla_tiles(ceil) -> list[dict]:
             print(f"  {backend} {cfg} B={batch} ctx={ctx}: {us or float('nan'):7.1f} us "
                   f"{pct or float('nan'):5.1f}% bw err {err:.1e}", flush=True)
         del cache
-    rows += _compiled_kernel_stats("mla_decode_kernel")
+    rows += _compiled_kernel_stats(_mla_decode_kernel, "mla_decode_kernel")
     return rows
 
 
-def _compiled_kernel_stats(name: str) -> list[dict]:
-    """Registers and spills of every variant of the Triton kernel ``name`` compiled so far (the cache's
-    key names the constexprs), as rows ``{"op": "compiled", ...}``; none where this Triton's cache differs."""
-    from rayinfer.kernels import mla_attention
-
-    fn = getattr(mla_attention, "_" + name)
+def _compiled_kernel_stats(fn, name: str) -> list[dict]:
+    """Registers and spills of every variant of the Triton kernel ``fn`` (called ``name`` in the rows)
+    compiled so far (the cache's key names the constexprs), as rows ``{"op": "compiled", ...}``; one error
+    row where this Triton's cache differs."""
     rows = []
     try:
         for cache in fn.device_caches.values():

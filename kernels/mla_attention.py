@@ -388,10 +388,10 @@ def mla_decode_triton(
     invariant = is_batch_invariant()
     few = num_tokens <= 4 and not invariant
     wide = block_r >= 512
+    deep = wide and not few  # the second set
     cfg = {"block_h": 16 if block_r >= 256 else max(16, min(32, triton.next_power_of_2(num_heads))),  # acc [H, R] fp32
-           "block_n": 16 if wide and few else 32, "num_warps": 4, "num_stages": 2 if few or not wide else 4,
-           "min_split_tokens": 32 if few or not wide else 64,
-           **(config or {})}
+           "block_n": 16 if wide and few else 32, "num_warps": 4, "num_stages": 4 if deep else 2,
+           "min_split_tokens": 64 if deep else 32, **(config or {})}
     block_h, block_n = cfg["block_h"], cfg["block_n"]
     head_tiles = triton.cdiv(num_heads, block_h)
     max_seq_len = max(max_seq_len or meta.max_seq_len, 1)

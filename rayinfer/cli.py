@@ -177,10 +177,19 @@ def compose(config_name: str, overrides: list[str]):
     return cfg
 
 
+def declared_keys(node) -> list[str] | None:
+    """The field names of ``node``'s dataclass schema (a composed DictConfig), or None for an untyped node."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    schema = OmegaConf.get_type(node)
+    return [f.name for f in dataclasses.fields(schema)] if dataclasses.is_dataclass(schema) else None
+
+
 def did_you_mean(cfg, dotted: str) -> str:
     """`` (did you mean <key>?)`` for the declared key of ``dotted``'s parent node in ``cfg`` closest to its
     last part (``difflib``), or "" when none is close or the parent is not a config node."""
-    import dataclasses
     import difflib
 
     from omegaconf import DictConfig, OmegaConf
@@ -189,11 +198,8 @@ def did_you_mean(cfg, dotted: str) -> str:
     node = OmegaConf.select(cfg, parent) if parent else cfg
     if not isinstance(node, DictConfig):
         return ""
-    schema = OmegaConf.get_type(node)
-    if dataclasses.is_dataclass(schema):
-        names = [f.name for f in dataclasses.fields(schema)]
-    else:
-        names = [str(k) for k in node.keys()]
+    names = declared_keys(node)
+    names = names if names is not None else [str(k) for k in node.keys()]
     close = difflib.get_close_matches(leaf, [n for n in names if n != leaf], n=1)
     return f" (did you mean {parent + '.' if parent else ''}{close[0]}?)" if close else ""
 
@@ -201,12 +207,9 @@ def did_you_mean(cfg, dotted: str) -> str:
 def unknown_keys(node, prefix: str = "") -> list[str]:
     """Dotted keys of ``node`` (a composed DictConfig) that its dataclass schema does not declare (what
     a ``+key=value`` override adds to a typed node: accepted by Hydra, read by nothing)."""
-    import dataclasses
+    from omegaconf import DictConfig
 
-    from omegaconf import DictConfig, OmegaConf
-
-    schema = OmegaConf.get_type(node)
-    declared = {f.name for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else None
+    declared = declared_keys(node)
     out = []
     for key in node.keys():
         name = f"{prefix}{key}"
