@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rayinfer.kernels._triton_utils import is_interpreting, tl, triton, use_triton
+from rayinfer.kernels._triton_utils import is_interpreting, pdl_launch, pdl_wait, tl, triton, use_pdl, use_triton
 from rayinfer.kernels.activation import silu_and_mul_ref
 from rayinfer.kernels.batch_invariant import is_batch_invariant
 from rayinfer.kernels.block_fp8 import FP8_DTYPE, WEIGHT_BLOCK, block_fp8_dequant_ref, quantize_block_fp8
@@ -238,10 +238,11 @@ def _moe_count_kernel(
     ids_ptr, log2phy_ptr, replica_counts_ptr, load_ptr, chunk_counts_ptr,
     num_pairs, stride_r, first_local, num_experts, num_logical,
     TOP_K: tl.constexpr, MAP: tl.constexpr, COUNT_LOAD: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_L: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_L: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     chunk = tl.program_id(0)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    pdl_wait(USE_PDL)
     slot, valid = _slot_of_pairs(ids_ptr, offs, num_pairs, log2phy_ptr, replica_counts_ptr, stride_r, first_local,
                                  num_experts, num_logical, TOP_K, MAP)
     if COUNT_LOAD:
@@ -258,8 +259,10 @@ def _moe_scatter_kernel(
     TOP_K: tl.constexpr, MAP: tl.constexpr, BLOCK_M: tl.constexpr, WRITE_KEPT: tl.constexpr,
     ONE_LAUNCH: tl.constexpr, COUNT_LOAD: tl.constexpr, BLOCK_L: tl.constexpr,
     CHUNK: tl.constexpr, SUB: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr, TILES: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     chunk = tl.program_id(0)
+    pdl_wait(USE_PDL)
     experts = tl.arange(0, BLOCK_E)
     expert_ok = experts < num_experts
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
@@ -363,13 +366,14 @@ def moe_align_triton(
     load = expert_load if expert_load is not None else ids
     common = dict(TOP_K=top_k, MAP=expert_map is not None, CHUNK=chunk, BLOCK_E=triton.next_power_of_2(num_experts),
                   COUNT_LOAD=expert_load is not None, BLOCK_L=triton.next_power_of_2(num_logical))
+    pdl = pdl_launch(use_pdl(topk_ids))
     if one_launch:
         chunk_counts = ids  # unread
     else:
         chunk_counts = torch.empty((num_chunks, num_experts), dtype=torch.int32, device=device)
         _moe_count_kernel[(num_chunks,)](
             ids, log2phy, replica_counts, load, chunk_counts,
-            num_pairs, stride_r, first_local, num_experts, num_logical, **common,
+            num_pairs, stride_r, first_local, num_experts, num_logical, **common, **pdl,
         )
     num_tiles = size // block_m
     tiles = 16
@@ -378,7 +382,7 @@ def moe_align_triton(
         ids, log2phy, replica_counts, chunk_counts, sorted_pairs, block_experts, kept if kept is not None else ids,
         load, num_pairs, stride_r, first_local, num_experts, num_logical, num_chunks, num_tiles,
         BLOCK_M=block_m, WRITE_KEPT=kept is not None, ONE_LAUNCH=one_launch, SUB=sub, ROWS=16, TILES=tiles,
-        **common,
+        **common, **pdl,
     )
     return sorted_pairs, block_experts
 
@@ -428,10 +432,11 @@ def _moe_gemm_kernel(
     A_ROW_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr, GATED: tl.constexpr, HAS_SCALE: tl.constexpr,
     SCALE_BLOCK_N: tl.constexpr, SCALE_BLOCK_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-    ROWWISE: tl.constexpr = False,
+    ROWWISE: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pdl_wait(USE_PDL)  # the tile's expert comes from the alignment kernel
     expert = tl.load(block_experts_ptr + pid_m)
     if expert < 0:
         return
@@ -527,23 +532,29 @@ def _moe_gemm(a, w, c, sorted_pairs, block_experts, weights, a_row_div: int, mul
         A_ROW_DIV=a_row_div, MUL_WEIGHT=mul_weight, GATED=gated, HAS_SCALE=scale is not None,
         SCALE_BLOCK_N=bn, SCALE_BLOCK_K=bk,
         BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=a.dtype == torch.float32, ROWWISE=rowwise,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_launch(use_pdl(a)),
     )
 
 
 @triton.jit
-def _moe_sum_kernel(out_ptr, kept_ptr, dst_ptr, hidden_size, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
-    # dst[t] = out[t, 0] + out[t, 1] + ... in slot order in float32 (a slot not kept reads as 0), cast to dst
+def _moe_sum_kernel(out_ptr, kept_ptr, dst_ptr, hidden_size, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+                    ADD_TO_DST: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+    # dst[t] = out[t, 0] + out[t, 1] + ... in slot order in float32 (a slot not kept reads as 0), cast to dst;
+    # ADD_TO_DST: dst[t] += that sum, rounded to dst's dtype first (a residual add of the layer's output)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     col_ok = cols < hidden_size
     zero = tl.zeros([BLOCK_H], dtype=tl.int8)
+    pdl_wait(USE_PDL)
     kept = (tl.load(kept_ptr + token * TOP_K) + zero) != 0  # broadcast: a vector mask
     acc = tl.load(out_ptr + token * TOP_K * hidden_size + cols, mask=col_ok & kept, other=0.0)
     for slot in tl.static_range(1, TOP_K):
         kept = (tl.load(kept_ptr + token * TOP_K + slot) + zero) != 0
         acc += tl.load(out_ptr + (token * TOP_K + slot) * hidden_size + cols, mask=col_ok & kept, other=0.0)
-    tl.store(dst_ptr + token * hidden_size + cols, acc.to(dst_ptr.dtype.element_ty), mask=col_ok)
+    dst = dst_ptr + token * hidden_size + cols
+    if ADD_TO_DST:
+        acc = acc.to(dst_ptr.dtype.element_ty).to(tl.float32) + tl.load(dst, mask=col_ok, other=0.0).to(tl.float32)
+    tl.store(dst, acc.to(dst_ptr.dtype.element_ty), mask=col_ok)
 
 
 def _check_scales(w13, w2, w13_scale, w2_scale) -> None:
@@ -596,6 +607,7 @@ def fused_moe_triton(
     expert_load: torch.Tensor | None = None,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton grouped GEMM of :func:`fused_moe_ref` (same contract; no host sync).
 
@@ -609,6 +621,8 @@ def fused_moe_triton(
             [E, ceil(H/128), ceil(I/128)]): the GEMMs widen each fp8 weight
             tile to hidden's dtype and scale each K step's partial products per output column, so the
             weights are dequantized in the kernel, never in memory.
+        residual: [T, H] in hidden's dtype, contiguous: the result is added into it in place (rounded to
+            the dtype first, as ``residual + fused_moe(...)``) and it is returned (with reduce_slots).
 
     A token's k routed outputs are added in slot order (:func:`sum_slots`'s order, one kernel that also
     casts), which batch-invariant mode (``kernels.batch_invariant``) needs; with fixed tiles (what
@@ -621,9 +635,13 @@ def fused_moe_triton(
     _check_scales(w13, w2, w13_scale, w2_scale)
     num_tokens, top_k = topk_ids.shape
     num_experts, two_inter, hidden_size = w13.shape
+    if residual is not None and (not reduce_slots or residual.shape != hidden.shape
+                                 or residual.dtype != hidden.dtype or not residual.is_contiguous()):
+        raise ValueError(f"residual {residual.dtype} {tuple(residual.shape)} must be a contiguous tensor like "
+                         f"hidden {hidden.dtype} {tuple(hidden.shape)}, with reduce_slots")
     if num_tokens == 0:
         if reduce_slots:
-            return torch.zeros_like(hidden)
+            return torch.zeros_like(hidden) if residual is None else residual
         return hidden.new_zeros((0, top_k, hidden_size), dtype=torch.float32)
     tiles = tiles or fused_moe_tiles(hidden, w13, top_k)
     num_pairs = num_tokens * top_k
@@ -644,10 +662,11 @@ def fused_moe_triton(
     if not reduce_slots:
         return out.view(num_tokens, top_k, hidden_size)
     # the k outputs added in slot order (sum_slots' order, also outside batch-invariant mode), then cast
-    result = torch.empty_like(hidden)
+    result = torch.empty_like(hidden) if residual is None else residual
     block_h = min(1024, triton.next_power_of_2(hidden_size))
     _moe_sum_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
-        out, kept, result, hidden_size, TOP_K=top_k, BLOCK_H=block_h, num_warps=4)
+        out, kept, result, hidden_size, TOP_K=top_k, BLOCK_H=block_h, ADD_TO_DST=residual is not None,
+        num_warps=4, **pdl_launch(use_pdl(hidden)))
     return result
 
 
@@ -686,6 +705,7 @@ def fused_moe(
     expert_load: torch.Tensor | None = None,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`fused_moe_ref`; the Triton grouped GEMM on CUDA tensors (64-row tiles
     whatever the batch in batch-invariant mode). In batch-invariant mode without Triton, the k outputs
@@ -694,21 +714,25 @@ def fused_moe(
     expert_map: topk_ids are logical ids, computed by this rank's slots (:class:`ExpertMap`);
     expert_load: [L] int64 counters, += tokens routed to each logical expert (EPLB's load);
     w13_scale, w2_scale: fp8 experts (:func:`fused_moe_triton`; ``kernels.block_fp8`` quantizes them); the
-    torch path dequantizes first.
+    torch path dequantizes first;
+    residual: [T, H] like hidden: the result is added into it in place and it is returned (the layer's
+    residual add; one kernel less on the Triton path).
     Raises:
         ValueError: on inconsistent shapes, or scales that do not fit fp8 weights.
     """
     _check_scales(w13, w2, w13_scale, w2_scale)
     fp8 = w13_scale is not None
-    if _triton_applies(hidden, w13, w2, topk_ids, topk_weights, fp8):
+    if _triton_applies(hidden, w13, w2, topk_ids, topk_weights, fp8) and (residual is None or residual.is_contiguous()):
         return fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, expert_map=expert_map,
-                                expert_load=expert_load, w13_scale=w13_scale, w2_scale=w2_scale)
+                                expert_load=expert_load, w13_scale=w13_scale, w2_scale=w2_scale, residual=residual)
     if fp8:
         w13, w2 = _dequant_experts(w13, w2, w13_scale, w2_scale, hidden.dtype)
     topk_ids = _map_and_count(topk_ids, expert_map, expert_load)
     if is_batch_invariant():
-        return sum_slots(fused_moe_slots_ref(hidden, w13, w2, topk_ids, topk_weights)).to(hidden.dtype)
-    return fused_moe_ref(hidden, w13, w2, topk_ids, topk_weights)
+        out = sum_slots(fused_moe_slots_ref(hidden, w13, w2, topk_ids, topk_weights)).to(hidden.dtype)
+    else:
+        out = fused_moe_ref(hidden, w13, w2, topk_ids, topk_weights)
+    return out if residual is None else residual.add_(out)
 
 
 def fused_moe_slots(

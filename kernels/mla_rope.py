@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from rayinfer.kernels._triton_utils import tl, triton, use_triton
+from rayinfer.kernels._triton_utils import pdl_launch, pdl_wait, tl, triton, use_pdl, use_triton
 from rayinfer.kernels.mla_attention import store_mla_kv_ref
 from rayinfer.kernels.norm import rms_norm_ref
 
@@ -70,11 +70,12 @@ def _mla_rope_store_kernel(
     num_heads, eps,
     stride_qt, stride_qh, stride_at, stride_cst, stride_cb, stride_cs, stride_ot, stride_oh,
     NOPE: tl.constexpr, RANK: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_HALF: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, INTERLEAVE: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, INTERLEAVE: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     token = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK_HALF)
     i_ok = i < HALF
+    pdl_wait(USE_PDL)
     cos = tl.load(cos_ptr + token * stride_cst + i, mask=i_ok, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + token * stride_cst + i, mask=i_ok, other=0.0).to(tl.float32)
     if INTERLEAVE:  # pairs (2i, 2i + 1), written de-interleaved
@@ -136,7 +137,7 @@ def mla_rope_store_triton(
         q_pe.stride(0), q_pe.stride(1),
         NOPE=qk_dim - rope, RANK=rank, HALF=rope // 2, BLOCK_R=triton.next_power_of_2(rank),
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_HALF=triton.next_power_of_2(rope // 2),
-        KV_BLOCK_SIZE=kv_cache.shape[1], INTERLEAVE=interleave, num_warps=4,
+        KV_BLOCK_SIZE=kv_cache.shape[1], INTERLEAVE=interleave, num_warps=4, **pdl_launch(use_pdl(q)),
     )
     return q_pe
 

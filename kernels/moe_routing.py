@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from rayinfer.kernels._triton_utils import tl, triton, use_triton
+from rayinfer.kernels._triton_utils import pdl_launch, pdl_wait, tl, triton, use_pdl, use_triton
 from rayinfer.kernels.batch_invariant import is_batch_invariant
 from rayinfer.kernels.matmul import dense_linear
 
@@ -116,10 +116,12 @@ def grouped_topk_ref(
 def _softmax_topk_kernel(
     logits_ptr, weights_ptr, ids_ptr, num_experts, stride_t,
     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK_E)
     ok = experts < num_experts
+    pdl_wait(USE_PDL)
     x = tl.load(logits_ptr + row * stride_t + experts, mask=ok, other=float("-inf")).to(tl.float32)
     e = tl.exp(x - tl.max(x, 0))
     probs = tl.where(ok, e / tl.sum(e, 0), float("-inf"))
@@ -143,18 +145,24 @@ def _softmax_topk_kernel(
 
 @triton.jit
 def _router_logits_kernel(hidden_ptr, gate_ptr, logits_ptr, num_experts, hidden_size, stride_h, stride_g,
-                          stride_t, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+                          stride_t, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr = False):
     """Program (t, c): float32 logits of token t for experts c * BLOCK_E .. + BLOCK_E - 1."""
     row = tl.program_id(0).to(tl.int64)
     experts = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     e_ok = experts < num_experts
     acc = tl.zeros([BLOCK_E, BLOCK_H], dtype=tl.float32)
+    w_rows = gate_ptr + experts[:, None].to(tl.int64) * stride_g
+    hs = tl.arange(0, BLOCK_H)
+    h_ok = hs < hidden_size
+    # the gate's first tile is requested before the wait (weights are constant during a step)
+    w = tl.load(w_rows + hs[None, :], mask=e_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
+    pdl_wait(USE_PDL)
     for h0 in range(0, hidden_size, BLOCK_H):
         hs = h0 + tl.arange(0, BLOCK_H)
         h_ok = hs < hidden_size
         hid = tl.load(hidden_ptr + row * stride_h + hs, mask=h_ok, other=0.0).to(tl.float32)
-        w = tl.load(gate_ptr + experts[:, None].to(tl.int64) * stride_g + hs[None, :],
-                    mask=e_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
+        if h0 > 0:
+            w = tl.load(w_rows + hs[None, :], mask=e_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
         acc += w * hid[None, :]
     tl.store(logits_ptr + row * stride_t + experts, tl.sum(acc, 1), mask=e_ok)
 
@@ -171,7 +179,7 @@ def router_logits_triton(hidden: torch.Tensor, gate_weight: torch.Tensor) -> tor
     block_h = max(16, min(2048, triton.next_power_of_2(hidden_size)))
     _router_logits_kernel[(num_tokens, triton.cdiv(num_experts, block_e))](
         hidden, gate_weight, logits, num_experts, hidden_size, hidden.stride(0), gate_weight.stride(0),
-        logits.stride(0), BLOCK_E=block_e, BLOCK_H=block_h, num_warps=4,
+        logits.stride(0), BLOCK_E=block_e, BLOCK_H=block_h, num_warps=4, **pdl_launch(use_pdl(hidden)),
     )
     return logits
 
@@ -181,16 +189,17 @@ def _grouped_topk_kernel(
     logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_t, scaling_factor,
     NUM_GROUPS: tl.constexpr, PER_GROUP: tl.constexpr, TOP_K: tl.constexpr, TOPK_GROUPS: tl.constexpr,
     RENORMALIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_SHARED: tl.constexpr,
+    NUM_SHARED: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     groups = tl.arange(0, BLOCK_G)
     members = tl.arange(0, BLOCK_P)
     ok = (groups[:, None] < NUM_GROUPS) & (members[None, :] < PER_GROUP)
     experts = groups[:, None] * PER_GROUP + members[None, :]  # [BLOCK_G, BLOCK_P]
+    bias = tl.load(bias_ptr + experts, mask=ok, other=0.0).to(tl.float32)  # a weight: before the wait
+    pdl_wait(USE_PDL)
     x = tl.load(logits_ptr + row * stride_t + experts, mask=ok, other=0.0).to(tl.float32)
     scores = tl.sigmoid(x)
-    bias = tl.load(bias_ptr + experts, mask=ok, other=0.0).to(tl.float32)
     choice = tl.where(ok, scores + bias, float("-inf"))
     if TOPK_GROUPS < NUM_GROUPS:
         # a group's score: its two best choices added (torch: topk(2).sum(-1))
@@ -253,6 +262,7 @@ def softmax_topk_triton(
         router_logits, weights, ids, num_experts, router_logits.stride(0),
         TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
         BLOCK_K=max(2, triton.next_power_of_2(top_k)), num_warps=4 if num_experts > 256 else 1,
+        **pdl_launch(use_pdl(router_logits)),
     )
     return weights, ids
 
@@ -283,7 +293,7 @@ def grouped_topk_triton(
         NUM_GROUPS=num_groups, PER_GROUP=per_group, TOP_K=top_k, TOPK_GROUPS=topk_groups, RENORMALIZE=renormalize,
         BLOCK_G=triton.next_power_of_2(num_groups), BLOCK_P=max(2, triton.next_power_of_2(per_group)),
         BLOCK_K=max(2, triton.next_power_of_2(out_k)), NUM_SHARED=num_shared,
-        num_warps=4 if num_experts > 256 else 1,
+        num_warps=4 if num_experts > 256 else 1, **pdl_launch(use_pdl(router_logits)),
     )
     return weights, ids
 

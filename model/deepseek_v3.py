@@ -34,6 +34,7 @@ from torch.nn import functional as F
 
 from rayinfer import envs
 from rayinfer.kernels.attention_metadata import AttentionMetadata
+from rayinfer.kernels.gemv import fused_linear, gemv_applies
 from rayinfer.kernels.matmul import dense_batched_linear, dense_linear
 from rayinfer.kernels.mla_attention import ABSORBED_MAX_QUERY_LEN, mla_decode, mla_prefill, use_absorbed
 from rayinfer.kernels.mla_rope import mla_rope_store
@@ -171,21 +172,38 @@ class DeepseekV3Attention(nn.Module):
         requests do (the two forms round differently); the projections then run through the persistent
         matmul (per head for the absorbed ones).
         """
-        t, heads = hidden.shape[0], self.num_heads
-        kv_a = None
         if self.qkv_a_proj is not None:  # one GEMM for the two projections of the hidden state (fuse_qkv_a)
-            q_or_q_a, kv_a = linear(hidden, self.qkv_a_proj).split(
-                [self.qkv_a_proj.out_features - self.kv_lora_rank - self.rope_dim, self.kv_lora_rank + self.rope_dim], -1)
-            q = q_or_q_a if self.q_lora_rank is None else linear(self.q_a_layernorm(q_or_q_a), self.q_b_proj)
-        elif self.q_lora_rank is None:
+            return linear(self.attend(linear(hidden, self.qkv_a_proj), cos, sin, kv_cache, meta), self.o_proj)
+        if self.q_lora_rank is None:
             q = linear(hidden, self.q_proj)
         else:
             q = linear(self.q_a_layernorm(linear(hidden, self.q_a_proj)), self.q_b_proj)
+        kv_a = linear(hidden, self.kv_a_proj_with_mqa)
+        return linear(self._attend(q, kv_a, cos, sin, kv_cache, meta), self.o_proj)
+
+    def attend(self, qkv_a: torch.Tensor, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """The attention after ``qkv_a_proj`` (:meth:`fuse_qkv_a`): qkv_a [T, rows of qkv_a_proj] (the
+        query or q_lora's q_a, then the latent and k_pe) -> [T, H * v_head_dim], before ``o_proj``; writes
+        this step's latents into ``kv_cache``. With one row in bf16/fp16 on the GPU, q_lora's q_b_proj
+        runs as one GEMV with q_a_layernorm in its prologue (``kernels.gemv.fused_linear``)."""
+        assert self.qkv_a_proj is not None
+        q_or_q_a, kv_a = qkv_a.split(
+            [self.qkv_a_proj.out_features - self.kv_lora_rank - self.rope_dim, self.kv_lora_rank + self.rope_dim], -1)
+        if self.q_lora_rank is None:
+            q = q_or_q_a
+        elif gemv_applies(q_or_q_a, self.q_b_proj.weight):
+            norm = self.q_a_layernorm
+            q = fused_linear(q_or_q_a, self.q_b_proj.weight, norm_weight=norm.weight, eps=norm.eps)
+        else:
+            q = linear(self.q_a_layernorm(q_or_q_a), self.q_b_proj)
+        return self._attend(q, kv_a, cos, sin, kv_cache, meta)
+
+    def _attend(self, q: torch.Tensor, kv_a: torch.Tensor, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, H * (Dn + P)], kv_a [T, R + P] -> attention output [T, H * v_head_dim] (before o_proj)."""
+        t, heads = q.shape[0], self.num_heads
         # explicit sizes: an EP rank without work runs this over t = 0 tokens, where -1 is ambiguous
         q = q.view(t, heads, self.nope_dim + self.rope_dim)
         q_nope = q[..., : self.nope_dim]
-        if kv_a is None:
-            kv_a = linear(hidden, self.kv_a_proj_with_mqa)
         # the latent's RMSNorm, RoPE of q_pe and k_pe, and the cache store: one kernel on the GPU
         norm = self.kv_a_layernorm
         q_pe = mla_rope_store(q, kv_a, norm.weight, norm.eps, cos, sin, kv_cache, meta.slot_mapping, self.interleave)
@@ -198,7 +216,7 @@ class DeepseekV3Attention(nn.Module):
             out = dense_batched_linear(out_latent.transpose(0, 1), w_kv_b[:, self.nope_dim :]).transpose(0, 1)
         else:
             out = mla_prefill(q_nope, q_pe, kv_cache, meta, self.kv_b_proj.weight, self.scale)
-        return linear(out.reshape(t, heads * self.v_dim), self.o_proj)
+        return out.reshape(t, heads * self.v_dim)
 
 
 class DeepseekV3TopkRouter(nn.Module):
@@ -237,15 +255,19 @@ class DeepseekV3MoE(nn.Module):
         self.shared_experts = None
         return True
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [T, hidden_size] -> [T, hidden_size]; routing in float32 as Hugging Face."""
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [T, hidden_size] -> [T, hidden_size]; routing in float32 as Hugging Face. With
+        ``residual`` (like hidden) the output is added into it in place and it is returned (inside the
+        fused MoE kernel's last launch when the shared experts are fused)."""
         c = self.config
         weights, ids = router_grouped_topk(
             hidden, self.gate.weight, self.gate.e_score_correction_bias, c.num_experts_per_tok, c.n_group,
             c.topk_group, c.norm_topk_prob, c.routed_scaling_factor, num_shared=self.experts.num_shared,
         )
-        out = self.experts(hidden, ids, weights)
-        return out if self.shared_experts is None else out + self.shared_experts(hidden)
+        if self.shared_experts is None:
+            return self.experts(hidden, ids, weights, residual=residual)
+        out = self.experts(hidden, ids, weights) + self.shared_experts(hidden)
+        return out if residual is None else residual.add_(out)
 
 
 class DeepseekV3DecoderLayer(PreNormDecoderLayer):
@@ -258,6 +280,31 @@ class DeepseekV3DecoderLayer(PreNormDecoderLayer):
             self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward_one_row(self, h: torch.Tensor, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """The layer for one token (batch-1 decode); ``h`` [1, hidden] is the residual stream itself,
+        updated in place and returned (as ``LlamaDecoderLayer.forward_one_row``).
+
+        input_layernorm runs in the prologue of the ``qkv_a_proj`` GEMV and the attention's residual add
+        in the epilogue of the ``o_proj`` GEMV (``kernels.gemv.fused_linear``); post_attention_layernorm
+        is one kernel (the router and the experts both read its output) and the MoE output is added into
+        ``h`` by the fused MoE kernel's last launch. Needs ``qkv_a_proj`` (:meth:`DeepseekV3Attention.fuse_qkv_a`)
+        and 16-bit attention weights (:meth:`DeepseekV3ForCausalLM.process_weights_after_loading` checks).
+        Same result as :meth:`forward` up to rounding (the normalized input of qkv_a_proj is not rounded
+        to the model dtype).
+        """
+        attn = self.self_attn
+        assert attn.qkv_a_proj is not None
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        qkv_a = fused_linear(h, attn.qkv_a_proj.weight, attn.qkv_a_proj.bias, norm_weight=norm1.weight, eps=norm1.eps)
+        out = attn.attend(qkv_a, cos, sin, kv_cache, meta)
+        fused_linear(out, attn.o_proj.weight, attn.o_proj.bias, residual=h)
+        x = norm2(h)
+        if isinstance(self.mlp, DeepseekV3MoE):
+            self.mlp(x, residual=h)
+        else:
+            h.add_(self.mlp(x))
+        return h
 
 
 class DeepseekV3SharedHead(nn.Module):
@@ -342,18 +389,39 @@ class DeepseekV3ForCausalLM(MoEModelMixin, PagedCausalLM):
             raise ValueError("MTP (speculative.method=mtp) is not supported with expert parallelism (ep > 1)")
         n = config.num_hidden_layers
         self.mtp = nn.ModuleList(DeepseekV3MTPLayer(config, n + d, ep, softmax_factor) for d in range(num_mtp))
+        self.one_row_fusion = False  # process_weights_after_loading decides
+
+    def forward(self, input_ids, positions, kv_cache, meta):
+        """:meth:`PagedCausalLM.forward`; a one-token step on the GPU in bf16/fp16 (batch-1 decode) runs
+        each layer through :meth:`DeepseekV3DecoderLayer.forward_one_row` when ``one_row_fusion`` holds."""
+        if input_ids.shape[0] == 1 and self.one_row_fusion:
+            w = cast(DeepseekV3DecoderLayer, self.model.layers[0]).self_attn.o_proj.weight
+            if gemv_applies(w[:1], w):  # w[:1] stands in for the [1, hidden] embedding row
+                hidden = self.model.embed_tokens(input_ids)
+                cos, sin = self.rope_args(positions, hidden)
+                for i, layer in enumerate(self.model.layers):
+                    cast(DeepseekV3DecoderLayer, layer).forward_one_row(hidden, cos, sin, kv_cache[i], meta)
+                return self.model.norm(hidden)
+        return super().forward(input_ids, positions, kv_cache, meta)
 
     def process_weights_after_loading(self) -> None:
         """Called by ``model.loader.load_model`` once the weights are in: stacks each attention's query and
         latent projections (``DeepseekV3Attention.fuse_qkv_a``) and fuses each MoE layer's shared experts
         into its routed experts (``DeepseekV3MoE.fuse_shared_experts``, unless
         RAYINFER_FUSE_SHARED_EXPERTS=0). A model built and loaded by hand runs unfused, with the same
-        outputs up to float summation order."""
+        outputs up to float summation order. Then turns on ``one_row_fusion`` (unless
+        RAYINFER_ONE_ROW_FUSION=0) when every layer's attention has ``qkv_a_proj`` and its GEMV-read
+        weights (``qkv_a_proj``, ``o_proj``, q_lora's ``q_b_proj``) are not fp8 blocks."""
         for module in list(self.modules()):
             if isinstance(module, DeepseekV3Attention):
                 module.fuse_qkv_a()
             elif isinstance(module, DeepseekV3MoE) and envs.fuse_shared_experts():
                 module.fuse_shared_experts()
+        attns = [cast(DeepseekV3DecoderLayer, layer).self_attn for layer in self.model.layers]
+        self.one_row_fusion = envs.one_row_fusion() and all(
+            a.qkv_a_proj is not None and not any(SCALE_SUFFIX in m._parameters for m in
+                                                 (a.qkv_a_proj, a.o_proj, getattr(a, "q_b_proj", a.o_proj)))
+            for a in attns)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The parameters and buffers under the unfused Hugging Face 5.x names, whatever

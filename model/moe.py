@@ -273,13 +273,16 @@ class RoutedExperts(nn.Module):
         expert_map = ExpertMap(self.log2phy, self.replica_counts, self.first_local, self.num_local_experts)
         return expert_map.local_ids(topk_ids)
 
-    def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
         """Weighted sum of each token's routed experts; counts the tokens per logical expert.
 
         Args:
             hidden: [T, H] this rank's tokens.
             topk_ids: [T, k] int64 logical expert ids.
             topk_weights: [T, k] float routing weights.
+            residual: [T, H] like hidden, or None: the sum is added into it in place and it is returned
+                (on one rank inside the fused kernel's last launch).
         Returns:
             [T, H], hidden's dtype.
         Side effects: ``expert_counts += bincount(topk_ids)`` (on one rank inside the alignment kernel);
@@ -290,7 +293,11 @@ class RoutedExperts(nn.Module):
         """
         if self.group is None:
             return fused_moe(hidden, self.w13, self.w2, topk_ids, topk_weights, self.expert_map,
-                             expert_load=self.expert_counts, **self._scales())
+                             expert_load=self.expert_counts, residual=residual, **self._scales())
+        out = self._forward_ep(hidden, topk_ids, topk_weights)
+        return out if residual is None else residual.add_(out)
+
+    def _forward_ep(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         ids = topk_ids.reshape(-1).long()
         self.expert_counts.index_add_(0, ids, torch.ones_like(ids))
         num_tokens = topk_ids.shape[0]

@@ -10,8 +10,9 @@ Variables:
     RAY_JOB_CONFIG_JSON_ENV_VAR: set by Ray in a job started with ``ray job submit``; its runtime env's
         ``working_dir`` says that the job runs in Ray's temporary copy of the submitted directory
         (``rayinfer.jobs.generate`` then warns about relative output paths).
-    RAYINFER_ONE_ROW_FUSION: "0" runs a one-token Llama step through the generic layer instead of
-        the fused-GEMV one (``model.llama.LlamaDecoderLayer.forward_one_row``); for A/B benchmarks.
+    RAYINFER_ONE_ROW_FUSION: "0" runs a one-token Llama or DeepSeek-V3 step through the generic layer
+        instead of the fused-GEMV one (``model.llama.LlamaDecoderLayer.forward_one_row``,
+        ``model.deepseek_v3.DeepseekV3DecoderLayer.forward_one_row``); for A/B benchmarks.
     RAYINFER_FUSE_SHARED_EXPERTS: "0" keeps DeepSeek's shared experts as a separate MLP instead of extra
         experts of the fused MoE kernel (``model.moe.RoutedExperts.fuse_shared_experts``); for A/B benchmarks.
     RAYINFER_MLA_BACKEND: "triton" (default) or "tilelang": the kernel of MLA's absorbed decode attention
@@ -48,7 +49,7 @@ def pdl_enabled() -> bool:
 
 
 def one_row_fusion() -> bool:
-    """RAYINFER_ONE_ROW_FUSION (default on): whether a one-token Llama step takes the fused-GEMV layers."""
+    """RAYINFER_ONE_ROW_FUSION (default on): whether a one-token Llama / DeepSeek-V3 step takes the fused-GEMV layers."""
     return _flag("RAYINFER_ONE_ROW_FUSION", True)
 
 

@@ -156,6 +156,12 @@ def check_kernel(device, cases):
         if i == 0:  # the unsummed outputs take the same kernels
             torch.testing.assert_close(fused_moe_slots(x, w13, w2, ids, w), fused_moe_slots_ref(x, w13, w2, ids, w),
                                        atol=tol, rtol=tol, msg=lambda m: f"slots: {m}")
+            # a residual stream takes the sum in place (the last launch adds it), rounded as residual + out
+            residual = torch.randn_like(x)
+            expected = residual + got
+            back = fused_moe(x, w13, w2, ids, w, residual=residual)
+            assert back is residual
+            torch.testing.assert_close(residual, expected, atol=tol, rtol=tol, msg=lambda m: f"residual: {m}")
     return worst
 
 

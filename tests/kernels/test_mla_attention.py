@@ -244,7 +244,7 @@ def test_batch_invariant_mode_never_splits(monkeypatch):
     meta = make_batch([1], [1024], 16, 64)
     args = (torch.zeros(1, 4, 32), torch.zeros(1, 4, 16), torch.zeros(64, 16, 48), meta, 0.1)
     mla_decode_triton(*args, num_splits=8)
-    assert grids == [(1, 1, 8), (1, 4)]
+    assert grids == [(1, 1, 8), (1, 4, 1)]  # merge: (token, head, 128-column slice of the rank)
     with batch_invariant_mode(True):
         mla_decode_triton(*args, num_splits=8)
     assert grids[2:] == [(1, 1, 1)]
@@ -262,6 +262,8 @@ if __name__ == "__main__":
         # split-KV: 4 splits of whole 32-key tiles; the 5-token context leaves 3 splits empty, the 150-token one 1
         check_kernels("cpu", [([1, 1, 2], [5, 150, 70], 4, 32, 16, 4, f32)], num_splits=4)
         check_kernels("cpu", [([3, 1], [97, 1], 20, 24, 8, 8, f32)], num_splits=3)
+        # a rank of 160: the merge's two 128-column slices, the second partial
+        check_kernels("cpu", [([1, 2], [70, 40], 2, 160, 16, 4, f32)], num_splits=3)
         # expanded: whole prompts, chunks after cached prefixes, a tile boundary (32 rows), a one-token row
         check_prefill("cpu", [([40, 7, 1, 3], [40, 30, 9, 3], 2, 32, 16, 16, 24, 4, f32),
                               ([33], [70], 3, 24, 8, 12, 20, 8, f32)])

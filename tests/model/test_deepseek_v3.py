@@ -216,3 +216,72 @@ def test_mtp_forward_matches_its_formula(variant, paged):
         out = out[0] if isinstance(out, tuple) else out
         want = _rms(out[0], layer.shared_head.norm.weight, eps) @ head.T
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def _one_row_vs_generic(device, dtype, **cfg_kw):
+    """Hidden states of a decode token through the one-row path (``forward_one_row``: GEMVs with the
+    norms and residual adds fused in, the MoE sum added into the residual stream) and the generic path,
+    from the same cache after a 9-token prefill; and how many layers took the one-row path."""
+    from rayinfer.kernels.attention_metadata import AttentionMetadata
+    from rayinfer.model.deepseek_v3 import DeepseekV3DecoderLayer
+
+    cfg = tiny_config(**cfg_kw)
+    _, model = make_pair(cfg, seed=3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:  # not all ones, so a norm weight applied wrong shows
+                p.uniform_(0.5, 1.5)
+    model.process_weights_after_loading()  # qkv_a_proj, shared experts fused, one_row_fusion decided
+    assert model.one_row_fusion
+    model = model.to(device=device, dtype=dtype)
+    kv = torch.zeros(model.kv_cache_shape(8, BLOCK_SIZE), device=device, dtype=dtype)
+    ids = torch.randint(0, 128, (10,), generator=torch.Generator().manual_seed(0)).to(device)
+    table = [3, 1, 6]
+    calls = []
+    real = DeepseekV3DecoderLayer.forward_one_row
+
+    def counting(self, *a):
+        calls.append(1)
+        return real(self, *a)
+
+    with torch.no_grad():
+        model(ids[:9], torch.arange(9, device=device), kv,
+              AttentionMetadata.build([9], [9], [table], BLOCK_SIZE, device=device))
+        meta = AttentionMetadata.build([1], [10], [table], BLOCK_SIZE, device=device)
+        pos = torch.arange(9, 10, device=device)
+        model.one_row_fusion = False
+        generic = model(ids[9:], pos, kv.clone(), meta)
+        model.one_row_fusion = True
+        DeepseekV3DecoderLayer.forward_one_row = counting
+        try:
+            fused = model(ids[9:], pos, kv.clone(), meta)
+            h = model.model.embed_tokens(ids[9:])
+            cos, sin = model.rope_args(pos, h)
+            cache = kv.clone()
+            for i, layer in enumerate(model.model.layers):
+                layer.forward_one_row(h, cos, sin, cache[i], meta)
+            direct = model.model.norm(h)
+        finally:
+            DeepseekV3DecoderLayer.forward_one_row = real
+    return generic, fused, direct, len(calls)
+
+
+@pytest.mark.parametrize("q_lora_rank", [48, None])
+def test_one_row_path_matches_generic_forward(q_lora_rank):
+    """forward_one_row computes the same layers (dense and MoE) as the generic forward: on CPU its
+    dispatchers run the unfused ops, which checks the wiring (norm placement, residual adds)."""
+    generic, fused, direct, calls = _one_row_vs_generic("cpu", torch.float32, q_lora_rank=q_lora_rank)
+    assert calls == 3  # only the direct loop: float32 on CPU keeps forward on the generic path
+    torch.testing.assert_close(fused, generic)
+    torch.testing.assert_close(direct, generic, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("q_lora_rank", [48, None])
+def test_one_row_path_matches_generic_forward_on_gpu(q_lora_rank):
+    """bf16 on the GPU: the GEMV kernels and the fused MoE's residual add take every layer of forward."""
+    generic, fused, direct, calls = _one_row_vs_generic("cuda", torch.bfloat16, q_lora_rank=q_lora_rank)
+    assert calls == 6  # 3 layers through forward, 3 through the direct loop
+    torch.testing.assert_close(fused.float(), generic.float(), rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(direct.float(), fused.float(), rtol=3e-2, atol=3e-2)
