@@ -26,6 +26,74 @@ def ray_cluster():
         ray.shutdown()
 
 
+class Interpreter:
+    """Runs ``python FILE --interpret ...`` checks under Triton's interpreter through one fork server
+    (``tests/interpret_server.py``): each check is a fresh child process of a server that has imported
+    torch, Triton and rayinfer once, instead of a new interpreter that imports them again."""
+
+    def __init__(self):
+        import subprocess
+        import sys
+        import tempfile
+
+        self._log = tempfile.TemporaryFile(mode="w+")  # the server's own stderr (a failed start)
+        server = os.path.join(os.path.dirname(__file__), "interpret_server.py")
+        self._proc = subprocess.Popen([sys.executable, server], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=self._log, text=True, env=dict(os.environ, TRITON_INTERPRET="1"))
+
+    def _answer(self, deadline: float | None) -> dict:
+        import json
+        import select
+        import time
+
+        assert self._proc.stdout is not None
+        wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not select.select([self._proc.stdout], [], [], wait)[0]:
+            raise TimeoutError
+        line = self._proc.stdout.readline()
+        if not line:
+            self._log.seek(0)
+            raise RuntimeError(f"the interpreter server exited: {self._log.read()[-3000:]}")
+        return json.loads(line)
+
+    def run(self, path: str, *args: str, timeout_s: float = 120) -> tuple[int, str]:
+        """Run ``path`` as ``python path --interpret *args`` would; returns (exit code, stdout + stderr).
+
+        Raises:
+            subprocess.TimeoutExpired: it ran past ``timeout_s`` (the child is killed).
+        """
+        import json
+        import signal
+        import subprocess
+        import time
+
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(json.dumps([path, "--interpret", *args]) + "\n")
+        self._proc.stdin.flush()
+        pid = self._answer(None)["pid"]
+        try:
+            done = self._answer(time.monotonic() + timeout_s)
+        except TimeoutError:
+            os.kill(pid, signal.SIGKILL)
+            output = self._answer(None)["output"]
+            raise subprocess.TimeoutExpired([path, "--interpret", *args], timeout_s, output) from None
+        return done["returncode"], done["output"]
+
+    def close(self):
+        assert self._proc.stdin is not None
+        self._proc.stdin.close()
+        self._proc.wait(timeout=30)
+        self._log.close()
+
+
+@pytest.fixture(scope="session")
+def interpreter():
+    """The session's :class:`Interpreter` (its server starts at the first check that asks)."""
+    server = Interpreter()
+    yield server
+    server.close()
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     from rayinfer.model.loader import load_tokenizer

@@ -29,9 +29,7 @@ that of the MoE models.
 from __future__ import annotations
 
 import gc
-import os
 import random
-import subprocess
 import sys
 
 import pytest
@@ -246,24 +244,24 @@ def _interpreter_check(kind: str = "llama", num_trials: int = 6, num_pd_trials: 
     assert pd == on, f"{kind}: 1P1D gave {sorted(pd)}, colocated {sorted(on)}"
 
 
-def _run_interpreted(*args: str) -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, __file__, "--interpret", *args], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    print(proc.stdout)
+def _run_interpreted(interpreter, *args: str) -> None:
+    """``python __file__ --interpret *args`` with TRITON_INTERPRET=1, as a child of the session's
+    interpreter server (tests/conftest.py)."""
+    returncode, output = interpreter.run(__file__, *args, timeout_s=300)
+    assert returncode == 0, output
+    print(output)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-def test_one_output_among_companions_through_triton_interpreter():
-    _run_interpreted()
+def test_one_output_among_companions_through_triton_interpreter(interpreter):
+    _run_interpreted(interpreter)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-def test_moe_and_mla_one_output_through_triton_interpreter():
+def test_moe_and_mla_one_output_through_triton_interpreter(interpreter):
     """Tiny Qwen3-MoE (router GEMM, softmax top-k, fused MoE) and DeepSeek-V3 (MLA's low-rank projections
-    and absorbed attention for every step, shared + routed experts, grouped top-k) in one subprocess."""
-    _run_interpreted("--moe")
+    and absorbed attention for every step, shared + routed experts, grouped top-k) in one child process."""
+    _run_interpreted(interpreter, "--moe")
 
 
 def test_config_and_mode_switch():
