@@ -65,7 +65,7 @@ def test_bad_request_is_rejected_for_that_request_only(pd, client, cases, refere
     assert good.error is None and good.output_token_ids == reference[cases[0].request_id][0]
 
 
-def test_seeded_sampling_equals_colocated_across_hand_backs(ray_cluster, pd, cases, smollm2):
+def test_seeded_sampling_equals_colocated_across_hand_backs(pd, client, cases, smollm2):
     """Seeded random sampling draws by (seed, output position, token), so a request split across replicas
     (first token on the prefill replica, the rest on the decode replica, re-prefilled when the decode
     replica hands it back) samples what one engine does."""
@@ -78,19 +78,14 @@ def test_seeded_sampling_equals_colocated_across_hand_backs(ray_cluster, pd, cas
     engine = smollm2.engine(pd.engine_config())
     want = {c.request_id: c.output_token_ids for c in engine.generate(
         [c.prompt_token_ids for c in seeded], [c.params for c in seeded], [c.request_id for c in seeded])}
-    # a decode pool too small for all of them at once: each grows to 8 blocks over 48 decode steps, so any
-    # two that overlap exhaust the 12 blocks and the decode replica hands one back
-    small = make_client(pd.model, pd.engine_config(enable_prefix_caching=False),
-                        ParallelConfig(num_prefill=1, num_decode=1, num_cpus_per_replica=1,
-                                       pd=PDSection(decode_overrides={"num_kv_blocks": 12})))
-    try:
-        streams = asyncio.run(pd.stream_all(small, seeded, "~s"))
-        for rid, outs in streams.items():
-            assert outs[-1].error is None, outs[-1].error
-            assert [t for o in outs for t in o.new_token_ids] == want[rid.split("~")[0]], rid
-        assert small.num_handbacks > 0
-    finally:
-        small.shutdown()
+    # the module's fleet, whose decode pool is too small for all of them at once: each grows to 8 blocks
+    # over 48 decode steps, so the three exhaust its 21 blocks and the decode replica hands one back
+    handbacks = client.num_handbacks
+    streams = asyncio.run(pd.stream_all(client, seeded, "~s"))
+    for rid, outs in streams.items():
+        assert outs[-1].error is None, outs[-1].error
+        assert [t for o in outs for t in o.new_token_ids] == want[rid.split("~")[0]], rid
+    assert client.num_handbacks > handbacks
 
 
 def test_burst_moves_kv_in_batches_within_the_transfer_budget(pd, client, cases, reference):
