@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from rayinfer.kernels._triton_utils import pdl_launch, pdl_wait, tl, triton, use_pdl, use_triton
 from rayinfer.kernels.activation import silu_and_mul, silu_and_mul_ref
 from rayinfer.kernels.batch_invariant import is_batch_invariant
-from rayinfer.kernels.matmul import dense_linear
+from rayinfer.kernels.matmul import dense_batched_linear, dense_linear
 from rayinfer.kernels.norm import rms_norm, rms_norm_ref
 
 
@@ -249,3 +249,70 @@ def fused_linear(x, weight, bias=None, *, norm_weight=None, eps=1e-6, silu_and_m
         return y
     residual.add_(y)
     return residual
+
+
+# ----------------------------------------------------------------------------------------------------
+# Batched GEMV: B independent weights, a few rows each (MLA's absorbed W_UK / W_UV per head at decode)
+# ----------------------------------------------------------------------------------------------------
+
+BATCHED_GEMV_MAX_ROWS = 4
+
+
+def batched_linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``torch.bmm(x, weight.mT)``: x [B, M, K], weight [B, N, K] (any strides) -> [B, M, N], x's dtype."""
+    return torch.bmm(x, weight.transpose(1, 2))
+
+
+@triton.jit
+def _batched_gemv_kernel(
+    x_ptr, w_ptr, y_ptr, N, K,
+    stride_xb, stride_xm, stride_xk, stride_wb, stride_wn, stride_wk, stride_yb, stride_ym, stride_yn,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,
+):
+    """Program (m, b, c): y[b, m, c * BLOCK_N ...] = weight[b, cols] @ x[b, m] in float32."""
+    m = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    ns = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    n_ok = ns < N
+    w_rows = w_ptr + b * stride_wb + ns[:, None].to(tl.int64) * stride_wn
+    w = tl.load(w_rows + ks[None, :] * stride_wk, mask=n_ok[:, None] & (ks[None, :] < K), other=0.0)  # before the wait
+    pdl_wait(USE_PDL)
+    x_row = x_ptr + b * stride_xb + m * stride_xm
+    x = tl.load(x_row + ks * stride_xk, mask=ks < K, other=0.0)
+    acc = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], 1)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        kk = k0 + ks
+        w = tl.load(w_rows + kk[None, :] * stride_wk, mask=n_ok[:, None] & (kk[None, :] < K), other=0.0)
+        x = tl.load(x_row + kk * stride_xk, mask=kk < K, other=0.0)
+        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], 1)
+    tl.store(y_ptr + b * stride_yb + m * stride_ym + ns * stride_yn, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+def batched_linear_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Triton kernel of :func:`batched_linear_ref` for a few rows (one program per row, entry and slice
+    of 16K weight elements; the weight tile is requested before the PDL wait). The result is stored as
+    [M, B, N] and returned as its [B, M, N] view, so ``.transpose(0, 1)`` of it is contiguous."""
+    nb, m, k = x.shape
+    n = weight.shape[1]
+    y = torch.empty((m, nb, n), dtype=x.dtype, device=x.device).transpose(0, 1)
+    block_k = min(512, max(16, triton.next_power_of_2(k)))
+    block_n = max(16, min(triton.next_power_of_2(n), 16384 // block_k))
+    _batched_gemv_kernel[(m, nb, triton.cdiv(n, block_n))](
+        x, weight, y, n, k, *x.stride(), *weight.stride(), *y.stride(),
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, **pdl_launch(use_pdl(x)),
+    )
+    return y
+
+
+def batched_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Same contract as :func:`batched_linear_ref` (x [B, M, K], weight [B, N, K] -> [B, M, N]): the Triton
+    batched GEMV for up to :data:`BATCHED_GEMV_MAX_ROWS` rows of bf16/fp16 on the GPU (a decode step's
+    absorbed MLA projections: cuBLAS's batched GEMM took 3.3 us a layer for each at batch 1 and breaks the
+    chain of PDL launches), else ``kernels.matmul.dense_batched_linear`` (cuBLAS; the persistent matmul
+    in batch-invariant mode)."""
+    if (not is_batch_invariant() and x.dim() == 3 and weight.dim() == 3 and x.shape[1] <= BATCHED_GEMV_MAX_ROWS
+            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and x.is_cuda
+            and use_triton(x, weight)):
+        return batched_linear_triton(x, weight)
+    return dense_batched_linear(x, weight)

@@ -34,8 +34,8 @@ from torch.nn import functional as F
 
 from rayinfer import envs
 from rayinfer.kernels.attention_metadata import AttentionMetadata
-from rayinfer.kernels.gemv import fused_linear, gemv_applies
-from rayinfer.kernels.matmul import dense_batched_linear, dense_linear
+from rayinfer.kernels.gemv import batched_linear, fused_linear, gemv_applies
+from rayinfer.kernels.matmul import dense_linear
 from rayinfer.kernels.mla_attention import ABSORBED_MAX_QUERY_LEN, mla_decode, mla_prefill, use_absorbed
 from rayinfer.kernels.mla_rope import mla_rope_store
 from rayinfer.model.llama import PagedCausalLM, PreNormDecoderLayer, RMSNorm
@@ -211,9 +211,9 @@ class DeepseekV3Attention(nn.Module):
             w_kv_b = self.kv_b_proj.weight.view(heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
             # per head h: q_latent[:, h] = q_nope[:, h] @ W_UK[h] ([Dn, R]); out[:, h] = latent @ W_UV[h].T
             w_uk_t = w_kv_b[:, : self.nope_dim].transpose(1, 2)  # [H, R, Dn]
-            q_latent = dense_batched_linear(q_nope.transpose(0, 1), w_uk_t).transpose(0, 1)  # [T, H, R]
+            q_latent = batched_linear(q_nope.transpose(0, 1), w_uk_t).transpose(0, 1)  # [T, H, R]
             out_latent = mla_decode(q_latent, q_pe, kv_cache, meta, self.scale)
-            out = dense_batched_linear(out_latent.transpose(0, 1), w_kv_b[:, self.nope_dim :]).transpose(0, 1)
+            out = batched_linear(out_latent.transpose(0, 1), w_kv_b[:, self.nope_dim :]).transpose(0, 1)
         else:
             out = mla_prefill(q_nope, q_pe, kv_cache, meta, self.kv_b_proj.weight, self.scale)
         return out.reshape(t, heads * self.v_dim)
