@@ -1,5 +1,6 @@
-"""Shared fixtures: one embedded Ray instance per test session, the default model's tokenizer, and the
-default model itself loaded once (CPU, float32) for the engines that tests build around it."""
+"""Shared fixtures: one embedded Ray instance per test session, one fleet of the default model on it for
+the batch-job tests, the default model's tokenizer, the default model itself loaded once (CPU, float32) for
+the engines that tests build around it, and the Triton-interpreter server."""
 
 import os
 
@@ -92,6 +93,21 @@ def interpreter():
     server = Interpreter()
     yield server
     server.close()
+
+
+@pytest.fixture(scope="session")
+def fleet(ray_cluster):
+    """A colocated client of one SmolLM2 replica (float32, CPU, 1 CPU, 256 KV blocks) for the whole session,
+    shut down after it: the batch-job tests (tests/jobs, tests/data) pass it as ``run(cfg, client=fleet)``
+    instead of starting a fleet of their own (one takes tens of seconds to start on a small CPU)."""
+    from rayinfer.actors.client import make_client
+    from rayinfer.engine.config import EngineConfig, ModelConfig
+    from rayinfer.placement.parallel_config import ParallelConfig
+
+    client = make_client(ModelConfig(dtype="float32"), EngineConfig(device="cpu", num_kv_blocks=256),
+                         ParallelConfig(dp=1, num_cpus_per_replica=1))
+    yield client
+    client.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -76,12 +76,13 @@ def _records(paths) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def plain(tmp_path_factory, ray_cluster):
-    """The plain job's answers to LINES (one fleet, one driver): (input path, records by id)."""
+def plain(tmp_path_factory, fleet):
+    """The plain job's answers to LINES (one fleet, one driver): (input path, records by id). The fleet is
+    the session's (tests/conftest.py), of the replica config _job_config names."""
     root = tmp_path_factory.mktemp("plain")
     inp = root / "in.jsonl"
     inp.write_text("\n".join(RAW_LINES) + "\n\n")  # a blank line is not a line
-    assert run(_job_config(inp, root / "out.jsonl")) == 0
+    assert run(_job_config(inp, root / "out.jsonl"), client=fleet) == 0
     return inp, _records([root / "out.jsonl"])
 
 
