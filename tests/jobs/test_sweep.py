@@ -67,13 +67,15 @@ def test_append_row_writes_one_header(tmp_path):
     assert path.read_text().splitlines() == ["a,b", "1,2", "3,4"]
 
 
-def test_topology_sweep_writes_rows_and_a_pareto_png(tmp_path):
-    """colocated and 1P1D fleets through the batch job's client; PD with dp=2 is refused (no row)."""
+def test_topology_sweep_writes_rows_and_a_pareto_png(tmp_path, ray_cluster):
+    """colocated and 1P1D fleets through the batch job's client; PD with dp=2 is refused (no row). The
+    sweep joins the session's Ray cluster (RAY_ADDRESS) rather than starting one of its own."""
     cmd = [sys.executable, str(ROOT / "jobs" / "sweep.py"), "--multirun", "model.model=llama-tiny",
            "model.load_format=dummy", "model.dtype=float32", "engine.device=cpu", "engine.num_kv_blocks=32",
            "workload.num_prompts=3", "workload.input_len=12", "workload.output_len=3", "engine.max_num_seqs=3",
            "parallel=colocated,1p1d", "parallel.dp=1,2", "cpu_threads=1", f"hydra.sweep.dir={tmp_path}"]
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "MPLBACKEND": "Agg"}
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "MPLBACKEND": "Agg",
+           "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with (tmp_path / "sweep.csv").open() as f:
