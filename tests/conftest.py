@@ -42,43 +42,36 @@ class Interpreter:
         self._proc = subprocess.Popen([sys.executable, server], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=self._log, text=True, env=dict(os.environ, TRITON_INTERPRET="1"))
 
-    def _answer(self, deadline: float | None) -> dict:
-        import json
-        import select
-        import time
-
-        assert self._proc.stdout is not None
-        wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-        if not select.select([self._proc.stdout], [], [], wait)[0]:
-            raise TimeoutError
-        line = self._proc.stdout.readline()
-        if not line:
-            self._log.seek(0)
-            raise RuntimeError(f"the interpreter server exited: {self._log.read()[-3000:]}")
-        return json.loads(line)
-
     def run(self, path: str, *args: str, timeout_s: float = 120) -> tuple[int, str]:
         """Run ``path`` as ``python path --interpret *args`` would; returns (exit code, stdout + stderr).
 
         Raises:
             subprocess.TimeoutExpired: it ran past ``timeout_s`` (the child is killed).
         """
-        import json
-        import signal
-        import subprocess
-        import time
+        return self.run_many([[path, *args]], timeout_s)[0]
 
-        assert self._proc.stdin is not None
-        self._proc.stdin.write(json.dumps([path, "--interpret", *args]) + "\n")
+    def run_many(self, commands: list[list[str]], timeout_s: float = 120) -> list[tuple[int, str]]:
+        """Run each ``[path, *args]`` as ``python path --interpret *args`` would, all at once (one child
+        each); returns their (exit code, stdout + stderr), in order.
+
+        Raises:
+            subprocess.TimeoutExpired: one ran past ``timeout_s`` (the server kills every child still running).
+        """
+        import json
+        import subprocess
+
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        argvs = [[path, "--interpret", *args] for path, *args in commands]
+        self._proc.stdin.write(json.dumps({"commands": argvs, "timeout_s": timeout_s}) + "\n")
         self._proc.stdin.flush()
-        pid = self._answer(None)["pid"]
-        try:
-            done = self._answer(time.monotonic() + timeout_s)
-        except TimeoutError:
-            os.kill(pid, signal.SIGKILL)
-            output = self._answer(None)["output"]
-            raise subprocess.TimeoutExpired([path, "--interpret", *args], timeout_s, output) from None
-        return done["returncode"], done["output"]
+        line = self._proc.stdout.readline()
+        if not line:
+            self._log.seek(0)
+            raise RuntimeError(f"the interpreter server exited: {self._log.read()[-3000:]}")
+        results = json.loads(line)["results"]
+        if any(r["timed_out"] for r in results):
+            raise subprocess.TimeoutExpired(argvs, timeout_s, "\n".join(r["output"] for r in results))
+        return [(r["returncode"], r["output"]) for r in results]
 
     def close(self):
         assert self._proc.stdin is not None

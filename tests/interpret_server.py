@@ -6,9 +6,10 @@ code a fresh ``python FILE --interpret ...`` runs, in a process of its own (noth
 the next), without the seconds of imports each fresh process spends first. ``tests/conftest.py``'s
 ``interpreter`` fixture starts it and talks to it.
 
-Protocol, one check at a time: each stdin line is a JSON list ``[path, *args]``; the answer is one stdout line
-``{"pid": N}`` when the child starts, then ``{"returncode": N, "output": "..."}`` (its stdout and stderr)
-when it ends. Stdin's end stops the server.
+Protocol, one request at a time: each stdin line is ``{"commands": [[path, *args], ...], "timeout_s": T}``,
+command lines run at once, one child each (a child still running after T seconds is killed); the answer is
+one stdout line ``{"results": [{"returncode": N, "output": "...", "timed_out": bool}, ...]}`` (each one's
+stdout and stderr) when all have ended. Stdin's end stops the server.
 """
 
 import importlib
@@ -16,8 +17,10 @@ import json
 import os
 import pkgutil
 import runpy
+import signal
 import sys
 import tempfile
+import time
 import traceback
 
 PRELOAD = ["numpy", "pytest", "torch", "triton", "transformers", "rayinfer.kernels", "rayinfer.engine.llm_engine"]
@@ -65,25 +68,50 @@ def run_child(argv: list[str], out_path: str) -> None:
     os._exit(code)
 
 
+def wait_all(children: list[tuple[int, str]], timeout_s: float) -> list[dict]:
+    """Reap every child; one still running after ``timeout_s`` is killed (it is this server's unreaped
+    child, so its pid is still its own) and marked ``timed_out``."""
+    deadline = time.monotonic() + timeout_s
+    status: dict[int, int] = {}
+    timed_out: set[int] = set()
+    while len(status) < len(children):
+        for pid, _ in children:
+            if pid not in status:
+                done, code = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    status[pid] = code
+        if len(status) < len(children) and time.monotonic() > deadline:
+            for pid, _ in children:
+                if pid not in status:
+                    os.kill(pid, signal.SIGKILL)
+                    timed_out.add(pid)
+                    status[pid] = os.waitpid(pid, 0)[1]
+        time.sleep(0.02)
+    results = []
+    for pid, out_path in children:
+        with open(out_path, errors="replace") as f:
+            results.append({"returncode": os.waitstatus_to_exitcode(status[pid]), "output": f.read(),
+                            "timed_out": pid in timed_out})
+        os.unlink(out_path)
+    return results
+
+
 def main() -> None:
     preload()
     answer = sys.stdout
     for line in sys.stdin:
-        argv = json.loads(line)
-        fd, out_path = tempfile.mkstemp(prefix="interpret-", suffix=".log")
-        os.close(fd)
-        answer.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            run_child(argv, out_path)
-        answer.write(json.dumps({"pid": pid}) + "\n")
-        answer.flush()
-        _, status = os.waitpid(pid, 0)
-        with open(out_path, errors="replace") as f:
-            output = f.read()
-        os.unlink(out_path)
-        answer.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status), "output": output}) + "\n")
+        request = json.loads(line)
+        children = []
+        for argv in request["commands"]:
+            fd, out_path = tempfile.mkstemp(prefix="interpret-", suffix=".log")
+            os.close(fd)
+            answer.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                run_child(argv, out_path)
+            children.append((pid, out_path))
+        answer.write(json.dumps({"results": wait_all(children, request["timeout_s"])}) + "\n")
         answer.flush()
 
 

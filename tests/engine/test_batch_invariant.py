@@ -23,7 +23,7 @@ gave.
 
 Run as a script (``python tests/engine/test_batch_invariant.py``) it runs the GPU test through pytest;
 with ``--interpret`` (and ``TRITON_INTERPRET=1``) the CPU check of the Llama, with ``--interpret --moe``
-that of the MoE models.
+that of the MoE models (``--interpret --moe qwen3-moe`` or ``deepseek-v3``: one of them).
 """
 
 from __future__ import annotations
@@ -244,24 +244,25 @@ def _interpreter_check(kind: str = "llama", num_trials: int = 6, num_pd_trials: 
     assert pd == on, f"{kind}: 1P1D gave {sorted(pd)}, colocated {sorted(on)}"
 
 
-def _run_interpreted(interpreter, *args: str) -> None:
-    """``python __file__ --interpret *args`` with TRITON_INTERPRET=1, as a child of the session's
-    interpreter server (tests/conftest.py)."""
-    returncode, output = interpreter.run(__file__, *args, timeout_s=300)
-    assert returncode == 0, output
-    print(output)
+def _run_interpreted(interpreter, *arg_lists: list[str]) -> None:
+    """``python __file__ --interpret *args`` with TRITON_INTERPRET=1 for each of ``arg_lists``, at once,
+    as children of the session's interpreter server (tests/conftest.py)."""
+    for returncode, output in interpreter.run_many([[__file__, *args] for args in arg_lists], timeout_s=300):
+        assert returncode == 0, output
+        print(output)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_one_output_among_companions_through_triton_interpreter(interpreter):
-    _run_interpreted(interpreter)
+    _run_interpreted(interpreter, [])
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_moe_and_mla_one_output_through_triton_interpreter(interpreter):
     """Tiny Qwen3-MoE (router GEMM, softmax top-k, fused MoE) and DeepSeek-V3 (MLA's low-rank projections
-    and absorbed attention for every step, shared + routed experts, grouped top-k) in one child process."""
-    _run_interpreted(interpreter, "--moe")
+    and absorbed attention for every step, shared + routed experts, grouped top-k), one child process
+    each, side by side."""
+    _run_interpreted(interpreter, ["--moe", "qwen3-moe"], ["--moe", "deepseek-v3"])
 
 
 def test_config_and_mode_switch():
@@ -332,9 +333,11 @@ def test_one_output_in_100_trials_on_gpu(model):
 
 
 if __name__ == "__main__":
-    if "--interpret" in sys.argv and "--moe" in sys.argv:
-        _interpreter_check("qwen3-moe", num_trials=3, num_pd_trials=0)
-        _interpreter_check("deepseek-v3", num_trials=4, num_pd_trials=1)
+    if "--interpret" in sys.argv and "--moe" in sys.argv:  # both MoE models, or the one named after --moe
+        if "deepseek-v3" not in sys.argv:
+            _interpreter_check("qwen3-moe", num_trials=3, num_pd_trials=0)
+        if "qwen3-moe" not in sys.argv:
+            _interpreter_check("deepseek-v3", num_trials=4, num_pd_trials=1)
     elif "--interpret" in sys.argv:
         _interpreter_check()
     else:
