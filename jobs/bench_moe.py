@@ -52,9 +52,11 @@ jobs/moe_cost.py (:func:`register_bench_plugins`, re-exported here).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import itertools
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -264,6 +266,55 @@ def bench_step(model, ceil: dict, counts: dict, *, batch: int, query_len: int, c
     return row
 
 
+# A/B variants of the decode step (``--ab``): environment settings applied in this process, so that every
+# variant is timed on the same model, machine and clocks (separate processes differ by about 0.1 ms at
+# batch 1 on an H200).
+AB_VARIANTS = {"default": {}, "no-pdl": {"RAYINFER_PDL": "0"}, "no-one-row": {"RAYINFER_ONE_ROW_FUSION": "0"}}
+
+
+@contextlib.contextmanager
+def ab_variant(model, name: str):
+    """Run the block under variant ``name`` of :data:`AB_VARIANTS`: its environment set, the PDL probe's
+    cache cleared, the model's ``one_row_fusion`` re-read; everything restored after.
+    Raises: KeyError for an unknown variant."""
+    from rayinfer import envs
+    from rayinfer.kernels import _triton_utils
+
+    settings = AB_VARIANTS[name]
+    saved_env = {k: os.environ.get(k) for k in settings}
+    saved_row = getattr(model, "one_row_fusion", None)
+    os.environ.update(settings)
+    _triton_utils._pdl_supported.cache_clear()
+    if saved_row is not None:
+        model.one_row_fusion = saved_row and envs.one_row_fusion()
+    try:
+        yield
+    finally:
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        _triton_utils._pdl_supported.cache_clear()
+        if saved_row is not None:
+            model.one_row_fusion = saved_row
+
+
+def ab_rows(model, ceil: dict, counts: dict, variants: list[str], batches: list[int], context: int,
+            rounds: int, reps: int) -> list[dict]:
+    """Decode-step rows (:func:`bench_step` with graphs) of each variant, interleaved over ``rounds``
+    rounds: [{"variant", "round", "batch", "context", "ms_graph", ...}]."""
+    rows = []
+    for rnd, name, batch in itertools.product(range(rounds), variants, batches):
+        with ab_variant(model, name):
+            row = bench_step(model, ceil, counts, batch=batch, query_len=1, context=context, reps=reps,
+                             graphs=model.lm_head.weight.is_cuda)
+        rows.append({"variant": name, "round": rnd, **row})
+        print(f"ab {name:<11} round {rnd} B={batch} ctx={context}: {row.get('ms_graph', row['ms']):.3f} ms",
+              flush=True)
+    return rows
+
+
 def _graph_step_ms(model, kv, meta, ids, pos, seq_len: int, reps: int) -> float:
     """Median ms of a decode step (one token per request) replayed from the engine's CUDA graphs, plus the
     logits (eager, as the engine computes them)."""
@@ -426,7 +477,7 @@ def run(tiny: bool = False, device: str | None = None, dtype: str = "bfloat16", 
         context: int | list[int] | None = None, prefill: list[int] | None = None,
         moe_tokens: list[int] | None = None, reps: int | None = None, command: str | None = None,
         git_rev: str | None = None, graphs: bool = True, model: str = "deepseek-v2-lite",
-        quantization: str | None = None) -> dict:
+        quantization: str | None = None, ab: list[str] | None = None, ab_rounds: int = 3) -> dict:
     """Run every case and return the results (see the module docstring for what is measured).
 
     Args:
@@ -443,13 +494,18 @@ def run(tiny: bool = False, device: str | None = None, dtype: str = "bfloat16", 
         model: a key of :data:`MODELS` ("deepseek-v2-lite" or "qwen3-30b-a3b").
         quantization: the model's weights for the decode and prefill rows ("fp8": 128 x 128 fp8 blocks in
             every linear layer and routed expert; None: ``dtype``).
+        ab, ab_rounds: variants of :data:`AB_VARIANTS` whose decode steps (every batch, the first context)
+            are timed in this process, interleaved over ``ab_rounds`` rounds (the ``ab`` rows).
     Raises:
-        ValueError: for a model not in :data:`MODELS`.
+        ValueError: for a model not in :data:`MODELS` or an unknown A/B variant.
     """
     from rayinfer.model.loader import parse_dtype
 
     if model not in MODELS:
         raise ValueError(f"unknown model {model!r}; choose from {sorted(MODELS)}")
+    unknown = sorted(set(ab or []) - set(AB_VARIANTS))
+    if unknown:
+        raise ValueError(f"unknown A/B variant(s) {unknown}; choose from {sorted(AB_VARIANTS)}")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     threads = torch.get_num_threads()
     if tiny and dev.type == "cpu":
@@ -459,13 +515,13 @@ def run(tiny: bool = False, device: str | None = None, dtype: str = "bfloat16", 
     contexts = [context] if isinstance(context, int) else context
     try:
         return _run(MODELS[model], tiny, dev, parse_dtype(dtype), batches, contexts, prefill, moe_tokens, reps,
-                    command, git_rev, graphs and dev.type == "cuda", quantization)
+                    command, git_rev, graphs and dev.type == "cuda", quantization, ab, ab_rounds)
     finally:
         torch.set_num_threads(threads)
 
 
 def _run(spec: MoEBenchModel, tiny, dev, dt, batches, contexts, prefill, moe_tokens, reps, command, git_rev,
-         graphs, quantization=None) -> dict:
+         graphs, quantization=None, ab: list[str] | None = None, ab_rounds: int = 3) -> dict:
     cases = TINY if tiny else FULL
     batches, contexts = batches or cases["batches"], contexts or cases["contexts"]
     prefill, moe_tokens = prefill or cases["prefill"], moe_tokens or cases["moe_tokens"]
@@ -485,6 +541,7 @@ def _run(spec: MoEBenchModel, tiny, dev, dt, batches, contexts, prefill, moe_tok
             r = decode[-1]
             _print("decode", dict(r, ms=r["ms_graph"], pct_of_roofline=r["pct_of_roofline_graph"],
                                   tokens_per_s=r["tokens_per_s_graph"]), f"B={batch} graph")
+    ab_out = ab_rows(model, ceil, counts, ab, batches, contexts[0], ab_rounds, reps) if ab else []
     prefill_rows = []
     for n in prefill:
         prefill_rows.append(bench_step(model, ceil, counts, batch=1, query_len=n, context=0, reps=max(3, reps // 3)))
@@ -532,6 +589,7 @@ def _run(spec: MoEBenchModel, tiny, dev, dt, batches, contexts, prefill, moe_tok
         "prefill": prefill_rows,
         "fused_moe": moe,
         "routing_align": small_ops,
+        "ab": ab_out,
         "seconds": time.time() - started,
     }
 
@@ -570,11 +628,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--git-rev", default=None, help="revision of the code (default: git rev-parse HEAD)")
     parser.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/moe-<device>.json, "
                         "moe-qwen3-30b-a3b-<device>.json for Qwen3)")
+    parser.add_argument("--ab", default=None, type=lambda t: [v for v in t.split(",") if v],
+                        help=f"A/B variants of the decode step timed in this process, e.g. default,no-pdl "
+                        f"(from {', '.join(AB_VARIANTS)}; every --batches at the first --context)")
+    parser.add_argument("--ab-rounds", type=int, default=3, help="interleaved rounds of the --ab variants")
     args = parser.parse_args(argv)
     argv_text = " ".join(sys.argv[1:] if argv is None else argv)
     result = run(args.tiny, args.device, args.dtype, args.batches, args.context, args.prefill, args.moe_tokens,
                  args.reps, command=f"python jobs/bench_moe.py {argv_text}".strip(), git_rev=args.git_rev,
-                 graphs=not args.no_graphs, model=args.model, quantization=args.quantization)
+                 graphs=not args.no_graphs, model=args.model, quantization=args.quantization, ab=args.ab,
+                 ab_rounds=args.ab_rounds)
     prefix = "" if args.model == "deepseek-v2-lite" else f"{args.model}-"  # the V2-Lite file names of before
     out = Path(args.out or Path(__file__).resolve().parents[1] / "benchmarks" / "results"
                / f"moe-{prefix}{'tiny-' if args.tiny else ''}{_slug(result['device'])}.json")

@@ -65,17 +65,16 @@ def mla_rope_store_ref(
 
 
 @triton.jit
-def _mla_rope_store_kernel(
-    q_ptr, kv_a_ptr, w_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, q_out_ptr,
+def _rope_store_token(
+    token, q_ptr, kv_a_ptr, w_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, q_out_ptr,
     num_heads, eps,
     stride_qt, stride_qh, stride_at, stride_cst, stride_cb, stride_cs, stride_ot, stride_oh,
     NOPE: tl.constexpr, RANK: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_HALF: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, INTERLEAVE: tl.constexpr, USE_PDL: tl.constexpr = False,
+    BLOCK_HALF: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, INTERLEAVE: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
+    """Token ``token``'s queries roped (every head) and its latent normalized and stored with its roped key."""
     i = tl.arange(0, BLOCK_HALF)
     i_ok = i < HALF
-    pdl_wait(USE_PDL)
     cos = tl.load(cos_ptr + token * stride_cst + i, mask=i_ok, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + token * stride_cst + i, mask=i_ok, other=0.0).to(tl.float32)
     if INTERLEAVE:  # pairs (2i, 2i + 1), written de-interleaved
@@ -115,6 +114,54 @@ def _mla_rope_store_kernel(
         tl.store(dst + RANK + HALF + i, (kb * cos + ka * sin).to(kv_a_ptr.dtype.element_ty).to(cache_ty), mask=i_ok)
 
 
+@triton.jit
+def _mla_rope_store_kernel(
+    q_ptr, kv_a_ptr, w_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, q_out_ptr,
+    num_heads, eps,
+    stride_qt, stride_qh, stride_at, stride_cst, stride_cb, stride_cs, stride_ot, stride_oh,
+    NOPE: tl.constexpr, RANK: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, INTERLEAVE: tl.constexpr, USE_PDL: tl.constexpr = False,
+):
+    pdl_wait(USE_PDL)
+    _rope_store_token(
+        tl.program_id(0).to(tl.int64), q_ptr, kv_a_ptr, w_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, q_out_ptr,
+        num_heads, eps, stride_qt, stride_qh, stride_at, stride_cst, stride_cb, stride_cs, stride_ot, stride_oh,
+        NOPE, RANK, HALF, BLOCK_R, BLOCK_H, BLOCK_HALF, KV_BLOCK_SIZE, INTERLEAVE,
+    )
+
+
+@triton.jit
+def _mla_rope_store_absorb_kernel(
+    q_ptr, kv_a_ptr, w_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, q_out_ptr, w_uk_ptr, ql_ptr,
+    num_heads, eps,
+    stride_qt, stride_qh, stride_at, stride_cst, stride_cb, stride_cs, stride_ot, stride_oh,
+    stride_wh, stride_wd, stride_lt, stride_lh,
+    NOPE: tl.constexpr, RANK: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, INTERLEAVE: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr = False,
+):
+    """Program (t, h, c): q_latent[t, h, c * BLOCK_C ...] = q_nope[t, h] @ W_UK[h][:, those columns]
+    (W_UK [Dn, R] rows of ``kv_b_proj`` per head, float32 sums); program (t, 0, 0) also does
+    :func:`_rope_store_token` for t."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    c = tl.program_id(2)
+    d = tl.arange(0, BLOCK_D)
+    r = c * BLOCK_C + tl.arange(0, BLOCK_C)
+    w = tl.load(w_uk_ptr + head * stride_wh + d[:, None] * stride_wd + r[None, :],  # a weight: before the wait
+                mask=(d[:, None] < NOPE) & (r[None, :] < RANK), other=0.0)
+    pdl_wait(USE_PDL)
+    qn = tl.load(q_ptr + token * stride_qt + head * stride_qh + d, mask=d < NOPE, other=0.0)
+    ql = tl.sum(w.to(tl.float32) * qn.to(tl.float32)[:, None], 0)
+    tl.store(ql_ptr + token * stride_lt + head * stride_lh + r, ql.to(ql_ptr.dtype.element_ty), mask=r < RANK)
+    if head == 0 and c == 0:
+        _rope_store_token(
+            token, q_ptr, kv_a_ptr, w_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, q_out_ptr,
+            num_heads, eps, stride_qt, stride_qh, stride_at, stride_cst, stride_cb, stride_cs, stride_ot, stride_oh,
+            NOPE, RANK, HALF, BLOCK_R, BLOCK_H, BLOCK_HALF, KV_BLOCK_SIZE, INTERLEAVE,
+        )
+
+
 def mla_rope_store_triton(
     q: torch.Tensor, kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
     sin: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, interleave: bool,
@@ -124,22 +171,47 @@ def mla_rope_store_triton(
     The rotations are computed in float32 and rounded once (the reference rounds each product in the
     model dtype), so 16-bit results may differ from it in the last bit.
     """
-    num_tokens, num_heads, qk_dim = q.shape
-    rank = norm_weight.shape[0]
-    rope = kv_a.shape[-1] - rank
-    q_pe = torch.empty((num_tokens, num_heads, rope), dtype=q.dtype, device=q.device)
+    num_tokens, num_heads, _ = q.shape
+    q_pe = torch.empty((num_tokens, num_heads, kv_a.shape[-1] - norm_weight.shape[0]), dtype=q.dtype, device=q.device)
     if num_tokens == 0:
         return q_pe
-    _mla_rope_store_kernel[(num_tokens,)](
-        q, kv_a, norm_weight, cos, sin, kv_cache, slot_mapping, q_pe,
-        num_heads, float(eps),
-        q.stride(0), q.stride(1), kv_a.stride(0), cos.stride(0), kv_cache.stride(0), kv_cache.stride(1),
-        q_pe.stride(0), q_pe.stride(1),
-        NOPE=qk_dim - rope, RANK=rank, HALF=rope // 2, BLOCK_R=triton.next_power_of_2(rank),
-        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_HALF=triton.next_power_of_2(rope // 2),
-        KV_BLOCK_SIZE=kv_cache.shape[1], INTERLEAVE=interleave, num_warps=4, **pdl_launch(use_pdl(q)),
-    )
+    args, consts = _rope_store_args(q, kv_a, norm_weight, eps, cos, sin, kv_cache, slot_mapping, interleave, q_pe)
+    _mla_rope_store_kernel[(num_tokens,)](*args, **consts, num_warps=4, **pdl_launch(use_pdl(q)))
     return q_pe
+
+
+def _rope_store_args(q, kv_a, norm_weight, eps, cos, sin, kv_cache, slot_mapping, interleave, q_pe):
+    """(positional arguments, constexprs) of :func:`_rope_store_token` for a launch."""
+    num_heads, qk_dim = q.shape[1:]
+    rank = norm_weight.shape[0]
+    rope = kv_a.shape[-1] - rank
+    args = (q, kv_a, norm_weight, cos, sin, kv_cache, slot_mapping, q_pe, num_heads, float(eps),
+            q.stride(0), q.stride(1), kv_a.stride(0), cos.stride(0), kv_cache.stride(0), kv_cache.stride(1),
+            q_pe.stride(0), q_pe.stride(1))
+    consts = dict(NOPE=qk_dim - rope, RANK=rank, HALF=rope // 2, BLOCK_R=triton.next_power_of_2(rank),
+                  BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_HALF=triton.next_power_of_2(rope // 2),
+                  KV_BLOCK_SIZE=kv_cache.shape[1], INTERLEAVE=interleave)
+    return args, consts
+
+
+def mla_rope_store_absorb_triton(q, kv_a, norm_weight, eps, cos, sin, kv_cache, slot_mapping, interleave, w_kv_b):
+    """Triton kernel of :func:`mla_rope_store_absorb_ref` (one launch: the absorbed query's programs, one
+    per (token, head, 128 latent columns), and each token's RoPE / latent store in its first program)."""
+    num_tokens, num_heads, _ = q.shape
+    rank = norm_weight.shape[0]
+    nope = q.shape[-1] - (kv_a.shape[-1] - rank)
+    q_pe = torch.empty((num_tokens, num_heads, kv_a.shape[-1] - rank), dtype=q.dtype, device=q.device)
+    q_latent = torch.empty((num_tokens, num_heads, rank), dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return q_latent, q_pe
+    args, consts = _rope_store_args(q, kv_a, norm_weight, eps, cos, sin, kv_cache, slot_mapping, interleave, q_pe)
+    block_c = min(128, triton.next_power_of_2(rank))
+    _mla_rope_store_absorb_kernel[(num_tokens, num_heads, triton.cdiv(rank, block_c))](
+        *args[:8], w_kv_b, q_latent, *args[8:], w_kv_b.stride(0), w_kv_b.stride(1), q_latent.stride(0),
+        q_latent.stride(1), **consts, BLOCK_D=triton.next_power_of_2(nope), BLOCK_C=block_c, num_warps=4,
+        **pdl_launch(use_pdl(q)),
+    )
+    return q_latent, q_pe
 
 
 def mla_rope_store(
@@ -147,8 +219,14 @@ def mla_rope_store(
     sin: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, interleave: bool,
 ) -> torch.Tensor:
     """Same contract as :func:`mla_rope_store_ref`; the fused Triton kernel on CUDA tensors."""
+    if _rope_store_applies(q, kv_a, norm_weight, cos, sin, kv_cache, slot_mapping):
+        return mla_rope_store_triton(q, kv_a, norm_weight, eps, cos, sin, kv_cache, slot_mapping, interleave)
+    return mla_rope_store_ref(q, kv_a, norm_weight, eps, cos, sin, kv_cache, slot_mapping, interleave)
+
+
+def _rope_store_applies(q, kv_a, norm_weight, cos, sin, kv_cache, slot_mapping) -> bool:
     rope = kv_a.shape[-1] - norm_weight.shape[0] if kv_a.dim() == 2 else 0
-    if (
+    return (
         q.dim() == 3
         and kv_a.dim() == 2
         and rope > 0
@@ -161,6 +239,47 @@ def mla_rope_store(
         and kv_cache.dim() == 3
         and kv_cache.stride(-1) == 1
         and use_triton(q, kv_a, norm_weight, cos, sin, kv_cache, slot_mapping)
-    ):
-        return mla_rope_store_triton(q, kv_a, norm_weight, eps, cos, sin, kv_cache, slot_mapping, interleave)
-    return mla_rope_store_ref(q, kv_a, norm_weight, eps, cos, sin, kv_cache, slot_mapping, interleave)
+    )
+
+
+ROPE_ABSORB_MAX_TOKENS = 4  # the batched-GEMV regime (kernels.gemv.BATCHED_GEMV_MAX_ROWS)
+
+
+def mla_rope_store_absorb_ref(
+    q: torch.Tensor, kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
+    sin: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, interleave: bool, w_kv_b: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`mla_rope_store_ref`, and the absorbed query of MLA's decode form.
+
+    Args: as :func:`mla_rope_store_ref`, and w_kv_b: [H, Dn + Dv, R], ``kv_b_proj.weight`` per head (its
+        first Dn rows are W_UK).
+    Returns:
+        (q_latent [T, H, R] = q_nope @ W_UK per head, in q's dtype; q_pe [T, H, P] roped).
+    """
+    nope = q.shape[-1] - (kv_a.shape[-1] - norm_weight.shape[0])
+    q_pe = mla_rope_store_ref(q, kv_a, norm_weight, eps, cos, sin, kv_cache, slot_mapping, interleave)
+    q_latent = torch.einsum("thd,hdr->thr", q[..., :nope].float(), w_kv_b[:, :nope].float()).to(q.dtype)
+    return q_latent, q_pe
+
+
+def mla_rope_store_absorb(
+    q: torch.Tensor, kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
+    sin: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, interleave: bool, w_kv_b: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as :func:`mla_rope_store_absorb_ref`. Up to :data:`ROPE_ABSORB_MAX_TOKENS` tokens of
+    bf16/fp16 on the GPU, one Triton launch (:func:`mla_rope_store_absorb_triton`; a decode step's RoPE /
+    store kernel and its W_UK batched GEMV were two); otherwise :func:`mla_rope_store` and
+    ``kernels.gemv.batched_linear`` (in batch-invariant mode the persistent matmul)."""
+    from rayinfer.kernels.batch_invariant import is_batch_invariant
+    from rayinfer.kernels.gemv import batched_linear
+
+    nope = q.shape[-1] - (kv_a.shape[-1] - norm_weight.shape[0])
+    if (q.dim() == 3 and q.shape[0] <= ROPE_ABSORB_MAX_TOKENS and not is_batch_invariant()
+            and q.dtype in (torch.bfloat16, torch.float16) and w_kv_b.dtype == q.dtype and q.is_cuda
+            and w_kv_b.dim() == 3 and w_kv_b.stride(-1) == 1 and nope <= 256
+            and _rope_store_applies(q, kv_a, norm_weight, cos, sin, kv_cache, slot_mapping)):
+        return mla_rope_store_absorb_triton(q, kv_a, norm_weight, eps, cos, sin, kv_cache, slot_mapping, interleave,
+                                            w_kv_b)
+    q_pe = mla_rope_store(q, kv_a, norm_weight, eps, cos, sin, kv_cache, slot_mapping, interleave)
+    w_uk_t = w_kv_b[:, :nope].transpose(1, 2)  # [H, R, Dn]
+    return batched_linear(q[..., :nope].transpose(0, 1), w_uk_t).transpose(0, 1), q_pe

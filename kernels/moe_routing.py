@@ -144,9 +144,13 @@ def _softmax_topk_kernel(
 
 
 @triton.jit
-def _router_logits_kernel(hidden_ptr, gate_ptr, logits_ptr, num_experts, hidden_size, stride_h, stride_g,
-                          stride_t, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr = False):
-    """Program (t, c): float32 logits of token t for experts c * BLOCK_E .. + BLOCK_E - 1."""
+def _router_logits_kernel(hidden_ptr, gate_ptr, logits_ptr, norm_w_ptr, normed_ptr, num_experts, hidden_size,
+                          stride_h, stride_g, stride_t, stride_n, eps, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+                          RMS_NORM: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+    """Program (t, c): float32 logits of token t for experts c * BLOCK_E .. + BLOCK_E - 1. RMS_NORM (one
+    BLOCK_H tile holds the row): the logits of ``rms_norm(hidden[t], norm_w)`` computed as
+    ``kernels.norm`` computes it (float32 statistics, rounded to hidden's dtype, then the weight), which
+    program (t, 0) also stores to ``normed[t]`` for the experts."""
     row = tl.program_id(0).to(tl.int64)
     experts = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     e_ok = experts < num_experts
@@ -156,32 +160,57 @@ def _router_logits_kernel(hidden_ptr, gate_ptr, logits_ptr, num_experts, hidden_
     h_ok = hs < hidden_size
     # the gate's first tile is requested before the wait (weights are constant during a step)
     w = tl.load(w_rows + hs[None, :], mask=e_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
-    pdl_wait(USE_PDL)
-    for h0 in range(0, hidden_size, BLOCK_H):
-        hs = h0 + tl.arange(0, BLOCK_H)
-        h_ok = hs < hidden_size
-        hid = tl.load(hidden_ptr + row * stride_h + hs, mask=h_ok, other=0.0).to(tl.float32)
-        if h0 > 0:
-            w = tl.load(w_rows + hs[None, :], mask=e_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
-        acc += w * hid[None, :]
+    if RMS_NORM:
+        norm_w = tl.load(norm_w_ptr + hs, mask=h_ok, other=0.0)
+        pdl_wait(USE_PDL)
+        x = tl.load(hidden_ptr + row * stride_h + hs, mask=h_ok, other=0.0)
+        xf = x.to(tl.float32)
+        normed = (xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden_size + eps)).to(x.dtype)
+        normed = (norm_w.to(tl.float32) * normed.to(tl.float32)).to(normed_ptr.dtype.element_ty)
+        if tl.program_id(1) == 0:
+            tl.store(normed_ptr + row * stride_n + hs, normed, mask=h_ok)
+        acc += w * normed.to(tl.float32)[None, :]
+    else:
+        pdl_wait(USE_PDL)
+        for h0 in range(0, hidden_size, BLOCK_H):
+            hs = h0 + tl.arange(0, BLOCK_H)
+            h_ok = hs < hidden_size
+            hid = tl.load(hidden_ptr + row * stride_h + hs, mask=h_ok, other=0.0).to(tl.float32)
+            if h0 > 0:
+                w = tl.load(w_rows + hs[None, :], mask=e_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
+            acc += w * hid[None, :]
     tl.store(logits_ptr + row * stride_t + experts, tl.sum(acc, 1), mask=e_ok)
 
 
-def router_logits_triton(hidden: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
+_ROUTER_BLOCK_H = 2048  # hidden columns per tile of the router-logits kernel (the fused norm needs one tile)
+
+
+def router_logits_triton(hidden: torch.Tensor, gate_weight: torch.Tensor, norm_weight: torch.Tensor | None = None,
+                         eps: float = 1e-6) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """float32 ``hidden @ gate_weight.T`` for decode-sized batches: hidden [T, H], gate_weight [L, H] (any
     float dtypes, products and sums in float32) -> [T, L] float32. Programs (token, 4 experts): a decode
     step's router spreads its weight read over L / 4 multiprocessors (one program per token reading the
-    whole gate was bound by one SM's memory latency), with no casts of hidden or the weight."""
+    whole gate was bound by one SM's memory latency), with no casts of hidden or the weight.
+
+    norm_weight [H] (H <= 2048): the logits of ``rms_norm(hidden, norm_weight, eps)`` instead, the norm in
+    the kernel's prologue; returns (logits, the normed rows [T, H] in hidden's dtype) - one launch for
+    what was a norm kernel and this one.
+    """
     num_tokens, hidden_size = hidden.shape
     num_experts = gate_weight.shape[0]
     logits = torch.empty((num_tokens, num_experts), dtype=torch.float32, device=hidden.device)
     block_e = 4
-    block_h = max(16, min(2048, triton.next_power_of_2(hidden_size)))
+    block_h = max(16, min(_ROUTER_BLOCK_H, triton.next_power_of_2(hidden_size)))
+    fuse = norm_weight is not None
+    if fuse and block_h < hidden_size:
+        raise ValueError(f"the router's fused norm takes rows of at most {_ROUTER_BLOCK_H}, got {hidden_size}")
+    normed = torch.empty_like(hidden) if fuse else logits
     _router_logits_kernel[(num_tokens, triton.cdiv(num_experts, block_e))](
-        hidden, gate_weight, logits, num_experts, hidden_size, hidden.stride(0), gate_weight.stride(0),
-        logits.stride(0), BLOCK_E=block_e, BLOCK_H=block_h, num_warps=4, **pdl_launch(use_pdl(hidden)),
+        hidden, gate_weight, logits, norm_weight if fuse else gate_weight, normed, num_experts, hidden_size,
+        hidden.stride(0), gate_weight.stride(0), logits.stride(0), normed.stride(0), float(eps),
+        BLOCK_E=block_e, BLOCK_H=block_h, RMS_NORM=fuse, num_warps=4, **pdl_launch(use_pdl(hidden)),
     )
-    return logits
+    return (logits, normed) if fuse else logits
 
 
 @triton.jit
@@ -402,12 +431,55 @@ def router_grouped_topk(
     """
     if hidden.dim() != 2 or gate_weight.dim() != 2 or hidden.shape[1] != gate_weight.shape[1]:
         raise ValueError(f"hidden {tuple(hidden.shape)} does not match gate weight {tuple(gate_weight.shape)}")
-    if (0 < hidden.shape[0] <= ROUTER_LOGITS_KERNEL_MAX_TOKENS
-            and gate_weight.numel() <= ROUTER_LOGITS_KERNEL_MAX_WEIGHTS and not is_batch_invariant()
-            and hidden.stride(1) == 1 and gate_weight.stride(1) == 1
-            and hidden.dtype in (torch.float16, torch.bfloat16, torch.float32) and use_triton(hidden, gate_weight)):
+    if _router_kernel_applies(hidden, gate_weight):
         logits = router_logits_triton(hidden, gate_weight)
     else:
         logits = dense_linear(hidden.float(), gate_weight.float())
     return grouped_topk(logits, e_score_correction_bias.float(), top_k, num_groups, topk_groups, renormalize,
                         routed_scaling_factor, num_shared)
+
+
+def _router_kernel_applies(hidden: torch.Tensor, gate_weight: torch.Tensor) -> bool:
+    return (0 < hidden.shape[0] <= ROUTER_LOGITS_KERNEL_MAX_TOKENS
+            and gate_weight.numel() <= ROUTER_LOGITS_KERNEL_MAX_WEIGHTS and not is_batch_invariant()
+            and hidden.stride(1) == 1 and gate_weight.stride(1) == 1
+            and hidden.dtype in (torch.float16, torch.bfloat16, torch.float32) and use_triton(hidden, gate_weight))
+
+
+def norm_router_grouped_topk(
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    gate_weight: torch.Tensor,
+    e_score_correction_bias: torch.Tensor,
+    top_k: int,
+    num_groups: int,
+    topk_groups: int,
+    renormalize: bool,
+    routed_scaling_factor: float,
+    num_shared: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x = rms_norm(residual, norm_weight, eps)`` and :func:`router_grouped_topk` of x: the MoE layer's
+    post-attention norm and router. Where the router kernel applies to rows of up to 2048 columns of
+    norm_weight's dtype, the norm runs in its prologue (:func:`router_logits_triton`; one launch less a
+    layer at decode), else ``kernels.norm.rms_norm`` first.
+
+    Args:
+        residual: [T, H] the residual stream; norm_weight: [H]; the rest as :func:`router_grouped_topk`.
+    Returns:
+        (topk_weights [T, k+S] float32, topk_ids [T, k+S] int64, x [T, H] in residual's dtype).
+    Raises:
+        ValueError: as :func:`router_grouped_topk`.
+    """
+    from rayinfer.kernels.norm import rms_norm
+
+    if (_router_kernel_applies(residual, gate_weight) and residual.shape[1] <= _ROUTER_BLOCK_H
+            and norm_weight.dtype == residual.dtype and gate_weight.shape[1] == residual.shape[1]):
+        logits, x = router_logits_triton(residual, gate_weight, norm_weight, eps)
+        weights, ids = grouped_topk(logits, e_score_correction_bias.float(), top_k, num_groups, topk_groups,
+                                    renormalize, routed_scaling_factor, num_shared)
+        return weights, ids, x
+    x = rms_norm(residual, norm_weight, eps)
+    weights, ids = router_grouped_topk(x, gate_weight, e_score_correction_bias, top_k, num_groups, topk_groups,
+                                       renormalize, routed_scaling_factor, num_shared)
+    return weights, ids, x

@@ -37,9 +37,9 @@ from rayinfer.kernels.attention_metadata import AttentionMetadata
 from rayinfer.kernels.gemv import batched_linear, fused_linear, gemv_applies
 from rayinfer.kernels.matmul import dense_linear
 from rayinfer.kernels.mla_attention import ABSORBED_MAX_QUERY_LEN, mla_decode, mla_prefill, use_absorbed
-from rayinfer.kernels.mla_rope import mla_rope_store
+from rayinfer.kernels.mla_rope import mla_rope_store, mla_rope_store_absorb
 from rayinfer.model.llama import PagedCausalLM, PreNormDecoderLayer, RMSNorm
-from rayinfer.kernels.moe_routing import router_grouped_topk
+from rayinfer.kernels.moe_routing import norm_router_grouped_topk, router_grouped_topk
 from rayinfer.model.moe import ExpertParallelism, GatedMLP, MoEModelMixin, RoutedExperts
 from rayinfer.kernels.block_fp8 import WEIGHT_BLOCK
 from rayinfer.model.quantization import SCALE_SUFFIX, linear
@@ -204,17 +204,19 @@ class DeepseekV3Attention(nn.Module):
         # explicit sizes: an EP rank without work runs this over t = 0 tokens, where -1 is ambiguous
         q = q.view(t, heads, self.nope_dim + self.rope_dim)
         q_nope = q[..., : self.nope_dim]
-        # the latent's RMSNorm, RoPE of q_pe and k_pe, and the cache store: one kernel on the GPU
+        # the latent's RMSNorm, RoPE of q_pe and k_pe, and the cache store: one kernel on the GPU (at decode
+        # sizes with the absorbed query's W_UK product in the same launch)
         norm = self.kv_a_layernorm
-        q_pe = mla_rope_store(q, kv_a, norm.weight, norm.eps, cos, sin, kv_cache, meta.slot_mapping, self.interleave)
         if use_absorbed(meta):
             w_kv_b = self.kv_b_proj.weight.view(heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
             # per head h: q_latent[:, h] = q_nope[:, h] @ W_UK[h] ([Dn, R]); out[:, h] = latent @ W_UV[h].T
-            w_uk_t = w_kv_b[:, : self.nope_dim].transpose(1, 2)  # [H, R, Dn]
-            q_latent = batched_linear(q_nope.transpose(0, 1), w_uk_t).transpose(0, 1)  # [T, H, R]
+            q_latent, q_pe = mla_rope_store_absorb(q, kv_a, norm.weight, norm.eps, cos, sin, kv_cache,
+                                                   meta.slot_mapping, self.interleave, w_kv_b)  # [T, H, R]
             out_latent = mla_decode(q_latent, q_pe, kv_cache, meta, self.scale)
             out = batched_linear(out_latent.transpose(0, 1), w_kv_b[:, self.nope_dim :]).transpose(0, 1)
         else:
+            q_pe = mla_rope_store(q, kv_a, norm.weight, norm.eps, cos, sin, kv_cache, meta.slot_mapping,
+                                  self.interleave)
             out = mla_prefill(q_nope, q_pe, kv_cache, meta, self.kv_b_proj.weight, self.scale)
         return out.reshape(t, heads * self.v_dim)
 
@@ -264,6 +266,20 @@ class DeepseekV3MoE(nn.Module):
             hidden, self.gate.weight, self.gate.e_score_correction_bias, c.num_experts_per_tok, c.n_group,
             c.topk_group, c.norm_topk_prob, c.routed_scaling_factor, num_shared=self.experts.num_shared,
         )
+        return self._experts(hidden, ids, weights, residual)
+
+    def forward_norm_residual(self, residual: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """The layer over ``norm(residual)``, its output added into ``residual`` in place (returned): the
+        norm in the router kernel's prologue where it applies (``moe_routing.norm_router_grouped_topk``)."""
+        c = self.config
+        weights, ids, hidden = norm_router_grouped_topk(
+            residual, norm.weight, norm.eps, self.gate.weight, self.gate.e_score_correction_bias,
+            c.num_experts_per_tok, c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor,
+            num_shared=self.experts.num_shared,
+        )
+        return self._experts(hidden, ids, weights, residual)
+
+    def _experts(self, hidden, ids, weights, residual):
         if self.shared_experts is None:
             return self.experts(hidden, ids, weights, residual=residual)
         out = self.experts(hidden, ids, weights) + self.shared_experts(hidden)
@@ -287,8 +303,9 @@ class DeepseekV3DecoderLayer(PreNormDecoderLayer):
 
         input_layernorm runs in the prologue of the ``qkv_a_proj`` GEMV and the attention's residual add
         in the epilogue of the ``o_proj`` GEMV (``kernels.gemv.fused_linear``); post_attention_layernorm
-        is one kernel (the router and the experts both read its output) and the MoE output is added into
-        ``h`` by the fused MoE kernel's last launch. Needs ``qkv_a_proj`` (:meth:`DeepseekV3Attention.fuse_qkv_a`)
+        runs in the router kernel's prologue, which also stores the normed row for the experts
+        (:meth:`DeepseekV3MoE.forward_norm_residual`), and the MoE output is added into ``h`` by the
+        fused MoE kernel's last launch. Needs ``qkv_a_proj`` (:meth:`DeepseekV3Attention.fuse_qkv_a`)
         and 16-bit attention weights (:meth:`DeepseekV3ForCausalLM.process_weights_after_loading` checks).
         Same result as :meth:`forward` up to rounding (the normalized input of qkv_a_proj is not rounded
         to the model dtype).
@@ -299,11 +316,10 @@ class DeepseekV3DecoderLayer(PreNormDecoderLayer):
         qkv_a = fused_linear(h, attn.qkv_a_proj.weight, attn.qkv_a_proj.bias, norm_weight=norm1.weight, eps=norm1.eps)
         out = attn.attend(qkv_a, cos, sin, kv_cache, meta)
         fused_linear(out, attn.o_proj.weight, attn.o_proj.bias, residual=h)
-        x = norm2(h)
         if isinstance(self.mlp, DeepseekV3MoE):
-            self.mlp(x, residual=h)
+            self.mlp.forward_norm_residual(h, norm2)
         else:
-            h.add_(self.mlp(x))
+            h.add_(self.mlp(norm2(h)))
         return h
 
 

@@ -168,3 +168,31 @@ def test_moe_scenarios_of_jobs_bench(tmp_path):
             assert isinstance(cost, cls) and round(cost.num_params / 1e9, 1) == billions
         old = OmegaConf.to_object(compose("bench", overrides=["scenario=tiny", "hf.batch_size=8"]))
         assert old.hf.batch_sizes == [8]
+
+
+def test_ab_variants_run_interleaved_and_restore_the_settings(tmp_path, monkeypatch):
+    """--ab times each variant in this process, round by round; a variant's settings hold only inside it."""
+    import os
+    from types import SimpleNamespace
+
+    from rayinfer.jobs.bench_moe import ab_variant
+    from rayinfer.kernels import _triton_utils
+
+    monkeypatch.delenv("RAYINFER_PDL", raising=False)
+    monkeypatch.delenv("RAYINFER_ONE_ROW_FUSION", raising=False)
+    model = SimpleNamespace(one_row_fusion=True)
+    with ab_variant(model, "no-pdl"):
+        assert os.environ["RAYINFER_PDL"] == "0" and model.one_row_fusion
+    with ab_variant(model, "no-one-row"):
+        assert not model.one_row_fusion
+    assert "RAYINFER_PDL" not in os.environ and model.one_row_fusion
+    assert _triton_utils._pdl_supported.cache_info().currsize == 0  # re-probed after a variant
+    out = tmp_path / "ab.json"
+    variants = ["default", "no-pdl", "no-one-row"]
+    main(["--tiny", "--device", "cpu", "--reps", "1", "--batches", "1", "--prefill", "8", "--moe-tokens", "1",
+          "--ab", ",".join(variants), "--ab-rounds", "2", "--out", str(out)])
+    rows = json.loads(out.read_text())["ab"]
+    assert [(r["variant"], r["round"], r["batch"]) for r in rows] == [(v, i, 1) for i in range(2) for v in variants]
+    assert all(r["ms"] > 0 and r["roofline_ms"] > 0 for r in rows)
+    with pytest.raises(ValueError, match="unknown A/B variant"):
+        main(["--tiny", "--device", "cpu", "--ab", "no-such"])

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from rayinfer.kernels._triton_utils import HAS_TRITON
-from rayinfer.kernels.mla_rope import mla_rope_store, mla_rope_store_ref
+from rayinfer.kernels.mla_rope import (
+    mla_rope_store, mla_rope_store_absorb, mla_rope_store_absorb_ref, mla_rope_store_absorb_triton, mla_rope_store_ref,
+)
 
 CUDA = torch.cuda.is_available()
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -67,12 +69,41 @@ def check(device, cases):
     return worst
 
 
+def check_absorb(device, cases, fn=mla_rope_store_absorb_triton):
+    """The RoPE/store kernel with the absorbed query's W_UK product in the same launch, against the
+    reference: q_latent, q_pe and the cache. cases: (T, H, Dn, R, P, block size, Dv, dtype, interleave)."""
+    worst = 0.0
+    for i, (t, heads, nope, rank, rope, bs, v, dtype, interleave) in enumerate(cases):
+        q, kv_a, w, cos, sin, cache, slots = make_case(t, heads, nope, rank, rope, bs, -(-t // bs) + 2, dtype, device, i)
+        w_kv_b = (torch.randn(heads, nope + v, rank, generator=torch.Generator().manual_seed(i)) / nope**0.5).to(
+            device=device, dtype=dtype)
+        a, b = cache.clone(), cache.clone()
+        got_l, got_pe = fn(q, kv_a, w, 1e-6, cos, sin, a, slots, interleave, w_kv_b)
+        want_l, want_pe = mla_rope_store_absorb_ref(q, kv_a, w, 1e-6, cos, sin, b, slots, interleave, w_kv_b)
+        tol = TOL[dtype]
+        for name, x, y in (("q_latent", got_l, want_l), ("q_pe", got_pe, want_pe), ("cache", a, b)):
+            torch.testing.assert_close(x.float(), y.float(), atol=tol, rtol=tol, msg=lambda m: f"{name} case {i}: {m}")
+            worst = max(worst, (x.float() - y.float()).abs().max().item())
+    return worst
+
+
+def test_absorb_dispatcher_on_cpu():
+    """On CPU (no interpreter) mla_rope_store_absorb is the unfused pair: mla_rope_store, then the W_UK product."""
+    check_absorb("cpu", [(3, 2, 8, 24, 8, 4, 6, torch.float32, True)], fn=mla_rope_store_absorb)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_kernel_matches_ref_on_gpu():
     cases = [(300, 16, 128, 512, 64, 64, torch.bfloat16, True), (7, 128, 128, 512, 64, 16, torch.bfloat16, False),
              (33, 3, 16, 24, 16, 4, torch.float32, True)]
     print(f"mla_rope_store: max abs err {check('cuda', cases):.2e}")
+    b16 = torch.bfloat16
+    absorb = [(1, 16, 128, 512, 64, 16, 128, b16, True), (4, 128, 128, 512, 64, 64, 128, b16, False),
+              (2, 3, 16, 24, 16, 4, 8, torch.float32, True)]
+    print(f"mla_rope_store_absorb: max abs err {check_absorb('cuda', absorb):.2e}")
+    # the dispatcher takes the fused launch for a decode batch of bf16
+    check_absorb("cuda", absorb[:1], fn=mla_rope_store_absorb)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
@@ -84,5 +115,7 @@ if __name__ == "__main__":
     if "--interpret" in sys.argv:
         f32 = torch.float32
         check("cpu", [(9, 3, 16, 24, 16, 4, f32, True), (6, 4, 8, 32, 8, 8, f32, False)])
+        # two 128-column latent slices (the second partial), a slot of -1 (token 1), Dn not a power of two
+        check_absorb("cpu", [(3, 2, 12, 160, 16, 4, 8, f32, True), (2, 3, 16, 24, 8, 8, 16, f32, False)])
     else:
         sys.exit(pytest.main([__file__, "-m", "gpu", "-q", *sys.argv[1:]]))
