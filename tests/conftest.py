@@ -50,28 +50,44 @@ class Interpreter:
         """
         return self.run_many([[path, *args]], timeout_s)[0]
 
-    def run_many(self, commands: list[list[str]], timeout_s: float = 120) -> list[tuple[int, str]]:
-        """Run each ``[path, *args]`` as ``python path --interpret *args`` would, all at once (one child
-        each); returns their (exit code, stdout + stderr), in order.
+    def run_many(self, commands: list[list[str]], timeout_s: float = 120,
+                 parallel: int | None = None) -> list[tuple[int, str]]:
+        """Run each ``[path, *args]`` as ``python path --interpret *args`` would, one child each, at most
+        ``parallel`` at once (default: all); returns their (exit code, stdout + stderr), in order.
 
         Raises:
-            subprocess.TimeoutExpired: one ran past ``timeout_s`` (the server kills every child still running).
+            subprocess.TimeoutExpired: one ran past ``timeout_s`` from its start (the server kills it).
         """
+        return [self.check(r) for r in self.results(commands, timeout_s, parallel)]
+
+    def results(self, commands: list[list[str]], timeout_s: float = 120, parallel: int | None = None) -> list[dict]:
+        """:meth:`run_many`'s runs, as the server's answers (``argv``, ``returncode``, ``output``,
+        ``timed_out``), without raising for a timeout (:meth:`check` does)."""
         import json
-        import subprocess
 
         assert self._proc.stdin is not None and self._proc.stdout is not None
         argvs = [[path, "--interpret", *args] for path, *args in commands]
-        self._proc.stdin.write(json.dumps({"commands": argvs, "timeout_s": timeout_s}) + "\n")
+        request = {"commands": argvs, "timeout_s": timeout_s, "parallel": parallel or len(argvs)}
+        self._proc.stdin.write(json.dumps(request) + "\n")
         self._proc.stdin.flush()
         line = self._proc.stdout.readline()
         if not line:
             self._log.seek(0)
             raise RuntimeError(f"the interpreter server exited: {self._log.read()[-3000:]}")
-        results = json.loads(line)["results"]
-        if any(r["timed_out"] for r in results):
-            raise subprocess.TimeoutExpired(argvs, timeout_s, "\n".join(r["output"] for r in results))
-        return [(r["returncode"], r["output"]) for r in results]
+        return [{"argv": argv, "timeout_s": timeout_s, **r} for argv, r in zip(argvs, json.loads(line)["results"])]
+
+    @staticmethod
+    def check(result: dict) -> tuple[int, str]:
+        """(exit code, output) of one of :meth:`results`' answers.
+
+        Raises:
+            subprocess.TimeoutExpired: it ran past its timeout (and was killed).
+        """
+        import subprocess
+
+        if result["timed_out"]:
+            raise subprocess.TimeoutExpired(result["argv"], result["timeout_s"], result["output"])
+        return result["returncode"], result["output"]
 
     def close(self):
         assert self._proc.stdin is not None

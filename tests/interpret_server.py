@@ -6,10 +6,11 @@ code a fresh ``python FILE --interpret ...`` runs, in a process of its own (noth
 the next), without the seconds of imports each fresh process spends first. ``tests/conftest.py``'s
 ``interpreter`` fixture starts it and talks to it.
 
-Protocol, one request at a time: each stdin line is ``{"commands": [[path, *args], ...], "timeout_s": T}``,
-command lines run at once, one child each (a child still running after T seconds is killed); the answer is
-one stdout line ``{"results": [{"returncode": N, "output": "...", "timed_out": bool}, ...]}`` (each one's
-stdout and stderr) when all have ended. Stdin's end stops the server.
+Protocol, one request at a time: each stdin line is ``{"commands": [[path, *args], ...], "timeout_s": T,
+"parallel": P}``: the command lines run one child each, at most P at once (default: all), and a child still
+running T seconds after it started is killed; the answer is one stdout line ``{"results": [{"returncode": N,
+"output": "...", "timed_out": bool}, ...]}`` (each one's stdout and stderr) when all have ended. Stdin's end
+stops the server.
 """
 
 import importlib
@@ -68,51 +69,47 @@ def run_child(argv: list[str], out_path: str) -> None:
     os._exit(code)
 
 
-def wait_all(children: list[tuple[int, str]], timeout_s: float) -> list[dict]:
-    """Reap every child; one still running after ``timeout_s`` is killed (it is this server's unreaped
-    child, so its pid is still its own) and marked ``timed_out``."""
-    deadline = time.monotonic() + timeout_s
-    status: dict[int, int] = {}
-    timed_out: set[int] = set()
-    while len(status) < len(children):
-        for pid, _ in children:
-            if pid not in status:
-                done, code = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    status[pid] = code
-        if len(status) < len(children) and time.monotonic() > deadline:
-            for pid, _ in children:
-                if pid not in status:
-                    os.kill(pid, signal.SIGKILL)
-                    timed_out.add(pid)
-                    status[pid] = os.waitpid(pid, 0)[1]
+def run_pool(commands: list[list[str]], timeout_s: float, parallel: int) -> list[dict]:
+    """Run every command line, at most ``parallel`` children at once, and reap them; a child still running
+    ``timeout_s`` after it started is killed (it is this server's unreaped child, so its pid is still its
+    own) and marked ``timed_out``. Returns one result per command line, in order."""
+    waiting = list(enumerate(commands))
+    running: dict[int, tuple[int, str, float]] = {}  # pid -> (index, output path, deadline)
+    results: list[dict] = [{} for _ in commands]
+    while waiting or running:
+        while waiting and len(running) < max(1, parallel):
+            index, argv = waiting.pop(0)
+            fd, out_path = tempfile.mkstemp(prefix="interpret-", suffix=".log")
+            os.close(fd)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                run_child(argv, out_path)
+            running[pid] = (index, out_path, time.monotonic() + timeout_s)
+        for pid, (index, out_path, deadline) in list(running.items()):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            timed_out = not done and time.monotonic() > deadline
+            if timed_out:
+                os.kill(pid, signal.SIGKILL)
+                status = os.waitpid(pid, 0)[1]
+            if done or timed_out:
+                with open(out_path, errors="replace") as f:
+                    results[index] = {"returncode": os.waitstatus_to_exitcode(status), "output": f.read(),
+                                      "timed_out": timed_out}
+                os.unlink(out_path)
+                del running[pid]
         time.sleep(0.02)
-    results = []
-    for pid, out_path in children:
-        with open(out_path, errors="replace") as f:
-            results.append({"returncode": os.waitstatus_to_exitcode(status[pid]), "output": f.read(),
-                            "timed_out": pid in timed_out})
-        os.unlink(out_path)
     return results
 
 
 def main() -> None:
     preload()
-    answer = sys.stdout
     for line in sys.stdin:
         request = json.loads(line)
-        children = []
-        for argv in request["commands"]:
-            fd, out_path = tempfile.mkstemp(prefix="interpret-", suffix=".log")
-            os.close(fd)
-            answer.flush()
-            sys.stderr.flush()
-            pid = os.fork()
-            if pid == 0:
-                run_child(argv, out_path)
-            children.append((pid, out_path))
-        answer.write(json.dumps({"results": wait_all(children, request["timeout_s"])}) + "\n")
-        answer.flush()
+        results = run_pool(request["commands"], request["timeout_s"], request.get("parallel", len(request["commands"])))
+        sys.stdout.write(json.dumps({"results": results}) + "\n")
+        sys.stdout.flush()
 
 
 if __name__ == "__main__":
