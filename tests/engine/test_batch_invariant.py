@@ -244,25 +244,37 @@ def _interpreter_check(kind: str = "llama", num_trials: int = 6, num_pd_trials: 
     assert pd == on, f"{kind}: 1P1D gave {sorted(pd)}, colocated {sorted(on)}"
 
 
-def _run_interpreted(interpreter, *arg_lists: list[str]) -> None:
-    """``python __file__ --interpret *args`` with TRITON_INTERPRET=1 for each of ``arg_lists``, at once,
-    as children of the session's interpreter server (tests/conftest.py)."""
-    for returncode, output in interpreter.run_many([[__file__, *args] for args in arg_lists], timeout_s=300):
-        assert returncode == 0, output
-        print(output)
+# the interpreter checks of this module, each one child process of the session's interpreter server
+# (tests/conftest.py): ``python __file__ --interpret *args`` with TRITON_INTERPRET=1
+INTERPRETED = {"llama": [], "qwen3-moe": ["--moe", "qwen3-moe"], "deepseek-v3": ["--moe", "deepseek-v3"]}
+
+
+@pytest.fixture(scope="module")
+def interpreted(interpreter) -> dict[str, dict]:
+    """Every check of :data:`INTERPRETED`, run when the first test asks, two at a time (both CPUs):
+    name -> the server's answer, which the tests assert on."""
+    results = interpreter.results([[__file__, *args] for args in INTERPRETED.values()], timeout_s=300, parallel=2)
+    return dict(zip(INTERPRETED, results))
+
+
+def _assert_passed(interpreter, result: dict) -> None:
+    returncode, output = interpreter.check(result)
+    assert returncode == 0, output
+    print(output)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-def test_one_output_among_companions_through_triton_interpreter(interpreter):
-    _run_interpreted(interpreter, [])
+def test_one_output_among_companions_through_triton_interpreter(interpreter, interpreted):
+    _assert_passed(interpreter, interpreted["llama"])
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-def test_moe_and_mla_one_output_through_triton_interpreter(interpreter):
+def test_moe_and_mla_one_output_through_triton_interpreter(interpreter, interpreted):
     """Tiny Qwen3-MoE (router GEMM, softmax top-k, fused MoE) and DeepSeek-V3 (MLA's low-rank projections
     and absorbed attention for every step, shared + routed experts, grouped top-k), one child process
-    each, side by side."""
-    _run_interpreted(interpreter, ["--moe", "qwen3-moe"], ["--moe", "deepseek-v3"])
+    each."""
+    for model in ("qwen3-moe", "deepseek-v3"):
+        _assert_passed(interpreter, interpreted[model])
 
 
 def test_config_and_mode_switch():
