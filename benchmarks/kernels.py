@@ -458,8 +458,12 @@ def sampling_case(results, ceil, batch, full_filters):
 
 
 GEMV_SHAPES = {"o": (HIDDEN, HIDDEN), "down": (HIDDEN, INTER), "qkv": (HIDDEN + 2 * KV_HEADS * HEAD_DIM, HIDDEN),
-               "gate_up": (2 * INTER, HIDDEN)}
-GEMV_PROLOGUE = {"o": None, "down": "silu_and_mul", "qkv": "rms_norm", "gate_up": "rms_norm"}
+               "gate_up": (2 * INTER, HIDDEN),
+               # DeepSeek-V2-Lite's one-row layer: qkv_a_proj (16 heads x 192 + 512 + 64 rows), o_proj
+               "mla_qkv_a": (16 * 192 + 576, 2048), "mla_o": (2048, 2048)}
+GEMV_PROLOGUE = {"o": None, "down": "silu_and_mul", "qkv": "rms_norm", "gate_up": "rms_norm",
+                 "mla_qkv_a": "rms_norm", "mla_o": None}
+LLAMA_GEMVS = ("o", "down", "qkv", "gate_up")
 
 
 def _gemv_fns(name, config):
@@ -485,16 +489,16 @@ def _gemv_fns(name, config):
     return base, fused, n * k * 2
 
 
-def sweep_gemv(ceil) -> list[dict]:
+def sweep_gemv(ceil, shapes=LLAMA_GEMVS, block_ks=(1024, 2048)) -> list[dict]:
     """Graph time per call of the one-row GEMVs (tile configurations; None: the default) against the
-    unfused kernels at Llama-3-8B's four projections. Consecutive calls in the graph are independent, so
-    with PDL (``pdl`` True, the default on Hopper) one call's weight stream overlaps the previous call's
-    tail as it does between a decode layer's kernels."""
+    unfused kernels at ``shapes`` (keys of GEMV_SHAPES; by default Llama-3-8B's four projections).
+    Consecutive calls in the graph are independent, so with PDL (``pdl`` True, the default on Hopper) one
+    call's weight stream overlaps the previous call's tail as it does between a decode layer's kernels."""
     configs = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st)
-               for bn in (4, 8, 16) for bk in (1024, 2048) for w, st in ((8, 3), (8, 4), (4, 3))]
+               for bn in (4, 8, 16) for bk in block_ks for w, st in ((8, 3), (8, 4), (4, 3))]
     configs += [dict(pdl=False)]
     rows = []
-    for name in GEMV_SHAPES:
+    for name in shapes:
         base, _, nbytes = _gemv_fns(name, None)
         base_us = bench_graph(base)
         for cfg in [None, *configs]:
@@ -611,8 +615,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer cases")
     parser.add_argument("--sweep", action="store_true", help="also sweep prefill tiles and decode split factors")
     parser.add_argument("--only-sweeps", nargs="*", default=None,
-                        help="skip the kernel table; run these sweeps (gemv, decode_tiles, prefill, decode_splits, "
-                        "decode_step, mla)")
+                        help="skip the kernel table; run these sweeps (gemv, gemv_mla, decode_tiles, prefill, "
+                        "decode_splits, decode_step, mla, mla_tiles)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA device")
@@ -633,7 +637,8 @@ def main() -> None:
     if args.only_sweeps is not None:
         funcs = {"gemv": sweep_gemv, "decode_tiles": sweep_decode_tiles, "prefill": sweep_prefill,
                  "decode_splits": sweep_decode_splits, "decode_step": sweep_decode_step, "mla": sweep_mla,
-                 "mla_tiles": sweep_mla_tiles}
+                 "mla_tiles": sweep_mla_tiles,
+                 "gemv_mla": lambda c: sweep_gemv(c, ("mla_qkv_a", "mla_o"), block_ks=(512, 1024, 2048))}
         for name in args.only_sweeps:
             sweeps[name] = funcs[name](ceil)
             with open(args.out, "w") as f:  # after each sweep, so a cut-off run keeps what it measured
