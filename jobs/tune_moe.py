@@ -131,14 +131,18 @@ def tune_shape(shape: tuple[int, int, int, int, int], m_values: list[int], dtype
 
 def merge_table(path: Path, device: str, dtype: str, tuned: dict[tuple[int, int, int, int, int], dict[int, dict]]
                 ) -> dict:
-    """Add the tuned entries to the table at ``path`` (kept entries of other shapes); returns the table."""
+    """Add the tuned entries to the table at ``path`` and return the table: a tuned (shape, M) replaces its
+    entry; other shapes, and a shape's token counts that were not tuned this time, are kept (a run of
+    ``--m 1,2,4`` leaves the shape's other M as they were)."""
     from rayinfer.kernels.fused_moe_config import parse_table, shape_key
 
     table = json.loads(path.read_text()) if path.is_file() else {"device": device, "entries": {}}
     if table.get("device") != device:
         raise ValueError(f"{path} holds the table of {table.get('device')!r}, not of {device!r}")
     for (e, i, h, _, shared), by_m in tuned.items():
-        table["entries"][shape_key(e + shared, 2 * i, h, dtype)] = {str(m): r["config"] for m, r in sorted(by_m.items())}
+        key = shape_key(e + shared, 2 * i, h, dtype)
+        merged = {**table["entries"].get(key, {}), **{str(m): r["config"] for m, r in by_m.items()}}
+        table["entries"][key] = dict(sorted(merged.items(), key=lambda kv: int(kv[0])))
     parse_table(table)  # validates what is written
     return table
 

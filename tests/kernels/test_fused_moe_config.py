@@ -90,3 +90,9 @@ def test_tuner_candidates_and_table_merge(tmp_path):
     assert parsed["E=8,N=32,K=32,dtype=float16"][64].block_m == 64
     with pytest.raises(ValueError, match="not of 'Other'"):
         tune_moe.merge_table(path, "Other", "float16", tuned)
+    # tuning some token counts again replaces those and keeps the shape's others
+    path.write_text(json.dumps(table))
+    again = tune_moe.merge_table(path, "NVIDIA Test GPU-80GB", "float16",
+                                 {(8, 16, 32, 2, 0): {1: {"config": dict(ENTRY, BLOCK_N=32)}}})
+    entry = fmc.parse_table(again)["E=8,N=32,K=32,dtype=float16"]
+    assert sorted(entry) == [1, 64] and entry[1].block_n == 32 and entry[64].block_m == 64
