@@ -336,41 +336,6 @@ def _mla_merge_splits_kernel(
              mask=cols < RANK)
 
 
-@triton.jit
-def _mla_merge_uv_kernel(
-    part_out_ptr, part_lse_ptr, w_uv_ptr, out_ptr, num_heads, num_splits, v_dim,
-    stride_wh, stride_wv, stride_ot, stride_oh,
-    RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
-):
-    """Program (t, h, j): the merge of :func:`_mla_merge_splits_kernel` for head h, rounded to the output
-    dtype as the merge stores it, then out[t, h, j * BLOCK_V ...] = W_UV[h][those rows] @ latent (float32
-    sums), BLOCK_C latent columns at a time: the absorbed value up-projection in the merge's launch."""
-    token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    vs = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
-    v_ok = vs < v_dim
-    base = (token * num_heads + head) * num_splits
-    splits = tl.arange(0, BLOCK_S)
-    w_rows = w_uv_ptr + head * stride_wh + vs[:, None].to(tl.int64) * stride_wv
-    pdl_wait(USE_PDL)
-    lse = tl.load(part_lse_ptr + base + splits, mask=splits < num_splits, other=float("-inf"))
-    m = tl.max(lse, 0)
-    w = tl.exp2(lse - m)
-    used = lse > float("-inf")
-    denom = tl.sum(w, 0)
-    acc = tl.zeros([BLOCK_V], tl.float32)
-    for c0 in tl.static_range(0, BLOCK_R, BLOCK_C):
-        cols = c0 + tl.arange(0, BLOCK_C)
-        c_ok = cols < RANK
-        part = tl.load(part_out_ptr + (base + splits)[:, None] * BLOCK_R + cols[None, :],
-                       mask=used[:, None] & c_ok[None, :], other=0.0)
-        latent = (tl.sum(w[:, None] * part, 0) / denom).to(out_ptr.dtype.element_ty).to(tl.float32)
-        wt = tl.load(w_rows + cols[None, :], mask=v_ok[:, None] & c_ok[None, :], other=0.0)
-        acc += tl.sum(wt.to(tl.float32) * latent[None, :], 1)
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + vs, acc.to(out_ptr.dtype.element_ty), mask=v_ok)
-
-
 _MAX_SPLITS = 32
 _MIN_SPLIT_TOKENS = 64
 
@@ -396,14 +361,9 @@ def choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int) -> int:
 def mla_decode_triton(
     q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
     num_splits: int | None = None, max_seq_len: int | None = None, config: dict | None = None,
-    w_uv: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton kernel of :func:`mla_decode_ref` (same contract; no host sync; ``config`` overrides the
     tiles: block_h, block_n, num_warps, num_stages, min_split_tokens).
-
-    With ``w_uv`` ([H, Dv, R], W_UV per head, rows contiguous): returns :func:`mla_decode_uv_ref`'s
-    [T, H, Dv] instead, the product in the split merge's launch when the step splits (``kernels.gemv.
-    batched_linear`` after the kernel otherwise).
 
     Args:
         num_splits: split-KV factor; by default :func:`choose_num_splits` of the batch shape. Always 1 in
@@ -418,7 +378,7 @@ def mla_decode_triton(
     rope = q_pe.shape[-1]
     out = torch.empty((num_tokens, num_heads, rank), dtype=q_latent.dtype, device=q_latent.device)
     if num_tokens == 0 or meta.num_reqs == 0:
-        return out if w_uv is None else out.new_empty((num_tokens, num_heads, w_uv.shape[1]))
+        return out
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     q_latent = q_latent if q_latent.stride(-1) == 1 else q_latent.contiguous()
@@ -464,27 +424,13 @@ def mla_decode_triton(
         ROWWISE=invariant and is_interpreting(), USE_SPLITS=use_splits, MIN_SPLIT_TOKENS=cfg["min_split_tokens"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl,
     )
-    block_c = min(block_r, 128)
-    if use_splits and w_uv is not None:
-        v_dim = w_uv.shape[1]
-        out_v = torch.empty((num_tokens, num_heads, v_dim), dtype=q_latent.dtype, device=q_latent.device)
-        block_v = min(32, triton.next_power_of_2(v_dim))
-        _mla_merge_uv_kernel[(num_tokens, num_heads, triton.cdiv(v_dim, block_v))](
-            part_out, part_lse, w_uv, out_v, num_heads, num_splits, v_dim, w_uv.stride(0), w_uv.stride(1),
-            out_v.stride(0), out_v.stride(1), RANK=rank, BLOCK_R=block_r, BLOCK_S=triton.next_power_of_2(num_splits),
-            BLOCK_C=block_c, BLOCK_V=block_v, num_warps=4, **pdl,
-        )
-        return out_v
     if use_splits:
+        block_c = min(block_r, 128)
         _mla_merge_splits_kernel[(num_tokens, num_heads, triton.cdiv(rank, block_c))](
             part_out, part_lse, out, num_heads, num_splits, out.stride(0), out.stride(1),
             RANK=rank, BLOCK_R=block_r, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_C=block_c, num_warps=4,
             **pdl,
         )
-    if w_uv is not None:
-        from rayinfer.kernels.gemv import batched_linear
-
-        return batched_linear(out.transpose(0, 1), w_uv).transpose(0, 1)
     return out
 
 
@@ -529,13 +475,7 @@ def mla_decode(
         from rayinfer.kernels.mla_tilelang import mla_decode_tilelang
 
         return mla_decode_tilelang(q_latent, q_pe, kv_cache, meta, scale)
-    if _triton_decode_applies(q_latent, q_pe, kv_cache, meta):
-        return mla_decode_triton(q_latent, q_pe, kv_cache, meta, scale)
-    return mla_decode_ref(q_latent, q_pe, kv_cache, meta, scale)
-
-
-def _triton_decode_applies(q_latent, q_pe, kv_cache, meta: AttentionMetadata) -> bool:
-    return (
+    if (
         q_latent.dim() == 3
         and kv_cache.dim() == 3
         and q_latent.dtype == q_pe.dtype == kv_cache.dtype
@@ -543,36 +483,9 @@ def _triton_decode_applies(q_latent, q_pe, kv_cache, meta: AttentionMetadata) ->
         and kv_cache.stride(-1) == 1
         and q_latent.shape[-1] + q_pe.shape[-1] == kv_cache.shape[-1]
         and use_triton(q_latent, q_pe, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc)
-    )
-
-
-MERGE_UV_MAX_TOKENS = 4  # the batched-GEMV regime (kernels.gemv.BATCHED_GEMV_MAX_ROWS)
-
-
-def mla_decode_uv_ref(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                      scale: float, w_uv: torch.Tensor) -> torch.Tensor:
-    """:func:`mla_decode_ref`, then the absorbed value up-projection per head: out[:, h] = latent[:, h] @
-    W_UV[h].T, the latent rounded to q's dtype first. w_uv: [H, Dv, R] (``kv_b_proj`` rows Dn.. per head).
-    Returns [T, H, Dv] in q's dtype."""
-    latent = mla_decode_ref(q_latent, q_pe, kv_cache, meta, scale)
-    return torch.einsum("thr,hvr->thv", latent.float(), w_uv.float()).to(q_latent.dtype)
-
-
-def mla_decode_uv(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                  scale: float, w_uv: torch.Tensor) -> torch.Tensor:
-    """Same contract as :func:`mla_decode_uv_ref`. Up to :data:`MERGE_UV_MAX_TOKENS` tokens of bf16/fp16 on
-    the Triton backend, the W_UV product runs in the split merge's launch (a decode step's merge and its
-    batched GEMV were two launches); otherwise :func:`mla_decode`, then ``kernels.gemv.batched_linear``."""
-    from rayinfer.kernels.gemv import batched_linear
-
-    if (q_latent.dim() == 3 and q_latent.shape[0] <= MERGE_UV_MAX_TOKENS and not is_batch_invariant()
-            and q_latent.dtype in (torch.float16, torch.bfloat16) and q_latent.is_cuda
-            and w_uv.dtype == q_latent.dtype and w_uv.dim() == 3 and w_uv.stride(-1) == 1
-            and not _tilelang_applies(q_latent, q_pe, kv_cache)
-            and _triton_decode_applies(q_latent, q_pe, kv_cache, meta)):
-        return mla_decode_triton(q_latent, q_pe, kv_cache, meta, scale, w_uv=w_uv)
-    out = mla_decode(q_latent, q_pe, kv_cache, meta, scale)
-    return batched_linear(out.transpose(0, 1), w_uv).transpose(0, 1)
+    ):
+        return mla_decode_triton(q_latent, q_pe, kv_cache, meta, scale)
+    return mla_decode_ref(q_latent, q_pe, kv_cache, meta, scale)
 
 
 # ----------------------------------------------------------------------------------------------------

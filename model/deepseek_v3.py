@@ -34,9 +34,9 @@ from torch.nn import functional as F
 
 from rayinfer import envs
 from rayinfer.kernels.attention_metadata import AttentionMetadata
-from rayinfer.kernels.gemv import fused_linear, gemv_applies
+from rayinfer.kernels.gemv import batched_linear, fused_linear, gemv_applies
 from rayinfer.kernels.matmul import dense_linear
-from rayinfer.kernels.mla_attention import ABSORBED_MAX_QUERY_LEN, mla_decode_uv, mla_prefill, use_absorbed
+from rayinfer.kernels.mla_attention import ABSORBED_MAX_QUERY_LEN, mla_decode, mla_prefill, use_absorbed
 from rayinfer.kernels.mla_rope import mla_rope_store, mla_rope_store_absorb
 from rayinfer.model.llama import PagedCausalLM, PreNormDecoderLayer, RMSNorm
 from rayinfer.kernels.moe_routing import norm_router_grouped_topk, router_grouped_topk
@@ -166,7 +166,7 @@ class DeepseekV3Attention(nn.Module):
 
         Steps whose queries are all short (decode, speculative verification: at most
         ``ABSORBED_MAX_QUERY_LEN`` tokens per request, :func:`use_absorbed`) attend in the absorbed form
-        (:func:`mla_decode_uv`), others expanded (:func:`mla_prefill`). In batch-invariant mode
+        (:func:`mla_decode`), others expanded (:func:`mla_prefill`). In batch-invariant mode
         (``kernels.batch_invariant``) every step takes the absorbed form, so a token's attention is the
         same arithmetic whether its step is a prefill, an extend or a decode and whatever the step's other
         requests do (the two forms round differently); the projections then run through the persistent
@@ -212,8 +212,8 @@ class DeepseekV3Attention(nn.Module):
             # per head h: q_latent[:, h] = q_nope[:, h] @ W_UK[h] ([Dn, R]); out[:, h] = latent @ W_UV[h].T
             q_latent, q_pe = mla_rope_store_absorb(q, kv_a, norm.weight, norm.eps, cos, sin, kv_cache,
                                                    meta.slot_mapping, self.interleave, w_kv_b)  # [T, H, R]
-            # attention over the latents and the W_UV product (in the split merge's launch at decode sizes)
-            out = mla_decode_uv(q_latent, q_pe, kv_cache, meta, self.scale, w_kv_b[:, self.nope_dim :])
+            out_latent = mla_decode(q_latent, q_pe, kv_cache, meta, self.scale)
+            out = batched_linear(out_latent.transpose(0, 1), w_kv_b[:, self.nope_dim :]).transpose(0, 1)
         else:
             q_pe = mla_rope_store(q, kv_a, norm.weight, norm.eps, cos, sin, kv_cache, meta.slot_mapping,
                                   self.interleave)

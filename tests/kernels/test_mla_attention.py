@@ -166,48 +166,6 @@ SPLIT_GPU_CASES = [
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_kernels_match_ref():
     print(f"mla_decode: max abs err {check_kernels('cuda', GPU_CASES):.2e}")
-    b16 = torch.bfloat16
-    cases = [([1], [1024], 16, 512, 64, 16, 128, b16), ([1, 1, 1, 1], [5, 900, 40, 2000], 16, 512, 64, 16, 128, b16)]
-    print(f"mla_decode + W_UV: max abs err {check_uv('cuda', cases):.2e}")
-    # the dispatcher takes the merge's fused product at decode sizes
-    check_uv("cuda", [([1], [1024], 16, 512, 64, 16, 128, b16)], fn=mla_decode_uv)
-
-
-def check_uv(device, cases, num_splits=None, fn=None):
-    """The attention with the absorbed value up-projection (mla_decode_triton(w_uv=...), fused into the
-    split merge when the step splits) against mla_decode_uv_ref. cases: (query lens, seq lens, heads, R,
-    P, block size, Dv, dtype)."""
-    from rayinfer.kernels.mla_attention import mla_decode_uv_ref
-
-    worst = 0.0
-    for i, (query_lens, seq_lens, heads, rank, rope, bs, v, dtype) in enumerate(cases):
-        nb = sum(-(-s // bs) for s in seq_lens) + 3
-        meta = make_batch(query_lens, seq_lens, bs, nb, seed=i, device=device)
-        gen = torch.Generator().manual_seed(i)
-        to = dict(device=device, dtype=dtype)
-        cache = torch.randn(nb, bs, rank + rope, generator=gen).to(**to)
-        t = sum(query_lens)
-        ql = torch.randn(t, heads, rank, generator=gen).to(**to)
-        qp = torch.randn(t, heads, rope, generator=gen).to(**to)
-        w_kv_b = (torch.randn(heads, 8 + v, rank, generator=gen) / rank**0.5).to(**to)
-        w_uv = w_kv_b[:, 8:]  # rows Dn.. of kv_b_proj per head, as the model passes them
-        if fn is None:
-            got = mla_decode_triton(ql, qp, cache, meta, rank**-0.5, num_splits=num_splits, w_uv=w_uv)
-        else:
-            got = fn(ql, qp, cache, meta, rank**-0.5, w_uv)
-        want = mla_decode_uv_ref(ql, qp, cache, meta, rank**-0.5, w_uv)
-        assert got.shape == (t, heads, v), f"case {i}"
-        tol = TOL[dtype]
-        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol, msg=lambda m: f"uv case {i}: {m}")
-        worst = max(worst, (got.float() - want.float()).abs().max().item())
-    return worst
-
-
-def test_decode_uv_dispatcher_on_cpu():
-    """On CPU (no interpreter) mla_decode_uv is the reference attention, then the per-head W_UV product."""
-    from rayinfer.kernels.mla_attention import mla_decode_uv
-
-    check_uv("cpu", [([1, 2], [9, 30], 2, 32, 16, 4, 12, torch.float32)], fn=mla_decode_uv)
 
 
 @pytest.mark.gpu
@@ -306,10 +264,6 @@ if __name__ == "__main__":
         check_kernels("cpu", [([3, 1], [97, 1], 20, 24, 8, 8, f32)], num_splits=3)
         # a rank of 160: the merge's two 128-column slices, the second partial
         check_kernels("cpu", [([1, 2], [70, 40], 2, 160, 16, 4, f32)], num_splits=3)
-        # W_UV in the merge's launch (splits, empty ones among them; Dv of 40: two 32-row slices), and
-        # after the kernel when the step does not split
-        check_uv("cpu", [([1, 1, 2], [5, 150, 70], 2, 160, 16, 4, 40, f32)], num_splits=4)
-        check_uv("cpu", [([1], [20], 2, 32, 16, 4, 12, f32)], num_splits=1)
         # expanded: whole prompts, chunks after cached prefixes, a tile boundary (32 rows), a one-token row
         check_prefill("cpu", [([40, 7, 1, 3], [40, 30, 9, 3], 2, 32, 16, 16, 24, 4, f32),
                               ([33], [70], 3, 24, 8, 12, 20, 8, f32)])
