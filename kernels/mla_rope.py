@@ -132,10 +132,10 @@ def _mla_rope_store_kernel(
 
 @triton.jit
 def _mla_rope_store_absorb_kernel(
-    q_ptr, kv_a_ptr, w_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, q_out_ptr, w_uk_ptr, ql_ptr,
+    q_ptr, kv_a_ptr, w_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, q_out_ptr,
     num_heads, eps,
     stride_qt, stride_qh, stride_at, stride_cst, stride_cb, stride_cs, stride_ot, stride_oh,
-    stride_wh, stride_wd, stride_lt, stride_lh,
+    w_uk_ptr, ql_ptr, stride_wh, stride_wd, stride_lt, stride_lh,
     NOPE: tl.constexpr, RANK: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, INTERLEAVE: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr = False,
@@ -207,8 +207,8 @@ def mla_rope_store_absorb_triton(q, kv_a, norm_weight, eps, cos, sin, kv_cache, 
     args, consts = _rope_store_args(q, kv_a, norm_weight, eps, cos, sin, kv_cache, slot_mapping, interleave, q_pe)
     block_c = min(128, triton.next_power_of_2(rank))
     _mla_rope_store_absorb_kernel[(num_tokens, num_heads, triton.cdiv(rank, block_c))](
-        *args[:8], w_kv_b, q_latent, *args[8:], w_kv_b.stride(0), w_kv_b.stride(1), q_latent.stride(0),
-        q_latent.stride(1), **consts, BLOCK_D=triton.next_power_of_2(nope), BLOCK_C=block_c, num_warps=4,
+        *args, w_kv_b, q_latent, w_kv_b.stride(0), w_kv_b.stride(1), q_latent.stride(0), q_latent.stride(1),
+        **consts, BLOCK_D=triton.next_power_of_2(nope), BLOCK_C=block_c, num_warps=4,
         **pdl_launch(use_pdl(q)),
     )
     return q_latent, q_pe
@@ -242,9 +242,6 @@ def _rope_store_applies(q, kv_a, norm_weight, cos, sin, kv_cache, slot_mapping) 
     )
 
 
-ROPE_ABSORB_MAX_TOKENS = 4  # the batched-GEMV regime (kernels.gemv.BATCHED_GEMV_MAX_ROWS)
-
-
 def mla_rope_store_absorb_ref(
     q: torch.Tensor, kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
     sin: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, interleave: bool, w_kv_b: torch.Tensor,
@@ -266,15 +263,15 @@ def mla_rope_store_absorb(
     q: torch.Tensor, kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
     sin: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, interleave: bool, w_kv_b: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as :func:`mla_rope_store_absorb_ref`. Up to :data:`ROPE_ABSORB_MAX_TOKENS` tokens of
+    """Same contract as :func:`mla_rope_store_absorb_ref`. Up to ``kernels.gemv.BATCHED_GEMV_MAX_ROWS`` tokens of
     bf16/fp16 on the GPU, one Triton launch (:func:`mla_rope_store_absorb_triton`; a decode step's RoPE /
     store kernel and its W_UK batched GEMV were two); otherwise :func:`mla_rope_store` and
     ``kernels.gemv.batched_linear`` (in batch-invariant mode the persistent matmul)."""
     from rayinfer.kernels.batch_invariant import is_batch_invariant
-    from rayinfer.kernels.gemv import batched_linear
+    from rayinfer.kernels.gemv import BATCHED_GEMV_MAX_ROWS, batched_linear
 
     nope = q.shape[-1] - (kv_a.shape[-1] - norm_weight.shape[0])
-    if (q.dim() == 3 and q.shape[0] <= ROPE_ABSORB_MAX_TOKENS and not is_batch_invariant()
+    if (q.dim() == 3 and q.shape[0] <= BATCHED_GEMV_MAX_ROWS and not is_batch_invariant()
             and q.dtype in (torch.bfloat16, torch.float16) and w_kv_b.dtype == q.dtype and q.is_cuda
             and w_kv_b.dim() == 3 and w_kv_b.stride(-1) == 1 and nope <= 256
             and _rope_store_applies(q, kv_a, norm_weight, cos, sin, kv_cache, slot_mapping)):

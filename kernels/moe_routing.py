@@ -185,17 +185,26 @@ def _router_logits_kernel(hidden_ptr, gate_ptr, logits_ptr, norm_w_ptr, normed_p
 _ROUTER_BLOCK_H = 2048  # hidden columns per tile of the router-logits kernel (the fused norm needs one tile)
 
 
-def router_logits_triton(hidden: torch.Tensor, gate_weight: torch.Tensor, norm_weight: torch.Tensor | None = None,
-                         eps: float = 1e-6) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def router_logits_triton(hidden: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
     """float32 ``hidden @ gate_weight.T`` for decode-sized batches: hidden [T, H], gate_weight [L, H] (any
     float dtypes, products and sums in float32) -> [T, L] float32. Programs (token, 4 experts): a decode
     step's router spreads its weight read over L / 4 multiprocessors (one program per token reading the
-    whole gate was bound by one SM's memory latency), with no casts of hidden or the weight.
+    whole gate was bound by one SM's memory latency), with no casts of hidden or the weight."""
+    return _launch_router_logits(hidden, gate_weight, None, 0.0)[0]
 
-    norm_weight [H] (H <= 2048): the logits of ``rms_norm(hidden, norm_weight, eps)`` instead, the norm in
-    the kernel's prologue; returns (logits, the normed rows [T, H] in hidden's dtype) - one launch for
-    what was a norm kernel and this one.
-    """
+
+def norm_router_logits_triton(hidden: torch.Tensor, gate_weight: torch.Tensor, norm_weight: torch.Tensor,
+                              eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`router_logits_triton` of ``rms_norm(hidden, norm_weight, eps)`` with the norm in the kernel's
+    prologue, one launch for what was a norm kernel and this one. hidden [T, H] (H <= 2048), norm_weight
+    [H]. Returns (logits [T, L] float32, the normed rows [T, H] in hidden's dtype).
+    Raises: ValueError for rows of more than 2048 columns."""
+    logits, normed = _launch_router_logits(hidden, gate_weight, norm_weight, eps)
+    assert normed is not None
+    return logits, normed
+
+
+def _launch_router_logits(hidden, gate_weight, norm_weight, eps) -> tuple[torch.Tensor, torch.Tensor | None]:
     num_tokens, hidden_size = hidden.shape
     num_experts = gate_weight.shape[0]
     logits = torch.empty((num_tokens, num_experts), dtype=torch.float32, device=hidden.device)
@@ -210,7 +219,7 @@ def router_logits_triton(hidden: torch.Tensor, gate_weight: torch.Tensor, norm_w
         hidden.stride(0), gate_weight.stride(0), logits.stride(0), normed.stride(0), float(eps),
         BLOCK_E=block_e, BLOCK_H=block_h, RMS_NORM=fuse, num_warps=4, **pdl_launch(use_pdl(hidden)),
     )
-    return (logits, normed) if fuse else logits
+    return logits, (normed if fuse else None)
 
 
 @triton.jit
@@ -401,6 +410,30 @@ ROUTER_LOGITS_KERNEL_MAX_TOKENS = 128
 ROUTER_LOGITS_KERNEL_MAX_WEIGHTS = 1 << 21
 
 
+def router_logits(hidden: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V3's router logits from the hidden states: float32 ``hidden @ gate_weight.T`` (as Hugging
+    Face's ``DeepseekV3TopkRouter``).
+
+    On CUDA, for up to :data:`ROUTER_LOGITS_KERNEL_MAX_TOKENS` tokens and a gate of up to
+    :data:`ROUTER_LOGITS_KERNEL_MAX_WEIGHTS` elements, from :func:`router_logits_triton` (no casts; a
+    decode step's router was five launches: two casts, a GEMV and its reduction, then the routing
+    kernel, and is two now). In batch-invariant mode always the GEMM (its rows do not depend on the
+    batch; the kernel's sums differ from it by rounding, so a token's route would follow the batch size).
+
+    Args:
+        hidden: [T, H] bf16/fp16/fp32; gate_weight: [L, H].
+    Returns:
+        [T, L] float32.
+    Raises:
+        ValueError: if hidden and gate_weight do not match.
+    """
+    if hidden.dim() != 2 or gate_weight.dim() != 2 or hidden.shape[1] != gate_weight.shape[1]:
+        raise ValueError(f"hidden {tuple(hidden.shape)} does not match gate weight {tuple(gate_weight.shape)}")
+    if _router_kernel_applies(hidden, gate_weight):
+        return router_logits_triton(hidden, gate_weight)
+    return dense_linear(hidden.float(), gate_weight.float())
+
+
 def router_grouped_topk(
     hidden: torch.Tensor,
     gate_weight: torch.Tensor,
@@ -412,15 +445,7 @@ def router_grouped_topk(
     routed_scaling_factor: float,
     num_shared: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3's router from the hidden states: float32 logits ``hidden @ gate_weight.T`` (as Hugging
-    Face's ``DeepseekV3TopkRouter``), then :func:`grouped_topk`.
-
-    On CUDA, for up to :data:`ROUTER_LOGITS_KERNEL_MAX_TOKENS` tokens and a gate of up to
-    :data:`ROUTER_LOGITS_KERNEL_MAX_WEIGHTS` elements, the logits come from :func:`router_logits_triton`
-    (no casts; a decode step's router was five launches: two casts, a GEMV and its reduction, then the
-    routing kernel, and is two now). In batch-invariant mode always the GEMM (its rows do not depend on
-    the batch; the kernel's sums differ from it by rounding, so a token's route would follow the batch
-    size).
+    """DeepSeek-V3's router from the hidden states: :func:`router_logits`, then :func:`grouped_topk`.
 
     Args:
         hidden: [T, H] bf16/fp16/fp32; gate_weight: [L, H]; the rest as :func:`grouped_topk`.
@@ -429,14 +454,8 @@ def router_grouped_topk(
     Raises:
         ValueError: as :func:`grouped_topk`, or if hidden and gate_weight do not match.
     """
-    if hidden.dim() != 2 or gate_weight.dim() != 2 or hidden.shape[1] != gate_weight.shape[1]:
-        raise ValueError(f"hidden {tuple(hidden.shape)} does not match gate weight {tuple(gate_weight.shape)}")
-    if _router_kernel_applies(hidden, gate_weight):
-        logits = router_logits_triton(hidden, gate_weight)
-    else:
-        logits = dense_linear(hidden.float(), gate_weight.float())
-    return grouped_topk(logits, e_score_correction_bias.float(), top_k, num_groups, topk_groups, renormalize,
-                        routed_scaling_factor, num_shared)
+    return grouped_topk(router_logits(hidden, gate_weight), e_score_correction_bias.float(), top_k, num_groups,
+                        topk_groups, renormalize, routed_scaling_factor, num_shared)
 
 
 def _router_kernel_applies(hidden: torch.Tensor, gate_weight: torch.Tensor) -> bool:
@@ -446,40 +465,24 @@ def _router_kernel_applies(hidden: torch.Tensor, gate_weight: torch.Tensor) -> b
             and hidden.dtype in (torch.float16, torch.bfloat16, torch.float32) and use_triton(hidden, gate_weight))
 
 
-def norm_router_grouped_topk(
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    gate_weight: torch.Tensor,
-    e_score_correction_bias: torch.Tensor,
-    top_k: int,
-    num_groups: int,
-    topk_groups: int,
-    renormalize: bool,
-    routed_scaling_factor: float,
-    num_shared: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``x = rms_norm(residual, norm_weight, eps)`` and :func:`router_grouped_topk` of x: the MoE layer's
-    post-attention norm and router. Where the router kernel applies to rows of up to 2048 columns of
-    norm_weight's dtype, the norm runs in its prologue (:func:`router_logits_triton`; one launch less a
-    layer at decode), else ``kernels.norm.rms_norm`` first.
+def norm_router_logits(residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                       gate_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x = rms_norm(residual, norm_weight, eps)`` and :func:`router_logits` of x: the MoE layer's
+    post-attention norm and router logits. Where the router kernel applies to rows of up to 2048 columns
+    of norm_weight's dtype, the norm runs in its prologue (:func:`norm_router_logits_triton`; one launch less
+    a layer at decode), else ``kernels.norm.rms_norm`` first.
 
     Args:
-        residual: [T, H] the residual stream; norm_weight: [H]; the rest as :func:`router_grouped_topk`.
+        residual: [T, H] the residual stream; norm_weight: [H]; gate_weight: [L, H].
     Returns:
-        (topk_weights [T, k+S] float32, topk_ids [T, k+S] int64, x [T, H] in residual's dtype).
+        (logits [T, L] float32, x [T, H] in residual's dtype).
     Raises:
-        ValueError: as :func:`router_grouped_topk`.
+        ValueError: as :func:`router_logits`.
     """
     from rayinfer.kernels.norm import rms_norm
 
     if (_router_kernel_applies(residual, gate_weight) and residual.shape[1] <= _ROUTER_BLOCK_H
             and norm_weight.dtype == residual.dtype and gate_weight.shape[1] == residual.shape[1]):
-        logits, x = router_logits_triton(residual, gate_weight, norm_weight, eps)
-        weights, ids = grouped_topk(logits, e_score_correction_bias.float(), top_k, num_groups, topk_groups,
-                                    renormalize, routed_scaling_factor, num_shared)
-        return weights, ids, x
+        return norm_router_logits_triton(residual, gate_weight, norm_weight, eps)
     x = rms_norm(residual, norm_weight, eps)
-    weights, ids = router_grouped_topk(x, gate_weight, e_score_correction_bias, top_k, num_groups, topk_groups,
-                                       renormalize, routed_scaling_factor, num_shared)
-    return weights, ids, x
+    return router_logits(x, gate_weight), x

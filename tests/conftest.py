@@ -48,21 +48,13 @@ class Interpreter:
         Raises:
             subprocess.TimeoutExpired: it ran past ``timeout_s`` (the child is killed).
         """
-        return self.run_many([[path, *args]], timeout_s)[0]
-
-    def run_many(self, commands: list[list[str]], timeout_s: float = 120,
-                 parallel: int | None = None) -> list[tuple[int, str]]:
-        """Run each ``[path, *args]`` as ``python path --interpret *args`` would, one child each, at most
-        ``parallel`` at once (default: all); returns their (exit code, stdout + stderr), in order.
-
-        Raises:
-            subprocess.TimeoutExpired: one ran past ``timeout_s`` from its start (the server kills it).
-        """
-        return [self.check(r) for r in self.results(commands, timeout_s, parallel)]
+        return self.check(self.results([[path, *args]], timeout_s)[0])
 
     def results(self, commands: list[list[str]], timeout_s: float = 120, parallel: int | None = None) -> list[dict]:
-        """:meth:`run_many`'s runs, as the server's answers (``argv``, ``returncode``, ``output``,
-        ``timed_out``), without raising for a timeout (:meth:`check` does)."""
+        """Run each ``[path, *args]`` as ``python path --interpret *args`` would, one child each, at most
+        ``parallel`` at once (default: all), each killed ``timeout_s`` after its start; returns the server's
+        answers in order (``argv``, ``returncode``, ``output``, ``timed_out``), without raising for a
+        timeout (:meth:`check` does)."""
         import json
 
         assert self._proc.stdin is not None and self._proc.stdout is not None

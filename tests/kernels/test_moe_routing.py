@@ -11,8 +11,9 @@ import torch
 from rayinfer.kernels._triton_utils import HAS_TRITON
 from rayinfer.kernels.batch_invariant import batch_invariant_mode
 from rayinfer.kernels.moe_routing import (
-    append_shared_experts, grouped_topk, grouped_topk_ref, grouped_topk_triton, norm_router_grouped_topk,
-    router_grouped_topk, router_logits_triton, softmax_topk, softmax_topk_ref, softmax_topk_triton,
+    append_shared_experts, grouped_topk, grouped_topk_ref, grouped_topk_triton, norm_router_logits,
+    norm_router_logits_triton, router_grouped_topk, router_logits_triton, softmax_topk, softmax_topk_ref,
+    softmax_topk_triton,
 )
 from rayinfer.kernels.norm import rms_norm_ref
 
@@ -66,14 +67,14 @@ def check_fused_router(device, cases) -> None:
         if h <= 2048:  # the post-attention norm in the kernel's prologue: its normed rows and their logits
             norm_w = (0.5 + torch.rand(h, generator=gen)).to(device=device, dtype=dtype)
             x = rms_norm_ref(hidden, norm_w, 1e-6)
-            got_logits, got_x = router_logits_triton(hidden, gate, norm_w, 1e-6)
+            got_logits, got_x = norm_router_logits_triton(hidden, gate, norm_w, 1e-6)
             tol = 1e-5 if dtype == torch.float32 else 1e-2
             torch.testing.assert_close(got_x.float(), x.float(), atol=tol, rtol=tol, msg=lambda m: f"normed {i}: {m}")
             torch.testing.assert_close(got_logits, torch.nn.functional.linear(got_x.float(), gate.float()),
                                        atol=1e-5, rtol=1e-5, msg=lambda m: f"normed logits {i}: {m}")
             if device == "cuda":
-                w3, ids3, x3 = norm_router_grouped_topk(hidden, norm_w, 1e-6, gate, bias, k, g, tg, renorm, scale,
-                                                        shared)
+                logits3, x3 = norm_router_logits(hidden, norm_w, 1e-6, gate)
+                w3, ids3 = grouped_topk(logits3, bias, k, g, tg, renorm, scale, shared)
                 assert torch.equal(x3, got_x) and ids3.shape == (t, k + shared), f"case {i}"
 
 
@@ -91,7 +92,8 @@ def test_router_from_hidden_and_shared_slots_on_cpu():
         router_grouped_topk(hidden, gate[:, :8], bias, 3, 4, 2, True, 2.5)
     # with the norm first (CPU: rms_norm, then the same router)
     norm_w = torch.rand(32, generator=gen) + 0.5
-    w2, ids2, x = norm_router_grouped_topk(hidden, norm_w, 1e-6, gate, bias, 3, 4, 2, True, 2.5, num_shared=2)
+    logits2, x = norm_router_logits(hidden, norm_w, 1e-6, gate)
+    w2, ids2 = grouped_topk(logits2, bias, 3, 4, 2, True, 2.5, 2)
     torch.testing.assert_close(x, rms_norm_ref(hidden, norm_w, 1e-6))
     want_w2, want_ids2 = router_grouped_topk(x, gate, bias, 3, 4, 2, True, 2.5, num_shared=2)
     assert torch.equal(ids2, want_ids2)
