@@ -7,8 +7,7 @@ Usage (on a CUDA machine)::
 ``--only-sweeps gemv decode_tiles`` skips the table and sweeps tile configurations instead (the
 one-row GEMV against cuBLAS; decode attention per batch shape and KV dtype), writing JSON after each;
 ``--only-sweeps mla`` times DeepSeek-V2-Lite's MLA kernels (split-KV decode, varlen prefill, fused
-norm + RoPE + store); ``--only-sweeps moe_order`` the fused MoE layer at each launch order of its
-grouped GEMMs' output tiles.
+norm + RoPE + store).
 
 The ceilings are measured in the same run: HBM bandwidth as a large device-to-device copy (bytes read
 plus written) and bf16 matrix throughput as an 8192^3 matmul on random data. For each case it reports
@@ -609,53 +608,6 @@ def sweep_decode_tiles(ceil) -> list[dict]:
     return rows
 
 
-MOE_ORDER_SHAPES = {"deepseek-v2-lite": (64, 1408, 2048, 6, 2), "qwen3-30b-a3b": (128, 768, 2048, 8, 0)}
-
-
-def sweep_moe_order(ceil, m_values=(64, 256, 1024, 2048, 4096), group_ms=(1, 4, 8, 16)) -> list[dict]:
-    """The fused MoE layer (alignment, both grouped GEMMs, slot sum) at each launch order of its output
-    tiles (``MoETileConfig.group_m``; 1 = one column tile down all row tiles at a time, the order before
-    grouping), at the device table's tiles for the V2-Lite (66 experts with the 2 shared fused) and
-    Qwen3-30B-A3B expert shapes, uniformly random routing, under a CUDA graph
-    (``triton.testing.do_bench_cudagraph``); TFLOP/s of the routed products against the bf16 matmul rate."""
-    from dataclasses import replace
-
-    from triton.testing import do_bench_cudagraph
-
-    from rayinfer.jobs.tune_moe import random_routing
-    from rayinfer.kernels.fused_moe import fused_moe_triton
-    from rayinfer.kernels.fused_moe_config import tile_config
-
-    rows = []
-    device = torch.cuda.get_device_name()
-    for name, (routed, inter, hidden, top_k, shared) in MOE_ORDER_SHAPES.items():
-        experts, slots = routed + shared, top_k + shared
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen, device="cuda") * 0.02).to(DT)
-        w2 = (torch.randn(experts, hidden, inter, generator=gen, device="cuda") * 0.02).to(DT)
-        for m in m_values:
-            x = torch.randn(m, hidden, generator=gen, device="cuda").to(DT)
-            weights, ids = random_routing(m, routed, top_k, shared, gen)
-            tiles = tile_config(device, experts, 2 * inter, hidden, "bfloat16", m, slots)
-            flops = 2 * m * slots * 3 * inter * hidden
-            outs, row = {}, {"shape": name, "M": m, "tiles": tiles.to_json(), "flops": flops}
-            for g in group_ms:
-                t = replace(tiles, group_m=g)
-                fn = lambda t=t: fused_moe_triton(x, w13, w2, ids, weights, tiles=t)  # noqa: E731
-                outs[g] = fn()
-                us = 1e3 * float(do_bench_cudagraph(fn, rep=20))  # type: ignore[arg-type]
-                row[f"us_group_m{g}"] = us
-                row[f"pct_of_matmul_group_m{g}"] = 100 * flops / us / 1e6 / ceil["matmul_bf16_TFLOPs"]
-            row["bitwise_equal_orders"] = all(torch.equal(outs[group_ms[0]], o) for o in outs.values())
-            rows.append(row)
-            print(f"moe order {name:<17} M={m:<5} " + " ".join(
-                f"g{g} {row[f'us_group_m{g}']:8.1f} us ({row[f'pct_of_matmul_group_m{g}']:4.1f}%)" for g in group_ms)
-                + f" equal={row['bitwise_equal_orders']}", flush=True)
-        del w13, w2
-        torch.cuda.empty_cache()
-    return rows
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results/kernels-h200.json")
@@ -664,7 +616,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also sweep prefill tiles and decode split factors")
     parser.add_argument("--only-sweeps", nargs="*", default=None,
                         help="skip the kernel table; run these sweeps (gemv, gemv_mla, decode_tiles, prefill, "
-                        "decode_splits, decode_step, mla, mla_tiles, moe_order)")
+                        "decode_splits, decode_step, mla, mla_tiles)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA device")
@@ -685,7 +637,7 @@ def main() -> None:
     if args.only_sweeps is not None:
         funcs = {"gemv": sweep_gemv, "decode_tiles": sweep_decode_tiles, "prefill": sweep_prefill,
                  "decode_splits": sweep_decode_splits, "decode_step": sweep_decode_step, "mla": sweep_mla,
-                 "mla_tiles": sweep_mla_tiles, "moe_order": sweep_moe_order,
+                 "mla_tiles": sweep_mla_tiles,
                  "gemv_mla": lambda c: sweep_gemv(c, ("mla_qkv_a", "mla_o"), block_ks=(512, 1024, 2048))}
         for name in args.only_sweeps:
             sweeps[name] = funcs[name](ceil)

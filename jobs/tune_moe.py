@@ -12,8 +12,7 @@ a CUDA graph (``triton.testing.do_bench_cudagraph``) for every candidate tile co
 weights and uniformly random routing, checks the winner against ``fused_moe_ref``, and merges the
 winners into the device's table (entries of other shapes in the file are kept). The candidates: BLOCK_M
 from 16 up to about twice the mean pairs per expert (at most 128), BLOCK_N and BLOCK_K in {64, 128},
-4 or 8 warps, 3 or 4 stages (``--wide`` adds BLOCK_N 32 / BLOCK_K 32 / 2 stages), each in the launch
-orders of ``--group-m`` (default 8: eight row tiles by all column tiles at a time). The default run (one
+4 or 8 warps, 3 or 4 stages (``--wide`` adds BLOCK_N 32 / BLOCK_K 32 / 2 stages). The default run (one
 shape, 13 M values) takes about 3 minutes on an H200, most of it compiling; ``--budget-s`` stops early
 (the table keeps what was tuned; lookups take the nearest tuned M). See ``kernels.fused_moe_config``.
 """
@@ -38,10 +37,8 @@ SHAPES = {  # name: (E, I, H, top_k, S) of one rank's routed experts; S shared e
 M_VALUES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 
 
-def candidates(num_tokens: int, num_experts: int, top_k: int, wide: bool = False,
-               group_ms: tuple[int, ...] = (8,)) -> list:
-    """Tile configs worth timing at M tokens: BLOCK_M up to ~2x the mean pairs per expert; each with every
-    launch order of ``group_ms`` (``MoETileConfig.group_m``)."""
+def candidates(num_tokens: int, num_experts: int, top_k: int, wide: bool = False) -> list:
+    """Tile configs worth timing at M tokens: BLOCK_M up to ~2x the mean pairs per expert."""
     from rayinfer.kernels.fused_moe_config import MoETileConfig
 
     per_expert = num_tokens * top_k / num_experts
@@ -49,7 +46,7 @@ def candidates(num_tokens: int, num_experts: int, top_k: int, wide: bool = False
     block_ns = (32, 64, 128) if wide else (64, 128)
     block_ks = (32, 64, 128) if wide else (64, 128)
     stages = (2, 3, 4) if wide else (3, 4)
-    return [MoETileConfig(*c) for c in itertools.product(block_ms, block_ns, block_ks, (4, 8), stages, group_ms)]
+    return [MoETileConfig(*c) for c in itertools.product(block_ms, block_ns, block_ks, (4, 8), stages)]
 
 
 def parse_shape(text: str) -> tuple[str, tuple[int, int, int, int, int]]:
@@ -75,7 +72,7 @@ def random_routing(num_tokens: int, num_experts: int, top_k: int, num_shared: in
 
 
 def tune_shape(shape: tuple[int, int, int, int, int], m_values: list[int], dtype: torch.dtype, deadline: float,
-               wide: bool, log=print, fp8: bool = False, group_ms: tuple[int, ...] = (8,)) -> dict[int, dict]:
+               wide: bool, log=print, fp8: bool = False) -> dict[int, dict]:
     """{M: {"config": tile config JSON, "us": best time, "default_us": the heuristic's time}} of one shape."""
     from triton.testing import do_bench_cudagraph
 
@@ -112,7 +109,7 @@ def tune_shape(shape: tuple[int, int, int, int, int], m_values: list[int], dtype
         default = default_tile_config(m, top_k + num_shared)
         default_us = time_us(default)
         best, best_us = default, default_us
-        for tiles in candidates(m, num_experts, top_k + num_shared, wide, group_ms):
+        for tiles in candidates(m, num_experts, top_k + num_shared, wide):
             if time.time() > deadline:
                 break
             try:
@@ -161,7 +158,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--budget-s", type=float, default=220.0, help="stop tuning after this many seconds")
     parser.add_argument("--wide", action="store_true", help="a wider candidate set (slower)")
     parser.add_argument("--out", default=None, help="table path (default: kernels/configs/<device>.json)")
-    parser.add_argument("--group-m", default="8", help="launch orders to try (MoETileConfig.group_m), e.g. 1,8")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("tune_moe needs a CUDA device")
@@ -179,8 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{name}: E={shape[0]} I={shape[1]} H={shape[2]} k={shape[3]} shared={shape[4]} on {device}",
                   flush=True)
             tuned[shape] = tune_shape(shape, m_values, dtype, deadline, args.wide,
-                                      log=lambda s: print(s, flush=True), fp8=args.fp8,
-                                      group_ms=tuple(int(g) for g in args.group_m.split(",") if g))
+                                      log=lambda s: print(s, flush=True), fp8=args.fp8)
             report[name] = {str(m): r for m, r in tuned[shape].items()}
     out = Path(args.out) if args.out else table_path(device)
     table = merge_table(out, device, "float8_e4m3fn" if args.fp8 else args.dtype, tuned)

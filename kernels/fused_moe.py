@@ -426,23 +426,16 @@ def _map_and_count(topk_ids: torch.Tensor, expert_map: ExpertMap | None, expert_
 @triton.jit
 def _moe_gemm_kernel(
     a_ptr, w_ptr, c_ptr, sorted_pairs_ptr, block_experts_ptr, weights_ptr, scale_ptr,
-    N, K, num_pairs, num_m,
+    N, K, num_pairs,
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_cm, stride_cn,
     stride_se, stride_sn, stride_sk, up_scale_row,
     A_ROW_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr, GATED: tl.constexpr, HAS_SCALE: tl.constexpr,
     SCALE_BLOCK_N: tl.constexpr, SCALE_BLOCK_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-    ROWWISE: tl.constexpr = False, GROUP_M: tl.constexpr = 1, USE_PDL: tl.constexpr = False,
+    ROWWISE: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
-    # program -> output tile (pid_m, pid_n): GROUP_M row tiles by all column tiles at a time, the row
-    # tile varying fastest inside the group (Triton's matmul tutorial order; see MoETileConfig.group_m)
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BLOCK_N)
-    in_group = GROUP_M * num_n
-    first_m = (pid // in_group) * GROUP_M
-    group_rows = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % group_rows
-    pid_n = (pid % in_group) // group_rows
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
     pdl_wait(USE_PDL)  # the tile's expert comes from the alignment kernel
     expert = tl.load(block_experts_ptr + pid_m)
     if expert < 0:
@@ -528,18 +521,18 @@ def _moe_gemm(a, w, c, sorted_pairs, block_experts, weights, a_row_div: int, mul
     if scale is not None:
         block_k = min(block_k, bk)  # a K step stays inside one scale block
     num_tiles = _active_tiles(c.shape[0], w.shape[0], tiles.block_m, block_experts.numel())
-    grid = (num_tiles * triton.cdiv(n, block_n),)  # row x column tiles, ordered by GROUP_M in the kernel
+    grid = (num_tiles, triton.cdiv(n, block_n))
     s = scale if scale is not None else weights  # unread without a scale
     s_strides = scale.stride() if scale is not None else (0, 0, 0)
     _moe_gemm_kernel[grid](
         a, w, c, sorted_pairs, block_experts, weights, s,
-        n, k, c.shape[0], num_tiles,
+        n, k, c.shape[0],
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1), *s_strides,
         triton.cdiv(n, bn),
         A_ROW_DIV=a_row_div, MUL_WEIGHT=mul_weight, GATED=gated, HAS_SCALE=scale is not None,
         SCALE_BLOCK_N=bn, SCALE_BLOCK_K=bk,
         BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=a.dtype == torch.float32, ROWWISE=rowwise,
-        GROUP_M=tiles.group_m, num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_launch(use_pdl(a)),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_launch(use_pdl(a)),
     )
 
 

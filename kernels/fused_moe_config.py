@@ -23,24 +23,18 @@ from pathlib import Path
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 _KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
-_OPTIONAL_KEYS = ("GROUP_M",)
 
 
 @dataclass(frozen=True)
 class MoETileConfig:
     """Tiles of the grouped GEMM: BLOCK_M rows (of expert-sorted pairs; also the alignment's padding),
-    BLOCK_N output columns and BLOCK_K reduction steps per program; Triton's num_warps and num_stages;
-    GROUP_M, the launch order of the output tiles: programs run GROUP_M row tiles by every column tile
-    at a time (the grouped ordering of Triton's matmul tutorial), so a row tile's activations and an
-    expert's weights are read from HBM about once while they sit in L2. GROUP_M = 1 walks one column
-    tile down all row tiles before the next; the order changes no result bit."""
+    BLOCK_N output columns and BLOCK_K reduction steps per program; Triton's num_warps and num_stages."""
 
     block_m: int = 16
     block_n: int = 64
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 2
-    group_m: int = 8
 
     def __post_init__(self):
         for name, value in asdict(self).items():
@@ -48,25 +42,18 @@ class MoETileConfig:
                 raise ValueError(f"{name}={value} must be a power of two >= 16")
         if self.num_warps not in (1, 2, 4, 8, 16) or not 1 <= self.num_stages <= 8:
             raise ValueError(f"num_warps={self.num_warps} / num_stages={self.num_stages} out of range")
-        if not 1 <= self.group_m <= 64:
-            raise ValueError(f"group_m={self.group_m} out of range 1..64")
 
     @classmethod
     def from_json(cls, entry: dict) -> "MoETileConfig":
-        """From ``{"BLOCK_M": .., "BLOCK_N": .., "BLOCK_K": .., "num_warps": .., "num_stages": ..}`` and an
-        optional ``"GROUP_M"`` (default 8).
+        """From ``{"BLOCK_M": .., "BLOCK_N": .., "BLOCK_K": .., "num_warps": .., "num_stages": ..}``.
 
-        Raises: ValueError on a missing or unknown key or a bad value."""
-        if not set(_KEYS) <= set(entry) <= set(_KEYS + _OPTIONAL_KEYS):
-            raise ValueError(f"tile config {entry} must have exactly the keys {_KEYS} (and optionally {_OPTIONAL_KEYS})")
-        return cls(*(int(entry[k]) for k in _KEYS), group_m=int(entry.get("GROUP_M", cls.group_m)))
+        Raises: ValueError on a missing or extra key or a bad value."""
+        if set(entry) != set(_KEYS):
+            raise ValueError(f"tile config {entry} must have exactly the keys {_KEYS}")
+        return cls(*(int(entry[k]) for k in _KEYS))
 
     def to_json(self) -> dict:
-        """The table's form; GROUP_M only when it is not the default."""
-        out = dict(zip(_KEYS, (self.block_m, self.block_n, self.block_k, self.num_warps, self.num_stages)))
-        if self.group_m != MoETileConfig.group_m:
-            out["GROUP_M"] = self.group_m
-        return out
+        return dict(zip(_KEYS, (self.block_m, self.block_n, self.block_k, self.num_warps, self.num_stages)))
 
 
 def default_tile_config(num_tokens: int, top_k: int, batch_invariant: bool = False) -> MoETileConfig:

@@ -57,10 +57,6 @@ def test_malformed_tables_name_the_problem(tmp_path):
         MoETileConfig(block_m=24)
     with pytest.raises(ValueError, match="exactly the keys"):
         MoETileConfig.from_json({"BLOCK_M": 16})
-    with pytest.raises(ValueError, match="exactly the keys"):
-        MoETileConfig.from_json(dict(ENTRY, GROUP_N=4))
-    with pytest.raises(ValueError, match="group_m=0"):
-        MoETileConfig.from_json(dict(ENTRY, GROUP_M=0))
     write_table(tmp_path, "Bad GPU", {SHAPE: {"1": dict(ENTRY, num_warps=3)}})
     with pytest.raises(ValueError, match="Bad_GPU.json.*E=64"):
         load_table("Bad GPU", tmp_path)
@@ -80,8 +76,6 @@ def test_tuner_candidates_and_table_merge(tmp_path):
     small = {c.block_m for c in tune_moe.candidates(1, 64, 6)}
     large = {c.block_m for c in tune_moe.candidates(4096, 64, 6)}
     assert small == {16} and large == {16, 32, 64, 128}
-    orders = tune_moe.candidates(4096, 64, 6, group_ms=(1, 8))
-    assert {c.group_m for c in orders} == {1, 8} and len(orders) == 2 * len(tune_moe.candidates(4096, 64, 6))
     assert tune_moe.parse_shape("64x1408x2048x6") == ("64x1408x2048x6", (64, 1408, 2048, 6, 0))
     assert tune_moe.parse_shape("64x1408x2048x6x2")[1] == (64, 1408, 2048, 6, 2)
     with pytest.raises(ValueError, match="ExIxHxk"):
@@ -102,10 +96,3 @@ def test_tuner_candidates_and_table_merge(tmp_path):
                                  {(8, 16, 32, 2, 0): {1: {"config": dict(ENTRY, BLOCK_N=32)}}})
     entry = fmc.parse_table(again)["E=8,N=32,K=32,dtype=float16"]
     assert sorted(entry) == [1, 64] and entry[1].block_n == 32 and entry[64].block_m == 64
-
-
-def test_group_m_is_optional_in_the_table():
-    assert MoETileConfig.from_json(ENTRY).group_m == MoETileConfig().group_m  # the default launch order
-    ordered = MoETileConfig.from_json(dict(ENTRY, GROUP_M=1))
-    assert ordered.group_m == 1 and ordered.to_json() == dict(ENTRY, GROUP_M=1)
-    assert MoETileConfig.from_json(ENTRY).to_json() == ENTRY  # the default is not written
