@@ -7,7 +7,8 @@ step overwrites; padding rows get slot -1 (their KV is never written).
 
 Speculative decoding adds steps in which each request computes its last token plus its drafts (a
 *verification* step, 2..k+1 query tokens per request) and the draft model's catch-up steps. Those are
-captured too, per query length ``q`` (``max_query_len``), for batches up to ``max_verify_seqs``: a step
+captured too, per query length ``q`` (``max_query_len``), for every batch size decode captures (or up to
+``max_verify_seqs``): a step
 whose requests have different query lengths runs in the graph of its longest one, each request padded to
 ``q`` rows (:meth:`DecodeGraphs.run_ragged`). A padding row sits after its request's real rows, so causal
 attention never shows it to them, and its slot is -1.
@@ -54,7 +55,8 @@ class DecodeGraphs:
         max_num_seqs: largest batch captured for one-token (decode) steps.
         max_query_len: longest query per request captured (1: decode only; k + 1 for speculative
             verification with k drafts).
-        max_verify_seqs: largest batch captured for query lengths above 1.
+        max_verify_seqs: largest batch captured for query lengths above 1 (default: every decode size; a
+            verification step that outgrows its graphs runs eagerly, 10x slower on a small model).
         eager: run the model on the static buffers instead of replaying graphs (no capture; for CPU tests
             of the padding and buffer logic).
         with_hidden: capture ``model.forward_with_prenorm``: replays return (hidden after the final
@@ -62,14 +64,15 @@ class DecodeGraphs:
     """
 
     def __init__(self, model, kv_cache: torch.Tensor, block_size: int, max_model_len: int, max_num_seqs: int,
-                 max_query_len: int = 1, max_verify_seqs: int = 64, eager: bool = False, with_hidden: bool = False):
+                 max_query_len: int = 1, max_verify_seqs: int | None = None, eager: bool = False, with_hidden: bool = False):
         dev = kv_cache.device
         self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
         self.forward = model.forward_with_prenorm if with_hidden else model
         self.max_model_len = max_model_len
         self.eager = eager
         self.sizes = capture_sizes(max_num_seqs)
-        self.verify_sizes = [s for s in self.sizes if s <= max_verify_seqs] if max_query_len > 1 else []
+        limit = max_verify_seqs if max_verify_seqs is not None else self.sizes[-1]
+        self.verify_sizes = [s for s in self.sizes if s <= limit] if max_query_len > 1 else []
         self.max_query_len = max_query_len if self.verify_sizes else 1
         n = self.sizes[-1]
         num_tokens = max(n, (self.verify_sizes[-1] if self.verify_sizes else 0) * self.max_query_len)

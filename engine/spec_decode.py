@@ -516,25 +516,28 @@ class SpeculationGate:
     speculates. At large batches a decode step is bound by its weights and not by its token count, so
     the extra tokens are cheap but the fixed costs are not, and speculation can lose to plain decoding.
     The gate keeps an exponential moving average of the measured output rate of each mode per
-    power-of-two batch bucket, takes the faster mode, and runs the other one every ``explore_every``-th
-    step to keep both measurements fresh (the measure-and-correct loop of DeepInfer's scheduler).
+    power-of-two batch bucket and takes the faster mode. It runs the slower one again to keep both
+    measurements fresh (the measure-and-correct loop of DeepInfer's scheduler) once the bucket has spent
+    ``1 / explore_fraction`` of that mode's step time since it last ran: re-measuring costs at most about
+    ``explore_fraction`` of the time, however much slower the other mode is (a drafting step that costs
+    ten plain ones is re-tried every ~200 plain steps at 5%, two close modes every ~20).
 
     Args:
-        explore_every: every this many decisions in a bucket, the mode that is not ahead runs once.
+        explore_fraction: share of a bucket's time the slower mode may take, in (0, 1).
         decay: weight of the past per new sample, in [0, 1).
     Raises:
-        ValueError: for ``explore_every < 2`` or ``decay`` outside [0, 1).
+        ValueError: for ``explore_fraction`` or ``decay`` out of range.
     """
 
-    def __init__(self, explore_every: int = 16, decay: float = 0.5):
-        if explore_every < 2:
-            raise ValueError(f"explore_every must be >= 2, got {explore_every}")
+    def __init__(self, explore_fraction: float = 0.05, decay: float = 0.8):
+        if not 0.0 < explore_fraction < 1.0:
+            raise ValueError(f"explore_fraction must be in (0, 1), got {explore_fraction}")
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay must be in [0, 1), got {decay}")
-        self.explore_every, self.decay = explore_every, decay
+        self.explore_fraction, self.decay = explore_fraction, decay
         self._sums: dict[tuple[bool, int], tuple[float, float]] = {}  # (speculative, bucket) -> (tokens, s)
         self._seen: set[tuple[bool, int]] = set()  # modes whose first (warm-up) sample was dropped
-        self._decisions: dict[int, int] = {}
+        self._since: dict[int, float] = {}  # bucket -> seconds of its steps since its slower mode last ran
         self.num_plain_steps = 0  # decode steps the gate kept plain (engine stats)
 
     @property
@@ -555,10 +558,11 @@ class SpeculationGate:
         if spec is None or plain is None:
             choice = spec is None
         else:
-            n = self._decisions[b] = self._decisions.get(b, 0) + 1
             choice = spec >= plain
-            if n % self.explore_every == 0:
+            slow_step_s = self._sums[(not choice, b)][1]  # the slower mode's seconds per step (average)
+            if self._since.get(b, 0.0) * self.explore_fraction >= slow_step_s:
                 choice = not choice
+                self._since[b] = 0.0
         if not choice:
             self.num_plain_steps += 1
         return choice
@@ -575,6 +579,7 @@ class SpeculationGate:
         if key not in self._seen:  # a mode's first step at a batch size may pay one-time costs (compiles)
             self._seen.add(key)
             return
+        self._since[key[1]] = self._since.get(key[1], 0.0) + seconds
         tokens, secs = self._sums.get(key, (0.0, 0.0))
         d = self.decay if key in self._sums else 0.0
         self._sums[key] = (d * tokens + (1 - d) * num_output_tokens, d * secs + (1 - d) * seconds)

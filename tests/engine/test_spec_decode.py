@@ -128,7 +128,7 @@ def test_choose_num_drafts_maximizes_expected_tokens_per_second():
 def test_speculation_gate_takes_the_faster_mode_and_explores_the_other():
     from rayinfer.engine.spec_decode import SpeculationGate
 
-    gate = SpeculationGate(explore_every=4, decay=0.5)
+    gate = SpeculationGate(explore_fraction=0.1, decay=0.5)
     assert gate.speculate(8)  # nothing measured: speculation first
     gate.record(True, 8, num_output_tokens=16, seconds=1.0)  # a mode's first step (compiles): dropped
     assert gate.speculate(8)
@@ -139,15 +139,41 @@ def test_speculation_gate_takes_the_faster_mode_and_explores_the_other():
     gate.record(False, 8, num_output_tokens=0, seconds=0.0002)  # pipelined: launched, nothing back yet
     gate.record(False, 8, num_output_tokens=16, seconds=0.0018)  # 16 tokens in 2 ms over the two: 8,000 tok/s
     assert gate.rates[(False, gate.bucket(8))] == pytest.approx(16 * 0.5 / (0.5 * 0.0002 + 0.5 * 0.0018), rel=0.3)
-    picks = [gate.speculate(8) for _ in range(8)]
-    assert picks == [False, False, False, True, False, False, False, True]  # plain wins, spec every 4th
+
+    def run(steps, spec_s, plain_s, spec_tokens=16):
+        picks = []
+        for _ in range(steps):
+            picks.append(gate.speculate(8))
+            gate.record(picks[-1], 8, spec_tokens if picks[-1] else 8, spec_s if picks[-1] else plain_s)
+        return picks
+
+    # plain wins; a drafting step (4 ms) is re-tried once 40 ms (4 ms / 0.1) went by since the last one
+    picks = run(200, spec_s=0.004, plain_s=0.001)
+    spec_at = [i for i, p in enumerate(picks) if p]
+    assert len(spec_at) >= 4 and all(30 <= b - a <= 40 for a, b in zip(spec_at, spec_at[1:])), spec_at
+    spec_time = 0.004 * len(spec_at)
+    assert spec_time / (spec_time + 0.001 * (200 - len(spec_at))) <= 0.1 + 1e-9  # exploring costs <= 10%
     assert gate.speculate(1)  # another batch bucket has its own measurements
+    # a drafting step that costs 40 plain ones is re-tried 10x less often than one that costs 4
+    slow = SpeculationGate(explore_fraction=0.1, decay=0.5)
+    for mode, secs in ((True, 1.0), (True, 0.04), (False, 1.0), (False, 0.001)):
+        slow.speculate(8)
+        slow.record(mode, 8, 8, secs)
+    spec_picks = 0
+    for _ in range(1000):
+        pick = slow.speculate(8)
+        spec_picks += pick
+        slow.record(pick, 8, 8, 0.04 if pick else 0.001)
+    assert 1 <= spec_picks <= 3, spec_picks
+    # speculation got faster: it now wins, and plain is re-tried after 10 ms of drafting steps
     for _ in range(3):
-        gate.record(True, 8, num_output_tokens=40, seconds=0.004)  # speculation got faster: 10,000 tok/s
+        gate.record(True, 8, num_output_tokens=40, seconds=0.004)  # 10,000 tok/s
     assert gate.rates[(True, gate.bucket(8))] > gate.rates[(False, gate.bucket(8))]
-    assert [gate.speculate(8) for _ in range(4)] == [True, True, True, False]
-    with pytest.raises(ValueError, match="explore_every"):
-        SpeculationGate(explore_every=1)
+    picks = run(12, spec_s=0.004, plain_s=0.001, spec_tokens=40)
+    assert not all(picks) and sum(picks) >= 9, picks  # plain runs about once per 10 ms of drafting
+    for bad in (dict(explore_fraction=0.0), dict(explore_fraction=1.0), dict(decay=1.0)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SpeculationGate(**bad)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["drained", "pipelined"])
@@ -175,8 +201,9 @@ def test_confidence_schedule_stops_speculating_where_it_loses(tiny_pair, tokeniz
     engine, calls, overlapped = slow_engine(dict(method="ngram", schedule="confidence"))
     assert engine.async_scheduling is async_scheduling
     assert [c.output_token_ids for c in engine.generate(prompts, params)] == [c.output_token_ids for c in plain]
-    assert 1 <= len(calls) <= 8 and engine.stats()["num_spec_gated_steps"] >= 30
-    assert engine.stats()["spec_num_drafts_proposed"] > 0  # it did measure speculation
+    # it measured speculation (a warm-up step, dropped, and a timed one), then re-tried it at most once per
+    # 0.6 s of plain steps (30 ms / explore_fraction 0.05)
+    assert 2 <= len(calls) <= 4 and engine.stats()["num_spec_gated_steps"] >= 30, calls
     assert (sum(overlapped) > 20) is async_scheduling
     fixed, fixed_calls, _ = slow_engine(dict(method="ngram"))  # fixed-k always speculates (and drains)
     assert fixed.async_scheduling is False
