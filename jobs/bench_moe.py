@@ -54,6 +54,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import importlib
 import itertools
 import json
 import os
@@ -269,7 +270,9 @@ def bench_step(model, ceil: dict, counts: dict, *, batch: int, query_len: int, c
 # A/B variants of the decode step (``--ab``): environment settings applied in this process, so that every
 # variant is timed on the same model, machine and clocks (separate processes differ by about 0.1 ms at
 # batch 1 on an H200).
-AB_VARIANTS = {"default": {}, "no-pdl": {"RAYINFER_PDL": "0"}, "no-one-row": {"RAYINFER_ONE_ROW_FUSION": "0"}}
+# A key "@module.NAME" sets that module attribute (an int) instead of an environment variable.
+AB_VARIANTS = {"default": {}, "no-pdl": {"RAYINFER_PDL": "0"}, "no-one-row": {"RAYINFER_ONE_ROW_FUSION": "0"},
+               **{f"mla-splits-{n}": {"@rayinfer.kernels.mla_attention._MAX_SPLITS": str(n)} for n in (4, 8, 16)}}
 
 
 @contextlib.contextmanager
@@ -281,9 +284,14 @@ def ab_variant(model, name: str):
     from rayinfer.kernels import _triton_utils
 
     settings = AB_VARIANTS[name]
-    saved_env = {k: os.environ.get(k) for k in settings}
+    attrs = {k[1:].rpartition("."): int(v) for k, v in settings.items() if k.startswith("@")}
+    env = {k: v for k, v in settings.items() if not k.startswith("@")}
+    saved_attrs = {(mod, attr): getattr(importlib.import_module(mod), attr) for (mod, _, attr) in attrs}
+    saved_env = {k: os.environ.get(k) for k in env}
     saved_row = getattr(model, "one_row_fusion", None)
-    os.environ.update(settings)
+    os.environ.update(env)
+    for (mod, _, attr), value in attrs.items():
+        setattr(importlib.import_module(mod), attr, value)
     _triton_utils._pdl_supported.cache_clear()
     if saved_row is not None:
         model.one_row_fusion = saved_row and envs.one_row_fusion()
@@ -295,6 +303,8 @@ def ab_variant(model, name: str):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        for (mod, attr), value in saved_attrs.items():
+            setattr(importlib.import_module(mod), attr, value)
         _triton_utils._pdl_supported.cache_clear()
         if saved_row is not None:
             model.one_row_fusion = saved_row

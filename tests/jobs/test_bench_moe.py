@@ -186,6 +186,13 @@ def test_ab_variants_run_interleaved_and_restore_the_settings(tmp_path, monkeypa
     with ab_variant(model, "no-one-row"):
         assert not model.one_row_fusion
     assert "RAYINFER_PDL" not in os.environ and model.one_row_fusion
+    from rayinfer.kernels import mla_attention
+
+    default_splits = mla_attention._MAX_SPLITS
+    with ab_variant(model, "mla-splits-8"):  # a module attribute the kernel reads at each launch
+        assert mla_attention._MAX_SPLITS == 8
+        assert mla_attention.choose_num_splits(1, 4096, 132) == 8
+    assert mla_attention._MAX_SPLITS == default_splits
     assert _triton_utils._pdl_supported.cache_info().currsize == 0  # re-probed after a variant
     out = tmp_path / "ab.json"
     variants = ["default", "no-pdl", "no-one-row"]
