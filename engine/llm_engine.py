@@ -245,6 +245,9 @@ class LLMEngine:
             if isinstance(self.proposer, DraftModelProposer):
                 self.proposer.capture_cuda_graphs(self.max_model_len, min(cfg.max_num_seqs, 512),
                                                   graph_query_len(self.proposer.model))
+            elif isinstance(self.proposer, MtpProposer):
+                self.proposer.capture_cuda_graphs(self.max_model_len, min(cfg.max_num_seqs, 512),
+                                                  spec.num_draft_tokens)
         self.num_prompt_tokens = 0  # counters for metrics
         self.num_generation_tokens = 0
         self.num_computed_tokens = 0

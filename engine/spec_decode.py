@@ -343,6 +343,15 @@ class MtpProposer(Proposer):
         self.cache = _DraftCache(model.mtp_kv_cache_shape(num_blocks, block_size), block_size, weight.dtype,
                                  self.device)
         self.states: dict[str, _MtpState] = {}
+        self.chain: MtpChainGraphs | None = None  # drafts 2..k in one captured graph (capture_cuda_graphs)
+
+    def capture_cuda_graphs(self, max_model_len: int, max_num_seqs: int, num_draft_tokens: int) -> None:
+        """Capture the chained one-token module forwards (drafts 2..k of a step) per padded batch size
+        (CUDA only; :class:`MtpChainGraphs`). With k = 1 there is no chain."""
+        if num_draft_tokens > 1:
+            self.chain = MtpChainGraphs(self.model, self.cache, self.vocab_size, max_model_len, max_num_seqs,
+                                        num_draft_tokens - 1)
+            self.chain.capture()
 
     def release(self, request_id: str) -> None:
         self.cache.release(request_id)
@@ -403,12 +412,139 @@ class MtpProposer(Proposer):
             out = out[torch.from_numpy(qsl[1:].astype(np.int64) - 1).to(dev)]  # each request's last entry
             probs = torch.softmax(model.mtp_logits(out)[:, : self.vocab_size], dim=-1)
             top_id, keep = _append_top1(probs, drafts, live, num_left)
+            if keep and self.chain is not None and len(keep) <= self.chain.max_batch:
+                # the catch-up gave each request its first draft; the chained one-token steps in one replay
+                rows = torch.tensor(keep, dtype=torch.long, device=dev)
+                self.chain.run(drafts, [live[j] for j in keep], num_left, [top_id[j] for j in keep], out[rows],
+                               [bases[j] + seq_lens[j] for j in keep], [seq_lens[j] + 1 for j in keep],
+                               [cache.block_ids[reqs[live[j]].request_id] for j in keep])
+                break
             live = [live[j] for j in keep]
             chunks = [[top_id[j]] for j in keep]
             prev = [out[j: j + 1] for j in keep]
             bases = [bases[j] for j in keep]
             starts = [seq_lens[j] for j in keep]
         return drafts
+
+
+class MtpChainGraphs:
+    """The chained one-token forwards of :class:`MtpProposer` (drafts 2..k of a step) as one CUDA graph per
+    padded batch size: for j = 1 .. S (S = k - 1), every request's module forward over its last draft and
+    the module's own previous output, the shared head, the top-1 token and its probability, with the next
+    step's positions, context lengths and cache slots computed on the device. A step's drafts then cost one
+    replay and one host read instead of S eager forwards each synced to the host for its token.
+
+    A request that wants fewer than S more drafts (near ``max_tokens``) keeps running in the graph past its
+    last one with its cache writes masked (slot -1), so nothing is written outside the blocks it reserved.
+
+    Args:
+        model: the target with MTP modules (``mtp_forward``, ``mtp_logits``); module 0 drafts.
+        cache: the proposer's :class:`_DraftCache` over the modules' compressed KV.
+        vocab_size: the target's vocabulary (logits past it are ignored).
+        max_model_len, max_num_seqs: the longest context and the largest batch to capture.
+        num_steps: S, chained steps per replay (>= 1).
+        eager: run the chain on the static buffers without capturing (CPU tests of the same code path).
+    """
+
+    def __init__(self, model, cache: _DraftCache, vocab_size: int, max_model_len: int, max_num_seqs: int,
+                 num_steps: int, eager: bool = False):
+        from rayinfer.engine.cuda_graph import capture_sizes
+
+        dev, dtype = cache.kv_cache.device, cache.kv_cache.dtype
+        self.model, self.cache, self.vocab_size, self.num_steps = model, cache, vocab_size, num_steps
+        self.max_model_len, self.eager = max_model_len, eager
+        self.sizes = capture_sizes(max_num_seqs)
+        n = self.max_batch = self.sizes[-1]
+        # a request's module entries span at most max_model_len + k slots of its blocks
+        self.max_blocks = -(-(max_model_len + num_steps + 1) // cache.block_size)
+        self.ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.prev = torch.zeros(n, model.config.hidden_size, dtype=dtype, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev)
+        self.num_wanted = torch.zeros(n, dtype=torch.long, device=dev)  # chained drafts each request wants
+        self.rows = torch.arange(n, device=dev)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.out_ids = torch.zeros(n, num_steps, dtype=torch.long, device=dev)
+        self.out_probs = torch.zeros(n, num_steps, dtype=torch.float32, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+
+    def _chain(self, bs: int) -> None:
+        from rayinfer.kernels.attention_metadata import AttentionMetadata
+
+        model, bsz = self.model, self.cache.block_size
+        ids, prev, pos, seq = self.ids[:bs], self.prev[:bs], self.positions[:bs], self.seq_lens[:bs]
+        tables, rows, wanted = self.block_tables[:bs], self.rows[:bs], self.num_wanted[:bs]
+        last_slot = self.max_blocks * bsz - 1
+        for j in range(self.num_steps):
+            local = (seq.long() - 1).clamp(max=last_slot)  # the new entry's slot in the request's blocks
+            slot = tables[rows, local // bsz].long() * bsz + local % bsz
+            slot = torch.where(wanted > j, slot, -1)
+            # the CPU attention reads host lengths (eager); a graph's split-KV is sized for the longest context
+            host_lens = seq.tolist() if self.eager else [self.max_blocks * bsz] * bs
+            meta = AttentionMetadata(self.query_start_loc[: bs + 1], seq, tables, slot, bsz, [1] * bs, host_lens)
+            out = model.mtp_forward(ids, prev, pos, self.cache.kv_cache, meta)
+            probs = torch.softmax(model.mtp_logits(out)[:, : self.vocab_size], dim=-1)
+            top_p, top_id = probs.max(dim=-1)
+            self.out_ids[:bs, j] = top_id
+            self.out_probs[:bs, j] = top_p
+            ids, prev, pos, seq = top_id, out, pos + 1, seq + 1
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size, largest first, sharing one memory pool (a Triton warm-up run before each)."""
+        if self.eager:
+            return
+        pool = None
+        self.num_wanted.zero_()  # capture writes nothing to the cache
+        for bs in reversed(self.sizes):
+            self._chain(bs)  # warm-up: Triton compiles outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._chain(bs)
+            pool = graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+        logger.info("captured MTP draft-chain graphs (%d steps) for batch sizes %s", self.num_steps, self.sizes)
+
+    def run(self, drafts: list[Draft], live: list[int], num_left: dict[int, int], first_ids: list[int],
+            prev: torch.Tensor, positions: list[int], seq_lens: list[int], tables: list[list[int]]) -> None:
+        """Chain drafts for requests ``live`` (indexes into ``drafts``), appending each one's next
+        ``num_left[i]`` tokens and probabilities (at most S) to its draft.
+
+        Args:
+            first_ids: the draft each request got from the catch-up forward (the chain's first input).
+            prev: [n, hidden_size] the module's output at that entry (pre-norm).
+            positions: the RoPE position of each request's next entry; seq_lens: its module context after
+                that entry (entries); tables: its block ids in the module's cache.
+        """
+        n = len(live)
+        bs = next(s for s in self.sizes if s >= n)
+        dev = self.ids.device
+        width = np.zeros((bs, self.max_blocks), dtype=np.int32)
+        for r, t in enumerate(tables):
+            width[r, : min(len(t), self.max_blocks)] = t[: self.max_blocks]
+        wanted = [min(num_left[i], self.num_steps) for i in live] + [0] * (bs - n)
+        host = {"ids": first_ids + [0] * (bs - n), "positions": positions + [0] * (bs - n),
+                "seq_lens": seq_lens + [1] * (bs - n), "num_wanted": wanted}
+        for name, values in host.items():
+            buf = getattr(self, name)
+            buf[:bs].copy_(torch.tensor(values, dtype=buf.dtype), non_blocking=True)
+        self.block_tables[:bs].copy_(torch.from_numpy(width), non_blocking=True)
+        self.prev[:n].copy_(prev)
+        self.prev[n:bs].zero_()
+        if self.eager or bs not in self.graphs:
+            self._chain(bs)
+        else:
+            self.graphs[bs].replay()
+        ids, probs = self.out_ids[:n].tolist(), self.out_probs[:n].tolist()  # one read for the whole chain
+        for r, i in enumerate(live):
+            take = wanted[r]
+            drafts[i].token_ids.extend(ids[r][:take])
+            assert drafts[i].probs is not None
+            drafts[i].probs.extend(probs[r][:take])
+            num_left[i] -= take
 
 
 

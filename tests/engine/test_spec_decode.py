@@ -618,6 +618,48 @@ def test_mtp_loads_from_the_checkpoint_and_keeps_greedy_output(mtp_checkpoint, t
     assert 0 < confident.stats()["spec_num_drafts_verified"] <= confident.stats()["spec_num_drafts_proposed"]
 
 
+def test_mtp_draft_chain_matches_the_step_by_step_loop(mtp_checkpoint, tokenizer):
+    """MtpChainGraphs (drafts 2..k in one replay, positions/lengths/slots advanced on the device; run eagerly
+    on the CPU through the same code) drafts exactly what the one-forward-per-draft loop drafts, including
+    requests near max_tokens that want fewer drafts (their extra chained steps write nothing), and greedy
+    output stays plain's."""
+    from rayinfer.engine.spec_decode import MtpChainGraphs
+
+    path, _ = mtp_checkpoint
+    spec = dict(method="mtp", num_draft_tokens=4)
+    loop = _mtp_engine(path, tokenizer, spec)
+    chained = _mtp_engine(path, tokenizer, spec, model=loop.model)
+    prop = chained.proposer
+    prop.chain = MtpChainGraphs(prop.model, prop.cache, prop.vocab_size, chained.max_model_len, 4, 3, eager=True)
+    chain_runs = []
+    run_chain = prop.chain.run
+    prop.chain.run = lambda *a: (chain_runs.append(len(a[1])), run_chain(*a))[1]
+    logs = {}
+    for name, eng in (("loop", loop), ("chain", chained)):
+        log = logs[name] = []
+        propose = eng.proposer.propose
+
+        def logged(reqs, ks, propose=propose, log=log):
+            drafts = propose(reqs, ks)
+            log.append([(d.token_ids, d.probs) for d in drafts])
+            return drafts
+
+        eng.proposer.propose = logged
+    prompts = list(MTP_PROMPTS)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (24, 23, 21)]
+    want = loop.generate(prompts, params)
+    _check_same(chained.generate(prompts, params), want)
+    assert len(logs["chain"]) == len(logs["loop"]) > 3
+    for got, ref in zip(logs["chain"], logs["loop"]):
+        assert [ids for ids, _ in got] == [ids for ids, _ in ref]
+        for (_, p), (_, q) in zip(got, ref):
+            assert p == pytest.approx(q, abs=1e-5)
+    assert any(len(ids) == 4 for step in logs["chain"] for ids, _ in step)  # chained past the first draft
+    assert any(0 < len(ids) < 4 for step in logs["chain"] for ids, _ in step)  # near max_tokens: fewer
+    assert chained.stats()["spec_num_drafts_accepted"] > 0
+    assert len(chain_runs) >= len(logs["chain"]) - 2 and 3 in chain_runs  # 3 requests padded to a size of 4
+
+
 def test_mtp_output_under_preemption(mtp_checkpoint, tokenizer):
     path, _ = mtp_checkpoint
     spec = _mtp_engine(path, tokenizer, dict(method="mtp"), num_kv_blocks=16)
