@@ -343,15 +343,15 @@ class MtpProposer(Proposer):
         self.cache = _DraftCache(model.mtp_kv_cache_shape(num_blocks, block_size), block_size, weight.dtype,
                                  self.device)
         self.states: dict[str, _MtpState] = {}
-        self.chain: MtpChainGraphs | None = None  # drafts 2..k in one captured graph (capture_cuda_graphs)
+        self.graphs: MtpDraftGraphs | None = None  # a step's drafts in one replay (capture_cuda_graphs)
 
     def capture_cuda_graphs(self, max_model_len: int, max_num_seqs: int, num_draft_tokens: int) -> None:
-        """Capture the chained one-token module forwards (drafts 2..k of a step) per padded batch size
-        (CUDA only; :class:`MtpChainGraphs`). With k = 1 there is no chain."""
-        if num_draft_tokens > 1:
-            self.chain = MtpChainGraphs(self.model, self.cache, self.vocab_size, max_model_len, max_num_seqs,
-                                        num_draft_tokens - 1)
-            self.chain.capture()
+        """Capture a decode step's drafting (the catch-up forward over the tokens since the last step, then
+        the chained one-token forwards) per padded batch size and catch-up width (CUDA only;
+        :class:`MtpDraftGraphs`)."""
+        self.graphs = MtpDraftGraphs(self.model, self.cache, self.vocab_size, max_model_len, max_num_seqs,
+                                     num_draft_tokens)
+        self.graphs.capture()
 
     def release(self, request_id: str) -> None:
         self.cache.release(request_id)
@@ -396,7 +396,12 @@ class MtpProposer(Proposer):
             prev.append(rows)
             bases.append(st.base)
             starts.append(first - st.base)
-        num_left = {i: max_drafts[i] for i in live}
+        graphs = self.graphs
+        if live and graphs is not None and graphs.fits(len(live), max(len(c) for c in chunks)):
+            graphs.run(drafts, live, [max_drafts[i] for i in live], chunks, prev, bases, starts,
+                       [cache.block_ids[reqs[i].request_id] for i in live])
+            return drafts
+        num_left = {i: max_drafts[i] for i in live}  # eager: prompts' first catch-ups, batches past the graphs
         dev = self.device
         while live:
             rids = [reqs[i].request_id for i in live]
@@ -412,13 +417,6 @@ class MtpProposer(Proposer):
             out = out[torch.from_numpy(qsl[1:].astype(np.int64) - 1).to(dev)]  # each request's last entry
             probs = torch.softmax(model.mtp_logits(out)[:, : self.vocab_size], dim=-1)
             top_id, keep = _append_top1(probs, drafts, live, num_left)
-            if keep and self.chain is not None and len(keep) <= self.chain.max_batch:
-                # the catch-up gave each request its first draft; the chained one-token steps in one replay
-                rows = torch.tensor(keep, dtype=torch.long, device=dev)
-                self.chain.run(drafts, [live[j] for j in keep], num_left, [top_id[j] for j in keep], out[rows],
-                               [bases[j] + seq_lens[j] for j in keep], [seq_lens[j] + 1 for j in keep],
-                               [cache.block_ids[reqs[live[j]].request_id] for j in keep])
-                break
             live = [live[j] for j in keep]
             chunks = [[top_id[j]] for j in keep]
             prev = [out[j: j + 1] for j in keep]
@@ -427,125 +425,173 @@ class MtpProposer(Proposer):
         return drafts
 
 
-class MtpChainGraphs:
-    """The chained one-token forwards of :class:`MtpProposer` (drafts 2..k of a step) as one CUDA graph per
-    padded batch size: for j = 1 .. S (S = k - 1), every request's module forward over its last draft and
-    the module's own previous output, the shared head, the top-1 token and its probability, with the next
-    step's positions, context lengths and cache slots computed on the device. A step's drafts then cost one
-    replay and one host read instead of S eager forwards each synced to the host for its token.
+class MtpDraftGraphs:
+    """A decode step's MTP drafting as one CUDA graph per (padded batch size, catch-up width W): the module
+    forward over each request's entries since the last step (the tokens the last verification accepted,
+    each paired with the target's hidden state before it; padded to W rows at the request's end, slot -1,
+    as :meth:`rayinfer.engine.cuda_graph.DecodeGraphs.run_ragged` pads verification), the shared head and
+    the top-1 token at each request's last entry, then S = k - 1 chained one-token forwards (the module's
+    own output and its last draft back in) with positions, context lengths and cache slots advanced on the
+    device. A step's drafts cost one replay and one host read instead of k eager forwards, each synced
+    to the host for its token.
 
-    A request that wants fewer than S more drafts (near ``max_tokens``) keeps running in the graph past its
-    last one with its cache writes masked (slot -1), so nothing is written outside the blocks it reserved.
+    Widths 1 .. k + 1 are captured (a verification accepts at most k drafts, plus the target's token). A
+    request that wants fewer than k drafts (near ``max_tokens``) keeps running past its last one with its
+    cache writes masked (slot -1), so nothing is written outside the blocks it reserved.
 
     Args:
         model: the target with MTP modules (``mtp_forward``, ``mtp_logits``); module 0 drafts.
         cache: the proposer's :class:`_DraftCache` over the modules' compressed KV.
         vocab_size: the target's vocabulary (logits past it are ignored).
         max_model_len, max_num_seqs: the longest context and the largest batch to capture.
-        num_steps: S, chained steps per replay (>= 1).
-        eager: run the chain on the static buffers without capturing (CPU tests of the same code path).
+        num_draft_tokens: k (>= 1).
+        eager: run the same code on the static buffers without capturing (CPU tests).
     """
 
     def __init__(self, model, cache: _DraftCache, vocab_size: int, max_model_len: int, max_num_seqs: int,
-                 num_steps: int, eager: bool = False):
+                 num_draft_tokens: int, eager: bool = False):
         from rayinfer.engine.cuda_graph import capture_sizes
 
         dev, dtype = cache.kv_cache.device, cache.kv_cache.dtype
-        self.model, self.cache, self.vocab_size, self.num_steps = model, cache, vocab_size, num_steps
-        self.max_model_len, self.eager = max_model_len, eager
+        self.model, self.cache, self.vocab_size = model, cache, vocab_size
+        self.num_drafts, self.num_steps, self.max_width = num_draft_tokens, num_draft_tokens - 1, num_draft_tokens + 1
+        self.eager = eager
         self.sizes = capture_sizes(max_num_seqs)
-        n = self.max_batch = self.sizes[-1]
+        n, w = self.sizes[-1], self.max_width
         # a request's module entries span at most max_model_len + k slots of its blocks
-        self.max_blocks = -(-(max_model_len + num_steps + 1) // cache.block_size)
-        self.ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.prev = torch.zeros(n, model.config.hidden_size, dtype=dtype, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
-        self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev)
+        self.max_blocks = -(-(max_model_len + self.max_width) // cache.block_size)
+        self.ids = torch.zeros(n * w, dtype=torch.long, device=dev)
+        self.prev = torch.zeros(n * w, model.config.hidden_size, dtype=dtype, device=dev)
+        self.positions = torch.zeros(n * w, dtype=torch.long, device=dev)
+        self.slots = torch.full((n * w,), -1, dtype=torch.long, device=dev)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)  # the catch-up's (padded) contexts
+        self.real_lens = torch.ones(n, dtype=torch.int32, device=dev)  # ... without the padding
+        self.last_row = torch.zeros(n, dtype=torch.long, device=dev)  # each request's last real entry
         self.num_wanted = torch.zeros(n, dtype=torch.long, device=dev)  # chained drafts each request wants
+        self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev)
         self.rows = torch.arange(n, device=dev)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self.out_ids = torch.zeros(n, num_steps, dtype=torch.long, device=dev)
-        self.out_probs = torch.zeros(n, num_steps, dtype=torch.float32, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.query_start_loc = {q: torch.arange(0, (n + 1) * q, q, dtype=torch.int32, device=dev)
+                                for q in range(1, w + 1)}
+        self.out_ids = torch.zeros(n, num_draft_tokens, dtype=torch.long, device=dev)
+        self.out_probs = torch.zeros(n, num_draft_tokens, dtype=torch.float32, device=dev)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
 
-    def _chain(self, bs: int) -> None:
+    @property
+    def max_batch(self) -> int:
+        return self.sizes[-1]
+
+    def fits(self, num_reqs: int, width: int) -> bool:
+        """Whether a step of ``num_reqs`` requests whose longest catch-up is ``width`` entries runs here."""
+        return num_reqs <= self.max_batch and 1 <= width <= self.max_width
+
+    def _meta(self, bs: int, q: int, seq: torch.Tensor, slots: torch.Tensor):
         from rayinfer.kernels.attention_metadata import AttentionMetadata
 
-        model, bsz = self.model, self.cache.block_size
-        ids, prev, pos, seq = self.ids[:bs], self.prev[:bs], self.positions[:bs], self.seq_lens[:bs]
+        # eager (CPU) attention reads the host lengths; a graph's split-KV is sized for the longest context
+        host = seq.tolist() if self.eager else [self.max_blocks * self.cache.block_size] * bs
+        return AttentionMetadata(self.query_start_loc[q][: bs + 1], seq, self.block_tables[:bs], slots,
+                                 self.cache.block_size, [q] * bs, host)
+
+    def _head(self, out: torch.Tensor, col: int, bs: int) -> torch.Tensor:
+        probs = torch.softmax(self.model.mtp_logits(out)[:, : self.vocab_size], dim=-1)
+        top_p, top_id = probs.max(dim=-1)
+        self.out_ids[:bs, col] = top_id
+        self.out_probs[:bs, col] = top_p
+        return top_id
+
+    def _draft(self, bs: int, w: int) -> None:
+        model, kv, bsz = self.model, self.cache.kv_cache, self.cache.block_size
+        t = bs * w
+        out = model.mtp_forward(self.ids[:t], self.prev[:t], self.positions[:t], kv,
+                                self._meta(bs, w, self.seq_lens[:bs], self.slots[:t]))
+        last = self.last_row[:bs]
+        out = out[last]
+        ids = self._head(out, 0, bs)
+        pos, seq = self.positions[:t][last] + 1, self.real_lens[:bs] + 1
         tables, rows, wanted = self.block_tables[:bs], self.rows[:bs], self.num_wanted[:bs]
         last_slot = self.max_blocks * bsz - 1
         for j in range(self.num_steps):
             local = (seq.long() - 1).clamp(max=last_slot)  # the new entry's slot in the request's blocks
-            slot = tables[rows, local // bsz].long() * bsz + local % bsz
-            slot = torch.where(wanted > j, slot, -1)
-            # the CPU attention reads host lengths (eager); a graph's split-KV is sized for the longest context
-            host_lens = seq.tolist() if self.eager else [self.max_blocks * bsz] * bs
-            meta = AttentionMetadata(self.query_start_loc[: bs + 1], seq, tables, slot, bsz, [1] * bs, host_lens)
-            out = model.mtp_forward(ids, prev, pos, self.cache.kv_cache, meta)
-            probs = torch.softmax(model.mtp_logits(out)[:, : self.vocab_size], dim=-1)
-            top_p, top_id = probs.max(dim=-1)
-            self.out_ids[:bs, j] = top_id
-            self.out_probs[:bs, j] = top_p
-            ids, prev, pos, seq = top_id, out, pos + 1, seq + 1
+            slot = torch.where(wanted > j, tables[rows, local // bsz].long() * bsz + local % bsz, -1)
+            out = model.mtp_forward(ids, out, pos, kv, self._meta(bs, 1, seq, slot))
+            ids = self._head(out, j + 1, bs)
+            pos, seq = pos + 1, seq + 1
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every size, largest first, sharing one memory pool (a Triton warm-up run before each)."""
+        """Capture every (size, width), largest first, sharing one memory pool (a warm-up run before each,
+        so Triton compiles outside the capture; the warm-up and capture write nothing to the cache)."""
         if self.eager:
             return
         pool = None
-        self.num_wanted.zero_()  # capture writes nothing to the cache
-        for bs in reversed(self.sizes):
-            self._chain(bs)  # warm-up: Triton compiles outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._chain(bs)
-            pool = graph.pool()
-            self.graphs[bs] = graph
+        self.slots.fill_(-1)
+        self.num_wanted.zero_()
+        self.last_row.zero_()
+        for w in range(1, self.max_width + 1):
+            self.seq_lens.fill_(w)
+            for bs in reversed(self.sizes):
+                self._draft(bs, w)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._draft(bs, w)
+                pool = graph.pool()
+                self.graphs[(bs, w)] = graph
         torch.cuda.synchronize()
-        logger.info("captured MTP draft-chain graphs (%d steps) for batch sizes %s", self.num_steps, self.sizes)
+        logger.info("captured MTP drafting graphs (%d drafts, catch-ups of 1..%d entries) for batch sizes %s",
+                    self.num_drafts, self.max_width, self.sizes)
 
-    def run(self, drafts: list[Draft], live: list[int], num_left: dict[int, int], first_ids: list[int],
-            prev: torch.Tensor, positions: list[int], seq_lens: list[int], tables: list[list[int]]) -> None:
-        """Chain drafts for requests ``live`` (indexes into ``drafts``), appending each one's next
-        ``num_left[i]`` tokens and probabilities (at most S) to its draft.
+    def run(self, drafts: list[Draft], live: list[int], wanted: list[int], chunks: list[list[int]],
+            prev: list[torch.Tensor], bases: list[int], starts: list[int], tables: list[list[int]]) -> None:
+        """Draft for the requests ``live`` (indexes into ``drafts``): append each one's ``wanted`` (at most k)
+        tokens and probabilities.
 
         Args:
-            first_ids: the draft each request got from the catch-up forward (the chain's first input).
-            prev: [n, hidden_size] the module's output at that entry (pre-norm).
-            positions: the RoPE position of each request's next entry; seq_lens: its module context after
-                that entry (entries); tables: its block ids in the module's cache.
+            chunks: each request's catch-up tokens (the entries since its last step; :meth:`fits`).
+            prev: per request [len(chunk), hidden_size], the target's hidden states before those tokens.
+            bases: the RoPE position of each request's local slot 0; starts: the local slot of its chunk's
+                first entry; tables: its block ids in the module's cache (reserved for ``wanted`` drafts).
         """
         n = len(live)
-        bs = next(s for s in self.sizes if s >= n)
-        dev = self.ids.device
-        width = np.zeros((bs, self.max_blocks), dtype=np.int32)
-        for r, t in enumerate(tables):
-            width[r, : min(len(t), self.max_blocks)] = t[: self.max_blocks]
-        wanted = [min(num_left[i], self.num_steps) for i in live] + [0] * (bs - n)
-        host = {"ids": first_ids + [0] * (bs - n), "positions": positions + [0] * (bs - n),
-                "seq_lens": seq_lens + [1] * (bs - n), "num_wanted": wanted}
+        w = max(len(c) for c in chunks)
+        bs = next(size for size in self.sizes if size >= n)
+        bsz = self.cache.block_size
+        q = np.array([len(c) for c in chunks] + [1] * (bs - n), dtype=np.int64)
+        start = np.array(starts + [0] * (bs - n), dtype=np.int64)
+        base = np.array(bases + [0] * (bs - n), dtype=np.int64)
+        table = np.zeros((bs, self.max_blocks), dtype=np.int64)
+        for r, blocks in enumerate(tables):
+            table[r, : min(len(blocks), self.max_blocks)] = blocks[: self.max_blocks]
+        local = start[:, None] + np.arange(w)[None, :]  # [bs, w]: each row's slot in its request's blocks
+        real = np.arange(w)[None, :] < q[:, None]
+        real[n:] = False
+        ids = np.zeros((bs, w), dtype=np.int64)
+        for r, c in enumerate(chunks):
+            ids[r, : len(c)] = c
+        block = np.take_along_axis(table, np.minimum(local // bsz, self.max_blocks - 1), axis=1)
+        slots = np.where(real, block * bsz + local % bsz, -1)
+        src = np.flatnonzero(real.reshape(-1))  # padded rows of the real entries, request after request
+        host = {"ids": ids.reshape(-1), "positions": (base[:, None] + local).reshape(-1), "slots": slots.reshape(-1),
+                "seq_lens": (start + w).astype(np.int32), "real_lens": (start + q).astype(np.int32),
+                "last_row": np.arange(bs) * w + q - 1,
+                "num_wanted": np.clip(np.array(wanted + [0] * (bs - n)) - 1, 0, self.num_steps),
+                "block_tables": table.astype(np.int32)}
         for name, values in host.items():
             buf = getattr(self, name)
-            buf[:bs].copy_(torch.tensor(values, dtype=buf.dtype), non_blocking=True)
-        self.block_tables[:bs].copy_(torch.from_numpy(width), non_blocking=True)
-        self.prev[:n].copy_(prev)
-        self.prev[n:bs].zero_()
-        if self.eager or bs not in self.graphs:
-            self._chain(bs)
+            buf[: len(values)].copy_(torch.from_numpy(np.ascontiguousarray(values)).to(buf.dtype), non_blocking=True)
+        dev = self.ids.device
+        self.prev[: bs * w].zero_()
+        self.prev[torch.from_numpy(src).to(dev)] = torch.cat(prev)
+        if self.eager or (bs, w) not in self.graphs:
+            self._draft(bs, w)
         else:
-            self.graphs[bs].replay()
-        ids, probs = self.out_ids[:n].tolist(), self.out_probs[:n].tolist()  # one read for the whole chain
+            self.graphs[(bs, w)].replay()
+        out_ids, out_probs = self.out_ids[:n].tolist(), self.out_probs[:n].tolist()  # one read for the step
         for r, i in enumerate(live):
-            take = wanted[r]
-            drafts[i].token_ids.extend(ids[r][:take])
+            take = min(wanted[r], self.num_drafts)
+            drafts[i].token_ids.extend(out_ids[r][:take])
             assert drafts[i].probs is not None
-            drafts[i].probs.extend(probs[r][:take])
-            num_left[i] -= take
-
+            drafts[i].probs.extend(out_probs[r][:take])
 
 
 def _append_top1(probs: torch.Tensor, drafts, live: list[int],
