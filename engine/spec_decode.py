@@ -552,36 +552,35 @@ class MtpDraftGraphs:
             bases: the RoPE position of each request's local slot 0; starts: the local slot of its chunk's
                 first entry; tables: its block ids in the module's cache (reserved for ``wanted`` drafts).
         """
+        from rayinfer.kernels.attention_metadata import host_arrays
+
         n = len(live)
-        w = max(len(c) for c in chunks)
+        q = [len(c) for c in chunks]
+        w = max(q)
         bs = next(size for size in self.sizes if size >= n)
-        bsz = self.cache.block_size
-        q = np.array([len(c) for c in chunks] + [1] * (bs - n), dtype=np.int64)
-        start = np.array(starts + [0] * (bs - n), dtype=np.int64)
-        base = np.array(bases + [0] * (bs - n), dtype=np.int64)
-        table = np.zeros((bs, self.max_blocks), dtype=np.int64)
-        for r, blocks in enumerate(tables):
-            table[r, : min(len(blocks), self.max_blocks)] = blocks[: self.max_blocks]
-        local = start[:, None] + np.arange(w)[None, :]  # [bs, w]: each row's slot in its request's blocks
-        real = np.arange(w)[None, :] < q[:, None]
-        real[n:] = False
-        ids = np.zeros((bs, w), dtype=np.int64)
-        for r, c in enumerate(chunks):
-            ids[r, : len(c)] = c
-        block = np.take_along_axis(table, np.minimum(local // bsz, self.max_blocks - 1), axis=1)
-        slots = np.where(real, block * bsz + local % bsz, -1)
-        src = np.flatnonzero(real.reshape(-1))  # padded rows of the real entries, request after request
-        host = {"ids": ids.reshape(-1), "positions": (base[:, None] + local).reshape(-1), "slots": slots.reshape(-1),
-                "seq_lens": (start + w).astype(np.int32), "real_lens": (start + q).astype(np.int32),
-                "last_row": np.arange(bs) * w + q - 1,
-                "num_wanted": np.clip(np.array(wanted + [0] * (bs - n)) - 1, 0, self.num_steps),
-                "block_tables": table.astype(np.int32)}
+        real_lens = [s + k for s, k in zip(starts, q)]
+        # the real entries' slots as the eager loop computes them; rows: their places in the padded layout
+        _, _, table, slots, _ = host_arrays(q, real_lens, tables, self.cache.block_size)
+        rows = np.concatenate([r * w + np.arange(k) for r, k in enumerate(q)])
+        padded_ids, padded_slots = np.zeros(bs * w, dtype=np.int64), np.full(bs * w, -1, dtype=np.int64)
+        padded_ids[rows] = [t for c in chunks for t in c]
+        padded_slots[rows] = slots
+        padded_table = np.zeros((bs, self.max_blocks), dtype=np.int32)
+        width = min(table.shape[1], self.max_blocks)
+        padded_table[:n, :width] = table[:, :width]
+        pad = bs - n  # padding requests: one entry, no cache write, no draft wanted
+        first = np.array([b + s for b, s in zip(bases, starts)] + [0] * pad, dtype=np.int64)
+        host = {"ids": padded_ids, "positions": (first[:, None] + np.arange(w)[None, :]).reshape(-1),
+                "slots": padded_slots, "block_tables": padded_table,
+                "seq_lens": np.array([s + w for s in starts] + [w] * pad, dtype=np.int32),
+                "real_lens": np.array(real_lens + [1] * pad, dtype=np.int32),
+                "last_row": np.arange(bs) * w + np.array(q + [1] * pad) - 1,
+                "num_wanted": np.clip(np.array(wanted + [0] * pad) - 1, 0, self.num_steps)}
         for name, values in host.items():
             buf = getattr(self, name)
             buf[: len(values)].copy_(torch.from_numpy(np.ascontiguousarray(values)).to(buf.dtype), non_blocking=True)
-        dev = self.ids.device
         self.prev[: bs * w].zero_()
-        self.prev[torch.from_numpy(src).to(dev)] = torch.cat(prev)
+        self.prev[torch.from_numpy(rows).to(self.ids.device)] = torch.cat(prev)
         if self.eager or (bs, w) not in self.graphs:
             self._draft(bs, w)
         else:

@@ -284,14 +284,15 @@ def ab_variant(model, name: str):
     from rayinfer.kernels import _triton_utils
 
     settings = AB_VARIANTS[name]
-    attrs = {k[1:].rpartition("."): int(v) for k, v in settings.items() if k.startswith("@")}
+    attrs = [(importlib.import_module(k[1:].rpartition(".")[0]), k.rpartition(".")[2], int(v))
+             for k, v in settings.items() if k.startswith("@")]
     env = {k: v for k, v in settings.items() if not k.startswith("@")}
-    saved_attrs = {(mod, attr): getattr(importlib.import_module(mod), attr) for (mod, _, attr) in attrs}
+    saved_attrs = [(module, attr, getattr(module, attr)) for module, attr, _ in attrs]
     saved_env = {k: os.environ.get(k) for k in env}
     saved_row = getattr(model, "one_row_fusion", None)
     os.environ.update(env)
-    for (mod, _, attr), value in attrs.items():
-        setattr(importlib.import_module(mod), attr, value)
+    for module, attr, value in attrs:
+        setattr(module, attr, value)
     _triton_utils._pdl_supported.cache_clear()
     if saved_row is not None:
         model.one_row_fusion = saved_row and envs.one_row_fusion()
@@ -303,8 +304,8 @@ def ab_variant(model, name: str):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        for (mod, attr), value in saved_attrs.items():
-            setattr(importlib.import_module(mod), attr, value)
+        for module, attr, value in saved_attrs:
+            setattr(module, attr, value)
         _triton_utils._pdl_supported.cache_clear()
         if saved_row is not None:
             model.one_row_fusion = saved_row
