@@ -233,6 +233,8 @@ class LLMEngine:
                             "drained", spec.method, spec.schedule)
                 self.async_scheduling = False
         self._inflight = None  # (SchedulerOutput, PendingStep, its requests) launched but not yet processed
+        self._inflight_speculative = False  # whether the step in flight was launched as a drafting step
+        self._last_speculative = False  # whether the last step drafted (the gate's choice)
         if on_cuda and not cfg.enforce_eager and self.local_kv_cache is None:
             # speculative: verification steps (each request's last token + up to k drafts) get graphs too
             def graph_query_len(model) -> int:
@@ -612,11 +614,11 @@ class LLMEngine:
         speculating = self.proposer is not None and self._speculate_next()
         if speculating:
             if self._inflight is not None:  # drafts start from the last step's tokens: drain the pipeline
-                plain_sched = self._inflight[0]
+                drained_sched = self._inflight[0]
                 drained = self._process(*self._inflight)
                 self._inflight = None
-                # the drained step was a plain one: its tokens and the wait for them count for plain decoding
-                self.gate.record(False, len(plain_sched.scheduled), sum(len(o.new_token_ids) for o in drained),
+                # the drained step's tokens and the wait for them count for the mode that launched it
+                self.gate.record(self._inflight_speculative, len(drained_sched.scheduled), _num_tokens(drained),
                                  time.perf_counter() - started)
                 started = time.perf_counter()
             self._propose()
@@ -625,38 +627,57 @@ class LLMEngine:
         step_reqs = {s.request_id: live[s.request_id] for s in sched.scheduled}  # before anything finishes
         outputs = drained + [self._handed_back_output(req) for req in self.scheduler.take_handed_back()]
         num_drafts = sum(s.num_draft_tokens for s in sched.scheduled)
-        prev = self._inflight
+        prev, prev_speculative = self._inflight, self._inflight_speculative
         self._inflight = None
+        num_prev_tokens = 0  # tokens of the step that was in flight (its mode: prev_speculative)
         if prev is not None and (not self.async_scheduling or sched.is_empty or self._needs_drain(sched)):
-            outputs += self._process(*prev)
+            prev_outputs = self._process(*prev)
+            num_prev_tokens = _num_tokens(prev_outputs)
+            outputs += prev_outputs
             prev_step, prev = prev[1], None
         else:
             prev_step = prev[1] if prev is not None else None
+        had_inflight = prev_step is not None
         if not sched.is_empty:
             self.num_computed_tokens += sched.num_scheduled_tokens
             try:
                 launched = self.runner.execute_async(sched, step_reqs, prev_step)
             except Exception as e:  # noqa: BLE001 - find the requests at fault; the step goes on for the rest
                 if prev is not None:  # its tokens come first
-                    outputs += self._process(*prev)
+                    prev_outputs = self._process(*prev)
+                    num_prev_tokens = _num_tokens(prev_outputs)
+                    outputs += prev_outputs
                     prev = None
                 outputs += self._execute_isolated(sched, step_reqs, prev_step, e)
             else:
                 # a verification step is never left in flight: the next step starts from its accepted tokens
                 if self.async_scheduling and not num_drafts:
-                    self._inflight = (sched, launched, step_reqs)
+                    self._inflight, self._inflight_speculative = (sched, launched, step_reqs), speculating
                 else:
                     outputs += self._process(sched, launched, step_reqs)
         elif run_empty:
             self.runner.execute_empty()
         if prev is not None:
-            outputs += self._process(*prev)
+            prev_outputs = self._process(*prev)
+            num_prev_tokens = _num_tokens(prev_outputs)
+            outputs += prev_outputs
         if self.proposer is not None and not sched.is_empty:
             seconds = time.perf_counter() - started
             self.step_time.update(sched.num_scheduled_tokens, seconds)
             if sched.num_scheduled_tokens == len(sched.scheduled) + num_drafts:  # a pure decode step
-                self.gate.record(speculating, len(sched.scheduled),
-                                 sum(len(o.new_token_ids) for o in outputs[len(drained):]), seconds)
+                batch = len(sched.scheduled)
+                num_tokens = _num_tokens(outputs[len(drained):])
+                if (not speculating and self._last_speculative and not had_inflight
+                        and self._inflight is not None):
+                    # the pipeline's refill after a drafting step (this step's host work overlapped nothing):
+                    # a cost of speculation; the step's tokens come back with the next call, as plain's
+                    self.gate.charge(True, batch, seconds)
+                elif prev_speculative == speculating or not num_prev_tokens:
+                    self.gate.record(speculating, batch, num_tokens, seconds)
+                else:  # the step in flight was of the other mode: its tokens are that mode's
+                    self.gate.record(speculating, batch, num_tokens - num_prev_tokens, seconds,
+                                     other_tokens=num_prev_tokens)
+            self._last_speculative = speculating
         return outputs
 
     def _needs_drain(self, sched) -> bool:
@@ -865,7 +886,10 @@ class LLMEngine:
             **({"num_replayed_tokens": self.scheduler.num_replayed_tokens,
                 "num_local_free_blocks": kv.local_pool.num_free_blocks,
                 "num_local_blocks": kv.local_pool.num_blocks} if kv.local_pool is not None else {}),
-            **({**self.spec_stats.to_dict(), "num_spec_gated_steps": self.gate.num_plain_steps}
+            **({**self.spec_stats.to_dict(), "num_spec_gated_steps": self.gate.num_plain_steps,
+                "spec_gate_plain_steps": self.gate.num_plain_steps,
+                "spec_gate_explore_steps": self.gate.num_explore_steps,
+                "spec_gate_plain_s": self.gate.seconds[False], "spec_gate_drafting_s": self.gate.seconds[True]}
                if self.proposer is not None else {}),
             **(self._host_stats() if kv.host is not None else {}),
             **(self.runner.cp.stats() if self.runner.cp is not None else {}),
@@ -886,3 +910,8 @@ def _eos_token_ids(hf_config, tokenizer) -> tuple[int, ...]:
         elif isinstance(source, (list, tuple)):
             ids.update(source)
     return tuple(sorted(ids))
+
+
+def _num_tokens(outputs: list[RequestOutput]) -> int:
+    """Tokens the deltas carry (a step's output, for :class:`SpeculationGate`)."""
+    return sum(len(o.new_token_ids) for o in outputs)

@@ -692,39 +692,63 @@ class SpeculationGate:
     """Whether a pure-decode step speculates at all (``schedule="confidence"``): the closed loop compares
     the output tokens per second that speculative and plain decode steps measured at this batch size.
 
-    Drafting and verification have a fixed cost per step (the proposer's host work, a wider forward)
-    that the per-draft schedule (:func:`choose_num_drafts`) cannot see, since every step it times
-    speculates. At large batches a decode step is bound by its weights and not by its token count, so
-    the extra tokens are cheap but the fixed costs are not, and speculation can lose to plain decoding.
-    The gate keeps an exponential moving average of the measured output rate of each mode per
-    power-of-two batch bucket and takes the faster mode. It runs the slower one again to keep both
-    measurements fresh (the measure-and-correct loop of DeepInfer's scheduler) once the bucket has spent
-    ``1 / explore_fraction`` of that mode's step time since it last ran: re-measuring costs at most about
-    ``explore_fraction`` of the time, however much slower the other mode is (a drafting step that costs
-    ten plain ones is re-tried every ~200 plain steps at 5%, two close modes every ~20).
+    Drafting and verification have a fixed cost per step (the proposer's host work, a wider forward, a
+    drained pipeline) that the per-draft schedule (:func:`choose_num_drafts`) cannot see, since every step
+    it times speculates. At large batches a decode step is bound by its weights and not by its token
+    count, so the extra tokens are cheap but the fixed costs are not, and speculation can lose to plain
+    decoding. The gate keeps a decaying average of each mode's measured output rate per power-of-two batch
+    bucket and takes the faster mode.
+
+    It runs the slower mode again to keep both measurements fresh (the measure-and-correct loop of
+    DeepInfer's scheduler), by regret: a step of the slower mode loses ``step_s * (1 - slow_rate /
+    fast_rate)`` seconds against the faster mode (the time its tokens would have taken at the faster
+    rate), and the slower mode runs for ``explore_steps`` steps once the bucket has spent
+    ``1 / explore_fraction`` of their regret since it last ran. Exploring so loses about
+    ``explore_fraction`` of the time at most, however the two modes compare: two close modes re-measure
+    each other every few steps (a bucket whose acceptance changes mid-run switches soon), a drafting
+    step that costs ten plain ones only every few hundred. Several steps at a time let the pipeline of
+    plain steps refill and average out n-gram steps that find no draft.
+
+    Measurements (:meth:`record`, :meth:`charge`): tokens count for the mode of the step that computed
+    them, seconds for the mode of the call that spent them; the engine charges the refill of the pipeline
+    after a drafting step to speculation. The first ``warmup_steps`` steps of each mode and bucket are not
+    measured (compiles, first graph replays). Averages decay per step of that mode (``decay``), over
+    tokens and seconds apart, so a pipelined call that returned nothing yet is no zero rate.
 
     Args:
-        explore_fraction: share of a bucket's time the slower mode may take, in (0, 1).
-        decay: weight of the past per new sample, in [0, 1).
+        explore_fraction: share of a bucket's time the slower mode's regret may take, in (0, 1).
+        decay: weight of the past per new step, in [0, 1).
+        explore_steps: steps of the slower mode per re-measurement (>= 1).
+        warmup_steps: unmeasured first steps of each mode and bucket (>= 0).
     Raises:
-        ValueError: for ``explore_fraction`` or ``decay`` out of range.
+        ValueError: for an argument out of range.
     """
 
-    def __init__(self, explore_fraction: float = 0.05, decay: float = 0.8):
+    def __init__(self, explore_fraction: float = 0.03, decay: float = 0.9, explore_steps: int = 4,
+                 warmup_steps: int = 2):
         if not 0.0 < explore_fraction < 1.0:
             raise ValueError(f"explore_fraction must be in (0, 1), got {explore_fraction}")
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay must be in [0, 1), got {decay}")
+        if explore_steps < 1:
+            raise ValueError(f"explore_steps must be >= 1, got {explore_steps}")
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
         self.explore_fraction, self.decay = explore_fraction, decay
-        self._sums: dict[tuple[bool, int], tuple[float, float]] = {}  # (speculative, bucket) -> (tokens, s)
-        self._seen: set[tuple[bool, int]] = set()  # modes whose first (warm-up) sample was dropped
+        self.explore_steps, self.warmup_steps = explore_steps, warmup_steps
+        self._sums: dict[tuple[bool, int], list[float]] = {}  # (speculative, bucket) -> [tokens, s, steps]
+        self._warm: dict[tuple[bool, int], int] = {}  # unmeasured steps so far, up to warmup_steps
         self._since: dict[int, float] = {}  # bucket -> seconds of its steps since its slower mode last ran
+        self._exploring: dict[int, tuple[bool, int]] = {}  # bucket -> (mode re-measured, steps left)
+        self._explored: dict[int, bool] = {}  # bucket -> whether its last step re-measured the slower mode
         self.num_plain_steps = 0  # decode steps the gate kept plain (engine stats)
+        self.num_explore_steps = 0  # steps of the slower mode, to re-measure it
+        self.seconds = {False: 0.0, True: 0.0}  # seconds recorded per mode (engine stats)
 
     @property
     def rates(self) -> dict[tuple[bool, int], float]:
         """Measured output tokens per second by (speculative, batch bucket)."""
-        return {k: tokens / seconds for k, (tokens, seconds) in self._sums.items() if seconds > 0}
+        return {k: tokens / seconds for k, (tokens, seconds, _) in self._sums.items() if seconds > 0}
 
     @staticmethod
     def bucket(batch_size: int) -> int:
@@ -736,34 +760,70 @@ class SpeculationGate:
         b = self.bucket(batch_size)
         rates = self.rates
         spec, plain = rates.get((True, b)), rates.get((False, b))
+        self._explored[b] = False
         if spec is None or plain is None:
             choice = spec is None
         else:
-            choice = spec >= plain
-            slow_step_s = self._sums[(not choice, b)][1]  # the slower mode's seconds per step (average)
-            if self._since.get(b, 0.0) * self.explore_fraction >= slow_step_s:
-                choice = not choice
-                self._since[b] = 0.0
+            fast = spec >= plain
+            mode, left = self._exploring.pop(b, (fast, 0))
+            if mode != fast and left > 0:  # re-measuring the slower mode: its next step
+                choice = mode
+                if left > 1:
+                    self._exploring[b] = (mode, left - 1)
+                self.num_explore_steps += 1
+                self._explored[b] = True
+            else:
+                slow_rate, fast_rate = (plain, spec) if fast else (spec, plain)
+                _, secs, steps = self._sums[(not fast, b)]
+                regret = self.explore_steps * secs / steps * (1.0 - slow_rate / fast_rate)
+                choice = fast
+                if self._since.get(b, 0.0) * self.explore_fraction >= regret:
+                    choice = not fast
+                    self._since[b] = 0.0
+                    self.num_explore_steps += 1
+                    self._explored[b] = True
+                    if self.explore_steps > 1:
+                        self._exploring[b] = (choice, self.explore_steps - 1)
         if not choice:
             self.num_plain_steps += 1
         return choice
 
-    def record(self, speculative: bool, batch_size: int, num_output_tokens: int, seconds: float) -> None:
-        """Fold in one decode step of ``batch_size`` requests, run in the mode :meth:`speculate` chose,
-        that gave ``num_output_tokens`` tokens in ``seconds`` (host and device: proposing, scheduling, the
-        forward and sampling; pipelined, the tokens are the previous step's). Tokens and seconds are
-        averaged apart, so a pipelined step that returned nothing yet does not count as a zero rate. The
-        first step of each mode and bucket is dropped (one-time costs such as kernel compiles)."""
-        if seconds <= 0 or batch_size <= 0:
+    def record(self, speculative: bool, batch_size: int, num_output_tokens: int, seconds: float,
+               other_tokens: int = 0) -> None:
+        """Fold in one decode call of ``batch_size`` requests in the mode :meth:`speculate` chose (or the
+        wait for a step of that mode, drained): ``seconds`` it took (host and device: proposing,
+        scheduling, the forward, sampling), ``num_output_tokens`` that steps of this mode gave back in it,
+        and ``other_tokens`` that a step of the other mode gave back in it (a pipelined step finished
+        late), credited to that mode."""
+        if batch_size <= 0:
             return
+        b = self.bucket(batch_size)
+        if other_tokens and (not speculative, b) in self._sums:
+            self._sums[(not speculative, b)][0] += other_tokens
+        if seconds <= 0:
+            return
+        key = (speculative, b)
+        self.seconds[speculative] += seconds
+        if self._warm.get(key, 0) < self.warmup_steps:  # a mode's first steps may pay one-time costs
+            self._warm[key] = self._warm.get(key, 0) + 1
+            return
+        if not self._explored.get(b):  # the regret budget grows with the faster mode's time only
+            self._since[b] = self._since.get(b, 0.0) + seconds
+        sums = self._sums.get(key)
+        if sums is None:
+            self._sums[key] = [float(num_output_tokens), seconds, 1.0]
+        else:
+            d = self.decay
+            sums[0], sums[1], sums[2] = d * sums[0] + num_output_tokens, d * sums[1] + seconds, d * sums[2] + 1
+
+    def charge(self, speculative: bool, batch_size: int, seconds: float) -> None:
+        """Add ``seconds`` to a mode's time without a step (the engine charges speculation the refill of
+        the pipeline after a drafting step: the next plain step's host work, which nothing overlapped)."""
         key = (speculative, self.bucket(batch_size))
-        if key not in self._seen:  # a mode's first step at a batch size may pay one-time costs (compiles)
-            self._seen.add(key)
-            return
-        self._since[key[1]] = self._since.get(key[1], 0.0) + seconds
-        tokens, secs = self._sums.get(key, (0.0, 0.0))
-        d = self.decay if key in self._sums else 0.0
-        self._sums[key] = (d * tokens + (1 - d) * num_output_tokens, d * secs + (1 - d) * seconds)
+        if seconds > 0 and key in self._sums:
+            self.seconds[speculative] += seconds
+            self._since[key[1]] = self._since.get(key[1], 0.0) + seconds
+            self._sums[key][1] += seconds
 
 
 def choose_num_drafts(confidence: torch.Tensor, num_base_tokens: int, base_tokens_out: float, a: float, b: float,

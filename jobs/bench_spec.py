@@ -54,6 +54,9 @@ class SpecBenchSpec:
         methods: names of the configs to run, from ``plain``, ``ngram``, ``ngram-confidence``,
             ``self-draft``, ``self-draft-confidence``, ``mtp``, ``mtp-confidence`` (DeepSeek-V3 with
             ``num_nextn_predict_layers`` > 0); ``plain`` is always run first (the speedups' base).
+            ``ngram-gate-plain`` is n-gram confidence with the gate held at plain decoding: what the
+            confidence engine's plain steps cost against a plain engine's (the gate's ceiling where
+            speculation loses).
         num_kv_blocks: KV blocks of each engine (and of the draft's own cache).
     """
 
@@ -69,11 +72,14 @@ METHODS = {
     "plain": {},
     "ngram": {"method": "ngram"},
     "ngram-confidence": {"method": "ngram", "schedule": "confidence"},
+    "ngram-gate-plain": {"method": "ngram", "schedule": "confidence"},  # the gate held at plain (see below)
     "self-draft": {"method": "draft_model"},
     "self-draft-confidence": {"method": "draft_model", "schedule": "confidence"},
     "mtp": {"method": "mtp"},
     "mtp-confidence": {"method": "mtp", "schedule": "confidence"},
 }
+
+GATE_HELD_PLAIN = {"ngram-gate-plain"}
 
 
 def spec_model_kwargs(spec: SpecBenchSpec, model_config, sections) -> dict | None:
@@ -143,6 +149,8 @@ def run_spec_section(spec: SpecBenchSpec, model_config, engine_config, model, to
                 gc.collect()
                 bl.release_device_memory()
             engine = LLMEngine(model_config, cfg, model=model, tokenizer=tokenizer)
+            if name in GATE_HELD_PLAIN:
+                engine.gate.speculate = lambda batch_size: False
             bl.warm_up(engine, cfg.block_size)
             run = bl.run_offline(engine, items, request_prefix=f"spec-{name}")
             summary = run.summary()

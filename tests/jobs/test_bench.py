@@ -283,15 +283,17 @@ def test_spec_section_rows_compare_speed_and_outputs_with_plain():
                                    num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
                                    architectures=["LlamaForCausalLM"])
     model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
-    spec = SpecBenchSpec(batches=[2], output_len=6, num_kv_blocks=128, methods=["plain", "ngram", "self-draft"])
+    spec = SpecBenchSpec(batches=[2], output_len=6, num_kv_blocks=128, methods=["plain", "ngram", "self-draft",
+                                                                                 "ngram-gate-plain"])
     lines = []
     rows = run_spec_section(spec, ModelConfig("tiny-llama", max_model_len=512),
                             EngineConfig(device="cpu", async_scheduling=False), model,
                             load_tokenizer("SmolLM2-135M-Instruct"), line=lines.append)
-    assert [r["method"] for r in rows] == ["plain", "ngram", "self-draft"] and len(lines) == 3
+    assert [r["method"] for r in rows] == ["plain", "ngram", "self-draft", "ngram-gate-plain"] and len(lines) == 4
     assert rows[0]["speedup"] == 1.0 and all(r["fraction_outputs_equal_plain"] == 1.0 for r in rows)
     assert rows[2]["spec_num_drafts_accepted"] == rows[2]["spec_num_drafts_verified"] > 0  # drafting for itself
     assert all(r["num_output_tokens"] == 12 for r in rows)
+    assert rows[3]["spec_num_drafts_proposed"] == 0 and "spec_gate_plain_s" in rows[3]  # the gate held plain
 
 
 def _earlier_result(path, model, output_tok_s):
