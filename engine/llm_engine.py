@@ -888,6 +888,7 @@ class LLMEngine:
                 "num_local_blocks": kv.local_pool.num_blocks} if kv.local_pool is not None else {}),
             **({**self.spec_stats.to_dict(), "num_spec_gated_steps": self.gate.num_plain_steps,
                 "spec_gate_plain_steps": self.gate.num_plain_steps,
+                "spec_gate_drafting_steps": self.gate.num_drafting_steps,
                 "spec_gate_explore_steps": self.gate.num_explore_steps,
                 "spec_gate_plain_s": self.gate.seconds[False], "spec_gate_drafting_s": self.gate.seconds[True]}
                if self.proposer is not None else {}),

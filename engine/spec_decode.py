@@ -742,6 +742,7 @@ class SpeculationGate:
         self._exploring: dict[int, tuple[bool, int]] = {}  # bucket -> (mode re-measured, steps left)
         self._explored: dict[int, bool] = {}  # bucket -> whether its last step re-measured the slower mode
         self.num_plain_steps = 0  # decode steps the gate kept plain (engine stats)
+        self.num_drafting_steps = 0  # decode steps the gate let draft
         self.num_explore_steps = 0  # steps of the slower mode, to re-measure it
         self.seconds = {False: 0.0, True: 0.0}  # seconds recorded per mode (engine stats)
 
@@ -784,7 +785,9 @@ class SpeculationGate:
                     self._explored[b] = True
                     if self.explore_steps > 1:
                         self._exploring[b] = (choice, self.explore_steps - 1)
-        if not choice:
+        if choice:
+            self.num_drafting_steps += 1
+        else:
             self.num_plain_steps += 1
         return choice
 
