@@ -663,8 +663,14 @@ class LLMEngine:
             outputs += prev_outputs
         if self.proposer is not None and not sched.is_empty:
             seconds = time.perf_counter() - started
-            self.step_time.update(sched.num_scheduled_tokens, seconds)
-            if sched.num_scheduled_tokens == len(sched.scheduled) + num_drafts:  # a pure decode step
+            pure_decode = sched.num_scheduled_tokens == len(sched.scheduled) + num_drafts
+            if speculating or not (pure_decode and self.async_scheduling):
+                # pipelined plain decode steps are left out: a call there takes max(host, device) of two
+                # overlapped steps, not a + b * tokens, and beside drained drafting steps the fit read the
+                # pipeline's saving as a cost per token (at batch 1, a 1-token pipelined step against a
+                # 3-5-token drained one), so the per-draft schedule verified few drafts
+                self.step_time.update(sched.num_scheduled_tokens, seconds)
+            if pure_decode:
                 batch = len(sched.scheduled)
                 num_tokens = _num_tokens(outputs[len(drained):])
                 if (not speculating and self._last_speculative and not had_inflight

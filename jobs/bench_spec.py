@@ -19,6 +19,7 @@ none accepted), so those rows measure the proposer's overhead per step, not a sp
 from __future__ import annotations
 
 import gc
+import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +59,9 @@ class SpecBenchSpec:
             confidence engine's plain steps cost against a plain engine's (the gate's ceiling where
             speculation loses).
         num_kv_blocks: KV blocks of each engine (and of the draft's own cache).
+        repeats: runs of every method per batch, interleaved (plain, the others, plain, ...); a row then
+            reports the median run's throughput (``output_tok_s_runs``: all of them) and the speedup of
+            medians. The H200 moved a method's throughput by up to 40% between single runs.
     """
 
     batches: list[int] = field(default_factory=lambda: [1, 8, 32, 128])
@@ -66,6 +70,7 @@ class SpecBenchSpec:
     methods: list[str] = field(default_factory=lambda: ["plain", "ngram", "ngram-confidence", "self-draft",
                                                         "self-draft-confidence"])
     num_kv_blocks: int = 8192
+    repeats: int = 1
 
 
 METHODS = {
@@ -133,44 +138,53 @@ def run_spec_section(spec: SpecBenchSpec, model_config, engine_config, model, to
     rows = []
     for batch in spec.batches:
         items = spec_workload(tokenizer, batch, spec.output_len)
-        base, base_outputs = None, []
-        for name in names:
-            sc = SpeculativeConfig(**METHODS[name], num_draft_tokens=spec.num_draft_tokens) if METHODS[name] \
-                else SpeculativeConfig()
-            cfg = dataclasses.replace(engine_config, max_num_seqs=batch, num_kv_blocks=spec.num_kv_blocks,
-                                      speculative=sc)
-            if name == "plain" and resolve_device(cfg.device).type == "cuda":
-                # an untimed pass on a throwaway engine (no prefix cache carried over): kernels for this
-                # batch's prefill sizes compile there, not in the base run (a 0.8 s first TTFT at batch 32
-                # once inflated every speedup of that batch)
-                warm = LLMEngine(model_config, cfg, model=model, tokenizer=tokenizer)
-                bl.run_offline(warm, items, request_prefix="spec-warm")
-                del warm
+        runs: dict[str, list[tuple[dict, dict, list]]] = {name: [] for name in names}
+        for rep in range(max(spec.repeats, 1)):
+            for name in names:
+                sc = SpeculativeConfig(**METHODS[name], num_draft_tokens=spec.num_draft_tokens) if METHODS[name] \
+                    else SpeculativeConfig()
+                cfg = dataclasses.replace(engine_config, max_num_seqs=batch, num_kv_blocks=spec.num_kv_blocks,
+                                          speculative=sc)
+                if name == "plain" and rep == 0 and resolve_device(cfg.device).type == "cuda":
+                    # an untimed pass on a throwaway engine (no prefix cache carried over): kernels for this
+                    # batch's prefill sizes compile there, not in the base run (a 0.8 s first TTFT at batch 32
+                    # once inflated every speedup of that batch)
+                    warm = LLMEngine(model_config, cfg, model=model, tokenizer=tokenizer)
+                    bl.run_offline(warm, items, request_prefix="spec-warm")
+                    del warm
+                    gc.collect()
+                    bl.release_device_memory()
+                engine = LLMEngine(model_config, cfg, model=model, tokenizer=tokenizer)
+                if name in GATE_HELD_PLAIN:
+                    engine.gate.speculate = lambda batch_size: False
+                bl.warm_up(engine, cfg.block_size)
+                run = bl.run_offline(engine, items, request_prefix=f"spec-{name}")
+                runs[name].append((run.summary(), engine.stats(), [t.token_ids for t in run.timings]))
+                del engine
                 gc.collect()
                 bl.release_device_memory()
-            engine = LLMEngine(model_config, cfg, model=model, tokenizer=tokenizer)
-            if name in GATE_HELD_PLAIN:
-                engine.gate.speculate = lambda batch_size: False
-            bl.warm_up(engine, cfg.block_size)
-            run = bl.run_offline(engine, items, request_prefix=f"spec-{name}")
-            summary = run.summary()
-            stats = engine.stats()
-            del engine
-            gc.collect()
-            bl.release_device_memory()
-            outputs = [t.token_ids for t in run.timings]
-            if base is None:
-                base, base_outputs = summary["output_tok_s"], outputs
+        base_runs = [summary["output_tok_s"] for summary, _, _ in runs["plain"]]
+        base = statistics.median(base_runs)
+        base_outputs = runs["plain"][0][2]
+        for name in names:
+            rates = [summary["output_tok_s"] for summary, _, _ in runs[name]]
+            # the run whose throughput is the median (the lower middle one for an even count)
+            summary, stats, outputs = sorted(runs[name], key=lambda r: r[0]["output_tok_s"])[(len(rates) - 1) // 2]
             # greedy: speculation never changes the output, except where the verification's kernels round
             # a near tie differently from plain decode's (bf16 on the GPU without engine.batch_invariant)
             same = sum(a == b for a, b in zip(outputs, base_outputs)) / len(outputs)
-            row = {"batch": batch, "method": name, **summary, "speedup": summary["output_tok_s"] / base,
+            row = {"batch": batch, "method": name, **summary, "output_tok_s": statistics.median(rates),
+                   "speedup": statistics.median(rates) / base,
+                   **({"output_tok_s_runs": rates, "speedup_runs": [r / p for r, p in zip(rates, base_runs)]}
+                      if len(rates) > 1 else {}),
                    "fraction_outputs_equal_plain": same,
                    **{k: v for k, v in stats.items() if k.startswith("spec_")}}
             rows.append(row)
             acc = f", accepted length {row['spec_mean_accepted_length']:.2f}" if "spec_mean_accepted_length" in row \
                 else ""
-            line(f"  spec B={batch:<4} {name:<22} {summary['output_tok_s']:10.1f} out tok/s  "
-                 f"TPOT p50 {summary['median_tpot_ms'] or 0:.2f} ms  {row['speedup']:.2f}x{acc}, "
+            spread = f" (runs {min(row['speedup_runs']):.2f}-{max(row['speedup_runs']):.2f}x)" \
+                if "speedup_runs" in row else ""
+            line(f"  spec B={batch:<4} {name:<22} {row['output_tok_s']:10.1f} out tok/s  "
+                 f"TPOT p50 {summary['median_tpot_ms'] or 0:.2f} ms  {row['speedup']:.2f}x{spread}{acc}, "
                  f"{same:.0%} of outputs equal plain's")
     return rows

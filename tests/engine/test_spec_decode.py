@@ -325,12 +325,18 @@ def test_gate_credits_tokens_to_the_mode_that_computed_them(tiny_pair, tokenizer
         record(speculative, batch_size, num_output_tokens, seconds, other_tokens)
 
     engine.gate.record = spy
+    fitted = []  # (drafting step, tokens) of the steps the per-draft schedule's StepTimeModel fits
+    update = engine.step_time.update
+    engine.step_time.update = lambda n, secs: (fitted.append((bool(mode) and mode[-1], n)), update(n, secs))[1]
     got = engine.generate(prompts, params)
     assert [c.output_token_ids for c in got] == [c.output_token_ids for c in plain]
     assert launched[True] >= 20
     # the last decode step's tokens come back in a call that schedules nothing (not measured)
     assert launched[True] - len(prompts) <= credited[True] <= launched[True], (launched, credited)
     assert launched[False] - len(prompts) <= credited[False] <= launched[False], (launched, credited)
+    # pipelined plain decode steps are not fitted (a call there overlaps two steps): only drafting and
+    # prefill steps are
+    assert any(spec for spec, _ in fitted) and all(spec or n > len(prompts) for spec, n in fitted), fitted
 
 
 def test_calibrator_learns_acceptance_from_verifications():

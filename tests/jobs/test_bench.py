@@ -284,7 +284,7 @@ def test_spec_section_rows_compare_speed_and_outputs_with_plain():
                                    architectures=["LlamaForCausalLM"])
     model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
     spec = SpecBenchSpec(batches=[2], output_len=6, num_kv_blocks=128, methods=["plain", "ngram", "self-draft",
-                                                                                 "ngram-gate-plain"])
+                                                                                 "ngram-gate-plain"], repeats=2)
     lines = []
     rows = run_spec_section(spec, ModelConfig("tiny-llama", max_model_len=512),
                             EngineConfig(device="cpu", async_scheduling=False), model,
@@ -293,6 +293,8 @@ def test_spec_section_rows_compare_speed_and_outputs_with_plain():
     assert rows[0]["speedup"] == 1.0 and all(r["fraction_outputs_equal_plain"] == 1.0 for r in rows)
     assert rows[2]["spec_num_drafts_accepted"] == rows[2]["spec_num_drafts_verified"] > 0  # drafting for itself
     assert all(r["num_output_tokens"] == 12 for r in rows)
+    assert all(len(r["speedup_runs"]) == 2 and r["output_tok_s"] == pytest.approx(sum(r["output_tok_s_runs"]) / 2)
+               for r in rows)  # two runs each: the median is their mean
     assert rows[3]["spec_num_drafts_proposed"] == 0 and "spec_gate_plain_s" in rows[3]  # the gate held plain
 
 
