@@ -339,6 +339,27 @@ def test_gate_credits_tokens_to_the_mode_that_computed_them(tiny_pair, tokenizer
     assert any(spec for spec, _ in fitted) and all(spec or n > len(prompts) for spec, n in fitted), fitted
 
 
+def test_gate_times_a_step_up_to_the_next_call(tiny_pair, tokenizer):
+    """A decode call is measured up to the next call (the caller's work on its outputs is part of a step's
+    cost, and speculation saves it by taking fewer steps), a gap longer than the call counting as the
+    call's length (the caller idled); a refill of the pipeline is charged to speculation."""
+    engine = _tiny_spec_engine(tiny_pair, tokenizer, dict(method="ngram", schedule="confidence"))
+    got = []
+    engine.gate.record = lambda *args, **kw: got.append(("record", args, kw))
+    engine.gate.charge = lambda *args: got.append(("charge", args))
+    engine._gate_sample = (False, 4, 3, 1, False, 10.0, 10.010)  # a plain call of 10 ms, one drafting step's token
+    engine._flush_gate_sample(10.013)  # the caller took 3 ms
+    engine._flush_gate_sample(10.5)  # nothing pending: nothing recorded
+    engine._gate_sample = (True, 4, 12, 0, False, 20.0, 20.010)
+    engine._flush_gate_sample(25.0)  # idle for 5 s: counts as 10 ms
+    engine._gate_sample = (False, 4, 0, 0, True, 30.0, 30.002)
+    engine._flush_gate_sample(30.003)
+    assert [(kind, args[:-1]) for kind, args, *_ in got] == [
+        ("record", (False, 4, 3)), ("record", (True, 4, 12)), ("charge", (True, 4))]
+    assert [g[1][-1] for g in got] == pytest.approx([0.013, 0.020, 0.003])
+    assert got[0][2] == {"other_tokens": 1} and got[1][2] == {"other_tokens": 0}
+
+
 def test_calibrator_learns_acceptance_from_verifications():
     cal = AcceptanceCalibrator(max_drafts=3)
     d = Draft([1, 2], probs=[0.05, 0.05])  # a flat drafter whose drafts are nonetheless always accepted
