@@ -22,13 +22,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn import functional as F
 
 from rayinfer.kernels.activation import silu_and_mul
 from rayinfer.kernels.batch_invariant import is_batch_invariant
 from rayinfer.kernels.block_fp8 import FP8_DTYPE, WEIGHT_BLOCK, block_fp8_dequant_ref, quantize_block_fp8, scale_shape
 from rayinfer.kernels.fused_moe import ExpertMap, fused_moe, fused_moe_slots, quantize_w13, sum_slots
 from rayinfer.kernels.moe_routing import grouped_topk, softmax_topk  # noqa: F401 (the models' routers)
+from rayinfer.model.ep_dispatch import DispatchCounters, all_to_all_moe, is_capturing
 from rayinfer.model.quantization import SCALE_SUFFIX, adapt_checkpoint, linear
 
 
@@ -108,17 +108,20 @@ class RoutedExperts(nn.Module):
     expert by this rank, for EPLB) and ``phy2log`` [P].
 
     Expert-parallel forward (every rank of the group must call it at the same step, with any number
-    of tokens, zero included): 1. all-gather the tokens and their routing, padded to the largest
-    count; 2. map each (token, slot) to a physical replica, the ``row % replica_count``-th of its
-    logical expert (row = index in the gathered batch), deterministic on every rank; 3. compute the
-    contributions of this rank's slots; 4. sum over ranks (reduce-scatter on NCCL, all-reduce on gloo)
-    and keep this rank's rows. The result equals ep=1 up to float summation order.
+    of tokens, zero included): dispatch and combine by all-to-all (:mod:`rayinfer.model.ep_dispatch`):
+    each (token, slot) pair goes to replica ``(token * ep + rank) % replica_count`` of its logical
+    expert, each token travels once to each rank that holds one of its slots, that rank runs its fused
+    MoE over what it received, and the outputs come back by the reverse all-to-all to be summed at
+    home. The result equals ep=1 up to float summation order. ``dispatch_capacity`` (None: exact
+    splits, one count exchange read by the host) sets fixed-size buffers of that many rows per rank
+    pair instead (no host read; taken as the batch size while a CUDA graph is captured, so every rank
+    must then replay the same padded size). ``dispatch_counters`` counts the rows moved.
 
-    In batch-invariant mode (``kernels.batch_invariant``) step 3 keeps each (token, slot)'s output apart
-    ([N, k, H] float32, :func:`~rayinfer.kernels.fused_moe.fused_moe_slots`), so step 4 adds one
-    nonzero term per element (exact in any order: the collectives' order follows the row's place in
-    the buffer), and the home rank then adds a token's k outputs in slot order: its row is the bits of
-    ep=1 whatever the other ranks hold, for k float32 rows per token in the collective instead of one.
+    In batch-invariant mode (``kernels.batch_invariant``) each (token, slot)'s output is kept apart
+    ([N, k, H] float32, :func:`~rayinfer.kernels.fused_moe.fused_moe_slots`) on the rank that computed
+    it and comes back as such, and the home rank adds a token's k outputs in slot order: its row is the
+    bits of ep=1 whatever the other ranks hold, for k float32 rows per token on the way back instead
+    of one.
     """
 
     def __init__(
@@ -148,6 +151,8 @@ class RoutedExperts(nn.Module):
             raise ValueError(f"{self.num_physical_experts} physical experts do not split over {self.ep_size} ranks")
         self.num_local_experts = self.num_physical_experts // self.ep_size
         self.first_local = self.ep_rank * self.num_local_experts
+        self.dispatch_capacity: int | None = None
+        self.dispatch_counters = DispatchCounters()
         kw = dict(dtype=dtype, device=device)
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_local_experts, 2 * intermediate_size, hidden_size, **kw))
         self.down_proj = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, intermediate_size, **kw))
@@ -299,36 +304,26 @@ class RoutedExperts(nn.Module):
 
     def _forward_ep(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         ids = topk_ids.reshape(-1).long()
-        self.expert_counts.index_add_(0, ids, torch.ones_like(ids))
-        num_tokens = topk_ids.shape[0]
-        sizes = self._all_gather(torch.tensor([num_tokens], dtype=torch.int64, device=hidden.device))
-        max_tokens = int(sizes.max())
-        if max_tokens == 0:
-            return torch.zeros_like(hidden)
-        pad = max_tokens - num_tokens
-        hidden_all = self._all_gather(F.pad(hidden, (0, 0, 0, pad)))
-        ids_all = self._all_gather(F.pad(topk_ids.long(), (0, 0, 0, pad), value=-1))
-        weights_all = self._all_gather(F.pad(topk_weights, (0, 0, 0, pad)))
+        self.expert_counts.index_add_(0, ids.clamp(min=0), (ids >= 0).long())
         invariant = is_batch_invariant()
         moe = fused_moe_slots if invariant else fused_moe
-        partial = moe(hidden_all, self.w13, self.w2, ids_all, weights_all, self.expert_map, **self._scales())
-        if invariant:  # [N, k, H] float32 -> [N, k * H]: one nonzero term per element over the ranks
-            partial = partial.reshape(partial.shape[0], -1)
-        if dist.get_backend(self.group) == "nccl":
-            out = partial.new_empty((max_tokens, partial.shape[1]))
-            dist.reduce_scatter_tensor(out, partial, group=self.group)
-        else:  # gloo has no reduce-scatter
-            dist.all_reduce(partial, group=self.group)
-            out = partial[self.ep_rank * max_tokens : (self.ep_rank + 1) * max_tokens]
-        out = out[:num_tokens]
-        if invariant:
-            out = sum_slots(out.view(num_tokens, topk_ids.shape[1], -1)).to(hidden.dtype)
-        return out
+        scales = self._scales()
 
-    def _all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        parts = [torch.empty_like(x) for _ in range(self.ep_size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts)
+        def experts(rows: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+            if rows.shape[0] == 0:  # nothing came here (the collectives still ran)
+                shape = (0, slot_ids.shape[1], rows.shape[1]) if invariant else (0, rows.shape[1])
+                return rows.new_zeros(shape, dtype=torch.float32 if invariant else rows.dtype)
+            return moe(rows, self.w13, self.w2, slot_ids, weights, None, **scales)
+
+        capacity = self.dispatch_capacity
+        if capacity is None and is_capturing(hidden):
+            capacity = hidden.shape[0]  # a graph: every rank replays the same padded batch size
+        out = all_to_all_moe(hidden, topk_ids, topk_weights, experts, group=self.group, log2phy=self.log2phy,
+                             replica_counts=self.replica_counts, num_local=self.num_local_experts,
+                             capacity=capacity, counters=self.dispatch_counters)
+        if invariant:  # [T, k, H] float32, each slot's output from the rank that computed it
+            out = sum_slots(out).to(hidden.dtype)
+        return out
 
     def read_expert_counts(self, reset: bool = False) -> torch.Tensor:
         """Tokens this rank routed to each logical expert since the last reset: [L] int64 (a copy)."""

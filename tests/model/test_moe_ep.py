@@ -102,8 +102,9 @@ def check_layer(group) -> None:
     want = full(x[mine], ids[mine], w[mine])
     all_counts = torch.bincount(ids.flatten(), minlength=NUM_EXPERTS)
 
-    for phy2log in [None, torch.tensor(REDUNDANT)]:
+    for phy2log, capacity in [(None, None), (None, 12), (torch.tensor(REDUNDANT), None), (torch.tensor(REDUNDANT), 9)]:
         layer = RoutedExperts(NUM_EXPERTS, HIDDEN, INTER, group=group, phy2log=phy2log)
+        layer.dispatch_capacity = capacity  # None: exact splits; else fixed-size buffers (the CUDA-graph layout)
         if phy2log is None:
             layer.load_stacked("gate_up_proj", full.gate_up_proj.data)
             layer.load_stacked("down_proj", full.down_proj.data)
@@ -114,6 +115,14 @@ def check_layer(group) -> None:
                 layer.load_expert_weight(e, "down_proj", full.down_proj.data[e])
         assert layer.num_local_experts == layer.num_physical_experts // world
         torch.testing.assert_close(layer(x[mine], ids[mine], w[mine]), want, **TOL)
+        moved = layer.dispatch_counters
+        assert moved.num_exchanges == 1
+        if phy2log is None:  # no replicas: a token goes exactly to the ranks holding its experts, once to each
+            homes = ids[mine] // layer.num_local_experts
+            assert moved.num_rows_sent == sum(len(set(row)) for row in homes.tolist()), (rank, capacity)
+        rows = torch.tensor([moved.num_rows_sent, moved.num_rows_received])
+        dist.all_reduce(rows, group=group)
+        assert rows[0] == rows[1] and rows[0] <= sum(counts) * min(TOP_K, world)
         local_counts = layer.read_expert_counts(reset=True)
         assert local_counts.sum() == counts[rank] * TOP_K
         dist.all_reduce(local_counts, group=group)
@@ -176,7 +185,8 @@ def check_qwen3_model(group) -> None:
 
 def check_batch_invariant_layer(group) -> None:
     """Batch-invariant mode: 3 probe tokens on every rank, placed among 0..8 random companions (another
-    count on each rank and in each of 3 trials, so the probes sit at other rows of the gathered batch),
+    count on each rank and in each of 4 trials, exact and fixed-capacity dispatch alternating, so the
+    probes sit at other rows of the dispatched buffers),
     through the layer with redundant experts: the bits of the one-process layer on the probes alone.
     Top-4 routing: with two experts per token any order of adding them gives the same bits."""
     rank, top_k = dist.get_rank(group), 4
@@ -195,7 +205,8 @@ def check_batch_invariant_layer(group) -> None:
     probe = tokens(3, torch.Generator().manual_seed(5))
     with batch_invariant_mode():
         want = full(*probe)
-        for trial in range(3):
+        for trial in range(4):
+            layer.dispatch_capacity = None if trial % 2 == 0 else 11  # exact splits, then fixed-size buffers
             gen = torch.Generator().manual_seed(100 * trial + rank)
             n = int(torch.randint(0, 9, (), generator=gen))
             at = int(torch.randint(0, n + 1, (), generator=gen))
