@@ -99,6 +99,30 @@ class ExpertParallelism:
         return table if table.dim() == 1 else table[moe_layer]
 
 
+@dataclass
+class PlacementMove:
+    """An expert-placement change in flight (:meth:`RoutedExperts.start_placement`).
+
+    Attributes:
+        phy2log: [P] int64, the map to switch to.
+        incoming: new slot p -> its weights (and fp8 scales) as one uint8 buffer, for this rank's slots
+            that change (filled in the background when they come from another rank).
+        works: the posted sends and receives.
+    """
+
+    phy2log: torch.Tensor
+    incoming: dict[int, torch.Tensor]
+    works: list
+
+    def is_done(self) -> bool:
+        """Whether every transfer of this rank has completed (no wait)."""
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+
+
 class RoutedExperts(nn.Module):
     """The routed experts of one MoE layer, stacked, optionally spread over an expert-parallel group.
 
@@ -404,17 +428,36 @@ class RoutedExperts(nn.Module):
 
     @torch.no_grad()
     def update_placement(self, new_phy2log: torch.Tensor) -> None:
-        """Switch to a new physical-to-logical map, moving expert weights in place (collective).
+        """Switch to a new physical-to-logical map now, moving expert weights in place (collective):
+        :meth:`start_placement` then :meth:`finish_placement`.
 
-        Every rank of the group calls it with the same map at the same step. A slot whose logical expert
-        changes is filled from a replica on its own rank when there is one, else from the first old
-        replica (point-to-point send/recv). Parameters keep their storage; the map buffers are replaced
-        (a captured CUDA graph must be recaptured). Expert counts are logical and are kept.
+        Every rank of the group calls it with the same map at the same step.
+
+        Raises:
+            ValueError: if P changes or the map is invalid (nothing is modified then).
+        """
+        self.finish_placement(self.start_placement(new_phy2log))
+
+    @torch.no_grad()
+    def start_placement(self, new_phy2log: torch.Tensor, group: Any = None) -> "PlacementMove":
+        """Start moving expert weights for a new physical-to-logical map, without switching to it: the layer
+        keeps computing with its current map and weights until :meth:`finish_placement`.
+
+        A slot whose logical expert changes is filled from a replica on its own rank when there is one,
+        else from the first old replica on another rank (point-to-point send/recv, posted here and
+        completed in the background). The weights to send are copied now, so steps may run meanwhile.
+        Every rank of the group calls it with the same map (at any step; the sends and receives match by
+        tag). ``group``: the process group of the moves, the ranks of :attr:`group` in the same order;
+        give a group of its own while steps run (NCCL and gloo order one group's operations, so moves
+        posted between a step's collectives would otherwise interleave with them); None uses the layer's.
 
         Args:
             new_phy2log: [P] int, P unchanged (EPLB keeps the slot count fixed).
+        Returns:
+            the move in flight; its staging buffers hold one copy of each slot this rank sends or receives.
         Raises:
-            ValueError: if P changes or the map is invalid (nothing is modified then).
+            ValueError: if P changes, the map is invalid, or the layer has fused shared experts (nothing
+                is posted then).
         Source: after DeepSeek EPLB's rebalancing step and vLLM's ``rearrange_expert_weights_inplace``.
         """
         new = torch.as_tensor(new_phy2log, dtype=torch.int64).cpu()
@@ -435,23 +478,33 @@ class RoutedExperts(nn.Module):
             same_rank = [q for q in replicas[e] if q // per == p // per]
             q = same_rank[0] if same_rank else replicas[e][0]
             plan.append((p, q // per, q))
+        group = group if group is not None else self.group
         me = self.ep_rank
         sources = {q: self._pack(q - self.first_local) for _, src, q in plan if src == me}
         received, pending = {}, []
         for p, src, q in plan:
             dst = p // per
             if src == me and dst != me:
-                pending.append(dist.isend(sources[q], dist.get_global_rank(self.group, dst), group=self.group, tag=p))
+                pending.append(dist.isend(sources[q], dist.get_global_rank(group, dst), group=group, tag=p))
             elif dst == me and src != me:
                 size = sum(t[0].numel() * t.element_size() for t in self._slot_params())
                 received[p] = torch.empty(size, dtype=torch.uint8, device=self.gate_up_proj.device)
-                pending.append(dist.irecv(received[p], dist.get_global_rank(self.group, src), group=self.group, tag=p))
-        for work in pending:
-            work.wait()
-        for p, src, q in plan:
-            if p // per == me:
-                self._unpack(p - self.first_local, sources[q] if src == me else received[p])
-        self._set_placement(new)
+                pending.append(dist.irecv(received[p], dist.get_global_rank(group, src), group=group, tag=p))
+        incoming = {p: sources[q] if src == me else received[p] for p, src, q in plan if p // per == me}
+        return PlacementMove(new, incoming, pending)
+
+    @torch.no_grad()
+    def finish_placement(self, move: "PlacementMove") -> None:
+        """Wait for a move's transfers, copy its weights into their slots and switch to its map.
+
+        Every rank of the group calls it at the same step (the map must change everywhere at once).
+        Parameters keep their storage; the map buffers are replaced (a captured CUDA graph must be
+        recaptured). Expert counts are logical and are kept.
+        """
+        move.wait()
+        for p, flat in move.incoming.items():
+            self._unpack(p - self.first_local, flat)
+        self._set_placement(move.phy2log)
 
     def _slot_params(self) -> list[torch.Tensor]:
         return [p for name in _STACKED_NAMES if (p := self._parameters.get(name)) is not None]
@@ -486,12 +539,23 @@ class MoEModelMixin:
         return torch.stack([layer.read_expert_counts(reset) for layer in self.expert_layers()])
 
     def update_expert_placement(self, phy2log: torch.Tensor) -> None:
-        """Apply EPLB's new map, [num_moe_layers, P], to every MoE layer (collective; see ``update_placement``)."""
+        """Apply EPLB's new map, [num_moe_layers, P], to every MoE layer now (collective; see
+        ``RoutedExperts.update_placement``)."""
+        self.finish_expert_placement(self.start_expert_placement(phy2log))
+
+    def start_expert_placement(self, phy2log: torch.Tensor, group: Any = None) -> list[PlacementMove]:
+        """Start moving every MoE layer's weights to EPLB's new map, [num_moe_layers, P], in the background
+        (``RoutedExperts.start_placement``; ``group``: a process group for the moves). Raises ValueError
+        for a map of the wrong shape (nothing is posted then)."""
         layers = self.expert_layers()
         if len(phy2log) != len(layers):
             raise ValueError(f"phy2log has {len(phy2log)} rows for {len(layers)} MoE layers")
-        for layer, row in zip(layers, phy2log):
-            layer.update_placement(row)
+        return [layer.start_placement(row, group) for layer, row in zip(layers, phy2log)]
+
+    def finish_expert_placement(self, moves: list[PlacementMove]) -> None:
+        """Switch every MoE layer to its started move (same step on every rank; waits for transfers)."""
+        for layer, move in zip(self.expert_layers(), moves):
+            layer.finish_placement(move)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load Hugging Face-named tensors (a safetensors checkpoint or a 5.x ``state_dict``).
