@@ -6,9 +6,10 @@ group at the same step:
 1. **route**: each (token, slot) pair of logical expert ``e`` goes to replica ``row % replicas(e)`` of ``e``
    (``row = token * ep + rank``, so ranks spread one-token steps over replicas), i.e. to physical slot
    ``p``, held by rank ``p // E`` as its local slot ``p % E`` (``E`` slots per rank);
-2. **dispatch**: each token travels once to each rank holding at least one of its slots, with its hidden
-   row, its k routing weights, and the local slot ids there (-1 for the slots computed elsewhere), all
-   packed as one byte row so one ``all_to_all_single`` moves them;
+2. **dispatch**: each token travels once to each rank holding at least one of its slots, as one byte
+   row (its hidden row, its k physical slots and its k routing weights), the same row for every
+   destination, so one ``all_to_all_single`` moves everything; a rank keeps the slots it holds and
+   skips the others;
 3. **experts**: each rank runs its fused MoE over the rows it received;
 4. **combine**: the output rows go back by the reverse all-to-all, and the home rank adds each token's
    partial sums (one per destination rank, in rank order).
@@ -62,24 +63,23 @@ def is_capturing(x: torch.Tensor) -> bool:
 
 def route_to_ranks(topk_ids: torch.Tensor, log2phy: torch.Tensor, replica_counts: torch.Tensor, ep_rank: int,
                    ep_size: int, num_local: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Destination rank and local slot of every (token, slot) pair (step 1 of the module docstring).
+    """Physical slot and destination rank of every (token, slot) pair (step 1 of the module docstring).
 
     Args:
         topk_ids: [T, k] int logical expert ids (-1 = none).
         log2phy: [L, max_replicas] int64 physical slots of each logical expert (-1 padded).
         replica_counts: [L] int64.
         ep_rank, ep_size: this rank and the group size.
-        num_local: E, physical slots per rank.
+        num_local: E, physical slots per rank (rank d holds slots ``d * E .. d * E + E - 1``).
     Returns:
-        (dest [T, k] int64 rank, -1 for a pair with no expert; slot [T, k] int64 local slot on ``dest``).
+        (physical [T, k] int64 slot, -1 for a pair with no expert; dest [T, k] int64 rank, -1 likewise).
     """
     num_tokens = topk_ids.shape[0]
     rows = torch.arange(num_tokens, device=topk_ids.device)[:, None] * ep_size + ep_rank
     valid = topk_ids >= 0
     logical = topk_ids.long().clamp(min=0)
-    physical = log2phy[logical, rows % replica_counts[logical]]
-    dest = torch.where(valid, physical // num_local, torch.full_like(physical, -1))
-    return dest, physical % num_local
+    physical = torch.where(valid, log2phy[logical, rows % replica_counts[logical]], -1)
+    return physical, torch.where(valid, physical // num_local, -1)
 
 
 def pack_rows(hidden: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -87,7 +87,7 @@ def pack_rows(hidden: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tenso
     empty) and the weights as float32.
 
     Args:
-        hidden: [..., H]; slot_ids: [..., k] int (-1 = none); weights: [..., k] float.
+        hidden: [..., H]; slot_ids: [..., k] int physical slots (-1 = none); weights: [..., k] float.
     Returns:
         [..., H * itemsize + 8 * k] uint8.
     """
@@ -106,12 +106,10 @@ def unpack_rows(rows: torch.Tensor, dtype: torch.dtype, hidden_size: int,
     return hidden, ids, weights
 
 
-def _per_rank_ids(dest: torch.Tensor, slot: torch.Tensor, ep_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mask [T, R] bool: the token goes to rank d; ids [T, R, k]: its local slot ids there, -1 elsewhere)."""
-    ranks = torch.arange(ep_size, device=dest.device)
-    at = dest[:, None, :] == ranks[None, :, None]  # [T, R, k]
-    ids = torch.where(at, slot[:, None, :], torch.full_like(at, -1, dtype=torch.int64))
-    return at.any(dim=2), ids
+def _local_slots(physical: torch.Tensor, ep_rank: int, num_local: int) -> torch.Tensor:
+    """[N, k] physical slots -> this rank's local slot ids, -1 for slots other ranks compute."""
+    local = physical - ep_rank * num_local
+    return torch.where((physical >= 0) & (local >= 0) & (local < num_local), local, -1)
 
 
 def all_to_all_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: ExpertFn, *,
@@ -139,52 +137,55 @@ def all_to_all_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
     """
     ep_size, ep_rank = dist.get_world_size(group), dist.get_rank(group)
     num_tokens, top_k = topk_ids.shape
-    hidden_size = hidden.shape[1]
-    dest, slot = route_to_ranks(topk_ids, log2phy, replica_counts, ep_rank, ep_size, num_local)
-    to_rank, ids = _per_rank_ids(dest, slot, ep_size)  # [T, R], [T, R, k]
+    physical, dest = route_to_ranks(topk_ids, log2phy, replica_counts, ep_rank, ep_size, num_local)
+    ranks = torch.arange(ep_size, device=hidden.device)
+    to_rank = (dest[:, None, :] == ranks[None, :, None]).any(dim=2)  # [T, R]: the token goes to rank d
+    packed = pack_rows(hidden, physical, topk_weights)  # the same row for every destination
+
+    def run_experts(recv: torch.Tensor) -> torch.Tensor:
+        rows, slots, weights = unpack_rows(recv, hidden.dtype, hidden.shape[1], top_k)
+        return experts(rows, _local_slots(slots, ep_rank, num_local), weights)
+
     if capacity is None:
-        back, home = _exchange_exact(hidden, ids, topk_weights, to_rank, experts, group, counters)
+        back, home = _exchange_exact(packed, to_rank, run_experts, group, counters)
         out = back.new_zeros((num_tokens, *back.shape[1:]))
         return out.index_add_(0, home, back)
     if num_tokens > capacity:
         raise ValueError(f"{num_tokens} tokens on EP rank {ep_rank} exceed the dispatch capacity {capacity}")
     # rank d's chunk holds the tokens going there, compacted: token t at row d * C + (its place among them)
     place = torch.cumsum(to_rank.long(), dim=0) - 1
-    ranks = torch.arange(ep_size, device=hidden.device)
     flat = torch.where(to_rank, ranks * capacity + place, ep_size * capacity)  # [T, R]; the extra row: unused
-    rows = pack_rows(hidden[:, None, :].expand(-1, ep_size, -1), ids, topk_weights[:, None, :].expand(-1, ep_size, -1))
-    send = torch.zeros(ep_size * capacity + 1, rows.shape[-1], dtype=torch.uint8, device=hidden.device)
-    send[flat.reshape(-1)] = rows.reshape(-1, rows.shape[-1])
+    send = torch.zeros(ep_size * capacity + 1, packed.shape[1], dtype=torch.uint8, device=hidden.device)
+    send[flat.reshape(-1)] = packed[:, None, :].expand(-1, ep_size, -1).reshape(-1, packed.shape[1])
     recv = torch.empty_like(send[:-1])
     dist.all_to_all_single(recv, send[:-1], group=group)
-    got = experts(*unpack_rows(recv, hidden.dtype, hidden_size, top_k))
+    got = run_experts(recv)
     back = torch.empty_like(got)
     dist.all_to_all_single(back, got.contiguous(), group=group)
     back = torch.cat([back, back.new_zeros((1, *back.shape[1:]))])
     if counters is not None and not is_capturing(hidden):
         counters.num_rows_sent += int(to_rank.sum())
-        counters.num_rows_received += int((unpack_rows(recv, hidden.dtype, hidden_size, top_k)[1] >= 0).any(1).sum())
+        counters.num_rows_received += int((recv[:, hidden.shape[1] * hidden.dtype.itemsize:] != 0).any(1).sum())
         counters.num_exchanges += 1
     return back[flat].sum(dim=1)  # [T, R, ...] -> each token's partial sums, rank by rank
 
 
-def _exchange_exact(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, to_rank: torch.Tensor,
-                    experts: ExpertFn, group, counters: DispatchCounters | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _exchange_exact(packed: torch.Tensor, to_rank: torch.Tensor, run_experts, group,
+                    counters: DispatchCounters | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatch, experts and combine with exact split sizes (one count exchange and one host read).
 
     Returns:
         (the partial outputs that came back [S, ...], the home token of each [S] int64), rows grouped by
         destination rank in rank order.
     """
-    dest_rank, home = to_rank.t().nonzero(as_tuple=True)  # sorted by destination, then token
+    home = to_rank.t().nonzero(as_tuple=True)[1]  # sorted by destination, then token
     send_counts = to_rank.sum(dim=0)
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts, group=group)
     send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
-    rows = pack_rows(hidden[home], ids[home, dest_rank], weights[home])
-    recv = rows.new_empty((sum(recv_splits), rows.shape[1]))
-    dist.all_to_all_single(recv, rows, recv_splits, send_splits, group=group)
-    got = experts(*unpack_rows(recv, hidden.dtype, hidden.shape[1], ids.shape[2]))
+    recv = packed.new_empty((sum(recv_splits), packed.shape[1]))
+    dist.all_to_all_single(recv, packed[home], recv_splits, send_splits, group=group)
+    got = run_experts(recv)
     back = got.new_empty((len(home), *got.shape[1:]))
     dist.all_to_all_single(back, got.contiguous(), send_splits, recv_splits, group=group)
     if counters is not None:
