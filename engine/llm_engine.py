@@ -233,7 +233,7 @@ class LLMEngine:
                             "drained", spec.method, spec.schedule)
                 self.async_scheduling = False
         self._inflight = None  # (SchedulerOutput, PendingStep, its requests) launched but not yet processed
-        if on_cuda and not cfg.enforce_eager and self.local_kv_cache is None:
+        if (on_cuda and not cfg.enforce_eager or not on_cuda and cfg.debug_eager_graphs) and self.local_kv_cache is None:
             # speculative: verification steps (each request's last token + up to k drafts) get graphs too
             def graph_query_len(model) -> int:
                 # a model may cap it (MLA: only its absorbed attention reads the lengths on the device)
@@ -241,7 +241,8 @@ class LLMEngine:
                     return 1
                 return min(spec.num_draft_tokens + 1, getattr(model, "max_graph_query_len", None) or 1 << 30)
 
-            self.runner.capture_cuda_graphs(self.max_model_len, min(cfg.max_num_seqs, 512), graph_query_len(self.model))
+            self.runner.capture_cuda_graphs(self.max_model_len, min(cfg.max_num_seqs, 512), graph_query_len(self.model),
+                                            eager=not on_cuda)
             if isinstance(self.proposer, DraftModelProposer):
                 self.proposer.capture_cuda_graphs(self.max_model_len, min(cfg.max_num_seqs, 512),
                                                   graph_query_len(self.proposer.model))
