@@ -1,7 +1,7 @@
 """Expert parallelism as Ray actors (gloo on CPU): EP=2 and EP=4 groups equal one engine (greedy), the
 ranks drive their own step loops (same steps of each kind on every rank, dummy steps on a rank without
 work, a stop reaching every rank), and EPLB rebalances a skewed workload at steps the ranks agree on
-(moe_lb falls, outputs stay the same).
+(moe_lb falls, outputs stay the same); a dead rank fails the group's requests instead of hanging.
 
 The model is a tiny random Qwen3-MoE (16 experts, top-4) saved with ``save_pretrained`` (per-expert
 checkpoint names), so every rank loads identical weights. Its routing is skewed on purpose: every token
@@ -140,6 +140,28 @@ def test_ep2_equals_ep1_with_idle_rank_and_bad_request(ray_cluster, model_config
         final = ray_cluster.get([r.stats.remote() for r in group.ranks])
         assert final[0]["num_votes"] == final[1]["num_votes"] and final[0]["num_steps"] == final[1]["num_steps"]
         assert final[0]["loop_error"] is None and final[1]["loop_error"] is None
+    finally:
+        group.shutdown()
+
+
+def test_a_dead_rank_fails_the_groups_requests_instead_of_hanging(ray_cluster, model_config, prompts):
+    """The ranks' MoE collectives cannot go on without a rank: when one dies mid-generation, every live
+    request of the group ends with an error at once (its output stream fails), and so do later adds."""
+    import threading
+
+    from rayinfer.engine.errors import EngineInternalError
+
+    group = EPEngineGroup(model_config, ENGINE, ParallelConfig(ep=2, eplb=EPLBSection(num_redundant_experts=2)),
+                          timeout_s=30)
+    try:
+        killer = threading.Timer(1.0, lambda: ray_cluster.kill(group.ranks[1]))
+        killer.start()
+        done = group.generate(prompts[:4], SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True))
+        killer.join()
+        assert all(c.finish_reason == "error" and "EP rank 1 failed" in c.error for c in done), done
+        assert not group.has_unfinished_requests()
+        with pytest.raises(EngineInternalError, match="EP rank 1 failed"):
+            group.add_requests([("late", prompts[0], SamplingParams(max_tokens=2))])
     finally:
         group.shutdown()
 
