@@ -298,6 +298,17 @@ class EPRankImpl:
         """(IP, free port) for the process group's rendezvous (asked of rank 0)."""
         return node_ip(), free_port()
 
+    @property
+    def _loop(self) -> EPStepLoop:
+        """The running loop.
+
+        Raises:
+            RuntimeError: before :meth:`start_loop`.
+        """
+        if self.loop is None:
+            raise RuntimeError(f"EP rank {self.ep_rank}: call start and start_loop first")
+        return self.loop
+
     def start(self, model_config: ModelConfig, engine_config: EngineConfig, num_physical: int,
               master_addr: str, master_port: int, backend: str, timeout_s: float = 300.0) -> dict:
         """Join the EP process group (and its gloo group for votes) and load the model with this rank's experts.
@@ -378,21 +389,21 @@ class EPRankImpl:
                      timeout_s: float = 300.0) -> dict[str, str]:
         """Hand requests (id, prompt token ids, params) to the loop; returns id -> error of the rejected
         (see :meth:`EPStepLoop.add_requests`)."""
-        return self.loop.add_requests(requests, timeout_s)
+        return self._loop.add_requests(requests, timeout_s)
 
     def abort(self, request_ids: list[str]) -> None:
         """Abort requests at the loop's next iteration (unknown ids are ignored)."""
-        self.loop.abort(request_ids)
+        self._loop.abort(request_ids)
 
     def outputs(self) -> Iterator[list[tuple[str, RequestOutput | Exception]]]:
         """The rank's outputs (call with ``num_returns="streaming"``; one consumer): see
         :meth:`EPStepLoop.outputs`."""
-        yield from self.loop.outputs()
+        yield from self._loop.outputs()
 
     # -- EPLB (any thread) -------------------------------------------------------------------------
     def load_window(self) -> torch.Tensor:
         """This rank's expert load over its window: [num_moe_layers, L] int64 (CPU)."""
-        with self.loop.lock:
+        with self._loop.lock:
             return self.window.total()
 
     def set_placement(self, phy2log: torch.Tensor, version: int) -> None:
@@ -401,18 +412,18 @@ class EPRankImpl:
         Raises:
             ValueError: an old version or a map of the wrong shape.
         """
-        self.loop.set_placement(phy2log, version)
+        self._loop.set_placement(phy2log, version)
 
     def placement(self) -> torch.Tensor:
         """The map in use: [num_moe_layers, P] int64 (CPU)."""
-        with self.loop.lock:
+        with self._loop.lock:
             return torch.stack([layer.phy2log.cpu() for layer in self.engine.model.expert_layers()])
 
     def stats(self) -> dict:
         """Engine stats plus the loop's counts (:meth:`EPStepLoop.stats`)."""
-        with self.loop.lock:
+        with self._loop.lock:
             engine = self.engine.stats()
-        return {**self.loop.stats(), **engine}
+        return {**self._loop.stats(), **engine}
 
     def is_looping(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
