@@ -73,7 +73,8 @@ class EPStepLoop:
                  on_step: Callable[[int], None] | None = None):
         self.engine, self.window, self.ep_rank = engine, window, ep_rank
         self.all_gather, self.map_shape, self.on_step = all_gather, tuple(map_shape), on_step
-        self.max_decode_steps, self.min_prefill_tokens, self.idle_wait_s = max_decode_steps, min_prefill_tokens, idle_wait_s
+        self.max_decode_steps, self.min_prefill_tokens = max_decode_steps, min_prefill_tokens
+        self.idle_wait_s = idle_wait_s
         self.num_steps = 0  # engine steps run (equal on every rank)
         self.num_votes = 0  # all-gathers of the vote (equal on every rank)
         self.num_idle_waits = 0  # iterations where no rank had work
