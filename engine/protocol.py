@@ -156,7 +156,7 @@ class EPStats:
 
     Attributes:
         ep: EP ranks.
-        num_steps: lockstep steps run.
+        num_steps: steps the EP ranks ran (every rank runs the same steps).
         moe_lb: max rank load / mean rank load over the load window (1.0 is perfect balance).
         num_rebalances: expert maps changed by EPLB so far.
         eplb_history: one summary per EPLB decision (num_steps, changed, moe_lb, moe_lb_expected, num_tokens).
