@@ -304,14 +304,16 @@ class EPEngineGroup:
 
     def stats(self) -> dict:
         """Per-rank stats (engine, steps by kind, empty steps, votes), the group's steps (rank 0's count;
-        all ranks run the same steps), and ``moe_lb`` (max/mean rank load over the last window).
+        all ranks run the same steps), ``moe_lb`` (max/mean rank load over the last window) and
+        ``rebalance_stall_s`` (the slowest rank's time spent switching expert maps).
 
         ``moe_lb`` is computed from the ranks' load windows under the current map, each expert's load
         split evenly over its replicas (``policy.eplb.rank_loads``); a window that spans a map
         switch is measured under the newer map.
         """
         ranks = ray.get([r.stats.remote() for r in self.ranks])
-        out = {"ep": len(self.ranks), "num_steps": ranks[0]["num_steps"], "ranks": ranks}
+        out = {"ep": len(self.ranks), "num_steps": ranks[0]["num_steps"], "ranks": ranks,
+               "rebalance_stall_s": max(r.get("rebalance_stall_s", 0.0) for r in ranks)}
         if self.coordinator is not None:
             out.update(ray.get(self.coordinator.stats.remote()))
         else:

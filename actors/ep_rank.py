@@ -17,6 +17,7 @@ import datetime
 import logging
 import queue
 import threading
+import time
 from typing import Callable, Iterator
 
 import ray
@@ -65,14 +66,26 @@ class EPStepLoop:
         max_decode_steps, min_prefill_tokens: the step vote's rules (``vote_step_kind``).
         idle_wait_s: how long an idle iteration waits on the inbox before voting again (seconds).
         on_step: called with the step count after every step (rank 0 tells the EPLB coordinator), or None.
+        move_group: the process group of expert-weight moves (one of their own, so that they run in the
+            background beside the steps' collectives); None: the MoE layers' group.
+
+    Expert maps change in two agreed phases (``plan_step``): the weights of an agreed version move in the
+    background (``model.start_expert_placement``) while the ranks keep stepping with the map in use, then
+    every rank switches at the first vote where all report them ready (``finish_expert_placement``). The
+    time a switch takes (waiting for transfers, copying the slots) is ``rebalance_stall_s``.
+    A decode step runs at the group's largest decode batch (``engine.runner.group_batch_size``), so that
+    every rank replays the same CUDA-graph size and its fixed-size MoE dispatch.
     """
 
     def __init__(self, engine, window: ExpertLoadWindow, ep_rank: int,
                  all_gather: Callable[[list[int]], list[list[int]]], map_shape: tuple[int, ...],
                  max_decode_steps: int = 8, min_prefill_tokens: int = 512, idle_wait_s: float = 0.03,
-                 on_step: Callable[[int], None] | None = None):
+                 on_step: Callable[[int], None] | None = None, move_group=None):
         self.engine, self.window, self.ep_rank = engine, window, ep_rank
         self.all_gather, self.map_shape, self.on_step = all_gather, tuple(map_shape), on_step
+        self.move_group = move_group
+        self.moving: tuple[int, list] | None = None  # (version, its moves in flight) between start and switch
+        self.rebalance_stall_s = 0.0  # time spent switching maps (waiting for moves, copying slots)
         self.max_decode_steps, self.min_prefill_tokens = max_decode_steps, min_prefill_tokens
         self.idle_wait_s = idle_wait_s
         self.num_steps = 0  # engine steps run (equal on every rank)
@@ -164,7 +177,7 @@ class EPStepLoop:
             return {"ep_rank": self.ep_rank, "num_steps": self.num_steps, "num_empty_steps": self.num_empty_steps,
                     "num_steps_by_kind": dict(self.num_steps_by_kind), "num_votes": self.num_votes,
                     "num_idle_waits": self.num_idle_waits, "placement_version": self.placement_version,
-                    "loop_error": self.error}
+                    "rebalance_stall_s": self.rebalance_stall_s, "loop_error": self.error}
 
     # -- the loop's thread -------------------------------------------------------------------------
     def run(self) -> None:
@@ -181,11 +194,13 @@ class EPStepLoop:
                 with self.lock:
                     if plan.placement_version is not None:
                         self._switch_placement(plan.placement_version)
+                    if plan.move_version is not None:
+                        self._start_move(plan.move_version)
                     idle = not plan.run
                     if idle:
                         self.num_idle_waits += 1
                         continue
-                    outputs, progressed = self._step(plan.step_kind)
+                    outputs, progressed = self._step(plan.step_kind, plan.graph_batch_size)
                 if outputs:
                     self._outbox.put([(out.request_id, out) for out in outputs])
                 if self.on_step is not None:
@@ -239,27 +254,43 @@ class EPStepLoop:
         """All-gather this rank's vote and plan the iteration."""
         with self.lock:
             num_prefill_tokens, num_decode = self.engine.scheduler.pending_work()
+            ready = self.placement_version
+            if self.moving is not None and all(m.is_done() for m in self.moving[1]):
+                ready = self.moving[0]
             mine = RankVote(StepVote(num_prefill_tokens, num_decode, self.num_decode_steps),
                             self.engine.has_unfinished_requests(), progressed,
-                            max(self._maps, default=self.placement_version), self._stop_requested.is_set())
+                            max(self._maps, default=self.placement_version), self._stop_requested.is_set(), ready)
         votes = [RankVote.from_list(v) for v in self.all_gather(mine.to_list())]
         self.num_votes += 1
-        return plan_step(votes, self.placement_version, self.max_decode_steps, self.min_prefill_tokens)
+        return plan_step(votes, self.placement_version, self.max_decode_steps, self.min_prefill_tokens,
+                         moving_version=self.moving[0] if self.moving is not None else None)
+
+    def _start_move(self, version: int) -> None:
+        """Start moving the weights of expert map ``version`` in the background (every rank at the same
+        iteration: the sends and receives pair up across ranks)."""
+        self.moving = (version, self.engine.model.start_expert_placement(self._maps[version], self.move_group))
 
     def _switch_placement(self, version: int) -> None:
-        """Move to expert map ``version`` (a collective: every rank calls it at the same iteration)."""
-        phy2log = self._maps[version]
+        """Switch to expert map ``version``, whose move every rank reported ready (same iteration everywhere)."""
+        assert self.moving is not None and self.moving[0] == version
+        started = time.perf_counter()
+        self.engine.model.finish_expert_placement(self.moving[1])
+        self.rebalance_stall_s += time.perf_counter() - started
         self._maps = {v: m for v, m in self._maps.items() if v > version}
-        self.engine.model.update_expert_placement(phy2log)
+        self.moving = None
         self.placement_version = version
 
-    def _step(self, step_kind: str | None) -> tuple[list[RequestOutput], bool]:
+    def _step(self, step_kind: str | None, graph_batch_size: int | None = None) -> tuple[list[RequestOutput], bool]:
         """One engine step of the agreed kind; records the step's expert load.
 
+        ``graph_batch_size``: a decode step's group batch size (the CUDA-graph size every rank replays).
         Returns:
             (the step's outputs, whether this rank computed any token).
         """
         computed = self.engine.num_computed_tokens
+        runner = getattr(self.engine, "runner", None)
+        if runner is not None:
+            runner.group_batch_size = graph_batch_size
         outputs = self.engine.step(run_empty=True, step_kind=step_kind)
         progressed = self.engine.num_computed_tokens != computed
         self.num_empty_steps += not progressed
@@ -293,6 +324,7 @@ class EPRankImpl:
         self.loop: EPStepLoop | None = None
         self._map_shape: tuple[int, ...] = ()
         self._control = None  # the gloo group of the votes
+        self._moves = None  # the process group of expert-weight moves
         self._thread: threading.Thread | None = None
 
     def address(self) -> tuple[str, int]:
@@ -315,8 +347,8 @@ class EPRankImpl:
         """Join the EP process group (and its gloo group for votes) and load the model with this rank's experts.
 
         Args:
-            model_config, engine_config: as for LLMEngine (the engine is made eager and synchronous:
-                the MoE collectives sync the host each step, and CUDA graphs cannot hold them).
+            model_config, engine_config: as for LLMEngine (the engine is made synchronous; on CUDA its
+                decode graphs are captured unless ``enforce_eager``, every rank at once).
             num_physical: P, physical experts per MoE layer.
             master_addr, master_port: rank 0's rendezvous address.
             backend: "gloo" or "nccl" (the MoE layers' collectives; votes always go over gloo).
@@ -330,14 +362,17 @@ class EPRankImpl:
         if backend == "nccl":
             torch.cuda.set_device(0)  # Ray exposes this rank's one GPU as device 0
         init_process_group(self.ep_rank, self.config.ep, master_addr, master_port, backend, timeout_s)
-        # every rank creates it in the same order, right after the default group
+        # every rank creates them in the same order, right after the default group: the votes' gloo group,
+        # and the expert-weight moves' own group (they run in the background beside the steps' collectives)
         self._control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        self._moves = dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
         group = dist.group.WORLD if self.config.ep > 1 else None
-        sync = {k: v for k, v in (("async_scheduling", False), ("enforce_eager", True))
-                if hasattr(engine_config, k)}
-        engine_config = dataclasses.replace(engine_config, **sync)
+        # synchronous steps (the loop reads each step's outputs before voting again); CUDA graphs stay on:
+        # decode steps replay the group's batch size with fixed-size dispatch buffers (EPStepLoop)
+        engine_config = dataclasses.replace(engine_config, async_scheduling=False)
         ep = ExpertParallelism(group=group, num_physical_experts=num_physical)
         self.engine = LLMEngine(model_config, engine_config, model_kwargs={"ep": ep})
+        self.engine.runner.in_group = group is not None
         model = self.engine.model
         if not hasattr(model, "expert_layers") or not model.expert_layers():
             raise ValueError(f"{type(model).__name__} has no routed-expert layers: not a MoE model")
@@ -369,7 +404,7 @@ class EPRankImpl:
                     coordinator.on_step.remote(num_steps)  # it rebalances while the ranks go on
 
         self.loop = EPStepLoop(self.engine, self.window, self.ep_rank, self._all_gather, self._map_shape,
-                               max_decode_steps, min_prefill_tokens, idle_wait_s, on_step)
+                               max_decode_steps, min_prefill_tokens, idle_wait_s, on_step, self._moves)
         self._thread = threading.Thread(target=self._run, name=f"ep-rank-{self.ep_rank}", daemon=True)
         self._thread.start()
 
@@ -423,7 +458,7 @@ class EPRankImpl:
     def stats(self) -> dict:
         """Engine stats plus the loop's counts (:meth:`EPStepLoop.stats`)."""
         with self._loop.lock:
-            engine = self.engine.stats()
+            engine = {**self.engine.stats(), "num_group_graph_steps": self.engine.runner.num_group_graph_steps}
         return {**self._loop.stats(), **engine}
 
     def is_looping(self) -> bool:

@@ -542,7 +542,7 @@ class Router:
             raw = await asyncio.to_thread(self.ep_loop.stats)
             ranks = [ReplicaStats.from_dict(r, replica_id=r["ep_rank"], role="normal") for r in raw["ranks"]]
             ep = EPStats(raw["ep"], raw["num_steps"], raw["moe_lb"], raw["num_rebalances"],
-                         raw.get("eplb_history", []))
+                         raw.get("eplb_history", []), raw.get("rebalance_stall_s", 0.0))
             return FleetStats("ep", ranks, ep=ep)
         calls = [r.stats.remote() for r in info.replicas]
         if info.kv_store is not None:

@@ -15,6 +15,7 @@ Glossary:
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -108,17 +109,40 @@ class PlacementMove:
         incoming: new slot p -> its weights (and fp8 scales) as one uint8 buffer, for this rank's slots
             that change (filled in the background when they come from another rank).
         works: the posted sends and receives.
+        poll: completion is read from the works alone (NCCL); else a helper thread waits for them (gloo).
     """
 
     phy2log: torch.Tensor
     incoming: dict[int, torch.Tensor]
     works: list
+    poll: bool = True
+
+    def __post_init__(self):
+        # gloo reports a send or receive completed only once something waited for it: a helper thread
+        # waits (gloo's waits block the host only). NCCL's query their CUDA event, and a wait there
+        # would make the device's current stream, which the steps use, wait for the move: poll instead.
+        self._waited = threading.Event()
+        if self.poll or not self.works:
+            self._waited.set()
+        else:
+            threading.Thread(target=self._wait_all, name="expert-move", daemon=True).start()
+
+    def _wait_all(self) -> None:
+        try:
+            for w in self.works:
+                w.wait()
+        finally:
+            self._waited.set()
 
     def is_done(self) -> bool:
         """Whether every transfer of this rank has completed (no wait)."""
-        return all(w.is_completed() for w in self.works)
+        return self._waited.is_set() and all(w.is_completed() for w in self.works)
 
     def wait(self) -> None:
+        """Block until the transfers are done (NCCL: their data usable by the calling thread's stream)."""
+        if not self.poll:  # the helper thread waited (a gloo work must not be waited for twice: it would hang)
+            self._waited.wait()
+            return
         for w in self.works:
             w.wait()
 
@@ -491,7 +515,7 @@ class RoutedExperts(nn.Module):
                 received[p] = torch.empty(size, dtype=torch.uint8, device=self.gate_up_proj.device)
                 pending.append(dist.irecv(received[p], dist.get_global_rank(group, src), group=group, tag=p))
         incoming = {p: sources[q] if src == me else received[p] for p, src, q in plan if p // per == me}
-        return PlacementMove(new, incoming, pending)
+        return PlacementMove(new, incoming, pending, poll=group is not None and dist.get_backend(group) == "nccl")
 
     @torch.no_grad()
     def finish_placement(self, move: "PlacementMove") -> None:

@@ -12,6 +12,7 @@ get most tokens; under the initial map they sit on half of the ranks.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 
 import pytest
@@ -101,7 +102,10 @@ def test_ep2_equals_ep1_with_idle_rank_and_bad_request(ray_cluster, model_config
     The ranks step on their own (the driver has no step to call), and one rank's stop ends both loops."""
     lengths = [MAX_TOKENS if i % 2 else 4 + i // 2 for i in range(NUM_PROMPTS)]  # rank i % 2 gets request i
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
-    group = EPEngineGroup(model_config, ENGINE, ParallelConfig(ep=2, eplb=EPLBSection(num_redundant_experts=2)))
+    # decode steps through the graphs' padded buffers (run eagerly on CPU): every rank at the group's batch
+    # size, with fixed-size dispatch buffers; the other steps eager with exact splits
+    engine = dataclasses.replace(ENGINE, debug_eager_graphs=True)
+    group = EPEngineGroup(model_config, engine, ParallelConfig(ep=2, eplb=EPLBSection(num_redundant_experts=2)))
     try:
         assert not hasattr(group, "step") and not hasattr(group.ranks[0], "step")  # no driver-issued steps
         done = group.generate(prompts + [[]], params + [params[0]])
@@ -118,6 +122,8 @@ def test_ep2_equals_ep1_with_idle_rank_and_bad_request(ray_cluster, model_config
         # prompts, then decode steps; the same counts on both ranks
         kinds = [r["num_steps_by_kind"] for r in ranks]
         assert kinds[0] == kinds[1] and kinds[0].get("prefill", 0) >= 1 and kinds[0].get("decode", 0) >= 1, kinds
+        # each decode step replayed the group's graph size on both ranks (the one out of work too)
+        assert [r["num_group_graph_steps"] for r in ranks] == [kinds[0]["decode"]] * 2
         assert 1.0 <= stats["moe_lb"] < 2.0 and stats["num_rebalances"] == 0
         assert not group.has_unfinished_requests()
         with pytest.raises(ValueError, match="given twice"):
@@ -186,6 +192,7 @@ def test_ep4_eplb_balances_skewed_load_with_same_outputs(ray_cluster, model_conf
         # every rank switched to the coordinator's last map at a step their votes agreed on (a map pushed
         # after the last request is switched to at the next idle vote)
         _wait_for(lambda: [r["placement_version"] for r in group.stats()["ranks"]] == [stats["num_rebalances"]] * 4)
+        assert 0 < group.stats()["rebalance_stall_s"] < 30  # weights moved in the background; switches timed
         maps = ray_cluster.get([rank.placement.remote() for rank in group.ranks])
         assert all(torch.equal(m, maps[0]) for m in maps) and not torch.equal(maps[0], initial)
         assert maps[0].shape == (2, 32)

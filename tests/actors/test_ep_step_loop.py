@@ -1,7 +1,8 @@
 """The EP ranks' own step loops (``EPStepLoop``) without Ray or torch.distributed: two loops on threads,
 fake engines, and an all-gather over a barrier. Every rank votes and steps the same number of times, a
 rank without requests runs dummy steps, a stop from one rank ends both, idle ranks wait on their inbox
-instead of spinning, and a new expert map is switched to at the same vote on both, once both have it."""
+instead of spinning, and a new expert map's weights start moving at the same vote on both once both have
+it, while both keep stepping, and both switch at the same vote once both report the move done."""
 
 from __future__ import annotations
 
@@ -44,9 +45,16 @@ class FakeEngine:
         self.num_computed_tokens = 0
         self.steps: list[str | None] = []  # the kind of each step
         self.switches: list[int] = []  # the step count at each map switch
+        self.moves_started: list[int] = []  # the step count at each move's start
+        self.move_done = threading.Event()  # the background transfers of this rank's move completed
         self.model = SimpleNamespace(expert_load=lambda reset: torch.zeros(MAP_SHAPE, dtype=torch.int64),
-                                     update_expert_placement=lambda phy2log: self.switches.append(len(self.steps)))
+                                     start_expert_placement=self.start_move,
+                                     finish_expert_placement=lambda moves: self.switches.append(len(self.steps)))
         self.scheduler = SimpleNamespace(pending_work=self.pending_work)
+
+    def start_move(self, phy2log, group):
+        self.moves_started.append(len(self.steps))
+        return [SimpleNamespace(is_done=self.move_done.is_set)]
 
     def pending_work(self) -> tuple[int, int]:
         return (sum(p for p, _ in self.requests.values()),
@@ -139,20 +147,36 @@ def test_idle_ranks_wait_for_requests_instead_of_spinning():
     assert engines[0].steps == engines[1].steps == []
 
 
-def test_placement_switches_at_the_same_vote_once_every_rank_has_it():
+def test_placement_moves_in_the_background_and_switches_at_the_same_vote():
     engines, loops, threads = _loops()
     phy2log = torch.tensor([[3, 2, 1, 0]])
+
+    def wait_for(condition) -> None:
+        deadline = time.monotonic() + 5
+        while not condition():
+            assert time.monotonic() < deadline, "timed out"
+            time.sleep(0.01)
+
     try:
         loops[0].set_placement(phy2log, 1)
-        time.sleep(0.2)  # rank 1 has not got it: nobody switches
-        assert [loop.stats()["placement_version"] for loop in loops] == [0, 0]
+        time.sleep(0.2)  # rank 1 has not got it: nothing moves
+        assert [e.moves_started for e in engines] == [[], []]
+        loops[1].set_placement(phy2log, 1)  # now both have it: both start the move at the same vote
+        wait_for(lambda: all(e.moves_started for e in engines))
+        assert engines[0].moves_started == engines[1].moves_started == [0]
+        engines[0].move_done.set()  # rank 1's transfers still run: the ranks serve with the old map
         loops[0].add_requests([("a", [1, 2], 6)])
-        loops[1].set_placement(phy2log, 1)  # now both have it: both switch before the same step
         _drain(loops[0], 1)
+        assert [loop.stats()["placement_version"] for loop in loops] == [0, 0]
+        assert len(engines[0].steps) == 7 and engines[0].switches == []
+        engines[1].move_done.set()  # every rank ready: both switch at the same vote
+        wait_for(lambda: all(loop.stats()["placement_version"] == 1 for loop in loops))
     finally:
         _stop(loops, threads)
     assert [loop.stats()["placement_version"] for loop in loops] == [1, 1]
     assert len(engines[0].switches) == 1 and engines[0].switches == engines[1].switches
+    assert engines[0].switches == [7]  # after the steps that ran while the weights moved
+    assert all(loop.stats()["rebalance_stall_s"] >= 0 for loop in loops)
     with pytest.raises(ValueError, match="already received"):
         loops[0].set_placement(phy2log, 1)
     with pytest.raises(ValueError, match="shape"):
