@@ -283,7 +283,8 @@ class ColocatedClient(_FleetClient):
 
 
 class EPClient(_FleetClient):
-    """The expert-parallel replica: requests stream through the router, which runs the lockstep loop."""
+    """The expert-parallel replica: requests stream through the router, which sends them to
+    the self-stepping EP ranks and reads their outputs."""
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str | None = None, mm_inputs: list[MultiModalInput] | None = None

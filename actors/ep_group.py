@@ -1,11 +1,18 @@
-"""Expert parallelism on Ray: one MoE replica as ``ep`` rank actors that step in lockstep.
+"""Expert parallelism on Ray: one MoE replica as ``ep`` rank actors that drive their own step loops.
 
 DeepSeek's layout: every EP rank is a whole engine (scheduler, KV cache, requests of its own: attention
 is data-parallel), while the routed experts of each MoE layer are spread over the ranks and meet in
 the layer's collectives (gloo on CPU, NCCL on GPU). Because those collectives need every rank, all
-ranks run exactly one forward per step, a rank without work over zero tokens; the driver-side
-:class:`EPEngineGroup` issues every rank's ``step`` in one ``ray.get``. With ``eplb.interval`` set, an
-:class:`~rayinfer.actors.eplb_coordinator.EPLBCoordinator` rebalances the experts between steps.
+ranks run exactly one forward per step, a rank without work over zero tokens.
+
+Each :class:`~rayinfer.actors.ep_rank.EPRankImpl` runs its own loop: before each step the ranks
+all-gather a small vote over a gloo group and all derive the same plan from it
+(``rayinfer.policy.ep_vote.plan_step``: the step kind by ``vote_step_kind``, a mixed step when stuck,
+an idle wait when no rank has work, a switch of expert map once every rank has it, the stop). The
+driver-side :class:`EPEngineGroup` only hands requests to the rank with the fewest live requests and
+reads each rank's output stream on a thread: no call per step. With ``eplb.interval`` set, rank 0 tells
+an :class:`~rayinfer.actors.eplb_coordinator.EPLBCoordinator` every ``interval`` steps; it pushes a new
+map, which the ranks switch to at a step their votes agree on.
 
     group = EPEngineGroup(ModelConfig("path/to/moe"), EngineConfig(device="cpu"), ParallelConfig(ep=2))
     completions = group.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16))
@@ -19,35 +26,31 @@ import dataclasses
 import logging
 import queue
 import threading
+from typing import Callable
 
 import ray
+import ray.exceptions
 import torch
-import torch.distributed as dist
 from ray.util import remove_placement_group
 
+from rayinfer.actors.ep_rank import ALL_REQUESTS, EPRankActor, EPRankImpl
 from rayinfer.actors.eplb_coordinator import EPLBCoordinator
 from rayinfer.engine.config import EngineConfig, ModelConfig
 from rayinfer.engine.errors import EngineInternalError, InvalidRequestError
-from rayinfer.engine.llm_engine import LLMEngine
 from rayinfer.engine.output_processor import OutputProcessor, RequestOutputProcessor
 from rayinfer.engine.types import Completion, RequestOutput, SamplingParams
 from rayinfer.model.loader import load_config, load_tokenizer
-from rayinfer.model.moe import ExpertParallelism
 from rayinfer.placement.bundles import replica_specs
-from rayinfer.placement.groups import (
-    collective_backend,
-    create_placement_group,
-    destroy_process_group,
-    free_port,
-    init_process_group,
-    node_ip,
-    scheduling_strategy_for,
-)
+from rayinfer.placement.groups import collective_backend, create_placement_group, scheduling_strategy_for
 from rayinfer.placement.parallel_config import ParallelConfig
-from rayinfer.policy.eplb_policy import ExpertLoadWindow, is_rebalance_step, placement_balance
-from rayinfer.policy.routing import StepVote, vote_step_kind
+from rayinfer.policy.eplb_policy import placement_balance
+
+__all__ = ["EPEngineGroup", "EPLoop", "EPRankActor", "EPRankImpl", "moe_shape"]
 
 logger = logging.getLogger(__name__)
+
+# (request_id, delta or exception) items, as the ranks stream them
+OutputItems = list[tuple[str, "RequestOutput | Exception"]]
 
 
 def moe_shape(hf_config) -> tuple[int, int]:
@@ -63,156 +66,14 @@ def moe_shape(hf_config) -> tuple[int, int]:
     return int(num_logical), int(getattr(hf_config, "n_group", None) or 1)
 
 
-class EPRankImpl:
-    """One EP rank: an LLMEngine whose MoE layers hold 1/ep of the physical experts.
-
-    Life cycle: construct (cheap) -> :meth:`address` on rank 0 -> :meth:`start` on every rank at
-    once (joins the process group, loads the model) -> lockstep :meth:`step` calls.
-
-    Args:
-        ep_rank: this rank's index in the EP group (= its global rank in the group's process group).
-        config: the parallel config (``ep`` and its ``eplb`` section).
-    """
-
-    def __init__(self, ep_rank: int, config: ParallelConfig):
-        self.ep_rank = ep_rank
-        self.config = config
-        self.engine = None
-        self.window: ExpertLoadWindow | None = None
-        self.num_steps = 0  # lockstep steps completed (equal on every rank)
-        self.num_empty_steps = 0  # steps this rank ran over zero tokens for the others
-        self.num_decode_steps = 0  # decode steps since this rank's last prefill (or mixed) step
-        self.num_steps_by_kind: dict[str, int] = {}  # "prefill" / "decode" / "mixed" -> steps
-        self._pending: tuple[int, torch.Tensor] | None = None  # (apply before step n, phy2log)
-
-    def address(self) -> tuple[str, int]:
-        """(IP, free port) for the process group's rendezvous (asked of rank 0)."""
-        return node_ip(), free_port()
-
-    def start(self, model_config: ModelConfig, engine_config: EngineConfig, num_physical: int,
-              master_addr: str, master_port: int, backend: str, timeout_s: float = 300.0) -> dict:
-        """Join the EP process group and load the model with this rank's experts.
-
-        Args:
-            model_config, engine_config: as for LLMEngine (the engine is made eager and synchronous:
-                the MoE collectives sync the host each step, and CUDA graphs cannot hold them).
-            num_physical: P, physical experts per MoE layer.
-            master_addr, master_port: rank 0's rendezvous address.
-            backend: "gloo" or "nccl".
-        Returns:
-            the rank's facts: ep_rank, num_moe_layers, num_logical, num_physical, device, max_model_len.
-        Raises:
-            ValueError: if the model is not a MoE model or P does not split over the ranks.
-        """
-        if backend == "nccl":
-            torch.cuda.set_device(0)  # Ray exposes this rank's one GPU as device 0
-        init_process_group(self.ep_rank, self.config.ep, master_addr, master_port, backend, timeout_s)
-        group = dist.group.WORLD if self.config.ep > 1 else None
-        sync = {k: v for k, v in (("async_scheduling", False), ("enforce_eager", True))
-                if hasattr(engine_config, k)}
-        engine_config = dataclasses.replace(engine_config, **sync)
-        ep = ExpertParallelism(group=group, num_physical_experts=num_physical)
-        self.engine = LLMEngine(model_config, engine_config, model_kwargs={"ep": ep})
-        model = self.engine.model
-        if not hasattr(model, "expert_layers") or not model.expert_layers():
-            raise ValueError(f"{type(model).__name__} has no routed-expert layers: not a MoE model")
-        num_moe_layers = len(model.expert_layers())
-        num_logical = model.expert_layers()[0].num_logical_experts
-        self.window = ExpertLoadWindow(self.config.eplb.window, num_moe_layers, num_logical, self.engine.device)
-        return {"ep_rank": self.ep_rank, "num_moe_layers": num_moe_layers, "num_logical": num_logical,
-                "num_physical": num_physical, "device": str(self.engine.device),
-                "max_model_len": self.engine.max_model_len}
-
-    # -- requests --------------------------------------------------------------------------------
-    def add_requests(self, requests: list[tuple[str, list[int], SamplingParams]]) -> tuple[dict[str, str], StepVote]:
-        """Queue requests (id, prompt token ids, params).
-
-        Returns:
-            (id -> error for those rejected, this rank's step vote now).
-        """
-        errors = {}
-        for request_id, prompt_token_ids, params in requests:
-            try:
-                self.engine.add_request(request_id, prompt_token_ids, params)
-            except ValueError as e:
-                errors[request_id] = str(e)
-        return errors, self.vote()
-
-    def vote(self) -> StepVote:
-        """This rank's view before the next step (DeepSeek's DP step vote; see ``vote_step_kind``)."""
-        num_prefill_tokens, num_decode = self.engine.scheduler.pending_work()
-        return StepVote(num_prefill_tokens, num_decode, self.num_decode_steps)
-
-    def abort(self, request_ids: list[str]) -> None:
-        self.engine.abort_request(request_ids)
-
-    # -- the lockstep step -----------------------------------------------------------------------
-    def step(self, step_kind: str | None = None) -> tuple[list[RequestOutput], bool, StepVote, bool]:
-        """One lockstep step: switch expert placement if one is due now, run one forward of the group's
-        voted kind (zero tokens when this rank has none of it), record the step's expert load.
-
-        Every rank of the group must call it the same number of times with the same ``step_kind`` (the
-        MoE layers are collectives).
-
-        Args:
-            step_kind: "prefill", "decode", or None for both (``Scheduler.schedule``).
-        Returns:
-            (the step's request outputs, whether this rank still has unfinished requests, its vote for
-            the next step, whether it computed any token).
-        """
-        if self._pending is not None and self._pending[0] == self.num_steps:
-            self.engine.model.update_expert_placement(self._pending[1])  # collective, same step everywhere
-            self._pending = None
-        computed = self.engine.num_computed_tokens
-        outputs = self.engine.step(run_empty=True, step_kind=step_kind)
-        progressed = self.engine.num_computed_tokens != computed
-        self.num_empty_steps += not progressed
-        self.num_decode_steps = self.num_decode_steps + 1 if step_kind == "decode" else 0
-        self.num_steps_by_kind[step_kind or "mixed"] = self.num_steps_by_kind.get(step_kind or "mixed", 0) + 1
-        self.window.record(self.engine.model.expert_load(reset=True))
-        self.num_steps += 1
-        return outputs, self.engine.has_unfinished_requests(), self.vote(), progressed
-
-    # -- EPLB ------------------------------------------------------------------------------------
-    def load_window(self) -> torch.Tensor:
-        """This rank's expert load over its window: [num_moe_layers, L] int64 (CPU)."""
-        return self.window.total()
-
-    def set_placement(self, phy2log: torch.Tensor, apply_at_step: int) -> None:
-        """Schedule a new expert map, switched to before step ``apply_at_step`` (on every rank alike).
-
-        Args:
-            phy2log: [num_moe_layers, P] int64.
-            apply_at_step: a step number not yet run here.
-        Raises:
-            ValueError: if the step has already run or the map's shape is wrong.
-        """
-        if apply_at_step < self.num_steps:
-            raise ValueError(f"placement due before step {apply_at_step}, but {self.num_steps} steps have run")
-        expected = tuple(self.placement().shape)
-        if tuple(phy2log.shape) != expected:
-            raise ValueError(f"phy2log of shape {tuple(phy2log.shape)}, expected {expected}")
-        self._pending = (apply_at_step, phy2log)
-
-    def placement(self) -> torch.Tensor:
-        """The map in use: [num_moe_layers, P] int64 (CPU)."""
-        return torch.stack([layer.phy2log.cpu() for layer in self.engine.model.expert_layers()])
-
-    def stats(self) -> dict:
-        return {"ep_rank": self.ep_rank, "num_steps": self.num_steps, "num_empty_steps": self.num_empty_steps,
-                "num_steps_by_kind": dict(self.num_steps_by_kind), **self.engine.stats()}
-
-    def shutdown(self) -> None:
-        """Leave the process group (call on every rank together, or not at all)."""
-        destroy_process_group()
-
-
-EPRankActor = ray.remote(EPRankImpl)
-
-
 class EPEngineGroup:
-    """The driver's side of one expert-parallel replica: starts the ranks, spreads requests over them
-    (data-parallel attention), and drives lockstep steps and the EPLB coordinator.
+    """The driver's side of one expert-parallel replica: starts the ranks and their loops, spreads
+    requests over them (data-parallel attention), and reads their outputs; it issues no steps.
+
+    Outputs arrive on one reader thread per rank (the rank's ``outputs`` stream) and go to ``sink`` (by
+    default an internal queue that :meth:`generate` reads), only for requests still live here: a
+    request's items after its abort are dropped. When a rank's loop or stream fails, every live request
+    of the group gets an :class:`EngineInternalError` (its MoE collectives cannot go on without the rank).
 
     Args:
         model_config: a MoE model (DeepSeek-V3 or Qwen3-MoE architecture); every rank loads it, so
@@ -225,6 +86,9 @@ class EPEngineGroup:
         timeout_s: seconds to wait for the placement group, for start-up, and for a collective.
         max_decode_steps, min_prefill_tokens: the step vote's rules (``vote_step_kind``): a prefill step
             once a rank decoded this many steps in a row, or once this many prompt tokens wait.
+        sink: called on a reader thread with each batch of ``(request_id, delta or exception)`` of live
+            requests (None: an internal queue, for :meth:`generate`).
+        idle_wait_s: how long idle ranks wait for requests between two votes.
     Raises:
         ValueError: for a model without routed experts, or P not divisible by ep.
         TimeoutError: when the cluster cannot place the ranks.
@@ -232,8 +96,10 @@ class EPEngineGroup:
 
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, parallel: ParallelConfig,
                  placement_strategy: str = "PACK", timeout_s: float = 300.0, max_decode_steps: int = 8,
-                 min_prefill_tokens: int = 512):
+                 min_prefill_tokens: int = 512, sink: Callable[[OutputItems], None] | None = None,
+                 idle_wait_s: float = 0.03):
         self.parallel = parallel
+        self.timeout_s = timeout_s
         num_logical, num_groups = moe_shape(load_config(model_config.model))
         num_physical = num_logical + parallel.eplb.num_redundant_experts
         if num_physical % parallel.ep:
@@ -242,6 +108,14 @@ class EPEngineGroup:
         device = _device_kind(engine_config.device, parallel.ep)
         placed = dataclasses.replace(parallel, device=device, num_cpus_per_replica=parallel.num_cpus_per_replica or 1,
                                      num_gpus_per_replica=1.0 if device == "gpu" else 0.0)
+        self._lock = threading.Lock()  # the request bookkeeping below (callers' threads and readers)
+        self._live: list[set[str]] = [set() for _ in range(parallel.ep)]  # request ids per rank
+        self._rank_of: dict[str, int] = {}
+        self._outputs: queue.Queue = queue.Queue()
+        self._sink = sink or self._outputs.put
+        self._readers: list[threading.Thread] = []
+        self._closing = False
+        self.error: str | None = None  # why the group cannot serve any more
         self.placement_group = create_placement_group(placed, strategy=placement_strategy, timeout_s=timeout_s)
         (spec,) = replica_specs(placed)
         self.ranks = [
@@ -259,59 +133,81 @@ class EPEngineGroup:
             if parallel.eplb.interval > 0:
                 self.coordinator = EPLBCoordinator.remote(self.ranks, parallel, self.info[0]["num_moe_layers"],
                                                           num_logical, num_groups)
+                # started before the loops: rank 0's first on_step then never queues behind the actor's
+                # start-up, where calls of different callers (the driver's history) can overtake it
+                ray.get(self.coordinator.history.remote(), timeout=timeout_s)
+            ray.get([r.start_loop.remote(self.coordinator, max_decode_steps, min_prefill_tokens, idle_wait_s)
+                     for r in self.ranks], timeout=timeout_s)
+            for rank, actor in enumerate(self.ranks):
+                stream = actor.outputs.options(num_returns="streaming").remote()
+                reader = threading.Thread(target=self._read, args=(rank, stream), name=f"ep-outputs-{rank}",
+                                          daemon=True)
+                reader.start()
+                self._readers.append(reader)
         except BaseException:
             self.shutdown()
             raise
         self.max_model_len = self.info[0]["max_model_len"]
         self.tokenizer = load_tokenizer(model_config.model)
-        self.num_steps = 0
-        self._live: list[set[str]] = [set() for _ in self.ranks]  # request ids per rank
-        self._busy = [False] * len(self.ranks)  # rank reported unfinished requests after its last step
-        self._rank_of: dict[str, int] = {}
-        self._votes = [StepVote() for _ in self.ranks]  # each rank's view before the next step
-        self._progressed = True  # the last step computed tokens on some rank
-        self.max_decode_steps, self.min_prefill_tokens = max_decode_steps, min_prefill_tokens
-        self.eplb_history: list[dict] = []
 
     # -- requests --------------------------------------------------------------------------------
     def pick_rank(self) -> int:
         """The rank with the fewest live requests (lowest index on ties)."""
-        return min(range(len(self.ranks)), key=lambda r: len(self._live[r]))
+        return min(range(len(self._live)), key=lambda r: len(self._live[r]))
+
+    def send_requests(self, requests: list[tuple[str, list[int], SamplingParams]]) -> list[ray.ObjectRef]:
+        """Spread requests (id, prompt token ids, params) over the ranks without waiting for them.
+
+        Returns:
+            one ref per rank used, each to that rank's ``id -> error`` of rejected requests; pass the
+            results to :meth:`settle` (:meth:`add_requests` does both).
+        Raises:
+            ValueError: for an id that is already live or given twice (nothing is sent then).
+            EngineInternalError: the group has failed.
+        """
+        if self.error is not None:
+            raise EngineInternalError(self.error)
+        ids = [req[0] for req in requests]
+        batches: list[list] = [[] for _ in self.ranks]
+        with self._lock:
+            taken = [rid for rid in ids if rid in self._rank_of] or [rid for rid in ids if ids.count(rid) > 1]
+            if taken:
+                raise ValueError(f"request id {taken[0]!r} is already live or given twice")
+            for req in requests:
+                rank = self.pick_rank()
+                batches[rank].append(req)
+                self._live[rank].add(req[0])
+                self._rank_of[req[0]] = rank
+        return [self.ranks[r].add_requests.remote(batch, self.timeout_s) for r, batch in enumerate(batches) if batch]
+
+    def settle(self, results: list[dict[str, str]]) -> dict[str, str]:
+        """Forget the rejected requests of :meth:`send_requests`' results; returns id -> error of them all."""
+        errors = {rid: err for rank_errors in results for rid, err in rank_errors.items()}
+        with self._lock:
+            for rid in errors:
+                self._forget(rid)
+        return errors
 
     def add_requests(self, requests: list[tuple[str, list[int], SamplingParams]]) -> dict[str, str]:
         """Spread requests (id, prompt token ids, params) over the ranks; returns id -> error of the rejected.
 
         Raises:
             ValueError: for an id that is already live or given twice (nothing is queued then).
+            EngineInternalError: the group has failed.
         """
-        ids = [req[0] for req in requests]
-        taken = [rid for rid in ids if rid in self._rank_of] or [rid for rid in ids if ids.count(rid) > 1]
-        if taken:
-            raise ValueError(f"request id {taken[0]!r} is already live or given twice")
-        batches: list[list] = [[] for _ in self.ranks]
-        for req in requests:
-            rank = self.pick_rank()
-            batches[rank].append(req)
-            self._live[rank].add(req[0])
-            self._rank_of[req[0]] = rank
-        refs = {r: self.ranks[r].add_requests.remote(batch) for r, batch in enumerate(batches) if batch}
-        errors: dict[str, str] = {}
-        for rank, ref in refs.items():
-            rank_errors, self._votes[rank] = ray.get(ref)
-            for rid, err in rank_errors.items():
-                errors[rid] = err
-                self._forget(rid)
-            self._busy[rank] = self._busy[rank] or bool(self._live[rank])
-        return errors
+        return self.settle(ray.get(self.send_requests(requests), timeout=self.timeout_s))
 
     def abort(self, request_ids: list[str]) -> None:
-        """Abort live requests (unknown ids are ignored)."""
+        """Abort live requests (unknown ids are ignored): forgotten here at once, dropped by their rank
+        at its next iteration (without waiting for it)."""
         by_rank: dict[int, list[str]] = {}
-        for rid in request_ids:
-            if rid in self._rank_of:
-                by_rank.setdefault(self._rank_of[rid], []).append(rid)
-                self._forget(rid)
-        ray.get([self.ranks[r].abort.remote(ids) for r, ids in by_rank.items()])
+        with self._lock:
+            for rid in request_ids:
+                if rid in self._rank_of:
+                    by_rank.setdefault(self._rank_of[rid], []).append(rid)
+                    self._forget(rid)
+        for r, ids in by_rank.items():
+            self.ranks[r].abort.remote(ids)
 
     def _forget(self, request_id: str) -> None:
         rank = self._rank_of.pop(request_id, None)
@@ -319,45 +215,51 @@ class EPEngineGroup:
             self._live[rank].discard(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return any(self._busy) or any(self._live)
+        with self._lock:
+            return bool(self._rank_of)
 
-    # -- the loop --------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """One lockstep step of every rank (one ``ray.get``), of the kind the ranks' votes give
-        (``vote_step_kind``: every rank runs the same kind, a rank without such work a dummy step), then
-        EPLB when due.
+    # -- outputs ---------------------------------------------------------------------------------
+    def _read(self, rank: int, stream) -> None:
+        """Reader thread of one rank's output stream: bookkeeping, then the sink."""
+        try:
+            for ref in stream:
+                self._deliver(ray.get(ref))
+            if not self._closing:
+                self._fail_all(f"EP rank {rank}'s output stream ended")
+        except ray.exceptions.RayError as e:
+            if not self._closing:
+                self._fail_all(f"EP rank {rank} failed: {type(e).__name__}")
 
-        Returns:
-            the outputs of all ranks; nothing runs (and [] returns) when no rank has work.
-        """
-        if not self.has_unfinished_requests():
-            return []
-        kind = vote_step_kind(self._votes, self.max_decode_steps, self.min_prefill_tokens)
-        # a mixed step when the vote is idle but a rank is still busy, or when the last voted step moved no
-        # rank (prompts that cannot be admitted until decodes free KV blocks must not stall the group)
-        step_kind = None if kind == "idle" or not self._progressed else kind
-        results = ray.get([r.step.remote(step_kind) for r in self.ranks])
-        self.num_steps += 1
-        outputs = []
-        self._progressed = any(r[3] for r in results)
-        for rank, (outs, busy, vote, _) in enumerate(results):
-            self._busy[rank], self._votes[rank] = busy, vote
-            for out in outs:
-                if out.finished:
-                    self._forget(out.request_id)
-            outputs.extend(outs)
-        if self.coordinator is not None and is_rebalance_step(self.num_steps, self.parallel.eplb.interval):
-            summary = ray.get(self.coordinator.on_step.remote(self.num_steps))
-            if summary is not None:
-                self.eplb_history.append(summary)
-                logger.info("EPLB after step %d: moe_lb %.3f -> %.3f expected%s", self.num_steps,
-                            summary["moe_lb"], summary["moe_lb_expected"], "" if summary["changed"] else " (kept)")
-        return outputs
+    def _deliver(self, items: OutputItems) -> None:
+        live: OutputItems = []
+        with self._lock:
+            for rid, item in items:
+                if rid == ALL_REQUESTS:
+                    self.error = str(item)
+                    live.extend((r, item) for r in self._rank_of)
+                    self._rank_of.clear()
+                    self._live = [set() for _ in self._live]
+                    continue
+                if rid not in self._rank_of:
+                    continue  # aborted here, or failed with its group
+                live.append((rid, item))
+                if isinstance(item, Exception) or item.finished:
+                    self._forget(rid)
+        if live:
+            self._sink(live)
+
+    def _fail_all(self, reason: str) -> None:
+        logger.error("EP group failed: %s", reason)
+        self._deliver([(ALL_REQUESTS, EngineInternalError(reason))])
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  request_ids: list[str] | None = None) -> list[Completion]:
         """Run prompts to completion over the ranks (as ``LLMEngine.generate``, text and stop strings
-        included; errors in ``error``)."""
+        included; errors in ``error``). Reads the internal output queue: only with the default sink.
+
+        Raises:
+            TimeoutError: no output for ``timeout_s``.
+        """
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         ids = request_ids or [f"gen-{i}" for i in range(len(prompts))]
         results = {rid: Completion(rid, list(p)) for rid, p in zip(ids, prompts)}
@@ -368,8 +270,20 @@ class EPEngineGroup:
         for rid, err in errors.items():
             results[rid].error, results[rid].finish_reason = err, "error"
             processor.abort_request(rid)
-        while self.has_unfinished_requests():
-            processed = processor.process_outputs(self.step())
+        while processor.has_unfinished_requests():
+            try:
+                items = self._outputs.get(timeout=self.timeout_s)
+            except queue.Empty:
+                raise TimeoutError(f"no output from the EP ranks in {self.timeout_s} s") from None
+            deltas = []
+            for rid, item in items:
+                if isinstance(item, Exception):
+                    if rid in processor.requests:
+                        results[rid].error, results[rid].finish_reason = str(item), "error"
+                        processor.abort_request(rid)
+                else:
+                    deltas.append(item)
+            processed = processor.process_outputs(deltas)
             if processed.reqs_to_abort:
                 self.abort(processed.reqs_to_abort)
             for out in processed.request_outputs:
@@ -381,15 +295,25 @@ class EPEngineGroup:
         """The expert map in use, [num_moe_layers, P] int64 (rank 0's; all ranks hold the same)."""
         return ray.get(self.ranks[0].placement.remote())
 
+    @property
+    def eplb_history(self) -> list[dict]:
+        """One summary per EPLB decision so far (num_steps, changed, moe_lb, moe_lb_expected, num_tokens)."""
+        if self.coordinator is None:
+            return []
+        return ray.get(self.coordinator.history.remote())
+
     def stats(self) -> dict:
-        """Per-rank engine stats, lockstep steps, and ``moe_lb`` (max/mean rank load over the last window).
+        """Per-rank stats (engine, steps by kind, empty steps, votes), the group's steps (rank 0's count;
+        all ranks run the same steps), ``moe_lb`` (max/mean rank load over the last window) and
+        ``rebalance_stall_s`` (the slowest rank's time spent switching expert maps).
 
         ``moe_lb`` is computed from the ranks' load windows under the current map, each expert's load
         split evenly over its replicas (``policy.eplb.rank_loads``); a window that spans a map
         switch is measured under the newer map.
         """
         ranks = ray.get([r.stats.remote() for r in self.ranks])
-        out = {"ep": len(self.ranks), "num_steps": self.num_steps, "ranks": ranks}
+        out = {"ep": len(self.ranks), "num_steps": ranks[0]["num_steps"], "ranks": ranks,
+               "rebalance_stall_s": max(r.get("rebalance_stall_s", 0.0) for r in ranks)}
         if self.coordinator is not None:
             out.update(ray.get(self.coordinator.stats.remote()))
         else:
@@ -399,11 +323,21 @@ class EPEngineGroup:
         return out
 
     def shutdown(self) -> None:
-        """Kill the ranks and the coordinator, and free the placement group."""
-        for actor in [*getattr(self, "ranks", []), self.coordinator]:
+        """Stop the ranks' loops (one stop reaches all through the vote), kill the ranks and the
+        coordinator, and free the placement group."""
+        self._closing = True
+        ranks = getattr(self, "ranks", [])
+        if ranks:
+            try:
+                ray.get([r.stop.remote(10.0) for r in ranks], timeout=15)
+            except Exception:  # noqa: BLE001 - a rank that is gone or stuck is killed below
+                logger.warning("EP ranks did not stop in time; killing them")
+        for actor in [*ranks, getattr(self, "coordinator", None)]:
             if actor is not None:
                 ray.kill(actor)
         self.ranks, self.coordinator = [], None
+        for reader in getattr(self, "_readers", []):
+            reader.join(timeout=5)
         if getattr(self, "placement_group", None) is not None:
             remove_placement_group(self.placement_group)
             self.placement_group = None
@@ -417,8 +351,9 @@ def _device_kind(device: str, ep: int) -> str:
 
 
 class EPLoop:
-    """The lockstep loop of an :class:`EPEngineGroup` on a background thread, with asyncio streams per
-    request (the Router runs it; requests of every client share the group).
+    """An :class:`EPEngineGroup` serving asyncio streams per request (the Router runs it; requests of
+    every client share the group). The ranks step on their own: this class only sends requests, and
+    fans the group's outputs out to the streams.
 
     Outputs leave the ranks as token deltas; text, stop strings and ``min_tokens`` are applied here by
     one :class:`~rayinfer.engine.output_processor.RequestOutputProcessor` per request, on the caller's loop.
@@ -428,28 +363,33 @@ class EPLoop:
     """
 
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, parallel: ParallelConfig):
-        self.group = EPEngineGroup(model_config, engine_config, parallel)
+        self._streams: dict[str, tuple] = {}  # request id -> (loop, asyncio.Queue)
+        self.group = EPEngineGroup(model_config, engine_config, parallel, sink=self._deliver)
         self.max_model_len = self.group.max_model_len
         self.tokenizer = self.group.tokenizer
-        self._inbox: queue.Queue = queue.Queue()
-        self._streams: dict[str, tuple] = {}  # request id -> (loop, asyncio.Queue)
-        self._stopped = False
-        self._thread = threading.Thread(target=self._loop, name="ep-loop", daemon=True)
-        self._thread.start()
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
-        """Stream one request's deltas (text included) from the lockstep loop.
+        """Stream one request's deltas (text included) from its rank.
 
         Raises:
-            InvalidRequestError: the rank rejected the request.
+            InvalidRequestError: the rank rejected the request (or the id is live already).
+            EngineInternalError: the group failed.
         """
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue = asyncio.Queue()
         processor = RequestOutputProcessor(self.tokenizer, request_id, list(prompt_token_ids), params)
         self._streams[request_id] = (loop, stream)
-        self._inbox.put(("add", request_id, list(prompt_token_ids), params))
         engine_done = False  # the ranks finished or rejected it: nothing to abort there
         try:
+            try:
+                refs = self.group.send_requests([(request_id, list(prompt_token_ids), params)])
+            except ValueError as e:
+                engine_done = True
+                raise InvalidRequestError(str(e)) from None
+            errors = self.group.settle(list(await asyncio.gather(*refs)))
+            if request_id in errors:
+                engine_done = True
+                raise InvalidRequestError(errors[request_id])
             while True:
                 item = await stream.get()
                 if isinstance(item, Exception):
@@ -463,49 +403,24 @@ class EPLoop:
                 if out.finished:
                     return
         finally:
-            self._streams.pop(request_id, None)
+            if self._streams.get(request_id, (None, stream))[1] is stream:
+                del self._streams[request_id]
             if not engine_done:  # the consumer left, or a stop string ended it here
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
+        self.group.abort([request_id])
 
-    def _deliver(self, request_id: str, item) -> None:
-        entry = self._streams.get(request_id)
-        if entry is not None:
-            loop, stream = entry
-            loop.call_soon_threadsafe(stream.put_nowait, item)
-
-    def _loop(self) -> None:
-        while not self._stopped:
-            adds, aborts = [], []
-            try:
-                while True:
-                    msg = self._inbox.get(block=not adds and not aborts and not self.group.has_unfinished_requests(),
-                                          timeout=0.2)
-                    (adds if msg[0] == "add" else aborts).append(msg)
-            except queue.Empty:
-                pass
-            if aborts:
-                self.group.abort([m[1] for m in aborts])
-            if adds:
-                errors = self.group.add_requests([(rid, prompt, params) for _, rid, prompt, params in adds])
-                for rid, err in errors.items():
-                    self._deliver(rid, InvalidRequestError(err))
-            try:
-                outputs = self.group.step()
-            except Exception as e:  # noqa: BLE001 - fail the requests in flight, keep the loop
-                logger.exception("EP step failed")
-                for rid in list(self._streams):
-                    self._deliver(rid, EngineInternalError(f"EP step failed: {type(e).__name__}: {e}"))
-                continue
-            for out in outputs:
-                self._deliver(out.request_id, out)
+    def _deliver(self, items: OutputItems) -> None:
+        """The group's sink (a reader thread): each item to its request's stream, on the stream's loop."""
+        for rid, item in items:
+            entry = self._streams.get(rid)
+            if entry is not None:
+                loop, stream = entry
+                loop.call_soon_threadsafe(stream.put_nowait, item)
 
     def stats(self) -> dict:
         return self.group.stats()
 
     def shutdown(self) -> None:
-        self._stopped = True
-        self._thread.join(timeout=10)
         self.group.shutdown()

@@ -13,9 +13,13 @@ from rayinfer.policy.eplb_policy import EPLBPolicy
 class EPLBCoordinatorImpl:
     """Every ``eplb.interval`` steps: sum the ranks' load windows, rebalance, push the map to every rank.
 
-    The EP group calls :meth:`on_step` between two lockstep steps, while no rank is stepping; the new
-    map is pushed with the step number at which every rank switches (before its next forward), so all
-    ranks move expert weights (a collective) and switch maps at the same step.
+    The ranks step on their own, so there is no moment when none is stepping: rank 0's loop calls
+    :meth:`on_step` (fire and forget) after every ``interval``-th step, and the ranks go on meanwhile.
+    Rank 0 rather than a poll because it knows the step count exactly and costs one call per interval;
+    the load windows read here may hold a step or two more than ``num_steps``. A changed map is pushed
+    with a version (1, 2, ...); each rank reports the newest version it holds in its step vote, and all
+    ranks switch (a collective weight move) before the first step whose gathered votes show every rank
+    has it (``policy.ep_vote.plan_step``).
 
     Args:
         ranks: the EPRankActor handles, in EP-rank order.
@@ -26,18 +30,19 @@ class EPLBCoordinatorImpl:
     def __init__(self, ranks: list, config: ParallelConfig, num_moe_layers: int, num_logical: int, num_groups: int = 1):
         self.ranks = list(ranks)
         self.policy = EPLBPolicy(config, num_moe_layers, num_logical, num_groups)
+        self.placement_version = 0  # changed maps pushed so far
 
     def gather_load(self) -> torch.Tensor:
         """The ranks' load windows summed: [num_moe_layers, L] int64."""
         return torch.stack(ray.get([r.load_window.remote() for r in self.ranks])).sum(dim=0)
 
     def on_step(self, num_steps: int) -> dict | None:
-        """After ``num_steps`` lockstep steps: rebalance when due.
+        """After ``num_steps`` steps of the ranks: rebalance when due.
 
         Returns:
             None when not due or the window is empty; else the decision's summary (moe_lb before and
             expected after, whether the map changed).
-        Side effects: when the map changes, every rank gets it to apply before step ``num_steps``.
+        Side effects: when the map changes, every rank gets it as the next placement version.
         """
         if not self.policy.is_due(num_steps):
             return None
@@ -45,7 +50,8 @@ class EPLBCoordinatorImpl:
         if decision is None:
             return None
         if decision.changed:
-            ray.get([r.set_placement.remote(decision.phy2log, num_steps) for r in self.ranks])
+            self.placement_version += 1
+            ray.get([r.set_placement.remote(decision.phy2log, self.placement_version) for r in self.ranks])
         return _summary(decision)
 
     def stats(self) -> dict:
@@ -56,6 +62,10 @@ class EPLBCoordinatorImpl:
             "num_rebalances": sum(d.changed for d in history),
             "eplb_history": [_summary(d) for d in history],
         }
+
+    def history(self) -> list[dict]:
+        """One summary per decision so far (num_steps, changed, moe_lb, moe_lb_expected, num_tokens)."""
+        return [_summary(d) for d in self.policy.history]
 
     def placement(self) -> torch.Tensor:
         """The current map, [num_moe_layers, P] int64."""

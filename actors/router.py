@@ -10,8 +10,9 @@ clients (Serve ingress replicas, the job's driver) share it and its one view of 
   fleet's transfer group (nccl, gloo) are batched here: the requests waiting to move between a pair of
   replicas go as one send/recv, one batch at a time per replica (send/recv pairs must line up, so one
   process orders them), each batch first reserving its bytes from the decode replica's budget;
-- ep: one expert-parallel replica whose ranks step in lockstep; its step loop runs here on a thread and
-  requests stream through :meth:`Router.generate`.
+- ep: one expert-parallel replica whose ranks drive their own step loops (they agree on each step by
+  an all-gathered vote); requests stream through :meth:`Router.generate`, which sends them to a rank
+  and reads the ranks' output streams here (``rayinfer.actors.ep_group.EPLoop``), with no call per step.
 
 With ``parallel.encoder.num_encoders > 0`` (colocated or pd; "epd" for encode / prefill / decode
 disaggregation) the fleet also runs that many EncoderActors (``rayinfer.actors.encoder_actor``), one
@@ -517,7 +518,7 @@ class Router:
     # -- ep --------------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """EP topology: stream a request's token deltas from the lockstep loop (a Ray generator).
+        """EP topology: stream a request's token deltas from its EP rank (a Ray generator).
 
         Raises:
             InvalidRequestError: the rank rejected the request.
@@ -541,7 +542,7 @@ class Router:
             raw = await asyncio.to_thread(self.ep_loop.stats)
             ranks = [ReplicaStats.from_dict(r, replica_id=r["ep_rank"], role="normal") for r in raw["ranks"]]
             ep = EPStats(raw["ep"], raw["num_steps"], raw["moe_lb"], raw["num_rebalances"],
-                         raw.get("eplb_history", []))
+                         raw.get("eplb_history", []), raw.get("rebalance_stall_s", 0.0))
             return FleetStats("ep", ranks, ep=ep)
         calls = [r.stats.remote() for r in info.replicas]
         if info.kv_store is not None:

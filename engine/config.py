@@ -150,6 +150,9 @@ class EngineConfig:
             and logprobs are then the same bits alone or in any batch, chunked or after a prefix hit.
             Slower; exact where the Triton kernels run (CUDA).
         debug_sync_guard: raise if launching a step synchronizes with the GPU (for tests).
+        debug_eager_graphs: off CUDA, build the decode graphs' static buffers and run their padded
+            steps eagerly (no capture), so CPU tests cover the graph paths (padding, expert-parallel
+            groups replaying one batch size); ignored on CUDA.
         host_kv_cache_gib: host-memory KV tier in GiB (0: off). Cached blocks the device pool evicts
             are copied there (pinned memory on CUDA, off the compute stream) and kept in their own LRU; a
             prefix that misses the device pool but hits there is loaded back instead of recomputed.
@@ -177,6 +180,7 @@ class EngineConfig:
     enforce_eager: bool = False
     batch_invariant: bool = False
     debug_sync_guard: bool = False
+    debug_eager_graphs: bool = False
     kv_transfer_buffer_gib: float = 0.0
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     host_kv_cache_gib: float = 0.0

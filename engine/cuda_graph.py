@@ -19,6 +19,7 @@ With ``with_hidden`` (MTP drafting reads the target's last hidden states) the ca
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import numpy as np
@@ -33,6 +34,22 @@ Outputs = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # a forward's hidden
 
 def _rows(out: Outputs, index) -> Outputs:
     return tuple(o[index] for o in out) if isinstance(out, tuple) else out[index]  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def fixed_dispatch(model, rows: int):
+    """Within the block, the model's expert-parallel MoE layers dispatch with fixed-size buffers of ``rows``
+    rows per rank pair (``model.moe.RoutedExperts.dispatch_capacity``): a graph's step, which every rank
+    of the group runs at the same padded size. No effect on a model without such layers."""
+    layers = [m for m in (model.expert_layers() if hasattr(model, "expert_layers") else ()) if m.group is not None]
+    old = [m.dispatch_capacity for m in layers]
+    for m in layers:
+        m.dispatch_capacity = rows
+    try:
+        yield
+    finally:
+        for m, capacity in zip(layers, old):
+            m.dispatch_capacity = capacity
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -114,11 +131,12 @@ class DecodeGraphs:
             try:
                 for bs in reversed(self._sizes_for(q)):
                     args = self._args(bs, q)
-                    self.forward(*args)  # warm-up: Triton compiles outside the capture
-                    torch.cuda.synchronize()
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        self.outputs[(bs, q)] = self.forward(*args)
+                    with fixed_dispatch(self.model, bs * q):
+                        self.forward(*args)  # warm-up: Triton compiles outside the capture
+                        torch.cuda.synchronize()
+                        graph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(graph, pool=pool):
+                            self.outputs[(bs, q)] = self.forward(*args)
                     pool = graph.pool()
                     self.graphs[(bs, q)] = graph
             except Exception as exc:  # noqa: BLE001 - any capture failure leaves eager steps, not a dead engine
@@ -135,30 +153,34 @@ class DecodeGraphs:
         logger.info("captured CUDA graphs for batch sizes %s (1-token queries)%s", self.sizes,
                     f" and {self.verify_sizes} (2..{self.max_query_len}-token queries)" if self.max_query_len > 1 else "")
 
-    def padded_size(self, num_reqs: int, query_len: int = 1) -> int | None:
-        """Smallest captured size holding ``num_reqs`` requests of ``query_len`` tokens, or None."""
+    def padded_size(self, num_reqs: int, query_len: int = 1, min_batch: int | None = None) -> int | None:
+        """Smallest captured size holding ``num_reqs`` requests of ``query_len`` tokens (and at least
+        ``min_batch``: an expert-parallel group's size), or None."""
         if not 1 <= query_len <= self.max_query_len:
             return None
         for bs in self._sizes_for(query_len):
-            if bs >= num_reqs:
+            if bs >= max(num_reqs, min_batch or 0):
                 return bs
         return None
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-            seq_lens: torch.Tensor, block_tables: torch.Tensor, query_len: int = 1) -> Outputs:
+            seq_lens: torch.Tensor, block_tables: torch.Tensor, query_len: int = 1,
+            min_batch: int | None = None) -> Outputs:
         """Replay the graph for ``n`` requests of ``query_len`` tokens each (inputs already on the device).
 
         Args:
             input_ids, positions, slot_mapping: [n * query_len], request i's tokens at rows
                 ``i * query_len ...``. seq_lens: [n] int32. block_tables: [n, w] int32 (w at most the
-                blocks of ``max_model_len``).
+                blocks of ``max_model_len``). n may be 0 (padding rows only: an expert-parallel rank
+                without requests meeting the others in the graph's collectives).
+            min_batch: replay a graph of at least this many requests (the group's size).
         Returns:
             hidden states [n * query_len, hidden_size] (a view of the graph's output buffer, valid until
             the next replay); with ``with_hidden`` the pair (after the final norm, before it).
         """
         n, q = seq_lens.shape[0], query_len
-        bs = self.padded_size(n, q)
-        assert bs is not None, f"no graph for {n} requests of {q} tokens"
+        bs = self.padded_size(n, q, min_batch)
+        assert bs is not None, f"no graph for {n} requests of {q} tokens (at least {min_batch})"
         t = n * q
         self.input_ids[:t].copy_(input_ids)
         self.positions[:t].copy_(positions)
@@ -173,7 +195,8 @@ class DecodeGraphs:
         if self.eager:  # the host lists the CPU attention reads are the real ones here
             ids, pos, kv, meta = self._args(bs, q)
             meta.seq_lens_cpu = self.seq_lens[:bs].tolist()
-            return _rows(self.forward(ids, pos, kv, meta), slice(0, t))
+            with fixed_dispatch(self.model, bs * q):
+                return _rows(self.forward(ids, pos, kv, meta), slice(0, t))
         self.graphs[(bs, q)].replay()
         return _rows(self.outputs[(bs, q)], slice(0, t))
 

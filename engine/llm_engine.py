@@ -236,7 +236,7 @@ class LLMEngine:
         self._inflight_speculative = False  # whether the step in flight was launched as a drafting step
         self._last_speculative = False  # whether the last step drafted (the gate's choice)
         self._gate_sample = None  # the last pure-decode call's measurement, recorded at the next call
-        if on_cuda and not cfg.enforce_eager and self.local_kv_cache is None:
+        if (on_cuda and not cfg.enforce_eager or not on_cuda and cfg.debug_eager_graphs) and self.local_kv_cache is None:
             # speculative: verification steps (each request's last token + up to k drafts) get graphs too
             def graph_query_len(model) -> int:
                 # a model may cap it (MLA: only its absorbed attention reads the lengths on the device)
@@ -244,8 +244,11 @@ class LLMEngine:
                     return 1
                 return min(spec.num_draft_tokens + 1, getattr(model, "max_graph_query_len", None) or 1 << 30)
 
-            self.runner.capture_cuda_graphs(self.max_model_len, min(cfg.max_num_seqs, 512), graph_query_len(self.model))
-            if isinstance(self.proposer, DraftModelProposer):
+            self.runner.capture_cuda_graphs(self.max_model_len, min(cfg.max_num_seqs, 512), graph_query_len(self.model),
+                                            eager=not on_cuda)
+            if not on_cuda:  # debug_eager_graphs: the target's decode graphs only
+                pass
+            elif isinstance(self.proposer, DraftModelProposer):
                 self.proposer.capture_cuda_graphs(self.max_model_len, min(cfg.max_num_seqs, 512),
                                                   graph_query_len(self.proposer.model))
             elif isinstance(self.proposer, MtpProposer):

@@ -67,6 +67,12 @@ class ModelRunner:
     runs ``model.forward_with_prenorm`` (eagerly, or the graphs captured with it) and keeps the last
     layer's hidden states before the final norm in :attr:`PendingStep.hidden` (rows in the step's token
     order).
+
+    ``group_batch_size`` (an expert-parallel rank: its MoE layers' collectives must line up with the other
+    ranks'): None, the rank runs no graph (every step eager, exact dispatch splits); set before a
+    decode step to the group's largest decode batch, every rank replays the graph of that padded size
+    (a rank with fewer requests pads, one with none replays it over padding rows only), so every rank
+    runs the same fixed-size dispatch. Unused outside expert parallelism (:attr:`in_group` False).
     """
 
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int, sampler: Sampler,
@@ -88,14 +94,19 @@ class ModelRunner:
         self.cp = None
         # a vision-language model's image embeddings by content hash (engine.multimodal); None for text models
         self.encoder_cache = None
+        self.in_group = False  # an expert-parallel rank: graphs only at the group's batch size (class docstring)
+        self.group_batch_size: int | None = None
+        self.num_group_graph_steps = 0  # steps run at the group's graph size (empty ones included)
 
-    def capture_cuda_graphs(self, max_model_len: int, max_num_seqs: int, max_query_len: int = 1) -> None:
+    def capture_cuda_graphs(self, max_model_len: int, max_num_seqs: int, max_query_len: int = 1,
+                            eager: bool = False) -> None:
         """Capture decode graphs (CUDA only), and verification graphs up to ``max_query_len`` tokens per
-        request (speculative decoding: k + 1)."""
+        request (speculative decoding: k + 1). ``eager``: build the graphs' buffers only and run their
+        padded steps eagerly (CPU tests of the graph paths)."""
         from rayinfer.engine.cuda_graph import DecodeGraphs
 
         self.graphs = DecodeGraphs(self.model, self.kv_cache, self.block_size, max_model_len, max_num_seqs,
-                                   max_query_len=max_query_len, with_hidden=self.capture_hidden)
+                                   max_query_len=max_query_len, with_hidden=self.capture_hidden, eager=eager)
         with batch_invariant_mode(self.batch_invariant):
             self.graphs.capture()
 
@@ -149,7 +160,7 @@ class ModelRunner:
         all_sampled = len(sample_rows) == num_tokens  # then the sampled rows are all rows, in order
         verify_width = None  # a verification step (last tokens + drafts only) that a captured graph runs
         if (offsets is not None and all_sampled and self.graphs is not None and not holes.size and not local_arrays
-                and self.encoder_cache is None):
+                and self.encoder_cache is None and not self.in_group):
             verify_width = self.graphs.ragged_width(query_lens, seq_lens)
         if sample_idx and not all_sampled:
             extra.append(sample_rows)
@@ -171,8 +182,11 @@ class ModelRunner:
             prenorm = None
             if mm_embeds is not None:  # image rows: eager, never a decode graph
                 out = self.model(ids, pos, self.model_kv, meta, mm_embeds=mm_embeds)
-            elif self.graphs is not None and meta.is_decode_only and self.graphs.padded_size(len(scheduled)) is not None:
-                out = self.graphs.run(ids, pos, meta.slot_mapping, meta.seq_lens, meta.block_tables)
+            elif (self.graphs is not None and meta.is_decode_only
+                  and self.graphs.padded_size(len(scheduled), min_batch=self._graph_floor()) is not None):
+                self.num_group_graph_steps += self.in_group
+                out = self.graphs.run(ids, pos, meta.slot_mapping, meta.seq_lens, meta.block_tables,
+                                      min_batch=self._graph_floor())
             elif verify_width is not None:
                 out = self.graphs.run_ragged(ids, meta_arrays[2], query_lens, seq_lens, meta_arrays[1], verify_width)
             elif self.capture_hidden:
@@ -231,13 +245,28 @@ class ModelRunner:
             slots, blocks = zip(*sched.kv_loads)
             host.load(slots, blocks)
 
+    def _graph_floor(self) -> int | None:
+        """The least graph batch size this step may use: the group's (expert parallel; a huge one, so no
+        graph fits, when the rank runs without the group's graph), else None (any)."""
+        if not self.in_group:
+            return None
+        return self.group_batch_size if self.group_batch_size is not None else 1 << 30
+
     @torch.inference_mode()
     def execute_empty(self) -> None:
         """Run the model over zero tokens (nothing is sampled or written to the cache).
 
         An expert-parallel rank with no scheduled work calls it so that it still meets the other ranks
-        in the MoE layers' collectives (see ``rayinfer.actors.ep_group``).
+        in the MoE layers' collectives (see ``rayinfer.actors.ep_group``): at the group's graph batch
+        size, the graph of that size over padding rows only (as the others replay it), else eagerly.
         """
+        if self.in_group and self.graphs is not None and self.graphs.padded_size(0, min_batch=self._graph_floor()):
+            self.num_group_graph_steps += 1
+            empty = torch.empty(0, dtype=torch.long, device=self.device)
+            with batch_invariant_mode(self.batch_invariant):
+                self.graphs.run(empty, empty, empty, empty.to(torch.int32), empty.to(torch.int32).view(0, 1),
+                                min_batch=self._graph_floor())
+            return
         meta = AttentionMetadata.build([], [], [], self.block_size, self.device)
         no_tokens = torch.empty(0, dtype=torch.long, device=self.device)
         with batch_invariant_mode(self.batch_invariant):

@@ -156,10 +156,12 @@ class EPStats:
 
     Attributes:
         ep: EP ranks.
-        num_steps: lockstep steps run.
+        num_steps: steps the EP ranks ran (every rank runs the same steps).
         moe_lb: max rank load / mean rank load over the load window (1.0 is perfect balance).
         num_rebalances: expert maps changed by EPLB so far.
         eplb_history: one summary per EPLB decision (num_steps, changed, moe_lb, moe_lb_expected, num_tokens).
+        rebalance_stall_s: seconds the ranks' steps waited at map switches (weights still moving, and
+            their copy into place), the slowest rank's, summed over switches.
     """
 
     ep: int = 1
@@ -167,6 +169,7 @@ class EPStats:
     moe_lb: float = 1.0
     num_rebalances: int = 0
     eplb_history: list[dict[str, Any]] = field(default_factory=list)
+    rebalance_stall_s: float = 0.0
 
 
 @dataclass

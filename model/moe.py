@@ -15,6 +15,7 @@ Glossary:
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -22,13 +23,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn import functional as F
 
 from rayinfer.kernels.activation import silu_and_mul
 from rayinfer.kernels.batch_invariant import is_batch_invariant
 from rayinfer.kernels.block_fp8 import FP8_DTYPE, WEIGHT_BLOCK, block_fp8_dequant_ref, quantize_block_fp8, scale_shape
 from rayinfer.kernels.fused_moe import ExpertMap, fused_moe, fused_moe_slots, quantize_w13, sum_slots
 from rayinfer.kernels.moe_routing import grouped_topk, softmax_topk  # noqa: F401 (the models' routers)
+from rayinfer.model.ep_dispatch import DispatchCounters, all_to_all_moe, is_capturing
 from rayinfer.model.quantization import SCALE_SUFFIX, adapt_checkpoint, linear
 
 
@@ -99,6 +100,53 @@ class ExpertParallelism:
         return table if table.dim() == 1 else table[moe_layer]
 
 
+@dataclass
+class PlacementMove:
+    """An expert-placement change in flight (:meth:`RoutedExperts.start_placement`).
+
+    Attributes:
+        phy2log: [P] int64, the map to switch to.
+        incoming: new slot p -> its weights (and fp8 scales) as one uint8 buffer, for this rank's slots
+            that change (filled in the background when they come from another rank).
+        works: the posted sends and receives.
+        poll: completion is read from the works alone (NCCL); else a helper thread waits for them (gloo).
+    """
+
+    phy2log: torch.Tensor
+    incoming: dict[int, torch.Tensor]
+    works: list
+    poll: bool = True
+
+    def __post_init__(self):
+        # gloo reports a send or receive completed only once something waited for it: a helper thread
+        # waits (gloo's waits block the host only). NCCL's query their CUDA event, and a wait there
+        # would make the device's current stream, which the steps use, wait for the move: poll instead.
+        self._waited = threading.Event()
+        if self.poll or not self.works:
+            self._waited.set()
+        else:
+            threading.Thread(target=self._wait_all, name="expert-move", daemon=True).start()
+
+    def _wait_all(self) -> None:
+        try:
+            for w in self.works:
+                w.wait()
+        finally:
+            self._waited.set()
+
+    def is_done(self) -> bool:
+        """Whether every transfer of this rank has completed (no wait)."""
+        return self._waited.is_set() and all(w.is_completed() for w in self.works)
+
+    def wait(self) -> None:
+        """Block until the transfers are done (NCCL: their data usable by the calling thread's stream)."""
+        if not self.poll:  # the helper thread waited (a gloo work must not be waited for twice: it would hang)
+            self._waited.wait()
+            return
+        for w in self.works:
+            w.wait()
+
+
 class RoutedExperts(nn.Module):
     """The routed experts of one MoE layer, stacked, optionally spread over an expert-parallel group.
 
@@ -108,17 +156,20 @@ class RoutedExperts(nn.Module):
     expert by this rank, for EPLB) and ``phy2log`` [P].
 
     Expert-parallel forward (every rank of the group must call it at the same step, with any number
-    of tokens, zero included): 1. all-gather the tokens and their routing, padded to the largest
-    count; 2. map each (token, slot) to a physical replica, the ``row % replica_count``-th of its
-    logical expert (row = index in the gathered batch), deterministic on every rank; 3. compute the
-    contributions of this rank's slots; 4. sum over ranks (reduce-scatter on NCCL, all-reduce on gloo)
-    and keep this rank's rows. The result equals ep=1 up to float summation order.
+    of tokens, zero included): dispatch and combine by all-to-all (:mod:`rayinfer.model.ep_dispatch`):
+    each (token, slot) pair goes to replica ``(token * ep + rank) % replica_count`` of its logical
+    expert, each token travels once to each rank that holds one of its slots, that rank runs its fused
+    MoE over what it received, and the outputs come back by the reverse all-to-all to be summed at
+    home. The result equals ep=1 up to float summation order. ``dispatch_capacity`` (None: exact
+    splits, one count exchange read by the host) sets fixed-size buffers of that many rows per rank
+    pair instead (no host read; taken as the batch size while a CUDA graph is captured, so every rank
+    must then replay the same padded size). ``dispatch_counters`` counts the rows moved.
 
-    In batch-invariant mode (``kernels.batch_invariant``) step 3 keeps each (token, slot)'s output apart
-    ([N, k, H] float32, :func:`~rayinfer.kernels.fused_moe.fused_moe_slots`), so step 4 adds one
-    nonzero term per element (exact in any order: the collectives' order follows the row's place in
-    the buffer), and the home rank then adds a token's k outputs in slot order: its row is the bits of
-    ep=1 whatever the other ranks hold, for k float32 rows per token in the collective instead of one.
+    In batch-invariant mode (``kernels.batch_invariant``) each (token, slot)'s output is kept apart
+    ([N, k, H] float32, :func:`~rayinfer.kernels.fused_moe.fused_moe_slots`) on the rank that computed
+    it and comes back as such, and the home rank adds a token's k outputs in slot order: its row is the
+    bits of ep=1 whatever the other ranks hold, for k float32 rows per token on the way back instead
+    of one.
     """
 
     def __init__(
@@ -148,6 +199,8 @@ class RoutedExperts(nn.Module):
             raise ValueError(f"{self.num_physical_experts} physical experts do not split over {self.ep_size} ranks")
         self.num_local_experts = self.num_physical_experts // self.ep_size
         self.first_local = self.ep_rank * self.num_local_experts
+        self.dispatch_capacity: int | None = None
+        self.dispatch_counters = DispatchCounters()
         kw = dict(dtype=dtype, device=device)
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_local_experts, 2 * intermediate_size, hidden_size, **kw))
         self.down_proj = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, intermediate_size, **kw))
@@ -299,36 +352,26 @@ class RoutedExperts(nn.Module):
 
     def _forward_ep(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         ids = topk_ids.reshape(-1).long()
-        self.expert_counts.index_add_(0, ids, torch.ones_like(ids))
-        num_tokens = topk_ids.shape[0]
-        sizes = self._all_gather(torch.tensor([num_tokens], dtype=torch.int64, device=hidden.device))
-        max_tokens = int(sizes.max())
-        if max_tokens == 0:
-            return torch.zeros_like(hidden)
-        pad = max_tokens - num_tokens
-        hidden_all = self._all_gather(F.pad(hidden, (0, 0, 0, pad)))
-        ids_all = self._all_gather(F.pad(topk_ids.long(), (0, 0, 0, pad), value=-1))
-        weights_all = self._all_gather(F.pad(topk_weights, (0, 0, 0, pad)))
+        self.expert_counts.index_add_(0, ids.clamp(min=0), (ids >= 0).long())
         invariant = is_batch_invariant()
         moe = fused_moe_slots if invariant else fused_moe
-        partial = moe(hidden_all, self.w13, self.w2, ids_all, weights_all, self.expert_map, **self._scales())
-        if invariant:  # [N, k, H] float32 -> [N, k * H]: one nonzero term per element over the ranks
-            partial = partial.reshape(partial.shape[0], -1)
-        if dist.get_backend(self.group) == "nccl":
-            out = partial.new_empty((max_tokens, partial.shape[1]))
-            dist.reduce_scatter_tensor(out, partial, group=self.group)
-        else:  # gloo has no reduce-scatter
-            dist.all_reduce(partial, group=self.group)
-            out = partial[self.ep_rank * max_tokens : (self.ep_rank + 1) * max_tokens]
-        out = out[:num_tokens]
-        if invariant:
-            out = sum_slots(out.view(num_tokens, topk_ids.shape[1], -1)).to(hidden.dtype)
-        return out
+        scales = self._scales()
 
-    def _all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        parts = [torch.empty_like(x) for _ in range(self.ep_size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts)
+        def experts(rows: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+            if rows.shape[0] == 0:  # nothing came here (the collectives still ran)
+                shape = (0, slot_ids.shape[1], rows.shape[1]) if invariant else (0, rows.shape[1])
+                return rows.new_zeros(shape, dtype=torch.float32 if invariant else rows.dtype)
+            return moe(rows, self.w13, self.w2, slot_ids, weights, None, **scales)
+
+        capacity = self.dispatch_capacity
+        if capacity is None and is_capturing(hidden):
+            capacity = hidden.shape[0]  # a graph: every rank replays the same padded batch size
+        out = all_to_all_moe(hidden, topk_ids, topk_weights, experts, group=self.group, log2phy=self.log2phy,
+                             replica_counts=self.replica_counts, num_local=self.num_local_experts,
+                             capacity=capacity, counters=self.dispatch_counters)
+        if invariant:  # [T, k, H] float32, each slot's output from the rank that computed it
+            out = sum_slots(out).to(hidden.dtype)
+        return out
 
     def read_expert_counts(self, reset: bool = False) -> torch.Tensor:
         """Tokens this rank routed to each logical expert since the last reset: [L] int64 (a copy)."""
@@ -409,17 +452,36 @@ class RoutedExperts(nn.Module):
 
     @torch.no_grad()
     def update_placement(self, new_phy2log: torch.Tensor) -> None:
-        """Switch to a new physical-to-logical map, moving expert weights in place (collective).
+        """Switch to a new physical-to-logical map now, moving expert weights in place (collective):
+        :meth:`start_placement` then :meth:`finish_placement`.
 
-        Every rank of the group calls it with the same map at the same step. A slot whose logical expert
-        changes is filled from a replica on its own rank when there is one, else from the first old
-        replica (point-to-point send/recv). Parameters keep their storage; the map buffers are replaced
-        (a captured CUDA graph must be recaptured). Expert counts are logical and are kept.
+        Every rank of the group calls it with the same map at the same step.
+
+        Raises:
+            ValueError: if P changes or the map is invalid (nothing is modified then).
+        """
+        self.finish_placement(self.start_placement(new_phy2log))
+
+    @torch.no_grad()
+    def start_placement(self, new_phy2log: torch.Tensor, group: Any = None) -> "PlacementMove":
+        """Start moving expert weights for a new physical-to-logical map, without switching to it: the layer
+        keeps computing with its current map and weights until :meth:`finish_placement`.
+
+        A slot whose logical expert changes is filled from a replica on its own rank when there is one,
+        else from the first old replica on another rank (point-to-point send/recv, posted here and
+        completed in the background). The weights to send are copied now, so steps may run meanwhile.
+        Every rank of the group calls it with the same map (at any step; the sends and receives match by
+        tag). ``group``: the process group of the moves, the ranks of :attr:`group` in the same order;
+        give a group of its own while steps run (NCCL and gloo order one group's operations, so moves
+        posted between a step's collectives would otherwise interleave with them); None uses the layer's.
 
         Args:
             new_phy2log: [P] int, P unchanged (EPLB keeps the slot count fixed).
+        Returns:
+            the move in flight; its staging buffers hold one copy of each slot this rank sends or receives.
         Raises:
-            ValueError: if P changes or the map is invalid (nothing is modified then).
+            ValueError: if P changes, the map is invalid, or the layer has fused shared experts (nothing
+                is posted then).
         Source: after DeepSeek EPLB's rebalancing step and vLLM's ``rearrange_expert_weights_inplace``.
         """
         new = torch.as_tensor(new_phy2log, dtype=torch.int64).cpu()
@@ -440,23 +502,33 @@ class RoutedExperts(nn.Module):
             same_rank = [q for q in replicas[e] if q // per == p // per]
             q = same_rank[0] if same_rank else replicas[e][0]
             plan.append((p, q // per, q))
+        group = group if group is not None else self.group
         me = self.ep_rank
         sources = {q: self._pack(q - self.first_local) for _, src, q in plan if src == me}
         received, pending = {}, []
         for p, src, q in plan:
             dst = p // per
             if src == me and dst != me:
-                pending.append(dist.isend(sources[q], dist.get_global_rank(self.group, dst), group=self.group, tag=p))
+                pending.append(dist.isend(sources[q], dist.get_global_rank(group, dst), group=group, tag=p))
             elif dst == me and src != me:
                 size = sum(t[0].numel() * t.element_size() for t in self._slot_params())
                 received[p] = torch.empty(size, dtype=torch.uint8, device=self.gate_up_proj.device)
-                pending.append(dist.irecv(received[p], dist.get_global_rank(self.group, src), group=self.group, tag=p))
-        for work in pending:
-            work.wait()
-        for p, src, q in plan:
-            if p // per == me:
-                self._unpack(p - self.first_local, sources[q] if src == me else received[p])
-        self._set_placement(new)
+                pending.append(dist.irecv(received[p], dist.get_global_rank(group, src), group=group, tag=p))
+        incoming = {p: sources[q] if src == me else received[p] for p, src, q in plan if p // per == me}
+        return PlacementMove(new, incoming, pending, poll=group is not None and dist.get_backend(group) == "nccl")
+
+    @torch.no_grad()
+    def finish_placement(self, move: "PlacementMove") -> None:
+        """Wait for a move's transfers, copy its weights into their slots and switch to its map.
+
+        Every rank of the group calls it at the same step (the map must change everywhere at once).
+        Parameters keep their storage; the map buffers are replaced (a captured CUDA graph must be
+        recaptured). Expert counts are logical and are kept.
+        """
+        move.wait()
+        for p, flat in move.incoming.items():
+            self._unpack(p - self.first_local, flat)
+        self._set_placement(move.phy2log)
 
     def _slot_params(self) -> list[torch.Tensor]:
         return [p for name in _STACKED_NAMES if (p := self._parameters.get(name)) is not None]
@@ -491,12 +563,23 @@ class MoEModelMixin:
         return torch.stack([layer.read_expert_counts(reset) for layer in self.expert_layers()])
 
     def update_expert_placement(self, phy2log: torch.Tensor) -> None:
-        """Apply EPLB's new map, [num_moe_layers, P], to every MoE layer (collective; see ``update_placement``)."""
+        """Apply EPLB's new map, [num_moe_layers, P], to every MoE layer now (collective; see
+        ``RoutedExperts.update_placement``)."""
+        self.finish_expert_placement(self.start_expert_placement(phy2log))
+
+    def start_expert_placement(self, phy2log: torch.Tensor, group: Any = None) -> list[PlacementMove]:
+        """Start moving every MoE layer's weights to EPLB's new map, [num_moe_layers, P], in the background
+        (``RoutedExperts.start_placement``; ``group``: a process group for the moves). Raises ValueError
+        for a map of the wrong shape (nothing is posted then)."""
         layers = self.expert_layers()
         if len(phy2log) != len(layers):
             raise ValueError(f"phy2log has {len(phy2log)} rows for {len(layers)} MoE layers")
-        for layer, row in zip(layers, phy2log):
-            layer.update_placement(row)
+        return [layer.start_placement(row, group) for layer, row in zip(layers, phy2log)]
+
+    def finish_expert_placement(self, moves: list[PlacementMove]) -> None:
+        """Switch every MoE layer to its started move (same step on every rank; waits for transfers)."""
+        for layer, move in zip(self.expert_layers(), moves):
+            layer.finish_placement(move)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load Hugging Face-named tensors (a safetensors checkpoint or a 5.x ``state_dict``).

@@ -9,7 +9,7 @@ Glossary (see also ``rayinfer.model.moe`` and ``rayinfer.policy.eplb``):
     load window the last W steps' loads of one rank (a ring buffer); the coordinator sums it over ranks.
     phy2log     [num_moe_layers, P] int64, logical expert of each slot; slot s is on rank s // (P / ep).
     moe_lb      max rank load / mean rank load, averaged over layers (1.0 is perfect balance).
-    step        a lockstep step of the EP group; "after n steps" means n steps have completed.
+    step        one step of the EP group (all ranks run it); "after n steps" means n steps have completed.
 """
 
 from __future__ import annotations

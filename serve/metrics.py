@@ -105,6 +105,9 @@ _ENGINE_METRICS = (
     ("num_images", "rayinfer_encoder_images", (), "Images asked of an encoder replica.", "counter"),
     ("num_batches", "rayinfer_encoder_batches", (), "Batched encoder calls of an encoder replica.", "counter"),
     ("moe_lb", "rayinfer_moe_lb", (), "Expert-parallel balance: max rank load / mean (1 is even).", "gauge"),
+    ("num_rebalances", "rayinfer_eplb_rebalances", (), "Expert maps changed by EPLB while serving.", "counter"),
+    ("rebalance_stall_s", "rayinfer_eplb_rebalance_stall_seconds", (), "Time the EP ranks' steps waited at map "
+     "switches for expert weights still moving, plus their copy into place (slowest rank, summed).", "counter"),
     ("num_parked_kv", "rayinfer_pd_parked_kv_requests", (), "Prefilled requests whose KV waits in the prefill "
      "pool for its transfer (PD).", "gauge"),
     ("kv_transfer_batches", "rayinfer_pd_kv_transfer_batches", (), "KV transfer batches sent or received (PD, "
@@ -253,7 +256,8 @@ class ServeMetrics:
         rows += [{**dataclasses.asdict(e), "replica_id": f"encoder{e.replica_id}"}
                  for e in getattr(stats, "encoders", ()) if e.error is None]
         if stats.ep is not None:
-            rows.append({"replica_id": "ep", "moe_lb": stats.ep.moe_lb, "num_rebalances": stats.ep.num_rebalances})
+            rows.append({"replica_id": "ep", "moe_lb": stats.ep.moe_lb, "num_rebalances": stats.ep.num_rebalances,
+                         "rebalance_stall_s": stats.ep.rebalance_stall_s})
         with self._engine.lock:
             self._engine.snapshot = rows
 

@@ -45,8 +45,9 @@ def test_greedy_matches_step_by_step_reference(tiny_engine, prompts, reference):
     check_equal(tiny_engine().generate(prompts, GREEDY), reference)
 
 
-@pytest.mark.parametrize("engine_kw", [dict(max_num_batched_tokens=8), dict(async_scheduling=True)],
-                         ids=["chunked-prefill", "async-scheduling"])
+@pytest.mark.parametrize("engine_kw", [dict(max_num_batched_tokens=8), dict(async_scheduling=True),
+                                       dict(debug_eager_graphs=True)],
+                         ids=["chunked-prefill", "async-scheduling", "decode-graph-padding"])
 def test_greedy_matches_reference_chunked_and_pipelined(tiny_engine, prompts, reference, engine_kw):
     check_equal(tiny_engine(**engine_kw).generate(prompts, GREEDY), reference)
 

@@ -1,8 +1,9 @@
 """Expert parallelism over gloo groups of 4 and 2 ranks (torch.multiprocessing, no Ray) equals one process.
 
 Each rank routes its own tokens (one rank of four has none) through a :class:`RoutedExperts` holding
-only its slice of the physical experts: identity placement, redundant experts (P > L), and after a
-placement update that moves weights between ranks. Then a whole tiny Qwen3-MoE with one request per
+only its slice of the physical experts: identity placement, redundant experts (P > L), dispatch with
+exact splits and with fixed-size buffers, and after a placement update whose weight moves run in the
+background (on a process group of their own) while the layer keeps serving with the old map. Then a whole tiny Qwen3-MoE with one request per
 rank (data-parallel attention, expert-parallel MoE) against the same model in one process.
 
 Batch-invariant mode (``engine.batch_invariant``): probe tokens on every rank, among companions whose
@@ -89,7 +90,51 @@ def test_redundant_experts_in_one_process():
         RoutedExperts(NUM_EXPERTS, HIDDEN, INTER, phy2log=torch.tensor(REDUNDANT[:-1] + [8]))
 
 
-def check_layer(group) -> None:
+@pytest.mark.gpu
+def test_fixed_capacity_dispatch_is_captured_in_a_cuda_graph(tmp_path):
+    """A one-rank NCCL group on the GPU: the layer's dispatch captured in a CUDA graph (fixed-size buffers,
+    no host read) replays the eager exact-split dispatch's result, and the one-process layer's, for new
+    inputs written into the graph's input buffers (bf16, redundant experts)."""
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        dev, dtype = torch.device("cuda"), torch.bfloat16
+        torch.manual_seed(0)
+        full = RoutedExperts(NUM_EXPERTS, HIDDEN, INTER, dtype=dtype, device=dev)
+        layer = RoutedExperts(NUM_EXPERTS, HIDDEN, INTER, group=dist.group.WORLD, phy2log=torch.tensor(REDUNDANT),
+                              dtype=dtype, device=dev)
+        for e in range(NUM_EXPERTS):
+            layer.load_expert_weight(e, "gate_proj", full.gate_up_proj.data[e, :INTER])
+            layer.load_expert_weight(e, "up_proj", full.gate_up_proj.data[e, INTER:])
+            layer.load_expert_weight(e, "down_proj", full.down_proj.data[e])
+
+        def batch(seed: int):
+            gen = torch.Generator().manual_seed(seed)
+            x = torch.randn(16, HIDDEN, generator=gen).to(dev, dtype)
+            ids = torch.rand(16, NUM_EXPERTS, generator=gen).topk(TOP_K, dim=-1)[1].to(dev)
+            return x, ids, torch.rand(16, TOP_K, generator=gen).to(dev)
+
+        static = batch(0)
+        eager = layer(*static)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up: Triton compiles outside the capture
+            layer(*static)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = layer(*static)
+        graph.replay()
+        torch.testing.assert_close(out, eager, atol=0, rtol=0)
+        for seed in (1, 2):
+            for buf, new in zip(static, batch(seed)):
+                buf.copy_(new)
+            graph.replay()
+            torch.testing.assert_close(out, full(*static), atol=2e-2, rtol=2e-2)
+    finally:
+        dist.destroy_process_group()
+
+
+def check_layer(group, move_group) -> None:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     torch.manual_seed(0)
     full = RoutedExperts(NUM_EXPERTS, HIDDEN, INTER)
@@ -102,8 +147,9 @@ def check_layer(group) -> None:
     want = full(x[mine], ids[mine], w[mine])
     all_counts = torch.bincount(ids.flatten(), minlength=NUM_EXPERTS)
 
-    for phy2log in [None, torch.tensor(REDUNDANT)]:
+    for phy2log, capacity in [(None, None), (None, 12), (torch.tensor(REDUNDANT), None), (torch.tensor(REDUNDANT), 9)]:
         layer = RoutedExperts(NUM_EXPERTS, HIDDEN, INTER, group=group, phy2log=phy2log)
+        layer.dispatch_capacity = capacity  # None: exact splits; else fixed-size buffers (the CUDA-graph layout)
         if phy2log is None:
             layer.load_stacked("gate_up_proj", full.gate_up_proj.data)
             layer.load_stacked("down_proj", full.down_proj.data)
@@ -114,13 +160,26 @@ def check_layer(group) -> None:
                 layer.load_expert_weight(e, "down_proj", full.down_proj.data[e])
         assert layer.num_local_experts == layer.num_physical_experts // world
         torch.testing.assert_close(layer(x[mine], ids[mine], w[mine]), want, **TOL)
+        moved = layer.dispatch_counters
+        assert moved.num_exchanges == 1
+        if phy2log is None:  # no replicas: a token goes exactly to the ranks holding its experts, once to each
+            homes = ids[mine] // layer.num_local_experts
+            assert moved.num_rows_sent == sum(len(set(row)) for row in homes.tolist()), (rank, capacity)
+        rows = torch.tensor([moved.num_rows_sent, moved.num_rows_received])
+        dist.all_reduce(rows, group=group)
+        assert rows[0] == rows[1] and rows[0] <= sum(counts) * min(TOP_K, world)
         local_counts = layer.read_expert_counts(reset=True)
         assert local_counts.sum() == counts[rank] * TOP_K
         dist.all_reduce(local_counts, group=group)
         assert torch.equal(local_counts, all_counts)
         assert layer.read_expert_counts().sum() == 0
 
-    layer.update_placement(torch.tensor(REBALANCED))
+    # a move in the background: the layer keeps serving with the old map and weights until it switches
+    move = layer.start_placement(torch.tensor(REBALANCED), move_group)
+    torch.testing.assert_close(layer(x[mine], ids[mine], w[mine]), want, **TOL)
+    assert layer.phy2log.tolist() == REDUNDANT
+    layer.finish_placement(move)
+    assert move.is_done() and layer.phy2log.tolist() == REBALANCED
     for slot in range(layer.num_local_experts):
         e = REBALANCED[layer.first_local + slot]
         assert torch.equal(layer.gate_up_proj[slot], full.gate_up_proj[e]), (rank, slot)
@@ -176,7 +235,8 @@ def check_qwen3_model(group) -> None:
 
 def check_batch_invariant_layer(group) -> None:
     """Batch-invariant mode: 3 probe tokens on every rank, placed among 0..8 random companions (another
-    count on each rank and in each of 3 trials, so the probes sit at other rows of the gathered batch),
+    count on each rank and in each of 4 trials, exact and fixed-capacity dispatch alternating, so the
+    probes sit at other rows of the dispatched buffers),
     through the layer with redundant experts: the bits of the one-process layer on the probes alone.
     Top-4 routing: with two experts per token any order of adding them gives the same bits."""
     rank, top_k = dist.get_rank(group), 4
@@ -195,7 +255,8 @@ def check_batch_invariant_layer(group) -> None:
     probe = tokens(3, torch.Generator().manual_seed(5))
     with batch_invariant_mode():
         want = full(*probe)
-        for trial in range(3):
+        for trial in range(4):
+            layer.dispatch_capacity = None if trial % 2 == 0 else 11  # exact splits, then fixed-size buffers
             gen = torch.Generator().manual_seed(100 * trial + rank)
             n = int(torch.randint(0, 9, (), generator=gen))
             at = int(torch.randint(0, n + 1, (), generator=gen))
@@ -224,10 +285,12 @@ def _worker(rank: int, world: int, store: str) -> None:
                             timeout=timedelta(seconds=60))
     try:
         pair = dist.new_group([1, 3])  # collective: every rank calls it
-        for group in [dist.group.WORLD, pair]:
+        # each group's expert-weight moves run on a group of their own (RoutedExperts.start_placement)
+        move_groups = [dist.new_group(list(range(world))), dist.new_group([1, 3])]
+        for group, move_group in zip([dist.group.WORLD, pair], move_groups):
             if dist.get_rank(group) >= 0:  # -1 on ranks outside the group
                 with _interpreter(False):
-                    check_layer(group)
+                    check_layer(group, move_group)
                     check_qwen3_model(group)
         if HAS_TRITON:
             with _interpreter(True):
