@@ -97,7 +97,7 @@ def _time(fn, device: torch.device, repeats: int, group) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
-    median = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    median = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)  # NCCL: on the GPU
     dist.all_reduce(median, op=dist.ReduceOp.MAX, group=group)
     return float(median)
 
@@ -144,7 +144,7 @@ def _rank_main(rank: int, args: argparse.Namespace, store: str, results: dict) -
             link_buf = torch.zeros(args.ep * num_tokens * (row_bytes + out_bytes), dtype=torch.uint8, device=device)
             link_out = torch.empty_like(link_buf)
             link_s = _time(lambda: dist.all_to_all_single(link_out, link_buf, group=group), device, args.repeats, group)
-            sizes = torch.tensor([real_rows], dtype=torch.float64)
+            sizes = torch.tensor([real_rows], dtype=torch.float64, device=device)
             dist.all_reduce(sizes, group=group)
             mean_rows = float(sizes) / args.ep
             exact_bytes = mean_rows * (row_bytes + out_bytes)
