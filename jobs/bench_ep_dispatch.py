@@ -13,7 +13,8 @@ and experts spread over the ranks (P = L, identity placement), it times one laye
 1. ``exact``: :func:`rayinfer.model.ep_dispatch.all_to_all_moe` with exact splits (count exchange, host
    read, only real rows on the link), the experts replaced by the identity, so only routing, packing,
    the two all-to-alls and the sum at home are timed;
-2. ``fixed``: the same with fixed-size buffers (capacity T; the layout a CUDA graph captures);
+2. ``fixed``: the same with fixed-size buffers (capacity T; the layout a CUDA graph captures), run
+   eagerly and, on CUDA, replayed from a captured graph (``fixed_graph_us``: what a decode step pays);
 3. ``all_gather``: the layout it replaced (all-gather every rank's tokens and routing, all-reduce the
    [ep * T, H] partial sums), for comparison;
 4. ``link``: a plain ``all_to_all_single`` of as many bytes per rank as the ``fixed`` dispatch moves,
@@ -102,6 +103,19 @@ def _time(fn, device: torch.device, repeats: int, group) -> float:
     return float(median)
 
 
+def _capture(fn, device: torch.device) -> "torch.cuda.CUDAGraph":
+    """``fn`` captured in a CUDA graph (after a warm-up on a side stream); every rank captures together."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def _rank_main(rank: int, args: argparse.Namespace, store: str, results: dict) -> None:
     from rayinfer.model.ep_dispatch import DispatchCounters, all_to_all_moe, pack_rows
 
@@ -140,6 +154,10 @@ def _rank_main(rank: int, args: argparse.Namespace, store: str, results: dict) -
             exact_s = _time(lambda: dispatch(None), device, args.repeats, group)
             fixed_s = _time(lambda: dispatch(num_tokens), device, args.repeats, group)
             gather_s = _time(lambda: _all_gather_layout(hidden, ids, weights, group), device, args.repeats, group)
+            graph_s = None
+            if device.type == "cuda":  # the fixed layout as a decode step runs it: replayed from a CUDA graph
+                graph = _capture(lambda: dispatch(num_tokens), device)
+                graph_s = _time(graph.replay, device, args.repeats, group)
             fixed_bytes = args.ep * num_tokens * (row_bytes + out_bytes)  # both directions, all chunks full
             link_buf = torch.zeros(args.ep * num_tokens * (row_bytes + out_bytes), dtype=torch.uint8, device=device)
             link_out = torch.empty_like(link_buf)
@@ -152,6 +170,7 @@ def _rank_main(rank: int, args: argparse.Namespace, store: str, results: dict) -
                 "tokens_per_rank": num_tokens,
                 "rows_sent_per_rank": mean_rows,
                 "exact_us": exact_s * 1e6, "fixed_us": fixed_s * 1e6, "all_gather_us": gather_s * 1e6,
+                "fixed_graph_us": None if graph_s is None else graph_s * 1e6,
                 "link_us": link_s * 1e6,
                 "exact_bytes_per_rank": exact_bytes, "fixed_bytes_per_rank": fixed_bytes,
                 "link_GBps": fixed_bytes / link_s / 1e9,
@@ -160,7 +179,8 @@ def _rank_main(rank: int, args: argparse.Namespace, store: str, results: dict) -
             })
             if rank == 0:
                 r = rows[-1]
-                print(f"T={num_tokens:6d}  exact {r['exact_us']:9.1f} us  fixed {r['fixed_us']:9.1f} us  "
+                graph_text = "" if graph_s is None else f" (graph {r['fixed_graph_us']:7.1f})"
+                print(f"T={num_tokens:6d}  exact {r['exact_us']:9.1f} us  fixed {r['fixed_us']:9.1f} us{graph_text}  "
                       f"all-gather {r['all_gather_us']:9.1f} us  link {r['link_us']:9.1f} us "
                       f"({r['link_GBps']:.1f} GB/s; fixed at {r['fixed_vs_link']:.0%} of it)", flush=True)
         if rank == 0:
