@@ -185,7 +185,7 @@ def test_ep4_eplb_balances_skewed_load_with_same_outputs(ray_cluster, model_conf
         _wait_for(lambda: len(group.eplb_history) >= 2)  # rank 0's call at step 16 may still be on its way
         first, second = group.eplb_history[:2]
         assert first["num_steps"] == 8 and first["changed"], group.eplb_history
-        assert first["moe_lb"] > 1.5 and first["moe_lb_expected"] < 1.15, group.eplb_history
+        assert first["moe_lb"] > 1.5 and first["moe_lb_expected"] <= 1.10, group.eplb_history
         assert second["num_steps"] == 16 and second["moe_lb"] < 1.15, group.eplb_history
         stats = group.stats()
         assert stats["moe_lb"] < 1.15 and stats["num_rebalances"] >= 1
