@@ -183,7 +183,7 @@ class ModelRunner:
             if mm_embeds is not None:  # image rows: eager, never a decode graph
                 out = self.model(ids, pos, self.model_kv, meta, mm_embeds=mm_embeds)
             elif (self.graphs is not None and meta.is_decode_only
-                  and self.graphs.padded_size(len(scheduled), min_batch=self._graph_floor()) is not None):
+                  and self.graphs.padded_size(len(scheduled), min_batch=self._graph_floor(len(scheduled))) is not None):
                 self.num_group_graph_steps += self.in_group
                 out = self.graphs.run(ids, pos, meta.slot_mapping, meta.seq_lens, meta.block_tables,
                                       min_batch=self._graph_floor())
@@ -245,12 +245,22 @@ class ModelRunner:
             slots, blocks = zip(*sched.kv_loads)
             host.load(slots, blocks)
 
-    def _graph_floor(self) -> int | None:
+    def _graph_floor(self, num_reqs: int = 0) -> int | None:
         """The least graph batch size this step may use: the group's (expert parallel; a huge one, so no
-        graph fits, when the rank runs without the group's graph), else None (any)."""
+        graph fits, when the rank runs without the group's graph), else None (any).
+
+        Raises:
+            RuntimeError: a rank with more decode requests than the group's batch size (its graph would
+                differ from the other ranks' and their collectives would never line up).
+        """
         if not self.in_group:
             return None
-        return self.group_batch_size if self.group_batch_size is not None else 1 << 30
+        if self.group_batch_size is None:
+            return 1 << 30
+        if num_reqs > self.group_batch_size:
+            raise RuntimeError(f"expert-parallel decode step of {num_reqs} requests on a rank, but the group "
+                               f"agreed on at most {self.group_batch_size}")
+        return self.group_batch_size
 
     @torch.inference_mode()
     def execute_empty(self) -> None:
