@@ -246,12 +246,11 @@ class LLMEngine:
 
             self.runner.capture_cuda_graphs(self.max_model_len, min(cfg.max_num_seqs, 512), graph_query_len(self.model),
                                             eager=not on_cuda)
-            if not on_cuda:  # debug_eager_graphs: the target's decode graphs only
-                pass
-            elif isinstance(self.proposer, DraftModelProposer):
+            # the proposers' own graphs are captured on CUDA only (debug_eager_graphs: the target's alone)
+            if on_cuda and isinstance(self.proposer, DraftModelProposer):
                 self.proposer.capture_cuda_graphs(self.max_model_len, min(cfg.max_num_seqs, 512),
                                                   graph_query_len(self.proposer.model))
-            elif isinstance(self.proposer, MtpProposer):
+            elif on_cuda and isinstance(self.proposer, MtpProposer):
                 self.proposer.capture_cuda_graphs(self.max_model_len, min(cfg.max_num_seqs, 512),
                                                   spec.num_draft_tokens)
         self.num_prompt_tokens = 0  # counters for metrics

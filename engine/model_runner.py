@@ -183,10 +183,10 @@ class ModelRunner:
             if mm_embeds is not None:  # image rows: eager, never a decode graph
                 out = self.model(ids, pos, self.model_kv, meta, mm_embeds=mm_embeds)
             elif (self.graphs is not None and meta.is_decode_only
-                  and self.graphs.padded_size(len(scheduled), min_batch=self._graph_floor(len(scheduled))) is not None):
+                  and self.graphs.padded_size(len(scheduled), min_batch=(floor := self._graph_floor(len(scheduled))))
+                  is not None):
                 self.num_group_graph_steps += self.in_group
-                out = self.graphs.run(ids, pos, meta.slot_mapping, meta.seq_lens, meta.block_tables,
-                                      min_batch=self._graph_floor())
+                out = self.graphs.run(ids, pos, meta.slot_mapping, meta.seq_lens, meta.block_tables, min_batch=floor)
             elif verify_width is not None:
                 out = self.graphs.run_ragged(ids, meta_arrays[2], query_lens, seq_lens, meta_arrays[1], verify_width)
             elif self.capture_hidden:
