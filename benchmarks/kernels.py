@@ -355,6 +355,47 @@ def sweep_mla_tiles(ceil) -> list[dict]:
     return rows
 
 
+def sweep_mla_splits(ceil) -> list[dict]:
+    """DeepSeek-V2-Lite's absorbed MLA decode (16 heads, R 512, P 64, cache blocks of 16) at batch >= 32 per
+    split-KV factor (None: the default heuristic) and warp count: graph time per layer and the share of the
+    measured copy bandwidth that the latent cache reads reach. A launch of P programs on S multiprocessors
+    that hold one program each runs in ceil(P / S) waves, so the split factor sets the last wave's fill."""
+    from rayinfer.kernels.mla_attention import mla_decode_ref, mla_decode_triton
+
+    heads, rank, rope, bs = 16, 512, 64, 16
+    rows = []
+    for batch, ctx in ((32, 4096), (64, 4096), (128, 4096), (32, 1024)):
+        nb = batch * math.ceil(ctx / bs)
+        layers = layers_for(nb * bs * (rank + rope) * 2)
+        cache = torch.randn((layers, nb, bs, rank + rope), device="cuda", dtype=DT)
+        perm = torch.randperm(nb).tolist()
+        per = nb // batch
+        meta = AttentionMetadata.build([1] * batch, [ctx] * batch, [perm[i * per:(i + 1) * per] for i in range(batch)],
+                                       bs, "cuda")
+        ql = torch.randn((batch, heads, rank), device="cuda", dtype=DT)
+        qp = torch.randn((batch, heads, rope), device="cuda", dtype=DT)
+        want = mla_decode_ref(ql, qp, cache[0], meta, 0.1).float()
+        nbytes = batch * ctx * (rank + rope) * 2
+        for warps in (4, 8):
+            for splits in (None, 1, 2, 3, 4, 5, 6, 8, 9, 12, 16):
+                cfg = {"num_warps": warps}
+                run = lambda i=0, s=splits, c=cfg: mla_decode_triton(ql, qp, cache[i], meta, 0.1, num_splits=s,  # noqa: E731
+                                                                      max_seq_len=8192, config=c)
+                try:
+                    err = (run().float() - want).abs().max().item()
+                    us = bench_graph([lambda i=i: run(i) for i in range(layers)])
+                except Exception as exc:
+                    print(f"  B={batch} ctx={ctx} warps={warps} splits={splits}: failed {exc!r}"[:300], flush=True)
+                    continue
+                pct = 100 * nbytes / us / 1e3 / ceil["copy_GBps"] if us else None
+                rows.append({"op": "mla_decode_splits", "batch": batch, "ctx_len": ctx, "num_warps": warps,
+                             "num_splits": splits, "graph_us": us, "pct_of_copy_bw": pct, "max_abs_err": err})
+                print(f"  B={batch} ctx={ctx} warps={warps} splits={splits}: {us or float('nan'):7.1f} us "
+                      f"{pct or float('nan'):5.1f}% bw err {err:.1e}", flush=True)
+        del cache
+    return rows
+
+
 def _compiled_kernel_stats(fn, name: str) -> list[dict]:
     """Registers and spills of every variant of the Triton kernel ``fn`` (called ``name`` in the rows)
     compiled so far (the cache's key names the constexprs), as rows ``{"op": "compiled", ...}``; one error
@@ -616,7 +657,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also sweep prefill tiles and decode split factors")
     parser.add_argument("--only-sweeps", nargs="*", default=None,
                         help="skip the kernel table; run these sweeps (gemv, gemv_mla, decode_tiles, prefill, "
-                        "decode_splits, decode_step, mla, mla_tiles)")
+                        "decode_splits, decode_step, mla, mla_tiles, mla_splits)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA device")
@@ -637,7 +678,7 @@ def main() -> None:
     if args.only_sweeps is not None:
         funcs = {"gemv": sweep_gemv, "decode_tiles": sweep_decode_tiles, "prefill": sweep_prefill,
                  "decode_splits": sweep_decode_splits, "decode_step": sweep_decode_step, "mla": sweep_mla,
-                 "mla_tiles": sweep_mla_tiles,
+                 "mla_tiles": sweep_mla_tiles, "mla_splits": sweep_mla_splits,
                  "gemv_mla": lambda c: sweep_gemv(c, ("mla_qkv_a", "mla_o"), block_ks=(512, 1024, 2048))}
         for name in args.only_sweeps:
             sweeps[name] = funcs[name](ceil)
