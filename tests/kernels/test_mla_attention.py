@@ -220,10 +220,13 @@ def test_split_kv_matches_ref_at_long_context():
 
 
 def test_choose_num_splits():
-    """About two programs per multiprocessor, >= 64 keys per split, at most 32 splits."""
+    """At most two programs per multiprocessor (one wave), >= 64 keys per split, at most 32 splits."""
     assert choose_num_splits(1, 1024, 132) == 16  # 1024 // 64
     assert choose_num_splits(1, 8192, 132) == 32
-    assert choose_num_splits(64, 4096, 132) == 5  # cdiv(264, 64)
+    assert choose_num_splits(64, 4096, 132) == 4  # 264 // 64: 256 programs, not 320 (a second wave of 56)
+    assert choose_num_splits(32, 4096, 132) == 8
+    assert choose_num_splits(128, 8192, 132) == 2
+    assert choose_num_splits(200, 4096, 132) == 1
     assert choose_num_splits(264, 4096, 132) == 1
     assert choose_num_splits(1, 100, 132) == 1  # too short to split
 
