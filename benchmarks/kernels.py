@@ -357,7 +357,7 @@ def sweep_mla_tiles(ceil) -> list[dict]:
 
 def sweep_mla_splits(ceil) -> list[dict]:
     """DeepSeek-V2-Lite's absorbed MLA decode (16 heads, R 512, P 64, cache blocks of 16) at batch >= 32 per
-    split-KV factor (None: the default heuristic) and warp count: graph time per layer and the share of the
+    split-KV factor (None: the default heuristic), warp count and pipeline depth: graph time per layer and the share of the
     measured copy bandwidth that the latent cache reads reach. A launch of P programs on S multiprocessors
     that hold one program each runs in ceil(P / S) waves, so the split factor sets the last wave's fill."""
     from rayinfer.kernels.mla_attention import mla_decode_ref, mla_decode_triton
@@ -376,21 +376,23 @@ def sweep_mla_splits(ceil) -> list[dict]:
         qp = torch.randn((batch, heads, rope), device="cuda", dtype=DT)
         want = mla_decode_ref(ql, qp, cache[0], meta, 0.1).float()
         nbytes = batch * ctx * (rank + rope) * 2
-        for warps in (4, 8):
+        for warps, stages in ((4, 4), (4, 3), (4, 2), (8, 4)):
             for splits in (None, 1, 2, 3, 4, 5, 6, 8, 9, 12, 16):
-                cfg = {"num_warps": warps}
+                cfg = {"num_warps": warps, "num_stages": stages}
                 run = lambda i=0, s=splits, c=cfg: mla_decode_triton(ql, qp, cache[i], meta, 0.1, num_splits=s,  # noqa: E731
                                                                       max_seq_len=8192, config=c)
                 try:
                     err = (run().float() - want).abs().max().item()
                     us = bench_graph([lambda i=i: run(i) for i in range(layers)])
                 except Exception as exc:
-                    print(f"  B={batch} ctx={ctx} warps={warps} splits={splits}: failed {exc!r}"[:300], flush=True)
+                    print(f"  B={batch} ctx={ctx} warps={warps} stages={stages} splits={splits}: failed {exc!r}"[:300],
+                          flush=True)
                     continue
                 pct = 100 * nbytes / us / 1e3 / ceil["copy_GBps"] if us else None
                 rows.append({"op": "mla_decode_splits", "batch": batch, "ctx_len": ctx, "num_warps": warps,
+                             "num_stages": stages,
                              "num_splits": splits, "graph_us": us, "pct_of_copy_bw": pct, "max_abs_err": err})
-                print(f"  B={batch} ctx={ctx} warps={warps} splits={splits}: {us or float('nan'):7.1f} us "
+                print(f"  B={batch} ctx={ctx} warps={warps} stages={stages} splits={splits}: {us or float('nan'):7.1f} us "
                       f"{pct or float('nan'):5.1f}% bw err {err:.1e}", flush=True)
         del cache
     return rows
