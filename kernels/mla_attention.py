@@ -394,15 +394,16 @@ def mla_decode_triton(
     # Tiles from the H200 sweep (benchmarks/kernels.py --only-sweeps mla_tiles, V2-Lite's 16 heads x 576, cache
     # blocks of 16, a graph sized for 8K keys). Up to 4 tokens: 16-key tiles, splits of at least 32 keys (a
     # batch-1 step at 1K context takes 32 splits of 32 keys, 11.2 us a layer; splits of 128 keys took 18.9,
-    # latency-bound by each split's serial tiles). More tokens: 32-key tiles in 4 stages, splits of at least
+    # latency-bound by each split's serial tiles). More tokens: 32-key tiles (2 stages since c165221; 4 before), splits of at least
     # 64 keys (batch 32 at 4K context 96.9 -> 77.5 us, 1K 31.5 -> 25.8; within 3% of the best set at 64-128).
+    # With one-wave splits (choose_num_splits) 2 stages beat 4 by 2-5% at batch 32-128 (kernels-mla-splits-stages-h200-c165221.json).
     # Batch-invariant mode always takes the second set: a token's tiles must not depend on its companions.
     invariant = is_batch_invariant()
     few = num_tokens <= 4 and not invariant
     wide = block_r >= 512
     deep = wide and not few  # the second set
     cfg = {"block_h": 16 if block_r >= 256 else max(16, min(32, triton.next_power_of_2(num_heads))),  # acc [H, R] fp32
-           "block_n": 16 if wide and few else 32, "num_warps": 4, "num_stages": 4 if deep else 2,
+           "block_n": 16 if wide and few else 32, "num_warps": 4, "num_stages": 2,
            "min_split_tokens": 64 if deep else 32, **(config or {})}
     block_h, block_n = cfg["block_h"], cfg["block_n"]
     head_tiles = triton.cdiv(num_heads, block_h)
