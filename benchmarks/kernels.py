@@ -398,6 +398,57 @@ def sweep_mla_splits(ceil) -> list[dict]:
     return rows
 
 
+MLA_PREFILL_TILES = [  # (block_m, block_n, num_warps, num_stages)
+    (64, 64, 8, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 128, 8, 2),
+    (128, 128, 8, 2), (64, 32, 4, 3),
+]
+
+
+def sweep_mla_prefill(ceil) -> list[dict]:
+    """DeepSeek-V2-Lite's expanded MLA prefill (16 heads, nope 128 + rope 64, v 128; the context's latents
+    up-projected first) per kernel tile set and launch order: eager time of one layer's
+    ``mla_prefill_triton`` (gather, up-projection GEMM and the kernel) and the causal attention FLOPs' rate."""
+    from rayinfer.kernels.mla_attention import mla_prefill_ref, mla_prefill_triton
+
+    heads, rank, rope, nope, v_dim, bs = 16, 512, 64, 128, 128, 64
+    rows = []
+    for num_prompts, prompt_len, prefix in ((1, 4096, 0), (8, 2048, 0), (8, 512, 1536)):
+        seq = prompt_len + prefix
+        nb = num_prompts * math.ceil(seq / bs)
+        cache = torch.randn((nb, bs, rank + rope), device="cuda", dtype=DT)
+        per = nb // num_prompts
+        perm = torch.randperm(nb).tolist()
+        meta = AttentionMetadata.build([prompt_len] * num_prompts, [seq] * num_prompts,
+                                       [perm[i * per:(i + 1) * per] for i in range(num_prompts)], bs, "cuda")
+        t = num_prompts * prompt_len
+        q_nope = torch.randn((t, heads, nope), device="cuda", dtype=DT)
+        q_pe = torch.randn((t, heads, rope), device="cuda", dtype=DT)
+        w = torch.randn((heads * (nope + v_dim), rank), device="cuda", dtype=DT) / rank**0.5
+        scale = (nope + rope) ** -0.5
+        want = mla_prefill_ref(q_nope, q_pe, cache, meta, w, scale).float()
+        pairs = num_prompts * (prompt_len * prefix + prompt_len * (prompt_len + 1) // 2)
+        flops = 2 * pairs * heads * (nope + rope + v_dim)
+        for tiles in MLA_PREFILL_TILES:
+            for reverse in (False, True):
+                cfg = dict(zip(("block_m", "block_n", "num_warps", "num_stages"), tiles), reverse=reverse)
+                run = lambda c=cfg: mla_prefill_triton(q_nope, q_pe, cache, meta, w, scale, config=c)  # noqa: E731
+                try:
+                    err = (run().float() - want).abs().max().item()
+                    us = bench_eager(run) * 1e3
+                except Exception as exc:
+                    print(f"  {num_prompts}x{prompt_len} (prefix {prefix}) {cfg}: failed {exc!r}"[:300], flush=True)
+                    continue
+                tf = flops / us / 1e6 if us else None
+                rows.append({"op": "mla_prefill_tiles", "num_prompts": num_prompts, "prompt_len": prompt_len,
+                             "prefix": prefix, "config": cfg, "eager_us": us, "attention_TFLOPs": tf,
+                             "pct_of_matmul": 100 * tf / ceil["matmul_bf16_TFLOPs"] if tf else None,
+                             "max_abs_err": err})
+                print(f"  {num_prompts}x{prompt_len} (prefix {prefix}) {tiles} rev={reverse}: "
+                      f"{us or float('nan'):8.1f} us {tf or float('nan'):6.1f} TFLOP/s err {err:.1e}", flush=True)
+        del cache
+    return rows
+
+
 def _compiled_kernel_stats(fn, name: str) -> list[dict]:
     """Registers and spills of every variant of the Triton kernel ``fn`` (called ``name`` in the rows)
     compiled so far (the cache's key names the constexprs), as rows ``{"op": "compiled", ...}``; one error
@@ -659,7 +710,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also sweep prefill tiles and decode split factors")
     parser.add_argument("--only-sweeps", nargs="*", default=None,
                         help="skip the kernel table; run these sweeps (gemv, gemv_mla, decode_tiles, prefill, "
-                        "decode_splits, decode_step, mla, mla_tiles, mla_splits)")
+                        "decode_splits, decode_step, mla, mla_tiles, mla_splits, mla_prefill)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA device")
@@ -681,6 +732,7 @@ def main() -> None:
         funcs = {"gemv": sweep_gemv, "decode_tiles": sweep_decode_tiles, "prefill": sweep_prefill,
                  "decode_splits": sweep_decode_splits, "decode_step": sweep_decode_step, "mla": sweep_mla,
                  "mla_tiles": sweep_mla_tiles, "mla_splits": sweep_mla_splits,
+                 "mla_prefill": sweep_mla_prefill,
                  "gemv_mla": lambda c: sweep_gemv(c, ("mla_qkv_a", "mla_o"), block_ks=(512, 1024, 2048))}
         for name in args.only_sweeps:
             sweeps[name] = funcs[name](ceil)

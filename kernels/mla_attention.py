@@ -515,10 +515,12 @@ def _mla_prefill_kernel(
     stride_qnt, stride_qnh, stride_qpt, stride_qph, stride_kvs, stride_kvh, stride_ls, stride_ot, stride_oh,
     NOPE: tl.constexpr, ROPE: tl.constexpr, V_DIM: tl.constexpr, RANK: tl.constexpr,
     BLOCK_DN: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, REVERSE: tl.constexpr = False,
 ):
-    program = tl.program_id(0)
-    head = tl.program_id(1)
+    head = tl.program_id(0)  # heads vary fastest: the heads of one query tile run side by side
+    program = tl.program_id(1)
+    if REVERSE:  # the last (longest, under the causal mask) query tiles first: no long tail at the end
+        program = tl.num_programs(1) - 1 - program
     req = _find_request(query_start_loc_ptr, program, num_reqs, BLOCK_M)
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
@@ -544,7 +546,28 @@ def _mla_prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     kv_hi = ctx_len + tl.minimum(q_len, tile_first + BLOCK_M)  # the tile's last position + 1
     kv_head = kv_ptr + head.to(tl.int64) * stride_kvh
-    for start in range(0, kv_hi, BLOCK_N):
+    # keys before the tile's first position are visible to all its rows: whole tiles of them run unmasked
+    full_hi = (ctx_len + tile_first + 1) // BLOCK_N * BLOCK_N
+    for start in range(0, full_hi, BLOCK_N):
+        rows = kv_row0 + start + tl.arange(0, BLOCK_N)
+        kn = tl.load(kv_head + rows[:, None] * stride_kvs + dn[None, :], mask=dn_ok[None, :], other=0.0)
+        kp = tl.load(lat_ptr + rows[:, None] * stride_ls + RANK + dp[None, :], mask=dp_ok[None, :], other=0.0)
+        v = tl.load(kv_head + rows[:, None] * stride_kvs + NOPE + dv[None, :], mask=dv_ok[None, :], other=0.0)
+        if IEEE:
+            s = tl.dot(qn, tl.trans(kn), input_precision="ieee") + tl.dot(qp, tl.trans(kp), input_precision="ieee")
+        else:
+            s = tl.dot(qn, tl.trans(kn)) + tl.dot(qp, tl.trans(kp))
+        s = s * qk_scale
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        prob = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(prob, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(prob, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v)
+        m_i = m_new
+    for start in range(full_hi, kv_hi, BLOCK_N):  # the diagonal tiles, masked
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < kv_hi
         rows = kv_row0 + n
@@ -613,9 +636,10 @@ def _request_groups(seq_lens: list[int], max_rows: int) -> list[tuple[int, int]]
 
 def mla_prefill_triton(
     q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-    kv_b_weight: torch.Tensor, scale: float,
+    kv_b_weight: torch.Tensor, scale: float, config: dict | None = None,
 ) -> torch.Tensor:
-    """Triton path of :func:`mla_prefill_ref` (same contract; no host sync, no loop over requests).
+    """Triton path of :func:`mla_prefill_ref` (same contract; no host sync, no loop over requests;
+    ``config`` overrides the kernel's tiles: block_m, block_n, num_warps, num_stages, reverse).
 
     Reads the context's latents with :func:`gather_mla_context`, up-projects them in one GEMM
     (``kv_b_proj``: [S, R] -> [S, H, Dn + Dv]) and runs ``_mla_prefill_kernel``, a varlen causal
@@ -634,7 +658,7 @@ def mla_prefill_triton(
     q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
     groups = _request_groups(meta.seq_lens_cpu, _MAX_GATHER_ROWS)
     if len(groups) == 1:
-        _mla_prefill_pass(q_nope, q_pe, kv_cache, meta, kv_b_weight, scale, out)
+        _mla_prefill_pass(q_nope, q_pe, kv_cache, meta, kv_b_weight, scale, out, config)
         return out
     q_starts = [0]
     for q in meta.query_lens_cpu:
@@ -644,12 +668,18 @@ def mla_prefill_triton(
         sub = AttentionMetadata(meta.query_start_loc[i: j + 1] - t0, meta.seq_lens[i:j], meta.block_tables[i:j],
                                 meta.slot_mapping[t0:t1], meta.block_size, meta.query_lens_cpu[i:j],
                                 meta.seq_lens_cpu[i:j])
-        _mla_prefill_pass(q_nope[t0:t1], q_pe[t0:t1], kv_cache, sub, kv_b_weight, scale, out[t0:t1])
+        _mla_prefill_pass(q_nope[t0:t1], q_pe[t0:t1], kv_cache, sub, kv_b_weight, scale, out[t0:t1], config)
     return out
 
 
-def _mla_prefill_pass(q_nope, q_pe, kv_cache, meta: AttentionMetadata, kv_b_weight, scale, out) -> None:
-    """One gather + up-projection + kernel over all of ``meta``'s requests, into ``out`` [T, H, Dv]."""
+# Prefill tiles (bf16/fp16): (block_m, block_n, num_warps, num_stages, reverse); float32 takes 32 x 32, 4 warps.
+_PREFILL_TILES = {"block_m": 64, "block_n": 64, "num_warps": 8, "num_stages": 2, "reverse": False}
+
+
+def _mla_prefill_pass(q_nope, q_pe, kv_cache, meta: AttentionMetadata, kv_b_weight, scale, out,
+                      config: dict | None = None) -> None:
+    """One gather + up-projection + kernel over all of ``meta``'s requests, into ``out`` [T, H, Dv]
+    (``config`` overrides :data:`_PREFILL_TILES`)."""
     num_tokens, num_heads, nope_dim = q_nope.shape
     rope_dim = q_pe.shape[-1]
     rank = kv_cache.shape[-1] - rope_dim
@@ -658,8 +688,9 @@ def _mla_prefill_pass(q_nope, q_pe, kv_cache, meta: AttentionMetadata, kv_b_weig
     kv = F.linear(latents[:, :rank].to(q_nope.dtype), kv_b_weight).view(-1, num_heads, nope_dim + v_dim)
     latents = latents.to(q_nope.dtype)
     is_fp32 = q_nope.dtype == torch.float32
-    block_m, block_n = (32, 32) if is_fp32 else (64, 64)
-    grid = (num_tokens // block_m + meta.num_reqs, num_heads)
+    cfg = {**_PREFILL_TILES, **({"block_m": 32, "block_n": 32, "num_warps": 4} if is_fp32 else {}), **(config or {})}
+    block_m, block_n = cfg["block_m"], cfg["block_n"]
+    grid = (num_heads, num_tokens // block_m + meta.num_reqs)
     _mla_prefill_kernel[grid](
         q_nope, q_pe, kv, latents, out, meta.query_start_loc, meta.seq_lens, kv_start_loc,
         meta.num_reqs, scale * 1.4426950408889634,
@@ -668,7 +699,7 @@ def _mla_prefill_pass(q_nope, q_pe, kv_cache, meta: AttentionMetadata, kv_b_weig
         NOPE=nope_dim, ROPE=rope_dim, V_DIM=v_dim, RANK=rank,
         BLOCK_DN=max(16, triton.next_power_of_2(nope_dim)), BLOCK_P=max(16, triton.next_power_of_2(rope_dim)),
         BLOCK_DV=max(16, triton.next_power_of_2(v_dim)), BLOCK_M=block_m, BLOCK_N=block_n, IEEE=is_fp32,
-        num_warps=4 if is_fp32 else 8, num_stages=2,
+        REVERSE=cfg["reverse"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
 

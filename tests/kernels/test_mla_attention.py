@@ -275,5 +275,8 @@ if __name__ == "__main__":
         mla._MAX_GATHER_ROWS = 40  # contexts 40 + 30 + 9 + 3 in three passes: [40], [30, 9], [3]
         assert mla._request_groups([40, 30, 9, 3], 40) == [(0, 1), (1, 3), (3, 4)]
         check_prefill("cpu", [([40, 7, 1, 3], [40, 30, 9, 3], 2, 32, 16, 16, 24, 4, f32)])
+        mla._PREFILL_TILES = {**mla._PREFILL_TILES, "reverse": True}  # query tiles launched last-first
+        check_prefill("cpu", [([40, 7, 1, 3], [40, 30, 9, 3], 2, 32, 16, 16, 24, 4, f32),
+                              ([33], [70], 3, 24, 8, 12, 20, 8, f32)])
     else:
         sys.exit(pytest.main([__file__, "-m", "gpu", "-q", *sys.argv[1:]]))
