@@ -672,8 +672,11 @@ def mla_prefill_triton(
     return out
 
 
-# Prefill tiles (bf16/fp16): (block_m, block_n, num_warps, num_stages, reverse); float32 takes 32 x 32, 4 warps.
-_PREFILL_TILES = {"block_m": 64, "block_n": 64, "num_warps": 8, "num_stages": 2, "reverse": False}
+# Prefill tiles (bf16/fp16); float32 takes 32 x 32, 4 warps. From the H200 sweep (benchmarks/kernels.py
+# --only-sweeps mla_prefill, V2-Lite heads; results/kernels-mla-prefill-h200-cda613a.json): 128 x 64 tiles in 3
+# stages, launched last query tile first, took one 4K prompt's layer from 592 us (64 x 64, 8 warps, 2 stages,
+# first-first) to 295 us, 8 x 2048 from 1119 to 631 us, 8 x 512 chunks over 1536 cached tokens from 620 to 368.
+_PREFILL_TILES = {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3, "reverse": True}
 
 
 def _mla_prefill_pass(q_nope, q_pe, kv_cache, meta: AttentionMetadata, kv_b_weight, scale, out,
