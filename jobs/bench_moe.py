@@ -326,6 +326,40 @@ def ab_rows(model, ceil: dict, counts: dict, variants: list[str], batches: list[
     return rows
 
 
+def prefill_kernel_profile(model, num_tokens: int, steps: int = 3, top: int = 30) -> dict:
+    """Kernels of one prefill of ``num_tokens`` tokens (one request, nothing cached) under ``torch.profiler``:
+    {"num_tokens", "kernel_ms_per_step", "kernels": [{"name", "ms_per_step", "calls_per_step"}, ...]} by
+    time, device time on CUDA (CPU op time elsewhere), averaged over ``steps`` profiled forwards."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from rayinfer.kernels.attention_metadata import AttentionMetadata
+
+    device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
+    cuda = device.type == "cuda"
+    blocks = -(-num_tokens // BLOCK_SIZE)
+    kv = torch.zeros(model.kv_cache_shape(blocks, BLOCK_SIZE), dtype=dtype, device=device)
+    meta = AttentionMetadata.build([num_tokens], [num_tokens], [list(range(blocks))], BLOCK_SIZE, device)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (num_tokens,), generator=gen).to(device)
+    pos = torch.arange(num_tokens, device=device)
+    last = torch.tensor([num_tokens - 1], device=device)
+    with torch.inference_mode():
+        model.compute_logits(model(ids, pos, kv, meta)[last])  # warm-up (compiles)
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                model.compute_logits(model(ids, pos, kv, meta)[last])
+            if cuda:
+                torch.cuda.synchronize(device)
+
+    def spent(e) -> float:  # microseconds
+        return e.device_time_total if cuda else e.self_cpu_time_total
+
+    events = sorted((e for e in prof.key_averages() if spent(e) > 0), key=lambda e: -spent(e))
+    return {"num_tokens": num_tokens, "kernel_ms_per_step": sum(spent(e) for e in events) / steps / 1e3,
+            "kernels": [{"name": e.key, "ms_per_step": spent(e) / steps / 1e3, "calls_per_step": e.count // steps}
+                        for e in events[:top]]}
+
+
 def _graph_step_ms(model, kv, meta, ids, pos, seq_len: int, reps: int) -> float:
     """Median ms of a decode step (one token per request) replayed from the engine's CUDA graphs, plus the
     logits (eager, as the engine computes them)."""
@@ -488,7 +522,8 @@ def run(tiny: bool = False, device: str | None = None, dtype: str = "bfloat16", 
         context: int | list[int] | None = None, prefill: list[int] | None = None,
         moe_tokens: list[int] | None = None, reps: int | None = None, command: str | None = None,
         git_rev: str | None = None, graphs: bool = True, model: str = "deepseek-v2-lite",
-        quantization: str | None = None, ab: list[str] | None = None, ab_rounds: int = 3) -> dict:
+        quantization: str | None = None, ab: list[str] | None = None, ab_rounds: int = 3,
+        profile_prefill: bool = False) -> dict:
     """Run every case and return the results (see the module docstring for what is measured).
 
     Args:
@@ -507,6 +542,8 @@ def run(tiny: bool = False, device: str | None = None, dtype: str = "bfloat16", 
             every linear layer and routed expert; None: ``dtype``).
         ab, ab_rounds: variants of :data:`AB_VARIANTS` whose decode steps (every batch, the first context)
             are timed in this process, interleaved over ``ab_rounds`` rounds (the ``ab`` rows).
+        profile_prefill: also profile each prefill case's kernels (:func:`prefill_kernel_profile`, the
+            ``prefill_profile`` rows).
     Raises:
         ValueError: for a model not in :data:`MODELS` or an unknown A/B variant.
     """
@@ -526,13 +563,14 @@ def run(tiny: bool = False, device: str | None = None, dtype: str = "bfloat16", 
     contexts = [context] if isinstance(context, int) else context
     try:
         return _run(MODELS[model], tiny, dev, parse_dtype(dtype), batches, contexts, prefill, moe_tokens, reps,
-                    command, git_rev, graphs and dev.type == "cuda", quantization, ab, ab_rounds)
+                    command, git_rev, graphs and dev.type == "cuda", quantization, ab, ab_rounds, profile_prefill)
     finally:
         torch.set_num_threads(threads)
 
 
 def _run(spec: MoEBenchModel, tiny, dev, dt, batches, contexts, prefill, moe_tokens, reps, command, git_rev,
-         graphs, quantization=None, ab: list[str] | None = None, ab_rounds: int = 3) -> dict:
+         graphs, quantization=None, ab: list[str] | None = None, ab_rounds: int = 3,
+         profile_prefill: bool = False) -> dict:
     cases = TINY if tiny else FULL
     batches, contexts = batches or cases["batches"], contexts or cases["contexts"]
     prefill, moe_tokens = prefill or cases["prefill"], moe_tokens or cases["moe_tokens"]
@@ -557,6 +595,11 @@ def _run(spec: MoEBenchModel, tiny, dev, dt, batches, contexts, prefill, moe_tok
     for n in prefill:
         prefill_rows.append(bench_step(model, ceil, counts, batch=1, query_len=n, context=0, reps=max(3, reps // 3)))
         _print("prefill", prefill_rows[-1], f"T={n}")
+    profiles = [prefill_kernel_profile(model, n) for n in prefill] if profile_prefill else []
+    for prof in profiles:
+        print(f"prefill T={prof['num_tokens']} kernels: {prof['kernel_ms_per_step']:.2f} ms a step; top:", flush=True)
+        for k in prof["kernels"][:12]:
+            print(f"  {k['ms_per_step']:8.3f} ms {k['calls_per_step']:5d}x  {k['name'][:100]}", flush=True)
     del model
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -601,6 +644,7 @@ def _run(spec: MoEBenchModel, tiny, dev, dt, batches, contexts, prefill, moe_tok
         "fused_moe": moe,
         "routing_align": small_ops,
         "ab": ab_out,
+        "prefill_profile": profiles,
         "seconds": time.time() - started,
     }
 
@@ -643,12 +687,14 @@ def main(argv: list[str] | None = None) -> dict:
                         help=f"A/B variants of the decode step timed in this process, e.g. default,no-pdl "
                         f"(from {', '.join(AB_VARIANTS)}; every --batches at the first --context)")
     parser.add_argument("--ab-rounds", type=int, default=3, help="interleaved rounds of the --ab variants")
+    parser.add_argument("--profile-prefill", action="store_true",
+                        help="also profile each prefill case's kernels (torch.profiler; prefill_profile rows)")
     args = parser.parse_args(argv)
     argv_text = " ".join(sys.argv[1:] if argv is None else argv)
     result = run(args.tiny, args.device, args.dtype, args.batches, args.context, args.prefill, args.moe_tokens,
                  args.reps, command=f"python jobs/bench_moe.py {argv_text}".strip(), git_rev=args.git_rev,
                  graphs=not args.no_graphs, model=args.model, quantization=args.quantization, ab=args.ab,
-                 ab_rounds=args.ab_rounds)
+                 ab_rounds=args.ab_rounds, profile_prefill=args.profile_prefill)
     prefix = "" if args.model == "deepseek-v2-lite" else f"{args.model}-"  # the V2-Lite file names of before
     out = Path(args.out or Path(__file__).resolve().parents[1] / "benchmarks" / "results"
                / f"moe-{prefix}{'tiny-' if args.tiny else ''}{_slug(result['device'])}.json")

@@ -31,6 +31,20 @@ def test_tiny_run_writes_results(tmp_path):
     assert [(r["num_shared"], r["weights"], r["num_tokens"]) for r in data["fused_moe"]] == [
         (s, w, n) for s, w in [(0, "bfloat16"), (1, "bfloat16"), (1, "fp8 block 128x128")] for n in TINY["moe_tokens"]]
     assert all(r["kernel"] == "torch fallback" and r["max_abs_err_vs_ref"] < 1e-2 for r in data["fused_moe"])
+    assert data["prefill_profile"] == []  # only with --profile-prefill
+
+
+def test_prefill_profile_lists_the_forward_ops(tmp_path):
+    """--profile-prefill: each prefill case's ops by time, the MoE layer's expert GEMMs among them."""
+    out = tmp_path / "moe.json"
+    main(["--tiny", "--device", "cpu", "--reps", "1", "--batches", "1", "--moe-tokens", "1", "--profile-prefill",
+          "--out", str(out)])
+    data = json.loads(out.read_text())
+    (prof,) = data["prefill_profile"]
+    assert prof["num_tokens"] == TINY["prefill"][0] and prof["kernel_ms_per_step"] > 0
+    times = [k["ms_per_step"] for k in prof["kernels"]]
+    assert times == sorted(times, reverse=True) and all(k["calls_per_step"] >= 1 for k in prof["kernels"])
+    assert any("linear" in k["name"] or "mm" in k["name"] for k in prof["kernels"])
 
 
 def test_v2_lite_shape_has_v2_lite_size():
