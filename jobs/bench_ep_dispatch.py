@@ -12,9 +12,11 @@ and experts spread over the ranks (P = L, identity placement), it times one laye
 
 1. ``exact``: :func:`rayinfer.model.ep_dispatch.all_to_all_moe` with exact splits (count exchange, host
    read, only real rows on the link), the experts replaced by the identity, so only routing, packing,
-   the two all-to-alls and the sum at home are timed;
+   the two all-to-alls and the sum at home are timed; on CUDA through the Triton kernels of
+   ``kernels.ep_dispatch``, and again as torch ops (``exact_torch_us``, ``RAYINFER_EP_FUSED_DISPATCH=0``);
 2. ``fixed``: the same with fixed-size buffers (capacity T; the layout a CUDA graph captures), run
-   eagerly and, on CUDA, replayed from a captured graph (``fixed_graph_us``: what a decode step pays);
+   eagerly (also as torch ops: ``fixed_torch_us``) and, on CUDA, replayed from a captured graph
+   (``fixed_graph_us``: what a decode step pays);
 3. ``all_gather``: the layout it replaced (all-gather every rank's tokens and routing, all-reduce the
    [ep * T, H] partial sums), for comparison;
 4. ``link``: a plain ``all_to_all_single`` of as many bytes per rank as the ``fixed`` dispatch moves,
@@ -154,6 +156,10 @@ def _rank_main(rank: int, args: argparse.Namespace, store: str, results: dict) -
             exact_s = _time(lambda: dispatch(None), device, args.repeats, group)
             fixed_s = _time(lambda: dispatch(num_tokens), device, args.repeats, group)
             gather_s = _time(lambda: _all_gather_layout(hidden, ids, weights, group), device, args.repeats, group)
+            os.environ["RAYINFER_EP_FUSED_DISPATCH"] = "0"  # the torch-op path, for comparison
+            exact_torch_s = _time(lambda: dispatch(None), device, args.repeats, group)
+            fixed_torch_s = _time(lambda: dispatch(num_tokens), device, args.repeats, group)
+            os.environ.pop("RAYINFER_EP_FUSED_DISPATCH")
             graph_s = None
             if device.type == "cuda":  # the fixed layout as a decode step runs it: replayed from a CUDA graph
                 graph = _capture(lambda: dispatch(num_tokens), device)
@@ -170,6 +176,7 @@ def _rank_main(rank: int, args: argparse.Namespace, store: str, results: dict) -
                 "tokens_per_rank": num_tokens,
                 "rows_sent_per_rank": mean_rows,
                 "exact_us": exact_s * 1e6, "fixed_us": fixed_s * 1e6, "all_gather_us": gather_s * 1e6,
+                "exact_torch_us": exact_torch_s * 1e6, "fixed_torch_us": fixed_torch_s * 1e6,
                 "fixed_graph_us": None if graph_s is None else graph_s * 1e6,
                 "link_us": link_s * 1e6,
                 "exact_bytes_per_rank": exact_bytes, "fixed_bytes_per_rank": fixed_bytes,
@@ -180,7 +187,8 @@ def _rank_main(rank: int, args: argparse.Namespace, store: str, results: dict) -
             if rank == 0:
                 r = rows[-1]
                 graph_text = "" if graph_s is None else f" (graph {r['fixed_graph_us']:7.1f})"
-                print(f"T={num_tokens:6d}  exact {r['exact_us']:9.1f} us  fixed {r['fixed_us']:9.1f} us{graph_text}  "
+                print(f"T={num_tokens:6d}  exact {r['exact_us']:9.1f} us (torch ops {r['exact_torch_us']:9.1f})  fixed "
+                      f"{r['fixed_us']:9.1f} us (torch ops {r['fixed_torch_us']:9.1f}){graph_text}  "
                       f"all-gather {r['all_gather_us']:9.1f} us  link {r['link_us']:9.1f} us "
                       f"({r['link_GBps']:.1f} GB/s; fixed at {r['fixed_vs_link']:.0%} of it)", flush=True)
         if rank == 0:

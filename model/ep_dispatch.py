@@ -137,6 +137,11 @@ def all_to_all_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
     """
     ep_size, ep_rank = dist.get_world_size(group), dist.get_rank(group)
     num_tokens, top_k = topk_ids.shape
+    if capacity is not None and num_tokens > capacity:
+        raise ValueError(f"{num_tokens} tokens on EP rank {ep_rank} exceed the dispatch capacity {capacity}")
+    if _fused_applies(hidden):
+        return _all_to_all_fused(hidden, topk_ids, topk_weights, experts, group, ep_rank, ep_size, log2phy,
+                                 replica_counts, num_local, capacity, counters)
     physical, dest = route_to_ranks(topk_ids, log2phy, replica_counts, ep_rank, ep_size, num_local)
     ranks = torch.arange(ep_size, device=hidden.device)
     to_rank = (dest[:, None, :] == ranks[None, :, None]).any(dim=2)  # [T, R]: the token goes to rank d
@@ -150,8 +155,6 @@ def all_to_all_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
         back, home = _exchange_exact(packed, to_rank, run_experts, group, counters)
         out = back.new_zeros((num_tokens, *back.shape[1:]))
         return out.index_add_(0, home, back)
-    if num_tokens > capacity:
-        raise ValueError(f"{num_tokens} tokens on EP rank {ep_rank} exceed the dispatch capacity {capacity}")
     # rank d's chunk holds the tokens going there, compacted: token t at row d * C + (its place among them)
     place = torch.cumsum(to_rank.long(), dim=0) - 1
     flat = torch.where(to_rank, ranks * capacity + place, ep_size * capacity)  # [T, R]; the extra row: unused
@@ -168,6 +171,56 @@ def all_to_all_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
         counters.num_rows_received += int((recv[:, hidden.shape[1] * hidden.dtype.itemsize:] != 0).any(1).sum())
         counters.num_exchanges += 1
     return back[flat].sum(dim=1)  # [T, R, ...] -> each token's partial sums, rank by rank
+
+
+def _fused_applies(hidden: torch.Tensor) -> bool:
+    """Whether :func:`all_to_all_moe` takes the Triton kernels (``kernels.ep_dispatch``): CUDA tensors (or the
+    interpreter), a contiguous hidden whose rows are whole 32-bit words, and ``RAYINFER_EP_FUSED_DISPATCH``
+    not "0" (the torch path stays for A/B runs)."""
+    from rayinfer import envs
+    from rayinfer.kernels._triton_utils import use_triton
+
+    return (envs.ep_fused_dispatch() and use_triton(hidden) and hidden.dim() == 2 and hidden.is_contiguous()
+            and hidden.shape[1] * hidden.element_size() % 4 == 0)
+
+
+def _all_to_all_fused(hidden, topk_ids, topk_weights, experts: ExpertFn, group, ep_rank: int, ep_size: int,
+                      log2phy, replica_counts, num_local: int, capacity: int | None,
+                      counters: DispatchCounters | None) -> torch.Tensor:
+    """:func:`all_to_all_moe` through the Triton kernels of ``kernels.ep_dispatch``: route + place, pack,
+    unpack and combine in one launch each; rows travel as 32-bit words (the same bytes as :func:`pack_rows`)."""
+    from rayinfer.kernels.ep_dispatch import combine_rows, pack_rows_to, route_and_place, unpack_local
+
+    num_tokens, top_k = topk_ids.shape
+    hidden_size = hidden.shape[1]
+    hidden_words = hidden_size * hidden.element_size() // 4
+    row_words = hidden_words + 2 * top_k
+    physical, place, counts, offsets = route_and_place(topk_ids, log2phy, replica_counts, ep_rank, ep_size,
+                                                       num_local, capacity)
+    if capacity is None:
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts, group=group)
+        splits = torch.cat([counts, recv_counts]).tolist()  # the step's one host read
+        send_splits, recv_splits = splits[:ep_size], splits[ep_size:]
+        send = hidden.new_empty((sum(send_splits), row_words), dtype=torch.int32)
+        recv = hidden.new_empty((sum(recv_splits), row_words), dtype=torch.int32)
+    else:
+        send_splits = recv_splits = None  # equal C-row chunks
+        send = hidden.new_zeros((ep_size * capacity, row_words), dtype=torch.int32)  # zero rows: no expert
+        recv = torch.empty_like(send)
+    pack_rows_to(send, hidden, physical, topk_weights, place, offsets)
+    dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group)
+    rows, slot_ids, weights = unpack_local(recv, hidden.dtype, hidden_size, top_k, ep_rank, num_local)
+    got = experts(rows, slot_ids, weights)
+    back = got.new_empty((send.shape[0], *got.shape[1:]))  # the rows this rank sent, each with its partial output
+    dist.all_to_all_single(back, got.contiguous(), send_splits, recv_splits, group=group)
+    if counters is not None and not is_capturing(hidden):
+        counters.num_rows_sent += int(counts.sum()) if send_splits is None else sum(send_splits)
+        counters.num_rows_received += (int((recv[:, hidden_words:hidden_words + top_k] != 0).any(1).sum())
+                                       if recv_splits is None else sum(recv_splits))
+        counters.num_exchanges += 1
+    out = combine_rows(back.reshape(back.shape[0], -1), place, offsets, num_tokens)
+    return out.view(num_tokens, *back.shape[1:])
 
 
 def _exchange_exact(packed: torch.Tensor, to_rank: torch.Tensor, run_experts, group,

@@ -15,6 +15,8 @@ Variables:
         ``model.deepseek_v3.DeepseekV3DecoderLayer.forward_one_row``); for A/B benchmarks.
     RAYINFER_FUSE_SHARED_EXPERTS: "0" keeps DeepSeek's shared experts as a separate MLP instead of extra
         experts of the fused MoE kernel (``model.moe.RoutedExperts.fuse_shared_experts``); for A/B benchmarks.
+    RAYINFER_EP_FUSED_DISPATCH: "0" runs the expert-parallel dispatch and combine as torch ops instead of the
+        Triton kernels of ``kernels.ep_dispatch`` (A/B runs).
     RAYINFER_MLA_BACKEND: "triton" (default) or "tilelang": the kernel of MLA's absorbed decode attention
         on the GPU (``kernels.mla_attention.mla_decode``); "tilelang" needs the tilelang package.
 """
@@ -51,6 +53,12 @@ def pdl_enabled() -> bool:
 def one_row_fusion() -> bool:
     """RAYINFER_ONE_ROW_FUSION (default on): whether a one-token Llama / DeepSeek-V3 step takes the fused-GEMV layers."""
     return _flag("RAYINFER_ONE_ROW_FUSION", True)
+
+
+def ep_fused_dispatch() -> bool:
+    """RAYINFER_EP_FUSED_DISPATCH (default on): whether the expert-parallel dispatch and combine take the Triton
+    kernels (``kernels.ep_dispatch``) on CUDA; "0" keeps the torch path (A/B runs)."""
+    return _flag("RAYINFER_EP_FUSED_DISPATCH", True)
 
 
 def fuse_shared_experts() -> bool:

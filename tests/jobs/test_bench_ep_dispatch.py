@@ -20,4 +20,5 @@ def test_bench_ep_dispatch_on_gloo(tmp_path):
         # top-2 over 2 ranks: a token goes to one or both ranks, never more
         assert tokens <= row["rows_sent_per_rank"] <= 2 * tokens
         assert 0 < row["exact_bytes_per_rank"] <= row["fixed_bytes_per_rank"]
-        assert all(row[k] > 0 for k in ("exact_us", "fixed_us", "all_gather_us", "link_us"))
+        assert all(row[k] > 0 for k in ("exact_us", "fixed_us", "all_gather_us", "link_us", "exact_torch_us",
+                                        "fixed_torch_us"))
