@@ -243,7 +243,8 @@ class ColocatedClient(_FleetClient):
         """Stream a request's deltas from the replica the router picks (see ``EngineClient.generate``)."""
         request_id = request_id or uuid.uuid4().hex
         mm_inputs = await self.encode(mm_inputs)
-        idx = await granted(self.router.pick.remote(list(prompt_token_ids[: self.info.block_size])),
+        idx = await granted(self.router.pick.remote(list(prompt_token_ids[: self.info.block_size]),
+                                                    len(prompt_token_ids)),
                             lambda i: self.router.release.remote(i))
         mux = self.mux(self.info.replicas[idx])
         extra = {"mm_inputs": mm_inputs} if mm_inputs else {}
@@ -269,7 +270,8 @@ class ColocatedClient(_FleetClient):
             result = Completion(request_id, list(prompt_token_ids))
             result.error, result.finish_reason = str(e), "error"
             return result
-        idx = await granted(self.router.pick.remote(list(prompt_token_ids[: self.info.block_size])),
+        idx = await granted(self.router.pick.remote(list(prompt_token_ids[: self.info.block_size]),
+                                                    len(prompt_token_ids)),
                             lambda i: self.router.release.remote(i))
         extra = {"mm_inputs": mm_inputs} if mm_inputs else {}
         try:

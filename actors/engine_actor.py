@@ -65,6 +65,7 @@ class EngineActorImpl:
         self.num_store_writes_skipped = 0
         self.num_store_hit_blocks = 0  # blocks loaded from the store (NORMAL role)
         self.num_store_lookups = 0
+        self.cp_peer = None  # a CP peer rank's side of rank 0's prefills (join_cp_group_as_peer)
         if kv_store is not None and e.role.value == "normal":
             e.store_writer = self._put_finished
 
@@ -312,7 +313,7 @@ class EngineActorImpl:
         def start_peers(token_ids: list[int]):
             # called on the engine's step thread, never the event loop: wait on futures (ray.get here would
             # only draw Ray's "blocking ray.get inside async actor" warning)
-            futures = [p.prefill.remote(token_ids).future() for p in peers]
+            futures = [p.cp_prefill.remote(token_ids).future() for p in peers]
             return lambda: [f.result() for f in futures]
 
         cp_size = len(peers) + 1
@@ -322,6 +323,37 @@ class EngineActorImpl:
             torch.cuda.set_device(e.device.index or 0)  # NCCL binds the group to the current device
         await asyncio.to_thread(init_process_group, 0, cp_size, address, port, cp_backend(e.device), timeout_s)
         e.set_context_parallel(prefiller)
+
+    async def join_cp_group_as_peer(self, address: str, port: int, cp_rank: int, cp_size: int,
+                                    timeout_s: float = 300.0) -> None:
+        """Join the replica's CP group as rank ``cp_rank`` >= 1: this replica keeps serving its own requests
+        and also runs its share of rank 0's CP prefills (:meth:`cp_prefill`).
+
+        Raises:
+            ValueError: for a model CP does not support (``engine.context_parallel.check_cp_model``).
+        """
+        from rayinfer.actors.cp_group import cp_backend
+        from rayinfer.engine.context_parallel import CPPeer, check_cp_model, torch_all_gather
+        from rayinfer.placement.groups import init_process_group
+
+        e = self.engine.engine
+        check_cp_model(e.model)
+        if e.device.type == "cuda":
+            torch.cuda.set_device(e.device.index or 0)
+        await asyncio.to_thread(init_process_group, cp_rank, cp_size, address, port, cp_backend(e.device), timeout_s)
+        self.cp_peer = CPPeer(e.model, cp_rank, cp_size, torch_all_gather(), e.engine_config.block_size, e.kv_dtype)
+
+    async def cp_prefill(self, token_ids: list[int]) -> int:
+        """This rank's share of one of rank 0's CP prefills, run on the engine's step thread between two of
+        this replica's own steps (the collectives wait for it there); returns its token count.
+
+        Raises:
+            RuntimeError: if this replica never joined a CP group as a peer.
+        """
+        if self.cp_peer is None:
+            raise RuntimeError(f"replica {self.replica_id} is no CP peer (join_cp_group_as_peer was not called)")
+        peer = self.cp_peer
+        return await asyncio.wrap_future(self.engine.run_on_loop(lambda: peer.prefill(token_ids)))
 
     # -- the transfer group (nccl, gloo) -----------------------------------------------------------
     def transfer_address(self) -> tuple[str, int]:
@@ -463,6 +495,8 @@ class EngineActorImpl:
                "kv_store_hit_blocks": self.num_store_hit_blocks, "kv_store_lookups": self.num_store_lookups}
         if self.transfer is not None:
             out.update(self.transfer.stats())
+        if self.cp_peer is not None:
+            out.update(cp_rank=self.cp_peer.cp_rank, num_cp_peer_prefills=self.cp_peer.num_prefills)
         return out
 
 

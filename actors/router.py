@@ -20,7 +20,9 @@ placement group of one bundle each; clients send every request's images there fi
 embeddings' object refs on to the prefill (or NORMAL) replica, whose encoder then never runs.
 
 With ``parallel.cp > 1`` (colocated only) each replica is ``cp`` ranks in one placement group: the
-EngineActor on bundle 0 and ``cp - 1`` CP peers (``rayinfer.actors.cp_group``) that join its long prefills.
+EngineActor on bundle 0 and ``cp - 1`` CP peers (EngineActors too, ``rayinfer.actors.cp_group``) that join
+its long prefills and otherwise serve short prompts of their own: the fleet's replicas are the rank 0s, then
+the peers, and :meth:`Router.pick` sends prompts of ``cp_min_tokens`` or more to a rank 0.
 
 Data between clients and replicas flows directly where it can (tokens of colocated and PD requests
 never pass through the router); the router only decides. Each replica is placed by a placement group
@@ -43,6 +45,7 @@ import ray.exceptions
 from ray.util import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rayinfer.actors.cp_group import start_cp_group
 from rayinfer.actors.encoder_actor import EncoderActor, EncoderActorRDT, check_encoder_model, resolve_encoder_transport
 from rayinfer.actors.engine_actor import EngineActor, EngineActorImpl
 from rayinfer.actors.kv_store import KVStoreActor
@@ -67,7 +70,8 @@ class FleetInfo:
         topology: "colocated", "pd" or "ep".
         max_model_len: context limit in tokens.
         block_size: tokens per KV block.
-        replicas: NORMAL replicas (colocated), or prefill replicas then decode replicas (pd).
+        replicas: NORMAL replicas (colocated; with cp > 1 the rank 0s, then every replica's CP peers), or
+            prefill replicas then decode replicas (pd).
         num_prefill: how many of ``replicas`` are prefill replicas (pd).
         kv_store: the KVStoreActor (pd, or colocated with ``kv_store.enabled``), else None.
         kv_transport: the resolved KV transport (pd), else None.
@@ -140,7 +144,7 @@ class Router:
         self.info: FleetInfo | None = None
         self._placed = parallel  # with num_cpus_per_replica resolved, in start()
         self._placement_groups: list = []
-        self._cp_peers: list = []  # colocated with cp > 1: every replica's CP ranks 1..cp-1
+        self._cp_leaders: int | None = None  # cp > 1: fleet.replicas[:n] are the rank 0s (they lead CP prefills)
         self.encoders: list = []  # EncoderActors (encoder.num_encoders)
         self._encoders_loaded: list = []  # their ready() refs
         # colocated
@@ -213,11 +217,18 @@ class Router:
                     self.model_config.model)
             replicas = [await self._place(self._engine_actor_cls(), i, self.model_config, cfg, i, kv_store=store)
                         for i in range(p.dp)]
-            info = await asyncio.gather(*[r.ready.remote() for r in replicas])
+            peers = []  # cp > 1: each replica's ranks 1..cp-1, replicas of their own for short prompts
+            if p.cp > 1:
+                peers = [await self._start_cp_peer(pg, i, r, kv_store=store)
+                         for i, pg in enumerate(self._placement_groups[: p.dp]) for r in range(1, p.cp)]
+            info = await asyncio.gather(*[r.ready.remote() for r in replicas + peers])
             await self._encoders_ready()
             if p.cp > 1:
-                await asyncio.gather(*[self._start_cp(pg, r) for pg, r in zip(self._placement_groups, replicas)])
-            self.balancer = ReplicaLoadBalancer(p.dp, cfg.block_size)
+                await asyncio.gather(*[start_cp_group(r, peers[i * (p.cp - 1): (i + 1) * (p.cp - 1)], p.cp_min_tokens)
+                                       for i, r in enumerate(replicas)])
+            self._cp_leaders = p.dp if p.cp > 1 else None
+            replicas += peers
+            self.balancer = ReplicaLoadBalancer(len(replicas), cfg.block_size)
             self.info = FleetInfo("colocated", info[0]["max_model_len"], cfg.block_size, replicas,
                                   kv_store=store, model=self.model_config.model, encoders=self.encoders)
         self.fleet.encoder_transport = self._encoder_transport
@@ -287,18 +298,17 @@ class Router:
                                                                          placement_group_bundle_index=0))
         return actor_cls.options(**opts).remote(*args, **kwargs)  # pyright: ignore[reportCallIssue]
 
-    async def _start_cp(self, pg, rank0) -> None:
-        """Start a colocated replica's CP peers on bundles 1..cp-1 of its placement group and form its CP
-        group with ``rank0`` (``rayinfer.actors.cp_group``)."""
-        from rayinfer.actors.cp_group import CPPeerActor, start_cp_group
-
+    async def _start_cp_peer(self, pg, replica: int, cp_rank: int, kv_store=None):
+        """CP rank ``cp_rank`` >= 1 of colocated replica ``replica``: an EngineActor on that bundle of the
+        replica's placement group, serving requests of its own (``rayinfer.actors.cp_group``); its replica
+        id in stats follows the rank-0 replicas'. Not restarted by Ray: a dead peer leaves its group."""
         p, bundle = self._placed, rank_resources(self._placed)
-        peers = [CPPeerActor.options(  # pyright: ignore[reportAttributeAccessIssue]
-            num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0.0), max_restarts=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=r),
-        ).remote(self.model_config, self.engine_config, r, p.cp) for r in range(1, p.cp)]
-        self._cp_peers += peers
-        await start_cp_group(rank0, peers, p.cp_min_tokens)
+        replica_id = p.dp + replica * (p.cp - 1) + cp_rank - 1
+        return self._engine_actor_cls().options(  # pyright: ignore[reportAttributeAccessIssue]
+            num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0.0), max_restarts=0, max_concurrency=4096,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
+                                                                 placement_group_bundle_index=cp_rank),
+        ).remote(self.model_config, self.engine_config, replica_id, kv_store=kv_store)
 
     async def _start_pd(self) -> None:
         p, pd, cfg = self.parallel, self.parallel.pd, self.engine_config
@@ -339,10 +349,15 @@ class Router:
                     transport, f" (batches up to {pd.transfer_buffer_gib:g} GiB)" if group else "")
 
     # -- colocated -------------------------------------------------------------------------------
-    def pick(self, prompt_prefix: list[int]) -> int:
+    def pick(self, prompt_prefix: list[int], num_prompt_tokens: int | None = None) -> int:
         """A NORMAL replica for a request whose prompt starts with ``prompt_prefix`` (its first block is
-        enough); counted against it until :meth:`release`."""
-        return self._lb("colocated").pick(prompt_prefix)
+        enough) and has ``num_prompt_tokens`` tokens; counted against it until :meth:`release`. With
+        ``parallel.cp > 1`` a prompt of at least ``cp_min_tokens`` tokens goes to a rank 0 (which leads CP
+        prefills), any other to any rank, CP peers included."""
+        lb = self._lb("colocated")
+        if self._cp_leaders is not None and (num_prompt_tokens or 0) >= self.parallel.cp_min_tokens:
+            return lb.pick(prompt_prefix, among=range(self._cp_leaders))
+        return lb.pick(prompt_prefix)
 
     def release(self, replica: int) -> None:
         self._lb("colocated").done(replica)
@@ -581,9 +596,9 @@ class Router:
         if self.info is not None:
             for actor in self.info.replicas + ([self.info.kv_store] if self.info.kv_store is not None else []):
                 ray.kill(actor, no_restart=True)
-        for actor in self._cp_peers + self.encoders:
+        for actor in self.encoders:
             ray.kill(actor, no_restart=True)
-        self._cp_peers, self.encoders = [], []
+        self.encoders = []
         for pg in self._placement_groups:
             remove_placement_group(pg)
         self._placement_groups = []

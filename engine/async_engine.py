@@ -11,6 +11,7 @@ detokenization and stop strings never hold up a step.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import queue
@@ -160,6 +161,15 @@ class AsyncLLMEngine:
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
+    def run_on_loop(self, fn: Callable[[], object]) -> "concurrent.futures.Future":
+        """Run ``fn()`` on the loop thread between two steps (thread-safe), never during one: the engine's
+        model and buffers are then free (a context-parallel peer's share of another rank's prefill runs so).
+        Returns a future of its result (or its exception)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("call", fn, future))
+        self._wake.set()
+        return future
+
     def release_kv(self, request_ids: list[str]) -> None:
         """Free parked KV (PREFILL role) on the loop thread (thread-safe; unknown ids are ignored)."""
         self._inbox.put(("release_kv", list(request_ids)))
@@ -212,6 +222,13 @@ class AsyncLLMEngine:
                     self._live[rid] = entry
             elif msg[0] == "release_kv":
                 self.engine.release_kv(msg[1])
+            elif msg[0] == "call":
+                _, fn, future = msg
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn())
+                    except Exception as e:  # noqa: BLE001 - handed to the caller
+                        future.set_exception(e)
             else:
                 self.engine.abort_request(msg[1])
                 self._live.pop(msg[1], None)

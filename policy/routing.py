@@ -9,6 +9,7 @@ collectives: :func:`vote_step_kind`.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rayinfer.engine.block_pool import hash_block_chain
@@ -35,14 +36,22 @@ class ReplicaLoadBalancer:
         self.affinity_slack = affinity_slack
         self._affinity: dict[int, int] = {}
 
-    def pick(self, prompt_token_ids: list[int]) -> int:
-        """Choose a replica and count the request against it."""
-        least = min(range(len(self.in_flight)), key=lambda i: self.in_flight[i])
+    def pick(self, prompt_token_ids: list[int], among: Sequence[int] | None = None) -> int:
+        """Choose a replica (one of ``among`` when given) and count the request against it.
+
+        Raises:
+            ValueError: if ``among`` is empty.
+        """
+        candidates = range(len(self.in_flight)) if among is None else among
+        if not candidates:
+            raise ValueError("no replica to pick from")
+        least = min(candidates, key=lambda i: self.in_flight[i])
         key = hash_block_chain(prompt_token_ids[: self.block_size], self.block_size)
         choice = least
         if key:
             pref = self._affinity.get(key[0])
-            if pref is not None and self.in_flight[pref] <= self.in_flight[least] + self.affinity_slack:
+            if (pref is not None and pref in candidates
+                    and self.in_flight[pref] <= self.in_flight[least] + self.affinity_slack):
                 choice = pref
             self._affinity[key[0]] = choice
         self.in_flight[choice] += 1

@@ -1,5 +1,6 @@
-"""Context-parallel replicas on Ray: a colocated fleet with parallel.cp=2 (rank 0 an EngineActor, rank 1 a
-CP peer, one gloo group) gives the tokens of a one-rank engine; unsupported combinations are refused."""
+"""Context-parallel replicas on Ray: a colocated fleet with parallel.cp=2 (rank 0 and its CP peer both
+EngineActors, one gloo group) gives the tokens of a one-rank engine while the peer serves short prompts of
+its own and joins rank 0's long prefill; unsupported combinations are refused."""
 
 import asyncio
 
@@ -26,18 +27,37 @@ def model_config(tiny_llama_config) -> ModelConfig:
 
 def test_cp2_fleet_matches_one_rank_engine(ray_cluster, model_config):
     gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 49152, (n,), generator=gen).tolist() for n in (70, 9)]
+    prompts = [torch.randint(0, 49152, (n,), generator=gen).tolist() for n in (70, 9, 12, 15, 6, 11)]
     want = [c.output_token_ids for c in LLMEngine(model_config, ENGINE).generate(prompts, PARAMS)]
     client = make_client(model_config, ENGINE, ParallelConfig(cp=2, cp_min_tokens=32, num_cpus_per_replica=1))
     try:
+        assert len(client.info.replicas) == 2  # rank 0, then its peer: both serve requests
         done = asyncio.run(_complete_all(client, prompts))
-        assert [c.error for c in done] == [None, None]
+        assert [c.error for c in done] == [None] * len(prompts)
         assert [c.output_token_ids for c in done] == want
-        stats = ray.get(client.info.replicas[0].stats.remote())
-        assert stats["cp"] == 2 and stats["num_cp_prefills"] == 1  # the long prompt only
-        assert stats["num_cp_prefill_tokens"] == 69
+        rank0, peer = ray.get([r.stats.remote() for r in client.info.replicas])
+        assert rank0["cp"] == 2 and rank0["num_cp_prefills"] == 1  # the long prompt only, led by rank 0
+        assert rank0["num_cp_prefill_tokens"] == 69
+        assert peer["cp_rank"] == 1 and peer["num_cp_peer_prefills"] == 1  # the peer joined it
+        # the short prompts went to the least loaded rank: the peer served some itself, between its share
+        served = peer["num_prompt_tokens"]
+        assert 0 < served < sum(len(p) for p in prompts[1:]) + 1, served
+        assert rank0["num_prompt_tokens"] + served == sum(len(p) for p in prompts)
     finally:
         client.shutdown()
+
+
+def test_long_prompts_go_to_rank0():
+    """Router.pick's rule with cp > 1: prompts of cp_min_tokens or more only to the rank 0s (which lead
+    CP prefills), shorter ones to any rank by load."""
+    from rayinfer.policy.routing import ReplicaLoadBalancer
+
+    lb = ReplicaLoadBalancer(4, block_size=4)  # 2 replicas x cp 2: rank 0s are 0 and 1, peers 2 and 3
+    lb.in_flight = [5, 5, 0, 1]
+    assert lb.pick([1, 2, 3, 4], among=range(2)) in (0, 1)
+    assert lb.pick([5, 6, 7, 8]) == 2
+    with pytest.raises(ValueError, match="no replica"):
+        lb.pick([1], among=[])
 
 
 async def _complete_all(client, prompts):
