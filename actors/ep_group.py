@@ -101,10 +101,7 @@ class EPEngineGroup:
         self.parallel = parallel
         self.timeout_s = timeout_s
         num_logical, num_groups = moe_shape(load_config(model_config.model))
-        num_physical = num_logical + parallel.eplb.num_redundant_experts
-        if num_physical % parallel.ep:
-            raise ValueError(f"{num_logical} experts + eplb.num_redundant_experts="
-                             f"{parallel.eplb.num_redundant_experts} do not split over ep={parallel.ep} ranks")
+        num_physical = parallel.eplb.num_physical(num_logical, parallel.ep)
         device = _device_kind(engine_config.device, parallel.ep)
         placed = dataclasses.replace(parallel, device=device, num_cpus_per_replica=parallel.num_cpus_per_replica or 1,
                                      num_gpus_per_replica=1.0 if device == "gpu" else 0.0)
@@ -130,7 +127,7 @@ class EPEngineGroup:
             self.info = ray.get([r.start.remote(model_config, engine_config, num_physical, addr, port,
                                                 collective_backend(device), timeout_s) for r in self.ranks],
                                 timeout=timeout_s)
-            if parallel.eplb.interval > 0:
+            if parallel.eplb.rebalance_interval > 0:
                 self.coordinator = EPLBCoordinator.remote(self.ranks, parallel, self.info[0]["num_moe_layers"],
                                                           num_logical, num_groups)
                 # started before the loops: rank 0's first on_step then never queues behind the actor's

@@ -378,7 +378,7 @@ class EPRankImpl:
             raise ValueError(f"{type(model).__name__} has no routed-expert layers: not a MoE model")
         num_moe_layers = len(model.expert_layers())
         num_logical = model.expert_layers()[0].num_logical_experts
-        self.window = ExpertLoadWindow(self.config.eplb.window, num_moe_layers, num_logical, self.engine.device)
+        self.window = ExpertLoadWindow(self.config.eplb.load_window, num_moe_layers, num_logical, self.engine.device)
         self._map_shape = (num_moe_layers, num_physical)
         return {"ep_rank": self.ep_rank, "num_moe_layers": num_moe_layers, "num_logical": num_logical,
                 "num_physical": num_physical, "device": str(self.engine.device),
@@ -397,7 +397,7 @@ class EPRankImpl:
             return
         on_step = None
         if coordinator is not None and self.ep_rank == 0:
-            interval = self.config.eplb.interval
+            interval = self.config.eplb.rebalance_interval
 
             def on_step(num_steps: int) -> None:
                 if is_rebalance_step(num_steps, interval):

@@ -148,26 +148,82 @@ class KVStoreSection(_Sealed):
         self._seal()
 
 
+# DeepSeek's published EPLB settings (DeepSeek-V3 technical report, section 3.4, and the EPLB repository):
+# the load window, the rearrangement period and the redundant expert slots, per deployment role
+EPLB_PROFILES: dict[str, dict[str, int]] = {
+    "prefill": {"num_redundant_experts": 4, "window": 100, "interval": 1000},
+    "decode": {"num_redundant_experts": 1, "window": 1000, "interval": 10000},
+}
+
+
 @dataclass
 class EPLBSection(_Sealed):
     """Expert-parallel load balancer settings (after DeepSeek EPLB; ``rayinfer.policy.eplb_policy``).
 
     Attributes:
-        num_redundant_experts: extra physical expert slots per MoE layer (P = L + this); P must split
-            evenly over the ``ep`` ranks.
-        interval: rebalance every this many steps; 0 never rebalances (loads are still counted).
-        window: steps of expert load each rank keeps; rebalancing and ``moe_lb`` use their sum.
+        profile: None, or a key of :data:`EPLB_PROFILES` ("prefill", "decode"): DeepSeek's published
+            settings for that role fill the fields left unset (None). Its redundant experts are a minimum,
+            rounded up so that the physical experts split evenly over the ranks (:meth:`num_physical`).
+        num_redundant_experts: extra physical expert slots per MoE layer (P = L + this); set explicitly, P
+            must split evenly over the ``ep`` ranks. Unset: the profile's (rounded up), else 0.
+        interval: rebalance every this many steps; 0 never rebalances (loads are still counted). Unset: the
+            profile's, else 0.
+        window: steps of expert load each rank keeps; rebalancing and ``moe_lb`` use their sum. Unset: the
+            profile's, else 1000.
+    Raises:
+        ValueError: for an unknown profile or a value out of range.
     """
 
-    num_redundant_experts: int = 0
-    interval: int = 0
-    window: int = 1000
+    profile: str | None = None
+    num_redundant_experts: int | None = None
+    interval: int | None = None
+    window: int | None = None
 
     def __post_init__(self) -> None:
-        _check_int("eplb.num_redundant_experts", self.num_redundant_experts, 0)
-        _check_int("eplb.interval", self.interval, 0)
-        _check_int("eplb.window", self.window, 1)
+        # unset fields stay None (so that a profile chosen later, by a YAML or an override, still fills
+        # them); rebalance_interval, load_window and num_physical give the values in force
+        if self.profile is not None and self.profile not in EPLB_PROFILES:
+            raise ValueError(f"eplb.profile must be one of {sorted(EPLB_PROFILES)} or null; got {self.profile!r}")
+        for name, low in (("interval", 0), ("window", 1), ("num_redundant_experts", 0)):
+            if getattr(self, name) is not None:
+                _check_int(f"eplb.{name}", getattr(self, name), low)
         self._seal()
+
+    def _preset(self, name: str, default: int) -> int:
+        value = getattr(self, name)
+        return value if value is not None else EPLB_PROFILES.get(self.profile or "", {}).get(name, default)
+
+    @property
+    def rebalance_interval(self) -> int:
+        """Steps between rebalances in force: ``interval``, else the profile's, else 0 (never)."""
+        return self._preset("interval", 0)
+
+    @property
+    def load_window(self) -> int:
+        """Steps of expert load kept in force: ``window``, else the profile's, else 1000."""
+        return self._preset("window", 1000)
+
+    def num_physical(self, num_logical: int, ep: int) -> int:
+        """Physical expert slots per MoE layer for ``num_logical`` experts over ``ep`` ranks: L plus the
+        redundant experts (an explicit count as given; the profile's minimum rounded up to the next count
+        that splits evenly over the ranks).
+
+        Raises:
+            ValueError: if an explicit count does not split evenly over the ranks.
+        """
+        if self.num_redundant_experts is not None:
+            physical = num_logical + self.num_redundant_experts
+            if physical % ep:
+                raise ValueError(f"{num_logical} experts + eplb.num_redundant_experts={self.num_redundant_experts} = "
+                                 f"{physical} physical experts do not split over ep={ep} ranks")
+            return physical
+        if self.profile is not None:
+            least = num_logical + EPLB_PROFILES[self.profile]["num_redundant_experts"]
+            return -(-least // ep) * ep
+        if num_logical % ep:
+            raise ValueError(f"{num_logical} experts do not split over ep={ep} ranks; set eplb.num_redundant_experts "
+                             f"or eplb.profile")
+        return num_logical
 
 
 ENCODER_TRANSPORTS = ("auto", "object_store", "cuda_ipc")

@@ -116,17 +116,14 @@ class EPLBPolicy:
         self.config = config
         self.num_logical = num_logical
         self.num_groups = num_groups
-        self.num_physical = num_logical + config.eplb.num_redundant_experts
-        if self.num_physical % config.ep:
-            raise ValueError(f"{num_logical} experts + eplb.num_redundant_experts={config.eplb.num_redundant_experts} = "
-                             f"{self.num_physical} physical experts do not split over ep={config.ep} ranks")
+        self.num_physical = config.eplb.num_physical(num_logical, config.ep)
         initial = torch.arange(self.num_physical, dtype=torch.int64) % num_logical  # as ExpertParallelism
         self.phy2log = initial.expand(num_moe_layers, self.num_physical).clone()
         self.history: list[EPLBDecision] = []
 
     def is_due(self, num_steps: int) -> bool:
         """True when a rebalance is due after ``num_steps`` completed steps."""
-        return is_rebalance_step(num_steps, self.config.eplb.interval)
+        return is_rebalance_step(num_steps, self.config.eplb.rebalance_interval)
 
     def balance(self, load: torch.Tensor) -> float:
         """moe_lb of ``load`` [num_moe_layers, L] under the current map."""

@@ -19,8 +19,10 @@ def load(name: str) -> ParallelConfig:
 @pytest.mark.parametrize("name, ep", [("ep2", 2), ("ep4", 4)])
 def test_ep_yaml(name, ep):
     cfg = load(name)
-    assert cfg.topology == "ep" and cfg.ep == ep and cfg.eplb.interval > 0 and cfg.eplb.window > 0
-    assert (64 + cfg.eplb.num_redundant_experts) % cfg.ep == 0  # fits DeepSeek-V2-Lite's 64 experts
+    assert cfg.topology == "ep" and cfg.ep == ep and cfg.eplb.profile == "decode"
+    assert (cfg.eplb.rebalance_interval, cfg.eplb.load_window) == (10000, 1000)  # DeepSeek's decode settings
+    # DeepSeek-V2-Lite's 64 experts + at least 1 redundant, rounded up to split over the ranks
+    assert cfg.eplb.num_physical(64, cfg.ep) == {2: 66, 4: 68}[ep]
 
 
 @pytest.mark.parametrize("name, topology, num_replicas", [

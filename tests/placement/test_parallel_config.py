@@ -106,3 +106,25 @@ def test_kv_store_section():
     for bad in ({"max_gib": 0}, {"ttl_s": -1}, {"directory": ""}, {"max_blocks": 0}, {"enabled": "yes"}):
         with pytest.raises(ValueError, match="kv_store"):
             KVStoreSection(**bad)
+
+
+def test_eplb_profiles_fill_unset_fields_and_round_up_the_redundant_experts():
+    """DeepSeek's published EPLB settings per role; explicit fields win; a profile's redundant experts are
+    a minimum rounded up to split over the ranks, an explicit count must split as given."""
+    from rayinfer.placement.parallel_config import EPLBSection
+
+    prefill, decode = EPLBSection(profile="prefill"), EPLBSection(profile="decode")
+    assert (prefill.rebalance_interval, prefill.load_window) == (1000, 100)
+    assert (decode.rebalance_interval, decode.load_window) == (10000, 1000)
+    assert prefill.num_physical(64, 2) == 68 and prefill.num_physical(64, 8) == 72  # >= 4 redundant
+    assert decode.num_physical(64, 1) == 65 and decode.num_physical(64, 4) == 68  # >= 1 redundant
+    mine = EPLBSection(profile="decode", interval=50, num_redundant_experts=2)
+    assert (mine.rebalance_interval, mine.load_window, mine.num_physical(64, 2)) == (50, 1000, 66)
+    plain = EPLBSection()
+    assert (plain.rebalance_interval, plain.load_window, plain.num_physical(64, 4)) == (0, 1000, 64)
+    with pytest.raises(ValueError, match="do not split over ep=4"):
+        EPLBSection(num_redundant_experts=1).num_physical(64, 4)
+    with pytest.raises(ValueError, match="set eplb.num_redundant_experts or eplb.profile"):
+        plain.num_physical(6, 4)
+    with pytest.raises(ValueError, match="eplb.profile must be one of"):
+        EPLBSection(profile="serving")
