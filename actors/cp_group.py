@@ -16,9 +16,14 @@ Thin wiring around ``rayinfer.engine.context_parallel`` (where the math and its 
   Prefills run one at a time, in the same order everywhere, so the collectives line up;
 - rank 0 decodes the long request after its prefill, as any other of its requests.
 
-A rank 0 prompt whose uncached part is under ``cp_min_tokens`` (a prefix-cache hit) runs on rank 0 alone.
-A peer that dies is not replaced as part of the group: rank 0's CP prefills then fail (that request only)
-until the replica is restarted; rank 0 restarted by Ray runs without CP.
+A rank 0 prompt whose uncached part is under ``cp_min_tokens`` (a prefix-cache hit) runs on rank 0 alone;
+a longer one reuses the hit (rank 0 broadcasts its K/V) and CP computes only the rest.
+
+A peer that dies is not replaced as part of the group: rank 0 pings its peers before each CP prefill
+(:func:`check_cp_peers`); when one does not answer, rank 0 switches CP off and computes that prompt and
+all later ones alone (a peer restarted by Ray serves requests of its own but no longer joins prefills).
+A peer that fails mid-prefill fails that request and switches CP off the same way. Rank 0 restarted by
+Ray runs without CP.
 
 Memory: on GPU a peer sizes its KV pool like any replica; its share's scratch cache (one layer's K/V of the
 prompt) and activations come out of the engine's activation reserve, as rank 0's share's activations do.
@@ -35,6 +40,26 @@ from rayinfer.placement.groups import free_port, node_ip
 def cp_backend(device: torch.device) -> str:
     """The CP group's collective backend on ``device``: "nccl" on CUDA, else "gloo"."""
     return "nccl" if device.type == "cuda" else "gloo"
+
+
+PEER_CHECK_TIMEOUT_S = 30.0
+
+
+def check_cp_peers(peers: list, timeout_s: float = PEER_CHECK_TIMEOUT_S) -> None:
+    """Raises :class:`~rayinfer.engine.context_parallel.CPRankLost` unless every peer answers
+    ``cp_ping`` within ``timeout_s`` as a CP peer. Called on rank 0's engine thread before each CP prefill,
+    so a dead peer costs one failed ping instead of a prefill stuck in a collective."""
+    import ray
+
+    from rayinfer.engine.context_parallel import CPRankLost
+
+    refs = [p.cp_ping.remote() for p in peers]
+    try:
+        ranks = ray.get(refs, timeout=timeout_s)
+    except Exception as e:  # noqa: BLE001 - RayActorError, GetTimeoutError, ...: the peer is gone either way
+        raise CPRankLost(f"a CP peer did not answer within {timeout_s:.0f} s: {e!r}") from e
+    if ranks != list(range(1, len(peers) + 1)):
+        raise CPRankLost(f"CP peers answered ranks {ranks}, expected 1..{len(peers)} (restarted outside the group)")
 
 
 def cp_address() -> tuple[str, int]:

@@ -304,20 +304,21 @@ class EngineActorImpl:
         Raises:
             ValueError: for a model, role or speculative method CP does not support (before joining).
         """
-        from rayinfer.actors.cp_group import cp_backend
-        from rayinfer.engine.context_parallel import CPPrefiller, torch_all_gather
+        from rayinfer.actors.cp_group import check_cp_peers, cp_backend
+        from rayinfer.engine.context_parallel import CPPrefiller, torch_all_gather, torch_broadcast
         from rayinfer.placement.groups import init_process_group
 
         e = self.engine.engine
 
-        def start_peers(token_ids: list[int]):
+        def start_peers(token_ids: list[int], num_cached: int):
             # called on the engine's step thread, never the event loop: wait on futures (ray.get here would
             # only draw Ray's "blocking ray.get inside async actor" warning)
-            futures = [p.cp_prefill.remote(token_ids).future() for p in peers]
+            futures = [p.cp_prefill.remote(token_ids, num_cached).future() for p in peers]
             return lambda: [f.result() for f in futures]
 
         cp_size = len(peers) + 1
-        prefiller = CPPrefiller(cp_size, min_tokens, torch_all_gather(), start_peers)
+        prefiller = CPPrefiller(cp_size, min_tokens, torch_all_gather(), start_peers, torch_broadcast(),
+                                lambda: check_cp_peers(peers))
         e.set_context_parallel(None)  # validates the model and config first; on only once joined
         if e.device.type == "cuda":
             torch.cuda.set_device(e.device.index or 0)  # NCCL binds the group to the current device
@@ -333,7 +334,7 @@ class EngineActorImpl:
             ValueError: for a model CP does not support (``engine.context_parallel.check_cp_model``).
         """
         from rayinfer.actors.cp_group import cp_backend
-        from rayinfer.engine.context_parallel import CPPeer, check_cp_model, torch_all_gather
+        from rayinfer.engine.context_parallel import CPPeer, check_cp_model, torch_all_gather, torch_broadcast
         from rayinfer.placement.groups import init_process_group
 
         e = self.engine.engine
@@ -341,11 +342,17 @@ class EngineActorImpl:
         if e.device.type == "cuda":
             torch.cuda.set_device(e.device.index or 0)
         await asyncio.to_thread(init_process_group, cp_rank, cp_size, address, port, cp_backend(e.device), timeout_s)
-        self.cp_peer = CPPeer(e.model, cp_rank, cp_size, torch_all_gather(), e.engine_config.block_size, e.kv_dtype)
+        self.cp_peer = CPPeer(e.model, cp_rank, cp_size, torch_all_gather(), e.engine_config.block_size, e.kv_dtype,
+                              torch_broadcast())
 
-    async def cp_prefill(self, token_ids: list[int]) -> int:
-        """This rank's share of one of rank 0's CP prefills, run on the engine's step thread between two of
-        this replica's own steps (the collectives wait for it there); returns its token count.
+    async def cp_ping(self) -> int:
+        """This CP peer's rank (-1 if it is none): rank 0 asks before each CP prefill that the peer is alive."""
+        return -1 if self.cp_peer is None else self.cp_peer.cp_rank
+
+    async def cp_prefill(self, token_ids: list[int], num_cached: int = 0) -> int:
+        """This rank's share of one of rank 0's CP prefills (the first ``num_cached`` tokens rank 0 has
+        cached and broadcasts), run on the engine's step thread between two of this replica's own steps (the
+        collectives wait for it there); returns its token count.
 
         Raises:
             RuntimeError: if this replica never joined a CP group as a peer.
@@ -353,7 +360,7 @@ class EngineActorImpl:
         if self.cp_peer is None:
             raise RuntimeError(f"replica {self.replica_id} is no CP peer (join_cp_group_as_peer was not called)")
         peer = self.cp_peer
-        return await asyncio.wrap_future(self.engine.run_on_loop(lambda: peer.prefill(token_ids)))
+        return await asyncio.wrap_future(self.engine.run_on_loop(lambda: peer.prefill(token_ids, num_cached)))
 
     # -- the transfer group (nccl, gloo) -----------------------------------------------------------
     def transfer_address(self) -> tuple[str, int]:

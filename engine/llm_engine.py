@@ -379,7 +379,7 @@ class LLMEngine:
             # the CP ranks compute all but the last prompt token when this request's KV is imported; the
             # next step computes the last one here and samples (rayinfer.engine.context_parallel)
             kv_handle = KVHandle(request_id, [], n - 1, kv_layout_tag(self.kv_cache),
-                                 ContextParallelPrefill(tuple(prompt_token_ids[:-1])))
+                                 ContextParallelPrefill(tuple(prompt_token_ids[:-1]), self.runner.cp.min_tokens))
         if grammar is not None:
             for t in output_token_ids or []:
                 if not grammar.accept_token(t):

@@ -327,7 +327,7 @@ class ModelRunner:
         if isinstance(handle.payload, ContextParallelPrefill):
             if self.cp is None:
                 raise ValueError("a context-parallel prefill reached an engine without CP ranks")
-            self.cp.prefill(self.model, self.kv_cache, block_ids, handle.payload.token_ids)
+            self.cp.prefill(self.model, self.kv_cache, block_ids, handle.payload.token_ids, handle.payload.num_cached)
             return
         if handle.layout != kv_layout_tag(self.kv_cache):
             raise ValueError(f"KV layout {handle.layout!r} does not match this engine's {kv_layout_tag(self.kv_cache)!r}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rayinfer.engine.kv_cache_manager import KVCacheManager
 from rayinfer.engine.types import (
@@ -183,10 +183,17 @@ class Scheduler:
         admit = step_kind in (None, "prefill")
         while admit and not preempted and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[0]
+            cp_hit = 0  # a context-parallel prefill's tokens found in the prefix cache
             if req.kv_handle is not None:  # PD import or stored prefix: the handle's tokens arrive computed
                 hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+                cp = req.kv_handle.payload if isinstance(req.kv_handle.payload, ContextParallelPrefill) else None
                 if num_hit >= req.kv_handle.num_tokens:  # the local prefix cache already covers it
                     req.kv_handle = None
+                elif cp is not None and num_hit and req.kv_handle.num_tokens - num_hit < cp.min_tokens:
+                    req.kv_handle = None  # too little left for CP: computed here after the hit
+                elif cp is not None and num_hit:  # CP covers the rest; the hit's blocks come first
+                    handle = req.kv_handle = replace(req.kv_handle, payload=replace(cp, num_cached=num_hit))
+                    cp_hit, num_hit = num_hit, handle.num_tokens
                 else:
                     hit_blocks, num_hit = [], req.kv_handle.num_tokens
             elif req.num_computed_tokens:
@@ -221,7 +228,7 @@ class Scheduler:
                 computed_here = isinstance(req.kv_handle.payload, ContextParallelPrefill)
                 req.kv_handle = None
             if req.status == RequestStatus.WAITING:
-                req.num_cached_tokens = 0 if computed_here else num_hit
+                req.num_cached_tokens = cp_hit if computed_here else num_hit
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING

@@ -163,9 +163,15 @@ class ContextParallelPrefill:
 
     Attributes:
         token_ids: the tokens to prefill, positions ``0..len-1`` (the prompt without its last token).
+        min_tokens: the fewest tokens, beyond a prefix-cache hit, worth a CP prefill; a request whose
+            uncached part has shrunk below it by admission runs on rank 0 alone, reusing the hit.
+        num_cached: the first tokens' K/V already in rank 0's cache (a prefix hit, set at admission):
+            they are broadcast to the other ranks, not computed.
     """
 
     token_ids: tuple[int, ...]
+    min_tokens: int = 0
+    num_cached: int = 0
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,6 +1,7 @@
 """Context-parallel replicas on Ray: a colocated fleet with parallel.cp=2 (rank 0 and its CP peer both
 EngineActors, one gloo group) gives the tokens of a one-rank engine while the peer serves short prompts of
-its own and joins rank 0's long prefill; unsupported combinations are refused."""
+its own and joins rank 0's long prefills (also one that extends a cached prompt); after the peer dies
+rank 0 prefills alone; unsupported combinations are refused."""
 
 import asyncio
 
@@ -43,6 +44,23 @@ def test_cp2_fleet_matches_one_rank_engine(ray_cluster, model_config):
         served = peer["num_prompt_tokens"]
         assert 0 < served < sum(len(p) for p in prompts[1:]) + 1, served
         assert rank0["num_prompt_tokens"] + served == sum(len(p) for p in prompts)
+
+        # a prompt extending the long one: CP computes only its uncached part (rank 0 broadcasts the hit)
+        ext = prompts[0] + torch.randint(0, 49152, (40,), generator=gen).tolist()
+        fresh = torch.randint(0, 49152, (66,), generator=gen).tolist()
+        want_ext, want_fresh = [c.output_token_ids for c in LLMEngine(model_config, ENGINE).generate([ext, fresh], PARAMS)]
+        got = asyncio.run(client.complete(ext, PARAMS))
+        assert got.output_token_ids == want_ext and got.num_cached_tokens == 68  # 17 blocks of the 70-token prompt
+        rank0, peer = ray.get([r.stats.remote() for r in client.info.replicas])
+        assert rank0["num_cp_prefills"] == 2 and rank0["num_cp_prefill_tokens"] == 69 + (len(ext) - 1 - 68)
+        assert peer["num_cp_peer_prefills"] == 2
+
+        # the peer dies: rank 0 finds out before its next CP prefill and computes the prompt alone
+        ray.kill(client.info.replicas[1], no_restart=True)
+        got = asyncio.run(client.complete(fresh, PARAMS))
+        assert got.error is None and got.output_token_ids == want_fresh
+        rank0 = ray.get(client.info.replicas[0].stats.remote())
+        assert rank0["num_cp_solo_prefills"] == 1 and rank0["cp_active"] is False and rank0["num_cp_prefills"] == 2
     finally:
         client.shutdown()
 
