@@ -10,8 +10,10 @@ Usage::
 For each cp size a fleet of one replica (cp ranks, one GPU each on "cuda") is started; each prompt
 length is measured ``--repeats`` times after one warm-up request (fresh random prompts: no prefix-cache
 hits), TTFT being the time from submitting the request to its first token at the client. Prints one JSON
-object (command, device, git revision, the medians per cp and length, and the speed-up against the
-smallest cp) and writes it to ``--out`` when given. ``cp_min_tokens`` is set to 1 so every prompt uses CP.
+object (command, device, git revision, the medians per cp and length, the speed-up against the smallest
+cp, and each length's prefill against its FLOP roofline: the prompt's matmul FLOPs, causal attention
+included, over ``cp`` times the measured bf16 matmul rate of one device) and writes it to ``--out`` when
+given. ``cp_min_tokens`` is set to 1 so every prompt uses CP.
 """
 
 from __future__ import annotations
@@ -99,7 +101,24 @@ def run(args: argparse.Namespace) -> dict:
     meta = run_metadata(torch.device("cuda" if on_cuda else "cpu"))
     ray.shutdown()
     return {**meta, "model": args.model, "load_format": load_format, "dtype": dtype, "repeats": args.repeats,
-            "ttft_s": results, "speedup_vs_" + base: speedup}
+            "ttft_s": results, "speedup_vs_" + base: speedup,
+            **_roofline(model, torch.device(device), getattr(torch, dtype), results)}
+
+
+def _roofline(model, device: torch.device, dtype: torch.dtype, results: dict) -> dict:
+    """Each length's prefill FLOPs (``jobs/roofline.py``'s cost model of the architecture), the measured
+    matmul rate of one device, and per cp the TTFT's share of the FLOP roofline on cp devices."""
+    from rayinfer.jobs import roofline as rl
+    from rayinfer.model.loader import load_config
+
+    cost = rl.cost_model_for(load_config(model.model), dtype.itemsize)
+    ceil = rl.measure_ceilings(device, dtype, 256 << 20 if device.type == "cuda" else 16 << 20,
+                               8192 if device.type == "cuda" else 512)
+    flops = {n: rl.prefill_cost(cost, int(n))[1] for n in results}
+    pct = {n: {k: 100 * flops[n] / (int(k.removeprefix("cp")) * ceil["matmul_flops"]) / t for k, t in r.items()}
+           for n, r in results.items()}
+    return {"prefill_flops": flops, "matmul_tflops_per_device": ceil["matmul_flops"] / 1e12,
+            "pct_of_flop_roofline": pct}
 
 
 def main(argv=None) -> None:
