@@ -193,6 +193,38 @@ def sweep_prefill(ceil, query_len=4096) -> list[dict]:
     return rows
 
 
+def sweep_prefill_long(ceil, query_lens=(16384, 32768)) -> list[dict]:
+    """Prefill attention tiles for one long prompt (Llama-3-8B heads, causal, no prefix): graph time and
+    TFLOP/s per configuration. No torch reference at these lengths (its score matrix would not fit):
+    each configuration's error is against the default configuration's output."""
+    rows = []
+    configs = [(64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 2), (64, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2),
+               (128, 128, 8, 2), (128, 32, 4, 3), (128, 64, 4, 3), (256, 64, 8, 2)]
+    for query_len in query_lens:
+        cache, meta, q = _attention_setup(1, query_len, query_len)
+        cache = cache[:2]  # two layers: one long call is many milliseconds already
+        want = paged_attention_triton(q, cache[0], meta, HEAD_DIM**-0.5).float()
+        flops = 4 * (query_len * (query_len + 1) // 2) * HEADS * HEAD_DIM
+        for bm, bn, warps, stages in configs:
+            for reverse in (True, False):
+                cfg = dict(block_q=bm // 4, block_n=bn, num_warps=warps, num_stages=stages, reverse=reverse)
+                try:
+                    err, us = _time_config(q, cache, meta, want, config=cfg)
+                except Exception as exc:
+                    print(f"  prefill {query_len} config {cfg} failed: {exc!r}"[:300], file=sys.stderr, flush=True)
+                    continue
+                if not us:
+                    continue
+                rows.append({"query_len": query_len, "config": {"block_m": bm, **cfg}, "graph_us": us,
+                             "TFLOPs": flops / us / 1e6, "pct_of_matmul": 100 * flops / us / 1e6 / ceil["matmul_bf16_TFLOPs"],
+                             "err_vs_default": err})
+                print(f"  prefill {query_len} {bm}x{bn} w{warps} s{stages} rev={reverse}: {us:9.1f} us "
+                      f"{flops / us / 1e6:6.1f} TFLOP/s err {err:.1e}", flush=True)
+        del cache, q
+        torch.cuda.empty_cache()
+    return rows
+
+
 def sweep_decode_splits(ceil) -> list[dict]:
     """Graph time of decode attention against the split-KV factor (None: the default heuristic)."""
     rows = []
@@ -709,7 +741,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer cases")
     parser.add_argument("--sweep", action="store_true", help="also sweep prefill tiles and decode split factors")
     parser.add_argument("--only-sweeps", nargs="*", default=None,
-                        help="skip the kernel table; run these sweeps (gemv, gemv_mla, decode_tiles, prefill, "
+                        help="skip the kernel table; run these sweeps (gemv, gemv_mla, decode_tiles, prefill, prefill_long, "
                         "decode_splits, decode_step, mla, mla_tiles, mla_splits, mla_prefill)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -731,6 +763,7 @@ def main() -> None:
     if args.only_sweeps is not None:
         funcs = {"gemv": sweep_gemv, "decode_tiles": sweep_decode_tiles, "prefill": sweep_prefill,
                  "decode_splits": sweep_decode_splits, "decode_step": sweep_decode_step, "mla": sweep_mla,
+                 "prefill_long": sweep_prefill_long,
                  "mla_tiles": sweep_mla_tiles, "mla_splits": sweep_mla_splits,
                  "mla_prefill": sweep_mla_prefill,
                  "gemv_mla": lambda c: sweep_gemv(c, ("mla_qkv_a", "mla_o"), block_ks=(512, 1024, 2048))}
