@@ -318,8 +318,16 @@ def _choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int, pdl: b
     return max(1, min(want, max_seq_len // _MIN_SPLIT_TOKENS, _MAX_SPLITS_PDL if pdl else _MAX_SPLITS))
 
 
+# Long prefills (many query rows over many keys) on Hopper: 256-row tiles (64 tokens x 4 heads), 64 keys,
+# 8 warps, 2 stages. H200, bf16, Llama-3-8B heads, one causal prompt (benchmarks/kernels.py --only-sweeps
+# prefill_long): 16K tokens 5.38 ms against 5.88 with the 64-row tiles (408 against 374 TFLOP/s), 32K 20.8
+# against 23.3 ms (424 against 378); 128-row tiles took 5.43 / 21.8 ms. Needs ~128 KB of shared memory.
+_LONG_PREFILL_KEYS = 16384
+_LONG_PREFILL_QUERIES = 1024
+
+
 def _choose_config(max_query_len: int, group_pad: int, block_d: int, is_fp32: bool, kv_bytes: int = 2,
-                   batch_invariant: bool = False) -> dict:
+                   batch_invariant: bool = False, max_seq_len: int = 0, hopper: bool = False) -> dict:
     """Tile shape and launch options; decode tiles take the tensor cores' smallest M (16 rows).
 
     Prefill tiles of 64 query rows x 64 keys, 4 warps, 3 stages ran a 4K causal prefill (bf16, d=128,
@@ -340,7 +348,16 @@ def _choose_config(max_query_len: int, group_pad: int, block_d: int, is_fp32: bo
         return dict(block_q=decode_block_q, block_n=32 if is_fp32 else 64, num_warps=4, num_stages=2)
     if is_fp32 or block_d > 128:
         return dict(block_q=max(1, 64 // group_pad), block_n=32, num_warps=4, num_stages=2)
+    if (hopper and not batch_invariant and kv_bytes == 2 and max_seq_len >= _LONG_PREFILL_KEYS
+            and max_query_len >= _LONG_PREFILL_QUERIES):
+        return dict(block_q=max(1, 256 // group_pad), block_n=64, num_warps=8, num_stages=2)
     return dict(block_q=max(1, 64 // group_pad), block_n=64, num_warps=4, num_stages=3)
+
+
+def _is_hopper(t: torch.Tensor) -> bool:
+    """Whether ``t`` lives on a CUDA device of compute capability 9.x (where the long-prefill tiles were
+    measured and fit in shared memory)."""
+    return t.is_cuda and not is_interpreting() and torch.cuda.get_device_capability(t.device)[0] == 9
 
 
 def paged_attention_triton(
@@ -389,7 +406,8 @@ def paged_attention_triton(
     kv_cast = kv_cache.dtype != q.dtype
     invariant = is_batch_invariant()
     cfg = {"reverse": True, "kv_f16": True,
-           **_choose_config(max_query_len, group_pad, block_d, is_fp32, kv_cache.element_size(), invariant),
+           **_choose_config(max_query_len, group_pad, block_d, is_fp32, kv_cache.element_size(), invariant,
+                            max_seq_len, _is_hopper(q)),
            **(config or {})}
     block_q, block_n = cfg["block_q"], cfg["block_n"]
     # float32 in batch-invariant mode never takes the one-tile variant: its decode rows differed from

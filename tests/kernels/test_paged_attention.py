@@ -159,6 +159,28 @@ def test_split_count_rule():
     assert _choose_num_splits(8, 200, 132) == 1  # too short to split
 
 
+def test_long_prefill_tile_rule():
+    """256-row tiles only for long prefills (>= 1024 query tokens over >= 16K keys) of 16-bit caches on
+    Hopper, never in batch-invariant mode (whose tiles must not depend on the step)."""
+    from rayinfer.kernels.paged_attention import _choose_config
+
+    long = _choose_config(8192, 4, 128, False, 2, False, max_seq_len=32768, hopper=True)
+    assert (long["block_q"], long["block_n"], long["num_warps"], long["num_stages"]) == (64, 64, 8, 2)
+    default = _choose_config(4096, 4, 128, False, 2, False, max_seq_len=4096, hopper=True)
+    assert (default["block_q"], default["num_warps"]) == (16, 4)
+    assert _choose_config(8192, 4, 128, False, 2, False, max_seq_len=32768, hopper=False) == default
+    assert _choose_config(8192, 4, 128, False, 2, True, max_seq_len=32768, hopper=True) == default
+    assert _choose_config(512, 4, 128, False, 2, False, max_seq_len=32768, hopper=True) == default
+    assert _choose_config(8192, 4, 128, False, 1, False, max_seq_len=32768, hopper=True) == default  # fp8
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_kernel_long_prefill_tiles_match_ref():
+    """A chunk of 1,100 queries over 17,000 keys beside two decodes: the long-prefill tiles on Hopper."""
+    check_kernel("cuda", torch.bfloat16, 128, 16, cases=[([1100, 1, 1], [17000, 300, 17000], 32, 8, None)])
+
+
 # ---------------------------------------------------------------------------------------------------
 # Kernel against reference. Each case: (query_lens, seq_lens, num_heads, num_kv_heads, num_splits).
 # ---------------------------------------------------------------------------------------------------
