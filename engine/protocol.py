@@ -49,6 +49,10 @@ class ReplicaStats:
         spec_decode: speculative decoding's counters (``spec_num_drafts_proposed`` / ``_verified`` /
             ``_accepted``, ``spec_num_verify_steps``, ``spec_acceptance_rate``, ``spec_mean_accepted_length``,
             ``spec_acceptance_by_position``: a list, one rate per draft position); empty when it is off.
+        context_parallel: a CP replica's counters: on rank 0 ``cp`` (the group's size), ``cp_active``
+            (False once a peer was lost), ``num_cp_prefills``, ``num_cp_prefill_tokens`` (tokens the group
+            computed; prefix hits excluded), ``num_cp_solo_prefills`` (prefilled alone after a loss); on a
+            peer ``cp_rank`` and ``num_cp_peer_prefills``; empty without CP.
         error: set (and the gauges zero) when the replica could not be asked (dead or restarting).
     """
 
@@ -86,6 +90,7 @@ class ReplicaStats:
     encoder_cache_tokens: int = 0
     kv_transfer: dict[str, int] = field(default_factory=dict)
     spec_decode: dict[str, Any] = field(default_factory=dict)
+    context_parallel: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
 
     @classmethod
@@ -94,11 +99,16 @@ class ReplicaStats:
         names = {f.name for f in fields(cls)}
         transfer = {k: v for k, v in data.items() if k.startswith("kv_transfer_")}
         spec = {k: v for k, v in data.items() if k.startswith("spec_")}
+        cp = {k: v for k, v in data.items() if k in _CP_KEYS}
         return cls(**{k: v for k, v in {**data, **extra}.items() if k in names}, kv_transfer=transfer,
-                   spec_decode=spec)
+                   spec_decode=spec, context_parallel=cp)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+_CP_KEYS = ("cp", "cp_active", "num_cp_prefills", "num_cp_prefill_tokens", "num_cp_solo_prefills", "cp_rank",
+            "num_cp_peer_prefills")
 
 
 @dataclass

@@ -108,6 +108,16 @@ _ENGINE_METRICS = (
     ("num_rebalances", "rayinfer_eplb_rebalances", (), "Expert maps changed by EPLB while serving.", "counter"),
     ("rebalance_stall_s", "rayinfer_eplb_rebalance_stall_seconds", (), "Time the EP ranks' steps waited at map "
      "switches for expert weights still moving, plus their copy into place (slowest rank, summed).", "counter"),
+    ("cp_active", "rayinfer_cp_active", (), "Context parallelism: 1 while a CP replica's rank 0 prefills long "
+     "prompts with its peers, 0 once a peer was lost (it then prefills alone).", "gauge"),
+    ("num_cp_prefills", "rayinfer_cp_prefills", (), "Context parallelism: prompts prefilled by the CP group (rank 0).",
+     "counter"),
+    ("num_cp_prefill_tokens", "rayinfer_cp_prefill_tokens", (), "Context parallelism: prompt tokens the CP group "
+     "computed (prefix-cache hits excluded; rank 0).", "counter"),
+    ("num_cp_solo_prefills", "rayinfer_cp_solo_prefills", (), "Context parallelism: CP prompts rank 0 prefilled "
+     "alone after losing a peer.", "counter"),
+    ("num_cp_peer_prefills", "rayinfer_cp_peer_prefills", (), "Context parallelism: rank 0's prefills a CP peer "
+     "ran its share of.", "counter"),
     ("num_parked_kv", "rayinfer_pd_parked_kv_requests", (), "Prefilled requests whose KV waits in the prefill "
      "pool for its transfer (PD).", "gauge"),
     ("kv_transfer_batches", "rayinfer_pd_kv_transfer_batches", (), "KV transfer batches sent or received (PD, "
@@ -250,7 +260,8 @@ class ServeMetrics:
             with self._engine.lock:
                 self._engine.snapshot = []
             return
-        rows = [{**r.to_dict(), **r.kv_transfer, **r.spec_decode} for r in stats.replicas if r.error is None]
+        rows = [{**r.to_dict(), **r.kv_transfer, **r.spec_decode, **r.context_parallel}
+                for r in stats.replicas if r.error is None]
         if stats.kv_store is not None and stats.kv_store.error is None:
             rows.append({"replica_id": "kv_store", **dataclasses.asdict(stats.kv_store)})
         rows += [{**dataclasses.asdict(e), "replica_id": f"encoder{e.replica_id}"}

@@ -166,3 +166,27 @@ def test_spec_decode_stats_are_exported_per_replica():
     assert samples[("vllm:spec_decode_num_accepted_tokens_total", "0", None)] == 2
     assert samples[("rayinfer_spec_decode_mean_accepted_length", "0", None)] == 2.0  # (2 + 0) / 2 steps + 1
     assert [samples[("rayinfer_spec_decode_acceptance_by_position", "0", str(j))] for j in range(3)] == [0.5, 0.5, 0.0]
+
+
+def test_cp_stats_are_exported_per_replica():
+    """A CP replica's rank 0 and peer counters reach /metrics (cp_active as 0/1)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from rayinfer.engine.protocol import FleetStats, ReplicaStats
+    from rayinfer.serve.metrics import ServeMetrics
+
+    rank0 = ReplicaStats.from_dict({"cp": 2, "cp_active": False, "num_cp_prefills": 3, "num_cp_prefill_tokens": 900,
+                                    "num_cp_solo_prefills": 1}, replica_id=0)
+    peer = ReplicaStats.from_dict({"cp_rank": 1, "num_cp_peer_prefills": 3}, replica_id=1)
+    assert rank0.context_parallel["num_cp_prefill_tokens"] == 900 and peer.context_parallel == {
+        "cp_rank": 1, "num_cp_peer_prefills": 3}
+    metrics = ServeMetrics("m")
+    metrics.set_engine_stats(FleetStats("colocated", [rank0, peer]))
+    samples = {(s.name, s.labels.get("replica")): s.value
+               for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
+    assert samples[("rayinfer_cp_active", "0")] == 0.0
+    assert samples[("rayinfer_cp_prefills_total", "0")] == 3
+    assert samples[("rayinfer_cp_prefill_tokens_total", "0")] == 900
+    assert samples[("rayinfer_cp_solo_prefills_total", "0")] == 1
+    assert samples[("rayinfer_cp_peer_prefills_total", "1")] == 3
+    assert ("rayinfer_cp_active", "1") not in samples  # a peer has no such gauge
