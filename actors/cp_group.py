@@ -49,14 +49,19 @@ def check_cp_peers(peers: list, timeout_s: float = PEER_CHECK_TIMEOUT_S) -> None
     """Raises :class:`~rayinfer.engine.context_parallel.CPRankLost` unless every peer answers
     ``cp_ping`` within ``timeout_s`` as a CP peer. Called on rank 0's engine thread before each CP prefill,
     so a dead peer costs one failed ping instead of a prefill stuck in a collective."""
-    import ray
+    import concurrent.futures
 
     from rayinfer.engine.context_parallel import CPRankLost
 
-    refs = [p.cp_ping.remote() for p in peers]
+    # futures, not ray.get: called on the engine thread of an async actor, where ray.get draws Ray's
+    # "blocking ray.get inside async actor" warning (the event loop is not blocked here)
+    futures = [p.cp_ping.remote().future() for p in peers]
+    done, _ = concurrent.futures.wait(futures, timeout=timeout_s)
     try:
-        ranks = ray.get(refs, timeout=timeout_s)
-    except Exception as e:  # noqa: BLE001 - RayActorError, GetTimeoutError, ...: the peer is gone either way
+        if len(done) < len(futures):
+            raise TimeoutError(f"{len(futures) - len(done)} of {len(futures)} peers did not answer")
+        ranks = [f.result() for f in futures]
+    except Exception as e:  # noqa: BLE001 - RayActorError, TimeoutError, ...: the peer is gone either way
         raise CPRankLost(f"a CP peer did not answer within {timeout_s:.0f} s: {e!r}") from e
     if ranks != list(range(1, len(peers) + 1)):
         raise CPRankLost(f"CP peers answered ranks {ranks}, expected 1..{len(peers)} (restarted outside the group)")

@@ -402,3 +402,18 @@ def test_resolve_path():
     assert resolve_path("~/o.jsonl", base) == Path.home() / "o.jsonl"
     with pytest.raises(ValueError, match="s3://"):
         resolve_path("s3://bucket/o.jsonl", base)
+
+
+def test_cp_summary_line():
+    """The batch job's closing line for parallel.cp > 1: what the rank 0s prefilled with their peers."""
+    from rayinfer.engine.protocol import FleetStats, ReplicaStats
+    from rayinfer.jobs.generate import cp_summary
+
+    rank0 = ReplicaStats.from_dict({"cp": 2, "cp_active": True, "num_cp_prefills": 3, "num_cp_prefill_tokens": 900,
+                                    "num_cp_solo_prefills": 0}, replica_id=0)
+    peer = ReplicaStats.from_dict({"cp_rank": 1, "num_cp_peer_prefills": 3}, replica_id=1)
+    line = cp_summary(FleetStats("colocated", [rank0, peer]))
+    assert line.startswith("context parallelism: 3 prompts (900 tokens) prefilled over cp=2 ranks") and "alone" not in line
+    lost = ReplicaStats.from_dict({"cp": 2, "cp_active": False, "num_cp_prefills": 1, "num_cp_prefill_tokens": 100,
+                                   "num_cp_solo_prefills": 2}, replica_id=0)
+    assert cp_summary(FleetStats("colocated", [lost, peer])).endswith("2 prefilled alone after 1 replica(s) lost a CP peer")
