@@ -272,7 +272,9 @@ def bench_step(model, ceil: dict, counts: dict, *, batch: int, query_len: int, c
 # batch 1 on an H200).
 # A key "@module.NAME" sets that module attribute (an int) instead of an environment variable.
 AB_VARIANTS = {"default": {}, "no-pdl": {"RAYINFER_PDL": "0"}, "no-one-row": {"RAYINFER_ONE_ROW_FUSION": "0"},
-               **{f"mla-splits-{n}": {"@rayinfer.kernels.mla_attention._MAX_SPLITS": str(n)} for n in (4, 8, 16)}}
+               **{f"mla-splits-{n}": {"@rayinfer.kernels.mla_attention._MAX_SPLITS": str(n)} for n in (4, 8, 16)},
+               "no-direct": {"@rayinfer.kernels.fused_moe.ONE_TOKEN_DIRECT": "0"},
+               "fp32-slots": {"@rayinfer.kernels.fused_moe.SLOTS_IN_HIDDEN_DTYPE": "0"}}
 
 
 @contextlib.contextmanager
@@ -312,17 +314,19 @@ def ab_variant(model, name: str):
 
 
 def ab_rows(model, ceil: dict, counts: dict, variants: list[str], batches: list[int], context: int,
-            rounds: int, reps: int) -> list[dict]:
-    """Decode-step rows (:func:`bench_step` with graphs) of each variant, interleaved over ``rounds``
-    rounds: [{"variant", "round", "batch", "context", "ms_graph", ...}]."""
+            rounds: int, reps: int, prefill: list[int] = ()) -> list[dict]:
+    """Decode-step rows (:func:`bench_step` with graphs) and prefill rows (one prompt of each ``prefill``
+    length, eager) of each variant, interleaved over ``rounds`` rounds:
+    [{"variant", "round", "batch", "query_len", "context", "ms", "ms_graph" (decode), ...}]."""
     rows = []
-    for rnd, name, batch in itertools.product(range(rounds), variants, batches):
+    cases = [(batch, 1, context) for batch in batches] + [(1, n, 0) for n in prefill]
+    for rnd, name, (batch, query_len, ctx) in itertools.product(range(rounds), variants, cases):
         with ab_variant(model, name):
-            row = bench_step(model, ceil, counts, batch=batch, query_len=1, context=context, reps=reps,
-                             graphs=model.lm_head.weight.is_cuda)
+            row = bench_step(model, ceil, counts, batch=batch, query_len=query_len, context=ctx,
+                             reps=reps if query_len == 1 else max(3, reps // 3), graphs=model.lm_head.weight.is_cuda)
         rows.append({"variant": name, "round": rnd, **row})
-        print(f"ab {name:<11} round {rnd} B={batch} ctx={context}: {row.get('ms_graph', row['ms']):.3f} ms",
-              flush=True)
+        print(f"ab {name:<11} round {rnd} B={batch} T={query_len} ctx={ctx}: {row.get('ms_graph', row['ms']):.3f} ms "
+              f"({row.get('pct_of_roofline_graph', row['pct_of_roofline']):.1f}%)", flush=True)
     return rows
 
 
@@ -541,7 +545,7 @@ def run(tiny: bool = False, device: str | None = None, dtype: str = "bfloat16", 
         quantization: the model's weights for the decode and prefill rows ("fp8": 128 x 128 fp8 blocks in
             every linear layer and routed expert; None: ``dtype``).
         ab, ab_rounds: variants of :data:`AB_VARIANTS` whose decode steps (every batch, the first context)
-            are timed in this process, interleaved over ``ab_rounds`` rounds (the ``ab`` rows).
+            and prefills are timed in this process, interleaved over ``ab_rounds`` rounds (the ``ab`` rows).
         profile_prefill: also profile each prefill case's kernels (:func:`prefill_kernel_profile`, the
             ``prefill_profile`` rows).
     Raises:
@@ -590,7 +594,7 @@ def _run(spec: MoEBenchModel, tiny, dev, dt, batches, contexts, prefill, moe_tok
             r = decode[-1]
             _print("decode", dict(r, ms=r["ms_graph"], pct_of_roofline=r["pct_of_roofline_graph"],
                                   tokens_per_s=r["tokens_per_s_graph"]), f"B={batch} graph")
-    ab_out = ab_rows(model, ceil, counts, ab, batches, contexts[0], ab_rounds, reps) if ab else []
+    ab_out = ab_rows(model, ceil, counts, ab, batches, contexts[0], ab_rounds, reps, prefill) if ab else []
     prefill_rows = []
     for n in prefill:
         prefill_rows.append(bench_step(model, ceil, counts, batch=1, query_len=n, context=0, reps=max(3, reps // 3)))
@@ -685,7 +689,7 @@ def main(argv: list[str] | None = None) -> dict:
                         "moe-qwen3-30b-a3b-<device>.json for Qwen3)")
     parser.add_argument("--ab", default=None, type=lambda t: [v for v in t.split(",") if v],
                         help=f"A/B variants of the decode step timed in this process, e.g. default,no-pdl "
-                        f"(from {', '.join(AB_VARIANTS)}; every --batches at the first --context)")
+                        f"(from {', '.join(AB_VARIANTS)}; every --batches at the first --context, and every --prefill)")
     parser.add_argument("--ab-rounds", type=int, default=3, help="interleaved rounds of the --ab variants")
     parser.add_argument("--profile-prefill", action="store_true",
                         help="also profile each prefill case's kernels (torch.profiler; prefill_profile rows)")

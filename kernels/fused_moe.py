@@ -139,6 +139,13 @@ class ExpertMap:
         return torch.where(mine, local, torch.full_like(local, -1))
 
 
+# A/B switches of jobs/bench_moe.py. ONE_TOKEN_DIRECT: a one-token call skips the alignment
+# (fused_moe_triton's "direct" tiles); 0 aligns as for any batch. SLOTS_IN_HIDDEN_DTYPE: the summed path
+# keeps each pair's output in hidden's dtype; 0 keeps float32.
+ONE_TOKEN_DIRECT = 1
+SLOTS_IN_HIDDEN_DTYPE = 1
+
+
 def _aligned_size(num_pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
 
@@ -433,15 +440,32 @@ def _moe_gemm_kernel(
     SCALE_BLOCK_N: tl.constexpr, SCALE_BLOCK_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
     ROWWISE: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    DIRECT: tl.constexpr = False, num_experts=0, load_ptr=None, num_logical=0, COUNT_LOAD: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    pdl_wait(USE_PDL)  # the tile's expert comes from the alignment kernel
-    expert = tl.load(block_experts_ptr + pid_m)
-    if expert < 0:
-        return
-    pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_ok = pairs < num_pairs
+    pdl_wait(USE_PDL)  # the tile's expert comes from the alignment kernel (DIRECT: from the router)
+    if DIRECT:
+        # one pair per tile, pair pid_m, its expert read from topk_ids (block_experts_ptr); the tile's other
+        # rows are padding. A pair without an expert here computes and writes a zero row (the slot sum
+        # then reads every pair), reading expert 0's weights for nothing (routing never gives such ids).
+        expert = tl.load(block_experts_ptr + pid_m).to(tl.int32)
+        valid = (expert >= 0) & (expert < num_experts)
+        if COUNT_LOAD:
+            if pid_n == 0:
+                tl.atomic_add(load_ptr + expert, tl.full((), 1, tl.int64), mask=valid & (expert < num_logical))
+        expert = tl.where(valid, expert, 0)
+        first = tl.arange(0, BLOCK_M) == 0
+        pairs = tl.where(first, pid_m, num_pairs)
+        row_ok = first & ((tl.zeros([BLOCK_M], dtype=tl.int32) + valid.to(tl.int32)) != 0)  # rows read
+        row_out = first  # rows written
+    else:
+        expert = tl.load(block_experts_ptr + pid_m)
+        if expert < 0:
+            return
+        pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        row_ok = pairs < num_pairs
+        row_out = row_ok
     a_rows = (pairs // A_ROW_DIV).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -483,7 +507,7 @@ def _moe_gemm_kernel(
         w = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
         acc = acc * w[:, None]
     c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_out[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -509,10 +533,14 @@ def _active_tiles(num_pairs: int, num_experts: int, block_m: int, num_tiles: int
 
 
 def _moe_gemm(a, w, c, sorted_pairs, block_experts, weights, a_row_div: int, mul_weight: bool,
-              tiles: MoETileConfig, rowwise: bool = False, gated: bool = False, scale: torch.Tensor | None = None):
+              tiles: MoETileConfig, rowwise: bool = False, gated: bool = False, scale: torch.Tensor | None = None,
+              direct: bool = False, expert_load: torch.Tensor | None = None):
     """One grouped GEMM. gated: w is w13 [E, 2N, K] and c gets ``silu(a @ gate.T) * (a @ up.T)`` [pairs, N].
     scale: fp8 block scales of w (``WEIGHT_BLOCK`` blocks), float32 (``weight_scale_inv``): [E, ceil(rows / bn),
-    ceil(K / bk)], for w13 :func:`quantize_w13`'s [E, 2 * ceil(N / bn), ceil(K / bk)]."""
+    ceil(K / bk)], for w13 :func:`quantize_w13`'s [E, 2 * ceil(N / bn), ceil(K / bk)].
+    direct: no alignment; tile m is pair m alone and ``block_experts`` is the flat topk_ids [pairs] (a
+    one-token step, whose pairs have distinct experts); ``expert_load`` [L] int64 then counts the pairs'
+    experts below L (in the first column tile's programs)."""
     bn, bk = WEIGHT_BLOCK
     n = w.shape[1] // 2 if gated else w.shape[1]
     k = w.shape[2]
@@ -520,7 +548,7 @@ def _moe_gemm(a, w, c, sorted_pairs, block_experts, weights, a_row_div: int, mul
     block_k = min(tiles.block_k, max(16, triton.next_power_of_2(k)))
     if scale is not None:
         block_k = min(block_k, bk)  # a K step stays inside one scale block
-    num_tiles = _active_tiles(c.shape[0], w.shape[0], tiles.block_m, block_experts.numel())
+    num_tiles = c.shape[0] if direct else _active_tiles(c.shape[0], w.shape[0], tiles.block_m, block_experts.numel())
     grid = (num_tiles, triton.cdiv(n, block_n))
     s = scale if scale is not None else weights  # unread without a scale
     s_strides = scale.stride() if scale is not None else (0, 0, 0)
@@ -533,24 +561,28 @@ def _moe_gemm(a, w, c, sorted_pairs, block_experts, weights, a_row_div: int, mul
         SCALE_BLOCK_N=bn, SCALE_BLOCK_K=bk,
         BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=a.dtype == torch.float32, ROWWISE=rowwise,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_launch(use_pdl(a)),
+        DIRECT=direct, num_experts=w.shape[0], load_ptr=expert_load if expert_load is not None else weights,
+        num_logical=expert_load.numel() if expert_load is not None else 0, COUNT_LOAD=expert_load is not None,
     )
 
 
 @triton.jit
 def _moe_sum_kernel(out_ptr, kept_ptr, dst_ptr, hidden_size, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
-                    ADD_TO_DST: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+                    ADD_TO_DST: tl.constexpr = False, USE_PDL: tl.constexpr = False, ALL_KEPT: tl.constexpr = False):
     # dst[t] = out[t, 0] + out[t, 1] + ... in slot order in float32 (a slot not kept reads as 0), cast to dst;
-    # ADD_TO_DST: dst[t] += that sum, rounded to dst's dtype first (a residual add of the layer's output)
+    # ADD_TO_DST: dst[t] += that sum, rounded to dst's dtype first (a residual add of the layer's output);
+    # ALL_KEPT: every slot's row was written (no kept flags)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     col_ok = cols < hidden_size
     zero = tl.zeros([BLOCK_H], dtype=tl.int8)
     pdl_wait(USE_PDL)
-    kept = (tl.load(kept_ptr + token * TOP_K) + zero) != 0  # broadcast: a vector mask
-    acc = tl.load(out_ptr + token * TOP_K * hidden_size + cols, mask=col_ok & kept, other=0.0)
-    for slot in tl.static_range(1, TOP_K):
-        kept = (tl.load(kept_ptr + token * TOP_K + slot) + zero) != 0
-        acc += tl.load(out_ptr + (token * TOP_K + slot) * hidden_size + cols, mask=col_ok & kept, other=0.0)
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for slot in tl.static_range(0, TOP_K):
+        mask = col_ok
+        if not ALL_KEPT:
+            mask = mask & ((tl.load(kept_ptr + token * TOP_K + slot) + zero) != 0)  # broadcast: a vector mask
+        acc += tl.load(out_ptr + (token * TOP_K + slot) * hidden_size + cols, mask=mask, other=0.0).to(tl.float32)
     dst = dst_ptr + token * hidden_size + cols
     if ADD_TO_DST:
         acc = acc.to(dst_ptr.dtype.element_ty).to(tl.float32) + tl.load(dst, mask=col_ok, other=0.0).to(tl.float32)
@@ -645,28 +677,42 @@ def fused_moe_triton(
         return hidden.new_zeros((0, top_k, hidden_size), dtype=torch.float32)
     tiles = tiles or fused_moe_tiles(hidden, w13, top_k)
     num_pairs = num_tokens * top_k
-    # Rows of pairs no tile visits (skipped ids) are never read by the second GEMM; the sum over k skips
-    # them (``kept``), and the unsummed output is zero there.
-    kept = torch.empty(num_pairs, dtype=torch.int8, device=hidden.device) if reduce_slots else None
-    sorted_pairs, block_experts = moe_align_triton(topk_ids, num_experts, tiles.block_m, expert_map, expert_load,
-                                                   kept)
     weights = topk_weights.reshape(-1).contiguous()
+    # One token (a batch-1 decode step): its pairs have distinct experts, so tile m can be pair m with no
+    # alignment launch (the GEMMs read the expert from topk_ids and count the load); every pair's row of
+    # the output is written (zeros for a skipped id).
+    direct = (num_tokens == 1 and expert_map is None and not invariant and ONE_TOKEN_DIRECT
+              and topk_ids.is_contiguous())
+    kept = None
+    if direct:
+        sorted_pairs, block_experts, load = weights, topk_ids.reshape(-1), expert_load  # sorted_pairs unread
+    else:
+        # Rows of pairs no tile visits (skipped ids) are never read by the second GEMM; the sum over k skips
+        # them (``kept``), and the unsummed output is zero there.
+        kept = torch.empty(num_pairs, dtype=torch.int8, device=hidden.device) if reduce_slots else None
+        sorted_pairs, block_experts = moe_align_triton(topk_ids, num_experts, tiles.block_m, expert_map,
+                                                       expert_load, kept)
+        load = None
     # gate/up GEMM with SiLU-and-mul in its epilogue: [pairs, I], no gate_up tensor
     act = torch.empty((num_pairs, two_inter // 2), dtype=hidden.dtype, device=hidden.device)
     _moe_gemm(hidden, w13, act, sorted_pairs, block_experts, weights, top_k, False, tiles, rowwise, gated=True,
-              scale=w13_scale)
+              scale=w13_scale, direct=direct, expert_load=load)
+    # Each pair's weighted output: float32 where the slots are returned or batch invariance asks for it, else
+    # in hidden's dtype (half the bytes written and read again by the slot sum; a large prefill's sum was
+    # 108 us a layer of V2-Lite at 4K tokens), as vLLM's fused MoE keeps it.
+    out_dtype = torch.float32 if (invariant or not reduce_slots or not SLOTS_IN_HIDDEN_DTYPE) else hidden.dtype
     alloc = torch.empty if reduce_slots else torch.zeros
-    out = alloc((num_pairs, hidden_size), dtype=torch.float32, device=hidden.device)
+    out = alloc((num_pairs, hidden_size), dtype=out_dtype, device=hidden.device)
     _moe_gemm(act, w2, out, sorted_pairs, block_experts, weights, 1, True, tiles, rowwise,
-              scale=w2_scale)
+              scale=w2_scale, direct=direct)
     if not reduce_slots:
         return out.view(num_tokens, top_k, hidden_size)
-    # the k outputs added in slot order (sum_slots' order, also outside batch-invariant mode), then cast
+    # the k outputs added in slot order in float32 (sum_slots' order, also outside batch-invariant mode), then cast
     result = torch.empty_like(hidden) if residual is None else residual
     block_h = min(1024, triton.next_power_of_2(hidden_size))
     _moe_sum_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
-        out, kept, result, hidden_size, TOP_K=top_k, BLOCK_H=block_h, ADD_TO_DST=residual is not None,
-        num_warps=4, **pdl_launch(use_pdl(hidden)))
+        out, kept if kept is not None else out, result, hidden_size, TOP_K=top_k, BLOCK_H=block_h,
+        ADD_TO_DST=residual is not None, ALL_KEPT=kept is None, num_warps=4, **pdl_launch(use_pdl(hidden)))
     return result
 
 

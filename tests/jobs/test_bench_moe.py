@@ -207,13 +207,20 @@ def test_ab_variants_run_interleaved_and_restore_the_settings(tmp_path, monkeypa
         assert mla_attention._MAX_SPLITS == 8
         assert mla_attention.choose_num_splits(1, 4096, 132) == 8
     assert mla_attention._MAX_SPLITS == default_splits
+    from rayinfer.kernels import fused_moe
+
+    with ab_variant(model, "no-direct"), ab_variant(model, "fp32-slots"):
+        assert fused_moe.ONE_TOKEN_DIRECT == 0 and fused_moe.SLOTS_IN_HIDDEN_DTYPE == 0
+    assert fused_moe.ONE_TOKEN_DIRECT == 1 and fused_moe.SLOTS_IN_HIDDEN_DTYPE == 1
     assert _triton_utils._pdl_supported.cache_info().currsize == 0  # re-probed after a variant
     out = tmp_path / "ab.json"
     variants = ["default", "no-pdl", "no-one-row"]
     main(["--tiny", "--device", "cpu", "--reps", "1", "--batches", "1", "--prefill", "8", "--moe-tokens", "1",
           "--ab", ",".join(variants), "--ab-rounds", "2", "--out", str(out)])
     rows = json.loads(out.read_text())["ab"]
-    assert [(r["variant"], r["round"], r["batch"]) for r in rows] == [(v, i, 1) for i in range(2) for v in variants]
+    # each variant's decode step, then its prefill of the --prefill length, round by round
+    assert [(r["variant"], r["round"], r["batch"], r["query_len"]) for r in rows] == [
+        (v, i, 1, q) for i in range(2) for v in variants for q in (1, 8)]
     assert all(r["ms"] > 0 and r["roofline_ms"] > 0 for r in rows)
     with pytest.raises(ValueError, match="unknown A/B variant"):
         main(["--tiny", "--device", "cpu", "--ab", "no-such"])

@@ -162,7 +162,30 @@ def check_kernel(device, cases):
             back = fused_moe(x, w13, w2, ids, w, residual=residual)
             assert back is residual
             torch.testing.assert_close(residual, expected, atol=tol, rtol=tol, msg=lambda m: f"residual: {m}")
+        if t == 1:
+            check_one_token_direct(x, w13, w2, ids, w, got)
     return worst
+
+
+def check_one_token_direct(x, w13, w2, ids, w, got):
+    """A one-token call skips the alignment (its tiles read the experts from topk_ids and count the load):
+    the same bits as through the alignment, and the same expert load (skipped ids not counted)."""
+    import rayinfer.kernels.fused_moe as fm
+
+    num_logical = w13.shape[0] - 1  # the last expert stands for a fused shared one: computed, not counted
+    load = torch.zeros(num_logical, dtype=torch.int64, device=x.device)
+    direct = fused_moe(x, w13, w2, ids, w, expert_load=load)
+    saved = fm.ONE_TOKEN_DIRECT
+    fm.ONE_TOKEN_DIRECT = 0
+    try:
+        aligned_load = torch.zeros_like(load)
+        aligned = fused_moe(x, w13, w2, ids, w, expert_load=aligned_load)
+    finally:
+        fm.ONE_TOKEN_DIRECT = saved
+    assert torch.equal(direct, aligned) and torch.equal(direct, got)
+    flat = ids.reshape(-1)
+    kept = flat[(flat >= 0) & (flat < num_logical)]
+    assert torch.equal(load, torch.bincount(kept, minlength=num_logical)) and torch.equal(load, aligned_load)
 
 
 def check_fp8_kernel(device, cases) -> float:
