@@ -274,8 +274,7 @@ def bench_step(model, ceil: dict, counts: dict, *, batch: int, query_len: int, c
 AB_VARIANTS = {"default": {}, "no-pdl": {"RAYINFER_PDL": "0"}, "no-one-row": {"RAYINFER_ONE_ROW_FUSION": "0"},
                **{f"mla-splits-{n}": {"@rayinfer.kernels.mla_attention._MAX_SPLITS": str(n)} for n in (4, 8, 16)},
                "no-direct": {"@rayinfer.kernels.fused_moe.ONE_TOKEN_DIRECT": "0"},
-               "fp32-slots": {"@rayinfer.kernels.fused_moe.SLOTS_IN_HIDDEN_DTYPE": "0"},
-               "no-router-fold": {"@rayinfer.kernels.moe_routing.FUSED_ROUTER_TOPK": "0"}}
+               "fp32-slots": {"@rayinfer.kernels.fused_moe.SLOTS_IN_HIDDEN_DTYPE": "0"}}
 
 
 @contextlib.contextmanager

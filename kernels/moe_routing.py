@@ -151,38 +151,6 @@ def _router_logits_kernel(hidden_ptr, gate_ptr, logits_ptr, norm_w_ptr, normed_p
     BLOCK_H tile holds the row): the logits of ``rms_norm(hidden[t], norm_w)`` computed as
     ``kernels.norm`` computes it (float32 statistics, rounded to hidden's dtype, then the weight), which
     program (t, 0) also stores to ``normed[t]`` for the experts."""
-    _router_logits_tile(hidden_ptr, gate_ptr, logits_ptr, norm_w_ptr, normed_ptr, num_experts, hidden_size,
-                        stride_h, stride_g, stride_t, stride_n, eps, BLOCK_E, BLOCK_H, RMS_NORM, USE_PDL)
-
-
-@triton.jit
-def _router_grouped_topk_kernel(
-    hidden_ptr, gate_ptr, logits_ptr, norm_w_ptr, normed_ptr, num_experts, hidden_size,
-    stride_h, stride_g, stride_t, stride_n, eps,
-    counters_ptr, bias_ptr, weights_ptr, ids_ptr, scaling_factor,
-    BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, RMS_NORM: tl.constexpr,
-    NUM_GROUPS: tl.constexpr, PER_GROUP: tl.constexpr, TOP_K: tl.constexpr, TOPK_GROUPS: tl.constexpr,
-    RENORMALIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_SHARED: tl.constexpr, USE_PDL: tl.constexpr = False,
-):
-    """:func:`_router_logits_kernel`, then the routing of each token by the last of its programs to finish
-    (an arrival counter per token, ``counters[t]``, zero before the launch and left at zero after it): the
-    router and the grouped top-k in one launch. The counter's atomic (acquire-release, GPU scope) orders
-    the other programs' logits before the last one reads them."""
-    _router_logits_tile(hidden_ptr, gate_ptr, logits_ptr, norm_w_ptr, normed_ptr, num_experts, hidden_size,
-                        stride_h, stride_g, stride_t, stride_n, eps, BLOCK_E, BLOCK_H, RMS_NORM, USE_PDL)
-    row = tl.program_id(0).to(tl.int64)
-    arrived = tl.atomic_add(counters_ptr + row, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.num_programs(1) - 1:
-        _grouped_topk_row(logits_ptr, bias_ptr, weights_ptr, ids_ptr, row, stride_t, scaling_factor, NUM_GROUPS,
-                          PER_GROUP, TOP_K, TOPK_GROUPS, RENORMALIZE, BLOCK_G, BLOCK_P, BLOCK_K, NUM_SHARED, False)
-        tl.store(counters_ptr + row, 0)
-
-
-@triton.jit
-def _router_logits_tile(hidden_ptr, gate_ptr, logits_ptr, norm_w_ptr, normed_ptr, num_experts, hidden_size,
-                        stride_h, stride_g, stride_t, stride_n, eps, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                        RMS_NORM: tl.constexpr, USE_PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     experts = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     e_ok = experts < num_experts
@@ -236,10 +204,7 @@ def norm_router_logits_triton(hidden: torch.Tensor, gate_weight: torch.Tensor, n
     return logits, normed
 
 
-def _launch_router_logits(hidden, gate_weight, norm_weight, eps, routing: dict | None = None
-                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """routing: the grouped top-k folded in (:func:`norm_router_grouped_topk`): its output tensors, counters
-    and constants."""
+def _launch_router_logits(hidden, gate_weight, norm_weight, eps) -> tuple[torch.Tensor, torch.Tensor | None]:
     num_tokens, hidden_size = hidden.shape
     num_experts = gate_weight.shape[0]
     logits = torch.empty((num_tokens, num_experts), dtype=torch.float32, device=hidden.device)
@@ -249,27 +214,22 @@ def _launch_router_logits(hidden, gate_weight, norm_weight, eps, routing: dict |
     if fuse and block_h < hidden_size:
         raise ValueError(f"the router's fused norm takes rows of at most {_ROUTER_BLOCK_H}, got {hidden_size}")
     normed = torch.empty_like(hidden) if fuse else logits
-    args = (hidden, gate_weight, logits, norm_weight if fuse else gate_weight, normed, num_experts, hidden_size,
-            hidden.stride(0), gate_weight.stride(0), logits.stride(0), normed.stride(0), float(eps))
-    grid = (num_tokens, triton.cdiv(num_experts, block_e))
-    if routing is None:
-        _router_logits_kernel[grid](*args, BLOCK_E=block_e, BLOCK_H=block_h, RMS_NORM=fuse, num_warps=4,
-                                    **pdl_launch(use_pdl(hidden)))
-    else:
-        _router_grouped_topk_kernel[grid](*args, *routing["tensors"], BLOCK_E=block_e, BLOCK_H=block_h,
-                                          RMS_NORM=fuse, num_warps=4, **routing["constants"],
-                                          **pdl_launch(use_pdl(hidden)))
+    _router_logits_kernel[(num_tokens, triton.cdiv(num_experts, block_e))](
+        hidden, gate_weight, logits, norm_weight if fuse else gate_weight, normed, num_experts, hidden_size,
+        hidden.stride(0), gate_weight.stride(0), logits.stride(0), normed.stride(0), float(eps),
+        BLOCK_E=block_e, BLOCK_H=block_h, RMS_NORM=fuse, num_warps=4, **pdl_launch(use_pdl(hidden)),
+    )
     return logits, (normed if fuse else None)
 
 
 @triton.jit
-def _grouped_topk_row(
-    logits_ptr, bias_ptr, weights_ptr, ids_ptr, row, stride_t, scaling_factor,
+def _grouped_topk_kernel(
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_t, scaling_factor,
     NUM_GROUPS: tl.constexpr, PER_GROUP: tl.constexpr, TOP_K: tl.constexpr, TOPK_GROUPS: tl.constexpr,
     RENORMALIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_SHARED: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
-    """Route token ``row`` (int64) from its float32 logits: ids and weights of its TOP_K + NUM_SHARED slots."""
+    row = tl.program_id(0).to(tl.int64)
     groups = tl.arange(0, BLOCK_G)
     members = tl.arange(0, BLOCK_P)
     ok = (groups[:, None] < NUM_GROUPS) & (members[None, :] < PER_GROUP)
@@ -316,18 +276,6 @@ def _grouped_topk_row(
     out = row * out_k + slots
     tl.store(ids_ptr + out, ids, mask=slots < out_k)
     tl.store(weights_ptr + out, weights, mask=slots < out_k)
-
-
-@triton.jit
-def _grouped_topk_kernel(
-    logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_t, scaling_factor,
-    NUM_GROUPS: tl.constexpr, PER_GROUP: tl.constexpr, TOP_K: tl.constexpr, TOPK_GROUPS: tl.constexpr,
-    RENORMALIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_SHARED: tl.constexpr, USE_PDL: tl.constexpr = False,
-):
-    _grouped_topk_row(logits_ptr, bias_ptr, weights_ptr, ids_ptr, tl.program_id(0).to(tl.int64), stride_t,
-                      scaling_factor, NUM_GROUPS, PER_GROUP, TOP_K, TOPK_GROUPS, RENORMALIZE, BLOCK_G, BLOCK_P,
-                      BLOCK_K, NUM_SHARED, USE_PDL)
 
 
 def _kernel_applies(router_logits: torch.Tensor, *others: torch.Tensor) -> bool:
@@ -377,21 +325,15 @@ def grouped_topk_triton(
     ids = torch.empty((num_tokens, out_k), dtype=torch.int64, device=router_logits.device)
     if num_tokens == 0:
         return weights, ids
+    per_group = num_experts // num_groups
     _grouped_topk_kernel[(num_tokens,)](
         router_logits, e_score_correction_bias, weights, ids, router_logits.stride(0), float(routed_scaling_factor),
-        **_grouped_constants(num_experts, top_k, num_groups, topk_groups, renormalize, num_shared),
+        NUM_GROUPS=num_groups, PER_GROUP=per_group, TOP_K=top_k, TOPK_GROUPS=topk_groups, RENORMALIZE=renormalize,
+        BLOCK_G=triton.next_power_of_2(num_groups), BLOCK_P=max(2, triton.next_power_of_2(per_group)),
+        BLOCK_K=max(2, triton.next_power_of_2(out_k)), NUM_SHARED=num_shared,
         num_warps=4 if num_experts > 256 else 1, **pdl_launch(use_pdl(router_logits)),
     )
     return weights, ids
-
-
-def _grouped_constants(num_experts: int, top_k: int, num_groups: int, topk_groups: int, renormalize: bool,
-                       num_shared: int) -> dict:
-    per_group = num_experts // num_groups
-    return dict(NUM_GROUPS=num_groups, PER_GROUP=per_group, TOP_K=top_k, TOPK_GROUPS=topk_groups,
-                RENORMALIZE=renormalize, BLOCK_G=triton.next_power_of_2(num_groups),
-                BLOCK_P=max(2, triton.next_power_of_2(per_group)),
-                BLOCK_K=max(2, triton.next_power_of_2(top_k + num_shared)), NUM_SHARED=num_shared)
 
 
 def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -544,52 +486,3 @@ def norm_router_logits(residual: torch.Tensor, norm_weight: torch.Tensor, eps: f
         return norm_router_logits_triton(residual, gate_weight, norm_weight, eps)
     x = rms_norm(residual, norm_weight, eps)
     return router_logits(x, gate_weight), x
-
-
-# An A/B switch of jobs/bench_moe.py: 0 runs norm_router_grouped_topk as two launches (router, then routing).
-FUSED_ROUTER_TOPK = 1
-
-
-def norm_router_grouped_topk(residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_weight: torch.Tensor,
-                             e_score_correction_bias: torch.Tensor, top_k: int, num_groups: int, topk_groups: int,
-                             renormalize: bool, routed_scaling_factor: float, num_shared: int = 0,
-                             counters: torch.Tensor | None = None
-                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3's MoE prologue: :func:`norm_router_logits`, then :func:`grouped_topk`, in one launch where
-    the router kernel applies (decode-sized batches): each token's last router program to finish routes it
-    (``_router_grouped_topk_kernel``), so a batch-1 step has one launch a layer less.
-
-    Args:
-        residual, norm_weight, eps, gate_weight: as :func:`norm_router_logits`.
-        e_score_correction_bias ... num_shared: as :func:`grouped_topk`.
-        counters: [>= T] int32 zeros on residual's device, the kernel's arrival counters (left at zero);
-            one buffer per call site (a layer), never shared by launches that may run at once. None: two
-            launches.
-    Returns:
-        (topk_weights [T, k+S] float32, topk_ids [T, k+S] int64, x [T, H] the normed rows in residual's dtype).
-    Raises:
-        ValueError: as :func:`norm_router_logits` and :func:`grouped_topk`.
-    """
-    num_experts = gate_weight.shape[0]
-    _check_grouped(num_experts, top_k, num_groups, topk_groups, e_score_correction_bias)
-    bias = e_score_correction_bias.float()
-    num_tokens = residual.shape[0]
-    if (FUSED_ROUTER_TOPK and counters is not None and counters.dtype == torch.int32
-            and counters.numel() >= num_tokens and counters.device == residual.device
-            and 1 <= top_k <= num_experts <= _MAX_EXPERTS
-            and _router_kernel_applies(residual, gate_weight) and residual.shape[1] <= _ROUTER_BLOCK_H
-            and norm_weight.dtype == residual.dtype and gate_weight.shape[1] == residual.shape[1]
-            and use_triton(residual, bias, counters)):
-        out_k = top_k + num_shared
-        weights = torch.empty((num_tokens, out_k), dtype=torch.float32, device=residual.device)
-        ids = torch.empty((num_tokens, out_k), dtype=torch.int64, device=residual.device)
-        routing = dict(tensors=(counters, bias.contiguous(), weights, ids, float(routed_scaling_factor)),
-                       constants=_grouped_constants(num_experts, top_k, num_groups, topk_groups, renormalize,
-                                                    num_shared))
-        _, normed = _launch_router_logits(residual, gate_weight, norm_weight, eps, routing)
-        assert normed is not None
-        return weights, ids, normed
-    logits, x = norm_router_logits(residual, norm_weight, eps, gate_weight)
-    weights, ids = grouped_topk(logits, bias, top_k, num_groups, topk_groups, renormalize, routed_scaling_factor,
-                                num_shared)
-    return weights, ids, x

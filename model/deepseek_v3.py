@@ -39,9 +39,7 @@ from rayinfer.kernels.matmul import dense_linear
 from rayinfer.kernels.mla_attention import ABSORBED_MAX_QUERY_LEN, mla_decode, mla_prefill, use_absorbed
 from rayinfer.kernels.mla_rope import mla_rope_store, mla_rope_store_absorb
 from rayinfer.model.llama import PagedCausalLM, PreNormDecoderLayer, RMSNorm
-from rayinfer.kernels.moe_routing import (
-    ROUTER_LOGITS_KERNEL_MAX_TOKENS, grouped_topk, norm_router_grouped_topk, router_logits,
-)
+from rayinfer.kernels.moe_routing import grouped_topk, norm_router_logits, router_logits
 from rayinfer.model.moe import ExpertParallelism, GatedMLP, MoEModelMixin, RoutedExperts
 from rayinfer.kernels.block_fp8 import WEIGHT_BLOCK
 from rayinfer.model.quantization import SCALE_SUFFIX, linear
@@ -249,9 +247,6 @@ class DeepseekV3MoE(nn.Module):
         self.shared_experts: GatedMLP | None = GatedMLP(
             config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, config.hidden_act
         )
-        # arrival counters of the router kernel that also routes (moe_routing.norm_router_grouped_topk)
-        self.register_buffer("router_counters", torch.zeros(ROUTER_LOGITS_KERNEL_MAX_TOKENS, dtype=torch.int32),
-                             persistent=False)
 
     def fuse_shared_experts(self) -> bool:
         """Move the shared experts into the routed experts' slots where the layer allows it
@@ -268,14 +263,9 @@ class DeepseekV3MoE(nn.Module):
 
     def forward_norm_residual(self, residual: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         """The layer over ``norm(residual)``, its output added into ``residual`` in place (returned): the
-        norm in the router kernel's prologue, and the routing in its last programs, where they apply
-        (``moe_routing.norm_router_grouped_topk``)."""
-        c = self.config
-        weights, ids, hidden = norm_router_grouped_topk(
-            residual, norm.weight, norm.eps, self.gate.weight, self.gate.e_score_correction_bias,
-            c.num_experts_per_tok, c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor,
-            self.experts.num_shared, self.router_counters)
-        return self._routed(hidden, weights, ids, residual)
+        norm in the router kernel's prologue where it applies (``moe_routing.norm_router_logits``)."""
+        logits, hidden = norm_router_logits(residual, norm.weight, norm.eps, self.gate.weight)
+        return self._experts(hidden, logits, residual)
 
     def _experts(self, hidden: torch.Tensor, logits: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """Grouped top-k routing of ``logits`` and the experts over ``hidden``; added into ``residual`` in
@@ -284,10 +274,6 @@ class DeepseekV3MoE(nn.Module):
         weights, ids = grouped_topk(logits, self.gate.e_score_correction_bias.float(), c.num_experts_per_tok,
                                     c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor,
                                     self.experts.num_shared)
-        return self._routed(hidden, weights, ids, residual)
-
-    def _routed(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                residual: torch.Tensor | None) -> torch.Tensor:
         if self.shared_experts is None:
             return self.experts(hidden, ids, weights, residual=residual)
         out = self.experts(hidden, ids, weights) + self.shared_experts(hidden)
