@@ -194,7 +194,7 @@ def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tup
 
 
 # ----------------------------------------------------------------------------------------------------
-# Triton alignment in two launches. The pairs are cut into C chunks (C <= 64). Kernel 1: program c
+# Triton alignment in two launches. The pairs are cut into C chunks (C <= 256). Kernel 1: program c
 # maps chunk c's ids to this rank's expert slots (ExpertMap), optionally adds the logical ids to the
 # expert-load counters (atomics), and writes the chunk's histogram over experts. Kernel 2: program c
 # reads all histograms, so knows each expert's padded start (an exclusive scan over experts) and the
@@ -203,7 +203,7 @@ def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tup
 # the output. Same result as moe_align_ref, with fixed sizes and no host sync. Up to
 # _ALIGN_ONE_LAUNCH pairs (small decode batches) kernel 2 counts its single chunk itself: one launch.
 # ----------------------------------------------------------------------------------------------------
-_ALIGN_MAX_CHUNKS = 64
+_ALIGN_MAX_CHUNKS = 256  # 64 left a 4K-token prefill's scatter at 46 us a layer (V2-Lite: 512 pairs a program)
 _ALIGN_SUB = 32
 _ALIGN_ONE_LAUNCH = 64
 
@@ -388,7 +388,8 @@ def moe_align_triton(
     _moe_scatter_kernel[(num_programs,)](
         ids, log2phy, replica_counts, chunk_counts, sorted_pairs, block_experts, kept if kept is not None else ids,
         load, num_pairs, stride_r, first_local, num_experts, num_logical, num_chunks, num_tiles,
-        BLOCK_M=block_m, WRITE_KEPT=kept is not None, ONE_LAUNCH=one_launch, SUB=sub, ROWS=16, TILES=tiles,
+        BLOCK_M=block_m, WRITE_KEPT=kept is not None, ONE_LAUNCH=one_launch, SUB=sub,
+        ROWS=min(64, max(16, triton.next_power_of_2(num_chunks))), TILES=tiles,
         **common, **pdl,
     )
     return sorted_pairs, block_experts

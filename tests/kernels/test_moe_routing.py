@@ -12,8 +12,8 @@ from rayinfer.kernels._triton_utils import HAS_TRITON
 from rayinfer.kernels.batch_invariant import batch_invariant_mode
 from rayinfer.kernels.moe_routing import (
     append_shared_experts, grouped_topk, grouped_topk_ref, grouped_topk_triton, norm_router_logits,
-    norm_router_logits_triton, router_grouped_topk, router_logits_triton, softmax_topk, softmax_topk_ref,
-    softmax_topk_triton,
+    norm_router_logits_triton, router_gemm_triton, router_grouped_topk, router_logits_triton, softmax_topk,
+    softmax_topk_ref, softmax_topk_triton,
 )
 from rayinfer.kernels.norm import rms_norm_ref
 
@@ -57,6 +57,9 @@ def check_fused_router(device, cases) -> None:
         want_w, want_ids = append_shared_experts(want_w, want_ids, e, shared)
         got_logits = router_logits_triton(hidden, gate)
         torch.testing.assert_close(got_logits, logits, atol=1e-5, rtol=1e-5)
+        # the prefill-sized GEMM: 16-bit products are exact in float32, so only the summation order differs
+        torch.testing.assert_close(router_gemm_triton(hidden, gate), logits, atol=1e-4, rtol=1e-4,
+                                   msg=lambda m: f"router GEMM {i}: {m}")
         got_w, got_ids = grouped_topk_triton(got_logits, bias, k, g, tg, renorm, scale, shared)
         assert got_ids.shape == (t, k + shared), f"case {i}"
         assert torch.equal(got_ids, want_ids), f"case {i}: {got_ids.tolist()} != {want_ids.tolist()}"
@@ -167,7 +170,8 @@ def test_kernels_match_refs_on_gpu():
     b16 = torch.bfloat16
     check_fused_router("cuda", [(1, 64, 2048, 6, 1, 1, False, 1.0, 2, b16), (128, 64, 2048, 6, 1, 1, False, 1.0, 2, b16),
                                 (7, 128, 2048, 8, 1, 1, True, 1.0, 0, b16), (33, 160, 1536, 6, 8, 3, True, 16.0, 2, b16),
-                                (3, 64, 100, 6, 1, 1, False, 1.0, 1, torch.float32)])
+                                (3, 64, 100, 6, 1, 1, False, 1.0, 1, torch.float32),
+                                (300, 64, 2048, 6, 1, 1, False, 1.0, 2, b16)])
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
