@@ -243,6 +243,7 @@ def bench_step(model, ceil: dict, counts: dict, *, batch: int, query_len: int, c
     last = torch.arange(query_len - 1, batch * query_len, query_len, device=device)
 
     def step():
+        meta.derived.clear()  # each step derives its index tensors (its first layer's work), as an engine step does
         return model.compute_logits(model(ids, pos, kv, meta)[last])
 
     with torch.inference_mode():
@@ -351,6 +352,7 @@ def prefill_kernel_profile(model, num_tokens: int, steps: int = 3, top: int = 30
         model.compute_logits(model(ids, pos, kv, meta)[last])  # warm-up (compiles)
         with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
             for _ in range(steps):
+                meta.derived.clear()  # each step derives its index tensors, as an engine step does
                 model.compute_logits(model(ids, pos, kv, meta)[last])
             if cuda:
                 torch.cuda.synchronize(device)

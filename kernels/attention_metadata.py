@@ -7,7 +7,7 @@ and host-side lists, so kernels and the plain-torch references read the same fie
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -38,6 +38,9 @@ class AttentionMetadata:
             computed: a bounded replay's start, see ``engine.kv_cache_manager``); None: 0 for all.
             Read by the sliding-window attention only.
         kv_start_cpu: host copy of ``kv_start``.
+        derived: index tensors that kernels derive from these fields, computed by the step's first layer
+            and reused by the others (e.g. ``mla_attention.gather_mla_context``'s cache rows); not an
+            argument (a copy made with ``dataclasses.replace`` starts empty).
     """
 
     query_start_loc: torch.Tensor
@@ -50,6 +53,7 @@ class AttentionMetadata:
     local: "AttentionMetadata | None" = None
     kv_start: torch.Tensor | None = None
     kv_start_cpu: list[int] | None = None
+    derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def num_reqs(self) -> int:

@@ -569,20 +569,24 @@ def _moe_gemm(a, w, c, sorted_pairs, block_experts, weights, a_row_div: int, mul
 
 @triton.jit
 def _moe_sum_kernel(out_ptr, kept_ptr, dst_ptr, hidden_size, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
-                    ADD_TO_DST: tl.constexpr = False, USE_PDL: tl.constexpr = False, ALL_KEPT: tl.constexpr = False):
+                    ADD_TO_DST: tl.constexpr = False, USE_PDL: tl.constexpr = False, ALL_KEPT: tl.constexpr = False,
+                    BLOCK_K: tl.constexpr = 8):
     # dst[t] = out[t, 0] + out[t, 1] + ... in slot order in float32 (a slot not kept reads as 0), cast to dst;
     # ADD_TO_DST: dst[t] += that sum, rounded to dst's dtype first (a residual add of the layer's output);
     # ALL_KEPT: every slot's row was written (no kept flags)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     col_ok = cols < hidden_size
-    zero = tl.zeros([BLOCK_H], dtype=tl.int8)
+    zero = tl.zeros([BLOCK_H], dtype=tl.int32)
     pdl_wait(USE_PDL)
+    slots = tl.arange(0, BLOCK_K)
+    if not ALL_KEPT:  # the token's flags in one load, so that its slots' row loads do not wait on each other's
+        flags = tl.load(kept_ptr + token * TOP_K + slots, mask=slots < TOP_K, other=0).to(tl.int32)
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for slot in tl.static_range(0, TOP_K):
         mask = col_ok
         if not ALL_KEPT:
-            mask = mask & ((tl.load(kept_ptr + token * TOP_K + slot) + zero) != 0)  # broadcast: a vector mask
+            mask = mask & ((tl.sum(tl.where(slots == slot, flags, 0), 0) + zero) != 0)  # broadcast: a vector mask
         acc += tl.load(out_ptr + (token * TOP_K + slot) * hidden_size + cols, mask=mask, other=0.0).to(tl.float32)
     dst = dst_ptr + token * hidden_size + cols
     if ADD_TO_DST:
@@ -712,8 +716,9 @@ def fused_moe_triton(
     result = torch.empty_like(hidden) if residual is None else residual
     block_h = min(1024, triton.next_power_of_2(hidden_size))
     _moe_sum_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
-        out, kept if kept is not None else out, result, hidden_size, TOP_K=top_k, BLOCK_H=block_h,
-        ADD_TO_DST=residual is not None, ALL_KEPT=kept is None, num_warps=4, **pdl_launch(use_pdl(hidden)))
+        out, kept if kept is not None else out, result, hidden_size, TOP_K=top_k,
+        BLOCK_K=triton.next_power_of_2(top_k), BLOCK_H=block_h, ADD_TO_DST=residual is not None,
+        ALL_KEPT=kept is None, num_warps=4, **pdl_launch(use_pdl(hidden)))
     return result
 
 

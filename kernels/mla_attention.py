@@ -609,14 +609,18 @@ def gather_mla_context(kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple
         are ``kv_start_loc[i]:kv_start_loc[i + 1]``).
     """
     dev, block_size = kv_cache.device, kv_cache.shape[1]
-    total = sum(meta.seq_lens_cpu)
-    seq_lens = meta.seq_lens.long()
-    kv_start_loc = torch.zeros(meta.num_reqs + 1, dtype=torch.long, device=dev)
-    torch.cumsum(seq_lens, 0, out=kv_start_loc[1:])
-    req = torch.repeat_interleave(torch.arange(meta.num_reqs, device=dev), seq_lens, output_size=total)
-    pos = torch.arange(total, device=dev) - kv_start_loc[req]
-    slots = meta.block_tables.long()[req, pos // block_size] * block_size + pos % block_size
-    return kv_cache.view(-1, kv_cache.shape[-1])[slots], kv_start_loc.to(torch.int32)
+    key = ("mla_context", block_size, dev)
+    if key not in meta.derived:  # the rows to read are the same in every layer: computed once a step
+        total = sum(meta.seq_lens_cpu)
+        seq_lens = meta.seq_lens.long()
+        kv_start_loc = torch.zeros(meta.num_reqs + 1, dtype=torch.long, device=dev)
+        torch.cumsum(seq_lens, 0, out=kv_start_loc[1:])
+        req = torch.repeat_interleave(torch.arange(meta.num_reqs, device=dev), seq_lens, output_size=total)
+        pos = torch.arange(total, device=dev) - kv_start_loc[req]
+        slots = meta.block_tables.long()[req, pos // block_size] * block_size + pos % block_size
+        meta.derived[key] = (slots, kv_start_loc.to(torch.int32))
+    slots, kv_start_loc = meta.derived[key]
+    return kv_cache.view(-1, kv_cache.shape[-1])[slots], kv_start_loc
 
 
 _MAX_GATHER_ROWS = 65536  # context rows up-projected at once: [rows, H * (Dn + Dv)] (512 MiB at V2-Lite, bf16)

@@ -3,6 +3,7 @@ the store by hand, the Triton kernels against the references (interpreter on CPU
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import pytest
@@ -141,6 +142,13 @@ def test_gather_context_by_hand():
     meta = AttentionMetadata.build([1, 2], [3, 2], [[4, 1], [0]], 2)
     latents, starts = gather_mla_context(cache, meta)
     assert latents[:, 0].tolist() == [8.0, 9.0, 2.0, 0.0, 1.0] and starts.tolist() == [0, 3, 5]
+    # the rows to read are derived once a step (every layer reads the same rows of its own cache)
+    assert len(meta.derived) == 1
+    latents2, _ = gather_mla_context(cache * 10, meta)
+    assert len(meta.derived) == 1 and latents2[:, 0].tolist() == [80.0, 90.0, 20.0, 0.0, 10.0]
+    other = dataclasses.replace(meta, block_tables=torch.tensor([[1, 4], [2, 0]], dtype=torch.int32))
+    assert not other.derived  # a copy with other tables derives its own rows
+    assert gather_mla_context(cache, other)[0][:, 0].tolist() == [2.0, 3.0, 8.0, 4.0, 5.0]
 
 
 GPU_CASES = [
