@@ -31,6 +31,8 @@ from rayinfer.serve.serving_tokenize import TokenizeServing
 logger = logging.getLogger(__name__)
 
 _PREFIX = {"chat": "chatcmpl", "completions": "cmpl"}
+HEALTH_WAIT_S = 1.0  # /health waits this long for a connection to the fleet before answering 503 "starting"
+HEALTH_STATS_TIMEOUT_S = 10.0  # ... and this long for the replicas' stats before answering 503 "unhealthy"
 
 
 class OpenAIFrontend:
@@ -61,6 +63,7 @@ class OpenAIFrontend:
         self.chat: ChatServing | None = None
         self.completion: CompletionServing | None = None
         self._connect_lock: asyncio.Lock | None = None
+        self._connect_task: asyncio.Future | None = None  # a connection /health started
 
     async def connect(self) -> OpenAIServing:
         """The shared OpenAIServing, connecting to the fleet on first use."""
@@ -218,11 +221,23 @@ class OpenAIFrontend:
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(self) -> Response:
+        """``GET /health``: 200 ``{"status": "ok"}`` when every replica answers its stats; else 503 with
+        ``"starting"`` while the fleet is still being connected to (replicas loading their model: a probe
+        gets its answer within :data:`HEALTH_WAIT_S` instead of waiting for the load), or ``"unhealthy"``
+        and the error (a replica that failed, or stats not answered within :data:`HEALTH_STATS_TIMEOUT_S`)."""
         try:
-            await self.connect()
-            stats = await self.client.stats()
+            if self.serving is None:
+                if self._connect_task is None:  # the first probe starts the connection; later ones poll it
+                    self._connect_task = asyncio.ensure_future(self.connect())
+                task = self._connect_task
+                await asyncio.wait({task}, timeout=HEALTH_WAIT_S)
+                if not task.done():
+                    return JSONResponse({"status": "starting"}, status_code=503)
+                self._connect_task = None  # a failed connection is retried by the next probe
+                task.result()
+            stats = await asyncio.wait_for(self.client.stats(), timeout=HEALTH_STATS_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - any replica failure means unhealthy
-            logger.warning("health check failed: %s", e)
+            logger.warning("health check failed: %r", e)
             return JSONResponse({"status": "unhealthy", "error": type(e).__name__}, status_code=503)
         failed = [r.replica_id for r in stats.replicas if r.error]
         if failed:

@@ -457,3 +457,38 @@ def test_engine_gauges_vanish_when_the_fleet_cannot_answer(tokenizer):
     fake.stats = dead
     assert running() == []  # no gauge frozen at its last value
     assert call(fe, "GET", "/health").status_code == 503
+
+
+def test_health_answers_503_starting_while_the_fleet_connects(tokenizer, monkeypatch):
+    """A probe during startup gets 503 "starting" at once instead of waiting for the replicas to load; once
+    connected, 200; a failed connection is 503 "unhealthy" and the next probe tries again."""
+    from rayinfer.serve import frontend as frontend_module
+
+    monkeypatch.setattr(frontend_module, "HEALTH_WAIT_S", 0.05)
+    fake = FakeClient(tokenizer)
+    attempts = []
+
+    async def scenario():
+        loaded = asyncio.Event()
+
+        async def connect():
+            attempts.append(len(attempts))
+            if len(attempts) == 1:
+                raise RuntimeError("the replica actor died while loading")
+            await loaded.wait()
+            return fake
+
+        fe = OpenAIFrontend(ServeConfig(model=ModelConfig(), api_key=KEY), tokenizer, connect)
+        failed = await _call(fe, "GET", "/health")
+        first = await _call(fe, "GET", "/health")  # a new attempt, still loading
+        second = await _call(fe, "GET", "/health")  # polls the same attempt
+        loaded.set()
+        await asyncio.sleep(0)
+        ready = await _call(fe, "GET", "/health")
+        return failed, first, second, ready
+
+    failed, first, second, ready = asyncio.run(scenario())
+    assert failed.status_code == 503 and failed.json() == {"status": "unhealthy", "error": "RuntimeError"}
+    assert first.status_code == second.status_code == 503 and first.json() == {"status": "starting"}
+    assert ready.status_code == 200 and ready.json() == {"status": "ok"}
+    assert len(attempts) == 2
