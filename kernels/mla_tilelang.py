@@ -246,8 +246,9 @@ def mla_decode_tilelang(
     kernel(q_latent.contiguous(), q_pe.contiguous(), kv_cache, meta.query_start_loc.int(), meta.seq_lens.int(),
            meta.block_tables.int(), part_out, part_lse, out, float(scale * _LOG2E))
     if num_splits > 1:
-        _mla_merge_splits_kernel[(num_tokens, num_heads)](
+        block_c = min(rank, 128)  # the merge's column slices, as the Triton backend launches it
+        _mla_merge_splits_kernel[(num_tokens, num_heads, triton.cdiv(rank, block_c))](
             part_out, part_lse, out, num_heads, num_splits, out.stride(0), out.stride(1),
-            RANK=rank, BLOCK_R=rank, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
+            RANK=rank, BLOCK_R=rank, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_C=block_c, num_warps=4,
         )
     return out
