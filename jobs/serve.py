@@ -52,9 +52,19 @@ def run(cfg: ServeConfig, blocking: bool = True) -> int:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        print("shutting down", flush=True)
+        print("shutting down (Ctrl-C again to exit without waiting)", flush=True)
     finally:
+        code = _shutdown(serve)
+    return code
+
+
+def _shutdown(serve) -> int:
+    """Shut Serve down; a second Ctrl-C meanwhile exits at once (130) instead of printing a traceback."""
+    try:
         serve.shutdown()
+    except KeyboardInterrupt:
+        print("exiting without waiting for Serve to shut down", flush=True)
+        return 130
     return 0
 
 
