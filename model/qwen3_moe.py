@@ -18,7 +18,8 @@ from rayinfer.kernels.paged_attention import paged_attention
 from rayinfer.kernels.rotary import rotary_store_kv
 from rayinfer.model.llama import PagedCausalLM, PreNormDecoderLayer, RMSNorm
 from rayinfer.model.moe import ExpertParallelism, GatedMLP, MoEModelMixin, RoutedExperts, softmax_topk
-from rayinfer.model.quantization import linear
+from rayinfer.kernels.block_fp8 import WEIGHT_BLOCK
+from rayinfer.model.quantization import SCALE_SUFFIX, linear
 
 
 class Qwen3MoeAttention(nn.Module):
@@ -37,15 +38,43 @@ class Qwen3MoeAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.scale = self.head_dim**-0.5
+        self.qkv_proj: nn.Linear | None = None  # q, k and v stacked after loading (fuse_qkv)
+
+    def fuse_qkv(self) -> bool:
+        """Stack ``q_proj``, ``k_proj`` and ``v_proj`` into one ``qkv_proj`` (rows: q's, k's, v's), so a step
+        runs one GEMM for the three (a decode step: two launches less a layer), as the Llama path does at
+        load time. fp8 blocks stack when q's and k's rows fill whole 128-row blocks (Qwen3-30B-A3B's 4096
+        and 512 do); their scales stack with them. Returns whether it fused (the originals are dropped)."""
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        fp8 = [getattr(m, "weight_scale_inv", None) is not None for m in parts]
+        if self.qkv_proj is not None or len(set(fp8)) > 1 or (fp8[0] and (parts[0].out_features % 128
+                                                                            or parts[1].out_features % 128)):
+            return False
+        has_bias = parts[0].bias is not None
+        fused = nn.Linear(parts[0].in_features, sum(m.out_features for m in parts), bias=has_bias, device="meta")
+        fused.weight = nn.Parameter(torch.cat([m.weight for m in parts]), requires_grad=False)
+        if has_bias:
+            fused.bias = nn.Parameter(torch.cat([m.bias for m in parts]), requires_grad=False)
+        if fp8[0]:
+            fused.register_parameter("weight_scale_inv", nn.Parameter(
+                torch.cat([m.get_parameter("weight_scale_inv") for m in parts]), requires_grad=False))
+        self.qkv_proj = fused
+        del self.q_proj, self.k_proj, self.v_proj
+        return True
 
     def forward(self, hidden, positions, inv_freq, kv_cache, meta: AttentionMetadata):
         """hidden [T, hidden_size] -> [T, hidden_size]; writes this step's K/V into ``kv_cache`` (one layer)."""
         t, d = hidden.shape[0], self.head_dim
-        q = linear(hidden, self.q_proj)
-        k = linear(hidden, self.k_proj)
-        v = linear(hidden, self.v_proj).view(t, self.num_kv_heads, d)
-        q = self.q_norm(q.view(-1, d)).view(t, self.num_heads, d)
-        k = self.k_norm(k.view(-1, d)).view(t, self.num_kv_heads, d)
+        if self.qkv_proj is not None:
+            nq, nkv = self.num_heads * d, self.num_kv_heads * d
+            q, k, v = linear(hidden, self.qkv_proj).split([nq, nkv, nkv], dim=-1)
+            v = v.view(t, self.num_kv_heads, d)  # strided rows: the rotary kernel takes them as they are
+        else:
+            q, k = linear(hidden, self.q_proj), linear(hidden, self.k_proj)
+            v = linear(hidden, self.v_proj).view(t, self.num_kv_heads, d)
+        # per-head norms over rows of head_dim (a copy of q's and k's columns when T > 1 and q, k, v are stacked)
+        q = self.q_norm(q.reshape(-1, d)).view(t, self.num_heads, d)
+        k = self.k_norm(k.reshape(-1, d)).view(t, self.num_kv_heads, d)
         q = rotary_store_kv(q, k, v, positions, inv_freq, kv_cache, meta.slot_mapping)
         out = paged_attention(q, kv_cache, meta, self.scale)
         return linear(out.reshape(t, self.num_heads * d), self.o_proj)
@@ -130,4 +159,28 @@ class Qwen3MoeForCausalLM(MoEModelMixin, PagedCausalLM):
         self.config = config
         self.model = Qwen3MoeModel(config, ep or ExpertParallelism())
         self._init_head(config)
+
+    def process_weights_after_loading(self) -> None:
+        """Called by ``model.loader.load_model`` once the weights are in: stacks each attention's q, k and v
+        projections (:meth:`Qwen3MoeAttention.fuse_qkv`). A model built and loaded by hand runs unfused,
+        with the same outputs up to float summation order."""
+        for module in self.modules():
+            if isinstance(module, Qwen3MoeAttention):
+                module.fuse_qkv()
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The parameters and buffers under the Hugging Face 5.x names, whatever
+        :meth:`process_weights_after_loading` stacked: ``qkv_proj`` as ``q_proj`` / ``k_proj`` / ``v_proj``
+        (row views; fp8 scales alike). For an HF twin, and to load into another model of this class."""
+        out = dict(self.state_dict())
+        for name, module in self.named_modules():
+            if isinstance(module, Qwen3MoeAttention) and module.qkv_proj is not None:
+                d = module.head_dim
+                rows = [module.num_heads * d, module.num_kv_heads * d, module.num_kv_heads * d]
+                for leaf, t in module.qkv_proj.state_dict().items():
+                    del out[f"{name}.qkv_proj.{leaf}"]
+                    sizes = [r // WEIGHT_BLOCK[0] for r in rows] if leaf == SCALE_SUFFIX else rows
+                    for part, piece in zip(("q_proj", "k_proj", "v_proj"), t.split(sizes)):
+                        out[f"{name}.{part}.{leaf}"] = piece
+        return out
 

@@ -299,7 +299,7 @@ def test_stacked_16_bit_experts_are_quantized_per_half_as_they_load():
 
     plain = load_model("qwen3-moe-tiny", "float32", "cpu", "dummy", seed=0)
     fp8 = load_model("qwen3-moe-tiny", "float32", "cpu", "dummy", seed=1, quantization="fp8")
-    fp8.load_weights(plain.state_dict().items())
+    fp8.load_weights(plain.hf_state_dict().items())  # Hugging Face names (the loader stacked q, k and v)
     ours, src = fp8.model.layers[0].mlp.experts, plain.model.layers[0].mlp.experts
     for name, quantize in (("gate_up_proj", quantize_w13), ("down_proj", quantize_block_fp8)):
         q, s = quantize(getattr(src, name))

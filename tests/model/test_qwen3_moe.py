@@ -30,10 +30,16 @@ def make_pair(cfg, seed=0):
     return ref, ours
 
 
+@pytest.mark.parametrize("fuse", [False, True], ids=["unfused", "qkv-stacked"])
 @pytest.mark.parametrize("extra", [{}, dict(decoder_sparse_step=2, mlp_only_layers=[], norm_topk_prob=False,
-                                            tie_word_embeddings=True)])
-def test_prefill_then_decode_matches_hf(extra, paged):
+                                            tie_word_embeddings=True, attention_bias=True)])
+def test_prefill_then_decode_matches_hf(extra, fuse, paged):
     ref, ours = make_pair(tiny_config(**extra))
+    if fuse:  # what the loader does: q, k and v in one projection (fuse_qkv)
+        ours.process_weights_after_loading()
+        attn = ours.model.layers[0].self_attn
+        assert attn.qkv_proj is not None and not hasattr(attn, "q_proj")
+        assert (attn.qkv_proj.bias is not None) == bool(extra)
     seqs = [torch.randint(0, 128, (14,)), torch.randint(0, 128, (12,))]
     paged.assert_matches_hf(ref, ours, seqs, TABLES, SCHEDULE, BLOCK_SIZE)
     load = ours.expert_load(reset=True)
@@ -70,3 +76,40 @@ def test_loads_per_expert_names():
         assert torch.equal(fresh.state_dict()[name], t), name
     with pytest.raises(ValueError):
         fresh.load_weights([("model.layers.0.mlp.experts.0.gate_proj.weight", torch.zeros(3, 3))])
+
+
+def test_stacked_qkv_with_fp8_blocks_and_hf_twin():
+    """fp8 block projections stack with their scales when q's and k's rows fill 128-row blocks (the same
+    projections as unstacked); with fewer rows they stay apart. The HF twin of a stacked model takes q/k/v as
+    row slices of qkv_proj (hf_state_dict) and gives HF's own logits; so does a fresh model loading them."""
+    from rayinfer.jobs.hf_baseline import hf_twin
+
+    cfg = tiny_config(hidden_size=128, num_attention_heads=4, num_key_value_heads=4, head_dim=32)
+    ref, ours = make_pair(cfg)
+    ids = torch.randint(0, 128, (1, 9))
+    with torch.no_grad():
+        want = ref(ids).logits
+        ours.process_weights_after_loading()
+        got = hf_twin(ours)(ids).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    names = ours.hf_state_dict()
+    assert set(names) == set(ref.state_dict()) - {n for n in ref.state_dict() if n.endswith("inv_freq")}
+    assert Qwen3MoeForCausalLM(cfg).load_weights(names.items()) == set(names)
+
+    from rayinfer.model.quantization import BlockFp8Config, linear, quantize_linears
+
+    _, plain = make_pair(cfg, seed=2)
+    quantize_linears(plain, BlockFp8Config())
+    attn = plain.model.layers[0].self_attn
+    x = torch.randn(5, cfg.hidden_size)
+    before = {n: t.clone() for n, t in plain.state_dict().items()}
+    with torch.no_grad():
+        want = torch.cat([linear(x, m) for m in (attn.q_proj, attn.k_proj, attn.v_proj)], dim=-1)
+        assert attn.fuse_qkv() and attn.qkv_proj.weight_scale_inv.shape[0] == 3  # 384 rows: 3 blocks
+        torch.testing.assert_close(linear(x, attn.qkv_proj), want, atol=1e-5, rtol=1e-5)
+    after = plain.hf_state_dict()  # the fp8 weights and their scales back under their own names, as they were
+    assert set(after) == set(before)
+    assert all(torch.equal(after[n].view(torch.uint8), before[n].view(torch.uint8)) for n in before)  # bitwise
+    _, small = make_pair(tiny_config(), seed=3)
+    quantize_linears(small, BlockFp8Config())
+    assert not small.model.layers[0].self_attn.fuse_qkv()  # 64 query rows: not whole blocks
