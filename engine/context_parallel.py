@@ -108,9 +108,9 @@ def zigzag_chunks(num_tokens: int, cp_size: int, cp_rank: int) -> tuple[tuple[in
     return (b[cp_rank], b[cp_rank + 1]), (b[late], b[late + 1])
 
 
-def _local_positions(num_tokens: int, cp_size: int, cp_rank: int, offset: int = 0) -> list[int]:
+def _local_positions(num_tokens: int, cp_size: int, cp_rank: int) -> list[int]:
     (s0, e0), (s1, e1) = zigzag_chunks(num_tokens, cp_size, cp_rank)
-    return list(range(offset + s0, offset + e0)) + list(range(offset + s1, offset + e1))
+    return list(range(s0, e0)) + list(range(s1, e1))
 
 
 def check_cp_model(model) -> None:
@@ -161,7 +161,7 @@ def cp_prefill_rank(model, token_ids: Sequence[int], cp_rank: int, cp_size: int,
     device = model.inv_freq.device
     num_new = num_tokens - num_cached  # the positions computed here: num_cached..T-1, zigzag-split
     (s0, e0), (s1, e1) = ((num_cached + s, num_cached + e) for s, e in zigzag_chunks(num_new, cp_size, cp_rank))
-    local = torch.tensor(_local_positions(num_new, cp_size, cp_rank, num_cached), dtype=torch.long, device=device)
+    local = torch.tensor(list(range(s0, e0)) + list(range(s1, e1)), dtype=torch.long, device=device)
     num_local = local.numel()
     # every rank's positions in rank order: row i of the concatenated gather sits at position order[i]
     sizes = [len(_local_positions(num_new, cp_size, r)) for r in range(cp_size)]

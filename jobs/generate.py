@@ -43,22 +43,6 @@ from rayinfer.placement.parallel_config import ParallelConfig
 
 logger = logging.getLogger("rayinfer.generate")
 
-
-def cp_summary(stats) -> str:
-    """One line on what context parallelism did in a fleet (``FleetStats``): prompts and tokens its rank 0s
-    prefilled over their CP groups, those prefilled alone after a lost peer."""
-    rank0s = [r.context_parallel for r in stats.replicas if "num_cp_prefills" in r.context_parallel]
-    prefills = sum(c["num_cp_prefills"] for c in rank0s)
-    tokens = sum(c["num_cp_prefill_tokens"] for c in rank0s)
-    solo = sum(c.get("num_cp_solo_prefills", 0) for c in rank0s)
-    lost = sum(1 for c in rank0s if not c.get("cp_active", True))
-    cp = max((c["cp"] for c in rank0s), default=0)
-    line = (f"context parallelism: {prefills} prompts ({tokens} tokens) prefilled over cp={cp} ranks; "
-            "shorter prompts ran on one rank")
-    if solo or lost:
-        line += f"; {solo} prefilled alone after {lost} replica(s) lost a CP peer"
-    return line
-
 BUILTIN_PROMPTS = [
     {"id": "capital", "messages": [{"role": "user", "content": "What is the capital of France?"}]},
     {"id": "haiku", "messages": [{"role": "user", "content": "Write a haiku about the ocean."}]},
@@ -163,6 +147,22 @@ def _image_loader(model: str):
 
     processor = ImageInputProcessor.for_model(model)
     return ImageLoader(processor) if processor is not None else None
+
+
+def cp_summary(stats) -> str:
+    """One line on what context parallelism did in a fleet (``FleetStats``): prompts and tokens its rank 0s
+    prefilled over their CP groups, those prefilled alone after a lost peer."""
+    rank0s = [r.context_parallel for r in stats.replicas if "num_cp_prefills" in r.context_parallel]
+    prefills = sum(c["num_cp_prefills"] for c in rank0s)
+    tokens = sum(c["num_cp_prefill_tokens"] for c in rank0s)
+    solo = sum(c.get("num_cp_solo_prefills", 0) for c in rank0s)
+    lost = sum(1 for c in rank0s if not c.get("cp_active", True))
+    cp = max((c["cp"] for c in rank0s), default=0)
+    line = (f"context parallelism: {prefills} prompts ({tokens} tokens) prefilled over cp={cp} ranks; "
+            "shorter prompts ran on one rank")
+    if solo or lost:
+        line += f"; {solo} prefilled alone after {lost} replica(s) lost a CP peer"
+    return line
 
 
 def run(cfg: GenerateConfig, client=None) -> int:
