@@ -430,6 +430,62 @@ def sweep_mla_splits(ceil) -> list[dict]:
     return rows
 
 
+MLA_SWAP_TILES = [  # (block_n, num_warps, num_stages): keys as the products' rows (swap_ab)
+    (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 1), (128, 8, 1), (32, 4, 2),
+]
+
+
+def sweep_mla_swap(ceil) -> list[dict]:
+    """DeepSeek-V2-Lite's absorbed MLA decode (16 heads, R 512, P 64, cache blocks of 16) with keys as the
+    products' M dimension (``swap_ab``: S^T = K Q^T and O^T += V^T P^T, so a 64-key tile fills a warpgroup
+    MMA) against the default tiles, per tile set and split-KV factor (None: the default heuristic; the others
+    fill one or two waves of one program a multiprocessor): graph time per layer and the share of the
+    measured copy bandwidth that the latent cache reads reach."""
+    from rayinfer.kernels.mla_attention import mla_decode_ref, mla_decode_triton
+
+    heads, rank, rope, bs = 16, 512, 64, 16
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for batch, ctx in ((1, 1024), (1, 4096), (32, 1024), (32, 4096), (64, 4096), (128, 4096)):
+        nb = batch * math.ceil(ctx / bs)
+        layers = layers_for(nb * bs * (rank + rope) * 2)
+        cache = torch.randn((layers, nb, bs, rank + rope), device="cuda", dtype=DT)
+        perm = torch.randperm(nb).tolist()
+        per = nb // batch
+        meta = AttentionMetadata.build([1] * batch, [ctx] * batch, [perm[i * per:(i + 1) * per] for i in range(batch)],
+                                       bs, "cuda")
+        ql = torch.randn((batch, heads, rank), device="cuda", dtype=DT)
+        qp = torch.randn((batch, heads, rope), device="cuda", dtype=DT)
+        want = mla_decode_ref(ql, qp, cache[0], meta, 0.1).float()
+        nbytes = batch * ctx * (rank + rope) * 2
+        one_wave = max(1, sms // batch)
+        cases = [({}, None)]
+        for block_n, warps, stages in MLA_SWAP_TILES:
+            cfg = {"swap_ab": True, "block_n": block_n, "num_warps": warps, "num_stages": stages,
+                   "min_split_tokens": block_n}
+            for splits in sorted({None, one_wave, 2 * one_wave, min(32, ctx // block_n)} - {0}, key=lambda x: x or 0):
+                if splits is None or splits * block_n <= ctx:
+                    cases.append((cfg, splits))
+        for cfg, splits in cases:
+            run = lambda i=0, s=splits, c=cfg: mla_decode_triton(ql, qp, cache[i], meta, 0.1, num_splits=s,  # noqa: E731
+                                                                  max_seq_len=8192, config=c)
+            try:
+                err = (run().float() - want).abs().max().item()
+                us = bench_graph([lambda i=i: run(i) for i in range(layers)])
+            except Exception as exc:  # a tile set that does not compile or fit is a row with its error
+                rows.append({"op": "mla_decode_swap", "config": cfg, "num_splits": splits, "batch": batch,
+                             "ctx_len": ctx, "error": repr(exc)[:300]})
+                print(f"  {cfg} splits={splits} B={batch} ctx={ctx}: failed {exc!r}"[:300], flush=True)
+                continue
+            pct = 100 * nbytes / us / 1e3 / ceil["copy_GBps"] if us else None
+            rows.append({"op": "mla_decode_swap", "config": cfg, "num_splits": splits, "batch": batch, "ctx_len": ctx,
+                         "graph_us": us, "pct_of_copy_bw": pct, "max_abs_err": err})
+            print(f"  {cfg or 'default'} splits={splits} B={batch} ctx={ctx}: {us or float('nan'):7.1f} us "
+                  f"{pct or float('nan'):5.1f}% bw err {err:.1e}", flush=True)
+        del cache
+    return rows
+
+
 MLA_PREFILL_TILES = [  # (block_m, block_n, num_warps, num_stages)
     (64, 64, 8, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 128, 8, 2),
     (128, 128, 8, 2), (64, 32, 4, 3),
@@ -742,7 +798,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also sweep prefill tiles and decode split factors")
     parser.add_argument("--only-sweeps", nargs="*", default=None,
                         help="skip the kernel table; run these sweeps (gemv, gemv_mla, decode_tiles, prefill, prefill_long, "
-                        "decode_splits, decode_step, mla, mla_tiles, mla_splits, mla_prefill)")
+                        "decode_splits, decode_step, mla, mla_tiles, mla_splits, mla_swap, mla_prefill)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA device")
@@ -764,7 +820,7 @@ def main() -> None:
         funcs = {"gemv": sweep_gemv, "decode_tiles": sweep_decode_tiles, "prefill": sweep_prefill,
                  "decode_splits": sweep_decode_splits, "decode_step": sweep_decode_step, "mla": sweep_mla,
                  "prefill_long": sweep_prefill_long,
-                 "mla_tiles": sweep_mla_tiles, "mla_splits": sweep_mla_splits,
+                 "mla_tiles": sweep_mla_tiles, "mla_splits": sweep_mla_splits, "mla_swap": sweep_mla_swap,
                  "mla_prefill": sweep_mla_prefill,
                  "gemv_mla": lambda c: sweep_gemv(c, ("mla_qkv_a", "mla_o"), block_ks=(512, 1024, 2048))}
         for name in args.only_sweeps:

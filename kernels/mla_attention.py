@@ -235,7 +235,7 @@ def _mla_decode_kernel(
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr,
     ROWWISE: tl.constexpr = False, USE_SPLITS: tl.constexpr = False, MIN_SPLIT_TOKENS: tl.constexpr = 128,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
 ):
     token = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -269,34 +269,42 @@ def _mla_decode_kernel(
                  mask=h_ok[:, None] & p_ok[None, :], other=0.0)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
     table = block_tables_ptr + req.to(tl.int64) * stride_bt
-    for start in range(kv_lo, kv_hi, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        n_ok = n < kv_hi
-        blk = tl.load(table + n // KV_BLOCK_SIZE, mask=n_ok, other=0)
-        rows = blk.to(tl.int64) * stride_cb + (n % KV_BLOCK_SIZE) * stride_cs
-        kl = tl.load(cache_ptr + rows[:, None] + r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
-        kp = tl.load(cache_ptr + rows[:, None] + RANK + p[None, :], mask=n_ok[:, None] & p_ok[None, :], other=0.0)
-        if ROWWISE:  # batch-invariant mode under the interpreter (see ROWWISE in kernels._triton_utils)
-            s = (tl.sum(ql.to(tl.float32)[:, :, None] * tl.trans(kl).to(tl.float32)[None, :, :], 1)
-                 + tl.sum(qp.to(tl.float32)[:, :, None] * tl.trans(kp).to(tl.float32)[None, :, :], 1))
-        elif IEEE:
-            s = tl.dot(ql, tl.trans(kl), input_precision="ieee") + tl.dot(qp, tl.trans(kp), input_precision="ieee")
-        else:
-            s = tl.dot(ql, tl.trans(kl)) + tl.dot(qp, tl.trans(kp))
-        s = tl.where(n_ok[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: the tile's first key (start < kv_hi) is visible
-        prob = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(prob, 1)
-        if ROWWISE:
-            acc = acc * alpha[:, None] + tl.sum(prob[:, :, None] * kl.to(tl.float32)[None, :, :], 1)
-        elif IEEE:
-            acc = acc * alpha[:, None] + tl.dot(prob, kl, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(prob.to(kl.dtype), kl)
-        m_i = m_new
+    if SWAP_AB:
+        # keys as the products' M dimension (S^T = K Q^T, O^T += V^T P^T): a BLOCK_N >= 64 tile of keys fills
+        # Hopper's 64-row warpgroup MMA, which a 16-head tile as M cannot (mma.sync's 16 rows)
+        acc_t, m_i, l_i = _mla_decode_swap_ab(tl.trans(ql), tl.trans(qp), cache_ptr, table, kv_lo, kv_hi, qk_scale,
+                                              stride_cb, stride_cs, m_i, l_i, RANK, ROPE, BLOCK_R, BLOCK_P, BLOCK_H,
+                                              BLOCK_N, KV_BLOCK_SIZE, IEEE)
+        acc = tl.trans(acc_t)
+    else:
+        acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+        for start in range(kv_lo, kv_hi, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            n_ok = n < kv_hi
+            blk = tl.load(table + n // KV_BLOCK_SIZE, mask=n_ok, other=0)
+            rows = blk.to(tl.int64) * stride_cb + (n % KV_BLOCK_SIZE) * stride_cs
+            kl = tl.load(cache_ptr + rows[:, None] + r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+            kp = tl.load(cache_ptr + rows[:, None] + RANK + p[None, :], mask=n_ok[:, None] & p_ok[None, :], other=0.0)
+            if ROWWISE:  # batch-invariant mode under the interpreter (see ROWWISE in kernels._triton_utils)
+                s = (tl.sum(ql.to(tl.float32)[:, :, None] * tl.trans(kl).to(tl.float32)[None, :, :], 1)
+                     + tl.sum(qp.to(tl.float32)[:, :, None] * tl.trans(kp).to(tl.float32)[None, :, :], 1))
+            elif IEEE:
+                s = tl.dot(ql, tl.trans(kl), input_precision="ieee") + tl.dot(qp, tl.trans(kp), input_precision="ieee")
+            else:
+                s = tl.dot(ql, tl.trans(kl)) + tl.dot(qp, tl.trans(kp))
+            s = tl.where(n_ok[None, :], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: the tile's first key (start < kv_hi) is visible
+            prob = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(prob, 1)
+            if ROWWISE:
+                acc = acc * alpha[:, None] + tl.sum(prob[:, :, None] * kl.to(tl.float32)[None, :, :], 1)
+            elif IEEE:
+                acc = acc * alpha[:, None] + tl.dot(prob, kl, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(prob.to(kl.dtype), kl)
+            m_i = m_new
     if USE_SPLITS:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # an empty split: weight 0 in the merge
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
@@ -308,6 +316,39 @@ def _mla_decode_kernel(
         out = acc / l_i[:, None]
         o_ptrs = out_ptr + t64 * stride_ot + heads[:, None] * stride_oh + r[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & r_ok[None, :])
+
+
+@triton.jit
+def _mla_decode_swap_ab(ql_t, qp_t, cache_ptr, table, kv_lo, kv_hi, qk_scale, stride_cb, stride_cs, m_i, l_i,
+                        RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr,
+                        BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr):
+    """The key loop of ``_mla_decode_kernel`` with keys as rows: ql_t [BLOCK_R, BLOCK_H], qp_t [BLOCK_P, BLOCK_H];
+    returns (acc^T [BLOCK_R, BLOCK_H] float32, m_i, l_i), the same online softmax along axis 0."""
+    r = tl.arange(0, BLOCK_R)
+    p = tl.arange(0, BLOCK_P)
+    acc_t = tl.zeros([BLOCK_R, BLOCK_H], tl.float32)
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < kv_hi
+        blk = tl.load(table + n // KV_BLOCK_SIZE, mask=n_ok, other=0)
+        rows = blk.to(tl.int64) * stride_cb + (n % KV_BLOCK_SIZE) * stride_cs
+        kl = tl.load(cache_ptr + rows[:, None] + r[None, :], mask=n_ok[:, None] & (r < RANK)[None, :], other=0.0)
+        kp = tl.load(cache_ptr + rows[:, None] + RANK + p[None, :], mask=n_ok[:, None] & (p < ROPE)[None, :], other=0.0)
+        if IEEE:
+            s_t = tl.dot(kl, ql_t, input_precision="ieee") + tl.dot(kp, qp_t, input_precision="ieee")
+        else:
+            s_t = tl.dot(kl, ql_t) + tl.dot(kp, qp_t)
+        s_t = tl.where(n_ok[:, None], s_t * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s_t, 0))
+        prob_t = tl.exp2(s_t - m_new[None, :])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(prob_t, 0)
+        if IEEE:
+            acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(kl), prob_t, input_precision="ieee")
+        else:
+            acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(kl), prob_t.to(kl.dtype))
+        m_i = m_new
+    return acc_t, m_i, l_i
 
 
 @triton.jit
@@ -370,7 +411,8 @@ def mla_decode_triton(
     num_splits: int | None = None, max_seq_len: int | None = None, config: dict | None = None,
 ) -> torch.Tensor:
     """Triton kernel of :func:`mla_decode_ref` (same contract; no host sync; ``config`` overrides the
-    tiles: block_h, block_n, num_warps, num_stages, min_split_tokens).
+    tiles: block_h, block_n, num_warps, num_stages, min_split_tokens, swap_ab: keys as the products' rows,
+    for Hopper's 64-row warpgroup MMA; ignored in batch-invariant mode).
 
     Args:
         num_splits: split-KV factor; by default :func:`choose_num_splits` of the batch shape. Always 1 in
@@ -404,7 +446,7 @@ def mla_decode_triton(
     deep = wide and not few  # the second set
     cfg = {"block_h": 16 if block_r >= 256 else max(16, min(32, triton.next_power_of_2(num_heads))),  # acc [H, R] fp32
            "block_n": 16 if wide and few else 32, "num_warps": 4, "num_stages": 2,
-           "min_split_tokens": 64 if deep else 32, **(config or {})}
+           "min_split_tokens": 64 if deep else 32, "swap_ab": False, **(config or {})}
     block_h, block_n = cfg["block_h"], cfg["block_n"]
     head_tiles = triton.cdiv(num_heads, block_h)
     max_seq_len = max(max_seq_len or meta.max_seq_len, 1)
@@ -430,6 +472,7 @@ def mla_decode_triton(
         RANK=rank, ROPE=rope, BLOCK_R=block_r, BLOCK_P=max(16, triton.next_power_of_2(rope)),
         BLOCK_H=block_h, BLOCK_N=block_n, KV_BLOCK_SIZE=kv_cache.shape[1], IEEE=q_latent.dtype == torch.float32,
         ROWWISE=invariant and is_interpreting(), USE_SPLITS=use_splits, MIN_SPLIT_TOKENS=cfg["min_split_tokens"],
+        SWAP_AB=bool(cfg["swap_ab"]) and not invariant,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl,
     )
     if use_splits:

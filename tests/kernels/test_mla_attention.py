@@ -84,8 +84,9 @@ def test_store_ref_by_hand():
     assert cache.count_nonzero() == 4
 
 
-def check_kernels(device, cases, num_splits=None):
-    """Each case against the references; ``num_splits``: force that split-KV factor (else the default)."""
+def check_kernels(device, cases, num_splits=None, config=None):
+    """Each case against the references; ``num_splits``: force that split-KV factor (else the default);
+    ``config``: the Triton kernel's tiles (``mla_decode_triton``'s ``config``)."""
     worst = 0.0
     for i, (query_lens, seq_lens, heads, rank, rope, bs, dtype) in enumerate(cases):
         nb = sum(-(-s // bs) for s in seq_lens) + 3
@@ -96,10 +97,10 @@ def check_kernels(device, cases, num_splits=None):
         t = sum(query_lens)
         ql = torch.randn(t, heads, rank, generator=gen).to(**to)
         qp = torch.randn(t, heads, rope, generator=gen).to(**to)
-        if num_splits is None:
+        if num_splits is None and config is None:
             got = mla_decode(ql, qp, cache, meta, rank**-0.5)
         else:
-            got = mla_decode_triton(ql, qp, cache, meta, rank**-0.5, num_splits=num_splits)
+            got = mla_decode_triton(ql, qp, cache, meta, rank**-0.5, num_splits=num_splits, config=config)
         want = mla_decode_ref(ql, qp, cache, meta, rank**-0.5)
         tol = TOL[dtype]
         torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol, msg=lambda m: f"case {i}: {m}")
@@ -227,6 +228,17 @@ def test_split_kv_matches_ref_at_long_context():
     print(f"mla_decode split-KV (7 splits): max abs err {check_kernels('cuda', SPLIT_GPU_CASES[:2], 7):.2e}")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_swap_ab_tiles_match_ref():
+    """Keys as the products' rows (64- and 128-key tiles for the warpgroup MMA), unsplit and split-KV."""
+    for block_n, warps, stages in ((64, 4, 2), (128, 8, 1)):
+        cfg = {"swap_ab": True, "block_n": block_n, "num_warps": warps, "num_stages": stages, "min_split_tokens": block_n}
+        err = max(check_kernels("cuda", GPU_CASES + SPLIT_GPU_CASES, config=cfg),
+                  check_kernels("cuda", SPLIT_GPU_CASES[:2], 5, config=cfg))
+        print(f"mla_decode swap_ab block_n={block_n}: max abs err {err:.2e}")
+
+
 def test_choose_num_splits():
     """At most two programs per multiprocessor (one wave), >= 64 keys per split, at most 32 splits."""
     assert choose_num_splits(1, 1024, 132) == 16  # 1024 // 64
@@ -275,6 +287,10 @@ if __name__ == "__main__":
         check_kernels("cpu", [([3, 1], [97, 1], 20, 24, 8, 8, f32)], num_splits=3)
         # a rank of 160: the merge's two 128-column slices, the second partial
         check_kernels("cpu", [([1, 2], [70, 40], 2, 160, 16, 4, f32)], num_splits=3)
+        # keys as the products' rows (swap_ab): unsplit, split, a partial last tile, a rope width below 16
+        swap = {"swap_ab": True, "block_n": 16, "min_split_tokens": 16}
+        check_kernels("cpu", [([1, 3, 1], [5, 9, 40], 4, 32, 16, 4, f32), ([2], [2], 20, 24, 8, 8, f32)], config=swap)
+        check_kernels("cpu", [([1, 1, 2], [5, 150, 70], 4, 32, 16, 4, f32)], num_splits=4, config=swap)
         # expanded: whole prompts, chunks after cached prefixes, a tile boundary (32 rows), a one-token row
         check_prefill("cpu", [([40, 7, 1, 3], [40, 30, 9, 3], 2, 32, 16, 16, 24, 4, f32),
                               ([33], [70], 3, 24, 8, 12, 20, 8, f32)])
