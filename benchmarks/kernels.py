@@ -431,8 +431,8 @@ def sweep_mla_splits(ceil) -> list[dict]:
 
 
 MLA_SWAP_TILES = [  # (block_n, num_warps, num_stages): keys as the products' rows (swap_ab)
-    (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 1), (128, 8, 1), (32, 4, 2),
-]
+    (64, 4, 2), (64, 4, 3), (64, 8, 2),
+]  # 128-key tiles (one stage) and 32-key ones hit illegal addresses in Triton 3.6's code at B = 1 (7da4aa3 call)
 
 
 def sweep_mla_swap(ceil) -> list[dict]:
@@ -446,7 +446,7 @@ def sweep_mla_swap(ceil) -> list[dict]:
     heads, rank, rope, bs = 16, 512, 64, 16
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
-    for batch, ctx in ((1, 1024), (1, 4096), (32, 1024), (32, 4096), (64, 4096), (128, 4096)):
+    for batch, ctx in ((32, 4096), (64, 4096), (128, 4096), (32, 1024), (1, 4096), (1, 1024)):
         nb = batch * math.ceil(ctx / bs)
         layers = layers_for(nb * bs * (rank + rope) * 2)
         cache = torch.randn((layers, nb, bs, rank + rope), device="cuda", dtype=DT)
@@ -483,6 +483,43 @@ def sweep_mla_swap(ceil) -> list[dict]:
             print(f"  {cfg or 'default'} splits={splits} B={batch} ctx={ctx}: {us or float('nan'):7.1f} us "
                   f"{pct or float('nan'):5.1f}% bw err {err:.1e}", flush=True)
         del cache
+    return rows
+
+
+def sweep_mla_swap_few(ceil) -> list[dict]:
+    """Batch 1 and 4 of DeepSeek-V2-Lite's absorbed MLA decode at 1K-8K keys: the default tiles against the
+    kernel that sends each token with at least ``swap_min_keys`` keys to the swapped 64-key tiles (0: all of
+    them), in graphs bounded by max_model_len 8192 as the engine's: graph time per layer and the share of the
+    copy bandwidth."""
+    from rayinfer.kernels.mla_attention import mla_decode_ref, mla_decode_triton
+
+    heads, rank, rope, bs = 16, 512, 64, 16
+    rows = []
+    for batch in (1, 4):
+        for ctx in (1024, 2048, 3072, 4096, 8192):
+            nb = batch * math.ceil(ctx / bs)
+            layers = layers_for(nb * bs * (rank + rope) * 2)
+            cache = torch.randn((layers, nb, bs, rank + rope), device="cuda", dtype=DT)
+            perm = torch.randperm(nb).tolist()
+            per = nb // batch
+            meta = AttentionMetadata.build([1] * batch, [ctx] * batch,
+                                           [perm[i * per:(i + 1) * per] for i in range(batch)], bs, "cuda")
+            ql = torch.randn((batch, heads, rank), device="cuda", dtype=DT)
+            qp = torch.randn((batch, heads, rope), device="cuda", dtype=DT)
+            want = mla_decode_ref(ql, qp, cache[0], meta, 0.1).float()
+            nbytes = batch * ctx * (rank + rope) * 2
+            for cfg in ({}, {"swap_ab": True, "swap_min_keys": 0}, {"swap_ab": True, "swap_min_keys": 2048},
+                        {"swap_ab": True, "swap_min_keys": 0, "num_stages": 3}):
+                run = lambda i=0, c=cfg: mla_decode_triton(ql, qp, cache[i], meta, 0.1, max_seq_len=8192,  # noqa: E731
+                                                           config=c)
+                err = (run().float() - want).abs().max().item()
+                us = bench_graph([lambda i=i: run(i) for i in range(layers)])
+                pct = 100 * nbytes / us / 1e3 / ceil["copy_GBps"] if us else None
+                rows.append({"op": "mla_decode_swap_few", "config": cfg, "batch": batch, "ctx_len": ctx,
+                             "graph_us": us, "pct_of_copy_bw": pct, "max_abs_err": err})
+                print(f"  {cfg or 'default'} B={batch} ctx={ctx}: {us or float('nan'):7.1f} us "
+                      f"{pct or float('nan'):5.1f}% bw err {err:.1e}", flush=True)
+            del cache
     return rows
 
 
@@ -798,7 +835,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also sweep prefill tiles and decode split factors")
     parser.add_argument("--only-sweeps", nargs="*", default=None,
                         help="skip the kernel table; run these sweeps (gemv, gemv_mla, decode_tiles, prefill, prefill_long, "
-                        "decode_splits, decode_step, mla, mla_tiles, mla_splits, mla_swap, mla_prefill)")
+                        "decode_splits, decode_step, mla, mla_tiles, mla_splits, mla_swap, mla_swap_few, mla_prefill)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA device")
@@ -820,7 +857,7 @@ def main() -> None:
         funcs = {"gemv": sweep_gemv, "decode_tiles": sweep_decode_tiles, "prefill": sweep_prefill,
                  "decode_splits": sweep_decode_splits, "decode_step": sweep_decode_step, "mla": sweep_mla,
                  "prefill_long": sweep_prefill_long,
-                 "mla_tiles": sweep_mla_tiles, "mla_splits": sweep_mla_splits, "mla_swap": sweep_mla_swap,
+                 "mla_tiles": sweep_mla_tiles, "mla_splits": sweep_mla_splits, "mla_swap": sweep_mla_swap, "mla_swap_few": sweep_mla_swap_few,
                  "mla_prefill": sweep_mla_prefill,
                  "gemv_mla": lambda c: sweep_gemv(c, ("mla_qkv_a", "mla_o"), block_ks=(512, 1024, 2048))}
         for name in args.only_sweeps:

@@ -235,7 +235,8 @@ def _mla_decode_kernel(
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr,
     ROWWISE: tl.constexpr = False, USE_SPLITS: tl.constexpr = False, MIN_SPLIT_TOKENS: tl.constexpr = 128,
-    USE_PDL: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, SWAP_AB: tl.constexpr = False, SWAP_BLOCK_N: tl.constexpr = 64,
+    SWAP_MIN_KEYS: tl.constexpr = 0,
 ):
     token = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -244,6 +245,7 @@ def _mla_decode_kernel(
     q_end = tl.load(query_start_loc_ptr + req + 1)
     kv_hi = tl.load(seq_lens_ptr + req) - (q_end - token) + 1  # own position + 1
     kv_lo = 0
+    n_keys = kv_hi  # the token's keys over all its splits (SWAP_MIN_KEYS compares these)
     split = tl.program_id(2)
     h_ok = heads < num_heads
     t64 = token.to(tl.int64)
@@ -270,41 +272,20 @@ def _mla_decode_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     table = block_tables_ptr + req.to(tl.int64) * stride_bt
+    use_swap = False
     if SWAP_AB:
-        # keys as the products' M dimension (S^T = K Q^T, O^T += V^T P^T): a BLOCK_N >= 64 tile of keys fills
-        # Hopper's 64-row warpgroup MMA, which a 16-head tile as M cannot (mma.sync's 16 rows)
+        use_swap = n_keys >= SWAP_MIN_KEYS  # per token: all its splits take the same path
+    if use_swap:
+        # keys as the products' M dimension (S^T = K Q^T, O^T += V^T P^T): a 64-key tile fills Hopper's 64-row
+        # warpgroup MMA, which a 16-head tile as M cannot (mma.sync's 16 rows)
         acc_t, m_i, l_i = _mla_decode_swap_ab(tl.trans(ql), tl.trans(qp), cache_ptr, table, kv_lo, kv_hi, qk_scale,
                                               stride_cb, stride_cs, m_i, l_i, RANK, ROPE, BLOCK_R, BLOCK_P, BLOCK_H,
-                                              BLOCK_N, KV_BLOCK_SIZE, IEEE)
+                                              SWAP_BLOCK_N, KV_BLOCK_SIZE, IEEE)
         acc = tl.trans(acc_t)
     else:
-        acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
-        for start in range(kv_lo, kv_hi, BLOCK_N):
-            n = start + tl.arange(0, BLOCK_N)
-            n_ok = n < kv_hi
-            blk = tl.load(table + n // KV_BLOCK_SIZE, mask=n_ok, other=0)
-            rows = blk.to(tl.int64) * stride_cb + (n % KV_BLOCK_SIZE) * stride_cs
-            kl = tl.load(cache_ptr + rows[:, None] + r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
-            kp = tl.load(cache_ptr + rows[:, None] + RANK + p[None, :], mask=n_ok[:, None] & p_ok[None, :], other=0.0)
-            if ROWWISE:  # batch-invariant mode under the interpreter (see ROWWISE in kernels._triton_utils)
-                s = (tl.sum(ql.to(tl.float32)[:, :, None] * tl.trans(kl).to(tl.float32)[None, :, :], 1)
-                     + tl.sum(qp.to(tl.float32)[:, :, None] * tl.trans(kp).to(tl.float32)[None, :, :], 1))
-            elif IEEE:
-                s = tl.dot(ql, tl.trans(kl), input_precision="ieee") + tl.dot(qp, tl.trans(kp), input_precision="ieee")
-            else:
-                s = tl.dot(ql, tl.trans(kl)) + tl.dot(qp, tl.trans(kp))
-            s = tl.where(n_ok[None, :], s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: the tile's first key (start < kv_hi) is visible
-            prob = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(prob, 1)
-            if ROWWISE:
-                acc = acc * alpha[:, None] + tl.sum(prob[:, :, None] * kl.to(tl.float32)[None, :, :], 1)
-            elif IEEE:
-                acc = acc * alpha[:, None] + tl.dot(prob, kl, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(prob.to(kl.dtype), kl)
-            m_i = m_new
+        acc, m_i, l_i = _mla_decode_keys(ql, qp, cache_ptr, table, kv_lo, kv_hi, qk_scale, stride_cb, stride_cs, m_i,
+                                         l_i, RANK, ROPE, BLOCK_R, BLOCK_P, BLOCK_H, BLOCK_N, KV_BLOCK_SIZE, IEEE,
+                                         ROWWISE)
     if USE_SPLITS:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # an empty split: weight 0 in the merge
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
@@ -316,6 +297,47 @@ def _mla_decode_kernel(
         out = acc / l_i[:, None]
         o_ptrs = out_ptr + t64 * stride_ot + heads[:, None] * stride_oh + r[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & r_ok[None, :])
+
+
+@triton.jit
+def _mla_decode_keys(ql, qp, cache_ptr, table, kv_lo, kv_hi, qk_scale, stride_cb, stride_cs, m_i, l_i,
+                     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr,
+                     ROWWISE: tl.constexpr):
+    """The key loop of ``_mla_decode_kernel`` with heads as rows: ql [BLOCK_H, BLOCK_R], qp [BLOCK_H, BLOCK_P];
+    returns (acc [BLOCK_H, BLOCK_R] float32, m_i, l_i) of the online base-2 softmax over keys [kv_lo, kv_hi)."""
+    r = tl.arange(0, BLOCK_R)
+    p = tl.arange(0, BLOCK_P)
+    r_ok = r < RANK
+    p_ok = p < ROPE
+    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < kv_hi
+        blk = tl.load(table + n // KV_BLOCK_SIZE, mask=n_ok, other=0)
+        rows = blk.to(tl.int64) * stride_cb + (n % KV_BLOCK_SIZE) * stride_cs
+        kl = tl.load(cache_ptr + rows[:, None] + r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+        kp = tl.load(cache_ptr + rows[:, None] + RANK + p[None, :], mask=n_ok[:, None] & p_ok[None, :], other=0.0)
+        if ROWWISE:  # batch-invariant mode under the interpreter (see ROWWISE in kernels._triton_utils)
+            s = (tl.sum(ql.to(tl.float32)[:, :, None] * tl.trans(kl).to(tl.float32)[None, :, :], 1)
+                 + tl.sum(qp.to(tl.float32)[:, :, None] * tl.trans(kp).to(tl.float32)[None, :, :], 1))
+        elif IEEE:
+            s = tl.dot(ql, tl.trans(kl), input_precision="ieee") + tl.dot(qp, tl.trans(kp), input_precision="ieee")
+        else:
+            s = tl.dot(ql, tl.trans(kl)) + tl.dot(qp, tl.trans(kp))
+        s = tl.where(n_ok[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: the tile's first key (start < kv_hi) is visible
+        prob = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(prob, 1)
+        if ROWWISE:
+            acc = acc * alpha[:, None] + tl.sum(prob[:, :, None] * kl.to(tl.float32)[None, :, :], 1)
+        elif IEEE:
+            acc = acc * alpha[:, None] + tl.dot(prob, kl, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(prob.to(kl.dtype), kl)
+        m_i = m_new
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -379,6 +401,9 @@ def _mla_merge_splits_kernel(
 
 _MAX_SPLITS = 32
 _MIN_SPLIT_TOKENS = 64
+# Up to 4 tokens a step: the tokens with at least this many keys take the swapped 64-key tiles (``swap_ab`` of
+# mla_decode_triton's config), the others the 16-key ones; 0: none do.
+FEW_TOKEN_SWAP_FROM = 0
 
 
 def choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int) -> int:
@@ -411,8 +436,9 @@ def mla_decode_triton(
     num_splits: int | None = None, max_seq_len: int | None = None, config: dict | None = None,
 ) -> torch.Tensor:
     """Triton kernel of :func:`mla_decode_ref` (same contract; no host sync; ``config`` overrides the
-    tiles: block_h, block_n, num_warps, num_stages, min_split_tokens, swap_ab: keys as the products' rows,
-    for Hopper's 64-row warpgroup MMA; ignored in batch-invariant mode).
+    tiles: block_h, block_n, num_warps, num_stages, min_split_tokens; swap_ab: keys as the products' rows in
+    swap_block_n tiles, for Hopper's 64-row warpgroup MMA, for the tokens with at least swap_min_keys keys
+    (the others take the block_n tiles); ignored in batch-invariant mode).
 
     Args:
         num_splits: split-KV factor; by default :func:`choose_num_splits` of the batch shape. Always 1 in
@@ -446,7 +472,9 @@ def mla_decode_triton(
     deep = wide and not few  # the second set
     cfg = {"block_h": 16 if block_r >= 256 else max(16, min(32, triton.next_power_of_2(num_heads))),  # acc [H, R] fp32
            "block_n": 16 if wide and few else 32, "num_warps": 4, "num_stages": 2,
-           "min_split_tokens": 64 if deep else 32, "swap_ab": False, **(config or {})}
+           "min_split_tokens": 64 if deep else 32, "swap_ab": few and FEW_TOKEN_SWAP_FROM > 0, "swap_block_n": 64,
+           "swap_min_keys": FEW_TOKEN_SWAP_FROM,
+           **(config or {})}
     block_h, block_n = cfg["block_h"], cfg["block_n"]
     head_tiles = triton.cdiv(num_heads, block_h)
     max_seq_len = max(max_seq_len or meta.max_seq_len, 1)
@@ -472,7 +500,8 @@ def mla_decode_triton(
         RANK=rank, ROPE=rope, BLOCK_R=block_r, BLOCK_P=max(16, triton.next_power_of_2(rope)),
         BLOCK_H=block_h, BLOCK_N=block_n, KV_BLOCK_SIZE=kv_cache.shape[1], IEEE=q_latent.dtype == torch.float32,
         ROWWISE=invariant and is_interpreting(), USE_SPLITS=use_splits, MIN_SPLIT_TOKENS=cfg["min_split_tokens"],
-        SWAP_AB=bool(cfg["swap_ab"]) and not invariant,
+        SWAP_AB=bool(cfg["swap_ab"]) and not invariant, SWAP_BLOCK_N=cfg["swap_block_n"],
+        SWAP_MIN_KEYS=cfg["swap_min_keys"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl,
     )
     if use_splits:

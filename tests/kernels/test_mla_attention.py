@@ -231,12 +231,16 @@ def test_split_kv_matches_ref_at_long_context():
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_swap_ab_tiles_match_ref():
-    """Keys as the products' rows (64- and 128-key tiles for the warpgroup MMA), unsplit and split-KV."""
-    for block_n, warps, stages in ((64, 4, 2), (128, 8, 1)):
-        cfg = {"swap_ab": True, "block_n": block_n, "num_warps": warps, "num_stages": stages, "min_split_tokens": block_n}
+    """Keys as the products' rows (64-key tiles for the warpgroup MMA, 4 and 8 warps), unsplit and split-KV."""
+    for block_n, warps, stages in ((64, 4, 2), (64, 8, 3)):
+        cfg = {"swap_ab": True, "swap_block_n": block_n, "num_warps": warps, "num_stages": stages,
+               "min_split_tokens": block_n}
         err = max(check_kernels("cuda", GPU_CASES + SPLIT_GPU_CASES, config=cfg),
                   check_kernels("cuda", SPLIT_GPU_CASES[:2], 5, config=cfg))
         print(f"mla_decode swap_ab block_n={block_n}: max abs err {err:.2e}")
+    # per token: contexts of at least 1024 keys swapped, shorter ones on the default tiles, in one launch
+    err = check_kernels("cuda", GPU_CASES + SPLIT_GPU_CASES, config={"swap_ab": True, "swap_min_keys": 1024})
+    print(f"mla_decode swap_ab from 1024 keys: max abs err {err:.2e}")
 
 
 def test_choose_num_splits():
@@ -288,9 +292,12 @@ if __name__ == "__main__":
         # a rank of 160: the merge's two 128-column slices, the second partial
         check_kernels("cpu", [([1, 2], [70, 40], 2, 160, 16, 4, f32)], num_splits=3)
         # keys as the products' rows (swap_ab): unsplit, split, a partial last tile, a rope width below 16
-        swap = {"swap_ab": True, "block_n": 16, "min_split_tokens": 16}
+        swap = {"swap_ab": True, "swap_block_n": 16, "min_split_tokens": 16}
         check_kernels("cpu", [([1, 3, 1], [5, 9, 40], 4, 32, 16, 4, f32), ([2], [2], 20, 24, 8, 8, f32)], config=swap)
         check_kernels("cpu", [([1, 1, 2], [5, 150, 70], 4, 32, 16, 4, f32)], num_splits=4, config=swap)
+        # per token: those with at least 40 keys take the swapped tiles, the others the default ones
+        check_kernels("cpu", [([1, 1, 2], [5, 150, 40], 4, 32, 16, 4, f32)], num_splits=4,
+                      config={**swap, "swap_min_keys": 40})
         # expanded: whole prompts, chunks after cached prefixes, a tile boundary (32 rows), a one-token row
         check_prefill("cpu", [([40, 7, 1, 3], [40, 30, 9, 3], 2, 32, 16, 16, 24, 4, f32),
                               ([33], [70], 3, 24, 8, 12, 20, 8, f32)])
