@@ -1,4 +1,4 @@
-"""Tune the fused-MoE grouped GEMM's tiles on this GPU and write its table (``kernels/configs/<device>.json``).
+"""Tune the fused-MoE grouped GEMM's tiles on this GPU and write its table (``rayinfer/kernels/configs/<device>.json``).
 
     python jobs/tune_moe.py                                   # DeepSeek-V2-Lite's expert shape, M = 1..4096
     python jobs/tune_moe.py --shapes deepseek-v2-lite,qwen3-30b-a3b --out $OUT/NVIDIA_H200.json
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
                         help="fp8 block-quantized expert weights (table entries of dtype float8_e4m3fn)")
     parser.add_argument("--budget-s", type=float, default=220.0, help="stop tuning after this many seconds")
     parser.add_argument("--wide", action="store_true", help="a wider candidate set (slower)")
-    parser.add_argument("--out", default=None, help="table path (default: kernels/configs/<device>.json)")
+    parser.add_argument("--out", default=None, help="table path (default: rayinfer/kernels/configs/<device>.json)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("tune_moe needs a CUDA device")

@@ -1,4 +1,4 @@
-"""Probe: the W8A16 block-fp8 GEMM (kernels/block_fp8.py) against cuBLAS bf16 at DeepSeek-V3's dense shapes,
+"""Probe: the W8A16 block-fp8 GEMM (rayinfer/kernels/block_fp8.py) against cuBLAS bf16 at DeepSeek-V3's dense shapes,
 per row count and tile configuration; and whether a row's bits depend on the batch.
 
     python benchmarks/probe/block_fp8_tiles.py --out benchmarks/results/block-fp8-tiles-h200.json

@@ -1,4 +1,4 @@
-"""The expert-parallel dispatch kernels (``kernels/ep_dispatch.py``) against the torch reference path of
+"""The expert-parallel dispatch kernels (``rayinfer/kernels/ep_dispatch.py``) against the torch reference path of
 ``model/ep_dispatch.py``: route + place, pack, unpack and combine, exact splits and fixed capacity, with
 redundant experts, tokens without experts, zero tokens and 1 / 2 / 4 ranks (each rank's side computed in
 one process: these kernels have no collectives). CPU through the Triton interpreter (``--interpret``);

@@ -1,6 +1,6 @@
 """Tile configurations of the fused-MoE grouped GEMM, as data: tuned per device and expert shape.
 
-A table is one JSON file per device under ``kernels/configs/`` (package data), named after the device
+A table is one JSON file per device under ``rayinfer/kernels/configs/`` (package data), named after the device
 (``torch.cuda.get_device_name``, e.g. ``NVIDIA_H200.json``)::
 
     {"device": "NVIDIA H200",
