@@ -277,7 +277,7 @@ AB_VARIANTS = {"default": {}, "no-pdl": {"RAYINFER_PDL": "0"}, "no-one-row": {"R
                "no-direct": {"@rayinfer.kernels.fused_moe.ONE_TOKEN_DIRECT": "0"},
                "fp32-slots": {"@rayinfer.kernels.fused_moe.SLOTS_IN_HIDDEN_DTYPE": "0"},
                **{f"mla-swap-{n}": {"@rayinfer.kernels.mla_attention.FEW_TOKEN_SWAP_FROM": str(n)}
-                  for n in (1024, 2048, 3072)}}
+                  for n in (1024, 2048, 3072, 4096, 8192)}}
 
 
 @contextlib.contextmanager
