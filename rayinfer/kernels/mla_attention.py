@@ -402,7 +402,10 @@ def _mla_merge_splits_kernel(
 _MAX_SPLITS = 32
 _MIN_SPLIT_TOKENS = 64
 # Up to 4 tokens a step: the tokens with at least this many keys take the swapped 64-key tiles (``swap_ab`` of
-# mla_decode_triton's config), the others the 16-key ones; 0: none do.
+# mla_decode_triton's config), the others the 16-key ones; 0: none do. Off: on the H200 (742e567) the kernel
+# with both paths gains at batch 1 from 4K keys (20.2 -> 16.4 us at 4K, 35.1 -> 25.7 at 8K) but costs 0.7-2 us
+# at shorter contexts, and the V2-Lite decode step at 4096 went 2.457 -> 2.381 ms at batch 1 and at 1K
+# 2.214 -> 2.270 ms (benchmarks/results/moe-v2lite-h200-742e567-swap-ab-*.json).
 FEW_TOKEN_SWAP_FROM = 0
 
 
