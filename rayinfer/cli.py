@@ -39,7 +39,8 @@ _COMMON_KEYS = {
 _COMMAND_KEYS = {
     "serve": {"host": "host", "port": "port", "api_key": "api_key", "served_model_name": "served_model_name"},
     "generate": {"input": "input", "output": "output", "input_format": "input_format", "base_dir": "base_dir",
-                 "served_model_name": "served_model_name"},
+                 "served_model_name": "served_model_name", "max_tokens": "sampling.max_tokens",
+                 "temperature": "sampling.temperature", "top_p": "++sampling.top_p"},
 }
 _STRING_KEYS = {"model.dtype", "model.load_format", "model.quantization", "engine.device", "host", "api_key",
                 "served_model_name", "input", "output", "input_format", "base_dir"}
@@ -122,6 +123,10 @@ def build_parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("--output", "--output-file", "-o", help="output JSONL (default: <input>.out.jsonl)")
         p.add_argument("--input-format", choices=["auto", "openai", "rayinfer"])
         p.add_argument("--base-dir", help="directory relative paths resolve against (default: the current one)")
+        # the defaults of every rayinfer line (a line's own field wins; OpenAI Batch bodies keep their own)
+        p.add_argument("--max-tokens", type=int, help="output tokens per line at most (default 256)")
+        p.add_argument("--temperature", type=float, help="sampling temperature (default 0: greedy)")
+        p.add_argument("--top-p", type=float, help="nucleus sampling probability mass (default 1)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="Hydra overrides")
     return p
 
@@ -142,7 +147,7 @@ def to_overrides(command: str, args: argparse.Namespace) -> list[str]:
             flags.append((key, hydra_value(str(value)) if key in _STRING_KEYS else str(value)))
     positional = normalize_overrides(list(args.overrides))
     given = {o.partition("=")[0].lstrip("+~") for o in positional}
-    return [f"{k}={v}" for k, v in flags if k not in given] + positional
+    return [f"{k}={v}" for k, v in flags if k.lstrip("+") not in given] + positional
 
 
 def compose(config_name: str, overrides: list[str]):

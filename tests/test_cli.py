@@ -27,6 +27,20 @@ def test_generate_flags_map_onto_overrides():
                    "output='out dir/o.jsonl'", "input_format='openai'", "engine.num_kv_blocks=64"]
 
 
+def test_generate_sampling_flags_set_the_line_defaults():
+    from rayinfer.jobs import generate
+
+    generate.register_configs()
+    argv = ["--max-tokens", "7", "--temperature", "0.5", "--top-p", "0.9"]
+    assert overrides("generate", *argv) == ["sampling.max_tokens=7", "sampling.temperature=0.5",
+                                            "++sampling.top_p=0.9"]
+    cfg = compose("generate", overrides("generate", *argv))
+    assert (cfg.sampling.max_tokens, cfg.sampling.temperature, cfg.sampling.top_p) == (7, 0.5, 0.9)
+    # an override of the same key wins over the flag
+    assert overrides("generate", "--top-p", "0.9", "+sampling.top_p=0.5") == ["+sampling.top_p=0.5"]
+    assert main(["generate", "--temperature", "-1"]) == 2
+
+
 def test_serve_flags_map_onto_overrides_and_an_override_wins():
     got = overrides("serve", "--model", "/models/my-llama", "--host", "0.0.0.0", "--port", "8011",
                     "--api-key", "true", "--max-num-seqs", "16", "--data-parallel-size", "2", "port=9000")
