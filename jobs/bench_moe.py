@@ -277,7 +277,9 @@ AB_VARIANTS = {"default": {}, "no-pdl": {"RAYINFER_PDL": "0"}, "no-one-row": {"R
                "no-direct": {"@rayinfer.kernels.fused_moe.ONE_TOKEN_DIRECT": "0"},
                "fp32-slots": {"@rayinfer.kernels.fused_moe.SLOTS_IN_HIDDEN_DTYPE": "0"},
                **{f"mla-swap-{n}": {"@rayinfer.kernels.mla_attention.FEW_TOKEN_SWAP_FROM": str(n)}
-                  for n in (1024, 2048, 3072, 4096, 8192)}}
+                  for n in (1024, 2048, 3072, 4096, 8192)},
+               **{f"grouped-mm-{n}": {"@rayinfer.kernels.fused_moe.GROUPED_MM_FROM": str(n)}
+                  for n in (0, 256, 512, 1024, 2048, 4096)}}
 
 
 @contextlib.contextmanager
@@ -452,7 +454,9 @@ def bench_fused_moe(ceil: dict, cfg, num_tokens: int, device: torch.device, dtyp
     weights; bytes count one per weight (plus the scales)."""
     from rayinfer.kernels._triton_utils import use_triton
     from rayinfer.kernels.block_fp8 import block_fp8_dequant_ref, quantize_block_fp8
-    from rayinfer.kernels.fused_moe import dequant_w13, fused_moe, fused_moe_ref, quantize_w13
+    from rayinfer.kernels import fused_moe as fused_moe_module
+    from rayinfer.kernels.fused_moe import (dequant_w13, fused_moe, fused_moe_grouped_mm, fused_moe_ref,
+                                            fused_moe_triton, grouped_mm_applies, quantize_w13)
     from rayinfer.kernels.moe_routing import append_shared_experts
 
     num_routed, top_k, hidden_size, inter, _ = expert_shape(cfg)
@@ -475,8 +479,22 @@ def bench_fused_moe(ceil: dict, cfg, num_tokens: int, device: torch.device, dtyp
         # replayed from a CUDA graph, as a decode step runs it (eager wall time is mostly launches)
         kernel_ms = graph_ms(lambda: fused_moe(x, w13, w2, ids, weights, **scales), device, reps)
         eager_ms = time_ms(lambda: fused_moe(x, w13, w2, ids, weights, **scales), device, reps)
-        err = float((fused_moe(x, w13, w2, ids, weights, **scales).float()
-                     - fused_moe_ref(x, ref13, ref2, ids, weights).float()).abs().max())
+        want = fused_moe_ref(x, ref13, ref2, ids, weights).float()
+        err = float((fused_moe(x, w13, w2, ids, weights, **scales).float() - want).abs().max())
+        # both large-batch paths, whichever fused_moe takes at this size (GROUPED_MM_FROM)
+        paths = {}
+        if use_triton(x, w13, w2, ids, weights):
+            paths["triton_ms"] = graph_ms(lambda: fused_moe_triton(x, w13, w2, ids, weights, **scales), device, reps)
+        saved = fused_moe_module.GROUPED_MM_FROM
+        fused_moe_module.GROUPED_MM_FROM = 1
+        try:
+            grouped = grouped_mm_applies(x, w13, fp8)
+        finally:
+            fused_moe_module.GROUPED_MM_FROM = saved
+        if grouped:
+            paths["grouped_mm_ms"] = graph_ms(lambda: fused_moe_grouped_mm(x, w13, w2, ids, weights), device, reps)
+            paths["grouped_mm_err_vs_ref"] = float(
+                (fused_moe_grouped_mm(x, w13, w2, ids, weights).float() - want).abs().max())
     touched = int(ids.unique().numel())
     weight_bytes = 1 if fp8 else dtype.itemsize
     scale_bytes = 4 * (scales["w13_scale"][0].numel() + scales["w2_scale"][0].numel()) if fp8 else 0
@@ -488,8 +506,11 @@ def bench_fused_moe(ceil: dict, cfg, num_tokens: int, device: torch.device, dtyp
            "hidden": hidden_size, "inter": inter,
            "kernel": "triton" if use_triton(x, w13, w2, ids, weights) else "torch fallback",
            "ref_ms": ref_ms, "kernel_ms": kernel_ms, "kernel_eager_ms": eager_ms, "speedup_vs_ref": ref_ms / kernel_ms,
-           "max_abs_err_vs_ref": err, "experts_read": touched, **_roofline(ceil, num_bytes, flops)}
+           "max_abs_err_vs_ref": err, "experts_read": touched, **paths, **_roofline(ceil, num_bytes, flops)}
     row["pct_of_roofline"] = 100 * row["roofline_ms"] / kernel_ms
+    for path in ("triton", "grouped_mm"):
+        if f"{path}_ms" in row:
+            row[f"pct_of_roofline_{path}"] = 100 * row["roofline_ms"] / row[f"{path}_ms"]
     return row
 
 
@@ -622,7 +643,9 @@ def _run(spec: MoEBenchModel, tiny, dev, dt, batches, contexts, prefill, moe_tok
         print(f"fused_moe {r['weights']:<17} S={num_shared} T={n:<5} ref {r['ref_ms']:9.3f} ms | {r['kernel']} "
               f"{r['kernel_ms']:9.3f} ms | "
               f"x{r['speedup_vs_ref']:.1f} | roofline {r['roofline_ms']:.3f} ms ({r['pct_of_roofline']:.0f}%) | "
-              f"err {r['max_abs_err_vs_ref']:.1e}", flush=True)
+              f"err {r['max_abs_err_vs_ref']:.1e}"
+              + "".join(f" | {p} {r[p + '_ms']:.3f} ms ({r['pct_of_roofline_' + p]:.0f}%)"
+                        for p in ("triton", "grouped_mm") if p + "_ms" in r), flush=True)
     small_ops = []
     for n in moe_tokens:
         small_ops.append(bench_routing_align(config, n, dev, reps))

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from rayinfer.kernels._triton_utils import is_interpreting, pdl_launch, pdl_wait, tl, triton, use_pdl, use_triton
-from rayinfer.kernels.activation import silu_and_mul_ref
+from rayinfer.kernels.activation import silu_and_mul, silu_and_mul_ref
 from rayinfer.kernels.batch_invariant import is_batch_invariant
 from rayinfer.kernels.block_fp8 import FP8_DTYPE, WEIGHT_BLOCK, block_fp8_dequant_ref, quantize_block_fp8
 from rayinfer.kernels.fused_moe_config import MoETileConfig, tile_config
@@ -570,10 +570,11 @@ def _moe_gemm(a, w, c, sorted_pairs, block_experts, weights, a_row_div: int, mul
 @triton.jit
 def _moe_sum_kernel(out_ptr, kept_ptr, dst_ptr, hidden_size, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
                     ADD_TO_DST: tl.constexpr = False, USE_PDL: tl.constexpr = False, ALL_KEPT: tl.constexpr = False,
-                    BLOCK_K: tl.constexpr = 8):
+                    BLOCK_K: tl.constexpr = 8, row_ptr=None, weight_ptr=None, GATHER: tl.constexpr = False):
     # dst[t] = out[t, 0] + out[t, 1] + ... in slot order in float32 (a slot not kept reads as 0), cast to dst;
     # ADD_TO_DST: dst[t] += that sum, rounded to dst's dtype first (a residual add of the layer's output);
-    # ALL_KEPT: every slot's row was written (no kept flags)
+    # ALL_KEPT: every slot's row was written (no kept flags);
+    # GATHER: pair p's output is row row_ptr[p] of out, not yet weighted: the sum is of weight_ptr[p] * that row
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     col_ok = cols < hidden_size
@@ -587,7 +588,12 @@ def _moe_sum_kernel(out_ptr, kept_ptr, dst_ptr, hidden_size, TOP_K: tl.constexpr
         mask = col_ok
         if not ALL_KEPT:
             mask = mask & ((tl.sum(tl.where(slots == slot, flags, 0), 0) + zero) != 0)  # broadcast: a vector mask
-        acc += tl.load(out_ptr + (token * TOP_K + slot) * hidden_size + cols, mask=mask, other=0.0).to(tl.float32)
+        if GATHER:
+            row = tl.load(row_ptr + token * TOP_K + slot).to(tl.int64)
+            w = tl.load(weight_ptr + token * TOP_K + slot).to(tl.float32)
+            acc += w * tl.load(out_ptr + row * hidden_size + cols, mask=mask, other=0.0).to(tl.float32)
+        else:
+            acc += tl.load(out_ptr + (token * TOP_K + slot) * hidden_size + cols, mask=mask, other=0.0).to(tl.float32)
     dst = dst_ptr + token * hidden_size + cols
     if ADD_TO_DST:
         acc = acc.to(dst_ptr.dtype.element_ty).to(tl.float32) + tl.load(dst, mask=col_ok, other=0.0).to(tl.float32)
@@ -722,6 +728,104 @@ def fused_moe_triton(
     return result
 
 
+# ----------------------------------------------------------------------------------------------------
+# Large batches (prefill chunks): the expert-sorted pairs' rows gathered once into a contiguous copy, then
+# both grouped GEMMs from torch's grouped GEMM (``torch.nn.functional.grouped_mm``: CUTLASS's warp-specialized,
+# TMA-fed grouped kernel on Hopper), SiLU-and-mul between them, and the weighted slot sum reading each pair's
+# row through its position in the sorted order. The Triton kernel above stays for small batches (decode), fp8
+# weights, per-slot outputs and batch-invariant mode.
+# ----------------------------------------------------------------------------------------------------
+# Token count from which fused_moe takes the grouped-GEMM path on CUDA (bf16, SM90+); 0 = never.
+GROUPED_MM_FROM = 0
+_GROUPED_MM_BLOCK_M = 16  # the alignment's padding: each expert's rows start 16-row aligned (32-byte offsets)
+
+
+def _grouped_mm_op():
+    """torch's grouped GEMM (``torch.nn.functional.grouped_mm``, ``torch._grouped_mm`` before 2.10), or None."""
+    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def grouped_mm_applies(hidden: torch.Tensor, w13: torch.Tensor, fp8: bool = False) -> bool:
+    """Whether :func:`fused_moe` takes :func:`fused_moe_grouped_mm` for these tensors: ``GROUPED_MM_FROM`` > 0
+    tokens or more, bfloat16 weights and activations on a CUDA device of compute capability 9.0 or newer,
+    outside batch-invariant mode."""
+    return (0 < GROUPED_MM_FROM <= hidden.shape[0] and not fp8 and hidden.is_cuda and not is_batch_invariant()
+            and hidden.dtype == w13.dtype == torch.bfloat16 and _grouped_mm_op() is not None
+            and _capability(hidden.device.index) >= (9, 0))
+
+
+def fused_moe_grouped_mm(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    expert_map: ExpertMap | None = None,
+    expert_load: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`fused_moe_ref`'s result through torch's grouped GEMM (no host sync; for large batches).
+
+    The alignment (:func:`moe_align_triton`, 16-row padding) gives the expert-sorted pairs; their token rows
+    are gathered into one [P, H] copy, whose expert e occupies rows ``offs[e-1] .. offs[e]`` (int32 group
+    ends from the tile experts). ``grouped_mm(rows, w13.mT, offs)`` -> [P, 2I], SiLU-and-mul -> [P, I],
+    ``grouped_mm(act, w2.mT, offs)`` -> [P, H] in hidden's dtype; the slot sum then adds ``w * row`` of each of
+    a token's kept pairs in slot order in float32 (each pair found through its position in the sorted order).
+    Padding rows are computed and never read. Differs from :func:`fused_moe_triton` in where the routing
+    weight is applied (after the down projection's rounding to hidden's dtype, not before it).
+
+    Args: as :func:`fused_moe_triton` (hidden and the weights floating point, not fp8; the Triton kernels
+        run the alignment and the sum, so CPU tensors need the interpreter).
+    Returns:
+        [T, H] in hidden's dtype (``residual``, updated in place, when given).
+    Raises:
+        ValueError: on inconsistent shapes; RuntimeError when torch has no grouped GEMM.
+    """
+    _check_shapes(hidden, w13, w2, topk_ids, topk_weights)
+    op = _grouped_mm_op()
+    if op is None:
+        raise RuntimeError(f"torch {torch.__version__} has no grouped GEMM (torch.nn.functional.grouped_mm)")
+    num_tokens, top_k = topk_ids.shape
+    num_experts, two_inter, hidden_size = w13.shape
+    if residual is not None and (residual.shape != hidden.shape or residual.dtype != hidden.dtype
+                                 or not residual.is_contiguous()):
+        raise ValueError(f"residual {residual.dtype} {tuple(residual.shape)} must be a contiguous tensor like "
+                         f"hidden {hidden.dtype} {tuple(hidden.shape)}")
+    result = torch.empty_like(hidden) if residual is None else residual
+    if num_tokens == 0:
+        return result.zero_() if residual is None else result
+    num_pairs = num_tokens * top_k
+    block_m = _GROUPED_MM_BLOCK_M
+    kept = torch.empty(num_pairs, dtype=torch.int8, device=hidden.device)
+    sorted_pairs, block_experts = moe_align_triton(topk_ids, num_experts, block_m, expert_map, expert_load, kept)
+    size = sorted_pairs.numel()
+    # group ends: block_m x the tiles of experts <= e (tiles past the end have expert -1)
+    tiles = torch.zeros(num_experts, dtype=torch.int32, device=hidden.device)
+    tiles.index_add_(0, block_experts.clamp(min=0), (block_experts >= 0).to(torch.int32))
+    offs = (torch.cumsum(tiles, 0, dtype=torch.int32) * block_m).to(torch.int32)
+    # the sorted rows' tokens (padding rows repeat token 0: computed, never read)
+    rows = torch.where(sorted_pairs < num_pairs, sorted_pairs // top_k, 0)
+    gathered = hidden.index_select(0, rows)
+    # position of each pair in the sorted order (the padding all lands on the spare entry num_pairs)
+    position = torch.empty(num_pairs + 1, dtype=torch.int32, device=hidden.device)
+    position.scatter_(0, sorted_pairs.long(), torch.arange(size, dtype=torch.int32, device=hidden.device))
+    gate_up = op(gathered, w13.transpose(1, 2), offs=offs)
+    act = silu_and_mul(gate_up)
+    del gate_up
+    out = op(act, w2.transpose(1, 2), offs=offs)
+    block_h = min(1024, triton.next_power_of_2(hidden_size))
+    _moe_sum_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
+        out, kept, result, hidden_size, TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_H=block_h,
+        ADD_TO_DST=residual is not None, row_ptr=position, weight_ptr=topk_weights.reshape(-1).contiguous(),
+        GATHER=True, num_warps=4)
+    return result
+
+
 def _triton_applies(hidden, w13, w2, topk_ids, topk_weights, fp8: bool = False) -> bool:
     weight_dtype = FP8_DTYPE if fp8 else hidden.dtype
     return (
@@ -775,6 +879,8 @@ def fused_moe(
     _check_scales(w13, w2, w13_scale, w2_scale)
     fp8 = w13_scale is not None
     if _triton_applies(hidden, w13, w2, topk_ids, topk_weights, fp8) and (residual is None or residual.is_contiguous()):
+        if grouped_mm_applies(hidden, w13, fp8):
+            return fused_moe_grouped_mm(hidden, w13, w2, topk_ids, topk_weights, expert_map, expert_load, residual)
         return fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, expert_map=expert_map,
                                 expert_load=expert_load, w13_scale=w13_scale, w2_scale=w2_scale, residual=residual)
     if fp8:

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from rayinfer.kernels._triton_utils import HAS_TRITON
 from rayinfer.kernels.fused_moe import (
-    ExpertMap, dequant_w13, fused_moe, fused_moe_ref, fused_moe_slots, fused_moe_slots_ref, moe_align,
-    moe_align_ref, moe_align_triton, quantize_w13, sum_slots,
+    ExpertMap, dequant_w13, fused_moe, fused_moe_grouped_mm, fused_moe_ref, fused_moe_slots, fused_moe_slots_ref,
+    grouped_mm_applies, moe_align, moe_align_ref, moe_align_triton, quantize_w13, sum_slots,
 )
 from rayinfer.kernels.block_fp8 import block_fp8_dequant_ref, quantize_block_fp8
 from rayinfer.model.moe import log2phy_table
@@ -167,6 +167,49 @@ def check_kernel(device, cases):
     return worst
 
 
+def check_grouped_mm(device, cases):
+    """The grouped-GEMM path (torch's grouped GEMM between the Triton alignment and slot sum) against the
+    reference: skipped ids, expert-load counting, an ExpertMap with a redundant slot, the residual add, and
+    on CUDA the dispatch from fused_moe once GROUPED_MM_FROM is reached (replayed from a CUDA graph)."""
+    import rayinfer.kernels.fused_moe as fm
+
+    worst = 0.0
+    for i, (t, e, h, inter, k, dtype) in enumerate(cases):
+        x, w13, w2, ids, w = make_case(t, e, h, inter, k, dtype, device, seed=10 + i, skip_every=5)
+        tol = TOL[dtype]
+        load = torch.zeros(e, dtype=torch.int64, device=device)
+        got = fused_moe_grouped_mm(x, w13, w2, ids, w, expert_load=load)
+        want = fused_moe_ref(x, w13, w2, ids, w)
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol, msg=lambda m: f"case {i}: {m}")
+        valid = ids[ids >= 0]
+        assert torch.equal(load, torch.bincount(valid.reshape(-1), minlength=e)), f"case {i}: expert load"
+        worst = max(worst, (got.float() - want.float()).abs().max().item())
+        residual = torch.randn_like(x)
+        expected = residual + got
+        assert fused_moe_grouped_mm(x, w13, w2, ids, w, residual=residual) is residual
+        torch.testing.assert_close(residual, expected, atol=tol, rtol=tol, msg=lambda m: f"case {i} residual: {m}")
+        # logical expert 0 also has a replica in slot e: tokens alternate between the two (same weights)
+        phy2log = torch.cat([torch.arange(e), torch.zeros(1, dtype=torch.long)])
+        log2phy, replica_counts = log2phy_table(phy2log, e)
+        emap = ExpertMap(log2phy.to(device), replica_counts.to(device), first_local=0, num_local=e + 1)
+        mapped = fused_moe_grouped_mm(x, w13[phy2log.to(device)], w2[phy2log.to(device)], ids, w, emap)
+        torch.testing.assert_close(mapped.float(), want.float(), atol=tol, rtol=tol, msg=lambda m: f"case {i} map: {m}")
+        if device == "cuda":
+            saved = fm.GROUPED_MM_FROM
+            fm.GROUPED_MM_FROM = t
+            try:
+                assert grouped_mm_applies(x, w13) == (dtype == torch.bfloat16)
+                fused_moe(x, w13, w2, ids, w)  # compiles outside the capture
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    replayed = fused_moe(x, w13, w2, ids, w)
+                graph.replay()
+                torch.testing.assert_close(replayed, fused_moe(x, w13, w2, ids, w), atol=0, rtol=0)
+            finally:
+                fm.GROUPED_MM_FROM = saved
+    return worst
+
+
 def check_one_token_direct(x, w13, w2, ids, w, got):
     """A one-token call skips the alignment (its tiles read the experts from topk_ids and count the load):
     the same bits as through the alignment, and the same expert load (skipped ids not counted)."""
@@ -241,6 +284,13 @@ def test_fp8_kernel_matches_ref():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_grouped_mm_path_matches_ref():
+    b16 = torch.bfloat16
+    print(f"fused_moe grouped_mm: max abs err {check_grouped_mm('cuda', [(2048, 66, 2048, 1408, 8, b16), (4096, 128, 2048, 768, 8, b16), (300, 8, 256, 96, 2, torch.float32)]):.2e}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_align_kernel_matches_ref_on_gpu():
     check_align_kernel("cuda", ALIGN_CASES + [(129, 8, 33, 32), (4096, 8, 256, 64), (8192, 6, 64, 64),
                                               (1, 8, 288, 16), (10, 6, 64, 16)])
@@ -302,5 +352,6 @@ if __name__ == "__main__":
         check_kernel("cpu", [(5, 4, 32, 16, 2, f32), (1, 8, 48, 24, 3, f32), (40, 6, 40, 20, 2, f32)])
         check_align_kernel("cpu", ALIGN_CASES)
         check_fp8_kernel("cpu", [(5, 4, 160, 72, 2, f32), (3, 6, 144, 136, 3, f32)])
+        check_grouped_mm("cpu", [(40, 6, 40, 24, 3, f32), (1, 8, 48, 32, 3, f32), (17, 4, 64, 32, 2, torch.bfloat16)])
     else:
         sys.exit(pytest.main([__file__, "-m", "gpu", "-q", *sys.argv[1:]]))
