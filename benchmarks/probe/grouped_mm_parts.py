@@ -39,6 +39,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--m", default="2048,4096,8192")
+    p.add_argument("--git-rev", default=None)
     args = p.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
     a = torch.randn(8192, 8192, device=dev, dtype=dt)
@@ -94,7 +95,8 @@ def main():
             r["pct_dense_gemms"] = 100 * r["ideal_us"] / (r["dense_gemm1_us"] + r["dense_gemm2_us"])
             rows.append(r)
             print({kk: (round(v, 1) if isinstance(v, float) else v) for kk, v in r.items()}, flush=True)
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    rev = args.git_rev or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                         text=True).stdout.strip()
     out = {"command": "PYTHONPATH=. python benchmarks/probe/grouped_mm_parts.py --out " + args.out,
            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "git_rev": rev or None,
            "matmul_TFLOPs": rate, "rows": rows}
