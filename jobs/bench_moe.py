@@ -279,7 +279,7 @@ AB_VARIANTS = {"default": {}, "no-pdl": {"RAYINFER_PDL": "0"}, "no-one-row": {"R
                **{f"mla-swap-{n}": {"@rayinfer.kernels.mla_attention.FEW_TOKEN_SWAP_FROM": str(n)}
                   for n in (1024, 2048, 3072, 4096, 8192)},
                **{f"grouped-mm-{n}": {"@rayinfer.kernels.fused_moe.GROUPED_MM_FROM": str(n)}
-                  for n in (0, 256, 512, 1024, 2048, 4096)}}
+                  for n in (0, 1024, 2048, 4096, 6144, 8192)}}
 
 
 @contextlib.contextmanager
@@ -486,7 +486,7 @@ def bench_fused_moe(ceil: dict, cfg, num_tokens: int, device: torch.device, dtyp
         if use_triton(x, w13, w2, ids, weights):
             paths["triton_ms"] = graph_ms(lambda: fused_moe_triton(x, w13, w2, ids, weights, **scales), device, reps)
         saved = fused_moe_module.GROUPED_MM_FROM
-        fused_moe_module.GROUPED_MM_FROM = 1
+        fused_moe_module.GROUPED_MM_FROM = 1  # whether it runs here at all
         try:
             grouped = grouped_mm_applies(x, w13, fp8)
         finally:

@@ -19,6 +19,9 @@ Variables:
         Triton kernels of ``kernels.ep_dispatch`` (A/B runs).
     RAYINFER_MLA_BACKEND: "triton" (default) or "tilelang": the kernel of MLA's absorbed decode attention
         on the GPU (``kernels.mla_attention.mla_decode``); "tilelang" needs the tilelang package.
+    RAYINFER_MOE_GROUPED_MM_FROM: token count from which the fused MoE layer runs on torch's grouped GEMM
+        (``kernels.fused_moe.fused_moe_grouped_mm``); "0" never; unset: the device table's value for the
+        layer's shape (``kernels.fused_moe_config.grouped_mm_from``). For A/B runs.
 """
 
 from __future__ import annotations
@@ -95,3 +98,17 @@ def mla_backend() -> str:
     if value not in ("triton", "tilelang"):
         raise ValueError(f"RAYINFER_MLA_BACKEND must be 'triton' or 'tilelang', got {value!r}")
     return value
+
+
+def moe_grouped_mm_from() -> int:
+    """RAYINFER_MOE_GROUPED_MM_FROM as an int >= 0, or -1 when unset or empty (the device table decides).
+
+    Raises:
+        ValueError: for a value that is not a non-negative integer.
+    """
+    value = (os.environ.get("RAYINFER_MOE_GROUPED_MM_FROM") or "").strip()
+    if not value:
+        return -1
+    if not value.isdigit():
+        raise ValueError(f"RAYINFER_MOE_GROUPED_MM_FROM must be a non-negative integer, got {value!r}")
+    return int(value)

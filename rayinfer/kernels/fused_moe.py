@@ -14,11 +14,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from rayinfer import envs
 from rayinfer.kernels._triton_utils import is_interpreting, pdl_launch, pdl_wait, tl, triton, use_pdl, use_triton
 from rayinfer.kernels.activation import silu_and_mul, silu_and_mul_ref
 from rayinfer.kernels.batch_invariant import is_batch_invariant
 from rayinfer.kernels.block_fp8 import FP8_DTYPE, WEIGHT_BLOCK, block_fp8_dequant_ref, quantize_block_fp8
-from rayinfer.kernels.fused_moe_config import MoETileConfig, tile_config
+from rayinfer.kernels.fused_moe_config import MoETileConfig, grouped_mm_from, tile_config
 
 
 def _check_shapes(hidden, w13, w2, topk_ids, topk_weights) -> None:
@@ -735,8 +736,11 @@ def fused_moe_triton(
 # row through its position in the sorted order. The Triton kernel above stays for small batches (decode), fp8
 # weights, per-slot outputs and batch-invariant mode.
 # ----------------------------------------------------------------------------------------------------
-# Token count from which fused_moe takes the grouped-GEMM path on CUDA (bf16, SM90+); 0 = never.
-GROUPED_MM_FROM = 0
+# Token count from which fused_moe takes the grouped-GEMM path on CUDA (bf16, SM90+): -1 = the device
+# table's ``grouped_mm_from`` for the layer's shape (kernels.fused_moe_config; never where it has none),
+# 0 = never, N > 0 = from N tokens whatever the table says (RAYINFER_MOE_GROUPED_MM_FROM; an A/B switch of
+# jobs/bench_moe.py).
+GROUPED_MM_FROM = envs.moe_grouped_mm_from()
 _GROUPED_MM_BLOCK_M = 16  # the alignment's padding: each expert's rows start 16-row aligned (32-byte offsets)
 
 
@@ -751,12 +755,21 @@ def _capability(index: int | None) -> tuple[int, int]:
 
 
 def grouped_mm_applies(hidden: torch.Tensor, w13: torch.Tensor, fp8: bool = False) -> bool:
-    """Whether :func:`fused_moe` takes :func:`fused_moe_grouped_mm` for these tensors: ``GROUPED_MM_FROM`` > 0
-    tokens or more, bfloat16 weights and activations on a CUDA device of compute capability 9.0 or newer,
-    outside batch-invariant mode."""
-    return (0 < GROUPED_MM_FROM <= hidden.shape[0] and not fp8 and hidden.is_cuda and not is_batch_invariant()
-            and hidden.dtype == w13.dtype == torch.bfloat16 and _grouped_mm_op() is not None
-            and _capability(hidden.device.index) >= (9, 0))
+    """Whether :func:`fused_moe` takes :func:`fused_moe_grouped_mm` for these tensors: bfloat16 weights and
+    activations on a CUDA device of compute capability 9.0 or newer, outside batch-invariant mode, with at
+    least the tokens the device's table gives for the shape (``fused_moe_config.grouped_mm_from``, or
+    ``GROUPED_MM_FROM`` when set).
+
+    Raises: ValueError if the device's table file is malformed."""
+    if (GROUPED_MM_FROM == 0 or fp8 or not hidden.is_cuda or is_batch_invariant()
+            or not hidden.dtype == w13.dtype == torch.bfloat16 or _grouped_mm_op() is None
+            or _capability(hidden.device.index) < (9, 0)):
+        return False
+    start = GROUPED_MM_FROM
+    if start < 0:
+        start = grouped_mm_from(_device_name(hidden.device.index), w13.shape[0], w13.shape[1], w13.shape[2],
+                                "bfloat16")
+    return start is not None and hidden.shape[0] >= start
 
 
 def fused_moe_grouped_mm(

@@ -12,6 +12,11 @@ count M the entry was tuned for; a call with M tokens takes the entry of the nea
 vLLM's per-device fused-MoE configs). One entry serves both GEMMs of the layer (the alignment's
 ``BLOCK_M`` must be common to both). ``jobs/tune_moe.py`` writes the tables. With no file for the
 device, no entry for the shape, or in batch-invariant mode, :func:`default_tile_config` applies.
+
+An optional ``"grouped_mm_from": {"E=64,N=2816,K=2048,dtype=bfloat16": 8192, ...}`` gives, per shape, the
+token count from which the layer runs on torch's grouped GEMM instead of the Triton kernel
+(``kernels.fused_moe.fused_moe_grouped_mm``; measured per device, :func:`grouped_mm_from`); a shape not
+listed always takes the Triton kernel.
 """
 
 from __future__ import annotations
@@ -131,3 +136,27 @@ def tile_config(device_name: str | None, num_experts: int, n: int, k: int, dtype
         if found is not None:
             return found
     return default_tile_config(num_tokens, top_k, batch_invariant)
+
+
+@functools.lru_cache(maxsize=None)
+def load_grouped_mm_from(device_name: str, config_dir: Path | None = None) -> dict[str, int]:
+    """The device table's ``grouped_mm_from`` object ({} without a file or the key).
+
+    Raises: ValueError when it is not an object of positive integer token counts."""
+    path = table_path(device_name, config_dir)
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text()).get("grouped_mm_from", {})
+    if not isinstance(data, dict) or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0
+                                             for v in data.values()):
+        raise ValueError(f"{path}: 'grouped_mm_from' must map shape keys to positive token counts, not {data!r}")
+    return data
+
+
+def grouped_mm_from(device_name: str | None, num_experts: int, n: int, k: int, dtype: str) -> int | None:
+    """Token count from which a layer of this shape takes the grouped-GEMM path on this device, or None
+    (never; also for CPU, ``device_name`` None). Args as :func:`tile_config`.
+    Raises: ValueError if the device's table file is malformed."""
+    if device_name is None:
+        return None
+    return load_grouped_mm_from(device_name).get(shape_key(num_experts, n, k, dtype))

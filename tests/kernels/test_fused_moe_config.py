@@ -68,6 +68,47 @@ def test_shipped_tables_parse():
         data = json.loads(path.read_text())
         assert fmc.table_path(data["device"]) == path, f"{path.name} is not named after its device"
         assert fmc.parse_table(data), f"{path.name} has no entries"
+        fmc.load_grouped_mm_from(data["device"])  # raises on a malformed grouped_mm_from
+
+
+def test_grouped_mm_from_per_shape(tmp_path, monkeypatch):
+    """The table's grouped_mm_from gives, per shape, where the grouped-GEMM path starts; no entry, another
+    dtype, no device (CPU) or no file: never. The environment variable overrides it; on CPU tensors the
+    path never applies."""
+    import torch
+
+    from rayinfer import envs
+    from rayinfer.kernels import fused_moe as fm
+
+    device = "NVIDIA Test GPU-80GB"
+    path = write_table(tmp_path, device)
+    data = json.loads(path.read_text())
+    data["grouped_mm_from"] = {SHAPE: 4096}
+    path.write_text(json.dumps(data))
+    monkeypatch.setattr(fmc, "CONFIG_DIR", tmp_path)
+    fmc.load_grouped_mm_from.cache_clear()
+    try:
+        assert fmc.grouped_mm_from(device, 64, 2816, 2048, "bfloat16") == 4096
+        assert fmc.grouped_mm_from(device, 64, 2816, 2048, "float8_e4m3fn") is None
+        assert fmc.grouped_mm_from(device, 128, 1536, 2048, "bfloat16") is None
+        assert fmc.grouped_mm_from(None, 64, 2816, 2048, "bfloat16") is None
+        assert fmc.grouped_mm_from("no such device", 64, 2816, 2048, "bfloat16") is None
+        data["grouped_mm_from"] = {SHAPE: 0}
+        fmc.table_path("Bad GPU", tmp_path).write_text(json.dumps(data))
+        with pytest.raises(ValueError, match="positive token counts"):
+            fmc.grouped_mm_from("Bad GPU", 64, 2816, 2048, "bfloat16")
+    finally:
+        fmc.load_grouped_mm_from.cache_clear()
+    monkeypatch.setenv("RAYINFER_MOE_GROUPED_MM_FROM", "2048")
+    assert envs.moe_grouped_mm_from() == 2048
+    monkeypatch.setenv("RAYINFER_MOE_GROUPED_MM_FROM", "")
+    assert envs.moe_grouped_mm_from() == -1
+    monkeypatch.setenv("RAYINFER_MOE_GROUPED_MM_FROM", "-3")
+    with pytest.raises(ValueError, match="RAYINFER_MOE_GROUPED_MM_FROM"):
+        envs.moe_grouped_mm_from()
+    monkeypatch.setattr(fm, "GROUPED_MM_FROM", 1)
+    x = torch.zeros(8, 16, dtype=torch.bfloat16)
+    assert not fm.grouped_mm_applies(x, torch.zeros(4, 32, 16, dtype=torch.bfloat16))
 
 
 def test_tuner_candidates_and_table_merge(tmp_path):
