@@ -83,8 +83,11 @@ def run_metadata(device: torch.device, git_rev: str | None = None) -> dict[str, 
 
     rev, dirty = (git_rev, None) if git_rev else git_revision()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
+    # the command with the RAYINFER_* settings it ran under (A/B switches live in the environment)
+    settings = [f"{k}={v}" for k, v in sorted(os.environ.items())
+                if k.startswith("RAYINFER_") and k != "RAYINFER_CACHE_DIR"]
     return {
-        "command": " ".join(["python", *sys.argv]),
+        "command": " ".join([*settings, "python", *sys.argv]),
         "device": name,
         "device_type": device.type,
         "num_cpus": os.cpu_count(),
