@@ -454,7 +454,6 @@ def bench_fused_moe(ceil: dict, cfg, num_tokens: int, device: torch.device, dtyp
     weights; bytes count one per weight (plus the scales)."""
     from rayinfer.kernels._triton_utils import use_triton
     from rayinfer.kernels.block_fp8 import block_fp8_dequant_ref, quantize_block_fp8
-    from rayinfer.kernels import fused_moe as fused_moe_module
     from rayinfer.kernels.fused_moe import (dequant_w13, fused_moe, fused_moe_grouped_mm, fused_moe_ref,
                                             fused_moe_triton, grouped_mm_applies, quantize_w13)
     from rayinfer.kernels.moe_routing import append_shared_experts
@@ -485,13 +484,7 @@ def bench_fused_moe(ceil: dict, cfg, num_tokens: int, device: torch.device, dtyp
         paths = {}
         if use_triton(x, w13, w2, ids, weights):
             paths["triton_ms"] = graph_ms(lambda: fused_moe_triton(x, w13, w2, ids, weights, **scales), device, reps)
-        saved = fused_moe_module.GROUPED_MM_FROM
-        fused_moe_module.GROUPED_MM_FROM = 1  # whether it runs here at all
-        try:
-            grouped = grouped_mm_applies(x, w13, fp8)
-        finally:
-            fused_moe_module.GROUPED_MM_FROM = saved
-        if grouped:
+        if grouped_mm_applies(x, w13, fp8, force=True):  # whether it runs here at all
             paths["grouped_mm_ms"] = graph_ms(lambda: fused_moe_grouped_mm(x, w13, w2, ids, weights), device, reps)
             paths["grouped_mm_err_vs_ref"] = float(
                 (fused_moe_grouped_mm(x, w13, w2, ids, weights).float() - want).abs().max())

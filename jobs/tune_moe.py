@@ -15,6 +15,13 @@ from 16 up to about twice the mean pairs per expert (at most 128), BLOCK_N and B
 4 or 8 warps, 3 or 4 stages (``--wide`` adds BLOCK_N 32 / BLOCK_K 32 / 2 stages). The default run (one
 shape, 13 M values) takes about 3 minutes on an H200, most of it compiling; ``--budget-s`` stops early
 (the table keeps what was tuned; lookups take the nearest tuned M). See ``kernels.fused_moe_config``.
+
+Where torch's grouped GEMM runs (bf16 on compute capability 9.0+), each M >= 1024 is also timed on
+``fused_moe_grouped_mm``, and the table's ``grouped_mm_from`` for the shape becomes the smallest tuned M
+from which that path beats the tuned Triton kernel by ``--grouped-margin`` (default 8%) at every larger
+tuned M (the key is dropped when it never does). Kernel time under a graph favours the grouped path a
+little against the model's eager prefill (``jobs/bench_moe.py --ab grouped-mm-0,grouped-mm-N`` checks a
+threshold in the model: on the H200, V2-Lite's layer won 6% at 2048 tokens here but lost there).
 """
 
 from __future__ import annotations
@@ -77,7 +84,8 @@ def tune_shape(shape: tuple[int, int, int, int, int], m_values: list[int], dtype
     from triton.testing import do_bench_cudagraph
 
     from rayinfer.kernels.block_fp8 import block_fp8_dequant_ref, quantize_block_fp8
-    from rayinfer.kernels.fused_moe import dequant_w13, fused_moe_ref, fused_moe_triton, quantize_w13
+    from rayinfer.kernels.fused_moe import (dequant_w13, fused_moe_grouped_mm, fused_moe_ref, fused_moe_triton,
+                                            grouped_mm_applies, quantize_w13)
     from rayinfer.kernels.fused_moe_config import default_tile_config
 
     num_routed, inter, hidden_size, top_k, num_shared = shape
@@ -124,16 +132,41 @@ def tune_shape(shape: tuple[int, int, int, int, int], m_values: list[int], dtype
         if err > 3e-2 * max(1.0, float(want.abs().max())):
             raise RuntimeError(f"M={m}: tuned config {best.to_json()} is wrong (max abs err {err:.3g})")
         results[m] = {"config": best.to_json(), "us": best_us, "default_us": default_us}
+        grouped = ""
+        if m >= GROUPED_MM_MIN_M and not fp8 and grouped_mm_applies(x, w13, force=True):
+            fn = lambda: fused_moe_grouped_mm(x, w13, w2, ids, weights)  # noqa: E731
+            fn()
+            results[m]["grouped_mm_us"] = 1e3 * float(do_bench_cudagraph(fn, rep=10))  # type: ignore[arg-type]
+            grouped = f" | grouped GEMM {results[m]['grouped_mm_us']:8.1f} us"
         log(f"  M={m:<5} best {best_us:8.1f} us {best.to_json()} | default {default_us:8.1f} us "
-            f"(x{default_us / best_us:.2f})")
+            f"(x{default_us / best_us:.2f}){grouped}")
     return results
 
 
-def merge_table(path: Path, device: str, dtype: str, tuned: dict[tuple[int, int, int, int, int], dict[int, dict]]
-                ) -> dict:
+GROUPED_MM_MIN_M = 1024  # below this the grouped-GEMM path is not timed (decode-sized calls stay on Triton)
+
+
+def grouped_mm_start(results: dict[int, dict], margin: float = 0.08) -> int | None | bool:
+    """From :func:`tune_shape`'s results: the smallest timed M from which ``grouped_mm_us`` beats the tuned
+    Triton time ``us`` by ``margin`` (a fraction) at that M and every larger timed M; None when the largest
+    timed M does not; False when no M was timed on the grouped path (the table is left as it was)."""
+    timed = sorted(m for m, r in results.items() if "grouped_mm_us" in r)
+    if not timed:
+        return False
+    start = None
+    for m in reversed(timed):
+        if results[m]["grouped_mm_us"] * (1 + margin) > results[m]["us"]:
+            break
+        start = m
+    return start
+
+
+def merge_table(path: Path, device: str, dtype: str, tuned: dict[tuple[int, int, int, int, int], dict[int, dict]],
+                grouped_margin: float = 0.08) -> dict:
     """Add the tuned entries to the table at ``path`` and return the table: a tuned (shape, M) replaces its
     entry; other shapes, and a shape's token counts that were not tuned this time, are kept (a run of
-    ``--m 1,2,4`` leaves the shape's other M as they were)."""
+    ``--m 1,2,4`` leaves the shape's other M as they were). A shape timed on the grouped-GEMM path gets its
+    ``grouped_mm_from`` (:func:`grouped_mm_start`), or loses it when that path never won."""
     from rayinfer.kernels.fused_moe_config import parse_table, shape_key
 
     table = json.loads(path.read_text()) if path.is_file() else {"device": device, "entries": {}}
@@ -143,6 +176,13 @@ def merge_table(path: Path, device: str, dtype: str, tuned: dict[tuple[int, int,
         key = shape_key(e + shared, 2 * i, h, dtype)
         merged = {**table["entries"].get(key, {}), **{str(m): r["config"] for m, r in by_m.items()}}
         table["entries"][key] = dict(sorted(merged.items(), key=lambda kv: int(kv[0])))
+        start = grouped_mm_start(by_m, grouped_margin)
+        if start is not False:
+            starts = table.setdefault("grouped_mm_from", {})
+            if start is None:
+                starts.pop(key, None)
+            else:
+                starts[key] = start
     parse_table(table)  # validates what is written
     return table
 
@@ -158,6 +198,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--budget-s", type=float, default=220.0, help="stop tuning after this many seconds")
     parser.add_argument("--wide", action="store_true", help="a wider candidate set (slower)")
     parser.add_argument("--out", default=None, help="table path (default: rayinfer/kernels/configs/<device>.json)")
+    parser.add_argument("--grouped-margin", type=float, default=0.08,
+                        help="how much faster (a fraction) the grouped-GEMM path must be to start at an M")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("tune_moe needs a CUDA device")
@@ -178,7 +220,7 @@ def main(argv: list[str] | None = None) -> dict:
                                       log=lambda s: print(s, flush=True), fp8=args.fp8)
             report[name] = {str(m): r for m, r in tuned[shape].items()}
     out = Path(args.out) if args.out else table_path(device)
-    table = merge_table(out, device, "float8_e4m3fn" if args.fp8 else args.dtype, tuned)
+    table = merge_table(out, device, "float8_e4m3fn" if args.fp8 else args.dtype, tuned, args.grouped_margin)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(table, indent=1) + "\n")
     print(f"wrote {out} ({time.time() - started:.0f} s)")

@@ -754,17 +754,19 @@ def _capability(index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def grouped_mm_applies(hidden: torch.Tensor, w13: torch.Tensor, fp8: bool = False) -> bool:
+def grouped_mm_applies(hidden: torch.Tensor, w13: torch.Tensor, fp8: bool = False, force: bool = False) -> bool:
     """Whether :func:`fused_moe` takes :func:`fused_moe_grouped_mm` for these tensors: bfloat16 weights and
     activations on a CUDA device of compute capability 9.0 or newer, outside batch-invariant mode, with at
     least the tokens the device's table gives for the shape (``fused_moe_config.grouped_mm_from``, or
-    ``GROUPED_MM_FROM`` when set).
+    ``GROUPED_MM_FROM`` when set). force: whether the path can run here at all, whatever the token count.
 
     Raises: ValueError if the device's table file is malformed."""
-    if (GROUPED_MM_FROM == 0 or fp8 or not hidden.is_cuda or is_batch_invariant()
+    if ((GROUPED_MM_FROM == 0 and not force) or fp8 or not hidden.is_cuda or is_batch_invariant()
             or not hidden.dtype == w13.dtype == torch.bfloat16 or _grouped_mm_op() is None
             or _capability(hidden.device.index) < (9, 0)):
         return False
+    if force:
+        return True
     start = GROUPED_MM_FROM
     if start < 0:
         start = grouped_mm_from(_device_name(hidden.device.index), w13.shape[0], w13.shape[1], w13.shape[2],

@@ -137,3 +137,30 @@ def test_tuner_candidates_and_table_merge(tmp_path):
                                  {(8, 16, 32, 2, 0): {1: {"config": dict(ENTRY, BLOCK_N=32)}}})
     entry = fmc.parse_table(again)["E=8,N=32,K=32,dtype=float16"]
     assert sorted(entry) == [1, 64] and entry[1].block_n == 32 and entry[64].block_m == 64
+
+
+def test_tuner_sets_where_the_grouped_gemm_starts(tmp_path):
+    """grouped_mm_from: the smallest timed M from which the grouped path wins by the margin at every larger
+    timed M; dropped when it never wins; left alone when the run timed no M on it."""
+    from rayinfer.jobs import tune_moe
+
+    def res(triton_us, grouped_us=None):
+        r = {"config": ENTRY, "us": triton_us}
+        return r if grouped_us is None else dict(r, grouped_mm_us=grouped_us)
+
+    start = tune_moe.grouped_mm_start
+    assert start({1: res(5.0), 1024: res(100, 95), 2048: res(200, 150), 4096: res(400, 300)}) == 2048
+    assert start({1024: res(100, 80), 2048: res(200, 199), 4096: res(400, 300)}) == 4096  # 2048 within the margin
+    assert start({1024: res(100, 80), 2048: res(200, 250), 4096: res(400, 300)}) == 4096  # not below a loss
+    assert start({1024: res(100, 80), 4096: res(400, 450)}) is None  # the largest M loses
+    assert start({1: res(5.0), 64: res(9.0)}) is False
+    path = write_table(tmp_path)
+    shape = (8, 16, 32, 2, 0)
+    key = "E=8,N=32,K=32,dtype=bfloat16"
+    table = tune_moe.merge_table(path, "NVIDIA Test GPU-80GB", "bfloat16", {shape: {2048: res(200, 150)}})
+    assert table["grouped_mm_from"] == {key: 2048}
+    path.write_text(json.dumps(table))
+    kept = tune_moe.merge_table(path, "NVIDIA Test GPU-80GB", "bfloat16", {shape: {16: res(5.0)}})
+    assert kept["grouped_mm_from"] == {key: 2048}
+    dropped = tune_moe.merge_table(path, "NVIDIA Test GPU-80GB", "bfloat16", {shape: {2048: res(200, 220)}})
+    assert dropped["grouped_mm_from"] == {}
