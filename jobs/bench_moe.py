@@ -39,7 +39,9 @@ runs decode steps (``--no-graphs`` skips them). Decode rows run every ``--contex
 ``--batches``. The fused MoE rows time the routed-expert kernel alone at the model's expert shape
 (alignment, the gate/up GEMM with SiLU-and-mul fused, the down GEMM, top-k sum), replayed from a CUDA
 graph (``kernel_ms``; ``kernel_eager_ms`` eager) for M = 1 ... 4096 tokens against its
-roofline (the experts it reads, or its FLOPs) and its torch reference; the routing_align rows time the
+roofline (the experts it reads, or its FLOPs) and its torch reference, with the Triton kernel's and (bf16 on
+Hopper) torch's grouped-GEMM path's times beside it (``triton_ms``, ``grouped_mm_ms``; ``kernel_ms`` is
+whichever ``fused_moe`` takes at that M); the routing_align rows time the
 router (DeepSeek's grouped top-k, Qwen3's softmax top-k) and the alignment (with load counting) kernels
 against their torch references, each replayed from a CUDA graph.
 
