@@ -287,6 +287,12 @@ def test_fp8_kernel_matches_ref():
 def test_grouped_mm_path_matches_ref():
     b16 = torch.bfloat16
     print(f"fused_moe grouped_mm: max abs err {check_grouped_mm('cuda', [(2048, 66, 2048, 1408, 8, b16), (4096, 128, 2048, 768, 8, b16), (300, 8, 256, 96, 2, torch.float32)]):.2e}")
+    # skewed routing: 4096 tokens over 10 of 66 experts (56 empty groups), a third of the pairs on another rank
+    x, w13, w2, _, w = make_case(4096, 66, 2048, 1408, 8, b16, "cuda", seed=3)
+    ids = torch.rand(4096, 10, device="cuda").topk(8, dim=-1)[1] * 3
+    ids[torch.rand(ids.shape, device="cuda") < 0.33] = -1
+    got, want = fused_moe_grouped_mm(x, w13, w2, ids, w), fused_moe_ref(x, w13, w2, ids, w)
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[b16], rtol=TOL[b16])
 
 
 @pytest.mark.gpu
