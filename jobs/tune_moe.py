@@ -16,7 +16,7 @@ from 16 up to about twice the mean pairs per expert (at most 128), BLOCK_N and B
 shape, 13 M values) takes about 3 minutes on an H200, most of it compiling; ``--budget-s`` stops early
 (the table keeps what was tuned; lookups take the nearest tuned M). See ``kernels.fused_moe_config``.
 
-Where torch's grouped GEMM runs (bf16 on compute capability 9.0+), each M >= 1024 is also timed on
+Where torch's grouped GEMM runs (bf16 on compute capability 9.x / 10.x), each M >= 1024 is also timed on
 ``fused_moe_grouped_mm``, and the table's ``grouped_mm_from`` for the shape becomes the smallest tuned M
 from which that path beats the tuned Triton kernel by ``--grouped-margin`` (default 8%) at every larger
 tuned M (the key is dropped when it never does). Kernel time under a graph favours the grouped path a

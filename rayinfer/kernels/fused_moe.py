@@ -736,7 +736,7 @@ def fused_moe_triton(
 # row through its position in the sorted order. The Triton kernel above stays for small batches (decode), fp8
 # weights, per-slot outputs and batch-invariant mode.
 # ----------------------------------------------------------------------------------------------------
-# Token count from which fused_moe takes the grouped-GEMM path on CUDA (bf16, SM90+): -1 = the device
+# Token count from which fused_moe takes the grouped-GEMM path on CUDA (bf16, SM90 or SM100): -1 = the device
 # table's ``grouped_mm_from`` for the layer's shape (kernels.fused_moe_config; never where it has none),
 # 0 = never, N > 0 = from N tokens whatever the table says (RAYINFER_MOE_GROUPED_MM_FROM; an A/B switch of
 # jobs/bench_moe.py).
@@ -756,14 +756,15 @@ def _capability(index: int | None) -> tuple[int, int]:
 
 def grouped_mm_applies(hidden: torch.Tensor, w13: torch.Tensor, fp8: bool = False, force: bool = False) -> bool:
     """Whether :func:`fused_moe` takes :func:`fused_moe_grouped_mm` for these tensors: bfloat16 weights and
-    activations on a CUDA device of compute capability 9.0 or newer, outside batch-invariant mode, with at
-    least the tokens the device's table gives for the shape (``fused_moe_config.grouped_mm_from``, or
-    ``GROUPED_MM_FROM`` when set). force: whether the path can run here at all, whatever the token count.
+    activations on a CUDA device of compute capability 9.x or 10.x (where torch runs its CUTLASS kernel; on
+    others its fallback reads the group ends on the host, which CUDA graphs forbid), outside batch-invariant
+    mode, with at least the tokens the device's table gives for the shape (``fused_moe_config.grouped_mm_from``,
+    or ``GROUPED_MM_FROM`` when set). force: whether the path can run here at all, whatever the token count.
 
     Raises: ValueError if the device's table file is malformed."""
     if ((GROUPED_MM_FROM == 0 and not force) or fp8 or not hidden.is_cuda or is_batch_invariant()
             or not hidden.dtype == w13.dtype == torch.bfloat16 or _grouped_mm_op() is None
-            or _capability(hidden.device.index) < (9, 0)):
+            or _capability(hidden.device.index)[0] not in (9, 10)):
         return False
     if force:
         return True
