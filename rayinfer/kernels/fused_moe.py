@@ -757,14 +757,15 @@ def _capability(index: int | None) -> tuple[int, int]:
 def grouped_mm_applies(hidden: torch.Tensor, w13: torch.Tensor, fp8: bool = False, force: bool = False) -> bool:
     """Whether :func:`fused_moe` takes :func:`fused_moe_grouped_mm` for these tensors: bfloat16 weights and
     activations on a CUDA device of compute capability 9.x or 10.x (where torch runs its CUTLASS kernel; on
-    others its fallback reads the group ends on the host, which CUDA graphs forbid), outside batch-invariant
-    mode, with at least the tokens the device's table gives for the shape (``fused_moe_config.grouped_mm_from``,
+    others its fallback reads the group ends on the host, which CUDA graphs forbid), hidden and intermediate
+    sizes multiples of 8, outside batch-invariant mode, with at least the tokens the device's table gives for the shape (``fused_moe_config.grouped_mm_from``,
     or ``GROUPED_MM_FROM`` when set). force: whether the path can run here at all, whatever the token count.
 
     Raises: ValueError if the device's table file is malformed."""
     if ((GROUPED_MM_FROM == 0 and not force) or fp8 or not hidden.is_cuda or is_batch_invariant()
             or not hidden.dtype == w13.dtype == torch.bfloat16 or _grouped_mm_op() is None
-            or _capability(hidden.device.index)[0] not in (9, 10)):
+            or _capability(hidden.device.index)[0] not in (9, 10)
+            or w13.shape[1] % 16 or w13.shape[2] % 8):  # rows of 16-byte multiples (its TMA loads)
         return False
     if force:
         return True
