@@ -482,12 +482,16 @@ def bench_fused_moe(ceil: dict, cfg, num_tokens: int, device: torch.device, dtyp
         eager_ms = time_ms(lambda: fused_moe(x, w13, w2, ids, weights, **scales), device, reps)
         want = fused_moe_ref(x, ref13, ref2, ids, weights).float()
         err = float((fused_moe(x, w13, w2, ids, weights, **scales).float() - want).abs().max())
-        # both large-batch paths, whichever fused_moe takes at this size (GROUPED_MM_FROM)
+        # both large-batch paths: kernel_ms is the one fused_moe takes at this size (GROUPED_MM_FROM), the
+        # other is timed here
         paths = {}
+        grouped = grouped_mm_applies(x, w13, fp8)
         if use_triton(x, w13, w2, ids, weights):
-            paths["triton_ms"] = graph_ms(lambda: fused_moe_triton(x, w13, w2, ids, weights, **scales), device, reps)
+            paths["triton_ms"] = kernel_ms if not grouped else graph_ms(
+                lambda: fused_moe_triton(x, w13, w2, ids, weights, **scales), device, reps)
         if grouped_mm_applies(x, w13, fp8, force=True):  # whether it runs here at all
-            paths["grouped_mm_ms"] = graph_ms(lambda: fused_moe_grouped_mm(x, w13, w2, ids, weights), device, reps)
+            paths["grouped_mm_ms"] = kernel_ms if grouped else graph_ms(
+                lambda: fused_moe_grouped_mm(x, w13, w2, ids, weights), device, reps)
             paths["grouped_mm_err_vs_ref"] = float(
                 (fused_moe_grouped_mm(x, w13, w2, ids, weights).float() - want).abs().max())
     touched = int(ids.unique().numel())

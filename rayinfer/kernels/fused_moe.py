@@ -601,6 +601,26 @@ def _moe_sum_kernel(out_ptr, kept_ptr, dst_ptr, hidden_size, TOP_K: tl.constexpr
     tl.store(dst, acc.to(dst_ptr.dtype.element_ty), mask=col_ok)
 
 
+def _launch_slot_sum(out, kept, result, top_k: int, add_to_dst: bool, pdl: bool, positions=None, weights=None):
+    """``_moe_sum_kernel`` over ``result`` [T, H]: each token's k pair rows of ``out`` added in slot order
+    (``kept`` [T * k] int8 masks the pairs computed here; None: all were). With ``positions`` [T * k], pair p's
+    row is ``out[positions[p]]``, scaled by ``weights[p]`` first. add_to_dst: added into result's values."""
+    num_tokens, hidden_size = result.shape
+    block_h = min(1024, triton.next_power_of_2(hidden_size))
+    gather = {} if positions is None else dict(row_ptr=positions, weight_ptr=weights, GATHER=True)
+    _moe_sum_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
+        out, kept if kept is not None else out, result, hidden_size, TOP_K=top_k,
+        BLOCK_K=triton.next_power_of_2(top_k), BLOCK_H=block_h, ADD_TO_DST=add_to_dst,
+        ALL_KEPT=kept is None, num_warps=4, **gather, **pdl_launch(pdl))
+
+
+def _check_residual(residual, hidden, reduce_slots: bool = True) -> None:
+    if residual is not None and (not reduce_slots or residual.shape != hidden.shape
+                                 or residual.dtype != hidden.dtype or not residual.is_contiguous()):
+        raise ValueError(f"residual {residual.dtype} {tuple(residual.shape)} must be a contiguous tensor like "
+                         f"hidden {hidden.dtype} {tuple(hidden.shape)}, with reduce_slots")
+
+
 def _check_scales(w13, w2, w13_scale, w2_scale) -> None:
     if (w13_scale is None) != (w2_scale is None):
         raise ValueError("fp8 experts need both w13_scale and w2_scale")
@@ -679,10 +699,7 @@ def fused_moe_triton(
     _check_scales(w13, w2, w13_scale, w2_scale)
     num_tokens, top_k = topk_ids.shape
     num_experts, two_inter, hidden_size = w13.shape
-    if residual is not None and (not reduce_slots or residual.shape != hidden.shape
-                                 or residual.dtype != hidden.dtype or not residual.is_contiguous()):
-        raise ValueError(f"residual {residual.dtype} {tuple(residual.shape)} must be a contiguous tensor like "
-                         f"hidden {hidden.dtype} {tuple(hidden.shape)}, with reduce_slots")
+    _check_residual(residual, hidden, reduce_slots)
     if num_tokens == 0:
         if reduce_slots:
             return torch.zeros_like(hidden) if residual is None else residual
@@ -721,11 +738,7 @@ def fused_moe_triton(
         return out.view(num_tokens, top_k, hidden_size)
     # the k outputs added in slot order in float32 (sum_slots' order, also outside batch-invariant mode), then cast
     result = torch.empty_like(hidden) if residual is None else residual
-    block_h = min(1024, triton.next_power_of_2(hidden_size))
-    _moe_sum_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
-        out, kept if kept is not None else out, result, hidden_size, TOP_K=top_k,
-        BLOCK_K=triton.next_power_of_2(top_k), BLOCK_H=block_h, ADD_TO_DST=residual is not None,
-        ALL_KEPT=kept is None, num_warps=4, **pdl_launch(use_pdl(hidden)))
+    _launch_slot_sum(out, kept, result, top_k, residual is not None, use_pdl(hidden))
     return result
 
 
@@ -758,8 +771,9 @@ def grouped_mm_applies(hidden: torch.Tensor, w13: torch.Tensor, fp8: bool = Fals
     """Whether :func:`fused_moe` takes :func:`fused_moe_grouped_mm` for these tensors: bfloat16 weights and
     activations on a CUDA device of compute capability 9.x or 10.x (where torch runs its CUTLASS kernel; on
     others its fallback reads the group ends on the host, which CUDA graphs forbid), hidden and intermediate
-    sizes multiples of 8, outside batch-invariant mode, with at least the tokens the device's table gives for the shape (``fused_moe_config.grouped_mm_from``,
-    or ``GROUPED_MM_FROM`` when set). force: whether the path can run here at all, whatever the token count.
+    sizes multiples of 8, outside batch-invariant mode, with at least the tokens the device's table gives for
+    the shape (``fused_moe_config.grouped_mm_from``, or ``GROUPED_MM_FROM`` when set). force: whether the path
+    can run here at all, whatever the token count.
 
     Raises: ValueError if the device's table file is malformed."""
     if ((GROUPED_MM_FROM == 0 and not force) or fp8 or not hidden.is_cuda or is_batch_invariant()
@@ -808,11 +822,8 @@ def fused_moe_grouped_mm(
     if op is None:
         raise RuntimeError(f"torch {torch.__version__} has no grouped GEMM (torch.nn.functional.grouped_mm)")
     num_tokens, top_k = topk_ids.shape
-    num_experts, two_inter, hidden_size = w13.shape
-    if residual is not None and (residual.shape != hidden.shape or residual.dtype != hidden.dtype
-                                 or not residual.is_contiguous()):
-        raise ValueError(f"residual {residual.dtype} {tuple(residual.shape)} must be a contiguous tensor like "
-                         f"hidden {hidden.dtype} {tuple(hidden.shape)}")
+    num_experts = w13.shape[0]
+    _check_residual(residual, hidden)
     result = torch.empty_like(hidden) if residual is None else residual
     if num_tokens == 0:
         return result.zero_() if residual is None else result
@@ -824,7 +835,7 @@ def fused_moe_grouped_mm(
     # group ends: block_m x the tiles of experts <= e (tiles past the end have expert -1)
     tiles = torch.zeros(num_experts, dtype=torch.int32, device=hidden.device)
     tiles.index_add_(0, block_experts.clamp(min=0), (block_experts >= 0).to(torch.int32))
-    offs = (torch.cumsum(tiles, 0, dtype=torch.int32) * block_m).to(torch.int32)
+    offs = torch.cumsum(tiles, 0, dtype=torch.int32) * block_m
     # the sorted rows' tokens (padding rows repeat token 0: computed, never read)
     rows = torch.where(sorted_pairs < num_pairs, sorted_pairs // top_k, 0)
     gathered = hidden.index_select(0, rows)
@@ -835,11 +846,8 @@ def fused_moe_grouped_mm(
     act = silu_and_mul(gate_up)
     del gate_up
     out = op(act, w2.transpose(1, 2), offs=offs)
-    block_h = min(1024, triton.next_power_of_2(hidden_size))
-    _moe_sum_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
-        out, kept, result, hidden_size, TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_H=block_h,
-        ADD_TO_DST=residual is not None, row_ptr=position, weight_ptr=topk_weights.reshape(-1).contiguous(),
-        GATHER=True, num_warps=4)
+    _launch_slot_sum(out, kept, result, top_k, residual is not None, False,
+                     positions=position, weights=topk_weights.reshape(-1).contiguous())
     return result
 
 

@@ -95,15 +95,27 @@ def parse_table(data: dict) -> dict[str, dict[int, MoETileConfig]]:
     return table
 
 
+def _read_table(device_name: str, config_dir: Path | None = None) -> tuple[Path, dict | None]:
+    """(path, the device's table file as JSON, or None without a file); its readers cache what they take.
+    Raises: ValueError on bad JSON."""
+    path = table_path(device_name, config_dir)
+    if not path.is_file():
+        return path, None
+    try:
+        return path, json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: {exc}") from exc
+
+
 @functools.lru_cache(maxsize=None)
 def load_table(device_name: str, config_dir: Path | None = None) -> dict[str, dict[int, MoETileConfig]]:
     """The parsed table of a device ({} when it has no file). Raises: ValueError on a malformed file."""
-    path = table_path(device_name, config_dir)
-    if not path.is_file():
+    path, data = _read_table(device_name, config_dir)
+    if data is None:
         return {}
     try:
-        return parse_table(json.loads(path.read_text()))
-    except (ValueError, json.JSONDecodeError) as exc:
+        return parse_table(data)
+    except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from exc
 
 
@@ -143,10 +155,8 @@ def load_grouped_mm_from(device_name: str, config_dir: Path | None = None) -> di
     """The device table's ``grouped_mm_from`` object ({} without a file or the key).
 
     Raises: ValueError when it is not an object of positive integer token counts."""
-    path = table_path(device_name, config_dir)
-    if not path.is_file():
-        return {}
-    data = json.loads(path.read_text()).get("grouped_mm_from", {})
+    path, table = _read_table(device_name, config_dir)
+    data = table.get("grouped_mm_from", {}) if table is not None else {}
     if not isinstance(data, dict) or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0
                                              for v in data.values()):
         raise ValueError(f"{path}: 'grouped_mm_from' must map shape keys to positive token counts, not {data!r}")
