@@ -267,8 +267,11 @@ def _moe_scatter_kernel(
     TOP_K: tl.constexpr, MAP: tl.constexpr, BLOCK_M: tl.constexpr, WRITE_KEPT: tl.constexpr,
     ONE_LAUNCH: tl.constexpr, COUNT_LOAD: tl.constexpr, BLOCK_L: tl.constexpr,
     CHUNK: tl.constexpr, SUB: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr, TILES: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, GROUPED: tl.constexpr = False, group_ends_ptr=None, rows_ptr=None,
+    positions_ptr=None,
 ):
+    # GROUPED (the grouped-GEMM path): also each expert's padded end (group_ends [E] int32), the token of every
+    # sorted row (rows [P] int32, 0 in padding rows) and the sorted row of every kept pair (positions [T*k])
     chunk = tl.program_id(0)
     pdl_wait(USE_PDL)
     experts = tl.arange(0, BLOCK_E)
@@ -293,6 +296,9 @@ def _moe_scatter_kernel(
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     pad_end = tl.cumsum(padded, 0)
     pad_start = pad_end - padded
+    if GROUPED:
+        if chunk == 0:
+            tl.store(group_ends_ptr + experts, pad_end, mask=expert_ok)
     # 1. this chunk's pairs, in ascending pair order within each expert
     if chunk < num_chunks:
         base = pad_start + before
@@ -304,6 +310,9 @@ def _moe_scatter_kernel(
             rank = tl.sum(onehot * tl.cumsum(onehot, 0), 1) - 1
             dest = tl.sum(onehot * base[None, :], 1) + rank
             tl.store(sorted_pairs_ptr + dest, offs, mask=slot < num_experts)
+            if GROUPED:
+                tl.store(rows_ptr + dest, offs // TOP_K, mask=slot < num_experts)
+                tl.store(positions_ptr + offs, dest, mask=slot < num_experts)
             if WRITE_KEPT:
                 tl.store(kept_ptr + offs, (slot < num_experts).to(tl.int8), mask=offs < num_pairs)
             base += tl.sum(onehot, 0)
@@ -325,6 +334,8 @@ def _moe_scatter_kernel(
         pad = tile_ok[:, None] & (rows_in_tile[None, :] >= filled[:, None])
         sentinel = tl.zeros([TILES, BLOCK_M], dtype=tl.int32) + num_pairs
         tl.store(sorted_pairs_ptr + start[:, None] + rows_in_tile[None, :], sentinel, mask=pad)
+        if GROUPED:
+            tl.store(rows_ptr + start[:, None] + rows_in_tile[None, :], sentinel * 0, mask=pad)
 
 
 def moe_align_triton(
@@ -334,6 +345,7 @@ def moe_align_triton(
     expert_map: ExpertMap | None = None,
     expert_load: torch.Tensor | None = None,
     kept: torch.Tensor | None = None,
+    grouped: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`moe_align_ref` in two Triton launches (one up to 64 pairs), with the expert-slot mapping and
     load counting folded in.
@@ -345,6 +357,9 @@ def moe_align_triton(
         expert_map: maps the logical ids to this rank's slots first (as ``expert_map.local_ids``).
         expert_load: [L] int64 counters; each valid logical id adds one to its expert (EPLB's load).
         kept: [T * k] int8, written when given: 1 where the pair has an expert slot here, else 0.
+        grouped: (group_ends [E], rows [P], positions [T * k]) int32, written when given (the grouped-GEMM
+            path's layout): each expert's padded end (exclusive of the tiles past the end), the token of each
+            sorted row (0 in padding rows), and the sorted row of each pair with an expert slot here.
     Returns:
         (sorted_pairs [P] int32, block_experts [P // block_m] int32): :func:`moe_align_ref`'s values
         for ``expert_map.local_ids(topk_ids)`` (or topk_ids), exactly.
@@ -391,7 +406,8 @@ def moe_align_triton(
         load, num_pairs, stride_r, first_local, num_experts, num_logical, num_chunks, num_tiles,
         BLOCK_M=block_m, WRITE_KEPT=kept is not None, ONE_LAUNCH=one_launch, SUB=sub,
         ROWS=min(64, max(16, triton.next_power_of_2(num_chunks))), TILES=tiles,
-        **common, **pdl,
+        **common, **pdl, GROUPED=grouped is not None,
+        **(dict(zip(("group_ends_ptr", "rows_ptr", "positions_ptr"), grouped)) if grouped is not None else {}),
     )
     return sorted_pairs, block_experts
 
@@ -804,7 +820,7 @@ def fused_moe_grouped_mm(
 
     The alignment (:func:`moe_align_triton`, 16-row padding) gives the expert-sorted pairs; their token rows
     are gathered into one [P, H] copy, whose expert e occupies rows ``offs[e-1] .. offs[e]`` (int32 group
-    ends from the tile experts). ``grouped_mm(rows, w13.mT, offs)`` -> [P, 2I], SiLU-and-mul -> [P, I],
+    ends; the alignment writes them with each sorted row's token and each pair's sorted row). ``grouped_mm(rows, w13.mT, offs)`` -> [P, 2I], SiLU-and-mul -> [P, I],
     ``grouped_mm(act, w2.mT, offs)`` -> [P, H] in hidden's dtype; the slot sum then adds ``w * row`` of each of
     a token's kept pairs in slot order in float32 (each pair found through its position in the sorted order).
     Padding rows are computed and never read. Differs from :func:`fused_moe_triton` in where the routing
@@ -828,20 +844,16 @@ def fused_moe_grouped_mm(
     if num_tokens == 0:
         return result.zero_() if residual is None else result
     num_pairs = num_tokens * top_k
-    block_m = _GROUPED_MM_BLOCK_M
+    size = _aligned_size(num_pairs, num_experts, _GROUPED_MM_BLOCK_M)
     kept = torch.empty(num_pairs, dtype=torch.int8, device=hidden.device)
-    sorted_pairs, block_experts = moe_align_triton(topk_ids, num_experts, block_m, expert_map, expert_load, kept)
-    size = sorted_pairs.numel()
-    # group ends: block_m x the tiles of experts <= e (tiles past the end have expert -1)
-    tiles = torch.zeros(num_experts, dtype=torch.int32, device=hidden.device)
-    tiles.index_add_(0, block_experts.clamp(min=0), (block_experts >= 0).to(torch.int32))
-    offs = torch.cumsum(tiles, 0, dtype=torch.int32) * block_m
-    # the sorted rows' tokens (padding rows repeat token 0: computed, never read)
-    rows = torch.where(sorted_pairs < num_pairs, sorted_pairs // top_k, 0)
+    # the alignment also writes the group ends, each sorted row's token (padding rows take token 0: computed,
+    # never read) and each kept pair's sorted row
+    offs = torch.empty(num_experts, dtype=torch.int32, device=hidden.device)
+    rows = torch.empty(size, dtype=torch.int32, device=hidden.device)
+    position = torch.empty(num_pairs, dtype=torch.int32, device=hidden.device)
+    moe_align_triton(topk_ids, num_experts, _GROUPED_MM_BLOCK_M, expert_map, expert_load, kept,
+                     grouped=(offs, rows, position))
     gathered = hidden.index_select(0, rows)
-    # position of each pair in the sorted order (the padding all lands on the spare entry num_pairs)
-    position = torch.empty(num_pairs + 1, dtype=torch.int32, device=hidden.device)
-    position.scatter_(0, sorted_pairs.long(), torch.arange(size, dtype=torch.int32, device=hidden.device))
     gate_up = op(gathered, w13.transpose(1, 2), offs=offs)
     act = silu_and_mul(gate_up)
     del gate_up

@@ -15,6 +15,7 @@ from rayinfer.kernels.fused_moe import (
     grouped_mm_applies, moe_align, moe_align_ref, moe_align_triton, quantize_w13, sum_slots,
 )
 from rayinfer.kernels.block_fp8 import block_fp8_dequant_ref, quantize_block_fp8
+from rayinfer.kernels.fused_moe import _aligned_size as fm_aligned_size
 from rayinfer.model.moe import log2phy_table
 
 CUDA = torch.cuda.is_available()
@@ -167,6 +168,27 @@ def check_kernel(device, cases):
     return worst
 
 
+def check_grouped_layout(ids, num_experts, top_k, block_m=16):
+    """The alignment's extra outputs for the grouped-GEMM path, against what the sorted pairs imply: each
+    expert's padded end, every sorted row's token (0 in padding rows), every kept pair's sorted row."""
+    num_pairs = ids.numel()
+    size = fm_aligned_size(num_pairs, num_experts, block_m)
+    ends = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
+    rows = torch.empty(size, dtype=torch.int32, device=ids.device)
+    positions = torch.empty(num_pairs, dtype=torch.int32, device=ids.device)
+    kept = torch.empty(num_pairs, dtype=torch.int8, device=ids.device)
+    sorted_pairs, block_experts = moe_align_triton(ids, num_experts, block_m, kept=kept,
+                                                   grouped=(ends, rows, positions))
+    tiles = torch.bincount(block_experts[block_experts >= 0].long(), minlength=num_experts)
+    assert torch.equal(ends.long().cpu(), (torch.cumsum(tiles, 0) * block_m).cpu())
+    real = sorted_pairs < num_pairs
+    want_rows = torch.where(real, sorted_pairs // top_k, 0)
+    assert torch.equal(rows[: int(ends[-1])].cpu(), want_rows[: int(ends[-1])].int().cpu())
+    where = real.nonzero().squeeze(1)
+    assert torch.equal(positions[sorted_pairs[where].long()].long().cpu(), where.cpu())
+    assert int(kept.sum()) == int(real.sum())
+
+
 def check_grouped_mm(device, cases):
     """The grouped-GEMM path (torch's grouped GEMM between the Triton alignment and slot sum) against the
     reference: skipped ids, expert-load counting, an ExpertMap with a redundant slot, the residual add, and
@@ -184,6 +206,7 @@ def check_grouped_mm(device, cases):
         valid = ids[ids >= 0]
         assert torch.equal(load, torch.bincount(valid.reshape(-1), minlength=e)), f"case {i}: expert load"
         worst = max(worst, (got.float() - want.float()).abs().max().item())
+        check_grouped_layout(ids, e, k)
         residual = torch.randn_like(x)
         expected = residual + got
         assert fused_moe_grouped_mm(x, w13, w2, ids, w, residual=residual) is residual
