@@ -41,8 +41,7 @@ runs decode steps (``--no-graphs`` skips them). Decode rows run every ``--contex
 graph (``kernel_ms``; ``kernel_eager_ms`` eager) for M = 1 ... 4096 tokens against its
 roofline (the experts it reads, or its FLOPs) and its torch reference, with the Triton kernel's and (bf16 on
 Hopper) torch's grouped-GEMM path's times beside it (``triton_ms``, ``grouped_mm_ms``; ``kernel_ms`` is
-whichever ``fused_moe`` takes at that M; with shared experts ``grouped_mm_shared_as_slots_ms`` times them as
-grouped-GEMM slots instead of dense GEMMs); the routing_align rows time the
+whichever ``fused_moe`` takes at that M); the routing_align rows time the
 router (DeepSeek's grouped top-k, Qwen3's softmax top-k) and the alignment (with load counting) kernels
 against their torch references, each replayed from a CUDA graph.
 
@@ -57,7 +56,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import functools
 import importlib
 import itertools
 import json
@@ -283,8 +281,7 @@ AB_VARIANTS = {"default": {}, "no-pdl": {"RAYINFER_PDL": "0"}, "no-one-row": {"R
                **{f"mla-swap-{n}": {"@rayinfer.kernels.mla_attention.FEW_TOKEN_SWAP_FROM": str(n)}
                   for n in (1024, 2048, 3072, 4096, 8192)},
                **{f"grouped-mm-{n}": {"@rayinfer.kernels.fused_moe.GROUPED_MM_FROM": str(n)}
-                  for n in (0, 1024, 2048, 3072, 4096, 6144, 8192)},
-               "shared-as-slots": {"@rayinfer.kernels.fused_moe.SHARED_EXPERTS_DENSE": "0"}}
+                  for n in (0, 1024, 2048, 4096, 6144, 8192)}}
 
 
 @contextlib.contextmanager
@@ -481,11 +478,10 @@ def bench_fused_moe(ceil: dict, cfg, num_tokens: int, device: torch.device, dtyp
     with torch.inference_mode():
         ref_ms = time_ms(lambda: fused_moe_ref(x, ref13, ref2, ids, weights), device, reps)
         # replayed from a CUDA graph, as a decode step runs it (eager wall time is mostly launches)
-        moe = functools.partial(fused_moe, num_shared=num_shared, **scales)
-        kernel_ms = graph_ms(lambda: moe(x, w13, w2, ids, weights), device, reps)
-        eager_ms = time_ms(lambda: moe(x, w13, w2, ids, weights), device, reps)
+        kernel_ms = graph_ms(lambda: fused_moe(x, w13, w2, ids, weights, **scales), device, reps)
+        eager_ms = time_ms(lambda: fused_moe(x, w13, w2, ids, weights, **scales), device, reps)
         want = fused_moe_ref(x, ref13, ref2, ids, weights).float()
-        err = float((moe(x, w13, w2, ids, weights).float() - want).abs().max())
+        err = float((fused_moe(x, w13, w2, ids, weights, **scales).float() - want).abs().max())
         # both large-batch paths: kernel_ms is the one fused_moe takes at this size (GROUPED_MM_FROM), the
         # other is timed here
         paths = {}
@@ -494,13 +490,10 @@ def bench_fused_moe(ceil: dict, cfg, num_tokens: int, device: torch.device, dtyp
             paths["triton_ms"] = kernel_ms if not grouped else graph_ms(
                 lambda: fused_moe_triton(x, w13, w2, ids, weights, **scales), device, reps)
         if grouped_mm_applies(x, w13, fp8, force=True):  # whether it runs here at all
-            grouped_mm = functools.partial(fused_moe_grouped_mm, num_shared=num_shared)
             paths["grouped_mm_ms"] = kernel_ms if grouped else graph_ms(
-                lambda: grouped_mm(x, w13, w2, ids, weights), device, reps)
-            paths["grouped_mm_err_vs_ref"] = float((grouped_mm(x, w13, w2, ids, weights).float() - want).abs().max())
-            if num_shared:  # the shared experts as grouped-GEMM slots instead of dense GEMMs
-                paths["grouped_mm_shared_as_slots_ms"] = graph_ms(
-                    lambda: fused_moe_grouped_mm(x, w13, w2, ids, weights), device, reps)
+                lambda: fused_moe_grouped_mm(x, w13, w2, ids, weights), device, reps)
+            paths["grouped_mm_err_vs_ref"] = float(
+                (fused_moe_grouped_mm(x, w13, w2, ids, weights).float() - want).abs().max())
     touched = int(ids.unique().numel())
     weight_bytes = 1 if fp8 else dtype.itemsize
     scale_bytes = 4 * (scales["w13_scale"][0].numel() + scales["w2_scale"][0].numel()) if fp8 else 0
@@ -651,9 +644,7 @@ def _run(spec: MoEBenchModel, tiny, dev, dt, batches, contexts, prefill, moe_tok
               f"x{r['speedup_vs_ref']:.1f} | roofline {r['roofline_ms']:.3f} ms ({r['pct_of_roofline']:.0f}%) | "
               f"err {r['max_abs_err_vs_ref']:.1e}"
               + "".join(f" | {p} {r[p + '_ms']:.3f} ms ({r['pct_of_roofline_' + p]:.0f}%)"
-                        for p in ("triton", "grouped_mm") if p + "_ms" in r)
-              + (f" | shared as slots {r['grouped_mm_shared_as_slots_ms']:.3f} ms"
-                 if "grouped_mm_shared_as_slots_ms" in r else ""), flush=True)
+                        for p in ("triton", "grouped_mm") if p + "_ms" in r), flush=True)
     small_ops = []
     for n in moe_tokens:
         small_ops.append(bench_routing_align(config, n, dev, reps))

@@ -346,8 +346,7 @@ class RoutedExperts(nn.Module):
         """
         if self.group is None:
             return fused_moe(hidden, self.w13, self.w2, topk_ids, topk_weights, self.expert_map,
-                             expert_load=self.expert_counts, residual=residual, num_shared=self.num_shared,
-                             **self._scales())
+                             expert_load=self.expert_counts, residual=residual, **self._scales())
         out = self._forward_ep(hidden, topk_ids, topk_weights)
         return out if residual is None else residual.add_(out)
 

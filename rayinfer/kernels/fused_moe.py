@@ -770,9 +770,6 @@ def fused_moe_triton(
 # 0 = never, N > 0 = from N tokens whatever the table says (RAYINFER_MOE_GROUPED_MM_FROM; an A/B switch of
 # jobs/bench_moe.py).
 GROUPED_MM_FROM = envs.moe_grouped_mm_from()
-# 1: on the grouped-GEMM path, fused shared experts (fused_moe's num_shared) run as dense GEMMs; 0: as slots
-# of the grouped GEMM like the routed ones (an A/B switch of jobs/bench_moe.py, variant shared-as-slots).
-SHARED_EXPERTS_DENSE = 1
 _GROUPED_MM_BLOCK_M = 16  # the alignment's padding: each expert's rows start 16-row aligned (32-byte offsets)
 
 
@@ -809,28 +806,6 @@ def grouped_mm_applies(hidden: torch.Tensor, w13: torch.Tensor, fp8: bool = Fals
     return start is not None and hidden.shape[0] >= start
 
 
-def _shared_experts_dense(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, num_shared: int,
-                          residual: torch.Tensor | None) -> torch.Tensor:
-    """The last ``num_shared`` experts of w13 [E, 2I, H] / w2 [E, H, I] on every row of hidden [T, H], summed
-    (weight 1 each), by dense GEMMs: added into ``residual`` in place when given, else a new [T, H] tensor
-    in hidden's dtype. Each product rounds to hidden's dtype as it is added."""
-    num_experts, two_inter, hidden_size = w13.shape
-    inter = two_inter // 2
-    first = num_experts - num_shared
-    # [T, S * 2I]: expert s's gate and up rows side by side, as one expert's w13 rows lie
-    gate_up = hidden @ w13[first:].reshape(num_shared * two_inter, hidden_size).t()
-    act = silu_and_mul(gate_up.view(-1, two_inter)).view(hidden.shape[0], num_shared * inter)
-    del gate_up
-    out = residual
-    for s in range(num_shared):
-        part = act[:, s * inter:(s + 1) * inter]
-        if out is None:
-            out = part @ w2[first + s].t()
-        else:
-            out.addmm_(part, w2[first + s].t())
-    return out
-
-
 def fused_moe_grouped_mm(
     hidden: torch.Tensor,
     w13: torch.Tensor,
@@ -840,7 +815,6 @@ def fused_moe_grouped_mm(
     expert_map: ExpertMap | None = None,
     expert_load: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
-    num_shared: int = 0,
 ) -> torch.Tensor:
     """:func:`fused_moe_ref`'s result through torch's grouped GEMM (no host sync; for large batches).
 
@@ -852,29 +826,14 @@ def fused_moe_grouped_mm(
     Padding rows are computed and never read. Differs from :func:`fused_moe_triton` in where the routing
     weight is applied (after the down projection's rounding to hidden's dtype, not before it).
 
-    With ``num_shared`` S > 0 (and no ``expert_map``) the last S slots of every token are fused shared
-    experts (:func:`~rayinfer.kernels.moe_routing.append_shared_experts`: experts ``E-S .. E-1``, weight 1;
-    their weights are not read). Every token takes them, so they need no gather: they run as dense GEMMs
-    on hidden (one [T, H] x [H, S*2I] GEMM, SiLU-and-mul, S [T, I] x [I, H] GEMMs accumulated into the
-    output; cuBLAS runs these at 85-90% of the matmul rate where the grouped GEMM's small groups run at
-    55-70%), and only the routed slots go through the grouped path, which adds into that output.
-
     Args: as :func:`fused_moe_triton` (hidden and the weights floating point, not fp8; the Triton kernels
-        run the alignment and the sum, so CPU tensors need the interpreter), and num_shared as above.
+        run the alignment and the sum, so CPU tensors need the interpreter).
     Returns:
         [T, H] in hidden's dtype (``residual``, updated in place, when given).
     Raises:
-        ValueError: on inconsistent shapes or a num_shared outside [0, k); RuntimeError when torch has no
-        grouped GEMM.
+        ValueError: on inconsistent shapes; RuntimeError when torch has no grouped GEMM.
     """
     _check_shapes(hidden, w13, w2, topk_ids, topk_weights)
-    if not 0 <= num_shared < topk_ids.shape[1]:
-        raise ValueError(f"num_shared={num_shared} must be in [0, {topk_ids.shape[1]}) (the slots per token)")
-    if num_shared and expert_map is None and hidden.shape[0] > 0:
-        result = _shared_experts_dense(hidden, w13, w2, num_shared, residual)
-        routed = w13.shape[0] - num_shared
-        return fused_moe_grouped_mm(hidden, w13[:routed], w2[:routed], topk_ids[:, :-num_shared],
-                                    topk_weights[:, :-num_shared], None, expert_load, result)
     op = _grouped_mm_op()
     if op is None:
         raise RuntimeError(f"torch {torch.__version__} has no grouped GEMM (torch.nn.functional.grouped_mm)")
@@ -940,7 +899,6 @@ def fused_moe(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
-    num_shared: int = 0,
 ) -> torch.Tensor:
     """Same contract as :func:`fused_moe_ref`; the Triton grouped GEMM on CUDA tensors (64-row tiles
     whatever the batch in batch-invariant mode). In batch-invariant mode without Triton, the k outputs
@@ -951,10 +909,7 @@ def fused_moe(
     w13_scale, w2_scale: fp8 experts (:func:`fused_moe_triton`; ``kernels.block_fp8`` quantizes them); the
     torch path dequantizes first;
     residual: [T, H] like hidden: the result is added into it in place and it is returned (the layer's
-    residual add; one kernel less on the Triton path);
-    num_shared: S, the last S slots of topk_ids are fused shared experts (experts E-S .. E-1, weight 1, from
-    ``moe_routing.append_shared_experts``): a hint the grouped-GEMM path uses to run them as dense GEMMs
-    (:func:`fused_moe_grouped_mm`); the other paths treat them as any slot.
+    residual add; one kernel less on the Triton path).
     Raises:
         ValueError: on inconsistent shapes, or scales that do not fit fp8 weights.
     """
@@ -962,8 +917,7 @@ def fused_moe(
     fp8 = w13_scale is not None
     if _triton_applies(hidden, w13, w2, topk_ids, topk_weights, fp8) and (residual is None or residual.is_contiguous()):
         if grouped_mm_applies(hidden, w13, fp8):
-            return fused_moe_grouped_mm(hidden, w13, w2, topk_ids, topk_weights, expert_map, expert_load, residual,
-                                        num_shared=num_shared if SHARED_EXPERTS_DENSE else 0)
+            return fused_moe_grouped_mm(hidden, w13, w2, topk_ids, topk_weights, expert_map, expert_load, residual)
         return fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, expert_map=expert_map,
                                 expert_load=expert_load, w13_scale=w13_scale, w2_scale=w2_scale, residual=residual)
     if fp8:

@@ -3,7 +3,6 @@ against the reference (interpreter on CPU, ``-m gpu`` on CUDA)."""
 
 from __future__ import annotations
 
-import functools
 import sys
 
 import pytest
@@ -17,7 +16,6 @@ from rayinfer.kernels.fused_moe import (
 )
 from rayinfer.kernels.block_fp8 import block_fp8_dequant_ref, quantize_block_fp8
 from rayinfer.kernels.fused_moe import _aligned_size as fm_aligned_size
-from rayinfer.kernels.moe_routing import append_shared_experts
 from rayinfer.model.moe import log2phy_table
 
 CUDA = torch.cuda.is_available()
@@ -191,30 +189,6 @@ def check_grouped_layout(ids, num_experts, top_k, block_m=16):
     assert int(kept.sum()) == int(real.sum())
 
 
-def check_grouped_mm_shared(x, w13, w2, ids, w, tol, case, num_shared=2):
-    """Fused shared experts on the grouped-GEMM path (num_shared: dense GEMMs for the last slots) against the
-    reference that treats them as slots: result, residual add, load counts of the routed experts only."""
-    e, two_inter, h = w13.shape
-    gen = torch.Generator(device="cpu").manual_seed(100 + case)
-    extra13 = (torch.randn(num_shared, two_inter, h, generator=gen) * 0.1).to(w13)
-    extra2 = (torch.randn(num_shared, h, two_inter // 2, generator=gen) * 0.1).to(w2)
-    w13s, w2s = torch.cat([w13, extra13]), torch.cat([w2, extra2])
-    ws, ids_s = append_shared_experts(w, ids, e, num_shared)
-    want = fused_moe_ref(x, w13s, w2s, ids_s, ws)
-    load = torch.zeros(e, dtype=torch.int64, device=x.device)
-    got = fused_moe_grouped_mm(x, w13s, w2s, ids_s, ws, expert_load=load, num_shared=num_shared)
-    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol, msg=lambda m: f"case {case} shared: {m}")
-    valid = ids[ids >= 0]
-    assert torch.equal(load, torch.bincount(valid.reshape(-1), minlength=e)), f"case {case}: shared expert load"
-    residual = torch.randn_like(x)
-    expected = residual + got
-    assert fused_moe_grouped_mm(x, w13s, w2s, ids_s, ws, residual=residual, num_shared=num_shared) is residual
-    torch.testing.assert_close(residual, expected, atol=tol, rtol=tol, msg=lambda m: f"case {case} shared residual: {m}")
-    with pytest.raises(ValueError, match="num_shared"):
-        fused_moe_grouped_mm(x, w13s, w2s, ids_s, ws, num_shared=ids_s.shape[1])
-    return w13s, w2s, ids_s, ws
-
-
 def check_grouped_mm(device, cases):
     """The grouped-GEMM path (torch's grouped GEMM between the Triton alignment and slot sum) against the
     reference: skipped ids, expert-load counting, an ExpertMap with a redundant slot, the residual add, and
@@ -243,7 +217,6 @@ def check_grouped_mm(device, cases):
         emap = ExpertMap(log2phy.to(device), replica_counts.to(device), first_local=0, num_local=e + 1)
         mapped = fused_moe_grouped_mm(x, w13[phy2log.to(device)], w2[phy2log.to(device)], ids, w, emap)
         torch.testing.assert_close(mapped.float(), want.float(), atol=tol, rtol=tol, msg=lambda m: f"case {i} map: {m}")
-        w13s, w2s, ids_s, ws = check_grouped_mm_shared(x, w13, w2, ids, w, tol, i)
         if device == "cuda":
             saved = fm.GROUPED_MM_FROM
             fm.GROUPED_MM_FROM = t
@@ -255,13 +228,6 @@ def check_grouped_mm(device, cases):
                     replayed = fused_moe(x, w13, w2, ids, w)
                 graph.replay()
                 torch.testing.assert_close(replayed, fused_moe(x, w13, w2, ids, w), atol=0, rtol=0)
-                shared = functools.partial(fused_moe, x, w13s, w2s, ids_s, ws, num_shared=2)
-                shared()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    replayed = shared()
-                graph.replay()
-                torch.testing.assert_close(replayed, shared(), atol=0, rtol=0)
             finally:
                 fm.GROUPED_MM_FROM = saved
     return worst
