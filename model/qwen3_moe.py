@@ -22,6 +22,11 @@ from rayinfer.kernels.block_fp8 import WEIGHT_BLOCK
 from rayinfer.model.quantization import SCALE_SUFFIX, linear
 
 
+# 1: the per-head q/k RMSNorms run inside the RoPE + KV-write kernel; 0: as launches of their own (an A/B
+# switch of jobs/bench_moe.py, variant qk-norm-apart).
+QK_NORM_IN_ROPE = 1
+
+
 class Qwen3MoeAttention(nn.Module):
     """Grouped-query attention; each projection may be block-fp8 (:func:`rayinfer.model.quantization.linear`)."""
 
@@ -72,10 +77,16 @@ class Qwen3MoeAttention(nn.Module):
         else:
             q, k = linear(hidden, self.q_proj), linear(hidden, self.k_proj)
             v = linear(hidden, self.v_proj).view(t, self.num_kv_heads, d)
-        # per-head norms over rows of head_dim (a copy of q's and k's columns when T > 1 and q, k, v are stacked)
-        q = self.q_norm(q.reshape(-1, d)).view(t, self.num_heads, d)
-        k = self.k_norm(k.reshape(-1, d)).view(t, self.num_kv_heads, d)
-        q = rotary_store_kv(q, k, v, positions, inv_freq, kv_cache, meta.slot_mapping)
+        # per-head norms over rows of head_dim, inside the RoPE + KV-write launch (q and k read in place as
+        # column slices of the stacked projection)
+        if QK_NORM_IN_ROPE:
+            q, k = q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d)
+            q = rotary_store_kv(q, k, v, positions, inv_freq, kv_cache, meta.slot_mapping,
+                                qk_norm=(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps))
+        else:  # launches of their own (a copy of q's and k's columns when q, k, v are stacked)
+            q = self.q_norm(q.reshape(-1, d)).view(t, self.num_heads, d)
+            k = self.k_norm(k.reshape(-1, d)).view(t, self.num_kv_heads, d)
+            q = rotary_store_kv(q, k, v, positions, inv_freq, kv_cache, meta.slot_mapping)
         out = paged_attention(q, kv_cache, meta, self.scale)
         return linear(out.reshape(t, self.num_heads * d), self.o_proj)
 

@@ -73,6 +73,7 @@ def rotary_ref(
 def _rotate_heads(
     x_ptr, out_ptr, token, stride_xt, stride_xh, stride_ot, stride_oh, num_heads, cos, sin,
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, CAST_OUT: tl.constexpr = False,
+    NORM: tl.constexpr = False, norm_w_ptr=None, eps=0.0,
 ):
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_HALF)
@@ -84,6 +85,13 @@ def _rotate_heads(
     dt = x1.dtype
     a = x1.to(tl.float32)
     b = x2.to(tl.float32)
+    if NORM:  # RMSNorm over each head's row first, rounded as rms_norm_ref: (x * rsqrt).to(dt), then w * that
+        var = (tl.sum(a * a, 1) + tl.sum(b * b, 1)) / (2 * HALF)
+        inv = tl.rsqrt(var + eps)[:, None]
+        w1 = tl.load(norm_w_ptr + dims, mask=dims < HALF, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(norm_w_ptr + HALF + dims, mask=dims < HALF, other=0.0).to(tl.float32)[None, :]
+        a = (w1 * (a * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        b = (w2 * (b * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     # Each product and the sum are rounded to x's dtype, as the reference's ``q * cos + rot(q) * sin``.
     o1 = (a * cos).to(dt).to(tl.float32) + (-b * sin).to(dt).to(tl.float32)
     o2 = (b * cos).to(dt).to(tl.float32) + (a * sin).to(dt).to(tl.float32)
@@ -175,11 +183,20 @@ def rotary(q, k, positions, inv_freq):
 
 
 # -- RoPE fused with the KV-cache write -------------------------------------------------------------
-def rotary_store_kv_ref(q, k, v, positions, inv_freq, kv_cache, slot_mapping) -> torch.Tensor:
+def _head_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    from rayinfer.kernels.norm import rms_norm_ref
+
+    return rms_norm_ref(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
+
+
+def rotary_store_kv_ref(q, k, v, positions, inv_freq, kv_cache, slot_mapping, qk_norm=None) -> torch.Tensor:
     """RoPE on ``q`` and ``k``, then ``k`` and ``v`` written into the paged cache (plain torch).
 
     Args:
-        q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim].
+        q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (rows may be strided: column slices
+            of a stacked qkv projection).
+        qk_norm: (q_weight [head_dim], k_weight [head_dim], eps) or None: RMSNorm over each head's row of q
+            and k before RoPE (:func:`~rayinfer.kernels.norm.rms_norm_ref`; Qwen3's q_norm / k_norm).
         positions: [T] int64; inv_freq: [head_dim // 2] float32 (:func:`rope_inv_freq`).
         kv_cache: one layer, [num_blocks, 2, block_size, num_kv_heads, head_dim] (written in place);
             q's dtype, or float8_e4m3fn (keys and values rounded to q's dtype, then to fp8).
@@ -189,6 +206,8 @@ def rotary_store_kv_ref(q, k, v, positions, inv_freq, kv_cache, slot_mapping) ->
     """
     from rayinfer.kernels.kv_write import store_kv_ref
 
+    if qk_norm is not None:
+        q, k = _head_norm_ref(q, qk_norm[0], qk_norm[2]), _head_norm_ref(k, qk_norm[1], qk_norm[2])
     q, k = rotary_ref(q, k, positions, inv_freq)
     store_kv_ref(k, v, kv_cache, slot_mapping)
     return q
@@ -202,20 +221,21 @@ def _rotary_store_kv_kernel(
     num_heads, num_kv_heads,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     KV_BLOCK_SIZE: tl.constexpr, USE_LIBDEVICE: tl.constexpr, KV_CAST: tl.constexpr, USE_PDL: tl.constexpr = False,
+    NORM: tl.constexpr = False, q_norm_ptr=None, k_norm_ptr=None, eps=0.0,
 ):
     pdl_wait(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     cos, sin = _cos_sin(pos_ptr, inv_freq_ptr, q_ptr, token, HALF, BLOCK_HALF, USE_LIBDEVICE)
     if tl.program_id(1) == 0:  # program (t, 0) rotates the queries, (t, 1) writes keys and values
         _rotate_heads(q_ptr, q_out_ptr, token, stride_qt, stride_qh, stride_qot, stride_qoh, num_heads,
-                      cos, sin, HALF, BLOCK_HQ, BLOCK_HALF)
+                      cos, sin, HALF, BLOCK_HQ, BLOCK_HALF, NORM=NORM, norm_w_ptr=q_norm_ptr, eps=eps)
         return
     slot = tl.load(slot_ptr + token)
     if slot >= 0:  # negative: a padding row of a CUDA-graph batch, nothing to cache
         dst = cache_ptr + (slot // KV_BLOCK_SIZE) * stride_cb + (slot % KV_BLOCK_SIZE) * stride_cs
         # keys: rotated straight into the cache (the "token" stride of the destination is 0)
         _rotate_heads(k_ptr, dst, token, stride_kt, stride_kh, 0, stride_ch, num_kv_heads,
-                      cos, sin, HALF, BLOCK_HK, BLOCK_HALF, KV_CAST)
+                      cos, sin, HALF, BLOCK_HK, BLOCK_HALF, KV_CAST, NORM=NORM, norm_w_ptr=k_norm_ptr, eps=eps)
         heads = tl.arange(0, BLOCK_HK)
         full = tl.arange(0, 2 * BLOCK_HALF)
         mask = (heads[:, None] < num_kv_heads) & (full[None, :] < 2 * HALF)
@@ -226,9 +246,10 @@ def _rotary_store_kv_kernel(
                  mask=mask)
 
 
-def rotary_store_kv_triton(q, k, v, positions, inv_freq, kv_cache, slot_mapping) -> torch.Tensor:
-    """Triton kernel of :func:`rotary_store_kv_ref`: one launch instead of two; per token one program
-    rotates the queries and another rotates the keys into the cache and copies the values."""
+def rotary_store_kv_triton(q, k, v, positions, inv_freq, kv_cache, slot_mapping, qk_norm=None) -> torch.Tensor:
+    """Triton kernel of :func:`rotary_store_kv_ref`: one launch instead of two (four with per-head norms);
+    per token one program normalizes and rotates the queries and another the keys into the cache, and
+    copies the values."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
@@ -247,24 +268,34 @@ def rotary_store_kv_triton(q, k, v, positions, inv_freq, kv_cache, slot_mapping)
         BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HK=triton.next_power_of_2(num_kv_heads),
         KV_BLOCK_SIZE=kv_cache.shape[2], USE_LIBDEVICE=use_libdevice(), KV_CAST=kv_cache.dtype != q.dtype,
         num_warps=4, **pdl_launch(use_pdl(q)),
+        **(dict(NORM=True, q_norm_ptr=qk_norm[0], k_norm_ptr=qk_norm[1], eps=float(qk_norm[2]))
+           if qk_norm is not None else {}),
     )
     return q_out
 
 
-def rotary_store_kv(q, k, v, positions, inv_freq, kv_cache, slot_mapping) -> torch.Tensor:
+def rotary_store_kv(q, k, v, positions, inv_freq, kv_cache, slot_mapping, qk_norm=None) -> torch.Tensor:
     """Same contract as :func:`rotary_store_kv_ref`; the fused Triton kernel on CUDA tensors whose
-    ``head_dim // 2`` is a power of two, else :func:`rotary` then ``store_kv`` (each dispatched)."""
+    ``head_dim // 2`` is a power of two (with ``qk_norm``, norm weights contiguous in q's dtype), else
+    ``rms_norm`` per head, :func:`rotary` then ``store_kv`` (each dispatched)."""
+    norm_ok = qk_norm is None or all(w.dtype == q.dtype and w.is_contiguous() and w.numel() == q.shape[-1]
+                                     for w in qk_norm[:2])
     if (
         q.dim() == 3 and k.dim() == 3 and kv_cache.dim() == 5
         and q.dtype == k.dtype == v.dtype and kv_cache.dtype in (q.dtype, torch.float8_e4m3fn)
         and q.shape[-1] % 2 == 0 and q.shape[-1] == k.shape[-1] == kv_cache.shape[-1]
         and triton.next_power_of_2(q.shape[-1] // 2) == q.shape[-1] // 2
-        and kv_cache.stride(-1) == 1
-        and use_triton(q, k, v, positions, kv_cache, slot_mapping)
+        and kv_cache.stride(-1) == 1 and norm_ok
+        and use_triton(q, k, v, positions, kv_cache, slot_mapping, *(qk_norm[:2] if qk_norm is not None else ()))
     ):
-        return rotary_store_kv_triton(q, k, v, positions, inv_freq, kv_cache, slot_mapping)
+        return rotary_store_kv_triton(q, k, v, positions, inv_freq, kv_cache, slot_mapping, qk_norm)
     from rayinfer.kernels.kv_write import store_kv
+    from rayinfer.kernels.norm import rms_norm
 
+    if qk_norm is not None:
+        d = q.shape[-1]
+        q = rms_norm(q.reshape(-1, d), qk_norm[0], qk_norm[2]).view(q.shape)
+        k = rms_norm(k.reshape(-1, d), qk_norm[1], qk_norm[2]).view(k.shape)
     q, k = rotary(q, k, positions, inv_freq)  # each step's own kernel (or reference) dispatch
     store_kv(k, v, kv_cache, slot_mapping)
     return q

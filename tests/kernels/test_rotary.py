@@ -60,13 +60,20 @@ def check_kernel(device, cases):
     return worst
 
 
-def check_fused(device, cases, cache_dtype=None):
+def check_fused(device, cases, cache_dtype=None, qk_norm=False):
     """rotary_store_kv against the reference: rotated queries, and the cache (padding slots untouched);
-    ``cache_dtype`` float8_e4m3fn checks an fp8 cache."""
+    ``cache_dtype`` float8_e4m3fn checks an fp8 cache; ``qk_norm`` the per-head RMSNorm folded in (Qwen3),
+    with q, k and v column slices of one stacked projection, as the model passes them."""
     for i, (t, h, hkv, d, dtype, theta, scaling) in enumerate(cases):
         q, k, pos = make_case(t, h, hkv, d, dtype, device, seed=10 + i)
         gen = torch.Generator().manual_seed(i)
         v = torch.randn((t, hkv, d), generator=gen).to(device=device, dtype=dtype)
+        norm = None
+        if qk_norm:  # q, k, v as views of [T, (H + 2 Hkv) * D], q and k scaled off unit variance
+            qkv = torch.cat([(q * 3).reshape(t, -1), (k * 0.5).reshape(t, -1), v.reshape(t, -1)], dim=1)
+            q, k, v = (x.view(t, -1, d) for x in qkv.split([h * d, hkv * d, hkv * d], dim=1))
+            weights = (1 + 0.3 * torch.randn((2, d), generator=gen)).to(device=device, dtype=dtype)
+            norm = (weights[0], weights[1], 1e-6)
         num_blocks, block_size = -(-t // 4) + 2, 4
         slots = torch.randperm(num_blocks * block_size, generator=gen)[:t]
         slots[::3] = -1  # padding rows
@@ -75,11 +82,17 @@ def check_fused(device, cases, cache_dtype=None):
                                                                                    dtype=cache_dtype or dtype)
         want_cache = cache.clone()
         inv_freq = rope_inv_freq(d, theta, scaling).to(device)
-        got_q = rotary_store_kv(q, k, v, pos, inv_freq, cache, slots)
-        want_q = rotary_store_kv_ref(q, k, v, pos, inv_freq, want_cache, slots)
+        got_q = rotary_store_kv(q, k, v, pos, inv_freq, cache, slots, qk_norm=norm)
+        want_q = rotary_store_kv_ref(q, k, v, pos, inv_freq, want_cache, slots, qk_norm=norm)
+        if qk_norm:  # the reference normalizes: unit RMS per head before the weight and the rotation
+            plain = rotary_store_kv_ref(q, k, v, pos, inv_freq, want_cache.clone(), slots)
+            assert not torch.allclose(plain.float(), want_q.float(), atol=0.1), f"case {i}: norm had no effect"
         tol = TOL[dtype]
-        torch.testing.assert_close(got_q.float(), want_q.float(), atol=tol, rtol=tol, msg=lambda m: f"case {i}: {m}")
-        ctol = tol if cache_dtype is None else 0.13  # one fp8 step (3 mantissa bits) apart at most
+        # normalized heads (|x| up to ~5) through the rounded rotation: a flipped last bit of the norm's
+        # rounding (its sum order) moves an output by one unit of the larger term, 1/32 in bf16 at 4-8
+        qtol = max(tol, 0.07) if qk_norm and dtype == torch.bfloat16 else tol
+        torch.testing.assert_close(got_q.float(), want_q.float(), atol=qtol, rtol=tol, msg=lambda m: f"case {i}: {m}")
+        ctol = qtol if cache_dtype is None else 0.13  # one fp8 step (3 mantissa bits) apart at most
         torch.testing.assert_close(cache.float(), want_cache.float(), atol=ctol, rtol=ctol,
                                    msg=lambda m: f"case {i} cache: {m}")
         untouched = torch.ones(num_blocks * block_size, dtype=torch.bool, device=device)
@@ -104,6 +117,7 @@ def test_kernel_matches_ref():
     print(f"rotary: max abs err {check_kernel('cuda', GPU_CASES):.2e}")
     check_fused("cuda", GPU_CASES)
     check_fused("cuda", GPU_CASES, torch.float8_e4m3fn)
+    check_fused("cuda", [c for c in GPU_CASES if c[3] in (64, 128)], qk_norm=True)  # power-of-two halves
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
@@ -115,5 +129,7 @@ if __name__ == "__main__":
     if "--interpret" in sys.argv:
         check_kernel("cpu", [(5, 4, 2, 32, torch.float32, 10000.0, None), (3, 3, 1, 48, torch.float32, 10000.0, None)])
         check_fused("cpu", [(7, 4, 2, 32, torch.float32, 10000.0, None), (3, 3, 1, 48, torch.float32, 10000.0, None)])
+        check_fused("cpu", [(7, 4, 2, 32, torch.float32, 10000.0, None), (5, 3, 1, 64, torch.bfloat16, 1e6, None)],
+                    qk_norm=True)
     else:
         sys.exit(pytest.main([__file__, "-m", "gpu", "-q", *sys.argv[1:]]))
