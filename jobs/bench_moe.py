@@ -71,6 +71,7 @@ from pathlib import Path
 
 import torch
 
+from rayinfer.jobs.benchlib import env_settings
 from rayinfer.jobs.moe_cost import MoECost, Qwen3MoECost, register_bench_plugins, write_shape  # noqa: F401
 from rayinfer.model.shapes import SHAPES
 
@@ -723,7 +724,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     argv_text = " ".join(sys.argv[1:] if argv is None else argv)
     result = run(args.tiny, args.device, args.dtype, args.batches, args.context, args.prefill, args.moe_tokens,
-                 args.reps, command=f"python jobs/bench_moe.py {argv_text}".strip(), git_rev=args.git_rev,
+                 args.reps, command=" ".join([*env_settings(), "python jobs/bench_moe.py", argv_text]).strip(),
+                 git_rev=args.git_rev,
                  graphs=not args.no_graphs, model=args.model, quantization=args.quantization, ab=args.ab,
                  ab_rounds=args.ab_rounds, profile_prefill=args.profile_prefill)
     prefix = "" if args.model == "deepseek-v2-lite" else f"{args.model}-"  # the V2-Lite file names of before

@@ -72,6 +72,12 @@ def emit_json(result: dict[str, Any], path: str | None) -> None:
             f.write(text + "\n")
 
 
+
+def env_settings() -> list[str]:
+    """``NAME=value`` of each RAYINFER_* setting of this process but the cache directory: what a result's
+    ``command`` prefixes, as the A/B switches live in the environment."""
+    return [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("RAYINFER_") and k != "RAYINFER_CACHE_DIR"]
+
 def run_metadata(device: torch.device, git_rev: str | None = None) -> dict[str, Any]:
     """What a result must say about how it was made: command, device, versions, git revision.
 
@@ -83,11 +89,8 @@ def run_metadata(device: torch.device, git_rev: str | None = None) -> dict[str, 
 
     rev, dirty = (git_rev, None) if git_rev else git_revision()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
-    # the command with the RAYINFER_* settings it ran under (A/B switches live in the environment)
-    settings = [f"{k}={v}" for k, v in sorted(os.environ.items())
-                if k.startswith("RAYINFER_") and k != "RAYINFER_CACHE_DIR"]
     return {
-        "command": " ".join([*settings, "python", *sys.argv]),
+        "command": " ".join([*env_settings(), "python", *sys.argv]),
         "device": name,
         "device_type": device.type,
         "num_cpus": os.cpu_count(),
