@@ -132,15 +132,15 @@ def record(results, ceil, name, shape, ref_ms, kernel_ms, graph_us, bytes_moved,
     )
 
 
-def _attention_setup(batch, query_len, ctx_len):
+def _attention_setup(batch, query_len, ctx_len, heads=HEADS, kv_heads=KV_HEADS):
     blocks_per_req = math.ceil(ctx_len / BLOCK)
     num_blocks = batch * blocks_per_req
-    layers = layers_for(num_blocks * 2 * BLOCK * KV_HEADS * HEAD_DIM * 2)
-    cache = torch.randn((layers, num_blocks, 2, BLOCK, KV_HEADS, HEAD_DIM), device="cuda", dtype=DT)
+    layers = layers_for(num_blocks * 2 * BLOCK * kv_heads * HEAD_DIM * 2)
+    cache = torch.randn((layers, num_blocks, 2, BLOCK, kv_heads, HEAD_DIM), device="cuda", dtype=DT)
     perm = torch.randperm(num_blocks).tolist()
     tables = [perm[i * blocks_per_req : (i + 1) * blocks_per_req] for i in range(batch)]
     meta = AttentionMetadata.build([query_len] * batch, [ctx_len] * batch, tables, BLOCK, "cuda")
-    q = torch.randn((batch * query_len, HEADS, HEAD_DIM), device="cuda", dtype=DT)
+    q = torch.randn((batch * query_len, heads, HEAD_DIM), device="cuda", dtype=DT)
     return cache, meta, q
 
 
@@ -190,6 +190,39 @@ def sweep_prefill(ceil, query_len=4096) -> list[dict]:
             rows.append({"config": {"block_m": bm, **cfg}, "graph_us": us, "TFLOPs": flops / us / 1e6, "err": err})
             print(f"  prefill {bm}x{bn} w{warps} s{stages} rev={reverse}: {us:8.1f} us {flops / us / 1e6:6.1f} TFLOP/s err {err:.1e}", flush=True)
     del cache
+    return rows
+
+
+def sweep_prefill_gqa8(ceil, query_lens=(2048, 4096)) -> list[dict]:
+    """Prefill attention tiles at Qwen3-30B-A3B's heads (32 query heads over 4 KV heads, d = 128; a tile's
+    rows are query tokens x the 8 heads of a group), one causal prompt: graph time, TFLOP/s, error against
+    the torch reference. ``block_m`` counts rows (block_q = block_m / 8 tokens); None is the default tiles."""
+    rows = []
+    configs = [None, (64, 64, 4, 2), (64, 64, 4, 4), (64, 128, 4, 2), (64, 128, 4, 3), (64, 128, 8, 3),
+               (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (128, 32, 4, 3), (256, 64, 8, 2)]
+    for query_len in query_lens:
+        cache, meta, q = _attention_setup(1, query_len, query_len, heads=32, kv_heads=4)
+        want = paged_attention_ref(q, cache[0], meta, HEAD_DIM**-0.5).float()
+        flops = 4 * (query_len * (query_len + 1) // 2) * 32 * HEAD_DIM
+        for conf in configs:
+            kwargs = {}
+            if conf is not None:
+                bm, bn, warps, stages = conf
+                kwargs = {"config": dict(block_q=bm // 8, block_n=bn, num_warps=warps, num_stages=stages)}
+            try:
+                err, us = _time_config(q, cache, meta, want, **kwargs)
+            except Exception as exc:
+                print(f"  prefill gqa8 {query_len} {conf} failed: {exc!r}"[:300], file=sys.stderr, flush=True)
+                continue
+            if not us:
+                continue
+            rows.append({"query_len": query_len, "config": "default" if conf is None else
+                         dict(block_m=conf[0], **kwargs["config"]), "graph_us": us, "TFLOPs": flops / us / 1e6,
+                         "pct_of_matmul": 100 * flops / us / 1e6 / ceil["matmul_bf16_TFLOPs"], "err": err})
+            print(f"  prefill gqa8 {query_len} {conf or 'default'}: {us:9.1f} us {flops / us / 1e6:6.1f} TFLOP/s "
+                  f"err {err:.1e}", flush=True)
+        del cache, q
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -834,7 +867,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer cases")
     parser.add_argument("--sweep", action="store_true", help="also sweep prefill tiles and decode split factors")
     parser.add_argument("--only-sweeps", nargs="*", default=None,
-                        help="skip the kernel table; run these sweeps (gemv, gemv_mla, decode_tiles, prefill, prefill_long, "
+                        help="skip the kernel table; run these sweeps (gemv, gemv_mla, decode_tiles, prefill, prefill_gqa8, prefill_long, "
                         "decode_splits, decode_step, mla, mla_tiles, mla_splits, mla_swap, mla_swap_few, mla_prefill)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -854,7 +887,7 @@ def main() -> None:
     results: list[dict] = []
     sweeps = {}
     if args.only_sweeps is not None:
-        funcs = {"gemv": sweep_gemv, "decode_tiles": sweep_decode_tiles, "prefill": sweep_prefill,
+        funcs = {"gemv": sweep_gemv, "decode_tiles": sweep_decode_tiles, "prefill": sweep_prefill, "prefill_gqa8": sweep_prefill_gqa8,
                  "decode_splits": sweep_decode_splits, "decode_step": sweep_decode_step, "mla": sweep_mla,
                  "prefill_long": sweep_prefill_long,
                  "mla_tiles": sweep_mla_tiles, "mla_splits": sweep_mla_splits, "mla_swap": sweep_mla_swap, "mla_swap_few": sweep_mla_swap_few,
