@@ -41,7 +41,8 @@ runs decode steps (``--no-graphs`` skips them). Decode rows run every ``--contex
 graph (``kernel_ms``; ``kernel_eager_ms`` eager) for M = 1 ... 4096 tokens against its
 roofline (the experts it reads, or its FLOPs) and its torch reference, with the Triton kernel's and (bf16 on
 Hopper) torch's grouped-GEMM path's times beside it (``triton_ms``, ``grouped_mm_ms``; ``kernel_ms`` is
-whichever ``fused_moe`` takes at that M); the routing_align rows time the
+whichever ``fused_moe`` takes at that M; fp8 rows: ``kernel_ms`` is W8A8 on GPUs with fp8 tensor cores,
+``w8a16_ms`` the 16-bit-activation scheme); the routing_align rows time the
 router (DeepSeek's grouped top-k, Qwen3's softmax top-k) and the alignment (with load counting) kernels
 against their torch references, each replayed from a CUDA graph.
 
@@ -56,6 +57,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import importlib
 import itertools
 import json
@@ -283,7 +285,8 @@ AB_VARIANTS = {"default": {}, "no-pdl": {"RAYINFER_PDL": "0"}, "no-one-row": {"R
                   for n in (1024, 2048, 3072, 4096, 8192)},
                **{f"grouped-mm-{n}": {"@rayinfer.kernels.fused_moe.GROUPED_MM_FROM": str(n)}
                   for n in (0, 1024, 2048, 3072, 4096, 6144, 8192)},
-               "qk-norm-apart": {"@rayinfer.model.qwen3_moe.QK_NORM_IN_ROPE": "0"}}
+               "qk-norm-apart": {"@rayinfer.model.qwen3_moe.QK_NORM_IN_ROPE": "0"},
+               "w8a16": {"@rayinfer.kernels.fused_moe.FP8_ACTIVATIONS": "0"}}
 
 
 @contextlib.contextmanager
@@ -459,7 +462,7 @@ def bench_fused_moe(ceil: dict, cfg, num_tokens: int, device: torch.device, dtyp
     from rayinfer.kernels._triton_utils import use_triton
     from rayinfer.kernels.block_fp8 import block_fp8_dequant_ref, quantize_block_fp8
     from rayinfer.kernels.fused_moe import (dequant_w13, fused_moe, fused_moe_grouped_mm, fused_moe_ref,
-                                            fused_moe_triton, grouped_mm_applies, quantize_w13)
+                                            fused_moe_triton, fused_moe_w8a8_ref, grouped_mm_applies, quantize_w13)
     from rayinfer.kernels.moe_routing import append_shared_experts
 
     num_routed, top_k, hidden_size, inter, _ = expert_shape(cfg)
@@ -491,6 +494,14 @@ def bench_fused_moe(ceil: dict, cfg, num_tokens: int, device: torch.device, dtyp
         if use_triton(x, w13, w2, ids, weights):
             paths["triton_ms"] = kernel_ms if not grouped else graph_ms(
                 lambda: fused_moe_triton(x, w13, w2, ids, weights, **scales), device, reps)
+            if fp8:  # the other scheme: 16-bit activations (W8A16; kernel_ms is W8A8 where fp8 tensor cores exist)
+                w8a16 = functools.partial(fused_moe_triton, x, w13, w2, ids, weights, act_fp8=False, **scales)
+                paths["w8a16_ms"] = graph_ms(w8a16, device, reps)
+                paths["w8a16_err_vs_ref"] = float((w8a16().float() - want).abs().max())
+                paths["w8a8_err_vs_w8a8_ref"] = float((fused_moe(x, w13, w2, ids, weights, **scales).float()
+                                                       - fused_moe_w8a8_ref(x, w13, w2, scales["w13_scale"],
+                                                                            scales["w2_scale"], ids, weights).float()
+                                                       ).abs().max())
         if grouped_mm_applies(x, w13, fp8, force=True):  # whether it runs here at all
             paths["grouped_mm_ms"] = kernel_ms if grouped else graph_ms(
                 lambda: fused_moe_grouped_mm(x, w13, w2, ids, weights), device, reps)
@@ -509,7 +520,7 @@ def bench_fused_moe(ceil: dict, cfg, num_tokens: int, device: torch.device, dtyp
            "ref_ms": ref_ms, "kernel_ms": kernel_ms, "kernel_eager_ms": eager_ms, "speedup_vs_ref": ref_ms / kernel_ms,
            "max_abs_err_vs_ref": err, "experts_read": touched, **paths, **_roofline(ceil, num_bytes, flops)}
     row["pct_of_roofline"] = 100 * row["roofline_ms"] / kernel_ms
-    for path in ("triton", "grouped_mm"):
+    for path in ("triton", "grouped_mm", "w8a16"):
         if f"{path}_ms" in row:
             row[f"pct_of_roofline_{path}"] = 100 * row["roofline_ms"] / row[f"{path}_ms"]
     return row
@@ -646,7 +657,7 @@ def _run(spec: MoEBenchModel, tiny, dev, dt, batches, contexts, prefill, moe_tok
               f"x{r['speedup_vs_ref']:.1f} | roofline {r['roofline_ms']:.3f} ms ({r['pct_of_roofline']:.0f}%) | "
               f"err {r['max_abs_err_vs_ref']:.1e}"
               + "".join(f" | {p} {r[p + '_ms']:.3f} ms ({r['pct_of_roofline_' + p]:.0f}%)"
-                        for p in ("triton", "grouped_mm") if p + "_ms" in r), flush=True)
+                        for p in ("triton", "grouped_mm", "w8a16") if p + "_ms" in r), flush=True)
     small_ops = []
     for n in moe_tokens:
         small_ops.append(bench_routing_align(config, n, dev, reps))

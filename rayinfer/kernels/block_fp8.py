@@ -89,6 +89,63 @@ def block_fp8_dequant_ref(w_fp8: torch.Tensor, scale_inv: torch.Tensor, dtype: t
     return (w_fp8.float() * scale).to(dtype)
 
 
+ACT_GROUP = 128  # activation columns per scale (DeepSeek-V3's 1 x 128 tiles)
+
+
+def quantize_act_fp8_ref(x: torch.Tensor, group: int = ACT_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token-group fp8 quantization of activations (DeepSeek-V3's "dynamic" activation scheme).
+
+    Per row and group of ``group`` columns: ``scale = amax(|x_group|) / 448`` (1 for an all-zero group) and
+    ``x_fp8 = round(x_group / scale)`` to the nearest e4m3 value, clamped to +-448.
+
+    Args:
+        x: [M, K] float (any float dtype).
+    Returns:
+        (x_fp8 [M, K] float8_e4m3fn, scale [M, ceil(K / group)] float32), on x's device.
+    Source: DeepSeek-V3 technical report (arXiv:2412.19437) §3.3, 1 x 128 activation tiles.
+    """
+    m, k = x.shape
+    groups = _cdiv(k, group)
+    padded = F.pad(x.float(), (0, groups * group - k)).view(m, groups, group)
+    amax = padded.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (padded / scale[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.view(m, groups * group)[:, :k].contiguous(), scale
+
+
+@triton.jit
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm,
+                      GROUPS: tl.constexpr, GROUP: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.arange(0, GROUPS)
+    c = tl.arange(0, GROUP)
+    cols = g[:, None] * GROUP + c[None, :]  # [GROUPS, GROUP]
+    ok = cols < K
+    x = tl.load(x_ptr + row * stride_xm + cols, mask=ok, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), 1)
+    scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.0)
+    # correctly rounded divisions (the reference's): an approximate quotient can round to the other fp8 value
+    q = tl.clamp(tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape)), -448.0, 448.0)
+    tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(s_ptr + row * stride_sm + g, scale, mask=g * GROUP < K)
+
+
+def quantize_act_fp8(x: torch.Tensor, group: int = ACT_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_act_fp8_ref` (same contract); one Triton program per row on CUDA tensors. The
+    reference runs under the Triton interpreter, whose float32 -> e4m3 conversion rounds wrongly where the
+    mantissa carries into the exponent (1.95 -> 1.0); the kernel is checked against it on the GPU."""
+    if not use_triton(x) or is_interpreting() or x.dim() != 2 or x.stride(-1) != 1:
+        return quantize_act_fp8_ref(x, group)
+    m, k = x.shape
+    groups = _cdiv(k, group)
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    if m:
+        _act_quant_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), scale.stride(0),
+                                GROUPS=triton.next_power_of_2(groups), GROUP=group, num_warps=4)
+    return q, scale
+
+
 def block_fp8_linear_ref(x: torch.Tensor, w_fp8: torch.Tensor, scale_inv: torch.Tensor,
                          bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, dequant(w_fp8, scale_inv), bias)`` in x's dtype (the weight dequantized to x's dtype).

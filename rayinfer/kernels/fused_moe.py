@@ -18,7 +18,8 @@ from rayinfer import envs
 from rayinfer.kernels._triton_utils import is_interpreting, pdl_launch, pdl_wait, tl, triton, use_pdl, use_triton
 from rayinfer.kernels.activation import silu_and_mul, silu_and_mul_ref
 from rayinfer.kernels.batch_invariant import is_batch_invariant
-from rayinfer.kernels.block_fp8 import FP8_DTYPE, WEIGHT_BLOCK, block_fp8_dequant_ref, quantize_block_fp8
+from rayinfer.kernels.block_fp8 import (ACT_GROUP, FP8_DTYPE, WEIGHT_BLOCK, block_fp8_dequant_ref, quantize_act_fp8,
+                                        quantize_act_fp8_ref, quantize_block_fp8)
 from rayinfer.kernels.fused_moe_config import MoETileConfig, grouped_mm_from, tile_config
 
 
@@ -66,6 +67,40 @@ def fused_moe_ref(
         tokens = pairs // top_k
         h = silu_and_mul_ref(F.linear(hidden[tokens], w13[e]))
         y = F.linear(h, w2[e]) * flat_weights[pairs, None]
+        out.index_add_(0, tokens, y.to(out.dtype))
+    return out
+
+
+def _act_qdq_ref(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] through per-token-group fp8 and back: float32 [M, K] (the kernel's exact A8 operand)."""
+    q, scale = quantize_act_fp8_ref(x)
+    return q.float() * scale.repeat_interleave(ACT_GROUP, dim=-1)[:, : x.shape[1]]
+
+
+def fused_moe_w8a8_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
+                       w2_scale: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """:func:`fused_moe_ref` with W8A8 block fp8 as DeepSeek-V3 serves its checkpoints (plain torch): the
+    fp8 weights dequantized (128 x 128 blocks, :func:`quantize_w13` / ``block_fp8.quantize_block_fp8``
+    layouts) and each GEMM's activations quantized per token and 128 columns
+    (``block_fp8.quantize_act_fp8_ref``) then dequantized, both GEMMs in float32; the gate/up products
+    round to hidden's dtype before SiLU-and-mul, as the kernel's epilogue does.
+
+    Args: as :func:`fused_moe_ref`, with w13 / w2 float8_e4m3fn and their float32 scales.
+    Returns: [T, H], hidden's dtype.
+    Source: DeepSeek-V3 technical report (arXiv:2412.19437) §3.3 (1 x 128 activation tiles, 128 x 128 weight
+    blocks).
+    """
+    _check_shapes(hidden, w13, w2, topk_ids, topk_weights)
+    w13d, w2d = dequant_w13(w13, w13_scale, torch.float32), block_fp8_dequant_ref(w2, w2_scale, torch.float32)
+    num_experts, top_k = w13.shape[0], topk_ids.shape[1]
+    out = torch.zeros_like(hidden)
+    flat_ids, flat_weights = topk_ids.reshape(-1), topk_weights.reshape(-1)
+    h = _act_qdq_ref(hidden)
+    for e in torch.unique(flat_ids[(flat_ids >= 0) & (flat_ids < num_experts)]).tolist():
+        pairs = (flat_ids == e).nonzero().squeeze(1)
+        tokens = pairs // top_k
+        act = silu_and_mul_ref(F.linear(h[tokens], w13d[e]).to(hidden.dtype))
+        y = F.linear(_act_qdq_ref(act), w2d[e]) * flat_weights[pairs, None].float()
         out.index_add_(0, tokens, y.to(out.dtype))
     return out
 
@@ -145,6 +180,9 @@ class ExpertMap:
 # keeps each pair's output in hidden's dtype; 0 keeps float32.
 ONE_TOKEN_DIRECT = 1
 SLOTS_IN_HIDDEN_DTYPE = 1
+# fp8 expert weights on a GPU with fp8 tensor cores: 1 quantizes the activations too (W8A8, DeepSeek-V3's
+# dynamic per-token-group scheme; fused_moe_triton's act_fp8); 0 keeps them in 16 bits (W8A16).
+FP8_ACTIVATIONS = 1
 
 
 def _aligned_size(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -459,7 +497,11 @@ def _moe_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
     ROWWISE: tl.constexpr = False, USE_PDL: tl.constexpr = False,
     DIRECT: tl.constexpr = False, num_experts=0, load_ptr=None, num_logical=0, COUNT_LOAD: tl.constexpr = False,
+    ACT_SCALE: tl.constexpr = False, a_scale_ptr=None, stride_asm=0, WIDEN_FP8: tl.constexpr = False,
 ):
+    # ACT_SCALE (W8A8): a is fp8 with one float32 scale per row and SCALE_BLOCK_K columns (a_scale [rows of a,
+    # ceil(K / SCALE_BLOCK_K)]); each K step's fp8 x fp8 product is scaled by its rows' and columns' scales.
+    # WIDEN_FP8: the interpreter, which has no fp8 tl.dot: both operands widened to float32.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pdl_wait(USE_PDL)  # the tile's expert comes from the alignment kernel (DIRECT: from the router)
@@ -498,7 +540,13 @@ def _moe_gemm_kernel(
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None] * stride_wk,
                     mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        part = _moe_tile_dot(a, b, ROWWISE, IEEE)
+        if WIDEN_FP8:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        part = _moe_tile_dot(a, b, ROWWISE, IEEE or WIDEN_FP8)
+        if ACT_SCALE:
+            a_s = tl.load(a_scale_ptr + a_rows * stride_asm + k0 // SCALE_BLOCK_K, mask=row_ok, other=0.0)[:, None]
+            part = part * a_s
         if HAS_SCALE:  # fp8 block weights: one scale per (SCALE_BLOCK_N rows, SCALE_BLOCK_K columns) block
             s = tl.load(s_base + (cols // SCALE_BLOCK_N) * stride_sn + (k0 // SCALE_BLOCK_K) * stride_sk,
                         mask=col_ok, other=0.0)
@@ -507,7 +555,11 @@ def _moe_gemm_kernel(
         if GATED:
             b_up = tl.load(w_base + (N + cols)[None, :] * stride_wn + ks[:, None] * stride_wk,
                            mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            part_up = _moe_tile_dot(a, b_up, ROWWISE, IEEE)
+            if WIDEN_FP8:
+                b_up = b_up.to(tl.float32)
+            part_up = _moe_tile_dot(a, b_up, ROWWISE, IEEE or WIDEN_FP8)
+            if ACT_SCALE:
+                part_up = part_up * a_s
             if HAS_SCALE:
                 # the up half's scales start at row up_scale_row = ceil(I / 128) (quantize_w13's layout)
                 s_up = tl.load(s_base + (up_scale_row + cols // SCALE_BLOCK_N) * stride_sn
@@ -552,13 +604,15 @@ def _active_tiles(num_pairs: int, num_experts: int, block_m: int, num_tiles: int
 
 def _moe_gemm(a, w, c, sorted_pairs, block_experts, weights, a_row_div: int, mul_weight: bool,
               tiles: MoETileConfig, rowwise: bool = False, gated: bool = False, scale: torch.Tensor | None = None,
-              direct: bool = False, expert_load: torch.Tensor | None = None):
+              direct: bool = False, expert_load: torch.Tensor | None = None, a_scale: torch.Tensor | None = None):
     """One grouped GEMM. gated: w is w13 [E, 2N, K] and c gets ``silu(a @ gate.T) * (a @ up.T)`` [pairs, N].
     scale: fp8 block scales of w (``WEIGHT_BLOCK`` blocks), float32 (``weight_scale_inv``): [E, ceil(rows / bn),
     ceil(K / bk)], for w13 :func:`quantize_w13`'s [E, 2 * ceil(N / bn), ceil(K / bk)].
     direct: no alignment; tile m is pair m alone and ``block_experts`` is the flat topk_ids [pairs] (a
     one-token step, whose pairs have distinct experts); ``expert_load`` [L] int64 then counts the pairs'
-    experts below L (in the first column tile's programs)."""
+    experts below L (in the first column tile's programs).
+    a_scale: W8A8: a is float8_e4m3fn quantized per row and 128 columns (``block_fp8.quantize_act_fp8``), these
+    its float32 scales [rows of a, ceil(K / 128)]; w must be fp8 with ``scale``."""
     bn, bk = WEIGHT_BLOCK
     n = w.shape[1] // 2 if gated else w.shape[1]
     k = w.shape[2]
@@ -570,13 +624,15 @@ def _moe_gemm(a, w, c, sorted_pairs, block_experts, weights, a_row_div: int, mul
     grid = (num_tiles, triton.cdiv(n, block_n))
     s = scale if scale is not None else weights  # unread without a scale
     s_strides = scale.stride() if scale is not None else (0, 0, 0)
+    act8 = {} if a_scale is None else dict(ACT_SCALE=True, a_scale_ptr=a_scale, stride_asm=a_scale.stride(0),
+                                           WIDEN_FP8=is_interpreting())
     _moe_gemm_kernel[grid](
         a, w, c, sorted_pairs, block_experts, weights, s,
         n, k, c.shape[0],
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1), *s_strides,
         triton.cdiv(n, bn),
         A_ROW_DIV=a_row_div, MUL_WEIGHT=mul_weight, GATED=gated, HAS_SCALE=scale is not None,
-        SCALE_BLOCK_N=bn, SCALE_BLOCK_K=bk,
+        SCALE_BLOCK_N=bn, SCALE_BLOCK_K=bk, **act8,
         BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=a.dtype == torch.float32, ROWWISE=rowwise,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_launch(use_pdl(a)),
         DIRECT=direct, num_experts=w.shape[0], load_ptr=expert_load if expert_load is not None else weights,
@@ -688,6 +744,7 @@ def fused_moe_triton(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
+    act_fp8: bool | None = None,
 ) -> torch.Tensor:
     """Triton grouped GEMM of :func:`fused_moe_ref` (same contract; no host sync).
 
@@ -703,6 +760,11 @@ def fused_moe_triton(
             weights are dequantized in the kernel, never in memory.
         residual: [T, H] in hidden's dtype, contiguous: the result is added into it in place (rounded to
             the dtype first, as ``residual + fused_moe(...)``) and it is returned (with reduce_slots).
+        act_fp8: with fp8 weights, W8A8 (:func:`fused_moe_w8a8_ref`'s result): hidden and the SiLU-and-mul
+            output are quantized per token and 128 columns (``block_fp8.quantize_act_fp8``) and both GEMMs
+            multiply fp8 by fp8 on the tensor cores, scaling each K step by its rows' and columns' scales.
+            None: on CUDA devices with fp8 tensor cores (compute capability >= 8.9) unless ``FP8_ACTIVATIONS``
+            is 0; else the W8A16 path above.
 
     A token's k routed outputs are added in slot order (:func:`sum_slots`'s order, one kernel that also
     casts), which batch-invariant mode (``kernels.batch_invariant``) needs; with fixed tiles (what
@@ -738,18 +800,24 @@ def fused_moe_triton(
         sorted_pairs, block_experts = moe_align_triton(topk_ids, num_experts, tiles.block_m, expert_map,
                                                        expert_load, kept)
         load = None
+    if act_fp8 is None:
+        act_fp8 = (w13_scale is not None and FP8_ACTIVATIONS and hidden.is_cuda
+                   and _capability(hidden.device.index) >= (8, 9))
+    act_fp8 = bool(act_fp8) and w13_scale is not None
+    a13, s13 = quantize_act_fp8(hidden) if act_fp8 else (hidden, None)
     # gate/up GEMM with SiLU-and-mul in its epilogue: [pairs, I], no gate_up tensor
     act = torch.empty((num_pairs, two_inter // 2), dtype=hidden.dtype, device=hidden.device)
-    _moe_gemm(hidden, w13, act, sorted_pairs, block_experts, weights, top_k, False, tiles, rowwise, gated=True,
-              scale=w13_scale, direct=direct, expert_load=load)
+    _moe_gemm(a13, w13, act, sorted_pairs, block_experts, weights, top_k, False, tiles, rowwise, gated=True,
+              scale=w13_scale, direct=direct, expert_load=load, a_scale=s13)
+    a2, s2 = quantize_act_fp8(act) if act_fp8 else (act, None)
     # Each pair's weighted output: float32 where the slots are returned or batch invariance asks for it, else
     # in hidden's dtype (half the bytes written and read again by the slot sum; a large prefill's sum was
     # 108 us a layer of V2-Lite at 4K tokens), as vLLM's fused MoE keeps it.
     out_dtype = torch.float32 if (invariant or not reduce_slots or not SLOTS_IN_HIDDEN_DTYPE) else hidden.dtype
     alloc = torch.empty if reduce_slots else torch.zeros
     out = alloc((num_pairs, hidden_size), dtype=out_dtype, device=hidden.device)
-    _moe_gemm(act, w2, out, sorted_pairs, block_experts, weights, 1, True, tiles, rowwise,
-              scale=w2_scale, direct=direct)
+    _moe_gemm(a2, w2, out, sorted_pairs, block_experts, weights, 1, True, tiles, rowwise,
+              scale=w2_scale, direct=direct, a_scale=s2)
     if not reduce_slots:
         return out.view(num_tokens, top_k, hidden_size)
     # the k outputs added in slot order in float32 (sum_slots' order, also outside batch-invariant mode), then cast
@@ -778,6 +846,7 @@ def _grouped_mm_op():
     return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
+@functools.lru_cache(maxsize=None)
 @functools.lru_cache(maxsize=None)
 def _capability(index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)

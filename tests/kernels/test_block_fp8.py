@@ -20,6 +20,8 @@ from rayinfer.kernels.block_fp8 import (
     block_fp8_dequant_ref,
     block_fp8_linear,
     block_fp8_linear_ref,
+    quantize_act_fp8,
+    quantize_act_fp8_ref,
     quantize_block_fp8,
 )
 
@@ -119,6 +121,35 @@ def test_kernel_through_triton_interpreter(run_interpreted):
 # down, a shared expert's down; plus one off the 128 grid
 GPU_SHAPES = [(1536, 7168), (24576, 1536), (576, 7168), (7168, 16384), (18432, 7168), (7168, 18432), (7168, 2048),
               (1000, 300)]
+
+
+def test_act_quant_ref_groups():
+    """Per-token-group activation quantization: a scale per row and 128 columns (the last group partial),
+    scale 1 for an all-zero group, values within e4m3 rounding of the input."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 300, generator=gen) * torch.tensor([0.01, 1.0, 100.0, 3.0, 0.5])[:, None]
+    x[3, 128:256] = 0
+    q, scale = quantize_act_fp8_ref(x)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape and scale.shape == (5, 3)
+    assert scale[3, 1] == 1 and torch.all(q[3, 128:256].float() == 0)
+    back = q.float() * scale.repeat_interleave(128, dim=1)[:, :300]
+    assert torch.all((back - x).abs() <= 0.07 * x.abs() + 1e-12)  # 3 mantissa bits: half a step is 1/16
+    amax = x.abs().view(5, -1)[:, :256].reshape(5, 2, 128).amax(-1)
+    torch.testing.assert_close(scale[:, :2], torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_act_quant_kernel_matches_ref_on_gpu():
+    gen = torch.Generator().manual_seed(4)
+    for m, k, dtype in ((1, 2048, torch.bfloat16), (4096, 1408, torch.bfloat16), (33, 300, torch.float16),
+                        (17, 7168, torch.float32)):
+        x = (torch.randn(m, k, generator=gen) * 4).to("cuda", dtype)
+        x[0, :128] = 0
+        q, s = quantize_act_fp8(x)
+        qr, sr = quantize_act_fp8_ref(x)
+        assert torch.equal(s, sr), (m, k, dtype)
+        assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)), (m, k, dtype)
 
 
 @pytest.mark.gpu

@@ -9,12 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rayinfer.kernels._triton_utils import HAS_TRITON
+from rayinfer.kernels._triton_utils import HAS_TRITON, use_triton
 from rayinfer.kernels.fused_moe import (
     ExpertMap, dequant_w13, fused_moe, fused_moe_grouped_mm, fused_moe_ref, fused_moe_slots, fused_moe_slots_ref,
-    grouped_mm_applies, moe_align, moe_align_ref, moe_align_triton, quantize_w13, sum_slots,
+    fused_moe_triton, fused_moe_w8a8_ref, grouped_mm_applies, moe_align, moe_align_ref, moe_align_triton,
+    quantize_w13, sum_slots,
 )
 from rayinfer.kernels.block_fp8 import block_fp8_dequant_ref, quantize_block_fp8
+import rayinfer.kernels.fused_moe as fm
 from rayinfer.kernels.fused_moe import _aligned_size as fm_aligned_size
 from rayinfer.model.moe import log2phy_table
 
@@ -266,9 +268,19 @@ def check_fp8_kernel(device, cases) -> float:
         assert (d13.float() - w13).abs().max() <= 0.07 * w13.abs().max()  # e4m3: 3 mantissa bits
         got = fused_moe(x, q13, q2, ids, w, w13_scale=s13, w2_scale=s2)
         want = fused_moe_ref(x, d13, d2, ids, w)
+        want8 = fused_moe_w8a8_ref(x, q13, q2, s13, s2, ids, w)
+        w8a8 = x.is_cuda and fm.FP8_ACTIVATIONS and torch.cuda.get_device_capability(x.device) >= (8, 9)
         tol = TOL[dtype]
-        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol, msg=lambda m: f"fp8 case {i}: {m}")
+        torch.testing.assert_close(got.float(), (want8 if w8a8 else want).float(), atol=tol, rtol=tol,
+                                   msg=lambda m: f"fp8 case {i} ({'W8A8' if w8a8 else 'W8A16'}): {m}")
         worst = max(worst, (got.float() - want.float()).abs().max().item())
+        if use_triton(x, q13):  # both schemes of the Triton kernel, each against its own reference
+            for act_fp8, ref in ((False, want), (True, want8)):
+                both = fused_moe_triton(x, q13, q2, ids, w, w13_scale=s13, w2_scale=s2, act_fp8=act_fp8)
+                torch.testing.assert_close(both.float(), ref.float(), atol=tol, rtol=tol,
+                                           msg=lambda m: f"fp8 case {i} act_fp8={act_fp8}: {m}")
+            # the activations' quantization is seen: W8A8 differs from the W8A16 reference by more than rounding
+            assert (want8.float() - want.float()).abs().max() > 1e-4
         if i == 0:
             torch.testing.assert_close(fused_moe_slots(x, q13, q2, ids, w, w13_scale=s13, w2_scale=s2),
                                        fused_moe_slots_ref(x, d13, d2, ids, w), atol=tol, rtol=tol)
