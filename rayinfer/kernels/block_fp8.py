@@ -108,7 +108,9 @@ def quantize_act_fp8_ref(x: torch.Tensor, group: int = ACT_GROUP) -> tuple[torch
     groups = _cdiv(k, group)
     padded = F.pad(x.float(), (0, groups * group - k)).view(m, groups, group)
     amax = padded.abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # divided by a tensor: CUDA torch divides by a Python number as a product with its reciprocal, one
+    # rounding off the quotient, which moves values that sit on an e4m3 midpoint (x / scale = 152 -> 144)
+    scale = torch.where(amax > 0, amax / amax.new_tensor(FP8_MAX), torch.ones_like(amax))
     q = (padded / scale[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(m, groups * group)[:, :k].contiguous(), scale
 
