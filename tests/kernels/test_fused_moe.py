@@ -3,6 +3,7 @@ against the reference (interpreter on CPU, ``-m gpu`` on CUDA)."""
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import pytest
@@ -256,6 +257,16 @@ def check_one_token_direct(x, w13, w2, ids, w, got):
     assert torch.equal(load, torch.bincount(kept, minlength=num_logical)) and torch.equal(load, aligned_load)
 
 
+def close_w8a8(got, want, tol, case):
+    """W8A8 against its reference: the SiLU-and-mul output is quantized again, so a last-bit difference of
+    that bf16 product (the GEMM's summation order) on an e4m3 midpoint moves one activation a whole fp8
+    step; a few outputs may then differ by a few tolerances, never many of them, never by much."""
+    err = (got.float() - want.float()).abs()
+    bound = tol + tol * want.float().abs()
+    assert bool((err <= 3 * bound).all()), f"fp8 case {case} W8A8: max error {err.max().item():.3g}"
+    assert (err > bound).float().mean().item() <= 1e-3, f"fp8 case {case} W8A8: {(err > bound).sum().item()} outside"
+
+
 def check_fp8_kernel(device, cases) -> float:
     """fused_moe on fp8 block-quantized experts against the reference on the dequantized weights (which is
     what the torch path computes); the unsummed outputs too. cases: (T, E, H, I, k, dtype)."""
@@ -271,20 +282,22 @@ def check_fp8_kernel(device, cases) -> float:
         want8 = fused_moe_w8a8_ref(x, q13, q2, s13, s2, ids, w)
         w8a8 = x.is_cuda and fm.FP8_ACTIVATIONS and torch.cuda.get_device_capability(x.device) >= (8, 9)
         tol = TOL[dtype]
-        torch.testing.assert_close(got.float(), (want8 if w8a8 else want).float(), atol=tol, rtol=tol,
-                                   msg=lambda m: f"fp8 case {i} ({'W8A8' if w8a8 else 'W8A16'}): {m}")
+        check_w8a8 = functools.partial(close_w8a8, tol=tol, case=i)
+        if w8a8:
+            check_w8a8(got, want8)
+        else:
+            torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol, msg=lambda m: f"fp8 case {i}: {m}")
         worst = max(worst, (got.float() - want.float()).abs().max().item())
         if use_triton(x, q13):  # both schemes of the Triton kernel, each against its own reference
-            for act_fp8, ref in ((False, want), (True, want8)):
-                both = fused_moe_triton(x, q13, q2, ids, w, w13_scale=s13, w2_scale=s2, act_fp8=act_fp8)
-                torch.testing.assert_close(both.float(), ref.float(), atol=tol, rtol=tol,
-                                           msg=lambda m: f"fp8 case {i} act_fp8={act_fp8}: {m}")
+            both = fused_moe_triton(x, q13, q2, ids, w, w13_scale=s13, w2_scale=s2, act_fp8=False)
+            torch.testing.assert_close(both.float(), want.float(), atol=tol, rtol=tol, msg=lambda m: f"fp8 case {i}: {m}")
+            check_w8a8(fused_moe_triton(x, q13, q2, ids, w, w13_scale=s13, w2_scale=s2, act_fp8=True), want8)
             # the activations' quantization is seen: W8A8 differs from the W8A16 reference by more than rounding
             assert (want8.float() - want.float()).abs().max() > 1e-4
         if i == 0:
             slots = fused_moe_slots(x, q13, q2, ids, w, w13_scale=s13, w2_scale=s2)
             if w8a8:  # no per-slot W8A8 reference: the slots' sum against the W8A8 one
-                torch.testing.assert_close(sum_slots(slots).to(dtype).float(), want8.float(), atol=tol, rtol=tol)
+                close_w8a8(sum_slots(slots).to(dtype), want8, tol, i)
             else:
                 torch.testing.assert_close(slots, fused_moe_slots_ref(x, d13, d2, ids, w), atol=tol, rtol=tol)
     with pytest.raises(ValueError, match="both w13_scale and w2_scale"):
