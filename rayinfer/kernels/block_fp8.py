@@ -9,8 +9,8 @@ partial). The real weight is ``w_fp8[n, k] * scale_inv[n // 128, k // 128]`` (De
 e4m3 value): the inverse of the quantizer's scale 448 / amax.
 
 :func:`block_fp8_linear` keeps activations in 16 bits (no activation quantization; the checkpoints'
-``activation_scheme "dynamic"`` is DeepSeek's per-token-group fp8 activations, which this does not
-do): each K step of the Triton GEMM loads an fp8 weight tile, widens it to x's dtype (exact: every
+``activation_scheme "dynamic"`` is DeepSeek's per-token-group fp8 activations, which
+:func:`quantize_act_fp8` implements and the fused MoE's W8A8 path uses, not this GEMM): each K step of the Triton GEMM loads an fp8 weight tile, widens it to x's dtype (exact: every
 e4m3 value is a bf16 and an fp16), multiplies in float32 and scales that partial product by its
 (k-block, n-block) scales before adding it up, so the weight stays one byte per element in memory.
 Each function has a plain-torch reference (``*_ref``).
