@@ -800,10 +800,7 @@ def fused_moe_triton(
         sorted_pairs, block_experts = moe_align_triton(topk_ids, num_experts, tiles.block_m, expert_map,
                                                        expert_load, kept)
         load = None
-    if act_fp8 is None:
-        act_fp8 = (w13_scale is not None and FP8_ACTIVATIONS and hidden.is_cuda
-                   and _capability(hidden.device.index) >= (8, 9))
-    act_fp8 = bool(act_fp8) and w13_scale is not None
+    act_fp8 = (w8a8_applies(hidden) if act_fp8 is None else bool(act_fp8)) and w13_scale is not None
     a13, s13 = quantize_act_fp8(hidden) if act_fp8 else (hidden, None)
     # gate/up GEMM with SiLU-and-mul in its epilogue: [pairs, I], no gate_up tensor
     act = torch.empty((num_pairs, two_inter // 2), dtype=hidden.dtype, device=hidden.device)
@@ -850,6 +847,12 @@ def _grouped_mm_op():
 @functools.lru_cache(maxsize=None)
 def _capability(index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
+
+
+def w8a8_applies(hidden: torch.Tensor) -> bool:
+    """Whether fp8 experts multiply fp8 activations by default for ``hidden`` (:func:`fused_moe_triton`'s
+    ``act_fp8=None``): a CUDA device with fp8 tensor cores (compute capability >= 8.9) and ``FP8_ACTIVATIONS``."""
+    return bool(FP8_ACTIVATIONS) and hidden.is_cuda and _capability(hidden.device.index) >= (8, 9)
 
 
 def grouped_mm_applies(hidden: torch.Tensor, w13: torch.Tensor, fp8: bool = False, force: bool = False) -> bool:

@@ -280,7 +280,7 @@ def check_fp8_kernel(device, cases) -> float:
         got = fused_moe(x, q13, q2, ids, w, w13_scale=s13, w2_scale=s2)
         want = fused_moe_ref(x, d13, d2, ids, w)
         want8 = fused_moe_w8a8_ref(x, q13, q2, s13, s2, ids, w)
-        w8a8 = x.is_cuda and fm.FP8_ACTIVATIONS and torch.cuda.get_device_capability(x.device) >= (8, 9)
+        w8a8 = fm.w8a8_applies(x)
         tol = TOL[dtype]
         check_w8a8 = functools.partial(close_w8a8, tol=tol, case=i)
         if w8a8:
