@@ -486,7 +486,8 @@ def bench_fused_moe(ceil: dict, cfg, num_tokens: int, device: torch.device, dtyp
         kernel_ms = graph_ms(lambda: fused_moe(x, w13, w2, ids, weights, **scales), device, reps)
         eager_ms = time_ms(lambda: fused_moe(x, w13, w2, ids, weights, **scales), device, reps)
         want = fused_moe_ref(x, ref13, ref2, ids, weights).float()
-        err = float((fused_moe(x, w13, w2, ids, weights, **scales).float() - want).abs().max())
+        got = fused_moe(x, w13, w2, ids, weights, **scales).float()
+        err = float((got - want).abs().max())
         # both large-batch paths: kernel_ms is the one fused_moe takes at this size (GROUPED_MM_FROM), the
         # other is timed here
         paths = {}
@@ -498,10 +499,8 @@ def bench_fused_moe(ceil: dict, cfg, num_tokens: int, device: torch.device, dtyp
                 w8a16 = functools.partial(fused_moe_triton, x, w13, w2, ids, weights, act_fp8=False, **scales)
                 paths["w8a16_ms"] = graph_ms(w8a16, device, reps)
                 paths["w8a16_err_vs_ref"] = float((w8a16().float() - want).abs().max())
-                paths["w8a8_err_vs_w8a8_ref"] = float((fused_moe(x, w13, w2, ids, weights, **scales).float()
-                                                       - fused_moe_w8a8_ref(x, w13, w2, scales["w13_scale"],
-                                                                            scales["w2_scale"], ids, weights).float()
-                                                       ).abs().max())
+                want8 = fused_moe_w8a8_ref(x, w13, w2, scales["w13_scale"], scales["w2_scale"], ids, weights)
+                paths["w8a8_err_vs_w8a8_ref"] = float((got - want8.float()).abs().max())
         if grouped_mm_applies(x, w13, fp8, force=True):  # whether it runs here at all
             paths["grouped_mm_ms"] = kernel_ms if grouped else graph_ms(
                 lambda: fused_moe_grouped_mm(x, w13, w2, ids, weights), device, reps)

@@ -72,11 +72,11 @@ def emit_json(result: dict[str, Any], path: str | None) -> None:
             f.write(text + "\n")
 
 
-
 def env_settings() -> list[str]:
     """``NAME=value`` of each RAYINFER_* setting of this process but the cache directory: what a result's
     ``command`` prefixes, as the A/B switches live in the environment."""
     return [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("RAYINFER_") and k != "RAYINFER_CACHE_DIR"]
+
 
 def run_metadata(device: torch.device, git_rev: str | None = None) -> dict[str, Any]:
     """What a result must say about how it was made: command, device, versions, git revision.

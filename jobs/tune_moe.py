@@ -21,8 +21,8 @@ Where torch's grouped GEMM runs (bf16 on compute capability 9.x / 10.x), each M 
 ``fused_moe_grouped_mm``, and the table's ``grouped_mm_from`` for the shape becomes the smallest tuned M
 from which that path beats the tuned Triton kernel by ``--grouped-margin`` (default 8%) at every larger
 tuned M (the key is dropped when it never does). Kernel time under a graph favours the grouped path a
-little against the model's eager prefill (``jobs/bench_moe.py --ab grouped-mm-0,grouped-mm-N`` checks a
-threshold in the model: on the H200, V2-Lite's layer won 6% at 2048 tokens here but lost there).
+little against the model's eager prefill; ``jobs/bench_moe.py --ab grouped-mm-0,grouped-mm-N`` checks a
+threshold in the model.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ e4m3 value): the inverse of the quantizer's scale 448 / amax.
 
 :func:`block_fp8_linear` keeps activations in 16 bits (no activation quantization; the checkpoints'
 ``activation_scheme "dynamic"`` is DeepSeek's per-token-group fp8 activations, which
-:func:`quantize_act_fp8` implements and the fused MoE's W8A8 path uses, not this GEMM): each K step of the Triton GEMM loads an fp8 weight tile, widens it to x's dtype (exact: every
-e4m3 value is a bf16 and an fp16), multiplies in float32 and scales that partial product by its
+:func:`quantize_act_fp8` implements and the fused MoE's W8A8 path uses, not this GEMM): each K step of
+the Triton GEMM loads an fp8 weight tile, widens it to x's dtype (exact: every e4m3 value is a bf16 and an fp16), multiplies in float32 and scales that partial product by its
 (k-block, n-block) scales before adding it up, so the weight stays one byte per element in memory.
 Each function has a plain-torch reference (``*_ref``).
 """
@@ -62,7 +62,9 @@ def quantize_block_fp8(w: torch.Tensor, block: tuple[int, int] = WEIGHT_BLOCK) -
     # zero padding to whole blocks leaves every block's amax unchanged
     padded = F.pad(w.float(), (0, kb * bk - k, 0, nb * bn - n)).view(*lead, nb, bn, kb, bk)
     amax = padded.abs().amax(dim=(-3, -1))  # [..., nb, kb]
-    scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # divided by a tensor: CUDA torch divides by a Python number as a product with its reciprocal, one
+    # rounding off the quotient, which moves values that sit on an e4m3 midpoint (152 -> 144 instead of 160)
+    scale_inv = torch.where(amax > 0, amax / amax.new_tensor(FP8_MAX), torch.ones_like(amax))
     q = (padded / scale_inv[..., :, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(*lead, nb * bn, kb * bk)[..., :n, :k].contiguous(), scale_inv
 
@@ -93,10 +95,8 @@ ACT_GROUP = 128  # activation columns per scale (DeepSeek-V3's 1 x 128 tiles)
 
 
 def quantize_act_fp8_ref(x: torch.Tensor, group: int = ACT_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token-group fp8 quantization of activations (DeepSeek-V3's "dynamic" activation scheme).
-
-    Per row and group of ``group`` columns: ``scale = amax(|x_group|) / 448`` (1 for an all-zero group) and
-    ``x_fp8 = round(x_group / scale)`` to the nearest e4m3 value, clamped to +-448.
+    """Per-token-group fp8 quantization of activations (DeepSeek-V3's "dynamic" activation scheme):
+    :func:`quantize_block_fp8` in blocks of one row by ``group`` columns.
 
     Args:
         x: [M, K] float (any float dtype).
@@ -104,15 +104,7 @@ def quantize_act_fp8_ref(x: torch.Tensor, group: int = ACT_GROUP) -> tuple[torch
         (x_fp8 [M, K] float8_e4m3fn, scale [M, ceil(K / group)] float32), on x's device.
     Source: DeepSeek-V3 technical report (arXiv:2412.19437) §3.3, 1 x 128 activation tiles.
     """
-    m, k = x.shape
-    groups = _cdiv(k, group)
-    padded = F.pad(x.float(), (0, groups * group - k)).view(m, groups, group)
-    amax = padded.abs().amax(dim=-1)
-    # divided by a tensor: CUDA torch divides by a Python number as a product with its reciprocal, one
-    # rounding off the quotient, which moves values that sit on an e4m3 midpoint (x / scale = 152 -> 144)
-    scale = torch.where(amax > 0, amax / amax.new_tensor(FP8_MAX), torch.ones_like(amax))
-    q = (padded / scale[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q.view(m, groups * group)[:, :k].contiguous(), scale
+    return quantize_block_fp8(x, (1, group))
 
 
 @triton.jit

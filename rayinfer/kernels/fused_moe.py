@@ -73,8 +73,7 @@ def fused_moe_ref(
 
 def _act_qdq_ref(x: torch.Tensor) -> torch.Tensor:
     """x [M, K] through per-token-group fp8 and back: float32 [M, K] (the kernel's exact A8 operand)."""
-    q, scale = quantize_act_fp8_ref(x)
-    return q.float() * scale.repeat_interleave(ACT_GROUP, dim=-1)[:, : x.shape[1]]
+    return block_fp8_dequant_ref(*quantize_act_fp8_ref(x), torch.float32, (1, ACT_GROUP))
 
 
 def fused_moe_w8a8_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
@@ -844,7 +843,6 @@ def _grouped_mm_op():
 
 
 @functools.lru_cache(maxsize=None)
-@functools.lru_cache(maxsize=None)
 def _capability(index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
@@ -892,8 +890,8 @@ def fused_moe_grouped_mm(
 
     The alignment (:func:`moe_align_triton`, 16-row padding) gives the expert-sorted pairs; their token rows
     are gathered into one [P, H] copy, whose expert e occupies rows ``offs[e-1] .. offs[e]`` (int32 group
-    ends; the alignment writes them with each sorted row's token and each pair's sorted row). ``grouped_mm(rows, w13.mT, offs)`` -> [P, 2I], SiLU-and-mul -> [P, I],
-    ``grouped_mm(act, w2.mT, offs)`` -> [P, H] in hidden's dtype; the slot sum then adds ``w * row`` of each of
+    ends; the alignment writes them with each sorted row's token and each pair's sorted row).
+    ``grouped_mm(rows, w13.mT, offs)`` -> [P, 2I], SiLU-and-mul -> [P, I], ``grouped_mm(act, w2.mT, offs)`` -> [P, H] in hidden's dtype; the slot sum then adds ``w * row`` of each of
     a token's kept pairs in slot order in float32 (each pair found through its position in the sorted order).
     Padding rows are computed and never read. Differs from :func:`fused_moe_triton` in where the routing
     weight is applied (after the down projection's rounding to hidden's dtype, not before it).

@@ -183,10 +183,11 @@ def rotary(q, k, positions, inv_freq):
 
 
 # -- RoPE fused with the KV-cache write -------------------------------------------------------------
-def _head_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    from rayinfer.kernels.norm import rms_norm_ref
-
-    return rms_norm_ref(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
+def _head_norms(q, k, qk_norm, norm):
+    """``norm(rows, weight, eps)`` (an RMSNorm) over each head's row of q and of k: (q, k), shapes kept."""
+    d = q.shape[-1]
+    return (norm(q.reshape(-1, d), qk_norm[0], qk_norm[2]).view(q.shape),
+            norm(k.reshape(-1, d), qk_norm[1], qk_norm[2]).view(k.shape))
 
 
 def rotary_store_kv_ref(q, k, v, positions, inv_freq, kv_cache, slot_mapping, qk_norm=None) -> torch.Tensor:
@@ -205,9 +206,10 @@ def rotary_store_kv_ref(q, k, v, positions, inv_freq, kv_cache, slot_mapping, qk
         the rotated queries, [T, num_heads, head_dim], q's dtype.
     """
     from rayinfer.kernels.kv_write import store_kv_ref
+    from rayinfer.kernels.norm import rms_norm_ref
 
     if qk_norm is not None:
-        q, k = _head_norm_ref(q, qk_norm[0], qk_norm[2]), _head_norm_ref(k, qk_norm[1], qk_norm[2])
+        q, k = _head_norms(q, k, qk_norm, rms_norm_ref)
     q, k = rotary_ref(q, k, positions, inv_freq)
     store_kv_ref(k, v, kv_cache, slot_mapping)
     return q
@@ -293,9 +295,7 @@ def rotary_store_kv(q, k, v, positions, inv_freq, kv_cache, slot_mapping, qk_nor
     from rayinfer.kernels.norm import rms_norm
 
     if qk_norm is not None:
-        d = q.shape[-1]
-        q = rms_norm(q.reshape(-1, d), qk_norm[0], qk_norm[2]).view(q.shape)
-        k = rms_norm(k.reshape(-1, d), qk_norm[1], qk_norm[2]).view(k.shape)
+        q, k = _head_norms(q, k, qk_norm, rms_norm)
     q, k = rotary(q, k, positions, inv_freq)  # each step's own kernel (or reference) dispatch
     store_kv(k, v, kv_cache, slot_mapping)
     return q
