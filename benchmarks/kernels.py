@@ -420,6 +420,69 @@ def sweep_mla_tiles(ceil) -> list[dict]:
     return rows
 
 
+# (block_h, block_n, threads, num_stages, policy, swizzle) of the TileLang kernel: FlashMLA's layout (16 heads
+# padded to the 64 rows of Hopper's warpgroup MMA, two warpgroups splitting the columns) first, then the
+# module's default (16 rows, FullRow)
+MLA_TILELANG_HOPPER = [(64, 64, 256, 2, "col", True), (64, 32, 256, 3, "col", True), (16, 64, 256, 2, "row", False)]
+
+
+def sweep_mla_tilelang(ceil, budget_s: float = 330.0) -> list[dict]:
+    """DeepSeek-V2-Lite's absorbed MLA decode (16 heads, R 512, P 64, cache blocks of 16) at batch 32 / 64 /
+    128 and 4K context: the TileLang kernel per tile set of :data:`MLA_TILELANG_HOPPER` and split count (one
+    program per multiprocessor for the 64-row tiles: splits of about SMs / batch, and twice that) beside the
+    Triton kernel's default, graph time per layer and the share of the copy bandwidth. Stops starting new
+    TileLang compiles after ``budget_s`` seconds."""
+    from rayinfer.kernels._triton_utils import device_sms
+    from rayinfer.kernels.mla_attention import mla_decode_ref, mla_decode_triton
+    from rayinfer.kernels.mla_tilelang import mla_decode_tilelang, tilelang_available
+
+    heads, rank, rope, bs = 16, 512, 64, 16
+    rows, start = [], time.time()
+    keys = ("block_h", "block_n", "threads", "num_stages", "policy", "swizzle")
+    for batch, ctx in ((32, 4096), (64, 4096), (128, 4096)):
+        nb = batch * math.ceil(ctx / bs)
+        layers = layers_for(nb * bs * (rank + rope) * 2)
+        cache = torch.randn((layers, nb, bs, rank + rope), device="cuda", dtype=DT)
+        perm = torch.randperm(nb).tolist()
+        per = nb // batch
+        meta = AttentionMetadata.build([1] * batch, [ctx] * batch, [perm[i * per:(i + 1) * per] for i in range(batch)],
+                                       bs, "cuda")
+        ql = torch.randn((batch, heads, rank), device="cuda", dtype=DT)
+        qp = torch.randn((batch, heads, rope), device="cuda", dtype=DT)
+        want = mla_decode_ref(ql, qp, cache[0], meta, 0.1).float()
+        nbytes = batch * ctx * (rank + rope) * 2
+        one_wave = max(1, device_sms(ql) // batch)
+        cases = [("triton", None, None)]
+        if tilelang_available():
+            for t in MLA_TILELANG_HOPPER:
+                splits = (one_wave, 2 * one_wave) if t[0] == 64 else (None,)
+                cases += [("tilelang", dict(zip(keys, t)), s) for s in splits]
+        for backend, cfg, splits in cases:
+            if backend == "tilelang" and time.time() - start > budget_s:
+                print(f"  budget spent: {cfg} splits={splits} B={batch} not run", flush=True)
+                continue
+            fn = mla_decode_triton if backend == "triton" else mla_decode_tilelang
+            run = lambda i=0, f=fn, c=cfg, s=splits: f(ql, qp, cache[i], meta, 0.1, num_splits=s,  # noqa: E731
+                                                       max_seq_len=8192, config=c)
+            t0 = time.time()
+            try:
+                err = (run().float() - want).abs().max().item()
+                us = bench_graph([lambda i=i: run(i) for i in range(layers)])
+            except Exception as exc:  # a tile set that does not compile or fit is a row with its error
+                rows.append({"op": "mla_decode_tilelang", "backend": backend, "config": cfg, "num_splits": splits,
+                             "batch": batch, "ctx_len": ctx, "error": repr(exc)[:300]})
+                print(f"  {backend} {cfg} splits={splits} B={batch}: failed {exc!r}"[:300], flush=True)
+                continue
+            pct = 100 * nbytes / us / 1e3 / ceil["copy_GBps"] if us else None
+            rows.append({"op": "mla_decode_tilelang", "backend": backend, "config": cfg, "num_splits": splits,
+                         "batch": batch, "ctx_len": ctx, "graph_us": us, "pct_of_copy_bw": pct, "max_abs_err": err,
+                         "first_call_s": time.time() - t0})
+            print(f"  {backend} {cfg} splits={splits} B={batch} ctx={ctx}: {us or float('nan'):7.1f} us "
+                  f"{pct or float('nan'):5.1f}% bw err {err:.1e} ({time.time() - t0:.0f} s)", flush=True)
+        del cache
+    return rows
+
+
 def sweep_mla_splits(ceil) -> list[dict]:
     """DeepSeek-V2-Lite's absorbed MLA decode (16 heads, R 512, P 64, cache blocks of 16) at batch >= 32 per
     split-KV factor (None: the default heuristic), warp count and pipeline depth: graph time per layer and the share of the
@@ -868,7 +931,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also sweep prefill tiles and decode split factors")
     parser.add_argument("--only-sweeps", nargs="*", default=None,
                         help="skip the kernel table; run these sweeps (gemv, gemv_mla, decode_tiles, prefill, prefill_gqa8, prefill_long, "
-                        "decode_splits, decode_step, mla, mla_tiles, mla_splits, mla_swap, mla_swap_few, mla_prefill)")
+                        "decode_splits, decode_step, mla, mla_tiles, mla_tilelang, mla_splits, mla_swap, mla_swap_few, mla_prefill)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA device")
@@ -890,7 +953,7 @@ def main() -> None:
         funcs = {"gemv": sweep_gemv, "decode_tiles": sweep_decode_tiles, "prefill": sweep_prefill, "prefill_gqa8": sweep_prefill_gqa8,
                  "decode_splits": sweep_decode_splits, "decode_step": sweep_decode_step, "mla": sweep_mla,
                  "prefill_long": sweep_prefill_long,
-                 "mla_tiles": sweep_mla_tiles, "mla_splits": sweep_mla_splits, "mla_swap": sweep_mla_swap, "mla_swap_few": sweep_mla_swap_few,
+                 "mla_tiles": sweep_mla_tiles, "mla_tilelang": sweep_mla_tilelang, "mla_splits": sweep_mla_splits, "mla_swap": sweep_mla_swap, "mla_swap_few": sweep_mla_swap_few,
                  "mla_prefill": sweep_mla_prefill,
                  "gemv_mla": lambda c: sweep_gemv(c, ("mla_qkv_a", "mla_o"), block_ks=(512, 1024, 2048))}
         for name in args.only_sweeps:

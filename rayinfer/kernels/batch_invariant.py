@@ -10,7 +10,8 @@ bits whatever else shares its steps. What each dispatcher does then:
   :func:`rayinfer.kernels.matmul.dense_linear` takes the persistent Triton matmul, without split-K
   (its tiles follow the row count; they do not change the bits); the fused batch-1 GEMVs are off;
   MLA's absorbed per-head up-projections (a batched GEMM) take the same kernel once per head
-  (:func:`~rayinfer.kernels.matmul.dense_batched_linear`);
+  (:func:`~rayinfer.kernels.matmul.dense_batched_linear`); fp8 block-quantized linears take one tile set
+  at every row count (:func:`rayinfer.kernels.block_fp8.block_fp8_linear`);
 - attention: one key tile (``BLOCK_N``) for prefill, extend and decode, no split-KV, every tile through
   the same masked code path, so every query row reads its keys in the same tiles from position 0
   (``kernels.paged_attention``);

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from rayinfer.kernels._triton_utils import is_interpreting, tl, triton, use_triton
+from rayinfer.kernels.batch_invariant import is_batch_invariant
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -198,7 +199,10 @@ def _choose_config(m: int, n: int, dtype: torch.dtype = torch.bfloat16) -> dict:
     """Tiles for ``m`` rows of ``dtype`` times an [n, K] fp8 weight.
 
     BLOCK_K is 128 (one K step per scale block) at every m, so a row's sum runs over the same K steps
-    in the same order whatever the batch. Few rows (decode) only stream the weight: 16-row tiles and
+    in the same order whatever the batch; the products' instruction still follows the row tile (on Hopper
+    16-row tiles run mma.sync and 64- or 128-row tiles the warpgroup MMA, which round a few sums
+    differently: measured on an H200), so batch-invariant mode (``kernels.batch_invariant``) takes the
+    64 x 64 tiles at every m. Few rows (decode) only stream the weight: 16-row tiles and
     narrow column tiles (32 up to n = 4096) spread it over more programs; many rows reuse each weight
     tile over 64- and 128-row tiles. float32 activations (exact products, rare on a GPU) take 64 x 64 x
     64 tiles, whose 4-byte x tiles fit shared memory in 3 stages. Under the interpreter (tests) one
@@ -208,6 +212,8 @@ def _choose_config(m: int, n: int, dtype: torch.dtype = torch.bfloat16) -> dict:
     """
     if is_interpreting():
         return dict(block_m=32, block_n=128, block_k=128, group_m=8, num_warps=4, num_stages=1)
+    if is_batch_invariant() and dtype != torch.float32:
+        return dict(block_m=64, block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=4)
     if dtype == torch.float32:
         return dict(block_m=16 if m <= 16 else 64, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=3)
     if m <= 16:

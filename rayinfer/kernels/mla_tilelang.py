@@ -47,7 +47,8 @@ def _torch_dtype_name(dtype: torch.dtype) -> str:
 
 def build_mla_decode(num_heads: int, rank: int, rope: int, block_size: int, dtype: str, num_splits: int,
                      block_h: int = 16, block_n: int = 64, threads: int = 128, num_stages: int = 2,
-                     gather: str = "blocks", min_split_tokens: int = _MIN_SPLIT_TOKENS):
+                     gather: str = "blocks", min_split_tokens: int = _MIN_SPLIT_TOKENS, policy: str = "row",
+                     swizzle: bool = False):
     """The TileLang program of one (shape, split count); see the module docstring.
 
     Args:
@@ -56,6 +57,12 @@ def build_mla_decode(num_heads: int, rank: int, rope: int, block_size: int, dtyp
         dtype: "bfloat16" or "float16" (queries, cache and output).
         num_splits: splits of the launch (>= 1); 1 writes the output, more write partial outputs
             [T, H, num_splits, R] float32 and log-sum-exps [T, H, num_splits] (base 2) for the merge.
+        block_h: query rows of a program; more than H pads the rows (zero queries, never written), which
+            lets Hopper's warpgroup MMA (64 rows deep) take a tile of 16 heads, as FlashMLA pads its heads.
+        policy: "row" splits the products' rows over the warps (``GemmWarpPolicy.FullRow``), "col" their
+            columns (``FullCol``: with 64 rows and two warpgroups each computes half the scores and half
+            the latent output columns, FlashMLA's split of the [64, 512] accumulator).
+        swizzle: a swizzled shared-memory layout for the probabilities tile (fewer bank conflicts).
     Returns:
         a ``tilelang.language`` prim_func with arguments (q_latent [T, H, R], q_pe [T, H, P],
         kv_cache [NB, block_size, R + P], query_start_loc [num_reqs + 1] int32, seq_lens [num_reqs] int32,
@@ -63,6 +70,7 @@ def build_mla_decode(num_heads: int, rank: int, rope: int, block_size: int, dtyp
         already multiplied by log2(e)); T, NB, num_reqs and max_blocks are dynamic.
     """
     import tilelang.language as T
+    from tilelang.layout import make_swizzled_layout
 
     accum = "float32"
     width = rank + rope
@@ -75,6 +83,9 @@ def build_mla_decode(num_heads: int, rank: int, rope: int, block_size: int, dtyp
     sub = min(block_n, block_size)  # rows per copy: a run inside one cache block
     if block_n % sub or block_size % sub:
         raise ValueError(f"block_n {block_n} and block_size {block_size} must be multiples of each other")
+    if policy not in ("row", "col"):
+        raise ValueError(f"policy must be 'row' or 'col', not {policy!r}")
+    warp_policy = T.GemmWarpPolicy.FullRow if policy == "row" else T.GemmWarpPolicy.FullCol
 
     @T.prim_func
     def mla_decode_kernel(
@@ -105,6 +116,8 @@ def build_mla_decode(num_heads: int, rank: int, rope: int, block_size: int, dtyp
             req = T.alloc_var("int32")
             kv_lo = T.alloc_var("int32")
             kv_hi = T.alloc_var("int32")
+            if swizzle:
+                T.annotate_layout({p_shared: make_swizzled_layout(p_shared)})
 
             # the request of this token: the last r with query_start_loc[r] <= tok
             req = 0
@@ -154,8 +167,8 @@ def build_mla_decode(num_heads: int, rank: int, rope: int, block_size: int, dtyp
                             T.copy(kv_cache[blk, off:off + sub, 0:rank], kv_shared[c * sub:(c + 1) * sub, :])
                             T.copy(kv_cache[blk, off:off + sub, rank:width], kp_shared[c * sub:(c + 1) * sub, :])
                 T.clear(scores)
-                T.gemm(q_shared, kv_shared, scores, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                T.gemm(qp_shared, kp_shared, scores, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                T.gemm(q_shared, kv_shared, scores, transpose_B=True, policy=warp_policy)
+                T.gemm(qp_shared, kp_shared, scores, transpose_B=True, policy=warp_policy)
                 for i, j in T.Parallel(block_h, block_n):
                     scores[i, j] = T.if_then_else(start + j < kv_hi, scores[i, j] * qk_scale, -T.infinity(accum))
                 T.copy(m_cur, m_prev)
@@ -170,7 +183,7 @@ def build_mla_decode(num_heads: int, rank: int, rope: int, block_size: int, dtyp
                 for i, j in T.Parallel(block_h, rank):
                     acc[i, j] *= alpha[i]
                 T.copy(scores, p_shared)
-                T.gemm(p_shared, kv_shared, acc, policy=T.GemmWarpPolicy.FullRow)
+                T.gemm(p_shared, kv_shared, acc, policy=warp_policy)
 
             if splits > 1:
                 for i in T.Parallel(block_h):

@@ -260,7 +260,10 @@ def check_one_token_direct(x, w13, w2, ids, w, got):
 def close_w8a8(got, want, tol, case):
     """W8A8 against its reference: the SiLU-and-mul output is quantized again, so a last-bit difference of
     that bf16 product (the GEMM's summation order) on an e4m3 midpoint moves one activation a whole fp8
-    step; a few outputs may then differ by a few tolerances, never many of them, never by much."""
+    step; a few outputs may then differ by a few tolerances, never many of them, never by much. That step
+    is an 8-bit activation's, whatever the output dtype, so float32 outputs get float16's tolerance (float32's
+    1e-5 is below one such step: case (7, 8, 200, 72, 2, float32) differed by 4.7e-5 on an H200)."""
+    tol = max(tol, TOL[torch.float16])
     err = (got.float() - want.float()).abs()
     bound = tol + tol * want.float().abs()
     assert bool((err <= 3 * bound).all()), f"fp8 case {case} W8A8: max error {err.max().item():.3g}"
