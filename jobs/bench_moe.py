@@ -286,7 +286,8 @@ AB_VARIANTS = {"default": {}, "no-pdl": {"RAYINFER_PDL": "0"}, "no-one-row": {"R
                **{f"grouped-mm-{n}": {"@rayinfer.kernels.fused_moe.GROUPED_MM_FROM": str(n)}
                   for n in (0, 1024, 2048, 3072, 4096, 6144, 8192)},
                "qk-norm-apart": {"@rayinfer.model.qwen3_moe.QK_NORM_IN_ROPE": "0"},
-               "w8a16": {"@rayinfer.kernels.fused_moe.FP8_ACTIVATIONS": "0"}}
+               "w8a16": {"@rayinfer.kernels.fused_moe.FP8_ACTIVATIONS": "0"},
+               "dense-w8a16": {"@rayinfer.kernels.block_fp8.W8A8_FROM_ROWS": "0"}}
 
 
 @contextlib.contextmanager

@@ -1,7 +1,9 @@
 """Probe: the W8A16 block-fp8 GEMM (rayinfer/kernels/block_fp8.py) against cuBLAS bf16 at DeepSeek-V3's dense shapes,
-per row count and tile configuration; and whether a row's bits depend on the batch.
+per row count and tile configuration; and whether a row's bits depend on the batch. ``--w8a8``: the W8A8 scheme
+(activation quantization included) per tile set at DeepSeek-V2-Lite's and V3's dense shapes, prefill row counts.
 
     python benchmarks/probe/block_fp8_tiles.py --out benchmarks/results/block-fp8-tiles-h200.json
+    python benchmarks/probe/block_fp8_tiles.py --w8a8 --out benchmarks/results/block-fp8-w8a8-tiles-h200.json
 
 Times: triton's do_bench median (L2 flushed between calls, launch included), microseconds. ``bf16_us`` is
 ``F.linear`` over the same weight in bf16 (two bytes a weight), ``dequant_us`` dequantize-then-cuBLAS.
@@ -37,15 +39,65 @@ QUICK = {
 }
 
 
+# (N, K) of DeepSeek-V2-Lite: q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj, layer 0's gate+up and down; V3's q_a_proj
+W8A8_SHAPES = [(3072, 2048), (576, 2048), (4096, 512), (2048, 2048), (21888, 2048), (2048, 10944), (1536, 7168)]
+W8A8_ROWS = (512, 2048, 4096)
+W8A8_CANDIDATES = [dict(block_m=bm, block_n=bn, block_k=128, num_warps=w, num_stages=st)
+                   for bm, bn, w, st in ((128, 128, 8, 4), (128, 128, 8, 3), (128, 128, 4, 4), (128, 256, 8, 3),
+                                         (64, 128, 4, 4), (128, 64, 4, 4), (64, 256, 8, 4))]
+
+
 def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median") * 1e3
+
+
+def main_w8a8(out: str | None) -> None:
+    from rayinfer.kernels.block_fp8 import W8A8_TILES, block_fp8_linear_w8a8_ref
+
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for n, k in W8A8_SHAPES:
+        w = (torch.randn(n, k, generator=gen) / k**0.5).cuda()
+        q, s = quantize_block_fp8(w)
+        w16 = block_fp8_dequant_ref(q, s, torch.bfloat16)
+        x = torch.randn(max(W8A8_ROWS), k, generator=gen).to("cuda", torch.bfloat16)
+        for m in W8A8_ROWS:
+            xm = x[:m]
+            err = (block_fp8_linear(xm, q, s, act_fp8=True).float() - block_fp8_linear_w8a8_ref(xm, q, s).float()).abs().max().item()
+            row = dict(shape=[n, k], m=m, bf16_us=bench(lambda: F.linear(xm, w16)),
+                       w8a16_us=bench(lambda: block_fp8_linear(xm, q, s, act_fp8=False)),
+                       w8a8_default=W8A8_TILES, w8a8_us=bench(lambda: block_fp8_linear(xm, q, s, act_fp8=True)),
+                       max_abs_err_vs_w8a8_ref=err, configs=[])
+            for cfg in W8A8_CANDIDATES:
+                try:
+                    us = bench(lambda: block_fp8_linear(xm, q, s, config={**cfg, "group_m": 8}, act_fp8=True))
+                except Exception as e:  # out of shared memory, say
+                    us = repr(e)[:120]
+                row["configs"].append(dict(cfg, us=us))
+            timed = [c for c in row["configs"] if isinstance(c["us"], float)]
+            row["best"] = min(timed, key=lambda c: c["us"])
+            row["bf16_TFLOPs"] = 2 * m * n * k / row["bf16_us"] / 1e6
+            row["w8a8_TFLOPs"] = 2 * m * n * k / row["w8a8_us"] / 1e6
+            print(f"{n}x{k} m={m}: bf16 {row['bf16_us']:.1f} w8a16 {row['w8a16_us']:.1f} w8a8 {row['w8a8_us']:.1f} "
+                  f"({row['w8a8_TFLOPs']:.0f} TFLOP/s) best {row['best']['us']:.1f} "
+                  f"{({k: v for k, v in row['best'].items() if k != 'us'})} err={err:.1e}", flush=True)
+            rows.append(row)
+        if out:
+            rev = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
+            with open(out, "w") as f:
+                json.dump(dict(command="python benchmarks/probe/block_fp8_tiles.py --w8a8",
+                               device=torch.cuda.get_device_name(), torch=torch.__version__,
+                               triton=triton.__version__, git_rev=rev, rows=rows), f, indent=1)
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
     p.add_argument("--quick", action="store_true", help="three candidate tiles per row-count bucket")
+    p.add_argument("--w8a8", action="store_true", help="W8A8 tiles at prefill row counts")
     args = p.parse_args()
+    if args.w8a8:
+        return main_w8a8(args.out)
     candidates = QUICK if args.quick else CANDIDATES
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -54,20 +106,20 @@ def main():
         q, s = quantize_block_fp8(w)
         w16 = block_fp8_dequant_ref(q, s, torch.bfloat16)
         x = torch.randn(max(ROWS), k, generator=gen).to("cuda", torch.bfloat16)
-        full = block_fp8_linear(x, q, s)
-        invariant = all(torch.equal(block_fp8_linear(x[:m], q, s), full[:m]) for m in ROWS)
+        full = block_fp8_linear(x, q, s, act_fp8=False)
+        invariant = all(torch.equal(block_fp8_linear(x[:m], q, s, act_fp8=False), full[:m]) for m in ROWS)
         for m in ROWS:
             xm = x[:m]
             row = dict(shape=[n, k], m=m, default=_choose_config(m, n), batch_invariant=invariant,
                        bf16_us=bench(lambda: F.linear(xm, w16)),
                        dequant_us=bench(lambda: F.linear(xm, block_fp8_dequant_ref(q, s, torch.bfloat16))),
-                       default_us=bench(lambda: block_fp8_linear(xm, q, s)), configs=[])
-            err = (block_fp8_linear(xm, q, s).float() - F.linear(xm, w16).float()).abs().max().item()
+                       default_us=bench(lambda: block_fp8_linear(xm, q, s, act_fp8=False)), configs=[])
+            err = (block_fp8_linear(xm, q, s, act_fp8=False).float() - F.linear(xm, w16).float()).abs().max().item()
             row["max_abs_err_vs_bf16"] = err
             bucket = "small" if m <= 16 else "mid" if m <= 128 else "large"
             for cfg in candidates[bucket]:
                 try:
-                    us = bench(lambda: block_fp8_linear(xm, q, s, config={**cfg, "group_m": 8}))
+                    us = bench(lambda: block_fp8_linear(xm, q, s, config={**cfg, "group_m": 8}, act_fp8=False))
                 except Exception as e:  # out of shared memory, say
                     us = repr(e)[:120]
                 row["configs"].append(dict(cfg, us=us))

@@ -1,4 +1,4 @@
-"""FP8 block-quantized linear layers as DeepSeek-V3 ships them: W8A16, dequantized inside the GEMM.
+"""FP8 block-quantized linear layers as DeepSeek-V3 ships them, dequantized inside the GEMM (W8A16 or W8A8).
 
 Format (DeepSeek-V3 technical report, arXiv:2412.19437 §3.3 "fine-grained quantization"; the released
 checkpoints' ``quantization_config``: ``quant_method "fp8"``, ``fmt "e4m3"``, ``weight_block_size [128,
@@ -8,15 +8,19 @@ partial). The real weight is ``w_fp8[n, k] * scale_inv[n // 128, k // 128]`` (De
 ``weight_dequant``). Glossary: ``scale_inv`` is that multiplier, amax of the block / 448 (the largest
 e4m3 value): the inverse of the quantizer's scale 448 / amax.
 
-:func:`block_fp8_linear` keeps activations in 16 bits (no activation quantization; the checkpoints'
-``activation_scheme "dynamic"`` is DeepSeek's per-token-group fp8 activations, which
-:func:`quantize_act_fp8` implements and the fused MoE's W8A8 path uses, not this GEMM): each K step of
-the Triton GEMM loads an fp8 weight tile, widens it to x's dtype (exact: every e4m3 value is a bf16 and an fp16), multiplies in float32 and scales that partial product by its
-(k-block, n-block) scales before adding it up, so the weight stays one byte per element in memory.
+:func:`block_fp8_linear` has two schemes. W8A16 (decode-sized calls, CPU, batch-invariant mode) keeps
+activations in 16 bits: each K step of the Triton GEMM loads an fp8 weight tile, widens it to x's dtype
+(exact: every e4m3 value is a bf16 and an fp16), multiplies in float32 and scales that partial product by
+its (k-block, n-block) scales before adding it up, so the weight stays one byte per element in memory.
+W8A8 (calls of at least ``W8A8_FROM_ROWS`` rows on GPUs with fp8 tensor cores) is the checkpoints'
+``activation_scheme "dynamic"``: x is quantized per row and 128 columns (:func:`quantize_act_fp8`, which
+the fused MoE's W8A8 path uses too) and each K step multiplies fp8 by fp8, scaled by both scales.
 Each function has a plain-torch reference (``*_ref``).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -151,13 +155,56 @@ def block_fp8_linear_ref(x: torch.Tensor, w_fp8: torch.Tensor, scale_inv: torch.
     return F.linear(x, block_fp8_dequant_ref(w_fp8, scale_inv, x.dtype), bias)
 
 
+def block_fp8_linear_w8a8_ref(x: torch.Tensor, w_fp8: torch.Tensor, scale_inv: torch.Tensor,
+                              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """W8A8 reference of :func:`block_fp8_linear`: x quantized per row and 128 columns
+    (:func:`quantize_act_fp8_ref`) and dequantized, the weight dequantized, one float32 GEMM, rounded once
+    to x's dtype (DeepSeek-V3's inference ``act_quant`` + ``fp8_gemm``).
+
+    x: [M, K]; w_fp8: [N, K] float8_e4m3fn; scale_inv: [ceil(N/128), ceil(K/128)] float32; bias: [N] or None.
+    Returns [M, N] in x's dtype."""
+    q, s = quantize_act_fp8_ref(x)
+    xa = block_fp8_dequant_ref(q, s, torch.float32, block=(1, ACT_GROUP))
+    y = F.linear(xa, block_fp8_dequant_ref(w_fp8, scale_inv, torch.float32), None if bias is None else bias.float())
+    return y.to(x.dtype)
+
+
+# A/B switch (jobs/bench_moe.py variant "dense-w8a16"): calls of at least this many rows quantize their
+# activations (W8A8) on GPUs with fp8 tensor cores; 0 keeps every call W8A16. Fewer rows only stream the
+# weight, where W8A8's extra quantization launch costs more than its products save.
+W8A8_FROM_ROWS = 128
+
+
+@functools.lru_cache(maxsize=None)
+def device_capability(index: int | None) -> tuple[int, int]:
+    """``torch.cuda.get_device_capability(index)``, cached (it is asked on every call)."""
+    return torch.cuda.get_device_capability(index)
+
+
+def has_fp8_tensor_cores(t: torch.Tensor) -> bool:
+    """Whether ``t`` lives on a CUDA device whose tensor cores multiply fp8 (compute capability >= 8.9)."""
+    return t.is_cuda and device_capability(t.device.index) >= (8, 9)
+
+
+def linear_w8a8_applies(x: torch.Tensor) -> bool:
+    """Whether :func:`block_fp8_linear` quantizes ``x`` [M, K] by default (``act_fp8=None``): 16-bit x of at
+    least ``W8A8_FROM_ROWS`` rows on a GPU with fp8 tensor cores, outside batch-invariant mode (whose rows
+    must not change scheme with the batch)."""
+    return (0 < W8A8_FROM_ROWS <= x.shape[0] and x.dtype != torch.float32 and has_fp8_tensor_cores(x)
+            and not is_batch_invariant())
+
+
 @triton.jit
 def _block_fp8_linear_kernel(
     x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, M, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk, stride_ym, stride_yn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr,
+    ACT_SCALE: tl.constexpr = False, a_scale_ptr=None, stride_asm=0, stride_ask=0,
 ):
+    # ACT_SCALE (W8A8): x is fp8 with one float32 scale per row and SCALE_K columns (a_scale [M, K / SCALE_K]):
+    # each K step multiplies fp8 by fp8 and scales the partial product by its rows' and columns' scales
+    # (DeepSeek-V3's fp8_gemm); DOT_F32 then widens both operands (the interpreter has no fp8 tl.dot)
     # grouped order: GROUP_M row tiles run next to each other and share each weight tile while it is in L2
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -186,17 +233,24 @@ def _block_fp8_linear_kernel(
         s = tl.load(s_cols + (k0 // SCALE_K) * stride_sk, mask=n_ok, other=0.0)
         if DOT_F32:  # float32 activations, or the interpreter (no 16-bit tl.dot there)
             part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        elif ACT_SCALE:
+            part = tl.dot(a, b)
         else:
             part = tl.dot(a, b.to(a.dtype))
-        acc += part * s[None, :]
+        if ACT_SCALE:
+            a_s = tl.load(a_scale_ptr + rm.to(tl.int64) * stride_asm + (k0 // SCALE_K) * stride_ask, mask=m_ok,
+                          other=0.0)
+            acc += part * a_s[:, None] * s[None, :]
+        else:
+            acc += part * s[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :] * stride_yn
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _choose_config(m: int, n: int, dtype: torch.dtype = torch.bfloat16) -> dict:
-    """Tiles for ``m`` rows of ``dtype`` times an [n, K] fp8 weight.
+def _choose_config(m: int, n: int, dtype: torch.dtype = torch.bfloat16, act_fp8: bool = False) -> dict:
+    """Tiles for ``m`` rows of ``dtype`` (fp8 under ``act_fp8``, W8A8) times an [n, K] fp8 weight.
 
     BLOCK_K is 128 (one K step per scale block) at every m, so a row's sum runs over the same K steps
     in the same order whatever the batch; the products' instruction still follows the row tile (on Hopper
@@ -220,17 +274,27 @@ def _choose_config(m: int, n: int, dtype: torch.dtype = torch.bfloat16) -> dict:
         return dict(block_m=16, block_n=32 if n <= 4096 else 64, block_k=128, group_m=8, num_warps=4, num_stages=4)
     if m <= 128:
         return dict(block_m=64, block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=4)
+    if act_fp8:  # one-byte tiles of both operands: a deeper pipeline fits
+        return dict(W8A8_TILES)
     return dict(block_m=128, block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=3)
 
 
+# the W8A8 tiles of prefill-sized calls (``benchmarks/probe/block_fp8_tiles.py --w8a8``)
+W8A8_TILES = dict(block_m=128, block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=4)
+
+
 def block_fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None = None,
-                     config: dict | None = None) -> torch.Tensor:
+                     config: dict | None = None, act_fp8: bool | None = None) -> torch.Tensor:
     """``x @ dequant(w_fp8, scale_inv).T + bias``: the Triton W8A16 GEMM on CUDA (or under the Triton
-    interpreter), :func:`block_fp8_linear_ref` elsewhere (CPU).
+    interpreter), :func:`block_fp8_linear_ref` elsewhere (CPU); W8A8 for prefill-sized calls on GPUs with
+    fp8 tensor cores.
 
     The kernel dequantizes in the GEMM, never the whole weight: per K step of ``BLOCK_K`` (a divisor of
     128) it dots x's tile with the widened fp8 tile in float32 and adds that partial product times the
     per-column scales ``scale_inv[cols // 128, k0 // 128]`` (see the module docstring). No split-K.
+    W8A8 (``act_fp8``) first quantizes x per row and 128 columns (:func:`quantize_act_fp8`, DeepSeek-V3's
+    dynamic activation scheme) and multiplies fp8 by fp8, scaling each K step by both scales; its
+    reference is :func:`block_fp8_linear_w8a8_ref`.
 
     Args:
         x: [M, K] float16, bfloat16 or float32 (any strides).
@@ -238,6 +302,8 @@ def block_fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, scale_inv: torch.Tens
             bias: [N] or None.
         config: tile override (block_m, block_n, block_k, group_m, num_warps, num_stages) for tests and
             benchmarks; block_k must divide 128.
+        act_fp8: W8A8 (True) or W8A16 (False); None: :func:`linear_w8a8_applies`. Without Triton, True
+            runs :func:`block_fp8_linear_w8a8_ref`.
     Returns:
         [M, N] in x's dtype (float32 accumulation).
     Raises:
@@ -255,13 +321,15 @@ def block_fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, scale_inv: torch.Tens
                          f"{tuple(w_fp8.shape)} (128 x 128 blocks), got {scale_inv.dtype} {tuple(scale_inv.shape)}")
     if bias is not None and tuple(bias.shape) != (w_fp8.shape[0],):
         raise ValueError(f"block_fp8_linear: bias must be [{w_fp8.shape[0]}], got {tuple(bias.shape)}")
+    if act_fp8 is None:
+        act_fp8 = linear_w8a8_applies(x)
     if not use_triton(x, w_fp8):
-        return block_fp8_linear_ref(x, w_fp8, scale_inv, bias)
-    return _block_fp8_linear_triton(x, w_fp8, scale_inv, bias, config)
+        return (block_fp8_linear_w8a8_ref if act_fp8 else block_fp8_linear_ref)(x, w_fp8, scale_inv, bias)
+    return _block_fp8_linear_triton(x, w_fp8, scale_inv, bias, config, act_fp8)
 
 
 def _block_fp8_linear_triton(x: torch.Tensor, w_fp8: torch.Tensor, scale_inv: torch.Tensor,
-                             bias: torch.Tensor | None, config: dict | None) -> torch.Tensor:
+                             bias: torch.Tensor | None, config: dict | None, act_fp8: bool = False) -> torch.Tensor:
     m, k = x.shape
     n = w_fp8.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -269,7 +337,11 @@ def _block_fp8_linear_triton(x: torch.Tensor, w_fp8: torch.Tensor, scale_inv: to
         return y
     if k == 0:
         return y.zero_() if bias is None else y.copy_(bias.expand(m, n))
-    cfg = {**_choose_config(m, n, x.dtype), **(config or {})}
+    cfg = {**_choose_config(m, n, x.dtype, act_fp8), **(config or {})}
+    act8 = {}
+    if act_fp8:
+        x, a_scale = quantize_act_fp8(x if x.stride(-1) == 1 else x.contiguous())
+        act8 = dict(ACT_SCALE=True, a_scale_ptr=a_scale, stride_asm=a_scale.stride(0), stride_ask=a_scale.stride(1))
     if WEIGHT_BLOCK[1] % cfg["block_k"]:
         raise ValueError(f"block_fp8_linear: block_k {cfg['block_k']} must divide {WEIGHT_BLOCK[1]}")
     grid = (triton.cdiv(m, cfg["block_m"]) * triton.cdiv(n, cfg["block_n"]),)
@@ -280,6 +352,6 @@ def _block_fp8_linear_triton(x: torch.Tensor, w_fp8: torch.Tensor, scale_inv: to
         BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], GROUP_M=cfg["group_m"],
         SCALE_N=WEIGHT_BLOCK[0], SCALE_K=WEIGHT_BLOCK[1], HAS_BIAS=bias is not None,
         DOT_F32=x.dtype == torch.float32 or is_interpreting(),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **act8,
     )
     return y

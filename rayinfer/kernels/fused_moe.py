@@ -18,8 +18,9 @@ from rayinfer import envs
 from rayinfer.kernels._triton_utils import is_interpreting, pdl_launch, pdl_wait, tl, triton, use_pdl, use_triton
 from rayinfer.kernels.activation import silu_and_mul, silu_and_mul_ref
 from rayinfer.kernels.batch_invariant import is_batch_invariant
-from rayinfer.kernels.block_fp8 import (ACT_GROUP, FP8_DTYPE, WEIGHT_BLOCK, block_fp8_dequant_ref, quantize_act_fp8,
-                                        quantize_act_fp8_ref, quantize_block_fp8)
+from rayinfer.kernels.block_fp8 import (ACT_GROUP, FP8_DTYPE, WEIGHT_BLOCK, block_fp8_dequant_ref, device_capability,
+                                        has_fp8_tensor_cores, quantize_act_fp8, quantize_act_fp8_ref,
+                                        quantize_block_fp8)
 from rayinfer.kernels.fused_moe_config import MoETileConfig, grouped_mm_from, tile_config
 
 
@@ -842,15 +843,10 @@ def _grouped_mm_op():
     return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(index: int | None) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
 def w8a8_applies(hidden: torch.Tensor) -> bool:
     """Whether fp8 experts multiply fp8 activations by default for ``hidden`` (:func:`fused_moe_triton`'s
     ``act_fp8=None``): a CUDA device with fp8 tensor cores (compute capability >= 8.9) and ``FP8_ACTIVATIONS``."""
-    return bool(FP8_ACTIVATIONS) and hidden.is_cuda and _capability(hidden.device.index) >= (8, 9)
+    return bool(FP8_ACTIVATIONS) and has_fp8_tensor_cores(hidden)
 
 
 def grouped_mm_applies(hidden: torch.Tensor, w13: torch.Tensor, fp8: bool = False, force: bool = False) -> bool:
@@ -864,7 +860,7 @@ def grouped_mm_applies(hidden: torch.Tensor, w13: torch.Tensor, fp8: bool = Fals
     Raises: ValueError if the device's table file is malformed."""
     if ((GROUPED_MM_FROM == 0 and not force) or fp8 or not hidden.is_cuda or is_batch_invariant()
             or not hidden.dtype == w13.dtype == torch.bfloat16 or _grouped_mm_op() is None
-            or _capability(hidden.device.index)[0] not in (9, 10)
+            or device_capability(hidden.device.index)[0] not in (9, 10)
             or w13.shape[1] % 16 or w13.shape[2] % 8):  # rows of 16-byte multiples (its TMA loads)
         return False
     if force:

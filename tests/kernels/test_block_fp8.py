@@ -21,6 +21,8 @@ from rayinfer.kernels.block_fp8 import (
     block_fp8_dequant_ref,
     block_fp8_linear,
     block_fp8_linear_ref,
+    block_fp8_linear_w8a8_ref,
+    linear_w8a8_applies,
     quantize_act_fp8,
     quantize_act_fp8_ref,
     quantize_block_fp8,
@@ -28,6 +30,7 @@ from rayinfer.kernels.block_fp8 import (
 
 CUDA = torch.cuda.is_available()
 TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+W8A8_TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
 @pytest.mark.parametrize("shape", [(128, 256), (200, 300), (1, 5), (3, 130, 257)])
@@ -90,7 +93,7 @@ def check_kernel(device, cases) -> float:
         x = torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
         q, s = quantize_block_fp8((torch.randn(n, k, generator=gen) / k**0.5).to(device))
         b = torch.randn(n, generator=gen).to(device=device, dtype=dtype) if bias else None
-        got = block_fp8_linear(x, q, s, b, config)
+        got = block_fp8_linear(x, q, s, b, config, act_fp8=False)
         want = F.linear(x.double(), block_fp8_dequant_ref(q, s, torch.float64), None if b is None else b.double())
         assert got.dtype == dtype and got.shape == (m, n), f"case {i}"
         tol = TOL[dtype]
@@ -102,6 +105,45 @@ def check_kernel(device, cases) -> float:
     return worst
 
 
+def check_w8a8_kernel(device, cases) -> float:
+    """Each (M, N, K, dtype, bias, tile config) through the W8A8 kernel against
+    :func:`block_fp8_linear_w8a8_ref` (the same quantized activations and weights, one float32 GEMM), which
+    differs from the W8A16 reference by more than rounding; the largest abs error."""
+    worst = 0.0
+    for i, (m, n, k, dtype, bias, config) in enumerate(cases):
+        gen = torch.Generator().manual_seed(200 + i)
+        x = torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
+        q, s = quantize_block_fp8((torch.randn(n, k, generator=gen) / k**0.5).to(device))
+        b = torch.randn(n, generator=gen).to(device=device, dtype=dtype) if bias else None
+        got = block_fp8_linear(x, q, s, b, config, act_fp8=True)
+        want = block_fp8_linear_w8a8_ref(x, q, s, b)
+        assert got.dtype == dtype and got.shape == (m, n), f"case {i}"
+        # the same quantized products in float32 on both sides: summation order and the output's rounding
+        tol = W8A8_TOL[dtype]
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol, msg=lambda msg: f"W8A8 case {i}: {msg}")
+        if m and dtype != torch.float32:  # the activations' quantization shows against the 16-bit reference
+            assert (want.float() - block_fp8_linear_ref(x, q, s, b).float()).abs().max() > 2 * tol, f"case {i}"
+        worst = max(worst, (got.float() - want.float()).abs().max().item() if got.numel() else 0.0)
+    return worst
+
+
+def test_w8a8_reference_and_default():
+    """The W8A8 reference quantizes x per row and 128 columns; without Triton ``act_fp8=True`` runs it; the
+    default scheme is W8A16 on a CPU and in batch-invariant mode."""
+    gen = torch.Generator().manual_seed(5)
+    x, w = torch.randn(6, 300, generator=gen), torch.randn(70, 300, generator=gen) / 300**0.5
+    q, s = quantize_block_fp8(w)
+    qa, sa = quantize_act_fp8_ref(x)
+    xa = qa.float() * sa.repeat_interleave(128, dim=1)[:, :300]
+    torch.testing.assert_close(block_fp8_linear_w8a8_ref(x, q, s), F.linear(xa, block_fp8_dequant_ref(q, s)))
+    assert torch.equal(block_fp8_linear(x, q, s, act_fp8=True), block_fp8_linear_w8a8_ref(x, q, s))
+    assert not linear_w8a8_applies(x[:1].expand(4096, 300))
+    if CUDA:
+        xc = x[:1].cuda().bfloat16().expand(4096, 300)
+        with batch_invariant_mode():
+            assert not linear_w8a8_applies(xc)
+
+
 # (M, N, K, dtype, bias, tile override): N and K off the 128 grid; a BLOCK_N of 256 spans two scale
 # blocks, a BLOCK_K of 32 or 64 takes several K steps per scale block
 INTERPRET_CASES = [
@@ -110,6 +152,11 @@ INTERPRET_CASES = [
     (20, 64, 256, torch.float16, True, dict(block_m=16, block_n=32, block_k=32)),
     (33, 300, 140, torch.bfloat16, True, None),
     (0, 64, 64, torch.bfloat16, False, None),
+]
+# W8A8: K off the 128 grid (a partial last activation group), BLOCK_K 64 (two K steps per scale group)
+INTERPRET_W8A8_CASES = [
+    (9, 200, 300, torch.bfloat16, True, None),
+    (20, 64, 256, torch.float16, False, dict(block_m=16, block_n=32, block_k=64)),
 ]
 
 
@@ -164,6 +211,22 @@ def test_kernel_matches_ref_on_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_w8a8_kernel_matches_ref_on_gpu():
+    """W8A8 on DeepSeek-V2-Lite's and V3's dense shapes at prefill sizes (the default from
+    ``W8A8_FROM_ROWS`` rows) and on small and odd shapes with explicit ``act_fp8``."""
+    cases = [(m, n, k, torch.bfloat16, m == 300, None) for m in (300, 2048)
+             for n, k in ((3072, 2048), (576, 2048), (2048, 2048), (4096, 512), (1536, 7168), (7168, 2048))]
+    cases += [(1, 1000, 300, torch.bfloat16, True, None), (33, 1000, 300, torch.float16, False, None),
+              (200, 1000, 300, torch.float16, True, None)]
+    print(f"block_fp8_linear W8A8: max abs err {check_w8a8_kernel('cuda', cases):.2e}")
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(4096, 2048, generator=gen).to("cuda", torch.bfloat16)
+    q, s = quantize_block_fp8((torch.randn(3072, 2048, generator=gen) / 2048**0.5).cuda())
+    assert linear_w8a8_applies(x) and torch.equal(block_fp8_linear(x, q, s), block_fp8_linear(x, q, s, act_fp8=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_kernel_rows_do_not_depend_on_the_batch_on_gpu():
     """In batch-invariant mode a row's bits are the same alone or among 300 rows: every row count takes one
     tile set. Outside the mode the tiles follow the row count (16-row tiles run mma.sync on Hopper, larger
@@ -184,5 +247,6 @@ def test_kernel_rows_do_not_depend_on_the_batch_on_gpu():
 if __name__ == "__main__":
     if "--interpret" in sys.argv:
         print(f"max abs err {check_kernel('cpu', INTERPRET_CASES):.2e}")
+        print(f"W8A8 max abs err {check_w8a8_kernel('cpu', INTERPRET_W8A8_CASES):.2e}")
     else:
         sys.exit(pytest.main([__file__, "-m", "gpu", "-q", *sys.argv[1:]]))
