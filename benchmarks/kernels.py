@@ -374,27 +374,37 @@ MLA_TILELANG_TILES = [  # (block_n, threads, num_stages, min_split_tokens, gathe
 ]
 
 
+def mla_decode_inputs(batch: int, ctx: int) -> tuple:
+    """DeepSeek-V2-Lite's absorbed MLA decode inputs (16 heads, R 512, P 64, cache blocks of 16): a stack of
+    per-layer latent caches (enough layers to leave L2), the batch's metadata over randomly placed blocks, one
+    query token per request, the reference output on layer 0, and the latent bytes a layer reads.
+    Returns (cache [layers, blocks, 16, 576], meta, q_latent, q_pe, want float32, nbytes, layers)."""
+    from rayinfer.kernels.mla_attention import mla_decode_ref
+
+    heads, rank, rope, bs = 16, 512, 64, 16
+    nb = batch * math.ceil(ctx / bs)
+    layers = layers_for(nb * bs * (rank + rope) * 2)
+    cache = torch.randn((layers, nb, bs, rank + rope), device="cuda", dtype=DT)
+    perm = torch.randperm(nb).tolist()
+    per = nb // batch
+    meta = AttentionMetadata.build([1] * batch, [ctx] * batch, [perm[i * per:(i + 1) * per] for i in range(batch)],
+                                   bs, "cuda")
+    ql = torch.randn((batch, heads, rank), device="cuda", dtype=DT)
+    qp = torch.randn((batch, heads, rope), device="cuda", dtype=DT)
+    want = mla_decode_ref(ql, qp, cache[0], meta, 0.1).float()
+    return cache, meta, ql, qp, want, batch * ctx * (rank + rope) * 2, layers
+
+
 def sweep_mla_tiles(ceil) -> list[dict]:
     """DeepSeek-V2-Lite's absorbed MLA decode (16 heads, R 512, P 64, cache blocks of 16 as the engine's
     default) per tile set of each backend, at the split count a graph bounded by max_model_len 8192 gets:
     graph time per layer and the share of the measured copy bandwidth the latent cache reads reach."""
-    from rayinfer.kernels.mla_attention import _mla_decode_kernel, mla_decode_ref, mla_decode_triton
+    from rayinfer.kernels.mla_attention import _mla_decode_kernel, mla_decode_triton
     from rayinfer.kernels.mla_tilelang import mla_decode_tilelang, tilelang_available
 
-    heads, rank, rope, bs = 16, 512, 64, 16
     rows = []
     for batch, ctx in ((1, 1024), (1, 4096), (32, 1024), (32, 4096), (64, 4096), (128, 4096)):
-        nb = batch * math.ceil(ctx / bs)
-        layers = layers_for(nb * bs * (rank + rope) * 2)
-        cache = torch.randn((layers, nb, bs, rank + rope), device="cuda", dtype=DT)
-        perm = torch.randperm(nb).tolist()
-        per = nb // batch
-        meta = AttentionMetadata.build([1] * batch, [ctx] * batch, [perm[i * per:(i + 1) * per] for i in range(batch)],
-                                       bs, "cuda")
-        ql = torch.randn((batch, heads, rank), device="cuda", dtype=DT)
-        qp = torch.randn((batch, heads, rope), device="cuda", dtype=DT)
-        want = mla_decode_ref(ql, qp, cache[0], meta, 0.1).float()
-        nbytes = batch * ctx * (rank + rope) * 2
+        cache, meta, ql, qp, want, nbytes, layers = mla_decode_inputs(batch, ctx)
         cases = [("triton", dict(zip(_TRITON_KEYS, t))) for t in MLA_TRITON_TILES]
         if tilelang_available():
             cases += [("tilelang", dict(zip(("block_n", "threads", "num_stages", "min_split_tokens", "gather"), t)))
@@ -433,24 +443,13 @@ def sweep_mla_tilelang(ceil, budget_s: float = 330.0) -> list[dict]:
     Triton kernel's default, graph time per layer and the share of the copy bandwidth. Stops starting new
     TileLang compiles after ``budget_s`` seconds."""
     from rayinfer.kernels._triton_utils import device_sms
-    from rayinfer.kernels.mla_attention import mla_decode_ref, mla_decode_triton
+    from rayinfer.kernels.mla_attention import mla_decode_triton
     from rayinfer.kernels.mla_tilelang import mla_decode_tilelang, tilelang_available
 
-    heads, rank, rope, bs = 16, 512, 64, 16
     rows, start = [], time.time()
     keys = ("block_h", "block_n", "threads", "num_stages", "policy", "swizzle")
     for batch, ctx in ((32, 4096), (64, 4096), (128, 4096)):
-        nb = batch * math.ceil(ctx / bs)
-        layers = layers_for(nb * bs * (rank + rope) * 2)
-        cache = torch.randn((layers, nb, bs, rank + rope), device="cuda", dtype=DT)
-        perm = torch.randperm(nb).tolist()
-        per = nb // batch
-        meta = AttentionMetadata.build([1] * batch, [ctx] * batch, [perm[i * per:(i + 1) * per] for i in range(batch)],
-                                       bs, "cuda")
-        ql = torch.randn((batch, heads, rank), device="cuda", dtype=DT)
-        qp = torch.randn((batch, heads, rope), device="cuda", dtype=DT)
-        want = mla_decode_ref(ql, qp, cache[0], meta, 0.1).float()
-        nbytes = batch * ctx * (rank + rope) * 2
+        cache, meta, ql, qp, want, nbytes, layers = mla_decode_inputs(batch, ctx)
         one_wave = max(1, device_sms(ql) // batch)
         cases = [("triton", None, None)]
         if tilelang_available():
@@ -488,22 +487,11 @@ def sweep_mla_splits(ceil) -> list[dict]:
     split-KV factor (None: the default heuristic), warp count and pipeline depth: graph time per layer and the share of the
     measured copy bandwidth that the latent cache reads reach. A launch of P programs on S multiprocessors
     that hold one program each runs in ceil(P / S) waves, so the split factor sets the last wave's fill."""
-    from rayinfer.kernels.mla_attention import mla_decode_ref, mla_decode_triton
+    from rayinfer.kernels.mla_attention import mla_decode_triton
 
-    heads, rank, rope, bs = 16, 512, 64, 16
     rows = []
     for batch, ctx in ((32, 4096), (64, 4096), (128, 4096), (32, 1024)):
-        nb = batch * math.ceil(ctx / bs)
-        layers = layers_for(nb * bs * (rank + rope) * 2)
-        cache = torch.randn((layers, nb, bs, rank + rope), device="cuda", dtype=DT)
-        perm = torch.randperm(nb).tolist()
-        per = nb // batch
-        meta = AttentionMetadata.build([1] * batch, [ctx] * batch, [perm[i * per:(i + 1) * per] for i in range(batch)],
-                                       bs, "cuda")
-        ql = torch.randn((batch, heads, rank), device="cuda", dtype=DT)
-        qp = torch.randn((batch, heads, rope), device="cuda", dtype=DT)
-        want = mla_decode_ref(ql, qp, cache[0], meta, 0.1).float()
-        nbytes = batch * ctx * (rank + rope) * 2
+        cache, meta, ql, qp, want, nbytes, layers = mla_decode_inputs(batch, ctx)
         for warps, stages in ((4, 4), (4, 3), (4, 2), (8, 4)):
             for splits in (None, 1, 2, 3, 4, 5, 6, 8, 9, 12, 16):
                 cfg = {"num_warps": warps, "num_stages": stages}
@@ -537,23 +525,12 @@ def sweep_mla_swap(ceil) -> list[dict]:
     MMA) against the default tiles, per tile set and split-KV factor (None: the default heuristic; the others
     fill one or two waves of one program a multiprocessor): graph time per layer and the share of the
     measured copy bandwidth that the latent cache reads reach."""
-    from rayinfer.kernels.mla_attention import mla_decode_ref, mla_decode_triton
+    from rayinfer.kernels.mla_attention import mla_decode_triton
 
-    heads, rank, rope, bs = 16, 512, 64, 16
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for batch, ctx in ((32, 4096), (64, 4096), (128, 4096), (32, 1024), (1, 4096), (1, 1024)):
-        nb = batch * math.ceil(ctx / bs)
-        layers = layers_for(nb * bs * (rank + rope) * 2)
-        cache = torch.randn((layers, nb, bs, rank + rope), device="cuda", dtype=DT)
-        perm = torch.randperm(nb).tolist()
-        per = nb // batch
-        meta = AttentionMetadata.build([1] * batch, [ctx] * batch, [perm[i * per:(i + 1) * per] for i in range(batch)],
-                                       bs, "cuda")
-        ql = torch.randn((batch, heads, rank), device="cuda", dtype=DT)
-        qp = torch.randn((batch, heads, rope), device="cuda", dtype=DT)
-        want = mla_decode_ref(ql, qp, cache[0], meta, 0.1).float()
-        nbytes = batch * ctx * (rank + rope) * 2
+        cache, meta, ql, qp, want, nbytes, layers = mla_decode_inputs(batch, ctx)
         one_wave = max(1, sms // batch)
         cases = [({}, None)]
         for block_n, warps, stages in MLA_SWAP_TILES:
@@ -587,23 +564,12 @@ def sweep_mla_swap_few(ceil) -> list[dict]:
     kernel that sends each token with at least ``swap_min_keys`` keys to the swapped 64-key tiles (0: all of
     them), in graphs bounded by max_model_len 8192 as the engine's: graph time per layer and the share of the
     copy bandwidth."""
-    from rayinfer.kernels.mla_attention import mla_decode_ref, mla_decode_triton
+    from rayinfer.kernels.mla_attention import mla_decode_triton
 
-    heads, rank, rope, bs = 16, 512, 64, 16
     rows = []
     for batch in (1, 4):
         for ctx in (1024, 2048, 3072, 4096, 8192):
-            nb = batch * math.ceil(ctx / bs)
-            layers = layers_for(nb * bs * (rank + rope) * 2)
-            cache = torch.randn((layers, nb, bs, rank + rope), device="cuda", dtype=DT)
-            perm = torch.randperm(nb).tolist()
-            per = nb // batch
-            meta = AttentionMetadata.build([1] * batch, [ctx] * batch,
-                                           [perm[i * per:(i + 1) * per] for i in range(batch)], bs, "cuda")
-            ql = torch.randn((batch, heads, rank), device="cuda", dtype=DT)
-            qp = torch.randn((batch, heads, rope), device="cuda", dtype=DT)
-            want = mla_decode_ref(ql, qp, cache[0], meta, 0.1).float()
-            nbytes = batch * ctx * (rank + rope) * 2
+            cache, meta, ql, qp, want, nbytes, layers = mla_decode_inputs(batch, ctx)
             for cfg in ({}, {"swap_ab": True, "swap_min_keys": 0}, {"swap_ab": True, "swap_min_keys": 2048},
                         {"swap_ab": True, "swap_min_keys": 0, "num_stages": 3}):
                 run = lambda i=0, c=cfg: mla_decode_triton(ql, qp, cache[i], meta, 0.1, max_seq_len=8192,  # noqa: E731

@@ -83,16 +83,22 @@ def test_references_and_errors():
         block_fp8_linear(x[0], q, s, b[:5])
 
 
+def make_case(seed, m, n, k, dtype, bias, device):
+    """x [m, k] of ``dtype``, an [n, k] weight quantized to fp8 blocks (q, s), and a bias [n] or None."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
+    q, s = quantize_block_fp8((torch.randn(n, k, generator=gen) / k**0.5).to(device))
+    b = torch.randn(n, generator=gen).to(device=device, dtype=dtype) if bias else None
+    return x, q, s, b
+
+
 def check_kernel(device, cases) -> float:
     """Each (M, N, K, dtype, bias, tile config) through the kernel against the reference; the largest
     abs error. The reference takes the product in float64 over the dequantized weight (what the kernel
     computes in float32), so only x's dtype's output rounding separates them."""
     worst = 0.0
     for i, (m, n, k, dtype, bias, config) in enumerate(cases):
-        gen = torch.Generator().manual_seed(100 + i)
-        x = torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
-        q, s = quantize_block_fp8((torch.randn(n, k, generator=gen) / k**0.5).to(device))
-        b = torch.randn(n, generator=gen).to(device=device, dtype=dtype) if bias else None
+        x, q, s, b = make_case(100 + i, m, n, k, dtype, bias, device)
         got = block_fp8_linear(x, q, s, b, config, act_fp8=False)
         want = F.linear(x.double(), block_fp8_dequant_ref(q, s, torch.float64), None if b is None else b.double())
         assert got.dtype == dtype and got.shape == (m, n), f"case {i}"
@@ -111,10 +117,7 @@ def check_w8a8_kernel(device, cases) -> float:
     differs from the W8A16 reference by more than rounding; the largest abs error."""
     worst = 0.0
     for i, (m, n, k, dtype, bias, config) in enumerate(cases):
-        gen = torch.Generator().manual_seed(200 + i)
-        x = torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
-        q, s = quantize_block_fp8((torch.randn(n, k, generator=gen) / k**0.5).to(device))
-        b = torch.randn(n, generator=gen).to(device=device, dtype=dtype) if bias else None
+        x, q, s, b = make_case(200 + i, m, n, k, dtype, bias, device)
         got = block_fp8_linear(x, q, s, b, config, act_fp8=True)
         want = block_fp8_linear_w8a8_ref(x, q, s, b)
         assert got.dtype == dtype and got.shape == (m, n), f"case {i}"
