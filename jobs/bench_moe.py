@@ -287,7 +287,9 @@ AB_VARIANTS = {"default": {}, "no-pdl": {"RAYINFER_PDL": "0"}, "no-one-row": {"R
                   for n in (0, 1024, 2048, 3072, 4096, 6144, 8192)},
                "qk-norm-apart": {"@rayinfer.model.qwen3_moe.QK_NORM_IN_ROPE": "0"},
                "w8a16": {"@rayinfer.kernels.fused_moe.FP8_ACTIVATIONS": "0"},
-               "dense-w8a16": {"@rayinfer.kernels.block_fp8.W8A8_FROM_ROWS": "0"}}
+               "dense-w8a16": {"@rayinfer.kernels.block_fp8.W8A8_FROM_ROWS": "0"},
+               # fp8 one-row linears on block_fp8_linear and no one-row layers: the fp8 model before its GEMV
+               "no-fp8-gemv": {"@rayinfer.kernels.gemv.FP8_WEIGHTS": "0", "RAYINFER_ONE_ROW_FUSION": "0"}}
 
 
 @contextlib.contextmanager

@@ -34,6 +34,7 @@ from torch.nn import functional as F
 
 from rayinfer import envs
 from rayinfer.kernels.attention_metadata import AttentionMetadata
+from rayinfer.kernels import gemv
 from rayinfer.kernels.gemv import batched_linear, fused_linear, gemv_applies
 from rayinfer.kernels.matmul import dense_linear
 from rayinfer.kernels.mla_attention import ABSORBED_MAX_QUERY_LEN, mla_decode, mla_prefill, use_absorbed
@@ -185,15 +186,15 @@ class DeepseekV3Attention(nn.Module):
         """The attention after ``qkv_a_proj`` (:meth:`fuse_qkv_a`): qkv_a [T, rows of qkv_a_proj] (the
         query or q_lora's q_a, then the latent and k_pe) -> [T, H * v_head_dim], before ``o_proj``; writes
         this step's latents into ``kv_cache``. With one row in bf16/fp16 on the GPU, q_lora's q_b_proj
-        runs as one GEMV with q_a_layernorm in its prologue (``kernels.gemv.fused_linear``)."""
+        runs as one GEMV with q_a_layernorm in its prologue (``kernels.gemv.fused_linear``; fp8 blocks too)."""
         assert self.qkv_a_proj is not None
         q_or_q_a, kv_a = qkv_a.split(
             [self.qkv_a_proj.out_features - self.kv_lora_rank - self.rope_dim, self.kv_lora_rank + self.rope_dim], -1)
         if self.q_lora_rank is None:
             q = q_or_q_a
-        elif gemv_applies(q_or_q_a, self.q_b_proj.weight):
+        elif gemv_applies(q_or_q_a, self.q_b_proj.weight, scale := self.q_b_proj._parameters.get(SCALE_SUFFIX)):
             norm = self.q_a_layernorm
-            q = fused_linear(q_or_q_a, self.q_b_proj.weight, norm_weight=norm.weight, eps=norm.eps)
+            q = fused_linear(q_or_q_a, self.q_b_proj.weight, norm_weight=norm.weight, eps=norm.eps, weight_scale=scale)
         else:
             q = linear(self.q_a_layernorm(q_or_q_a), self.q_b_proj)
         return self._attend(q, kv_a, cos, sin, kv_cache, meta)
@@ -300,16 +301,19 @@ class DeepseekV3DecoderLayer(PreNormDecoderLayer):
         runs in the router kernel's prologue, which also stores the normed row for the experts
         (:meth:`DeepseekV3MoE.forward_norm_residual`), and the MoE output is added into ``h`` by the
         fused MoE kernel's last launch. Needs ``qkv_a_proj`` (:meth:`DeepseekV3Attention.fuse_qkv_a`)
-        and 16-bit attention weights (:meth:`DeepseekV3ForCausalLM.process_weights_after_loading` checks).
+        (:meth:`DeepseekV3ForCausalLM.process_weights_after_loading` checks); fp8 block weights of
+        ``qkv_a_proj`` / ``o_proj`` take the GEMV's fp8 form (their ``weight_scale_inv``).
         Same result as :meth:`forward` up to rounding (the normalized input of qkv_a_proj is not rounded
         to the model dtype).
         """
         attn = self.self_attn
         assert attn.qkv_a_proj is not None
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-        qkv_a = fused_linear(h, attn.qkv_a_proj.weight, attn.qkv_a_proj.bias, norm_weight=norm1.weight, eps=norm1.eps)
+        qkv_a = fused_linear(h, attn.qkv_a_proj.weight, attn.qkv_a_proj.bias, norm_weight=norm1.weight, eps=norm1.eps,
+                             weight_scale=attn.qkv_a_proj._parameters.get(SCALE_SUFFIX))
         out = attn.attend(qkv_a, cos, sin, kv_cache, meta)
-        fused_linear(out, attn.o_proj.weight, attn.o_proj.bias, residual=h)
+        fused_linear(out, attn.o_proj.weight, attn.o_proj.bias, residual=h,
+                     weight_scale=attn.o_proj._parameters.get(SCALE_SUFFIX))
         if isinstance(self.mlp, DeepseekV3MoE):
             self.mlp.forward_norm_residual(h, norm2)
         else:
@@ -405,8 +409,8 @@ class DeepseekV3ForCausalLM(MoEModelMixin, PagedCausalLM):
         """:meth:`PagedCausalLM.forward`; a one-token step on the GPU in bf16/fp16 (batch-1 decode) runs
         each layer through :meth:`DeepseekV3DecoderLayer.forward_one_row` when ``one_row_fusion`` holds."""
         if input_ids.shape[0] == 1 and self.one_row_fusion:
-            w = cast(DeepseekV3DecoderLayer, self.model.layers[0]).self_attn.o_proj.weight
-            if gemv_applies(w[:1], w):  # w[:1] stands in for the [1, hidden] embedding row
+            w = self.model.embed_tokens.weight
+            if gemv_applies(w[:1], w):  # the [1, hidden] embedding row: 16-bit on a GPU, not batch-invariant
                 hidden = self.model.embed_tokens(input_ids)
                 cos, sin = self.rope_args(positions, hidden)
                 for i, layer in enumerate(self.model.layers):
@@ -421,7 +425,7 @@ class DeepseekV3ForCausalLM(MoEModelMixin, PagedCausalLM):
         RAYINFER_FUSE_SHARED_EXPERTS=0). A model built and loaded by hand runs unfused, with the same
         outputs up to float summation order. Then turns on ``one_row_fusion`` (unless
         RAYINFER_ONE_ROW_FUSION=0) when every layer's attention has ``qkv_a_proj`` and its GEMV-read
-        weights (``qkv_a_proj``, ``o_proj``, q_lora's ``q_b_proj``) are not fp8 blocks."""
+        weights (``qkv_a_proj``, ``o_proj``) are 16-bit, or fp8 blocks with ``kernels.gemv.FP8_WEIGHTS``."""
         for module in list(self.modules()):
             if isinstance(module, DeepseekV3Attention):
                 module.fuse_qkv_a()
@@ -429,8 +433,8 @@ class DeepseekV3ForCausalLM(MoEModelMixin, PagedCausalLM):
                 module.fuse_shared_experts()
         attns = [cast(DeepseekV3DecoderLayer, layer).self_attn for layer in self.model.layers]
         self.one_row_fusion = envs.one_row_fusion() and all(
-            a.qkv_a_proj is not None and not any(SCALE_SUFFIX in m._parameters for m in
-                                                 (a.qkv_a_proj, a.o_proj, getattr(a, "q_b_proj", a.o_proj)))
+            a.qkv_a_proj is not None and (bool(gemv.FP8_WEIGHTS) or not any(
+                SCALE_SUFFIX in m._parameters for m in (a.qkv_a_proj, a.o_proj)))
             for a in attns)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:

@@ -29,6 +29,7 @@ from rayinfer.kernels.block_fp8 import (
     quantize_block_fp8,
     scale_shape,
 )
+from rayinfer.kernels.gemv import fused_linear, gemv_applies
 from rayinfer.kernels.matmul import dense_linear
 
 SCALE_SUFFIX = "weight_scale_inv"
@@ -146,7 +147,7 @@ def quantize_linears(model: nn.Module, config: BlockFp8Config) -> list[str]:
 
 def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     """The model's linear layer: :func:`~rayinfer.kernels.block_fp8.block_fp8_linear` when ``layer``
-    carries ``weight_scale_inv``, else :func:`~rayinfer.kernels.matmul.dense_linear` (batch-invariant
+    carries ``weight_scale_inv`` (one row on a GPU: the fp8 GEMV, ``kernels.gemv.fused_linear``), else :func:`~rayinfer.kernels.matmul.dense_linear` (batch-invariant
     mode included).
 
     x: [..., K]; layer: an ``nn.Linear`` [N, K] (fp8 + scales, or x's dtype). Returns [..., N], x's dtype.
@@ -154,7 +155,11 @@ def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     scale_inv = layer._parameters.get(SCALE_SUFFIX)  # a dict lookup: Module.__getattr__ costs more per call
     if scale_inv is None:
         return dense_linear(x, layer.weight, layer.bias)
-    y = block_fp8_linear(x.reshape(-1, x.shape[-1]), layer.weight, scale_inv, layer.bias)
+    rows = x.reshape(-1, x.shape[-1])
+    if gemv_applies(rows, layer.weight, scale_inv):  # one row on a GPU: the GEMV streams the fp8 weight
+        y = fused_linear(rows, layer.weight, layer.bias, weight_scale=scale_inv)
+    else:
+        y = block_fp8_linear(rows, layer.weight, scale_inv, layer.bias)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 

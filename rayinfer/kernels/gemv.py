@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from rayinfer.kernels._triton_utils import pdl_launch, pdl_wait, tl, triton, use_pdl, use_triton
 from rayinfer.kernels.activation import silu_and_mul, silu_and_mul_ref
 from rayinfer.kernels.batch_invariant import is_batch_invariant
+from rayinfer.kernels.block_fp8 import FP8_DTYPE, WEIGHT_BLOCK, block_fp8_linear
 from rayinfer.kernels.matmul import dense_batched_linear, dense_linear
 from rayinfer.kernels.norm import rms_norm, rms_norm_ref
 
@@ -107,11 +108,28 @@ def _gemv_input(x_ptr, norm_w_ptr, ks, k_ok, K, ss, SILU_AND_MUL: tl.constexpr, 
 
 
 @triton.jit
+def _gemv_tile(w, a, rn, n_ok, k0, K, scale_ptr, stride_sn, stride_sk, FP8_SCALES: tl.constexpr,
+               SCALE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One K tile's products summed per output row, float32 [BLOCK_N]. FP8_SCALES: w is an fp8 tile of a
+    block-quantized weight; each SCALE_BLOCK-column run is summed, then scaled by its (row, column) block's
+    ``scale_inv`` (BLOCK_K is a multiple of SCALE_BLOCK)."""
+    prod = w.to(tl.float32) * a[None, :]
+    if FP8_SCALES:
+        runs = tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // SCALE_BLOCK, SCALE_BLOCK)), 2)
+        kb = k0 // SCALE_BLOCK + tl.arange(0, BLOCK_K // SCALE_BLOCK)
+        s = tl.load(scale_ptr + (rn // SCALE_BLOCK)[:, None] * stride_sn + kb[None, :] * stride_sk,
+                    mask=n_ok[:, None] & (kb * SCALE_BLOCK < K)[None, :], other=0.0)
+        return tl.sum(runs * s, 1)
+    return tl.sum(prod, 1)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, bias_ptr, norm_w_ptr, res_ptr, y_ptr, N, K, stride_wn, eps,
     SILU_AND_MUL: tl.constexpr, RMS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, FP8_SCALES: tl.constexpr = False, scale_ptr=None, stride_sn=0, stride_sk=0,
+    SCALE_BLOCK: tl.constexpr = 128,
 ):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
@@ -129,7 +147,7 @@ def _gemv_kernel(
     pdl_wait(USE_PDL)
     ss = tl.zeros([BLOCK_K], tl.float32)
     a, ss = _gemv_input(x_ptr, norm_w_ptr, rk, k_ok, K, ss, SILU_AND_MUL, RMS_NORM)
-    acc = tl.sum(w.to(tl.float32) * a[None, :], 1)
+    acc = _gemv_tile(w, a, rn, n_ok, 0, K, scale_ptr, stride_sn, stride_sk, FP8_SCALES, SCALE_BLOCK, BLOCK_N, BLOCK_K)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         ks = k0 + rk
         k_ok = ks < K
@@ -138,7 +156,8 @@ def _gemv_kernel(
             w = tl.load(w_rows + ks[None, :])
         else:
             w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * a[None, :], 1)
+        acc += _gemv_tile(w, a, rn, n_ok, k0, K, scale_ptr, stride_sn, stride_sk, FP8_SCALES, SCALE_BLOCK, BLOCK_N,
+                          BLOCK_K)
     if RMS_NORM:
         acc = acc * tl.rsqrt(tl.sum(ss, 0) / K + eps)
     if HAS_BIAS:
@@ -167,12 +186,14 @@ def _choose_config(n: int, k: int, pdl: bool = True) -> dict:
 
 
 def fused_linear_triton(x, weight, bias=None, *, norm_weight=None, eps=1e-6, silu_and_mul_input=False,
-                        residual=None, config=None):
+                        residual=None, config=None, weight_scale=None):
     """Triton kernel of :func:`fused_linear_ref` for one row (x: [1, K] or [1, 2K]).
 
     With ``residual`` ([1, N], x's dtype) the sum is written into ``residual`` in place and returned.
     ``config`` overrides the tiles (block_n, block_k, num_warps, num_stages) and ``pdl`` (bool: launch
-    with programmatic dependent launch; default :func:`use_pdl`).
+    with programmatic dependent launch; default :func:`use_pdl`). ``weight_scale``: ``weight`` is
+    float8_e4m3fn in 128 x 128 blocks with this float32 ``scale_inv`` [ceil(N/128), ceil(K/128)]
+    (``kernels.block_fp8``'s format), dequantized in the K loop (half the bytes of a 16-bit weight).
     """
     _check_prologue(norm_weight, silu_and_mul_input)
     n, k = weight.shape
@@ -187,13 +208,18 @@ def fused_linear_triton(x, weight, bias=None, *, norm_weight=None, eps=1e-6, sil
     pdl = bool((config or {}).get("pdl", use_pdl(x)))
     cfg = {**_choose_config(n, k, pdl), **(config or {})}
     block_k = min(cfg["block_k"], max(16, triton.next_power_of_2(k)))
+    fp8 = {}
+    if weight_scale is not None:  # whole 128-column scale blocks per K tile
+        block_k = max(block_k, WEIGHT_BLOCK[1])
+        fp8 = dict(FP8_SCALES=True, scale_ptr=weight_scale, stride_sn=weight_scale.stride(0),
+                   stride_sk=weight_scale.stride(1), SCALE_BLOCK=WEIGHT_BLOCK[1])
     _gemv_kernel[(triton.cdiv(n, cfg["block_n"]),)](
         x, weight, bias if bias is not None else weight, norm_weight if norm_weight is not None else weight,
         y, y, n, k, weight.stride(0), float(eps),
         SILU_AND_MUL=silu_and_mul_input, RMS_NORM=norm_weight is not None, HAS_BIAS=bias is not None,
         ADD_RESIDUAL=residual is not None,
         BLOCK_N=cfg["block_n"], BLOCK_K=block_k, EVEN_N=n % cfg["block_n"] == 0, EVEN_K=k % block_k == 0,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(pdl),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(pdl), **fp8,
     )
     return y
 
@@ -208,16 +234,24 @@ def silu_and_mul_linear_triton(x, weight, bias=None, config=None):
     return fused_linear_triton(x, weight, bias, silu_and_mul_input=True, config=config)
 
 
-def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+# A/B switch (jobs/bench_moe.py variant "no-fp8-gemv"): 1 runs one-row calls of fp8 block weights through the
+# GEMV (the scales applied in its K loop); 0 leaves them to kernels.block_fp8.block_fp8_linear.
+FP8_WEIGHTS = 1
+
+
+def gemv_applies(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None) -> bool:
     """Whether the dispatchers take the Triton GEMV: one row of bf16/fp16 on CUDA, a row-major weight of
-    the same dtype. float32 stays on cuBLAS (the GPU-vs-CPU equality tests run in float32). Never in
-    batch-invariant mode: a row must be computed as it is in a batch (see ``kernels.matmul``)."""
+    the same dtype (or, with ``weight_scale``, float8_e4m3fn blocks and ``FP8_WEIGHTS``). float32 stays on
+    cuBLAS (the GPU-vs-CPU equality tests run in float32). Never in batch-invariant mode: a row must be
+    computed as it is in a batch (see ``kernels.matmul``)."""
+    wanted = x.dtype if weight_scale is None else FP8_DTYPE
     return (
         not is_batch_invariant()
+        and (weight_scale is None or bool(FP8_WEIGHTS))
         and x.dim() == 2
         and x.shape[0] == 1
         and x.dtype in (torch.bfloat16, torch.float16)
-        and weight.dtype == x.dtype
+        and weight.dtype == wanted
         and weight.dim() == 2
         and weight.stride(-1) == 1
         and x.is_cuda
@@ -236,15 +270,19 @@ def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return fused_linear(x, weight, bias, silu_and_mul_input=True)
 
 
-def fused_linear(x, weight, bias=None, *, norm_weight=None, eps=1e-6, silu_and_mul_input=False, residual=None):
+def fused_linear(x, weight, bias=None, *, norm_weight=None, eps=1e-6, silu_and_mul_input=False, residual=None,
+                 weight_scale=None):
     """Same contract as :func:`fused_linear_ref`, except that ``residual``, when given, is updated in
     place (and returned); one Triton kernel when :func:`gemv_applies`, else the unfused kernels
-    (RMSNorm, activation, cuBLAS or in batch-invariant mode the persistent matmul, add)."""
-    if gemv_applies(x, weight) and (residual is None or (residual.dtype == x.dtype and residual.stride(-1) == 1)):
+    (RMSNorm, activation, cuBLAS or in batch-invariant mode the persistent matmul, add). ``weight_scale``:
+    ``weight`` is fp8 blocks with this ``scale_inv`` (the reference is the dequantized weight's; the
+    unfused path runs ``kernels.block_fp8.block_fp8_linear``)."""
+    if gemv_applies(x, weight, weight_scale) and (
+            residual is None or (residual.dtype == x.dtype and residual.stride(-1) == 1)):
         return fused_linear_triton(x, weight, bias, norm_weight=norm_weight, eps=eps,
-                                   silu_and_mul_input=silu_and_mul_input, residual=residual)
+                                   silu_and_mul_input=silu_and_mul_input, residual=residual, weight_scale=weight_scale)
     x = _prologue(x, norm_weight, eps, silu_and_mul_input, rms_norm, silu_and_mul)
-    y = dense_linear(x, weight, bias)
+    y = dense_linear(x, weight, bias) if weight_scale is None else block_fp8_linear(x, weight, weight_scale, bias)
     if residual is None:
         return y
     residual.add_(y)

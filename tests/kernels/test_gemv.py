@@ -98,6 +98,44 @@ def test_ref_is_silu_then_linear():
     torch.testing.assert_close(silu_and_mul_linear_ref(x, w, b).double(), want, atol=1e-4, rtol=1e-4)
 
 
+def check_fp8(device, cases, config=None) -> float:
+    """The GEMV on fp8 blocks (``weight_scale``) against the reference on the dequantized weight, with each
+    prologue and the residual epilogue: (N, K, dtype, bias) with N and K off the 128 grid among them."""
+    from rayinfer.kernels.block_fp8 import block_fp8_dequant_ref, quantize_block_fp8
+
+    worst = 0.0
+    for i, (n, k, dtype, bias) in enumerate(cases):
+        gen = torch.Generator().manual_seed(400 + i)
+        norm_w = (torch.rand(k, generator=gen) + 0.5).to(device=device, dtype=dtype)
+        residual = torch.randn((1, n), generator=gen).to(device=device, dtype=dtype)
+        for prologue in ("norm", "silu", None):
+            x, w, b = make_case(n, k, torch.float32, device, 500 + i, bias, gated=prologue == "silu")
+            q, s = quantize_block_fp8(w)
+            wd = block_fp8_dequant_ref(q, s, torch.float32)  # what the kernel multiplies, in float32
+            x, b = x.to(dtype) * 3.0, None if b is None else b.to(dtype)
+            kw = dict(norm_weight=norm_w if prologue == "norm" else None, eps=1e-5, silu_and_mul_input=prologue == "silu")
+            want = fused_linear_ref(x.float(), wd, None if b is None else b.float(),
+                                    **{**kw, "norm_weight": None if kw["norm_weight"] is None else norm_w.float()},
+                                    residual=residual.float()).to(dtype)
+            got = fused_linear_triton(x, q, b, **kw, residual=residual.clone(), config=config, weight_scale=s)
+            worst = max(worst, close(got, want, f"fp8 case {i} {prologue} prologue + residual"))
+    return worst
+
+
+def test_fp8_dispatch_falls_back_off_the_gpu():
+    """fp8 blocks on a CPU (no interpreter) take block_fp8_linear after the unfused prologue; the GEMV's
+    rule wants an fp8 weight with a scale and one 16-bit row."""
+    from rayinfer.kernels.block_fp8 import block_fp8_linear_ref, quantize_block_fp8
+
+    x, w, _ = make_case(200, 300, torch.float32, "cpu", 7)
+    q, s = quantize_block_fp8(w)
+    assert not gemv_applies(x.bfloat16(), q, s) and not gemv_applies(x.bfloat16(), w.bfloat16(), s)
+    assert torch.equal(fused_linear(x, q, weight_scale=s), block_fp8_linear_ref(x, q, s))
+    if CUDA:
+        xc, qc, sc = x.cuda().bfloat16(), q.cuda(), s.cuda()
+        assert gemv_applies(xc, qc, sc) and not gemv_applies(xc, qc)
+
+
 def test_dispatch_rules():
     """CPU tensors (no interpreter) take the references; more than one row or float32 stays on cuBLAS."""
     x, w, _ = make_case(32, 64, torch.bfloat16, "cpu", 1)
@@ -178,6 +216,22 @@ def check_batched(device, dtype, heads=4, rows=(1, 3), nope=24, rank=40, v=20) -
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_fp8_gemv_on_gpu():
+    """fp8 blocks at DeepSeek-V2-Lite's one-row shapes (qkv_a 3648 x 2048 with the norm, o_proj with the
+    residual) and odd ones, through the dispatcher too."""
+    from rayinfer.kernels.block_fp8 import block_fp8_linear, quantize_block_fp8
+
+    cases = [(3648, 2048, torch.bfloat16, False), (2048, 2048, torch.bfloat16, False), (1000, 300, torch.float16, True),
+             (4096, 7168, torch.bfloat16, False)]
+    print(f"fp8 gemv: max abs err {check_fp8('cuda', cases):.2e}")
+    x, w, _ = make_case(3072, 2048, torch.bfloat16, "cuda", 9)
+    q, s = quantize_block_fp8(w.float())
+    torch.testing.assert_close(fused_linear(x, q, weight_scale=s).float(), block_fp8_linear(x, q, s).float(),
+                               atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_batched_gemv_on_gpu():
     from rayinfer.kernels.gemv import batched_linear
 
@@ -201,6 +255,10 @@ if __name__ == "__main__":
         # rank 520: W_UV's K loop takes a second (partial) 512-column step
         err_b = max(check_batched("cpu", torch.float32),
                     check_batched("cpu", torch.float32, heads=1, rows=(1,), rank=520))
-        print(f"max abs err {err:.2e}, batched {err_b:.2e}")
+        # fp8 blocks: N and K off the 128 grid (partial scale blocks), K tiles of one and of several blocks
+        fp8_cases = [(200, 300, torch.float32, True), (130, 640, torch.float32, False)]
+        err_f = max(check_fp8("cpu", fp8_cases), check_fp8("cpu", fp8_cases, dict(block_n=16, block_k=256,
+                                                                                   num_warps=4, num_stages=2)))
+        print(f"max abs err {err:.2e}, batched {err_b:.2e}, fp8 {err_f:.2e}")
     else:
         sys.exit(pytest.main([__file__, "-m", "gpu", "-q", *sys.argv[1:]]))

@@ -218,12 +218,16 @@ def test_mtp_forward_matches_its_formula(variant, paged):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def _one_row_vs_generic(device, dtype, **cfg_kw):
+def _one_row_vs_generic(device, dtype, fp8=False, **cfg_kw):
     """Hidden states of a decode token through the one-row path (``forward_one_row``: GEMVs with the
     norms and residual adds fused in, the MoE sum added into the residual stream) and the generic path,
-    from the same cache after a 9-token prefill; and how many layers took the one-row path."""
+    from the same cache after a 9-token prefill; and how many layers took the one-row path. ``fp8``: the
+    linears and experts in 128 x 128 fp8 blocks, the generic path's one-row linears on block_fp8_linear
+    (``kernels.gemv.FP8_WEIGHTS`` = 0), the one-row path's on the fp8 GEMV."""
+    from rayinfer.kernels import gemv
     from rayinfer.kernels.attention_metadata import AttentionMetadata
     from rayinfer.model.deepseek_v3 import DeepseekV3DecoderLayer
+    from rayinfer.model.quantization import BlockFp8Config, quantize_linears
 
     cfg = tiny_config(**cfg_kw)
     _, model = make_pair(cfg, seed=3)
@@ -234,6 +238,8 @@ def _one_row_vs_generic(device, dtype, **cfg_kw):
     model.process_weights_after_loading()  # qkv_a_proj, shared experts fused, one_row_fusion decided
     assert model.one_row_fusion
     model = model.to(device=device, dtype=dtype)
+    if fp8:
+        quantize_linears(model, BlockFp8Config())
     kv = torch.zeros(model.kv_cache_shape(8, BLOCK_SIZE), device=device, dtype=dtype)
     ids = torch.randint(0, 128, (10,), generator=torch.Generator().manual_seed(0)).to(device)
     table = [3, 1, 6]
@@ -250,7 +256,11 @@ def _one_row_vs_generic(device, dtype, **cfg_kw):
         meta = AttentionMetadata.build([1], [10], [table], BLOCK_SIZE, device=device)
         pos = torch.arange(9, 10, device=device)
         model.one_row_fusion = False
-        generic = model(ids[9:], pos, kv.clone(), meta)
+        saved, gemv.FP8_WEIGHTS = gemv.FP8_WEIGHTS, 0 if fp8 else gemv.FP8_WEIGHTS
+        try:
+            generic = model(ids[9:], pos, kv.clone(), meta)
+        finally:
+            gemv.FP8_WEIGHTS = saved
         model.one_row_fusion = True
         DeepseekV3DecoderLayer.forward_one_row = counting
         try:
@@ -276,12 +286,20 @@ def test_one_row_path_matches_generic_forward(q_lora_rank):
     torch.testing.assert_close(direct, generic, rtol=1e-5, atol=1e-5)
 
 
+def test_one_row_path_with_fp8_weights_matches_generic_forward():
+    """fp8 block weights: forward_one_row passes each projection's scales (on CPU to block_fp8_linear)."""
+    generic, fused, direct, calls = _one_row_vs_generic("cpu", torch.float32, fp8=True, q_lora_rank=48)
+    assert calls == 3
+    torch.testing.assert_close(direct, generic, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("q_lora_rank", [48, None])
-def test_one_row_path_matches_generic_forward_on_gpu(q_lora_rank):
-    """bf16 on the GPU: the GEMV kernels and the fused MoE's residual add take every layer of forward."""
-    generic, fused, direct, calls = _one_row_vs_generic("cuda", torch.bfloat16, q_lora_rank=q_lora_rank)
+@pytest.mark.parametrize("q_lora_rank,fp8", [(48, False), (None, False), (48, True), (None, True)])
+def test_one_row_path_matches_generic_forward_on_gpu(q_lora_rank, fp8):
+    """bf16 on the GPU: the GEMV kernels and the fused MoE's residual add take every layer of forward;
+    with fp8 block weights, the fp8 GEMV (scales in its K loop) against block_fp8_linear's one-row calls."""
+    generic, fused, direct, calls = _one_row_vs_generic("cuda", torch.bfloat16, fp8=fp8, q_lora_rank=q_lora_rank)
     assert calls == 6  # 3 layers through forward, 3 through the direct loop
     torch.testing.assert_close(fused.float(), generic.float(), rtol=3e-2, atol=3e-2)
     torch.testing.assert_close(direct.float(), fused.float(), rtol=3e-2, atol=3e-2)
