@@ -114,9 +114,11 @@ def check_fp8(device, cases, config=None) -> float:
             wd = block_fp8_dequant_ref(q, s, torch.float32)  # what the kernel multiplies, in float32
             x, b = x.to(dtype) * 3.0, None if b is None else b.to(dtype)
             kw = dict(norm_weight=norm_w if prologue == "norm" else None, eps=1e-5, silu_and_mul_input=prologue == "silu")
-            want = fused_linear_ref(x.float(), wd, None if b is None else b.float(),
-                                    **{**kw, "norm_weight": None if kw["norm_weight"] is None else norm_w.float()},
-                                    residual=residual.float()).to(dtype)
+            # the float32 product rounded to x's dtype, then the residual added (the kernel's and the
+            # 16-bit reference's order: near-cancelling sums show a rounding of the product otherwise)
+            y = fused_linear_ref(x.float(), wd, None if b is None else b.float(),
+                                 **{**kw, "norm_weight": None if kw["norm_weight"] is None else norm_w.float()})
+            want = (y.to(dtype).float() + residual.float()).to(dtype)
             got = fused_linear_triton(x, q, b, **kw, residual=residual.clone(), config=config, weight_scale=s)
             worst = max(worst, close(got, want, f"fp8 case {i} {prologue} prologue + residual"))
     return worst
