@@ -327,9 +327,10 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
 
 def _run(cfg: BenchConfig) -> dict[str, Any]:
     from rayinfer.engine.llm_engine import LLMEngine, resolve_device
-    from rayinfer.model.loader import load_config, parse_dtype
+    from rayinfer.model.loader import check_quantization, load_config, parse_dtype
 
     t_start = time.perf_counter()
+    check_quantization(load_config(cfg.model.model), cfg.model.quantization)  # before any engine starts
     device = resolve_device(cfg.engine.device)
     dtype = parse_dtype(cfg.model.dtype, device)
     kv_bytes = 1 if cfg.engine.kv_cache_dtype == "fp8" else None

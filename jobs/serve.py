@@ -36,10 +36,11 @@ def run(cfg: ServeConfig, blocking: bool = True) -> int:
     from ray import serve
 
     from rayinfer.actors.cluster import init_ray
-    from rayinfer.model.loader import resolve_model
+    from rayinfer.model.loader import check_quantization, load_config, resolve_model
     from rayinfer.serve.app import build_app_from_config
 
     resolve_model(cfg.model.model)  # unknown model: ValueError now; converts the default model once
+    check_quantization(load_config(cfg.model.model), cfg.model.quantization)  # fp8 on a model without fp8 layers
     print(init_ray(cfg.ray, logging_config=ray.LoggingConfig(encoding="TEXT", log_level="INFO"),
                    logging_level=logging.WARNING), flush=True)
     serve.start(http_options={"host": cfg.host, "port": cfg.port})

@@ -21,7 +21,7 @@ from torch import nn
 from rayinfer.kernels.block_fp8 import FP8_DTYPE, quantize_block_fp8
 from rayinfer.model.default_model import DEFAULT_MODEL, GEMMA3_270M, ensure_default_model, ensure_gguf_model
 from rayinfer.model.quantization import SCALE_SUFFIX, quantize_linears, resolve_quantization
-from rayinfer.model.registry import get_model_class
+from rayinfer.model.registry import ARCHITECTURES, get_model_class
 from rayinfer.model.shapes import SHAPES, shape_config, shape_name
 
 DEFAULT_ALIASES = (DEFAULT_MODEL.lower(), "default", "smollm2")
@@ -68,6 +68,23 @@ def load_config(model: str | Path) -> transformers.PretrainedConfig:
     if isinstance(resolved, str):
         return shape_config(resolved)
     return transformers.AutoConfig.from_pretrained(resolved, local_files_only=True)
+
+
+def check_quantization(config: transformers.PretrainedConfig, quantization: str | None):
+    """:func:`~rayinfer.model.quantization.resolve_quantization` for ``config``'s architecture, refusing
+    block fp8 where the architecture has no fp8 layers (jobs call it before any work).
+
+    Returns: the block config, or None for the model dtype.
+    Raises: ValueError for an unknown ``quantization``, an unsupported checkpoint ``quantization_config``,
+        an unknown architecture, or fp8 on an architecture without fp8 layers (naming the supported ones)."""
+    block_fp8 = resolve_quantization(quantization, config)
+    if block_fp8 is not None:
+        arch = (getattr(config, "architectures", None) or ["(none)"])[0]
+        if not getattr(get_model_class(arch), "supports_block_fp8", False):
+            supported = sorted(a for a in ARCHITECTURES if getattr(get_model_class(a), "supports_block_fp8", False))
+            raise ValueError(f"model.quantization: {arch} has no fp8 block-quantized layers (quantization='fp8' or a "
+                             f"checkpoint quantization_config); architectures with them: {supported}")
+    return block_fp8
 
 
 def parse_dtype(dtype: str | torch.dtype, device: str | torch.device | None = None) -> torch.dtype:
@@ -137,7 +154,7 @@ def load_model(
     arch = (getattr(config, "architectures", None) or [None])[0]
     if arch is None:
         raise ValueError(f"config of model '{model}' names no architectures")
-    block_fp8 = resolve_quantization(quantization, config)
+    block_fp8 = check_quantization(config, quantization)
     with _params_on_meta():
         net = get_model_class(arch)(config, **(model_kwargs or {}))
     if block_fp8 is not None:

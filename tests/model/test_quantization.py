@@ -20,7 +20,7 @@ from rayinfer.kernels.attention_metadata import AttentionMetadata
 from rayinfer.kernels.block_fp8 import block_fp8_dequant_ref, quantize_block_fp8
 from rayinfer.kernels.fused_moe import dequant_w13, quantize_w13
 from rayinfer.model.deepseek_v3 import DeepseekV3ForCausalLM
-from rayinfer.model.loader import load_model
+from rayinfer.model.loader import check_quantization, load_config, load_model
 from rayinfer.model.quantization import BlockFp8Config, parse_quantization_config, quantizable_linears
 
 FP8 = torch.float8_e4m3fn
@@ -266,8 +266,13 @@ def test_refusals_through_the_loader(tmp_path):
     with pytest.raises(ValueError, match="quantization must be one of"):
         ModelConfig(quantization="int8")
     assert ModelConfig(quantization="fp8").quantization == "fp8"
-    with pytest.raises(ValueError, match="LlamaForCausalLM does not support fp8"):
+    with pytest.raises(ValueError, match="LlamaForCausalLM has no fp8 block-quantized layers.*Qwen3MoeForCausalLM"):
         load_model("llama-tiny", torch.float32, "cpu", "dummy", quantization="fp8")
+    # the jobs' check before any work: the same refusal from the config alone, nothing for a supported one
+    with pytest.raises(ValueError, match="model.quantization: LlamaForCausalLM"):
+        check_quantization(load_config("llama-tiny"), "fp8")
+    assert check_quantization(load_config("qwen3-moe-tiny"), "fp8") is not None
+    assert check_quantization(load_config("llama-tiny"), None) is None
     # an fp8 expert weight without its scale, with quantization="none" (its dequantization waits for it)
     expert = "model.layers.1.mlp.experts.0.up_proj"
     save_checkpoint(tmp_path, cfg, {k: v for k, v in state.items() if k != f"{expert}.weight_scale_inv"}, DEEPSEEK_FP8)
