@@ -12,7 +12,11 @@ be 15/16 padding). :func:`fused_linear` adds, as TensorRT-LLM's and vLLM's decod
 - a SiLU-and-mul prologue (``silu(gate) * up`` from the gate/up projection's output);
 - a residual-add epilogue that writes ``residual + y`` into the residual stream in place;
 - programmatic dependent launch (:func:`rayinfer.kernels._triton_utils.use_pdl`): the first weight tile
-  is requested before waiting on the previous kernel, so the weight stream starts during its tail.
+  is requested before waiting on the previous kernel, so the weight stream starts during its tail;
+- fp8 block weights (``weight_scale``, DeepSeek-V3's 128 x 128 blocks of ``kernels.block_fp8``): each
+  128-column run of a K tile is summed in float32 and scaled by its block's ``scale_inv``, so a one-row
+  call streams one byte per weight (an H200's fp8 V2-Lite decodes a token in 1.91-1.96 ms with it, 2.27-2.36
+  without: ``benchmarks/README.md``, thirteenth round).
 
 :meth:`rayinfer.model.llama.LlamaDecoderLayer.forward_one_row` builds a whole layer from four of these
 plus RoPE/KV write and attention. On an H200 a batch-1 Llama-3-8B decode step takes 4.08 ms with them
