@@ -330,12 +330,13 @@ def _run(cfg: BenchConfig) -> dict[str, Any]:
     from rayinfer.model.loader import check_quantization, load_config, parse_dtype
 
     t_start = time.perf_counter()
-    check_quantization(load_config(cfg.model.model), cfg.model.quantization)  # before any engine starts
+    hf_config = load_config(cfg.model.model)
+    check_quantization(hf_config, cfg.model.quantization)  # before any engine starts
     device = resolve_device(cfg.engine.device)
     dtype = parse_dtype(cfg.model.dtype, device)
     kv_bytes = 1 if cfg.engine.kv_cache_dtype == "fp8" else None
     # the spec section compares engines with each other and needs no roofline (no cost model for every architecture)
-    cost = (rl.cost_model_for(load_config(cfg.model.model), dtype.itemsize, kv_bytes)
+    cost = (rl.cost_model_for(hf_config, dtype.itemsize, kv_bytes)
             if set(cfg.sections) - {"spec"} else None)
     weight_bytes = getattr(cost, "num_params", 0) * dtype.itemsize
     if device.type == "cpu" and weight_bytes > _MAX_CPU_WEIGHT_BYTES:

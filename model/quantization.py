@@ -25,11 +25,10 @@ from rayinfer.kernels.block_fp8 import (
     FP8_DTYPE,
     WEIGHT_BLOCK,
     block_fp8_dequant_ref,
-    block_fp8_linear,
     quantize_block_fp8,
     scale_shape,
 )
-from rayinfer.kernels.gemv import fused_linear, gemv_applies
+from rayinfer.kernels.gemv import fused_linear
 from rayinfer.kernels.matmul import dense_linear
 
 SCALE_SUFFIX = "weight_scale_inv"
@@ -155,11 +154,8 @@ def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     scale_inv = layer._parameters.get(SCALE_SUFFIX)  # a dict lookup: Module.__getattr__ costs more per call
     if scale_inv is None:
         return dense_linear(x, layer.weight, layer.bias)
-    rows = x.reshape(-1, x.shape[-1])
-    if gemv_applies(rows, layer.weight, scale_inv):  # one row on a GPU: the GEMV streams the fp8 weight
-        y = fused_linear(rows, layer.weight, layer.bias, weight_scale=scale_inv)
-    else:
-        y = block_fp8_linear(rows, layer.weight, scale_inv, layer.bias)
+    # one row on a GPU: the GEMV streams the fp8 weight; otherwise fused_linear runs block_fp8_linear
+    y = fused_linear(x.reshape(-1, x.shape[-1]), layer.weight, layer.bias, weight_scale=scale_inv)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 

@@ -51,16 +51,35 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median") * 1e3
 
 
+def time_configs(x, q, s, configs: list[dict], act_fp8: bool) -> tuple[list[dict], dict]:
+    """Each tile config of ``block_fp8_linear`` timed (us, or the error of one that does not launch), and the
+    fastest."""
+    timed = []
+    for cfg in configs:
+        try:
+            us = bench(lambda: block_fp8_linear(x, q, s, config={**cfg, "group_m": 8}, act_fp8=act_fp8))
+        except Exception as e:  # out of shared memory, say
+            us = repr(e)[:120]
+        timed.append(dict(cfg, us=us))
+    return timed, min((c for c in timed if isinstance(c["us"], float)), key=lambda c: c["us"])
+
+
+def shape_case(n: int, k: int, rows: int, gen: torch.Generator) -> tuple:
+    """An [n, k] weight in fp8 blocks (q, s), the same dequantized to bf16 (cuBLAS's operand), and ``rows``
+    rows of bf16 input, on the GPU."""
+    w = (torch.randn(n, k, generator=gen) / k**0.5).cuda()
+    q, s = quantize_block_fp8(w)
+    x = torch.randn(rows, k, generator=gen).to("cuda", torch.bfloat16)
+    return q, s, block_fp8_dequant_ref(q, s, torch.bfloat16), x
+
+
 def main_w8a8(out: str | None) -> None:
     from rayinfer.kernels.block_fp8 import W8A8_TILES, block_fp8_linear_w8a8_ref
 
     gen = torch.Generator().manual_seed(0)
     rows = []
     for n, k in W8A8_SHAPES:
-        w = (torch.randn(n, k, generator=gen) / k**0.5).cuda()
-        q, s = quantize_block_fp8(w)
-        w16 = block_fp8_dequant_ref(q, s, torch.bfloat16)
-        x = torch.randn(max(W8A8_ROWS), k, generator=gen).to("cuda", torch.bfloat16)
+        q, s, w16, x = shape_case(n, k, max(W8A8_ROWS), gen)
         for m in W8A8_ROWS:
             xm = x[:m]
             err = (block_fp8_linear(xm, q, s, act_fp8=True).float() - block_fp8_linear_w8a8_ref(xm, q, s).float()).abs().max().item()
@@ -68,14 +87,7 @@ def main_w8a8(out: str | None) -> None:
                        w8a16_us=bench(lambda: block_fp8_linear(xm, q, s, act_fp8=False)),
                        w8a8_default=W8A8_TILES, w8a8_us=bench(lambda: block_fp8_linear(xm, q, s, act_fp8=True)),
                        max_abs_err_vs_w8a8_ref=err, configs=[])
-            for cfg in W8A8_CANDIDATES:
-                try:
-                    us = bench(lambda: block_fp8_linear(xm, q, s, config={**cfg, "group_m": 8}, act_fp8=True))
-                except Exception as e:  # out of shared memory, say
-                    us = repr(e)[:120]
-                row["configs"].append(dict(cfg, us=us))
-            timed = [c for c in row["configs"] if isinstance(c["us"], float)]
-            row["best"] = min(timed, key=lambda c: c["us"])
+            row["configs"], row["best"] = time_configs(xm, q, s, W8A8_CANDIDATES, act_fp8=True)
             row["bf16_TFLOPs"] = 2 * m * n * k / row["bf16_us"] / 1e6
             row["w8a8_TFLOPs"] = 2 * m * n * k / row["w8a8_us"] / 1e6
             print(f"{n}x{k} m={m}: bf16 {row['bf16_us']:.1f} w8a16 {row['w8a16_us']:.1f} w8a8 {row['w8a8_us']:.1f} "
@@ -102,10 +114,7 @@ def main():
     gen = torch.Generator().manual_seed(0)
     rows = []
     for n, k in SHAPES:
-        w = (torch.randn(n, k, generator=gen) / k**0.5).cuda()
-        q, s = quantize_block_fp8(w)
-        w16 = block_fp8_dequant_ref(q, s, torch.bfloat16)
-        x = torch.randn(max(ROWS), k, generator=gen).to("cuda", torch.bfloat16)
+        q, s, w16, x = shape_case(n, k, max(ROWS), gen)
         full = block_fp8_linear(x, q, s, act_fp8=False)
         invariant = all(torch.equal(block_fp8_linear(x[:m], q, s, act_fp8=False), full[:m]) for m in ROWS)
         for m in ROWS:
@@ -117,14 +126,7 @@ def main():
             err = (block_fp8_linear(xm, q, s, act_fp8=False).float() - F.linear(xm, w16).float()).abs().max().item()
             row["max_abs_err_vs_bf16"] = err
             bucket = "small" if m <= 16 else "mid" if m <= 128 else "large"
-            for cfg in candidates[bucket]:
-                try:
-                    us = bench(lambda: block_fp8_linear(xm, q, s, config={**cfg, "group_m": 8}, act_fp8=False))
-                except Exception as e:  # out of shared memory, say
-                    us = repr(e)[:120]
-                row["configs"].append(dict(cfg, us=us))
-            timed = [c for c in row["configs"] if isinstance(c["us"], float)]
-            best = min(timed, key=lambda c: c["us"])
+            row["configs"], best = time_configs(xm, q, s, candidates[bucket], act_fp8=False)
             row["best"] = best
             # the fewest bytes: the fp8 weight, its scales, x and y in bf16
             row["weight_GBps_default"] = (n * k + 2 * m * (n + k)) / row["default_us"] / 1e3

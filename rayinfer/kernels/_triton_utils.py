@@ -91,6 +91,12 @@ def device_sms(t: torch.Tensor) -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def device_capability(index: int | None) -> tuple[int, int]:
+    """``torch.cuda.get_device_capability(index)``, cached (dispatchers ask it on every call)."""
+    return torch.cuda.get_device_capability(index)
+
+
+@functools.lru_cache(maxsize=None)
 def _pdl_supported(device_index: int) -> bool:
     if not HAS_TRITON or gdc_wait is None or is_interpreting() or not torch.cuda.is_available():
         return False

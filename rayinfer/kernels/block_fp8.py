@@ -20,12 +20,10 @@ Each function has a plain-torch reference (``*_ref``).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
-from rayinfer.kernels._triton_utils import is_interpreting, tl, triton, use_triton
+from rayinfer.kernels._triton_utils import device_capability, is_interpreting, tl, triton, use_triton
 from rayinfer.kernels.batch_invariant import is_batch_invariant
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -112,6 +110,12 @@ def quantize_act_fp8_ref(x: torch.Tensor, group: int = ACT_GROUP) -> tuple[torch
     return quantize_block_fp8(x, (1, group))
 
 
+def qdq_act_fp8_ref(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] through :func:`quantize_act_fp8_ref` and back: float32 [M, K], the activations a W8A8 GEMM
+    multiplies (its references' A operand)."""
+    return block_fp8_dequant_ref(*quantize_act_fp8_ref(x), torch.float32, (1, ACT_GROUP))
+
+
 @triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm,
                       GROUPS: tl.constexpr, GROUP: tl.constexpr):
@@ -163,9 +167,7 @@ def block_fp8_linear_w8a8_ref(x: torch.Tensor, w_fp8: torch.Tensor, scale_inv: t
 
     x: [M, K]; w_fp8: [N, K] float8_e4m3fn; scale_inv: [ceil(N/128), ceil(K/128)] float32; bias: [N] or None.
     Returns [M, N] in x's dtype."""
-    q, s = quantize_act_fp8_ref(x)
-    xa = block_fp8_dequant_ref(q, s, torch.float32, block=(1, ACT_GROUP))
-    y = F.linear(xa, block_fp8_dequant_ref(w_fp8, scale_inv, torch.float32), None if bias is None else bias.float())
+    y = F.linear(qdq_act_fp8_ref(x), block_fp8_dequant_ref(w_fp8, scale_inv, torch.float32), None if bias is None else bias.float())
     return y.to(x.dtype)
 
 
@@ -173,12 +175,6 @@ def block_fp8_linear_w8a8_ref(x: torch.Tensor, w_fp8: torch.Tensor, scale_inv: t
 # activations (W8A8) on GPUs with fp8 tensor cores; 0 keeps every call W8A16. Fewer rows only stream the
 # weight, where W8A8's extra quantization launch costs more than its products save.
 W8A8_FROM_ROWS = 128
-
-
-@functools.lru_cache(maxsize=None)
-def device_capability(index: int | None) -> tuple[int, int]:
-    """``torch.cuda.get_device_capability(index)``, cached (it is asked on every call)."""
-    return torch.cuda.get_device_capability(index)
 
 
 def has_fp8_tensor_cores(t: torch.Tensor) -> bool:
@@ -249,6 +245,12 @@ def _block_fp8_linear_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+# the W8A8 tiles of prefill-sized calls: the fastest set in sum over DeepSeek-V2-Lite's and V3's larger dense
+# shapes at 2048 and 4096 rows (``benchmarks/probe/block_fp8_tiles.py --w8a8``,
+# results/block-fp8-w8a8-tiles-h200-8f10e44.json: 2078 us against 2134 for 128 x 128 in 8 warps)
+W8A8_TILES = dict(block_m=64, block_n=128, block_k=128, group_m=8, num_warps=4, num_stages=4)
+
+
 def _choose_config(m: int, n: int, dtype: torch.dtype = torch.bfloat16, act_fp8: bool = False) -> dict:
     """Tiles for ``m`` rows of ``dtype`` (fp8 under ``act_fp8``, W8A8) times an [n, K] fp8 weight.
 
@@ -277,12 +279,6 @@ def _choose_config(m: int, n: int, dtype: torch.dtype = torch.bfloat16, act_fp8:
     if act_fp8:  # one-byte tiles of both operands: a deeper pipeline fits
         return dict(W8A8_TILES)
     return dict(block_m=128, block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=3)
-
-
-# the W8A8 tiles of prefill-sized calls: the fastest set in sum over DeepSeek-V2-Lite's and V3's larger dense
-# shapes at 2048 and 4096 rows (``benchmarks/probe/block_fp8_tiles.py --w8a8``,
-# results/block-fp8-w8a8-tiles-h200-8f10e44.json: 2078 us against 2134 for 128 x 128 in 8 warps)
-W8A8_TILES = dict(block_m=64, block_n=128, block_k=128, group_m=8, num_warps=4, num_stages=4)
 
 
 def block_fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None = None,

@@ -15,12 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from rayinfer import envs
-from rayinfer.kernels._triton_utils import is_interpreting, pdl_launch, pdl_wait, tl, triton, use_pdl, use_triton
+from rayinfer.kernels._triton_utils import device_capability, is_interpreting, pdl_launch, pdl_wait, tl, triton, use_pdl, use_triton
 from rayinfer.kernels.activation import silu_and_mul, silu_and_mul_ref
 from rayinfer.kernels.batch_invariant import is_batch_invariant
-from rayinfer.kernels.block_fp8 import (ACT_GROUP, FP8_DTYPE, WEIGHT_BLOCK, block_fp8_dequant_ref, device_capability,
-                                        has_fp8_tensor_cores, quantize_act_fp8, quantize_act_fp8_ref,
-                                        quantize_block_fp8)
+from rayinfer.kernels.block_fp8 import (FP8_DTYPE, WEIGHT_BLOCK, block_fp8_dequant_ref, has_fp8_tensor_cores,
+                                        qdq_act_fp8_ref, quantize_act_fp8, quantize_block_fp8)
 from rayinfer.kernels.fused_moe_config import MoETileConfig, grouped_mm_from, tile_config
 
 
@@ -72,17 +71,12 @@ def fused_moe_ref(
     return out
 
 
-def _act_qdq_ref(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] through per-token-group fp8 and back: float32 [M, K] (the kernel's exact A8 operand)."""
-    return block_fp8_dequant_ref(*quantize_act_fp8_ref(x), torch.float32, (1, ACT_GROUP))
-
-
 def fused_moe_w8a8_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
                        w2_scale: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
     """:func:`fused_moe_ref` with W8A8 block fp8 as DeepSeek-V3 serves its checkpoints (plain torch): the
     fp8 weights dequantized (128 x 128 blocks, :func:`quantize_w13` / ``block_fp8.quantize_block_fp8``
     layouts) and each GEMM's activations quantized per token and 128 columns
-    (``block_fp8.quantize_act_fp8_ref``) then dequantized, both GEMMs in float32; the gate/up products
+    (``block_fp8.qdq_act_fp8_ref``) then dequantized, both GEMMs in float32; the gate/up products
     round to hidden's dtype before SiLU-and-mul, as the kernel's epilogue does.
 
     Args: as :func:`fused_moe_ref`, with w13 / w2 float8_e4m3fn and their float32 scales.
@@ -95,12 +89,12 @@ def fused_moe_w8a8_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
     num_experts, top_k = w13.shape[0], topk_ids.shape[1]
     out = torch.zeros_like(hidden)
     flat_ids, flat_weights = topk_ids.reshape(-1), topk_weights.reshape(-1)
-    h = _act_qdq_ref(hidden)
+    h = qdq_act_fp8_ref(hidden)
     for e in torch.unique(flat_ids[(flat_ids >= 0) & (flat_ids < num_experts)]).tolist():
         pairs = (flat_ids == e).nonzero().squeeze(1)
         tokens = pairs // top_k
         act = silu_and_mul_ref(F.linear(h[tokens], w13d[e]).to(hidden.dtype))
-        y = F.linear(_act_qdq_ref(act), w2d[e]) * flat_weights[pairs, None].float()
+        y = F.linear(qdq_act_fp8_ref(act), w2d[e]) * flat_weights[pairs, None].float()
         out.index_add_(0, tokens, y.to(out.dtype))
     return out
 
