@@ -36,7 +36,7 @@ from rayinfer import envs
 from rayinfer.kernels.attention_metadata import AttentionMetadata
 from rayinfer.kernels import gemv
 from rayinfer.kernels.gemv import batched_linear, fused_linear, gemv_applies
-from rayinfer.kernels.l2_prefetch import l2_prefetch, prefetch_supported
+from rayinfer.kernels.l2_prefetch import l2_prefetch, l2_prefetch_join, prefetch_supported
 from rayinfer.kernels.matmul import dense_linear
 from rayinfer.kernels.mla_attention import ABSORBED_MAX_QUERY_LEN, mla_decode, mla_prefill, use_absorbed
 from rayinfer.kernels.mla_rope import mla_rope_store, mla_rope_store_absorb
@@ -326,6 +326,7 @@ class DeepseekV3DecoderLayer(PreNormDecoderLayer):
             self.mlp.forward_norm_residual(h, norm2)
         else:
             h.add_(self.mlp(norm2(h)))
+        l2_prefetch_join(h)  # a side-stream prefetch joins back here, after the experts that read it
         return h
 
     def _prefetch_tensors(self, what: int) -> list[torch.Tensor]:

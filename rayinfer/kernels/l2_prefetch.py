@@ -22,11 +22,18 @@ from rayinfer.kernels._triton_utils import HAS_TRITON, device_capability, is_int
 from rayinfer.kernels._triton_utils import triton, use_pdl
 
 CHUNK_BYTES = 1 << 16  # bytes per prefetch instruction (a multiple of 16, as the instruction requires)
-CHUNKS_PER_PROGRAM = 64
+# chunks per program: a program's prefetches go through its multiprocessor's copy engine, whose rate is
+# a fraction of the memory system's, so the chunks are spread over many programs
+CHUNKS_PER_PROGRAM = 1
 MAX_TENSORS = 3  # tensors per launch
 # 1: prefetch with an evict-last L2 policy (``createpolicy.fractional.L2::evict_last``), so the streaming
 # reads between the prefetch and its use evict other lines first; 0: the default policy
 EVICT_LAST = 0
+# 1: launch on a side stream (forked from the current one, joined back by :func:`l2_prefetch_join`), so
+# the kernels after it never wait for the prefetches to land; 0: in the current stream (with PDL)
+SIDE_STREAM = 1
+_side_streams: dict[int, object] = {}  # device index -> the side stream
+_pending: set[int] = set()  # devices with a side-stream launch not yet joined
 
 
 def prefetch_supported(t: torch.Tensor) -> bool:
@@ -64,10 +71,31 @@ def l2_prefetch(tensors: list[torch.Tensor]) -> int:
     sizes += [0] * (MAX_TENSORS - len(sizes))
     chunks += [0] * (MAX_TENSORS - len(chunks))
     grid = (triton.cdiv(sum(chunks), CHUNKS_PER_PROGRAM),)
-    _l2_prefetch_kernel[grid](parts[0], sizes[0], chunks[0], parts[1], sizes[1], chunks[1], parts[2], sizes[2],
-                              CHUNK=CHUNK_BYTES, BLOCK=CHUNKS_PER_PROGRAM, EVICT_LAST=bool(EVICT_LAST), num_warps=2,
-                              **pdl_launch(use_pdl(parts[0])))
+    args = (parts[0], sizes[0], chunks[0], parts[1], sizes[1], chunks[1], parts[2], sizes[2])
+    meta = dict(CHUNK=CHUNK_BYTES, BLOCK=CHUNKS_PER_PROGRAM, EVICT_LAST=bool(EVICT_LAST), num_warps=1)
+    if SIDE_STREAM:
+        index = parts[0].device.index if parts[0].device.index is not None else torch.cuda.current_device()
+        side = _side_streams.get(index)
+        if side is None:
+            side = _side_streams[index] = torch.cuda.Stream(device=index)
+        side.wait_stream(torch.cuda.current_stream(index))  # after the kernels launched so far
+        with torch.cuda.stream(side):
+            _l2_prefetch_kernel[grid](*args, **meta)
+        _pending.add(index)
+    else:
+        _l2_prefetch_kernel[grid](*args, **meta, **pdl_launch(use_pdl(parts[0])))
     return sum(sizes)
+
+
+def l2_prefetch_join(t: torch.Tensor) -> None:
+    """Make the current stream of ``t``'s device wait for the side-stream prefetches launched since the last
+    join (CUDA-graph capture needs every forked stream joined back before it ends); a no-op when none."""
+    if not t.is_cuda:
+        return
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    if index in _pending:
+        _pending.discard(index)
+        torch.cuda.current_stream(index).wait_stream(_side_streams[index])
 
 
 @triton.jit

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rayinfer.kernels._triton_utils import HAS_TRITON
+from rayinfer.kernels.activation import silu_and_mul_ref
 from rayinfer.kernels.gemv import (
     fused_linear,
     fused_linear_ref,
@@ -115,9 +116,13 @@ def check_fp8(device, cases, config=None) -> float:
             x, b = x.to(dtype) * 3.0, None if b is None else b.to(dtype)
             kw = dict(norm_weight=norm_w if prologue == "norm" else None, eps=1e-5, silu_and_mul_input=prologue == "silu")
             # the float32 product rounded to x's dtype, then the residual added (the kernel's and the
-            # 16-bit reference's order: near-cancelling sums show a rounding of the product otherwise)
-            y = fused_linear_ref(x.float(), wd, None if b is None else b.float(),
-                                 **{**kw, "norm_weight": None if kw["norm_weight"] is None else norm_w.float()})
+            # 16-bit reference's order: near-cancelling sums show a rounding of the product otherwise); the
+            # SiLU prologue rounds silu(gate) and its product with up to x's dtype, as the kernel does
+            ref_kw = {**kw, "norm_weight": None if kw["norm_weight"] is None else norm_w.float()}
+            x_ref = x.float()
+            if prologue == "silu":
+                x_ref, ref_kw["silu_and_mul_input"] = silu_and_mul_ref(x).float(), False
+            y = fused_linear_ref(x_ref, wd, None if b is None else b.float(), **ref_kw)
             want = (y.to(dtype).float() + residual.float()).to(dtype)
             got = fused_linear_triton(x, q, b, **kw, residual=residual.clone(), config=config, weight_scale=s)
             worst = max(worst, close(got, want, f"fp8 case {i} {prologue} prologue + residual"))

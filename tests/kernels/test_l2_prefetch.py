@@ -24,11 +24,14 @@ def test_prefetch_is_a_no_op_off_hopper():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability()[0] < 9, reason="needs a Hopper GPU")
-@pytest.mark.parametrize("evict_last", [0, 1])
-def test_prefetch_on_gpu_changes_nothing(evict_last, monkeypatch):
+@pytest.mark.parametrize("evict_last,side_stream,per_program", [(0, 1, 1), (1, 1, 1), (0, 0, 64)])
+def test_prefetch_on_gpu_changes_nothing(evict_last, side_stream, per_program, monkeypatch):
     """Three tensors of odd sizes (a chunk boundary, a partial last chunk, fp8), eagerly and replayed from a
-    CUDA graph: the kernel compiles, reports the bytes asked for, and no byte of any tensor changes."""
+    CUDA graph (the side stream forked and joined inside the capture): the kernel compiles, reports the
+    bytes asked for, and no byte of any tensor changes."""
     monkeypatch.setattr(pf, "EVICT_LAST", evict_last)
+    monkeypatch.setattr(pf, "SIDE_STREAM", side_stream)
+    monkeypatch.setattr(pf, "CHUNKS_PER_PROGRAM", per_program)
     gen = torch.Generator(device="cuda").manual_seed(0)
     a = torch.randn(pf.CHUNK_BYTES // 2 * 3 + 8, device="cuda", dtype=torch.bfloat16, generator=gen)
     b = torch.randn(5, 1000, device="cuda", generator=gen)
@@ -36,9 +39,11 @@ def test_prefetch_on_gpu_changes_nothing(evict_last, monkeypatch):
     before = [x.clone() for x in (a, b, c)]
     assert pf.l2_prefetch([a, b, c]) == a.numel() * 2 + b.numel() * 4 + c.numel()
     assert pf.l2_prefetch([b[1:]]) == 4 * 4 * 1000  # a slice at a 16-byte boundary
+    pf.l2_prefetch_join(a)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         pf.l2_prefetch([a, c])
+        pf.l2_prefetch_join(a)
     graph.replay()
     torch.cuda.synchronize()
     for x, y in zip((a, b, c), before):
