@@ -285,9 +285,6 @@ AB_VARIANTS = {"default": {}, "no-pdl": {"RAYINFER_PDL": "0"}, "no-one-row": {"R
                   for n in (1024, 2048, 3072, 4096, 8192)},
                **{f"grouped-mm-{n}": {"@rayinfer.kernels.fused_moe.GROUPED_MM_FROM": str(n)}
                   for n in (0, 1024, 2048, 3072, 4096, 6144, 8192)},
-               **{f"l2-prefetch-{n}": {"@rayinfer.model.deepseek_v3.L2_PREFETCH": str(n)} for n in (0, 1, 2, 3)},
-               "l2-prefetch-last": {"@rayinfer.kernels.l2_prefetch.EVICT_LAST": "1"},
-               "l2-prefetch-inline": {"@rayinfer.kernels.l2_prefetch.SIDE_STREAM": "0"},
                "qk-norm-apart": {"@rayinfer.model.qwen3_moe.QK_NORM_IN_ROPE": "0"},
                "w8a16": {"@rayinfer.kernels.fused_moe.FP8_ACTIVATIONS": "0"},
                "dense-w8a16": {"@rayinfer.kernels.block_fp8.W8A8_FROM_ROWS": "0"},

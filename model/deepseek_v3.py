@@ -36,7 +36,6 @@ from rayinfer import envs
 from rayinfer.kernels.attention_metadata import AttentionMetadata
 from rayinfer.kernels import gemv
 from rayinfer.kernels.gemv import batched_linear, fused_linear, gemv_applies
-from rayinfer.kernels.l2_prefetch import l2_prefetch, l2_prefetch_join, prefetch_supported
 from rayinfer.kernels.matmul import dense_linear
 from rayinfer.kernels.mla_attention import ABSORBED_MAX_QUERY_LEN, mla_decode, mla_prefill, use_absorbed
 from rayinfer.kernels.mla_rope import mla_rope_store, mla_rope_store_absorb
@@ -46,10 +45,6 @@ from rayinfer.model.moe import ExpertParallelism, GatedMLP, MoEModelMixin, Route
 from rayinfer.kernels.block_fp8 import WEIGHT_BLOCK
 from rayinfer.model.quantization import SCALE_SUFFIX, linear
 
-# What a one-row (batch-1) MoE layer prefetches into L2 while its attention runs (``kernels.l2_prefetch``):
-# 0 nothing, 1 the fused shared experts' weights, 2 those and o_proj's, 3 o_proj's only. A/B variants of
-# ``jobs/bench_moe.py`` set it.
-L2_PREFETCH = 1
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
@@ -316,9 +311,6 @@ class DeepseekV3DecoderLayer(PreNormDecoderLayer):
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         qkv_a = fused_linear(h, attn.qkv_a_proj.weight, attn.qkv_a_proj.bias, norm_weight=norm1.weight, eps=norm1.eps,
                              weight_scale=attn.qkv_a_proj._parameters.get(SCALE_SUFFIX))
-        if L2_PREFETCH and prefetch_supported(h):
-            # the attention below is latency-bound: later weights of the layer stream into L2 meanwhile
-            l2_prefetch(self._prefetch_tensors(L2_PREFETCH))
         out = attn.attend(qkv_a, cos, sin, kv_cache, meta)
         fused_linear(out, attn.o_proj.weight, attn.o_proj.bias, residual=h,
                      weight_scale=attn.o_proj._parameters.get(SCALE_SUFFIX))
@@ -326,20 +318,7 @@ class DeepseekV3DecoderLayer(PreNormDecoderLayer):
             self.mlp.forward_norm_residual(h, norm2)
         else:
             h.add_(self.mlp(norm2(h)))
-        l2_prefetch_join(h)  # a side-stream prefetch joins back here, after the experts that read it
         return h
-
-    def _prefetch_tensors(self, what: int) -> list[torch.Tensor]:
-        """The weights :data:`L2_PREFETCH` = ``what`` names: the fused shared experts' (a MoE layer with
-        them; their slots come last in the stacked experts) and/or o_proj's."""
-        out = []
-        experts = self.mlp.experts if isinstance(self.mlp, DeepseekV3MoE) else None
-        if what in (1, 2) and experts is not None and experts.num_shared:
-            first = experts.num_local_experts
-            out += [experts.gate_up_proj[first:], experts.down_proj[first:]]
-        if what in (2, 3):
-            out.append(self.self_attn.o_proj.weight)
-        return out
 
 
 class DeepseekV3SharedHead(nn.Module):

@@ -306,23 +306,3 @@ def test_one_row_path_matches_generic_forward_on_gpu(q_lora_rank, fp8):
     tol = 6e-2 if fp8 and q_lora_rank else 3e-2
     torch.testing.assert_close(fused.float(), generic.float(), rtol=tol, atol=tol)
     torch.testing.assert_close(direct.float(), fused.float(), rtol=3e-2, atol=3e-2)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
-                    reason="needs a Hopper GPU")
-def test_one_row_l2_prefetch_changes_no_output(monkeypatch):
-    """The one-row layers' L2 prefetch (shared experts and o_proj, ``L2_PREFETCH`` = 2) runs in every MoE
-    layer and leaves the hidden states bit for bit as without it."""
-    from rayinfer.model import deepseek_v3
-
-    asked = []
-    real = deepseek_v3.l2_prefetch
-    monkeypatch.setattr(deepseek_v3, "l2_prefetch", lambda tensors: asked.append(real(tensors)) or asked[-1])
-    monkeypatch.setattr(deepseek_v3, "L2_PREFETCH", 0)
-    _, without, _, _ = _one_row_vs_generic("cuda", torch.bfloat16)
-    assert not asked
-    monkeypatch.setattr(deepseek_v3, "L2_PREFETCH", 2)
-    _, with_prefetch, _, _ = _one_row_vs_generic("cuda", torch.bfloat16)
-    assert asked and all(n > 0 for n in asked)
-    assert torch.equal(with_prefetch, without)
