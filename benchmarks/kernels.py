@@ -374,14 +374,14 @@ MLA_TILELANG_TILES = [  # (block_n, threads, num_stages, min_split_tokens, gathe
 ]
 
 
-def mla_decode_inputs(batch: int, ctx: int) -> tuple:
-    """DeepSeek-V2-Lite's absorbed MLA decode inputs (16 heads, R 512, P 64, cache blocks of 16): a stack of
+def mla_decode_inputs(batch: int, ctx: int, bs: int = 16) -> tuple:
+    """DeepSeek-V2-Lite's absorbed MLA decode inputs (16 heads, R 512, P 64, cache blocks of ``bs``): a stack of
     per-layer latent caches (enough layers to leave L2), the batch's metadata over randomly placed blocks, one
     query token per request, the reference output on layer 0, and the latent bytes a layer reads.
     Returns (cache [layers, blocks, 16, 576], meta, q_latent, q_pe, want float32, nbytes, layers)."""
     from rayinfer.kernels.mla_attention import mla_decode_ref
 
-    heads, rank, rope, bs = 16, 512, 64, 16
+    heads, rank, rope = 16, 512, 64
     nb = batch * math.ceil(ctx / bs)
     layers = layers_for(nb * bs * (rank + rope) * 2)
     cache = torch.randn((layers, nb, bs, rank + rope), device="cuda", dtype=DT)

@@ -11,6 +11,7 @@ access pattern is.
     PYTHONPATH=. python benchmarks/probe/mla_decode_loads.py --out benchmarks/results/mla-decode-loads-h200.json
 """
 import argparse
+import itertools
 import json
 import subprocess
 import sys
@@ -24,6 +25,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels import bench_graph, measure_ceilings, mla_decode_inputs  # noqa: E402
 
 from rayinfer.kernels.mla_attention import choose_num_splits, mla_decode_triton  # noqa: E402
+
+
+# the decode kernel's tile sets timed (block_h, block_n, num_warps, num_stages, min_split_tokens): its default
+# for more than 4 tokens first
+DECODE_TILES = [(16, 32, 4, 2, 64), (16, 64, 4, 2, 64), (16, 64, 4, 3, 64), (16, 64, 4, 2, 128), (16, 64, 8, 2, 64)]
+# the load-only kernel's (block_n, num_stages, num_warps)
+LOAD_TILES = [(32, 2, 4), (32, 3, 4), (64, 2, 4), (64, 3, 4), (128, 2, 4), (64, 2, 8)]
 
 
 @triton.jit
@@ -62,46 +70,50 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--git-rev", default=None)
+    ap.add_argument("--block-sizes", default="16", help="KV cache block sizes, comma-separated")
     args = ap.parse_args()
+    args.block_sizes = [int(x) for x in args.block_sizes.split(",")]
     ceil = measure_ceilings()
     rows = []
-    for batch, ctx in ((32, 4096), (64, 4096), (128, 4096)):
-        cache, meta, ql, qp, want, nbytes, layers = mla_decode_inputs(batch, ctx)
+    for (batch, ctx), bs in itertools.product(((32, 4096), (64, 4096), (128, 4096)), args.block_sizes):
+        cache, meta, ql, qp, want, nbytes, layers = mla_decode_inputs(batch, ctx, bs)
         splits = choose_num_splits(batch, 8192, torch.cuda.get_device_properties(0).multi_processor_count)
 
         def pct(us):
             return None if us is None else round(100 * nbytes / (us * 1e-6) / (ceil["copy_GBps"] * 1e9), 1)
 
-        us = bench_graph([lambda i=i: mla_decode_triton(ql, qp, cache[i], meta, 0.1, max_seq_len=8192)
-                          for i in range(layers)])
-        rows.append({"batch": batch, "ctx": ctx, "what": "mla_decode_triton (with merge)", "splits": splits,
-                     "us": us, "pct_of_copy": pct(us)})
-        flat = cache.view(layers, -1, cache.shape[-1])
-        us = bench_graph([lambda i=i: flat[i, : batch * ctx].clone() for i in range(layers)])
-        rows.append({"batch": batch, "ctx": ctx, "what": "torch clone of the same bytes", "us": us,
-                     "pct_of_copy": pct(us), "note": "reads and writes: a copy moves twice the bytes"})
-        for paged in (True, False):
-            for block_n in (16, 32, 64):
-                for stages in (2, 3, 4):
-                    for warps in (4, 8):
-                        for s in (splits,):
-                            out = torch.empty(batch * s * 576, device="cuda", dtype=torch.float32)
+        for tiles in DECODE_TILES:
+            cfg = dict(zip(("block_h", "block_n", "num_warps", "num_stages", "min_split_tokens"), tiles))
+            run = lambda i=0, c=cfg: mla_decode_triton(ql, qp, cache[i], meta, 0.1, max_seq_len=8192, config=c)  # noqa: E731
+            err = (run().float() - want).abs().max().item()
+            us = bench_graph([lambda i=i, f=run: f(i) for i in range(layers)])
+            rows.append({"batch": batch, "ctx": ctx, "kv_block_size": bs, "what": "mla_decode_triton (with merge)",
+                         "config": cfg, "splits": splits, "max_abs_err": err, "us": us, "pct_of_copy": pct(us)})
+            print(rows[-1], flush=True)
+        if bs == args.block_sizes[0]:
+            flat = cache.view(layers, -1, cache.shape[-1])
+            us = bench_graph([lambda i=i: flat[i, : batch * ctx].clone() for i in range(layers)])
+            rows.append({"batch": batch, "ctx": ctx, "what": "torch clone of the same bytes", "us": us,
+                         "pct_of_copy": pct(us), "note": "reads and writes: a copy moves twice the bytes"})
+        for paged in (True, False) if bs == args.block_sizes[0] else (True,):
+            for block_n, stages, warps in LOAD_TILES:
+                out = torch.empty(batch * splits * 576, device="cuda", dtype=torch.float32)
 
-                            def run(i=0, s=s, out=out, block_n=block_n, stages=stages, warps=warps, paged=paged):
-                                _loads_kernel[(batch, s)](
-                                    cache[i], out, meta.seq_lens, meta.block_tables, s, cache.stride(1),
-                                    cache.stride(2), meta.block_tables.stride(0), RANK=512, ROPE=64,
-                                    BLOCK_N=block_n, KV_BLOCK_SIZE=cache.shape[2], PAGED=paged, NUM_STAGES=stages,
-                                    num_warps=warps)
-                            try:
-                                us = bench_graph([lambda i=i, f=run: f(i) for i in range(layers)])
-                            except Exception as exc:  # a tile set that does not fit
-                                us = None
-                                print(f"  failed: {exc!r}"[:200], file=sys.stderr)
-                            rows.append({"batch": batch, "ctx": ctx, "what": "loads only", "paged": paged,
-                                         "block_n": block_n, "num_stages": stages, "num_warps": warps, "splits": s,
-                                         "us": us, "pct_of_copy": pct(us)})
-                            print(rows[-1], flush=True)
+                def run(i=0, out=out, block_n=block_n, stages=stages, warps=warps, paged=paged):
+                    _loads_kernel[(batch, splits)](
+                        cache[i], out, meta.seq_lens, meta.block_tables, splits, cache.stride(1),
+                        cache.stride(2), meta.block_tables.stride(0), RANK=512, ROPE=64,
+                        BLOCK_N=block_n, KV_BLOCK_SIZE=cache.shape[2], PAGED=paged, NUM_STAGES=stages,
+                        num_warps=warps)
+                try:
+                    us = bench_graph([lambda i=i, f=run: f(i) for i in range(layers)])
+                except Exception as exc:  # a tile set that does not fit
+                    us = None
+                    print(f"  failed: {exc!r}"[:200], file=sys.stderr)
+                rows.append({"batch": batch, "ctx": ctx, "kv_block_size": bs, "what": "loads only", "paged": paged,
+                             "block_n": block_n, "num_stages": stages, "num_warps": warps, "splits": splits,
+                             "us": us, "pct_of_copy": pct(us)})
+                print(rows[-1], flush=True)
         del cache
         torch.cuda.empty_cache()
     rev = args.git_rev or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -111,11 +123,11 @@ def main():
     Path(args.out).write_text(json.dumps(out, indent=1))
     for r in rows:
         if r["what"] != "loads only":
-            print(r)
+            print({k: v for k, v in r.items() if k not in ("ctx", "note")})
     best = {}
     for r in rows:
         if r["what"] == "loads only" and r["us"] is not None:
-            key = (r["batch"], r["paged"])
+            key = (r["batch"], r["kv_block_size"], r["paged"])
             if key not in best or r["us"] < best[key]["us"]:
                 best[key] = r
     for r in best.values():
