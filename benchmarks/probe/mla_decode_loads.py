@@ -29,9 +29,11 @@ from rayinfer.kernels.mla_attention import choose_num_splits, mla_decode_triton 
 
 # the decode kernel's tile sets timed (block_h, block_n, num_warps, num_stages, min_split_tokens): its default
 # for more than 4 tokens first
-DECODE_TILES = [(16, 32, 4, 2, 64), (16, 64, 4, 2, 64), (16, 64, 4, 3, 64), (16, 64, 4, 2, 128), (16, 64, 8, 2, 64)]
+_KEYS = ("block_h", "block_n", "num_warps", "num_stages", "min_split_tokens")
+DECODE_TILES = [dict(zip(_KEYS, t)) for t in [(16, 32, 4, 2, 64), (16, 32, 4, 3, 64), (16, 64, 4, 2, 64)]]
+DECODE_TILES += [dict(d, prefetch_index=True) for d in DECODE_TILES]
 # the load-only kernel's (block_n, num_stages, num_warps)
-LOAD_TILES = [(32, 2, 4), (32, 3, 4), (64, 2, 4), (64, 3, 4), (128, 2, 4), (64, 2, 8)]
+LOAD_TILES = [(32, 2, 4), (32, 3, 4), (64, 2, 4), (64, 3, 4)]
 
 
 @triton.jit
@@ -49,11 +51,17 @@ def _loads_kernel(cache_ptr, out_ptr, seq_lens_ptr, block_tables_ptr, num_splits
     table = block_tables_ptr + req.to(tl.int64) * stride_bt
     acc = tl.zeros([RANK], tl.float32)
     acc_p = tl.zeros([ROPE], tl.float32)
+    n0 = kv_lo + tl.arange(0, BLOCK_N)
+    blk_next = tl.load(table + n0 // KV_BLOCK_SIZE, mask=n0 < kv_hi, other=0)
     for start in tl.range(kv_lo, kv_hi, BLOCK_N, num_stages=NUM_STAGES):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < kv_hi
-        if PAGED:
+        if PAGED == 1:
             blk = tl.load(table + n // KV_BLOCK_SIZE, mask=n_ok, other=0)
+            rows = blk.to(tl.int64) * stride_cb + (n % KV_BLOCK_SIZE) * stride_cs
+        elif PAGED == 2:  # the block numbers loaded a tile ahead (loop-carried)
+            blk = blk_next
+            blk_next = tl.load(table + (n + BLOCK_N) // KV_BLOCK_SIZE, mask=n + BLOCK_N < kv_hi, other=0)
             rows = blk.to(tl.int64) * stride_cb + (n % KV_BLOCK_SIZE) * stride_cs
         else:  # the request's keys as one contiguous run (its first block's place, no table)
             rows = (req.to(tl.int64) * n_keys + n) * stride_cs
@@ -82,8 +90,7 @@ def main():
         def pct(us):
             return None if us is None else round(100 * nbytes / (us * 1e-6) / (ceil["copy_GBps"] * 1e9), 1)
 
-        for tiles in DECODE_TILES:
-            cfg = dict(zip(("block_h", "block_n", "num_warps", "num_stages", "min_split_tokens"), tiles))
+        for cfg in DECODE_TILES:
             run = lambda i=0, c=cfg: mla_decode_triton(ql, qp, cache[i], meta, 0.1, max_seq_len=8192, config=c)  # noqa: E731
             err = (run().float() - want).abs().max().item()
             us = bench_graph([lambda i=i, f=run: f(i) for i in range(layers)])
@@ -95,7 +102,7 @@ def main():
             us = bench_graph([lambda i=i: flat[i, : batch * ctx].clone() for i in range(layers)])
             rows.append({"batch": batch, "ctx": ctx, "what": "torch clone of the same bytes", "us": us,
                          "pct_of_copy": pct(us), "note": "reads and writes: a copy moves twice the bytes"})
-        for paged in (True, False) if bs == args.block_sizes[0] else (True,):
+        for paged in (1, 2, 0) if bs == args.block_sizes[0] else (1, 2):
             for block_n, stages, warps in LOAD_TILES:
                 out = torch.empty(batch * splits * 576, device="cuda", dtype=torch.float32)
 

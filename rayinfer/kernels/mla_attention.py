@@ -236,7 +236,7 @@ def _mla_decode_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr,
     ROWWISE: tl.constexpr = False, USE_SPLITS: tl.constexpr = False, MIN_SPLIT_TOKENS: tl.constexpr = 128,
     USE_PDL: tl.constexpr = False, SWAP_AB: tl.constexpr = False, SWAP_BLOCK_N: tl.constexpr = 64,
-    SWAP_MIN_KEYS: tl.constexpr = 0,
+    SWAP_MIN_KEYS: tl.constexpr = 0, PREFETCH_INDEX: tl.constexpr = False,
 ):
     token = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -285,7 +285,7 @@ def _mla_decode_kernel(
     else:
         acc, m_i, l_i = _mla_decode_keys(ql, qp, cache_ptr, table, kv_lo, kv_hi, qk_scale, stride_cb, stride_cs, m_i,
                                          l_i, RANK, ROPE, BLOCK_R, BLOCK_P, BLOCK_H, BLOCK_N, KV_BLOCK_SIZE, IEEE,
-                                         ROWWISE)
+                                         ROWWISE, PREFETCH_INDEX)
     if USE_SPLITS:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # an empty split: weight 0 in the merge
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
@@ -303,7 +303,7 @@ def _mla_decode_kernel(
 def _mla_decode_keys(ql, qp, cache_ptr, table, kv_lo, kv_hi, qk_scale, stride_cb, stride_cs, m_i, l_i,
                      RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr,
-                     ROWWISE: tl.constexpr):
+                     ROWWISE: tl.constexpr, PREFETCH_INDEX: tl.constexpr):
     """The key loop of ``_mla_decode_kernel`` with heads as rows: ql [BLOCK_H, BLOCK_R], qp [BLOCK_H, BLOCK_P];
     returns (acc [BLOCK_H, BLOCK_R] float32, m_i, l_i) of the online base-2 softmax over keys [kv_lo, kv_hi)."""
     r = tl.arange(0, BLOCK_R)
@@ -311,10 +311,19 @@ def _mla_decode_keys(ql, qp, cache_ptr, table, kv_lo, kv_hi, qk_scale, stride_cb
     r_ok = r < RANK
     p_ok = p < ROPE
     acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    if PREFETCH_INDEX:
+        n_next = kv_lo + tl.arange(0, BLOCK_N)
+        blk_next = tl.load(table + n_next // KV_BLOCK_SIZE, mask=n_next < kv_hi, other=0)
+    else:
+        blk_next = tl.zeros([BLOCK_N], tl.int32)
     for start in range(kv_lo, kv_hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < kv_hi
-        blk = tl.load(table + n // KV_BLOCK_SIZE, mask=n_ok, other=0)
+        if PREFETCH_INDEX:  # the next tile's block numbers loaded a tile ahead (loop-carried)
+            blk = blk_next
+            blk_next = tl.load(table + (n + BLOCK_N) // KV_BLOCK_SIZE, mask=n + BLOCK_N < kv_hi, other=0)
+        else:
+            blk = tl.load(table + n // KV_BLOCK_SIZE, mask=n_ok, other=0)
         rows = blk.to(tl.int64) * stride_cb + (n % KV_BLOCK_SIZE) * stride_cs
         kl = tl.load(cache_ptr + rows[:, None] + r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
         kp = tl.load(cache_ptr + rows[:, None] + RANK + p[None, :], mask=n_ok[:, None] & p_ok[None, :], other=0.0)
@@ -504,7 +513,7 @@ def mla_decode_triton(
         BLOCK_H=block_h, BLOCK_N=block_n, KV_BLOCK_SIZE=kv_cache.shape[1], IEEE=q_latent.dtype == torch.float32,
         ROWWISE=invariant and is_interpreting(), USE_SPLITS=use_splits, MIN_SPLIT_TOKENS=cfg["min_split_tokens"],
         SWAP_AB=bool(cfg["swap_ab"]) and not invariant, SWAP_BLOCK_N=cfg["swap_block_n"],
-        SWAP_MIN_KEYS=cfg["swap_min_keys"],
+        SWAP_MIN_KEYS=cfg["swap_min_keys"], PREFETCH_INDEX=bool(cfg.get("prefetch_index", False)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl,
     )
     if use_splits:
