@@ -236,7 +236,7 @@ def _mla_decode_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr,
     ROWWISE: tl.constexpr = False, USE_SPLITS: tl.constexpr = False, MIN_SPLIT_TOKENS: tl.constexpr = 128,
     USE_PDL: tl.constexpr = False, SWAP_AB: tl.constexpr = False, SWAP_BLOCK_N: tl.constexpr = 64,
-    SWAP_MIN_KEYS: tl.constexpr = 0, PREFETCH_INDEX: tl.constexpr = False,
+    SWAP_MIN_KEYS: tl.constexpr = 0, PREFETCH_INDEX: tl.constexpr = 0,
 ):
     token = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -311,17 +311,22 @@ def _mla_decode_keys(ql, qp, cache_ptr, table, kv_lo, kv_hi, qk_scale, stride_cb
     r_ok = r < RANK
     p_ok = p < ROPE
     acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
-    if PREFETCH_INDEX:
-        n_next = kv_lo + tl.arange(0, BLOCK_N)
-        blk_next = tl.load(table + n_next // KV_BLOCK_SIZE, mask=n_next < kv_hi, other=0)
-    else:
-        blk_next = tl.zeros([BLOCK_N], tl.int32)
+    # PREFETCH_INDEX tiles ahead (1 or 2), the tiles' block numbers come from loads of earlier iterations
+    # (loop-carried), so a tile's cache loads never wait on its own block-table load
+    n_next = kv_lo + tl.arange(0, BLOCK_N)
+    blk_next = tl.load(table + n_next // KV_BLOCK_SIZE, mask=(n_next < kv_hi) & (PREFETCH_INDEX > 0), other=0)
+    n_next += BLOCK_N
+    blk_next2 = tl.load(table + n_next // KV_BLOCK_SIZE, mask=(n_next < kv_hi) & (PREFETCH_INDEX > 1), other=0)
     for start in range(kv_lo, kv_hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < kv_hi
-        if PREFETCH_INDEX:  # the next tile's block numbers loaded a tile ahead (loop-carried)
+        if PREFETCH_INDEX == 1:
             blk = blk_next
             blk_next = tl.load(table + (n + BLOCK_N) // KV_BLOCK_SIZE, mask=n + BLOCK_N < kv_hi, other=0)
+        elif PREFETCH_INDEX == 2:
+            blk = blk_next
+            blk_next = blk_next2
+            blk_next2 = tl.load(table + (n + 2 * BLOCK_N) // KV_BLOCK_SIZE, mask=n + 2 * BLOCK_N < kv_hi, other=0)
         else:
             blk = tl.load(table + n // KV_BLOCK_SIZE, mask=n_ok, other=0)
         rows = blk.to(tl.int64) * stride_cb + (n % KV_BLOCK_SIZE) * stride_cs
@@ -513,7 +518,7 @@ def mla_decode_triton(
         BLOCK_H=block_h, BLOCK_N=block_n, KV_BLOCK_SIZE=kv_cache.shape[1], IEEE=q_latent.dtype == torch.float32,
         ROWWISE=invariant and is_interpreting(), USE_SPLITS=use_splits, MIN_SPLIT_TOKENS=cfg["min_split_tokens"],
         SWAP_AB=bool(cfg["swap_ab"]) and not invariant, SWAP_BLOCK_N=cfg["swap_block_n"],
-        SWAP_MIN_KEYS=cfg["swap_min_keys"], PREFETCH_INDEX=bool(cfg.get("prefetch_index", False)),
+        SWAP_MIN_KEYS=cfg["swap_min_keys"], PREFETCH_INDEX=int(cfg.get("prefetch_index", 0)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl,
     )
     if use_splits:
