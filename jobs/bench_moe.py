@@ -279,6 +279,7 @@ def bench_step(model, ceil: dict, counts: dict, *, batch: int, query_len: int, c
 # A key "@module.NAME" sets that module attribute (an int) instead of an environment variable.
 AB_VARIANTS = {"default": {}, "no-pdl": {"RAYINFER_PDL": "0"}, "no-one-row": {"RAYINFER_ONE_ROW_FUSION": "0"},
                **{f"mla-splits-{n}": {"@rayinfer.kernels.mla_attention._MAX_SPLITS": str(n)} for n in (4, 8, 16)},
+               "mla-prefetch-0": {"@rayinfer.kernels.mla_attention.PREFETCH_INDEX": "0"},
                "no-direct": {"@rayinfer.kernels.fused_moe.ONE_TOKEN_DIRECT": "0"},
                "fp32-slots": {"@rayinfer.kernels.fused_moe.SLOTS_IN_HIDDEN_DTYPE": "0"},
                **{f"mla-swap-{n}": {"@rayinfer.kernels.mla_attention.FEW_TOKEN_SWAP_FROM": str(n)}

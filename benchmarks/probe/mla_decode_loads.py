@@ -32,7 +32,10 @@ from rayinfer.kernels.mla_attention import choose_num_splits, mla_decode_triton 
 _KEYS = ("block_h", "block_n", "num_warps", "num_stages", "min_split_tokens")
 DECODE_TILES = [dict(zip(_KEYS, t)) for t in [(16, 32, 4, 2, 64), (16, 32, 4, 3, 64), (16, 32, 4, 4, 64),
                                               (16, 64, 4, 2, 64), (16, 64, 4, 3, 64)]]
-DECODE_TILES += [dict(d, prefetch_index=a) for a in (1, 2) for d in DECODE_TILES]
+DECODE_TILES += [dict(d, prefetch_index=True) for d in DECODE_TILES]
+# up to 4 tokens (the kernel's first set: 16-key tiles, splits of at least 32 keys)
+FEW_TILES = [dict(zip(_KEYS, t)) for t in [(16, 16, 4, 2, 32), (16, 16, 4, 3, 32), (16, 32, 4, 3, 32)]]
+FEW_TILES += [dict(d, prefetch_index=True) for d in FEW_TILES]
 # the load-only kernel's (block_n, num_stages, num_warps)
 LOAD_TILES = [(32, 2, 4), (32, 3, 4), (32, 4, 4), (64, 2, 4), (64, 3, 4)]
 
@@ -54,7 +57,6 @@ def _loads_kernel(cache_ptr, out_ptr, seq_lens_ptr, block_tables_ptr, num_splits
     acc_p = tl.zeros([ROPE], tl.float32)
     n0 = kv_lo + tl.arange(0, BLOCK_N)
     blk_next = tl.load(table + n0 // KV_BLOCK_SIZE, mask=n0 < kv_hi, other=0)
-    blk_next2 = tl.load(table + (n0 + BLOCK_N) // KV_BLOCK_SIZE, mask=n0 + BLOCK_N < kv_hi, other=0)
     for start in tl.range(kv_lo, kv_hi, BLOCK_N, num_stages=NUM_STAGES):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < kv_hi
@@ -64,11 +66,6 @@ def _loads_kernel(cache_ptr, out_ptr, seq_lens_ptr, block_tables_ptr, num_splits
         elif PAGED == 2:  # the block numbers loaded a tile ahead (loop-carried)
             blk = blk_next
             blk_next = tl.load(table + (n + BLOCK_N) // KV_BLOCK_SIZE, mask=n + BLOCK_N < kv_hi, other=0)
-            rows = blk.to(tl.int64) * stride_cb + (n % KV_BLOCK_SIZE) * stride_cs
-        elif PAGED == 3:  # two tiles ahead
-            blk = blk_next
-            blk_next = blk_next2
-            blk_next2 = tl.load(table + (n + 2 * BLOCK_N) // KV_BLOCK_SIZE, mask=n + 2 * BLOCK_N < kv_hi, other=0)
             rows = blk.to(tl.int64) * stride_cb + (n % KV_BLOCK_SIZE) * stride_cs
         else:  # the request's keys as one contiguous run (its first block's place, no table)
             rows = (req.to(tl.int64) * n_keys + n) * stride_cs
@@ -86,19 +83,24 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--git-rev", default=None)
     ap.add_argument("--block-sizes", default="16", help="KV cache block sizes, comma-separated")
+    ap.add_argument("--cases", default="8x4096,32x1024,32x4096,64x4096,128x4096", help="BATCHxCONTEXT, comma-separated")
+    ap.add_argument("--loads-batches", default="32,64,128", help="batches whose load-only kernels are timed")
     args = ap.parse_args()
     args.block_sizes = [int(x) for x in args.block_sizes.split(",")]
+    args.loads_batches = [int(x) for x in args.loads_batches.split(",") if x]
     ceil = measure_ceilings()
     rows = []
-    for (batch, ctx), bs in itertools.product(((8, 4096), (32, 1024), (32, 4096), (64, 4096), (128, 4096)),
-                                              args.block_sizes):
+    cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
+    for (batch, ctx), bs in itertools.product(cases, args.block_sizes):
         cache, meta, ql, qp, want, nbytes, layers = mla_decode_inputs(batch, ctx, bs)
         splits = choose_num_splits(batch, 8192, torch.cuda.get_device_properties(0).multi_processor_count)
+        if batch <= 4:  # the first set's splits of 32 keys
+            splits = max(1, min(264 // batch, 8192 // 32, 32))
 
         def pct(us):
             return None if us is None else round(100 * nbytes / (us * 1e-6) / (ceil["copy_GBps"] * 1e9), 1)
 
-        for cfg in DECODE_TILES:
+        for cfg in FEW_TILES if batch <= 4 else DECODE_TILES:
             run = lambda i=0, c=cfg: mla_decode_triton(ql, qp, cache[i], meta, 0.1, max_seq_len=8192, config=c)  # noqa: E731
             err = (run().float() - want).abs().max().item()
             us = bench_graph([lambda i=i, f=run: f(i) for i in range(layers)])
@@ -110,7 +112,7 @@ def main():
             us = bench_graph([lambda i=i: flat[i, : batch * ctx].clone() for i in range(layers)])
             rows.append({"batch": batch, "ctx": ctx, "what": "torch clone of the same bytes", "us": us,
                          "pct_of_copy": pct(us), "note": "reads and writes: a copy moves twice the bytes"})
-        for paged in (1, 2, 3, 0) if bs == args.block_sizes[0] else (1, 2, 3):
+        for paged in ((1, 2, 0) if bs == args.block_sizes[0] else (1, 2)) if batch in args.loads_batches else ():
             for block_n, stages, warps in LOAD_TILES:
                 out = torch.empty(batch * splits * 576, device="cuda", dtype=torch.float32)
 

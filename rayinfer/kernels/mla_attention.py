@@ -236,7 +236,7 @@ def _mla_decode_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr,
     ROWWISE: tl.constexpr = False, USE_SPLITS: tl.constexpr = False, MIN_SPLIT_TOKENS: tl.constexpr = 128,
     USE_PDL: tl.constexpr = False, SWAP_AB: tl.constexpr = False, SWAP_BLOCK_N: tl.constexpr = 64,
-    SWAP_MIN_KEYS: tl.constexpr = 0, PREFETCH_INDEX: tl.constexpr = 0,
+    SWAP_MIN_KEYS: tl.constexpr = 0, PREFETCH_INDEX: tl.constexpr = False,
 ):
     token = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -311,22 +311,16 @@ def _mla_decode_keys(ql, qp, cache_ptr, table, kv_lo, kv_hi, qk_scale, stride_cb
     r_ok = r < RANK
     p_ok = p < ROPE
     acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
-    # PREFETCH_INDEX tiles ahead (1 or 2), the tiles' block numbers come from loads of earlier iterations
-    # (loop-carried), so a tile's cache loads never wait on its own block-table load
+    # PREFETCH_INDEX: a tile's block numbers come from a load of the iteration before (loop-carried), so its
+    # cache loads never wait on its own block-table load and the compiler's pipeline keeps them in flight
     n_next = kv_lo + tl.arange(0, BLOCK_N)
-    blk_next = tl.load(table + n_next // KV_BLOCK_SIZE, mask=(n_next < kv_hi) & (PREFETCH_INDEX > 0), other=0)
-    n_next += BLOCK_N
-    blk_next2 = tl.load(table + n_next // KV_BLOCK_SIZE, mask=(n_next < kv_hi) & (PREFETCH_INDEX > 1), other=0)
+    blk_next = tl.load(table + n_next // KV_BLOCK_SIZE, mask=(n_next < kv_hi) & PREFETCH_INDEX, other=0)
     for start in range(kv_lo, kv_hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < kv_hi
-        if PREFETCH_INDEX == 1:
+        if PREFETCH_INDEX:
             blk = blk_next
             blk_next = tl.load(table + (n + BLOCK_N) // KV_BLOCK_SIZE, mask=n + BLOCK_N < kv_hi, other=0)
-        elif PREFETCH_INDEX == 2:
-            blk = blk_next
-            blk_next = blk_next2
-            blk_next2 = tl.load(table + (n + 2 * BLOCK_N) // KV_BLOCK_SIZE, mask=n + 2 * BLOCK_N < kv_hi, other=0)
         else:
             blk = tl.load(table + n // KV_BLOCK_SIZE, mask=n_ok, other=0)
         rows = blk.to(tl.int64) * stride_cb + (n % KV_BLOCK_SIZE) * stride_cs
@@ -414,6 +408,9 @@ def _mla_merge_splits_kernel(
 
 
 _MAX_SPLITS = 32
+# 0: the second tile set (more than 4 tokens) loads each tile's block numbers in its own iteration, in 2 stages
+# (the set before 42ee860; an A/B variant of jobs/bench_moe.py)
+PREFETCH_INDEX = 1
 _MIN_SPLIT_TOKENS = 64
 # Up to 4 tokens a step: the tokens with at least this many keys take the swapped 64-key tiles (``swap_ab`` of
 # mla_decode_triton's config), the others the 16-key ones; 0: none do. Off: on the H200 (742e567) the kernel
@@ -453,7 +450,8 @@ def mla_decode_triton(
     num_splits: int | None = None, max_seq_len: int | None = None, config: dict | None = None,
 ) -> torch.Tensor:
     """Triton kernel of :func:`mla_decode_ref` (same contract; no host sync; ``config`` overrides the
-    tiles: block_h, block_n, num_warps, num_stages, min_split_tokens; swap_ab: keys as the products' rows in
+    tiles: block_h, block_n, num_warps, num_stages, min_split_tokens; prefetch_index: each tile's block
+    numbers loaded an iteration ahead; swap_ab: keys as the products' rows in
     swap_block_n tiles, for Hopper's 64-row warpgroup MMA, for the tokens with at least swap_min_keys keys
     (the others take the block_n tiles); ignored in batch-invariant mode).
 
@@ -482,14 +480,18 @@ def mla_decode_triton(
     # latency-bound by each split's serial tiles). More tokens: 32-key tiles (2 stages since c165221; 4 before), splits of at least
     # 64 keys (batch 32 at 4K context 96.9 -> 77.5 us, 1K 31.5 -> 25.8; within 3% of the best set at 64-128).
     # With one-wave splits (choose_num_splits) 2 stages beat 4 by 2-5% at batch 32-128 (kernels-mla-splits-stages-h200-c165221.json).
+    # Since 42ee860 the second set loads each tile's block numbers an iteration ahead, in 3 stages: the latent
+    # reads went from 52 / 57 / 66% of the copy bandwidth to 61 / 68 / 79% at batch 32 / 64 / 128, 4K context
+    # (8 at 4K: 29 -> 37%; 32 at 1K: 31 -> 34%), where a kernel doing only these loads (no math) reached 55-61%
+    # with the table loaded in the same iteration (benchmarks/probe/mla_decode_loads.py, mla-decode-loads-h200-*.json).
     # Batch-invariant mode always takes the second set: a token's tiles must not depend on its companions.
     invariant = is_batch_invariant()
     few = num_tokens <= 4 and not invariant
     wide = block_r >= 512
     deep = wide and not few  # the second set
     cfg = {"block_h": 16 if block_r >= 256 else max(16, min(32, triton.next_power_of_2(num_heads))),  # acc [H, R] fp32
-           "block_n": 16 if wide and few else 32, "num_warps": 4, "num_stages": 2,
-           "min_split_tokens": 64 if deep else 32, "swap_ab": few and FEW_TOKEN_SWAP_FROM > 0, "swap_block_n": 64,
+           "block_n": 16 if wide and few else 32, "num_warps": 4, "num_stages": 3 if deep and PREFETCH_INDEX else 2,
+           "prefetch_index": deep and bool(PREFETCH_INDEX), "min_split_tokens": 64 if deep else 32, "swap_ab": few and FEW_TOKEN_SWAP_FROM > 0, "swap_block_n": 64,
            "swap_min_keys": FEW_TOKEN_SWAP_FROM,
            **(config or {})}
     block_h, block_n = cfg["block_h"], cfg["block_n"]
@@ -518,7 +520,7 @@ def mla_decode_triton(
         BLOCK_H=block_h, BLOCK_N=block_n, KV_BLOCK_SIZE=kv_cache.shape[1], IEEE=q_latent.dtype == torch.float32,
         ROWWISE=invariant and is_interpreting(), USE_SPLITS=use_splits, MIN_SPLIT_TOKENS=cfg["min_split_tokens"],
         SWAP_AB=bool(cfg["swap_ab"]) and not invariant, SWAP_BLOCK_N=cfg["swap_block_n"],
-        SWAP_MIN_KEYS=cfg["swap_min_keys"], PREFETCH_INDEX=int(cfg.get("prefetch_index", 0)),
+        SWAP_MIN_KEYS=cfg["swap_min_keys"], PREFETCH_INDEX=bool(cfg["prefetch_index"]),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl,
     )
     if use_splits:
