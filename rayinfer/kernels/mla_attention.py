@@ -408,8 +408,8 @@ def _mla_merge_splits_kernel(
 
 
 _MAX_SPLITS = 32
-# 0: the second tile set (more than 4 tokens) loads each tile's block numbers in its own iteration, in 2 stages
-# (the set before 42ee860; an A/B variant of jobs/bench_moe.py)
+# 0: the decode tiles before 9950a61 (each tile's block numbers loaded in its own iteration, 2 stages, 16-key
+# tiles up to 4 tokens); an A/B variant of jobs/bench_moe.py
 PREFETCH_INDEX = 1
 _MIN_SPLIT_TOKENS = 64
 # Up to 4 tokens a step: the tokens with at least this many keys take the swapped 64-key tiles (``swap_ab`` of
@@ -474,25 +474,25 @@ def mla_decode_triton(
     q_latent = q_latent if q_latent.stride(-1) == 1 else q_latent.contiguous()
     q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
     block_r = max(16, triton.next_power_of_2(rank))
-    # Tiles from the H200 sweep (benchmarks/kernels.py --only-sweeps mla_tiles, V2-Lite's 16 heads x 576, cache
-    # blocks of 16, a graph sized for 8K keys). Up to 4 tokens: 16-key tiles, splits of at least 32 keys (a
-    # batch-1 step at 1K context takes 32 splits of 32 keys, 11.2 us a layer; splits of 128 keys took 18.9,
-    # latency-bound by each split's serial tiles). More tokens: 32-key tiles (2 stages since c165221; 4 before), splits of at least
-    # 64 keys (batch 32 at 4K context 96.9 -> 77.5 us, 1K 31.5 -> 25.8; within 3% of the best set at 64-128).
-    # With one-wave splits (choose_num_splits) 2 stages beat 4 by 2-5% at batch 32-128 (kernels-mla-splits-stages-h200-c165221.json).
-    # Since 42ee860 the second set loads each tile's block numbers an iteration ahead, in 3 stages: the latent
-    # reads went from 52 / 57 / 66% of the copy bandwidth to 61 / 68 / 79% at batch 32 / 64 / 128, 4K context
-    # (8 at 4K: 29 -> 37%; 32 at 1K: 31 -> 34%), where a kernel doing only these loads (no math) reached 55-61%
-    # with the table loaded in the same iteration (benchmarks/probe/mla_decode_loads.py, mla-decode-loads-h200-*.json).
-    # Batch-invariant mode always takes the second set: a token's tiles must not depend on its companions.
+    # Tiles from the H200 sweeps (benchmarks/kernels.py --only-sweeps mla_tiles / mla_splits; V2-Lite's 16 heads x
+    # 576, cache blocks of 16, a graph sized for 8K keys; benchmarks/README.md, seventh and fourteenth rounds).
+    # Splits: up to 4 tokens of at least 32 keys (a batch-1 step at 1K context takes 32 splits of 32 keys; splits
+    # of 128 keys were latency-bound by each split's serial tiles), more tokens of at least 64 (one wave:
+    # choose_num_splits). Tiles: 32 keys, 4 warps, 3 stages, each tile's block numbers loaded an iteration
+    # ahead (prefetch_index; PREFETCH_INDEX = 0 gives the set before 9950a61: 16-key tiles up to 4 tokens, 2
+    # stages, the table loaded in the tile's own iteration). The latent reads at 4K context went from 52 / 57 /
+    # 66% of the copy bandwidth to 61 / 68 / 79% at batch 32 / 64 / 128, batch 8 29 -> 37%, batch 1 20.2 -> 13.1
+    # us a layer (1K: 8.6 -> 8.0), batch 4 23.1 -> 16.6 us, where a kernel doing only the old set's loads (no
+    # math) reached 55-61% (benchmarks/probe/mla_decode_loads.py, results/mla-decode-*-h200-*.json).
+    # Batch-invariant mode always takes the second split rule: a token's tiles must not depend on its companions.
     invariant = is_batch_invariant()
     few = num_tokens <= 4 and not invariant
     wide = block_r >= 512
-    deep = wide and not few  # the second set
+    ahead = bool(PREFETCH_INDEX)
     cfg = {"block_h": 16 if block_r >= 256 else max(16, min(32, triton.next_power_of_2(num_heads))),  # acc [H, R] fp32
-           "block_n": 16 if wide and few else 32, "num_warps": 4, "num_stages": 3 if deep and PREFETCH_INDEX else 2,
-           "prefetch_index": deep and bool(PREFETCH_INDEX), "min_split_tokens": 64 if deep else 32, "swap_ab": few and FEW_TOKEN_SWAP_FROM > 0, "swap_block_n": 64,
-           "swap_min_keys": FEW_TOKEN_SWAP_FROM,
+           "block_n": 16 if wide and few and not ahead else 32, "num_warps": 4, "num_stages": 3 if ahead else 2,
+           "prefetch_index": ahead, "min_split_tokens": 64 if wide and not few else 32,
+           "swap_ab": few and FEW_TOKEN_SWAP_FROM > 0, "swap_block_n": 64, "swap_min_keys": FEW_TOKEN_SWAP_FROM,
            **(config or {})}
     block_h, block_n = cfg["block_h"], cfg["block_n"]
     head_tiles = triton.cdiv(num_heads, block_h)
