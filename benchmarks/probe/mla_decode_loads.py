@@ -33,6 +33,10 @@ _KEYS = ("block_h", "block_n", "num_warps", "num_stages", "min_split_tokens")
 DECODE_TILES = [dict(zip(_KEYS, t)) for t in [(16, 32, 4, 2, 64), (16, 32, 4, 3, 64), (16, 32, 4, 4, 64),
                                               (16, 64, 4, 2, 64), (16, 64, 4, 3, 64)]]
 DECODE_TILES += [dict(d, prefetch_index=True) for d in DECODE_TILES]
+# warps, stages and split sizes around the default (all with the block numbers an iteration ahead)
+WIDE_TILES = [dict(zip(_KEYS, t), prefetch_index=True) for t in [
+    (16, 32, 4, 3, 64), (16, 32, 8, 3, 64), (16, 32, 8, 4, 64), (16, 32, 4, 3, 128), (16, 64, 4, 2, 64),
+    (16, 64, 8, 2, 64), (16, 64, 8, 3, 64), (16, 64, 4, 2, 128)]]
 # up to 4 tokens (the kernel's first set: 16-key tiles, splits of at least 32 keys)
 FEW_TILES = [dict(zip(_KEYS, t)) for t in [(16, 16, 4, 2, 32), (16, 16, 4, 3, 32), (16, 32, 4, 3, 32)]]
 FEW_TILES += [dict(d, prefetch_index=True) for d in FEW_TILES]
@@ -85,6 +89,8 @@ def main():
     ap.add_argument("--block-sizes", default="16", help="KV cache block sizes, comma-separated")
     ap.add_argument("--cases", default="8x4096,32x1024,32x4096,64x4096,128x4096", help="BATCHxCONTEXT, comma-separated")
     ap.add_argument("--loads-batches", default="32,64,128", help="batches whose load-only kernels are timed")
+    ap.add_argument("--wide-sweep", action="store_true",
+                    help="for more than 4 tokens, the tile sets of WIDE_TILES instead of DECODE_TILES")
     args = ap.parse_args()
     args.block_sizes = [int(x) for x in args.block_sizes.split(",")]
     args.loads_batches = [int(x) for x in args.loads_batches.split(",") if x]
@@ -100,7 +106,7 @@ def main():
         def pct(us):
             return None if us is None else round(100 * nbytes / (us * 1e-6) / (ceil["copy_GBps"] * 1e9), 1)
 
-        for cfg in FEW_TILES if batch <= 4 else DECODE_TILES:
+        for cfg in FEW_TILES if batch <= 4 else WIDE_TILES if args.wide_sweep else DECODE_TILES:
             run = lambda i=0, c=cfg: mla_decode_triton(ql, qp, cache[i], meta, 0.1, max_seq_len=8192, config=c)  # noqa: E731
             err = (run().float() - want).abs().max().item()
             us = bench_graph([lambda i=i, f=run: f(i) for i in range(layers)])
