@@ -292,10 +292,11 @@ if __name__ == "__main__":
         # split-KV: 4 splits of whole 32-key tiles; the 5-token context leaves 3 splits empty, the 150-token one 1
         check_kernels("cpu", [([1, 1, 2], [5, 150, 70], 4, 32, 16, 4, f32)], num_splits=4)
         check_kernels("cpu", [([3, 1], [97, 1], 20, 24, 8, 8, f32)], num_splits=3)
-        # the next tile's block numbers loaded a tile ahead (prefetch_index): unsplit and split, partial last tiles
-        ahead = {"prefetch_index": True, "num_stages": 3}
-        check_kernels("cpu", [([1, 3, 1], [5, 9, 40], 4, 32, 16, 4, f32)], config=ahead)
-        check_kernels("cpu", [([1, 1, 2], [5, 150, 70], 4, 32, 16, 4, f32)], num_splits=4, config=ahead)
+        # each tile's block numbers in its own iteration (prefetch_index False; the default loads them an
+        # iteration ahead): unsplit and split, partial last tiles
+        own = {"prefetch_index": False, "num_stages": 2}
+        check_kernels("cpu", [([1, 3, 1], [5, 9, 40], 4, 32, 16, 4, f32)], config=own)
+        check_kernels("cpu", [([1, 1, 2], [5, 150, 70], 4, 32, 16, 4, f32)], num_splits=4, config=own)
         # a rank of 160: the merge's two 128-column slices, the second partial
         check_kernels("cpu", [([1, 2], [70, 40], 2, 160, 16, 4, f32)], num_splits=3)
         # keys as the products' rows (swap_ab): unsplit, split, a partial last tile, a rope width below 16
