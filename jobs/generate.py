@@ -218,6 +218,10 @@ def run(cfg: GenerateConfig, client=None) -> int:
     lines = read_lines(in_path) if in_path else [(i + 1, json.dumps(p)) for i, p in enumerate(BUILTIN_PROMPTS)]
     hf_config = load_config(cfg.model.model)
     check_quantization(hf_config, cfg.model.quantization)  # fp8 on a model without fp8 layers: before any work
+    if cfg.parallel.ep > 1:
+        from rayinfer.actors.ep_group import moe_shape
+
+        moe_shape(hf_config)  # expert parallelism on a model without routed experts: before Ray starts
     max_model_len = cfg.model.max_model_len or getattr(hf_config, "text_config", hf_config).max_position_embeddings
     parser = LineParser(tokenizer, cfg.served_model_name or cfg.model.model, max_model_len,
                         {"max_tokens": 256, "temperature": 0.0, **cfg.sampling}, key_model=cfg.model.model,

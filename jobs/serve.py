@@ -40,7 +40,12 @@ def run(cfg: ServeConfig, blocking: bool = True) -> int:
     from rayinfer.serve.app import build_app_from_config
 
     resolve_model(cfg.model.model)  # unknown model: ValueError now; converts the default model once
-    check_quantization(load_config(cfg.model.model), cfg.model.quantization)  # fp8 on a model without fp8 layers
+    hf_config = load_config(cfg.model.model)
+    check_quantization(hf_config, cfg.model.quantization)  # fp8 on a model without fp8 layers
+    if cfg.parallel.ep > 1:
+        from rayinfer.actors.ep_group import moe_shape
+
+        moe_shape(hf_config)  # expert parallelism on a model without routed experts: before Ray starts
     print(init_ray(cfg.ray, logging_config=ray.LoggingConfig(encoding="TEXT", log_level="INFO"),
                    logging_level=logging.WARNING), flush=True)
     serve.start(http_options={"host": cfg.host, "port": cfg.port})

@@ -11,6 +11,7 @@ so nothing is fetched from a model hub.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import json
 from pathlib import Path
 
@@ -54,8 +55,11 @@ def resolve_model(name_or_path: str | Path) -> Path | str:
     shape = shape_name(name)
     if shape is not None:
         return shape
+    known = [m.lower() for m in (DEFAULT_MODEL, GEMMA3_270M.name, *DEFAULT_ALIASES, *GEMMA3_ALIASES, *SHAPES)]
+    close = difflib.get_close_matches(name.lower(), known, n=1, cutoff=0.75)
     raise ValueError(
-        f"unknown model '{name}': known models are {DEFAULT_MODEL!r} (also 'smollm2', 'default'), "
+        f"unknown model '{name}'{f' (did you mean {close[0]!r}?)' if close else ''}: known models are "
+        f"{DEFAULT_MODEL!r} (also 'smollm2', 'default'), "
         f"{GEMMA3_270M.name!r} (also 'gemma3') and the "
         f"built-in shapes for load_format='dummy' {sorted(SHAPES)}; or give a Hugging Face-format directory "
         "with config.json and *.safetensors"

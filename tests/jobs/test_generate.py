@@ -113,12 +113,14 @@ def test_job_end_to_end_with_errors_and_resume(tmp_path, fleet):
 
 # overrides whose error the job's run raises, checked through `rayinfer generate` in this process; the
 # others (and ray.address, which needs a process without Ray) through jobs/generate.py in a subprocess
-IN_PROCESS = {"model.model", "model", "input", "sampling.temperature"}
+IN_PROCESS = {"model.model", "model", "input", "sampling.temperature", "parallel.ep"}
 
 
 @pytest.mark.parametrize("override, message", [
     ("model.model=no-such-model", "unknown model 'no-such-model'"),
     ("model=no-such-model", "unknown model 'no-such-model'"),  # a config-group name Hydra does not know
+    ("model=deepseek-v3-tny", "unknown model 'deepseek-v3-tny' (did you mean 'deepseek-v3-tiny'?)"),
+    ("parallel.ep=2", "is not a MoE model: expert parallelism needs routed experts"),  # before Ray starts
     ("model.dtype=float64", "dtype"),
     ("engine.max_num_seqs=0", "max_num_seqs"),
     ("input=/no/such/file.jsonl", "input file not found: /no/such/file.jsonl"),
