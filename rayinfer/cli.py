@@ -16,6 +16,7 @@ and the list of known ones).
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import re
 import sys
@@ -174,6 +175,12 @@ def compose(config_name: str, overrides: list[str]):
                 message += did_you_mean(hydra_compose(config_name=config_name), missing.group(1))
         elif cause and cause[0] not in message:  # "Error merging override k=v" says why only in its cause
             message += f": {cause[0]}"
+        # an unknown preset (parallel=ep3): its group's options, the closest one, without Hydra's search path
+        message = re.sub(r"\s*Config search path:.*$", "", message)
+        preset = re.search(r"Could not find '[^'/]+/([^']+)'.*Available options in '[^']+': (.*)$", message)
+        if preset:
+            close = difflib.get_close_matches(preset.group(1), preset.group(2).split(), n=1)
+            message += f" (did you mean {close[0]}?)" if close else ""
         raise ValueError(f"bad {config_name} config: {message}") from None
     extra = unknown_keys(cfg)
     if extra:  # "+key=value" adds a key to a schema node, where nothing would ever read it
@@ -195,8 +202,6 @@ def declared_keys(node) -> list[str] | None:
 def did_you_mean(cfg, dotted: str) -> str:
     """`` (did you mean <key>?)`` for the declared key of ``dotted``'s parent node in ``cfg`` closest to its
     last part (``difflib``), or "" when none is close or the parent is not a config node."""
-    import difflib
-
     from omegaconf import DictConfig, OmegaConf
 
     parent, _, leaf = dotted.lstrip("+~").rpartition(".")

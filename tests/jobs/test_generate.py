@@ -129,7 +129,7 @@ IN_PROCESS = {"model.model", "model", "input", "sampling.temperature", "parallel
     ("engine.max_num_seq=4", "engine.max_num_seq': the config has no such key (did you mean engine.max_num_seqs?)"),
     # Hydra would add it, and nothing read it
     ("+engine.max_num_seq=4", "unknown key(s) engine.max_num_seq (did you mean engine.max_num_seqs?)"),
-    ("parallel=3p1d", "3p1d"),  # an unknown preset
+    ("parallel=3p1d", "Available options in 'parallel': 1p1d"),  # an unknown preset: its group's options
     ("sampling.temperature=-1", "temperature must be >= 0.0"),  # a default every line would fail on
 ])
 def test_bad_config_exits_2_with_one_line_before_work(override, message, tmp_path, capsys):
@@ -151,6 +151,7 @@ def test_bad_config_exits_2_with_one_line_before_work(override, message, tmp_pat
     assert "Traceback" not in stderr + stdout
     errors = [ln for ln in stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1, stderr
+    assert "Config search path" not in stderr  # Hydra's own search path is noise to a user
     if override.startswith(("model=", "model.model=")):  # the known models are listed, tiny MoE shapes too
         assert "qwen3-moe-tiny" in errors[0] and "SmolLM2-135M-Instruct" in errors[0]
 
