@@ -40,6 +40,7 @@ from rayinfer.engine.errors import EngineInternalError, InvalidRequestError
 from rayinfer.engine.output_processor import OutputProcessor, RequestOutputProcessor
 from rayinfer.engine.types import Completion, RequestOutput, SamplingParams
 from rayinfer.model.loader import load_config, load_tokenizer
+from rayinfer.model.moe import moe_shape
 from rayinfer.placement.bundles import replica_specs
 from rayinfer.placement.groups import collective_backend, create_placement_group, scheduling_strategy_for
 from rayinfer.placement.parallel_config import ParallelConfig
@@ -51,19 +52,6 @@ logger = logging.getLogger(__name__)
 
 # (request_id, delta or exception) items, as the ranks stream them
 OutputItems = list[tuple[str, "RequestOutput | Exception"]]
-
-
-def moe_shape(hf_config) -> tuple[int, int]:
-    """(L routed experts per MoE layer, expert groups of the routing) of a Hugging Face MoE config.
-
-    Raises:
-        ValueError: for a config without routed experts.
-    """
-    num_logical = getattr(hf_config, "n_routed_experts", None) or getattr(hf_config, "num_experts", None)
-    if not num_logical:
-        raise ValueError(f"{getattr(hf_config, 'architectures', None)} is not a MoE model: expert parallelism "
-                         "needs routed experts (n_routed_experts or num_experts)")
-    return int(num_logical), int(getattr(hf_config, "n_group", None) or 1)
 
 
 class EPEngineGroup:

@@ -207,7 +207,7 @@ def run(cfg: GenerateConfig, client=None) -> int:
         run_error,
     )
     from rayinfer.jobs.progress import ProgressClient, TokenProgress
-    from rayinfer.model.loader import check_quantization, load_config, load_tokenizer, resolve_model
+    from rayinfer.model.loader import check_deployment, load_config, load_tokenizer, resolve_model
 
     in_path, out_path = job_paths(cfg)  # a missing input file: reported before anything loads
     hint = _ray_copy_hint(cfg)
@@ -217,11 +217,8 @@ def run(cfg: GenerateConfig, client=None) -> int:
     tokenizer = load_tokenizer(cfg.model.model)
     lines = read_lines(in_path) if in_path else [(i + 1, json.dumps(p)) for i, p in enumerate(BUILTIN_PROMPTS)]
     hf_config = load_config(cfg.model.model)
-    check_quantization(hf_config, cfg.model.quantization)  # fp8 on a model without fp8 layers: before any work
-    if cfg.parallel.ep > 1:
-        from rayinfer.actors.ep_group import moe_shape
-
-        moe_shape(hf_config)  # expert parallelism on a model without routed experts: before Ray starts
+    # fp8 on a model without fp8 layers, expert parallelism without routed experts: before any work
+    check_deployment(hf_config, cfg.model.quantization, cfg.parallel.ep)
     max_model_len = cfg.model.max_model_len or getattr(hf_config, "text_config", hf_config).max_position_embeddings
     parser = LineParser(tokenizer, cfg.served_model_name or cfg.model.model, max_model_len,
                         {"max_tokens": 256, "temperature": 0.0, **cfg.sampling}, key_model=cfg.model.model,

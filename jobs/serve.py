@@ -36,16 +36,12 @@ def run(cfg: ServeConfig, blocking: bool = True) -> int:
     from ray import serve
 
     from rayinfer.actors.cluster import init_ray
-    from rayinfer.model.loader import check_quantization, load_config, resolve_model
+    from rayinfer.model.loader import check_deployment, load_config, resolve_model
     from rayinfer.serve.app import build_app_from_config
 
     resolve_model(cfg.model.model)  # unknown model: ValueError now; converts the default model once
-    hf_config = load_config(cfg.model.model)
-    check_quantization(hf_config, cfg.model.quantization)  # fp8 on a model without fp8 layers
-    if cfg.parallel.ep > 1:
-        from rayinfer.actors.ep_group import moe_shape
-
-        moe_shape(hf_config)  # expert parallelism on a model without routed experts: before Ray starts
+    # fp8 on a model without fp8 layers, expert parallelism without routed experts: before Ray starts
+    check_deployment(load_config(cfg.model.model), cfg.model.quantization, cfg.parallel.ep)
     print(init_ray(cfg.ray, logging_config=ray.LoggingConfig(encoding="TEXT", log_level="INFO"),
                    logging_level=logging.WARNING), flush=True)
     serve.start(http_options={"host": cfg.host, "port": cfg.port})

@@ -91,6 +91,20 @@ def check_quantization(config: transformers.PretrainedConfig, quantization: str 
     return block_fp8
 
 
+def check_deployment(config: transformers.PretrainedConfig, quantization: str | None, ep: int = 1):
+    """What the jobs check of a model before any work (before Ray starts): :func:`check_quantization`, and with
+    expert parallelism (``ep`` > 1) that the model has routed experts (:func:`rayinfer.model.moe.moe_shape`).
+
+    Returns: :func:`check_quantization`'s block config, or None for the model dtype.
+    Raises: ValueError from either check."""
+    block_fp8 = check_quantization(config, quantization)
+    if ep > 1:
+        from rayinfer.model.moe import moe_shape
+
+        moe_shape(config)
+    return block_fp8
+
+
 def parse_dtype(dtype: str | torch.dtype, device: str | torch.device | None = None) -> torch.dtype:
     """Turn "float32" / "bfloat16" / "float16" (or fp32/bf16/fp16, or a torch.dtype) into a torch.dtype.
 

@@ -147,6 +147,19 @@ class PlacementMove:
             w.wait()
 
 
+def moe_shape(hf_config) -> tuple[int, int]:
+    """(L routed experts per MoE layer, expert groups of the routing) of a Hugging Face MoE config.
+
+    Raises:
+        ValueError: for a config without routed experts.
+    """
+    num_logical = getattr(hf_config, "n_routed_experts", None) or getattr(hf_config, "num_experts", None)
+    if not num_logical:
+        raise ValueError(f"{getattr(hf_config, 'architectures', None)} is not a MoE model: expert parallelism "
+                         "needs routed experts (n_routed_experts or num_experts)")
+    return int(num_logical), int(getattr(hf_config, "n_group", None) or 1)
+
+
 class RoutedExperts(nn.Module):
     """The routed experts of one MoE layer, stacked, optionally spread over an expert-parallel group.
 
