@@ -175,12 +175,12 @@ def compose(config_name: str, overrides: list[str]):
                 message += did_you_mean(hydra_compose(config_name=config_name), missing.group(1))
         elif cause and cause[0] not in message:  # "Error merging override k=v" says why only in its cause
             message += f": {cause[0]}"
-        # an unknown preset (parallel=ep3): its group's options, the closest one, without Hydra's search path
+        # an unknown preset (parallel=ep3): its group's options, the closest ones, without Hydra's search path
         message = re.sub(r"\s*Config search path:.*$", "", message)
         preset = re.search(r"Could not find '[^'/]+/([^']+)'.*Available options in '[^']+': (.*)$", message)
         if preset:
-            close = difflib.get_close_matches(preset.group(1), preset.group(2).split(), n=1)
-            message += f" (did you mean {close[0]}?)" if close else ""
+            close = difflib.get_close_matches(preset.group(1), preset.group(2).split(), n=3)
+            message += f" (did you mean {' or '.join(sorted(close))}?)" if close else ""
         raise ValueError(f"bad {config_name} config: {message}") from None
     extra = unknown_keys(cfg)
     if extra:  # "+key=value" adds a key to a schema node, where nothing would ever read it
