@@ -40,14 +40,6 @@ WIDE_TILES = [dict(zip(_KEYS, t), prefetch_index=True) for t in [
 # up to 4 tokens (the kernel's first set: 16-key tiles, splits of at least 32 keys)
 FEW_TILES = [dict(zip(_KEYS, t)) for t in [(16, 16, 4, 2, 32), (16, 16, 4, 3, 32), (16, 32, 4, 3, 32)]]
 FEW_TILES += [dict(d, prefetch_index=True) for d in FEW_TILES]
-# whole tiles through the tensor memory accelerator (config ``tma``; cache blocks of at least BLOCK_N tokens), beside
-# the default; ``splits_per_sm`` 1: the split count of one program a multiprocessor (8 warps of 204 registers)
-TMA_TILES = [dict(zip(_KEYS, t), prefetch_index=True) for t in [(16, 32, 4, 3, 64)]]
-TMA_TILES += [dict(zip(_KEYS, t), prefetch_index=True, tma=True) for t in [
-    (16, 32, 4, 2, 64), (16, 32, 4, 3, 64), (16, 64, 4, 2, 64), (16, 64, 8, 2, 64)]]
-TMA_TILES += [dict(TMA_TILES[-1], splits_per_sm=1)]
-TMA_FEW_TILES = [dict(zip(_KEYS, t), prefetch_index=True, tma=tma) for t in [(16, 32, 4, 3, 32)] for tma in (0, 1)]
-TMA_FEW_TILES += [dict(zip(_KEYS, (16, 32, 4, 2, 32)), prefetch_index=True, tma=True)]
 # the load-only kernel's (block_n, num_stages, num_warps)
 LOAD_TILES = [(32, 2, 4), (32, 3, 4), (32, 4, 4), (64, 2, 4), (64, 3, 4)]
 
@@ -99,8 +91,6 @@ def main():
     ap.add_argument("--loads-batches", default="32,64,128", help="batches whose load-only kernels are timed")
     ap.add_argument("--wide-sweep", action="store_true",
                     help="for more than 4 tokens, the tile sets of WIDE_TILES instead of DECODE_TILES")
-    ap.add_argument("--tma-sweep", action="store_true",
-                    help="the decode kernel with TMA tile loads (TMA_TILES, TMA_FEW_TILES) beside the default")
     args = ap.parse_args()
     args.block_sizes = [int(x) for x in args.block_sizes.split(",")]
     args.loads_batches = [int(x) for x in args.loads_batches.split(",") if x]
@@ -116,22 +106,12 @@ def main():
         def pct(us):
             return None if us is None else round(100 * nbytes / (us * 1e-6) / (ceil["copy_GBps"] * 1e9), 1)
 
-        if args.tma_sweep:
-            sets = TMA_FEW_TILES if batch <= 4 else TMA_TILES
-        else:
-            sets = FEW_TILES if batch <= 4 else WIDE_TILES if args.wide_sweep else DECODE_TILES
-        for cfg in sets:
-            kw = {k: v for k, v in cfg.items() if k != "splits_per_sm"}
-            n_split = None
-            if cfg.get("splits_per_sm") == 1:
-                n_split = choose_num_splits(batch, 8192, torch.cuda.get_device_properties(0).multi_processor_count // 2)
-            run = lambda i=0, c=kw, s=n_split: mla_decode_triton(ql, qp, cache[i], meta, 0.1, max_seq_len=8192,  # noqa: E731
-                                                                 config=c, num_splits=s)
+        for cfg in FEW_TILES if batch <= 4 else WIDE_TILES if args.wide_sweep else DECODE_TILES:
+            run = lambda i=0, c=cfg: mla_decode_triton(ql, qp, cache[i], meta, 0.1, max_seq_len=8192, config=c)  # noqa: E731
             err = (run().float() - want).abs().max().item()
             us = bench_graph([lambda i=i, f=run: f(i) for i in range(layers)])
             rows.append({"batch": batch, "ctx": ctx, "kv_block_size": bs, "what": "mla_decode_triton (with merge)",
-                         "config": cfg, "splits": n_split or splits, "max_abs_err": err, "us": us,
-                         "pct_of_copy": pct(us)})
+                         "config": cfg, "splits": splits, "max_abs_err": err, "us": us, "pct_of_copy": pct(us)})
             print(rows[-1], flush=True)
         if bs == args.block_sizes[0]:
             flat = cache.view(layers, -1, cache.shape[-1])

@@ -21,12 +21,9 @@ from rayinfer.kernels.mla_attention import _mla_decode_kernel
 
 POINTERS = {"ql_ptr": "*bf16", "qp_ptr": "*bf16", "cache_ptr": "*bf16", "out_ptr": "*bf16", "part_out_ptr": "*fp32",
             "part_lse_ptr": "*fp32", "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32"}
-# (block_n, num_stages, prefetch_index, num_warps, swap_ab, tma): the default first
-TILE_SETS = [(32, 3, True, 4, False, False), (32, 2, False, 4, False, False), (16, 3, True, 4, False, False),
-             (32, 3, True, 8, False, False), (64, 2, True, 4, False, False), (64, 2, False, 4, False, False),
-             (64, 2, True, 8, False, False), (32, 3, True, 4, True, False),
-             (32, 2, True, 4, False, True), (32, 3, True, 4, False, True), (64, 2, True, 4, False, True),
-             (64, 3, True, 4, False, True), (64, 2, True, 8, False, True)]
+# (block_n, num_stages, prefetch_index, num_warps, swap_ab): the default first
+TILE_SETS = [(32, 3, True, 4, False), (32, 2, False, 4, False), (16, 3, True, 4, False), (32, 3, True, 8, False),
+             (64, 2, True, 4, False), (64, 2, False, 4, False), (64, 2, True, 8, False), (32, 3, True, 4, True)]
 
 
 def resource_usage(cubin: bytes) -> str:
@@ -47,23 +44,18 @@ def main():
     ap.add_argument("--heads", type=int, default=16, help="BLOCK_H")
     args = ap.parse_args()
     names = _mla_decode_kernel.arg_names
-    for block_n, stages, ahead, warps, swap, tma in TILE_SETS:
+    for block_n, stages, ahead, warps, swap in TILE_SETS:
         constexprs = dict(RANK=args.rank, ROPE=args.rope, BLOCK_R=triton.next_power_of_2(args.rank),
                           BLOCK_P=max(16, triton.next_power_of_2(args.rope)), BLOCK_H=args.heads, BLOCK_N=block_n,
-                          KV_BLOCK_SIZE=64 if tma else 16, IEEE=False, ROWWISE=False, USE_SPLITS=True,
-                          MIN_SPLIT_TOKENS=64, USE_PDL=False, SWAP_AB=swap, SWAP_BLOCK_N=64, SWAP_MIN_KEYS=0,
-                          PREFETCH_INDEX=ahead, TMA=tma)
-        descs = {"lat_desc": f"tensordesc<bf16[{block_n},{args.rank // 2}]>",
-                 "rope_desc": f"tensordesc<bf16[{block_n},{args.rope}]>"} if tma else {}
-        if not tma:
-            constexprs.update(lat_desc=None, rope_desc=None)
-        signature = {n: descs.get(n) or POINTERS.get(n, "constexpr" if n in constexprs else "fp32"
-                                                     if n == "qk_scale" else "i32") for n in names}
+                          KV_BLOCK_SIZE=16, IEEE=False, ROWWISE=False, USE_SPLITS=True, MIN_SPLIT_TOKENS=64,
+                          USE_PDL=False, SWAP_AB=swap, SWAP_BLOCK_N=64, SWAP_MIN_KEYS=0, PREFETCH_INDEX=ahead)
+        signature = {n: POINTERS.get(n, "constexpr" if n in constexprs else "fp32" if n == "qk_scale" else "i32")
+                     for n in names}
         src = ASTSource(fn=_mla_decode_kernel, signature=signature,
                         constexprs={(names.index(k),): v for k, v in constexprs.items()})
         kernel = triton.compile(src, target=GPUTarget("cuda", args.arch, 32),
                                 options=dict(num_warps=warps, num_stages=stages))
-        print(f"block_n={block_n} stages={stages} prefetch_index={ahead} warps={warps} swap_ab={swap} tma={tma}: "
+        print(f"block_n={block_n} stages={stages} prefetch_index={ahead} warps={warps} swap_ab={swap}: "
               f"triton shared {kernel.metadata.shared} B | {resource_usage(kernel.asm['cubin'])}", flush=True)
 
 

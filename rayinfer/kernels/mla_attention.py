@@ -232,12 +232,11 @@ def _mla_decode_kernel(
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
     num_reqs, num_heads, num_splits, qk_scale,
     stride_lt, stride_lh, stride_pt, stride_ph, stride_ot, stride_oh, stride_cb, stride_cs, stride_bt,
-    lat_desc, rope_desc,
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr,
     ROWWISE: tl.constexpr = False, USE_SPLITS: tl.constexpr = False, MIN_SPLIT_TOKENS: tl.constexpr = 128,
     USE_PDL: tl.constexpr = False, SWAP_AB: tl.constexpr = False, SWAP_BLOCK_N: tl.constexpr = 64,
-    SWAP_MIN_KEYS: tl.constexpr = 0, PREFETCH_INDEX: tl.constexpr = False, TMA: tl.constexpr = False,
+    SWAP_MIN_KEYS: tl.constexpr = 0, PREFETCH_INDEX: tl.constexpr = False,
 ):
     token = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -276,12 +275,7 @@ def _mla_decode_kernel(
     use_swap = False
     if SWAP_AB:
         use_swap = n_keys >= SWAP_MIN_KEYS  # per token: all its splits take the same path
-    if TMA:
-        # tensor-memory-accelerator loads of whole tiles (lat_desc / rope_desc: descriptors of the cache as
-        # [blocks * KV_BLOCK_SIZE, R + P] rows); a tile lies in one cache block (KV_BLOCK_SIZE % BLOCK_N == 0)
-        acc, m_i, l_i = _mla_decode_keys_tma(ql, qp, lat_desc, rope_desc, table, kv_lo, kv_hi, qk_scale, m_i, l_i,
-                                             RANK, BLOCK_H, BLOCK_N, KV_BLOCK_SIZE, IEEE)
-    elif use_swap:
+    if use_swap:
         # keys as the products' M dimension (S^T = K Q^T, O^T += V^T P^T): a 64-key tile fills Hopper's 64-row
         # warpgroup MMA, which a 16-head tile as M cannot (mma.sync's 16 rows)
         acc_t, m_i, l_i = _mla_decode_swap_ab(tl.trans(ql), tl.trans(qp), cache_ptr, table, kv_lo, kv_hi, qk_scale,
@@ -351,51 +345,6 @@ def _mla_decode_keys(ql, qp, cache_ptr, table, kv_lo, kv_hi, qk_scale, stride_cb
         else:
             acc = acc * alpha[:, None] + tl.dot(prob.to(kl.dtype), kl)
         m_i = m_new
-    return acc, m_i, l_i
-
-
-@triton.jit
-def _mla_decode_keys_tma(ql, qp, lat_desc, rope_desc, table, kv_lo, kv_hi, qk_scale, m_i, l_i,
-                         RANK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
-                         IEEE: tl.constexpr):
-    """The key loop of ``_mla_decode_kernel`` with whole tiles loaded by the tensor memory accelerator (TMA).
-
-    A tile's ``BLOCK_N`` keys are consecutive rows of one cache block, so one block number (read a tile ahead)
-    places all of them and the copy engine moves the [BLOCK_N, R] latent halves and the [BLOCK_N, P] roped key
-    into shared memory without per-thread addresses. Rows past ``kv_hi`` in the tile's block are read too
-    (finite: the cache is zero-initialized and only ever holds computed rows) and weigh 0. ql [BLOCK_H, R],
-    qp [BLOCK_H, P] with R = 2 x the descriptor's latent width; returns (acc [BLOCK_H, R] float32, m_i, l_i).
-    """
-    HALF: tl.constexpr = RANK // 2
-    ql0, ql1 = tl.split(tl.permute(tl.reshape(ql, (BLOCK_H, 2, HALF)), (0, 2, 1)))
-    acc0 = tl.zeros([BLOCK_H, HALF], tl.float32)
-    acc1 = tl.zeros([BLOCK_H, HALF], tl.float32)
-    blk_next = tl.load(table + kv_lo // KV_BLOCK_SIZE)
-    for start in range(kv_lo, kv_hi, BLOCK_N):
-        row = blk_next * KV_BLOCK_SIZE + start % KV_BLOCK_SIZE
-        blk_next = tl.load(table + (start + BLOCK_N) // KV_BLOCK_SIZE, mask=start + BLOCK_N < kv_hi, other=0)
-        k0 = lat_desc.load([row, 0])
-        k1 = lat_desc.load([row, HALF])
-        kp = rope_desc.load([row, RANK])
-        if IEEE:
-            s = (tl.dot(ql0, tl.trans(k0), input_precision="ieee") + tl.dot(ql1, tl.trans(k1), input_precision="ieee")
-                 + tl.dot(qp, tl.trans(kp), input_precision="ieee"))
-        else:
-            s = tl.dot(ql0, tl.trans(k0)) + tl.dot(ql1, tl.trans(k1)) + tl.dot(qp, tl.trans(kp))
-        n = start + tl.arange(0, BLOCK_N)
-        s = tl.where((n < kv_hi)[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        prob = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(prob, 1)
-        if IEEE:
-            acc0 = acc0 * alpha[:, None] + tl.dot(prob, k0, input_precision="ieee")
-            acc1 = acc1 * alpha[:, None] + tl.dot(prob, k1, input_precision="ieee")
-        else:
-            acc0 = acc0 * alpha[:, None] + tl.dot(prob.to(k0.dtype), k0)
-            acc1 = acc1 * alpha[:, None] + tl.dot(prob.to(k1.dtype), k1)
-        m_i = m_new
-    acc = tl.reshape(tl.permute(tl.join(acc0, acc1), (0, 2, 1)), (BLOCK_H, RANK))
     return acc, m_i, l_i
 
 
@@ -496,16 +445,6 @@ def choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int) -> int:
     return max(1, min(want, max_seq_len // _MIN_SPLIT_TOKENS, _MAX_SPLITS))
 
 
-def tma_tiles_fit(kv_cache: torch.Tensor, rank: int, block_n: int) -> bool:
-    """Whether the decode kernel can load ``block_n``-key tiles of ``kv_cache`` ([blocks, block_size, R + P],
-    contiguous) through TMA descriptors: each tile inside one cache block (``block_size % block_n == 0``), the
-    latent as two halves of at most 256 columns, R and P powers of two, P >= 16."""
-    rope = kv_cache.shape[-1] - rank
-    return (kv_cache.dim() == 3 and kv_cache.is_contiguous() and kv_cache.shape[1] % block_n == 0
-            and rank == triton.next_power_of_2(rank) and 32 <= rank <= 512
-            and rope == triton.next_power_of_2(rope) and rope >= 16)
-
-
 def mla_decode_triton(
     q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
     num_splits: int | None = None, max_seq_len: int | None = None, config: dict | None = None,
@@ -557,14 +496,6 @@ def mla_decode_triton(
            **(config or {})}
     block_h, block_n = cfg["block_h"], cfg["block_n"]
     head_tiles = triton.cdiv(num_heads, block_h)
-    tma = bool(cfg.get("tma")) and not invariant and not cfg["swap_ab"] and tma_tiles_fit(kv_cache, rank, block_n)
-    lat_desc = rope_desc = None
-    if tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        rows = kv_cache.view(-1, rank + rope)
-        lat_desc = TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [block_n, rank // 2])
-        rope_desc = TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [block_n, rope])
     max_seq_len = max(max_seq_len or meta.max_seq_len, 1)
     if invariant:
         num_splits = 1
@@ -584,12 +515,12 @@ def mla_decode_triton(
         meta.query_start_loc, meta.seq_lens, meta.block_tables,
         meta.num_reqs, num_heads, num_splits, scale * 1.4426950408889634,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), out.stride(0), out.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), meta.block_tables.stride(0), lat_desc, rope_desc,
+        kv_cache.stride(0), kv_cache.stride(1), meta.block_tables.stride(0),
         RANK=rank, ROPE=rope, BLOCK_R=block_r, BLOCK_P=max(16, triton.next_power_of_2(rope)),
         BLOCK_H=block_h, BLOCK_N=block_n, KV_BLOCK_SIZE=kv_cache.shape[1], IEEE=q_latent.dtype == torch.float32,
         ROWWISE=invariant and is_interpreting(), USE_SPLITS=use_splits, MIN_SPLIT_TOKENS=cfg["min_split_tokens"],
         SWAP_AB=bool(cfg["swap_ab"]) and not invariant, SWAP_BLOCK_N=cfg["swap_block_n"],
-        SWAP_MIN_KEYS=cfg["swap_min_keys"], PREFETCH_INDEX=bool(cfg["prefetch_index"]), TMA=tma,
+        SWAP_MIN_KEYS=cfg["swap_min_keys"], PREFETCH_INDEX=bool(cfg["prefetch_index"]),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl,
     )
     if use_splits:

@@ -246,22 +246,6 @@ def test_swap_ab_tiles_match_ref():
     print(f"mla_decode swap_ab from 1024 keys: max abs err {err:.2e}")
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_tma_tiles_match_ref():
-    """Tiles loaded through TMA descriptors (config ``tma``): the cases with cache blocks of 64 take them (the
-    others fall back to the pointer loads), unsplit and split-KV, 4 and 8 warps."""
-    from rayinfer.kernels.mla_attention import tma_tiles_fit
-
-    cases = GPU_CASES + SPLIT_GPU_CASES
-    for block_n, warps, stages in ((32, 4, 3), (32, 4, 2), (64, 4, 2), (64, 8, 2)):
-        cfg = {"tma": True, "block_n": block_n, "num_warps": warps, "num_stages": stages, "min_split_tokens": 64}
-        taken = [c for c in cases if tma_tiles_fit(torch.empty(1, c[5], c[3] + c[4]), c[3], block_n)]
-        assert len(taken) >= 5
-        err = max(check_kernels("cuda", cases, config=cfg), check_kernels("cuda", SPLIT_GPU_CASES[:1], 5, config=cfg))
-        print(f"mla_decode TMA block_n={block_n} warps={warps}: max abs err {err:.2e} ({len(taken)} cases on TMA)")
-
-
 def test_choose_num_splits():
     """At most two programs per multiprocessor (one wave), >= 64 keys per split, at most 32 splits."""
     assert choose_num_splits(1, 1024, 132) == 16  # 1024 // 64
@@ -303,8 +287,6 @@ def test_kernels_through_triton_interpreter(run_interpreted):
 
 if __name__ == "__main__":
     if "--interpret" in sys.argv:
-        import rayinfer.kernels.mla_attention as mla
-
         f32 = torch.float32
         check_kernels("cpu", [([1, 3, 1], [5, 9, 40], 4, 32, 16, 4, f32), ([2], [2], 20, 24, 8, 8, f32)])
         # split-KV: 4 splits of whole 32-key tiles; the 5-token context leaves 3 splits empty, the 150-token one 1
@@ -324,16 +306,10 @@ if __name__ == "__main__":
         # per token: those with at least 40 keys take the swapped tiles, the others the default ones
         check_kernels("cpu", [([1, 1, 2], [5, 150, 40], 4, 32, 16, 4, f32)], num_splits=4,
                       config={**swap, "swap_min_keys": 40})
-        # whole tiles through TMA descriptors (cache blocks of 16 = BLOCK_N): unsplit, split, partial last tiles
-        # (rows past the context in the tile's block weigh 0), a block table whose unused entries are 0
-        tma = {"tma": True, "block_n": 16, "min_split_tokens": 16}
-        assert mla.tma_tiles_fit(torch.empty(4, 16, 48), 32, 16) and not mla.tma_tiles_fit(torch.empty(4, 8, 48), 32, 16)
-        check_kernels("cpu", [([1, 3, 1], [5, 9, 40], 4, 32, 16, 16, f32), ([2], [2], 20, 64, 16, 32, f32)],
-                      config=tma)
-        check_kernels("cpu", [([1, 1, 2], [5, 150, 70], 4, 32, 16, 16, f32)], num_splits=4, config=tma)
         # expanded: whole prompts, chunks after cached prefixes, a tile boundary (32 rows), a one-token row
         check_prefill("cpu", [([40, 7, 1, 3], [40, 30, 9, 3], 2, 32, 16, 16, 24, 4, f32),
                               ([33], [70], 3, 24, 8, 12, 20, 8, f32)])
+        import rayinfer.kernels.mla_attention as mla
 
         mla._MAX_GATHER_ROWS = 40  # contexts 40 + 30 + 9 + 3 in three passes: [40], [30, 9], [3]
         assert mla._request_groups([40, 30, 9, 3], 40) == [(0, 1), (1, 3), (3, 4)]
