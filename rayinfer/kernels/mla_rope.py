@@ -138,23 +138,30 @@ def _mla_rope_store_absorb_kernel(
     w_uk_ptr, ql_ptr, stride_wh, stride_wd, stride_lt, stride_lh,
     NOPE: tl.constexpr, RANK: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, INTERLEAVE: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr = False,
+    BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr = False, ROPE_APART: tl.constexpr = False,
 ):
     """Program (t, h, c): q_latent[t, h, c * BLOCK_C ...] = q_nope[t, h] @ W_UK[h][:, those columns]
     (W_UK [Dn, R] rows of ``kv_b_proj`` per head, float32 sums); program (t, 0, 0) also does
-    :func:`_rope_store_token` for t."""
+    :func:`_rope_store_token` for t, or with ROPE_APART program (t, 0, C) of an extra column past the latent's
+    C tiles does it alone (in parallel with the products instead of after one of them)."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     c = tl.program_id(2)
     d = tl.arange(0, BLOCK_D)
     r = c * BLOCK_C + tl.arange(0, BLOCK_C)
-    w = tl.load(w_uk_ptr + head * stride_wh + d[:, None] * stride_wd + r[None, :],  # a weight: before the wait
-                mask=(d[:, None] < NOPE) & (r[None, :] < RANK), other=0.0)
-    pdl_wait(USE_PDL)
-    qn = tl.load(q_ptr + token * stride_qt + head * stride_qh + d, mask=d < NOPE, other=0.0)
-    ql = tl.sum(w.to(tl.float32) * qn.to(tl.float32)[:, None], 0)
-    tl.store(ql_ptr + token * stride_lt + head * stride_lh + r, ql.to(ql_ptr.dtype.element_ty), mask=r < RANK)
-    if head == 0 and c == 0:
+    rope_here = (head == 0) & (c == 0)
+    if ROPE_APART:
+        rope_here = (head == 0) & (c * BLOCK_C >= RANK)
+    if c * BLOCK_C < RANK:
+        w = tl.load(w_uk_ptr + head * stride_wh + d[:, None] * stride_wd + r[None, :],  # a weight: before the wait
+                    mask=(d[:, None] < NOPE) & (r[None, :] < RANK), other=0.0)
+        pdl_wait(USE_PDL)
+        qn = tl.load(q_ptr + token * stride_qt + head * stride_qh + d, mask=d < NOPE, other=0.0)
+        ql = tl.sum(w.to(tl.float32) * qn.to(tl.float32)[:, None], 0)
+        tl.store(ql_ptr + token * stride_lt + head * stride_lh + r, ql.to(ql_ptr.dtype.element_ty), mask=r < RANK)
+    else:
+        pdl_wait(USE_PDL)
+    if rope_here:
         _rope_store_token(
             token, q_ptr, kv_a_ptr, w_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, q_out_ptr,
             num_heads, eps, stride_qt, stride_qh, stride_at, stride_cst, stride_cb, stride_cs, stride_ot, stride_oh,
@@ -194,6 +201,11 @@ def _rope_store_args(q, kv_a, norm_weight, eps, cos, sin, kv_cache, slot_mapping
     return args, consts
 
 
+# A/B switch of jobs/bench_moe.py: 1 gives the absorbed launch's RoPE / latent store a program of its own (an extra
+# grid column), 0 runs it after the first W_UK product's program.
+ROPE_APART = 1
+
+
 def mla_rope_store_absorb_triton(q, kv_a, norm_weight, eps, cos, sin, kv_cache, slot_mapping, interleave, w_kv_b):
     """Triton kernel of :func:`mla_rope_store_absorb_ref` (one launch: the absorbed query's programs, one
     per (token, head, 128 latent columns), and each token's RoPE / latent store in its first program)."""
@@ -206,9 +218,10 @@ def mla_rope_store_absorb_triton(q, kv_a, norm_weight, eps, cos, sin, kv_cache, 
         return q_latent, q_pe
     args, consts = _rope_store_args(q, kv_a, norm_weight, eps, cos, sin, kv_cache, slot_mapping, interleave, q_pe)
     block_c = min(128, triton.next_power_of_2(rank))
-    _mla_rope_store_absorb_kernel[(num_tokens, num_heads, triton.cdiv(rank, block_c))](
+    apart = bool(ROPE_APART)
+    _mla_rope_store_absorb_kernel[(num_tokens, num_heads, triton.cdiv(rank, block_c) + apart)](
         *args, w_kv_b, q_latent, w_kv_b.stride(0), w_kv_b.stride(1), q_latent.stride(0), q_latent.stride(1),
-        **consts, BLOCK_D=triton.next_power_of_2(nope), BLOCK_C=block_c, num_warps=4,
+        **consts, BLOCK_D=triton.next_power_of_2(nope), BLOCK_C=block_c, num_warps=4, ROPE_APART=apart,
         **pdl_launch(use_pdl(q)),
     )
     return q_latent, q_pe

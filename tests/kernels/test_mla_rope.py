@@ -117,5 +117,9 @@ if __name__ == "__main__":
         check("cpu", [(9, 3, 16, 24, 16, 4, f32, True), (6, 4, 8, 32, 8, 8, f32, False)])
         # two 128-column latent slices (the second partial), a slot of -1 (token 1), Dn not a power of two
         check_absorb("cpu", [(3, 2, 12, 160, 16, 4, 8, f32, True), (2, 3, 16, 24, 8, 8, 16, f32, False)])
+        import rayinfer.kernels.mla_rope as mr
+
+        mr.ROPE_APART = 0  # the RoPE / store after the first W_UK product's program instead of its own
+        check_absorb("cpu", [(3, 2, 12, 160, 16, 4, 8, f32, True)])
     else:
         sys.exit(pytest.main([__file__, "-m", "gpu", "-q", *sys.argv[1:]]))
