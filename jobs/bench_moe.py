@@ -281,12 +281,12 @@ AB_VARIANTS = {"default": {}, "no-pdl": {"RAYINFER_PDL": "0"}, "no-one-row": {"R
                **{f"mla-splits-{n}": {"@rayinfer.kernels.mla_attention._MAX_SPLITS": str(n)} for n in (4, 8, 16)},
                "mla-prefetch-0": {"@rayinfer.kernels.mla_attention.PREFETCH_INDEX": "0"},
                "no-direct": {"@rayinfer.kernels.fused_moe.ONE_TOKEN_DIRECT": "0"},
-               # the launches a layer before 2026-12-04 (fifth session): the slot sum, the routing and the RoPE program
+               # a one-token layer before 2026-12-04's fifth session: the slot sum in a launch of its own, the
+               # absorbed RoPE/store after a W_UK product's program; each apart and both
                "sum-apart": {"@rayinfer.kernels.fused_moe.ONE_TOKEN_SLOT_SUM": "0"},
-               "route-apart": {"@rayinfer.kernels.moe_routing.FUSED_ROUTING": "0"},
                "rope-after": {"@rayinfer.kernels.mla_rope.ROPE_APART": "0"},
-               "unfold-3": {"@rayinfer.kernels.fused_moe.ONE_TOKEN_SLOT_SUM": "0",
-                            "@rayinfer.kernels.moe_routing.FUSED_ROUTING": "0", "@rayinfer.kernels.mla_rope.ROPE_APART": "0"},
+               "sum-rope-before": {"@rayinfer.kernels.fused_moe.ONE_TOKEN_SLOT_SUM": "0",
+                                   "@rayinfer.kernels.mla_rope.ROPE_APART": "0"},
                "fp32-slots": {"@rayinfer.kernels.fused_moe.SLOTS_IN_HIDDEN_DTYPE": "0"},
                **{f"mla-swap-{n}": {"@rayinfer.kernels.mla_attention.FEW_TOKEN_SWAP_FROM": str(n)}
                   for n in (1024, 2048, 3072, 4096, 8192)},

@@ -40,7 +40,7 @@ from rayinfer.kernels.matmul import dense_linear
 from rayinfer.kernels.mla_attention import ABSORBED_MAX_QUERY_LEN, mla_decode, mla_prefill, use_absorbed
 from rayinfer.kernels.mla_rope import mla_rope_store, mla_rope_store_absorb
 from rayinfer.model.llama import PagedCausalLM, PreNormDecoderLayer, RMSNorm
-from rayinfer.kernels.moe_routing import grouped_topk, norm_router_grouped_topk, router_logits
+from rayinfer.kernels.moe_routing import grouped_topk, norm_router_logits, router_logits
 from rayinfer.model.moe import ExpertParallelism, GatedMLP, MoEModelMixin, RoutedExperts
 from rayinfer.kernels.block_fp8 import WEIGHT_BLOCK
 from rayinfer.model.quantization import SCALE_SUFFIX, linear
@@ -264,14 +264,9 @@ class DeepseekV3MoE(nn.Module):
 
     def forward_norm_residual(self, residual: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         """The layer over ``norm(residual)``, its output added into ``residual`` in place (returned): the
-        norm in the router kernel's prologue and the routing in its last program where they apply
-        (``moe_routing.norm_router_grouped_topk``)."""
-        c = self.config
-        weights, ids, hidden = norm_router_grouped_topk(
-            residual, norm.weight, norm.eps, self.gate.weight, self.gate.e_score_correction_bias,
-            c.num_experts_per_tok, c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor,
-            self.experts.num_shared)
-        return self._routed(hidden, ids, weights, residual)
+        norm in the router kernel's prologue where it applies (``moe_routing.norm_router_logits``)."""
+        logits, hidden = norm_router_logits(residual, norm.weight, norm.eps, self.gate.weight)
+        return self._experts(hidden, logits, residual)
 
     def _experts(self, hidden: torch.Tensor, logits: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """Grouped top-k routing of ``logits`` and the experts over ``hidden``; added into ``residual`` in
@@ -280,11 +275,6 @@ class DeepseekV3MoE(nn.Module):
         weights, ids = grouped_topk(logits, self.gate.e_score_correction_bias.float(), c.num_experts_per_tok,
                                     c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor,
                                     self.experts.num_shared)
-        return self._routed(hidden, ids, weights, residual)
-
-    def _routed(self, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                residual: torch.Tensor | None) -> torch.Tensor:
-        """The experts over ``hidden`` for routed ``ids`` / ``weights`` ([T, k (+ fused shared)]); as :meth:`_experts`."""
         if self.shared_experts is None:
             return self.experts(hidden, ids, weights, residual=residual)
         out = self.experts(hidden, ids, weights) + self.shared_experts(hidden)

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from rayinfer.kernels._triton_utils import (arrival_counters, last_arrival, pdl_launch, pdl_wait, tl, triton, use_pdl,
-                                           use_triton)
+from rayinfer.kernels._triton_utils import pdl_launch, pdl_wait, tl, triton, use_pdl, use_triton
 from rayinfer.kernels.batch_invariant import is_batch_invariant
 from rayinfer.kernels.matmul import dense_linear
 
@@ -147,17 +146,11 @@ def _softmax_topk_kernel(
 @triton.jit
 def _router_logits_kernel(hidden_ptr, gate_ptr, logits_ptr, norm_w_ptr, normed_ptr, num_experts, hidden_size,
                           stride_h, stride_g, stride_t, stride_n, eps, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                          RMS_NORM: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-                          ROUTE: tl.constexpr = False, counter_ptr=None, bias_ptr=None, weights_ptr=None,
-                          ids_ptr=None, scaling_factor=1.0, NUM_GROUPS: tl.constexpr = 1,
-                          PER_GROUP: tl.constexpr = 2, TOP_K: tl.constexpr = 1, TOPK_GROUPS: tl.constexpr = 1,
-                          RENORMALIZE: tl.constexpr = False, BLOCK_G: tl.constexpr = 1,
-                          BLOCK_P: tl.constexpr = 2, BLOCK_K: tl.constexpr = 2, NUM_SHARED: tl.constexpr = 0):
+                          RMS_NORM: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """Program (t, c): float32 logits of token t for experts c * BLOCK_E .. + BLOCK_E - 1. RMS_NORM (one
     BLOCK_H tile holds the row): the logits of ``rms_norm(hidden[t], norm_w)`` computed as
     ``kernels.norm`` computes it (float32 statistics, rounded to hidden's dtype, then the weight), which
-    program (t, 0) also stores to ``normed[t]`` for the experts. ROUTE: the last of token t's programs to
-    finish (``last_arrival`` on ``counter[t]``) also routes the row as ``_grouped_topk_kernel`` does."""
+    program (t, 0) also stores to ``normed[t]`` for the experts."""
     row = tl.program_id(0).to(tl.int64)
     experts = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     e_ok = experts < num_experts
@@ -187,16 +180,6 @@ def _router_logits_kernel(hidden_ptr, gate_ptr, logits_ptr, norm_w_ptr, normed_p
                 w = tl.load(w_rows + hs[None, :], mask=e_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
             acc += w * hid[None, :]
     tl.store(logits_ptr + row * stride_t + experts, tl.sum(acc, 1), mask=e_ok)
-    if ROUTE:
-        if last_arrival(counter_ptr + row, tl.num_programs(1)):
-            groups = tl.arange(0, BLOCK_G)
-            members = tl.arange(0, BLOCK_P)
-            ok = (groups[:, None] < NUM_GROUPS) & (members[None, :] < PER_GROUP)
-            ids = groups[:, None] * PER_GROUP + members[None, :]
-            bias = tl.load(bias_ptr + ids, mask=ok, other=0.0).to(tl.float32)
-            row_logits = tl.load(logits_ptr + row * stride_t + ids, mask=ok, other=0.0, volatile=True)
-            _grouped_topk_store(row_logits, bias, weights_ptr, ids_ptr, row, scaling_factor, NUM_GROUPS, PER_GROUP, TOP_K,
-                                TOPK_GROUPS, RENORMALIZE, BLOCK_G, BLOCK_P, BLOCK_K, NUM_SHARED)
 
 
 _ROUTER_BLOCK_H = 2048  # hidden columns per tile of the router-logits kernel (the fused norm needs one tile)
@@ -265,9 +248,7 @@ def norm_router_logits_triton(hidden: torch.Tensor, gate_weight: torch.Tensor, n
     return logits, normed
 
 
-def _launch_router_logits(hidden, gate_weight, norm_weight, eps, route: dict | None = None
-                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The router-logits launch; ``route``: the ROUTE arguments of ``_router_logits_kernel``."""
+def _launch_router_logits(hidden, gate_weight, norm_weight, eps) -> tuple[torch.Tensor, torch.Tensor | None]:
     num_tokens, hidden_size = hidden.shape
     num_experts = gate_weight.shape[0]
     logits = torch.empty((num_tokens, num_experts), dtype=torch.float32, device=hidden.device)
@@ -280,57 +261,9 @@ def _launch_router_logits(hidden, gate_weight, norm_weight, eps, route: dict | N
     _router_logits_kernel[(num_tokens, triton.cdiv(num_experts, block_e))](
         hidden, gate_weight, logits, norm_weight if fuse else gate_weight, normed, num_experts, hidden_size,
         hidden.stride(0), gate_weight.stride(0), logits.stride(0), normed.stride(0), float(eps),
-        BLOCK_E=block_e, BLOCK_H=block_h, RMS_NORM=fuse, num_warps=4, **pdl_launch(use_pdl(hidden)), **(route or {}),
+        BLOCK_E=block_e, BLOCK_H=block_h, RMS_NORM=fuse, num_warps=4, **pdl_launch(use_pdl(hidden)),
     )
     return logits, (normed if fuse else None)
-
-
-# A/B switch of jobs/bench_moe.py: 1 routes a decode-sized batch in the router-logits launch
-# (:func:`norm_router_grouped_topk`), 0 in a launch of its own after it.
-FUSED_ROUTING = 1
-
-
-def norm_router_grouped_topk(
-    residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_weight: torch.Tensor,
-    e_score_correction_bias: torch.Tensor, top_k: int, num_groups: int, topk_groups: int, renormalize: bool,
-    routed_scaling_factor: float, num_shared: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`norm_router_logits` then :func:`grouped_topk`: the MoE layer's post-attention norm, router and
-    DeepSeek-V3 routing. Where the router kernel takes the norm (decode-sized batches, see
-    :func:`norm_router_logits`), the routing runs in the same launch: the last of a token's programs to store
-    its logits routes it (``last_arrival``), one launch a layer less; elsewhere two steps.
-
-    Args:
-        residual: [T, H]; norm_weight: [H]; gate_weight: [L, H]; the rest as :func:`grouped_topk`.
-    Returns:
-        (topk_weights [T, k+S] float32, topk_ids [T, k+S] int64, the normed rows [T, H] in residual's dtype).
-    Raises:
-        ValueError: as :func:`grouped_topk` and :func:`router_logits`.
-    """
-    num_experts = gate_weight.shape[0]
-    _check_grouped(num_experts, top_k, num_groups, topk_groups, e_score_correction_bias)
-    bias = e_score_correction_bias.float()
-    fused = (FUSED_ROUTING and _router_kernel_applies(residual, gate_weight) and residual.shape[1] <= _ROUTER_BLOCK_H
-             and norm_weight.dtype == residual.dtype and gate_weight.shape[1] == residual.shape[1]
-             and num_experts <= _MAX_EXPERTS and use_triton(residual, bias))
-    counters = arrival_counters(residual.device, "router", residual.shape[0]) if fused else None
-    if counters is None:
-        logits, normed = norm_router_logits(residual, norm_weight, eps, gate_weight)
-        weights, ids = grouped_topk(logits, bias, top_k, num_groups, topk_groups, renormalize, routed_scaling_factor,
-                                    num_shared)
-        return weights, ids, normed
-    num_tokens, out_k = residual.shape[0], top_k + num_shared
-    weights = torch.empty((num_tokens, out_k), dtype=torch.float32, device=residual.device)
-    ids = torch.empty((num_tokens, out_k), dtype=torch.int64, device=residual.device)
-    per_group = num_experts // num_groups
-    route = dict(ROUTE=True, counter_ptr=counters, bias_ptr=bias.contiguous(), weights_ptr=weights, ids_ptr=ids,
-                 scaling_factor=float(routed_scaling_factor), NUM_GROUPS=num_groups, PER_GROUP=per_group,
-                 TOP_K=top_k, TOPK_GROUPS=topk_groups, RENORMALIZE=renormalize,
-                 BLOCK_G=triton.next_power_of_2(num_groups), BLOCK_P=max(2, triton.next_power_of_2(per_group)),
-                 BLOCK_K=max(2, triton.next_power_of_2(out_k)), NUM_SHARED=num_shared)
-    _, normed = _launch_router_logits(residual, gate_weight, norm_weight, eps, route)
-    assert normed is not None
-    return weights, ids, normed
 
 
 @triton.jit
@@ -348,21 +281,6 @@ def _grouped_topk_kernel(
     bias = tl.load(bias_ptr + experts, mask=ok, other=0.0).to(tl.float32)  # a weight: before the wait
     pdl_wait(USE_PDL)
     x = tl.load(logits_ptr + row * stride_t + experts, mask=ok, other=0.0).to(tl.float32)
-    _grouped_topk_store(x, bias, weights_ptr, ids_ptr, row, scaling_factor, NUM_GROUPS, PER_GROUP, TOP_K,
-                        TOPK_GROUPS, RENORMALIZE, BLOCK_G, BLOCK_P, BLOCK_K, NUM_SHARED)
-
-
-@triton.jit
-def _grouped_topk_store(x, bias, weights_ptr, ids_ptr, row, scaling_factor,
-                        NUM_GROUPS: tl.constexpr, PER_GROUP: tl.constexpr, TOP_K: tl.constexpr,
-                        TOPK_GROUPS: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_G: tl.constexpr,
-                        BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, NUM_SHARED: tl.constexpr):
-    """Row ``row`` of :func:`grouped_topk_triton` from its logits ``x`` and the bias, both [BLOCK_G, BLOCK_P]
-    float32 (group g's member p at [g, p]): stores the k (+ shared) ids and weights."""
-    groups = tl.arange(0, BLOCK_G)
-    members = tl.arange(0, BLOCK_P)
-    ok = (groups[:, None] < NUM_GROUPS) & (members[None, :] < PER_GROUP)
-    experts = groups[:, None] * PER_GROUP + members[None, :]  # [BLOCK_G, BLOCK_P]
     scores = tl.sigmoid(x)
     choice = tl.where(ok, scores + bias, float("-inf"))
     if TOPK_GROUPS < NUM_GROUPS:
