@@ -281,12 +281,8 @@ AB_VARIANTS = {"default": {}, "no-pdl": {"RAYINFER_PDL": "0"}, "no-one-row": {"R
                **{f"mla-splits-{n}": {"@rayinfer.kernels.mla_attention._MAX_SPLITS": str(n)} for n in (4, 8, 16)},
                "mla-prefetch-0": {"@rayinfer.kernels.mla_attention.PREFETCH_INDEX": "0"},
                "no-direct": {"@rayinfer.kernels.fused_moe.ONE_TOKEN_DIRECT": "0"},
-               # a one-token layer before 2026-12-04's fifth session: the slot sum in a launch of its own, the
-               # absorbed RoPE/store after a W_UK product's program; each apart and both
-               "sum-apart": {"@rayinfer.kernels.fused_moe.ONE_TOKEN_SLOT_SUM": "0"},
+               # the absorbed RoPE/store after the first W_UK product's program (before c68b019), not on its own
                "rope-after": {"@rayinfer.kernels.mla_rope.ROPE_APART": "0"},
-               "sum-rope-before": {"@rayinfer.kernels.fused_moe.ONE_TOKEN_SLOT_SUM": "0",
-                                   "@rayinfer.kernels.mla_rope.ROPE_APART": "0"},
                "fp32-slots": {"@rayinfer.kernels.fused_moe.SLOTS_IN_HIDDEN_DTYPE": "0"},
                **{f"mla-swap-{n}": {"@rayinfer.kernels.mla_attention.FEW_TOKEN_SWAP_FROM": str(n)}
                   for n in (1024, 2048, 3072, 4096, 8192)},

@@ -137,39 +137,6 @@ def pdl_wait(USE_PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-_ARRIVAL_COUNTERS: dict[tuple[str, str], torch.Tensor] = {}
-
-
-def arrival_counters(device: torch.device, name: str, n: int) -> torch.Tensor | None:
-    """Zeroed int32 counters (at least ``n``) on ``device`` for :func:`last_arrival`, one set per ``name``
-    (a kernel family), allocated once and reused by every launch: each launch leaves its counters at zero.
-    None while a CUDA graph is being captured and the set does not exist yet (an allocation there would
-    come from the graph's private pool); the caller then takes its unfused path."""
-    key = (str(device), name)
-    have = _ARRIVAL_COUNTERS.get(key)
-    if have is None or have.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        have = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _ARRIVAL_COUNTERS[key] = have
-    return have
-
-
-@triton.jit
-def last_arrival(counter_ptr, expected):
-    """Whether this program is the last of ``expected`` programs to arrive at ``counter_ptr`` (an
-    :func:`arrival_counters` entry), which it then resets to zero for the next launch. The barrier and the
-    acquire-release atomic make every arriving program's earlier global writes visible to the last one,
-    which reads them with ``volatile`` loads (not from its L1). The last-block reduction of the CUDA
-    samples' ``threadFenceReduction``, one launch instead of a kernel and a reduction kernel after it."""
-    tl.debug_barrier()
-    done = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-    last = done == expected - 1
-    if last:
-        tl.store(counter_ptr, 0)
-    return last
-
-
 def pdl_launch(enabled: bool) -> dict:
     """Launch keyword arguments for a kernel with a ``USE_PDL`` constexpr (default False) that calls
     :func:`pdl_wait`: ``USE_PDL=True, launch_pdl=True`` when ``enabled`` (see :func:`use_pdl`), else none."""

@@ -15,8 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from rayinfer import envs
-from rayinfer.kernels._triton_utils import (arrival_counters, device_capability, is_interpreting, last_arrival, pdl_launch,
-                                           pdl_wait, tl, triton, use_pdl, use_triton)
+from rayinfer.kernels._triton_utils import device_capability, is_interpreting, pdl_launch, pdl_wait, tl, triton, use_pdl, use_triton
 from rayinfer.kernels.activation import silu_and_mul, silu_and_mul_ref
 from rayinfer.kernels.batch_invariant import is_batch_invariant
 from rayinfer.kernels.block_fp8 import (FP8_DTYPE, WEIGHT_BLOCK, block_fp8_dequant_ref, has_fp8_tensor_cores,
@@ -175,9 +174,6 @@ class ExpertMap:
 # keeps each pair's output in hidden's dtype; 0 keeps float32.
 ONE_TOKEN_DIRECT = 1
 SLOTS_IN_HIDDEN_DTYPE = 1
-# ONE_TOKEN_SLOT_SUM: a one-token call (direct tiles) adds its pairs' rows in the down GEMM's launch (the last
-# program of each column tile) instead of a slot-sum launch after it; 0: the separate launch.
-ONE_TOKEN_SLOT_SUM = 1
 # fp8 expert weights on a GPU with fp8 tensor cores: 1 quantizes the activations too (W8A8, DeepSeek-V3's
 # dynamic per-token-group scheme; fused_moe_triton's act_fp8); 0 keeps them in 16 bits (W8A16).
 FP8_ACTIVATIONS = 1
@@ -496,7 +492,6 @@ def _moe_gemm_kernel(
     ROWWISE: tl.constexpr = False, USE_PDL: tl.constexpr = False,
     DIRECT: tl.constexpr = False, num_experts=0, load_ptr=None, num_logical=0, COUNT_LOAD: tl.constexpr = False,
     ACT_SCALE: tl.constexpr = False, a_scale_ptr=None, stride_asm=0, WIDEN_FP8: tl.constexpr = False,
-    SUM_SLOTS: tl.constexpr = False, counter_ptr=None, dst_ptr=None, ADD_TO_DST: tl.constexpr = False,
 ):
     # ACT_SCALE (W8A8): a is fp8 with one float32 scale per row and SCALE_BLOCK_K columns (a_scale [rows of a,
     # ceil(K / SCALE_BLOCK_K)]); each K step's fp8 x fp8 product is scaled by its rows' and columns' scales.
@@ -577,18 +572,6 @@ def _moe_gemm_kernel(
         acc = acc * w[:, None]
     c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_out[:, None] & col_ok[None, :])
-    if SUM_SLOTS:
-        # DIRECT, one token: the last of the column tile's programs adds the pairs' rows in slot order into
-        # dst (as _moe_sum_kernel with ALL_KEPT, whose launch this replaces)
-        if last_arrival(counter_ptr + pid_n, num_pairs):
-            total = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for slot in range(0, num_pairs):
-                total += tl.load(c_ptr + slot * stride_cm + cols * stride_cn, mask=col_ok, other=0.0,
-                                 volatile=True).to(tl.float32)
-            if ADD_TO_DST:
-                total = (total.to(dst_ptr.dtype.element_ty).to(tl.float32)
-                         + tl.load(dst_ptr + cols, mask=col_ok, other=0.0).to(tl.float32))
-            tl.store(dst_ptr + cols, total.to(dst_ptr.dtype.element_ty), mask=col_ok)
 
 
 @triton.jit
@@ -615,8 +598,7 @@ def _active_tiles(num_pairs: int, num_experts: int, block_m: int, num_tiles: int
 
 def _moe_gemm(a, w, c, sorted_pairs, block_experts, weights, a_row_div: int, mul_weight: bool,
               tiles: MoETileConfig, rowwise: bool = False, gated: bool = False, scale: torch.Tensor | None = None,
-              direct: bool = False, expert_load: torch.Tensor | None = None, a_scale: torch.Tensor | None = None,
-              sum_into: torch.Tensor | None = None, add_to_dst: bool = False) -> bool:
+              direct: bool = False, expert_load: torch.Tensor | None = None, a_scale: torch.Tensor | None = None):
     """One grouped GEMM. gated: w is w13 [E, 2N, K] and c gets ``silu(a @ gate.T) * (a @ up.T)`` [pairs, N].
     scale: fp8 block scales of w (``WEIGHT_BLOCK`` blocks), float32 (``weight_scale_inv``): [E, ceil(rows / bn),
     ceil(K / bk)], for w13 :func:`quantize_w13`'s [E, 2 * ceil(N / bn), ceil(K / bk)].
@@ -624,10 +606,7 @@ def _moe_gemm(a, w, c, sorted_pairs, block_experts, weights, a_row_div: int, mul
     one-token step, whose pairs have distinct experts); ``expert_load`` [L] int64 then counts the pairs'
     experts below L (in the first column tile's programs).
     a_scale: W8A8: a is float8_e4m3fn quantized per row and 128 columns (``block_fp8.quantize_act_fp8``), these
-    its float32 scales [rows of a, ceil(K / 128)]; w must be fp8 with ``scale``.
-    sum_into: with direct (one token's pairs), c's rows are also added in slot order into this [1, N] row by
-    each column tile's last program (add_to_dst: into its values, as the slot sum's residual add). Returns
-    whether it did (False while a CUDA graph is captured before the counters exist: the caller sums)."""
+    its float32 scales [rows of a, ceil(K / 128)]; w must be fp8 with ``scale``."""
     bn, bk = WEIGHT_BLOCK
     n = w.shape[1] // 2 if gated else w.shape[1]
     k = w.shape[2]
@@ -641,8 +620,6 @@ def _moe_gemm(a, w, c, sorted_pairs, block_experts, weights, a_row_div: int, mul
     s_strides = scale.stride() if scale is not None else (0, 0, 0)
     act8 = {} if a_scale is None else dict(ACT_SCALE=True, a_scale_ptr=a_scale, stride_asm=a_scale.stride(0),
                                            WIDEN_FP8=is_interpreting())
-    counters = arrival_counters(c.device, "moe_slot_sum", grid[1]) if sum_into is not None and direct else None
-    summed = dict(SUM_SLOTS=True, counter_ptr=counters, dst_ptr=sum_into, ADD_TO_DST=add_to_dst) if counters is not None else {}
     _moe_gemm_kernel[grid](
         a, w, c, sorted_pairs, block_experts, weights, s,
         n, k, c.shape[0],
@@ -654,9 +631,7 @@ def _moe_gemm(a, w, c, sorted_pairs, block_experts, weights, a_row_div: int, mul
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_launch(use_pdl(a)),
         DIRECT=direct, num_experts=w.shape[0], load_ptr=expert_load if expert_load is not None else weights,
         num_logical=expert_load.numel() if expert_load is not None else 0, COUNT_LOAD=expert_load is not None,
-        **summed,
     )
-    return bool(summed)
 
 
 @triton.jit
@@ -832,19 +807,13 @@ def fused_moe_triton(
     out_dtype = torch.float32 if (invariant or not reduce_slots or not SLOTS_IN_HIDDEN_DTYPE) else hidden.dtype
     alloc = torch.empty if reduce_slots else torch.zeros
     out = alloc((num_pairs, hidden_size), dtype=out_dtype, device=hidden.device)
-    result = None
-    if reduce_slots:
-        result = torch.empty_like(hidden) if residual is None else residual
-    # one token: the slot sum in the second GEMM's launch (each column tile's last program), one launch less
-    fold = direct and reduce_slots and bool(ONE_TOKEN_SLOT_SUM)
-    summed = _moe_gemm(a2, w2, out, sorted_pairs, block_experts, weights, 1, True, tiles, rowwise,
-                       scale=w2_scale, direct=direct, a_scale=s2, sum_into=result if fold else None,
-                       add_to_dst=residual is not None)
-    if result is None:
+    _moe_gemm(a2, w2, out, sorted_pairs, block_experts, weights, 1, True, tiles, rowwise,
+              scale=w2_scale, direct=direct, a_scale=s2)
+    if not reduce_slots:
         return out.view(num_tokens, top_k, hidden_size)
-    if not summed:
-        # the k outputs added in slot order in float32 (sum_slots' order, also outside batch-invariant mode), then cast
-        _launch_slot_sum(out, kept, result, top_k, residual is not None, use_pdl(hidden))
+    # the k outputs added in slot order in float32 (sum_slots' order, also outside batch-invariant mode), then cast
+    result = torch.empty_like(hidden) if residual is None else residual
+    _launch_slot_sum(out, kept, result, top_k, residual is not None, use_pdl(hidden))
     return result
 
 
