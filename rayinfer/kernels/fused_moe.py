@@ -18,6 +18,7 @@ from rayinfer import envs
 from rayinfer.kernels._triton_utils import device_capability, is_interpreting, pdl_launch, pdl_wait, tl, triton, use_pdl, use_triton
 from rayinfer.kernels.activation import silu_and_mul, silu_and_mul_ref
 from rayinfer.kernels.batch_invariant import is_batch_invariant
+from rayinfer.kernels.moe_gemv import moe_gemv_pairs
 from rayinfer.kernels.block_fp8 import (FP8_DTYPE, WEIGHT_BLOCK, block_fp8_dequant_ref, has_fp8_tensor_cores,
                                         qdq_act_fp8_ref, quantize_act_fp8, quantize_block_fp8)
 from rayinfer.kernels.fused_moe_config import MoETileConfig, grouped_mm_from, tile_config
@@ -174,6 +175,10 @@ class ExpertMap:
 # keeps each pair's output in hidden's dtype; 0 keeps float32.
 ONE_TOKEN_DIRECT = 1
 SLOTS_IN_HIDDEN_DTYPE = 1
+# ONE_TOKEN_GEMV: a one-token call runs its pairs' experts as GEMVs (``kernels.moe_gemv``) instead of the direct
+# grouped-GEMM tiles; ONE_TOKEN_GEMV_FP8: fp8 experts too (W8A16 there: the token's row stays 16-bit)
+ONE_TOKEN_GEMV = 1
+ONE_TOKEN_GEMV_FP8 = 0
 # fp8 expert weights on a GPU with fp8 tensor cores: 1 quantizes the activations too (W8A8, DeepSeek-V3's
 # dynamic per-token-group scheme; fused_moe_triton's act_fp8); 0 keeps them in 16 bits (W8A16).
 FP8_ACTIVATIONS = 1
@@ -784,6 +789,16 @@ def fused_moe_triton(
     # the output is written (zeros for a skipped id).
     direct = (num_tokens == 1 and expert_map is None and not invariant and ONE_TOKEN_DIRECT
               and topk_ids.is_contiguous())
+    out_dtype = torch.float32 if (invariant or not reduce_slots or not SLOTS_IN_HIDDEN_DTYPE) else hidden.dtype
+    if direct and ONE_TOKEN_GEMV and (w13_scale is None or ONE_TOKEN_GEMV_FP8) and act_fp8 is not True:
+        # the pairs' experts as GEMVs over hundreds of programs (kernels.moe_gemv), then the slot sum
+        out = torch.empty((num_pairs, hidden_size), dtype=out_dtype, device=hidden.device)
+        moe_gemv_pairs(hidden, w13, w2, topk_ids, topk_weights, out, expert_load, w13_scale, w2_scale)
+        if not reduce_slots:
+            return out.view(num_tokens, top_k, hidden_size)
+        result = torch.empty_like(hidden) if residual is None else residual
+        _launch_slot_sum(out, None, result, top_k, residual is not None, use_pdl(hidden))
+        return result
     kept = None
     if direct:
         sorted_pairs, block_experts, load = weights, topk_ids.reshape(-1), expert_load  # sorted_pairs unread
@@ -804,7 +819,6 @@ def fused_moe_triton(
     # Each pair's weighted output: float32 where the slots are returned or batch invariance asks for it, else
     # in hidden's dtype (half the bytes written and read again by the slot sum; a large prefill's sum was
     # 108 us a layer of V2-Lite at 4K tokens), as vLLM's fused MoE keeps it.
-    out_dtype = torch.float32 if (invariant or not reduce_slots or not SLOTS_IN_HIDDEN_DTYPE) else hidden.dtype
     alloc = torch.empty if reduce_slots else torch.zeros
     out = alloc((num_pairs, hidden_size), dtype=out_dtype, device=hidden.device)
     _moe_gemm(a2, w2, out, sorted_pairs, block_experts, weights, 1, True, tiles, rowwise,

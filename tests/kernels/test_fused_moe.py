@@ -237,24 +237,40 @@ def check_grouped_mm(device, cases):
 
 
 def check_one_token_direct(x, w13, w2, ids, w, got):
-    """A one-token call skips the alignment (its tiles read the experts from topk_ids and count the load):
-    the same bits as through the alignment, and the same expert load (skipped ids not counted)."""
+    """A one-token call skips the alignment: by default its pairs' experts run as GEMVs (``kernels.moe_gemv``),
+    with ``ONE_TOKEN_GEMV = 0`` on direct grouped-GEMM tiles that read the experts from topk_ids. The tiles give
+    the aligned path's bits, the GEMVs its values up to summation order (and zero rows for skipped ids in the
+    unsummed outputs); every form counts the same expert load (skipped ids not counted)."""
     import rayinfer.kernels.fused_moe as fm
 
     num_logical = w13.shape[0] - 1  # the last expert stands for a fused shared one: computed, not counted
-    load = torch.zeros(num_logical, dtype=torch.int64, device=x.device)
-    direct = fused_moe(x, w13, w2, ids, w, expert_load=load)
-    saved = fm.ONE_TOKEN_DIRECT
-    fm.ONE_TOKEN_DIRECT = 0
-    try:
-        aligned_load = torch.zeros_like(load)
-        aligned = fused_moe(x, w13, w2, ids, w, expert_load=aligned_load)
-    finally:
-        fm.ONE_TOKEN_DIRECT = saved
-    assert torch.equal(direct, aligned) and torch.equal(direct, got)
+    loads = {}
+
+    def run(**switches):
+        saved = {k: getattr(fm, k) for k in switches}
+        for k, v in switches.items():
+            setattr(fm, k, v)
+        try:
+            loads[tuple(switches.items())] = load = torch.zeros(num_logical, dtype=torch.int64, device=x.device)
+            return fused_moe(x, w13, w2, ids, w, expert_load=load)
+        finally:
+            for k, v in saved.items():
+                setattr(fm, k, v)
+
+    gemv, tiles, aligned = run(), run(ONE_TOKEN_GEMV=0), run(ONE_TOKEN_GEMV=0, ONE_TOKEN_DIRECT=0)
+    assert torch.equal(tiles, aligned) and torch.equal(gemv, got)
+    tol = TOL[x.dtype]
+    torch.testing.assert_close(gemv.float(), aligned.float(), atol=tol, rtol=tol, msg=lambda m: f"GEMVs: {m}")
+    torch.testing.assert_close(fused_moe_slots(x, w13, w2, ids, w), fused_moe_slots_ref(x, w13, w2, ids, w),
+                               atol=tol, rtol=tol, msg=lambda m: f"GEMV slots: {m}")
+    residual = torch.randn_like(x)
+    expected = residual + gemv
+    assert fused_moe(x, w13, w2, ids, w, residual=residual) is residual
+    torch.testing.assert_close(residual, expected, atol=tol, rtol=tol, msg=lambda m: f"GEMV residual: {m}")
     flat = ids.reshape(-1)
     kept = flat[(flat >= 0) & (flat < num_logical)]
-    assert torch.equal(load, torch.bincount(kept, minlength=num_logical)) and torch.equal(load, aligned_load)
+    want_load = torch.bincount(kept, minlength=num_logical)
+    assert all(torch.equal(load, want_load) for load in loads.values())
 
 
 def close_w8a8(got, want, tol, case):
@@ -297,6 +313,13 @@ def check_fp8_kernel(device, cases) -> float:
             check_w8a8(fused_moe_triton(x, q13, q2, ids, w, w13_scale=s13, w2_scale=s2, act_fp8=True), want8)
             # the activations' quantization is seen: W8A8 differs from the W8A16 reference by more than rounding
             assert (want8.float() - want.float()).abs().max() > 1e-4
+        if t == 1 and use_triton(x, q13):  # one token's fp8 experts as GEMVs (W8A16): the W8A16 reference
+            saved, fm.ONE_TOKEN_GEMV_FP8 = fm.ONE_TOKEN_GEMV_FP8, 1
+            try:
+                gemv = fused_moe(x, q13, q2, ids, w, w13_scale=s13, w2_scale=s2)
+            finally:
+                fm.ONE_TOKEN_GEMV_FP8 = saved
+            torch.testing.assert_close(gemv.float(), want.float(), atol=tol, rtol=tol, msg=lambda m: f"fp8 GEMV {i}: {m}")
         if i == 0:
             slots = fused_moe_slots(x, q13, q2, ids, w, w13_scale=s13, w2_scale=s2)
             if w8a8:  # no per-slot W8A8 reference: the slots' sum against the W8A8 one
@@ -411,7 +434,7 @@ if __name__ == "__main__":
         f32 = torch.float32
         check_kernel("cpu", [(5, 4, 32, 16, 2, f32), (1, 8, 48, 24, 3, f32), (40, 6, 40, 20, 2, f32)])
         check_align_kernel("cpu", ALIGN_CASES)
-        check_fp8_kernel("cpu", [(5, 4, 160, 72, 2, f32), (3, 6, 144, 136, 3, f32)])
+        check_fp8_kernel("cpu", [(5, 4, 160, 72, 2, f32), (3, 6, 144, 136, 3, f32), (1, 6, 144, 136, 3, f32)])
         check_grouped_mm("cpu", [(40, 6, 40, 24, 3, f32), (1, 8, 48, 32, 3, f32), (17, 4, 64, 32, 2, torch.bfloat16)])
     else:
         sys.exit(pytest.main([__file__, "-m", "gpu", "-q", *sys.argv[1:]]))
