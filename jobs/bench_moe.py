@@ -281,9 +281,9 @@ AB_VARIANTS = {"default": {}, "no-pdl": {"RAYINFER_PDL": "0"}, "no-one-row": {"R
                **{f"mla-splits-{n}": {"@rayinfer.kernels.mla_attention._MAX_SPLITS": str(n)} for n in (4, 8, 16)},
                "mla-prefetch-0": {"@rayinfer.kernels.mla_attention.PREFETCH_INDEX": "0"},
                "no-direct": {"@rayinfer.kernels.fused_moe.ONE_TOKEN_DIRECT": "0"},
-               # one token's experts on the grouped GEMM's direct tiles, not as GEMVs (kernels.moe_gemv); fp8 experts as GEMVs
-               "moe-tiles-1": {"@rayinfer.kernels.fused_moe.ONE_TOKEN_GEMV": "0"},
-               "moe-gemv-fp8": {"@rayinfer.kernels.fused_moe.ONE_TOKEN_GEMV_FP8": "1"},
+               # one token's experts as GEMVs (kernels.moe_gemv) with 16-bit weights; fp8 ones on the grouped GEMM's tiles
+               "moe-gemv-16bit": {"@rayinfer.kernels.fused_moe.ONE_TOKEN_GEMV": "1"},
+               "moe-tiles-fp8": {"@rayinfer.kernels.fused_moe.ONE_TOKEN_GEMV_FP8": "0"},
                # the absorbed RoPE/store after the first W_UK product's program (before c68b019), not on its own
                "rope-after": {"@rayinfer.kernels.mla_rope.ROPE_APART": "0"},
                "fp32-slots": {"@rayinfer.kernels.fused_moe.SLOTS_IN_HIDDEN_DTYPE": "0"},

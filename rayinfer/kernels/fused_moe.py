@@ -175,10 +175,13 @@ class ExpertMap:
 # keeps each pair's output in hidden's dtype; 0 keeps float32.
 ONE_TOKEN_DIRECT = 1
 SLOTS_IN_HIDDEN_DTYPE = 1
-# ONE_TOKEN_GEMV: a one-token call runs its pairs' experts as GEMVs (``kernels.moe_gemv``) instead of the direct
-# grouped-GEMM tiles; ONE_TOKEN_GEMV_FP8: fp8 experts too (W8A16 there: the token's row stays 16-bit)
-ONE_TOKEN_GEMV = 1
-ONE_TOKEN_GEMV_FP8 = 0
+# ONE_TOKEN_GEMV_FP8: a one-token call on fp8 experts runs its pairs as GEMVs (``kernels.moe_gemv``; W8A16, the
+# token's row stays 16-bit) instead of the direct grouped-GEMM tiles (W8A8 there: two activation-quantizing
+# launches more); ONE_TOKEN_GEMV: 16-bit experts too. On an H200 (d5e1942, benchmarks/README.md "Fifteenth
+# round") the fp8 V2-Lite batch-1 step took 1.70-1.72 ms with the GEMVs against 1.74-1.82 on the tiles, and the
+# bf16 one 2.20-2.21 ms against 2.09-2.10 on the tiles, so 16-bit experts keep the tiles.
+ONE_TOKEN_GEMV = 0
+ONE_TOKEN_GEMV_FP8 = 1
 # fp8 expert weights on a GPU with fp8 tensor cores: 1 quantizes the activations too (W8A8, DeepSeek-V3's
 # dynamic per-token-group scheme; fused_moe_triton's act_fp8); 0 keeps them in 16 bits (W8A16).
 FP8_ACTIVATIONS = 1

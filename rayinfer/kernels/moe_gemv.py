@@ -2,10 +2,16 @@
 
 At one token a MoE layer only streams its k active experts' weights (DeepSeek-V2-Lite with its two fused
 shared experts: 8 x 17.3 MB a layer). The grouped GEMM of ``kernels.fused_moe`` runs it as one tensor-core
-tile per (pair, column block) with 15 of the tile's 16 rows padding, 128 columns a program: 88 programs for
-the gate/up projection on a 132-multiprocessor H200, and 63-78% of the copy bandwidth for the layer. These
-kernels are ``kernels.gemv``'s GEMV over each pair's expert instead: a few output rows per program over the
-whole K on the CUDA cores, so the gate/up projection spreads over hundreds of programs.
+tile per (pair, column block) with 15 of the tile's 16 rows padding. These kernels are ``kernels.gemv``'s GEMV
+over each pair's expert instead: a few output rows per program over the whole K on the CUDA cores.
+
+``fused_moe`` takes them for one token on fp8 experts (``ONE_TOKEN_GEMV_FP8``): there the tiles multiply fp8
+by fp8 and quantize the token's row twice (two launches more), and on an H200 the fp8 V2-Lite batch-1 step
+took 1.70-1.72 ms with the GEMVs against 1.74-1.82 ms. With 16-bit experts the tiles stay
+(``ONE_TOKEN_GEMV``): the layer alone read at 80% of the copy bandwidth on the tiles and 79% as GEMVs, and the
+bf16 step took 2.09-2.10 ms on the tiles against 2.20-2.21 ms (the GEMVs cannot start their weight stream
+before the router's kernel ends: their rows depend on its ids). Measured in
+``benchmarks/probe/moe_gemv_tiles.py`` and ``jobs/bench_moe.py --ab``; ``benchmarks/README.md``, "Fifteenth round".
 
 - ``_moe_gemv_gate_up_kernel``: program (pair p, block of BLOCK_N intermediate rows) computes
   ``silu(x @ gate_e[rows].T) * (x @ up_e[rows].T)`` for p's expert e, rounded as the grouped GEMM's

@@ -237,9 +237,9 @@ def check_grouped_mm(device, cases):
 
 
 def check_one_token_direct(x, w13, w2, ids, w, got):
-    """A one-token call skips the alignment: by default its pairs' experts run as GEMVs (``kernels.moe_gemv``),
-    with ``ONE_TOKEN_GEMV = 0`` on direct grouped-GEMM tiles that read the experts from topk_ids. The tiles give
-    the aligned path's bits, the GEMVs its values up to summation order (and zero rows for skipped ids in the
+    """A one-token call skips the alignment: its 16-bit experts run on direct grouped-GEMM tiles that read the
+    experts from topk_ids, or with ``ONE_TOKEN_GEMV = 1`` as GEMVs (``kernels.moe_gemv``). The tiles give the
+    aligned path's bits, the GEMVs its values up to summation order (and zero rows for skipped ids in the
     unsummed outputs); every form counts the same expert load (skipped ids not counted)."""
     import rayinfer.kernels.fused_moe as fm
 
@@ -257,16 +257,20 @@ def check_one_token_direct(x, w13, w2, ids, w, got):
             for k, v in saved.items():
                 setattr(fm, k, v)
 
-    gemv, tiles, aligned = run(), run(ONE_TOKEN_GEMV=0), run(ONE_TOKEN_GEMV=0, ONE_TOKEN_DIRECT=0)
-    assert torch.equal(tiles, aligned) and torch.equal(gemv, got)
+    gemv, tiles, aligned = run(ONE_TOKEN_GEMV=1), run(ONE_TOKEN_GEMV=0), run(ONE_TOKEN_GEMV=0, ONE_TOKEN_DIRECT=0)
+    assert torch.equal(tiles, aligned) and torch.equal(tiles, got)
     tol = TOL[x.dtype]
     torch.testing.assert_close(gemv.float(), aligned.float(), atol=tol, rtol=tol, msg=lambda m: f"GEMVs: {m}")
-    torch.testing.assert_close(fused_moe_slots(x, w13, w2, ids, w), fused_moe_slots_ref(x, w13, w2, ids, w),
-                               atol=tol, rtol=tol, msg=lambda m: f"GEMV slots: {m}")
-    residual = torch.randn_like(x)
-    expected = residual + gemv
-    assert fused_moe(x, w13, w2, ids, w, residual=residual) is residual
-    torch.testing.assert_close(residual, expected, atol=tol, rtol=tol, msg=lambda m: f"GEMV residual: {m}")
+    saved, fm.ONE_TOKEN_GEMV = fm.ONE_TOKEN_GEMV, 1
+    try:
+        torch.testing.assert_close(fused_moe_slots(x, w13, w2, ids, w), fused_moe_slots_ref(x, w13, w2, ids, w),
+                                   atol=tol, rtol=tol, msg=lambda m: f"GEMV slots: {m}")
+        residual = torch.randn_like(x)
+        expected = residual + gemv
+        assert fused_moe(x, w13, w2, ids, w, residual=residual) is residual
+        torch.testing.assert_close(residual, expected, atol=tol, rtol=tol, msg=lambda m: f"GEMV residual: {m}")
+    finally:
+        fm.ONE_TOKEN_GEMV = saved
     flat = ids.reshape(-1)
     kept = flat[(flat >= 0) & (flat < num_logical)]
     want_load = torch.bincount(kept, minlength=num_logical)
@@ -299,7 +303,8 @@ def check_fp8_kernel(device, cases) -> float:
         got = fused_moe(x, q13, q2, ids, w, w13_scale=s13, w2_scale=s2)
         want = fused_moe_ref(x, d13, d2, ids, w)
         want8 = fused_moe_w8a8_ref(x, q13, q2, s13, s2, ids, w)
-        w8a8 = fm.w8a8_applies(x)
+        # one token takes the GEMVs (kernels.moe_gemv; W8A16) where Triton runs, else W8A8 where it applies
+        w8a8 = fm.w8a8_applies(x) and not (t == 1 and use_triton(x, q13) and fm.ONE_TOKEN_GEMV_FP8)
         tol = TOL[dtype]
         check_w8a8 = functools.partial(close_w8a8, tol=tol, case=i)
         if w8a8:
@@ -313,13 +318,16 @@ def check_fp8_kernel(device, cases) -> float:
             check_w8a8(fused_moe_triton(x, q13, q2, ids, w, w13_scale=s13, w2_scale=s2, act_fp8=True), want8)
             # the activations' quantization is seen: W8A8 differs from the W8A16 reference by more than rounding
             assert (want8.float() - want.float()).abs().max() > 1e-4
-        if t == 1 and use_triton(x, q13):  # one token's fp8 experts as GEMVs (W8A16): the W8A16 reference
-            saved, fm.ONE_TOKEN_GEMV_FP8 = fm.ONE_TOKEN_GEMV_FP8, 1
+        if t == 1 and use_triton(x, q13):  # with the GEMVs off, one token's fp8 experts take the direct tiles
+            saved, fm.ONE_TOKEN_GEMV_FP8 = fm.ONE_TOKEN_GEMV_FP8, 0
             try:
-                gemv = fused_moe(x, q13, q2, ids, w, w13_scale=s13, w2_scale=s2)
+                tiles = fused_moe(x, q13, q2, ids, w, w13_scale=s13, w2_scale=s2)
             finally:
                 fm.ONE_TOKEN_GEMV_FP8 = saved
-            torch.testing.assert_close(gemv.float(), want.float(), atol=tol, rtol=tol, msg=lambda m: f"fp8 GEMV {i}: {m}")
+            if fm.w8a8_applies(x):
+                check_w8a8(tiles, want8)
+            else:
+                torch.testing.assert_close(tiles.float(), want.float(), atol=tol, rtol=tol, msg=lambda m: f"tiles {i}: {m}")
         if i == 0:
             slots = fused_moe_slots(x, q13, q2, ids, w, w13_scale=s13, w2_scale=s2)
             if w8a8:  # no per-slot W8A8 reference: the slots' sum against the W8A8 one
