@@ -793,7 +793,7 @@ def fused_moe_triton(
     direct = (num_tokens == 1 and expert_map is None and not invariant and ONE_TOKEN_DIRECT
               and topk_ids.is_contiguous())
     out_dtype = torch.float32 if (invariant or not reduce_slots or not SLOTS_IN_HIDDEN_DTYPE) else hidden.dtype
-    if direct and ONE_TOKEN_GEMV and (w13_scale is None or ONE_TOKEN_GEMV_FP8) and act_fp8 is not True:
+    if direct and (ONE_TOKEN_GEMV_FP8 if w13_scale is not None else ONE_TOKEN_GEMV) and act_fp8 is not True:
         # the pairs' experts as GEMVs over hundreds of programs (kernels.moe_gemv), then the slot sum
         out = torch.empty((num_pairs, hidden_size), dtype=out_dtype, device=hidden.device)
         moe_gemv_pairs(hidden, w13, w2, topk_ids, topk_weights, out, expert_load, w13_scale, w2_scale)
