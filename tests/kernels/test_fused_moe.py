@@ -318,7 +318,16 @@ def check_fp8_kernel(device, cases) -> float:
             check_w8a8(fused_moe_triton(x, q13, q2, ids, w, w13_scale=s13, w2_scale=s2, act_fp8=True), want8)
             # the activations' quantization is seen: W8A8 differs from the W8A16 reference by more than rounding
             assert (want8.float() - want.float()).abs().max() > 1e-4
-        if t == 1 and use_triton(x, q13):  # with the GEMVs off, one token's fp8 experts take the direct tiles
+        if t == 1 and use_triton(x, q13):
+            calls = []  # one token's fp8 experts take the GEMVs by default (whatever the 16-bit switch says)
+            real = fm.moe_gemv_pairs
+            fm.moe_gemv_pairs = lambda *a, **kw: (calls.append(1), real(*a, **kw))[1]
+            try:
+                fused_moe(x, q13, q2, ids, w, w13_scale=s13, w2_scale=s2)
+            finally:
+                fm.moe_gemv_pairs = real
+            assert calls == [1], f"fp8 case {i}: the one-token GEMVs did not run"
+            # with the GEMVs off, one token's fp8 experts take the direct tiles
             saved, fm.ONE_TOKEN_GEMV_FP8 = fm.ONE_TOKEN_GEMV_FP8, 0
             try:
                 tiles = fused_moe(x, q13, q2, ids, w, w13_scale=s13, w2_scale=s2)
