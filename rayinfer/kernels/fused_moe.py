@@ -18,10 +18,10 @@ from rayinfer import envs
 from rayinfer.kernels._triton_utils import device_capability, is_interpreting, pdl_launch, pdl_wait, tl, triton, use_pdl, use_triton
 from rayinfer.kernels.activation import silu_and_mul, silu_and_mul_ref
 from rayinfer.kernels.batch_invariant import is_batch_invariant
-from rayinfer.kernels.moe_gemv import moe_gemv_pairs
 from rayinfer.kernels.block_fp8 import (FP8_DTYPE, WEIGHT_BLOCK, block_fp8_dequant_ref, has_fp8_tensor_cores,
                                         qdq_act_fp8_ref, quantize_act_fp8, quantize_block_fp8)
 from rayinfer.kernels.fused_moe_config import MoETileConfig, grouped_mm_from, tile_config
+from rayinfer.kernels.moe_gemv import moe_gemv_pairs
 
 
 def _check_shapes(hidden, w13, w2, topk_ids, topk_weights) -> None:
@@ -797,11 +797,7 @@ def fused_moe_triton(
         # the pairs' experts as GEMVs over hundreds of programs (kernels.moe_gemv), then the slot sum
         out = torch.empty((num_pairs, hidden_size), dtype=out_dtype, device=hidden.device)
         moe_gemv_pairs(hidden, w13, w2, topk_ids, topk_weights, out, expert_load, w13_scale, w2_scale)
-        if not reduce_slots:
-            return out.view(num_tokens, top_k, hidden_size)
-        result = torch.empty_like(hidden) if residual is None else residual
-        _launch_slot_sum(out, None, result, top_k, residual is not None, use_pdl(hidden))
-        return result
+        return _pairs_result(out, None, hidden, residual, top_k, reduce_slots)
     kept = None
     if direct:
         sorted_pairs, block_experts, load = weights, topk_ids.reshape(-1), expert_load  # sorted_pairs unread
@@ -826,9 +822,16 @@ def fused_moe_triton(
     out = alloc((num_pairs, hidden_size), dtype=out_dtype, device=hidden.device)
     _moe_gemm(a2, w2, out, sorted_pairs, block_experts, weights, 1, True, tiles, rowwise,
               scale=w2_scale, direct=direct, a_scale=s2)
+    return _pairs_result(out, kept, hidden, residual, top_k, reduce_slots)
+
+
+def _pairs_result(out, kept, hidden, residual, top_k: int, reduce_slots: bool) -> torch.Tensor:
+    """fused_moe_triton's result from the pairs' weighted rows ``out`` [T * k, H]: unsummed ([T, k, H]), or the
+    k rows added in slot order in float32 (sum_slots' order, also outside batch-invariant mode), then cast,
+    into a new tensor or added into ``residual``. kept: as :func:`_launch_slot_sum`'s."""
+    num_tokens, hidden_size = hidden.shape
     if not reduce_slots:
         return out.view(num_tokens, top_k, hidden_size)
-    # the k outputs added in slot order in float32 (sum_slots' order, also outside batch-invariant mode), then cast
     result = torch.empty_like(hidden) if residual is None else residual
     _launch_slot_sum(out, kept, result, top_k, residual is not None, use_pdl(hidden))
     return result

@@ -34,7 +34,7 @@ from rayinfer.kernels._triton_utils import pdl_launch, pdl_wait, tl, triton, use
 from rayinfer.kernels.block_fp8 import WEIGHT_BLOCK
 from rayinfer.kernels.gemv import _gemv_tile
 
-# (block_n, block_k, num_warps, num_stages) of the two kernels; None takes the defaults below
+# (block_n, block_k, num_warps, num_stages) of the two kernels (benchmarks/probe/moe_gemv_tiles.py sweeps them)
 GATE_UP_TILES = (16, 512, 4, 3)
 DOWN_TILES = (8, 512, 4, 3)
 
@@ -119,7 +119,7 @@ def _moe_gemv_down_kernel(
 def moe_gemv_pairs(
     hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     out: torch.Tensor, expert_load: torch.Tensor | None = None, w13_scale: torch.Tensor | None = None,
-    w2_scale: torch.Tensor | None = None, gate_up_tiles: tuple | None = None, down_tiles: tuple | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> None:
     """Each pair's weighted expert output for ONE token, written to ``out`` [k, H] (hidden's dtype or float32).
 
@@ -128,8 +128,7 @@ def moe_gemv_pairs(
             dtype or float8_e4m3fn with ``w13_scale`` / ``w2_scale`` (``fused_moe_triton``'s layouts).
         topk_ids: [1, k] int (ids outside [0, E) give zero rows); topk_weights: [1, k] float.
         expert_load: [L] int64, += 1 for each pair's expert below L.
-        gate_up_tiles, down_tiles: (block_n, block_k, num_warps, num_stages), default :data:`GATE_UP_TILES` /
-            :data:`DOWN_TILES`.
+    Tiles: :data:`GATE_UP_TILES`, :data:`DOWN_TILES` (K tiles of at least 128 columns with fp8 blocks).
     Raises:
         ValueError: for more than one token.
     """
@@ -143,7 +142,7 @@ def moe_gemv_pairs(
     act = torch.empty((num_pairs, inter), dtype=hidden.dtype, device=hidden.device)
     fp8 = w13_scale is not None
     pdl = pdl_launch(use_pdl(hidden))
-    bn, bk, warps, stages = gate_up_tiles or GATE_UP_TILES
+    bn, bk, warps, stages = GATE_UP_TILES
     if fp8:
         bk = max(bk, WEIGHT_BLOCK[1])
     s13 = w13_scale if fp8 else weights  # unread without fp8
@@ -155,7 +154,7 @@ def moe_gemv_pairs(
         BLOCK_N=bn, BLOCK_K=bk, COUNT_LOAD=expert_load is not None, FP8_SCALES=fp8, SCALE_BLOCK=WEIGHT_BLOCK[1],
         num_warps=warps, num_stages=stages, **pdl,
     )
-    bn, bk, warps, stages = down_tiles or DOWN_TILES
+    bn, bk, warps, stages = DOWN_TILES
     if fp8:
         bk = max(bk, WEIGHT_BLOCK[1])
     s2 = w2_scale if w2_scale is not None else weights
