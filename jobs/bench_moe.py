@@ -287,6 +287,9 @@ AB_VARIANTS = {"default": {}, "no-pdl": {"RAYINFER_PDL": "0"}, "no-one-row": {"R
                # the absorbed RoPE/store after the first W_UK product's program (before c68b019), not on its own
                "rope-after": {"@rayinfer.kernels.mla_rope.ROPE_APART": "0"},
                "fp32-slots": {"@rayinfer.kernels.fused_moe.SLOTS_IN_HIDDEN_DTYPE": "0"},
+               # the MLA split merge in its own launch before the W_UV GEMV (before it ran in that GEMV's launch)
+               "merge-apart": {"@rayinfer.kernels.mla_attention.MERGE_IN_UV": "0"},
+               **{f"merge-uv-{n}": {"@rayinfer.kernels.mla_attention.MERGE_UV_BLOCK_N": str(n)} for n in (16, 64, 128)},
                **{f"mla-swap-{n}": {"@rayinfer.kernels.mla_attention.FEW_TOKEN_SWAP_FROM": str(n)}
                   for n in (1024, 2048, 3072, 4096, 8192)},
                **{f"grouped-mm-{n}": {"@rayinfer.kernels.fused_moe.GROUPED_MM_FROM": str(n)}

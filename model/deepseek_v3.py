@@ -35,7 +35,7 @@ from torch.nn import functional as F
 from rayinfer import envs
 from rayinfer.kernels.attention_metadata import AttentionMetadata
 from rayinfer.kernels import gemv
-from rayinfer.kernels.gemv import batched_linear, fused_linear, gemv_applies
+from rayinfer.kernels.gemv import fused_linear, gemv_applies
 from rayinfer.kernels.matmul import dense_linear
 from rayinfer.kernels.mla_attention import ABSORBED_MAX_QUERY_LEN, mla_decode, mla_prefill, use_absorbed
 from rayinfer.kernels.mla_rope import mla_rope_store, mla_rope_store_absorb
@@ -213,8 +213,7 @@ class DeepseekV3Attention(nn.Module):
             # per head h: q_latent[:, h] = q_nope[:, h] @ W_UK[h] ([Dn, R]); out[:, h] = latent @ W_UV[h].T
             q_latent, q_pe = mla_rope_store_absorb(q, kv_a, norm.weight, norm.eps, cos, sin, kv_cache,
                                                    meta.slot_mapping, self.interleave, w_kv_b)  # [T, H, R]
-            out_latent = mla_decode(q_latent, q_pe, kv_cache, meta, self.scale)
-            out = batched_linear(out_latent.transpose(0, 1), w_kv_b[:, self.nope_dim :]).transpose(0, 1)
+            out = mla_decode(q_latent, q_pe, kv_cache, meta, self.scale, w_uv=w_kv_b[:, self.nope_dim :])
         else:
             q_pe = mla_rope_store(q, kv_a, norm.weight, norm.eps, cos, sin, kv_cache, meta.slot_mapping,
                                   self.interleave)

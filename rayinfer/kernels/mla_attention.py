@@ -42,6 +42,7 @@ from rayinfer.kernels._triton_utils import (device_sms, is_interpreting, pdl_lau
                                            use_triton)
 from rayinfer.kernels.attention_metadata import AttentionMetadata
 from rayinfer.kernels.batch_invariant import is_batch_invariant
+from rayinfer.kernels.gemv import BATCHED_GEMV_MAX_ROWS, batched_linear
 from rayinfer.kernels.paged_attention import _find_request
 
 
@@ -407,7 +408,46 @@ def _mla_merge_splits_kernel(
              mask=cols < RANK)
 
 
+@triton.jit
+def _mla_merge_uv_kernel(
+    part_out_ptr, part_lse_ptr, w_ptr, y_ptr, num_heads, num_splits, V,
+    stride_wh, stride_wn, stride_yt, stride_yh,
+    RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
+    """Program (t, h, c): the split merge of ``_mla_merge_splits_kernel`` for token t and head h (all R
+    columns, rounded to the output dtype as that kernel stores them), then
+    y[t, h, c * BLOCK_N ...] = w[h, those rows] @ merged, in float32. The [BLOCK_N, R] weight tile is
+    requested before the PDL wait (no kernel writes weights during a step), so it streams while the
+    decode kernel runs; every column program of a head merges the head's partials again (from L2)."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    ns = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    r = tl.arange(0, BLOCK_R)
+    n_ok = ns < V
+    r_ok = r < RANK
+    w = tl.load(w_ptr + head.to(tl.int64) * stride_wh + ns[:, None].to(tl.int64) * stride_wn + r[None, :],
+                mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+    pdl_wait(USE_PDL)
+    base = (token * num_heads + head) * num_splits
+    splits = tl.arange(0, BLOCK_S)
+    lse = tl.load(part_lse_ptr + base + splits, mask=splits < num_splits, other=float("-inf"))
+    m = tl.max(lse, 0)  # finite: the split holding the token's own position is never empty
+    wts = tl.exp2(lse - m)  # 0 for an unused or empty split, which wrote no partial output (masked below)
+    used = lse > float("-inf")
+    part = tl.load(part_out_ptr + (base + splits)[:, None] * BLOCK_R + r[None, :],
+                   mask=used[:, None] & r_ok[None, :], other=0.0)
+    x = (tl.sum(wts[:, None] * part, 0) / tl.sum(wts, 0)).to(y_ptr.dtype.element_ty).to(tl.float32)
+    acc = tl.sum(w.to(tl.float32) * x[None, :], 1)
+    tl.store(y_ptr + token * stride_yt + head * stride_yh + ns, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
 _MAX_SPLITS = 32
+# Up to BATCHED_GEMV_MAX_ROWS tokens, 16-bit: the split-KV merge runs in the prologue of the absorbed W_UV
+# GEMV (``_mla_merge_uv_kernel``, one launch instead of the merge and the batched GEMV); 0: apart (an A/B
+# variant of jobs/bench_moe.py). MERGE_UV_BLOCK_N: W_UV rows a program.
+MERGE_IN_UV = 1
+MERGE_UV_BLOCK_N = 32
 # 0: the decode tiles before 9950a61 (each tile's block numbers loaded in its own iteration, 2 stages, 16-key
 # tiles up to 4 tokens); an A/B variant of jobs/bench_moe.py
 PREFETCH_INDEX = 1
@@ -448,6 +488,7 @@ def choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int) -> int:
 def mla_decode_triton(
     q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
     num_splits: int | None = None, max_seq_len: int | None = None, config: dict | None = None,
+    w_uv: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton kernel of :func:`mla_decode_ref` (same contract; no host sync; ``config`` overrides the
     tiles: block_h, block_n, num_warps, num_stages, min_split_tokens; prefetch_index: each tile's block
@@ -461,6 +502,10 @@ def mla_decode_triton(
             would change a token's result with its companions.
         max_seq_len: bound on every ``seq_lens`` entry (default ``meta.max_seq_len``, which a captured
             graph's metadata sets to ``max_model_len``); it picks the split count baked into the launch.
+        w_uv: the value up-projection [H, Dv, R] (any strides but R's stride 1): then the result is
+            ``out[t, h] @ w_uv[h].T``, [T, H, Dv] (:func:`mla_decode`'s ``w_uv``); a split step of at most
+            ``BATCHED_GEMV_MAX_ROWS`` 16-bit tokens merges its splits in that GEMV's launch
+            (``_mla_merge_uv_kernel``, ``MERGE_IN_UV``).
     Raises:
         ValueError: for ``num_splits`` < 1.
     """
@@ -523,6 +568,16 @@ def mla_decode_triton(
         SWAP_MIN_KEYS=cfg["swap_min_keys"], PREFETCH_INDEX=bool(cfg["prefetch_index"]),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl,
     )
+    if use_splits and w_uv is not None and merge_in_uv(q_latent, w_uv):
+        v_dim = w_uv.shape[1]
+        y = torch.empty((num_tokens, num_heads, v_dim), dtype=q_latent.dtype, device=q_latent.device)
+        block_n = min(MERGE_UV_BLOCK_N, max(16, triton.next_power_of_2(v_dim)))
+        _mla_merge_uv_kernel[(num_tokens, num_heads, triton.cdiv(v_dim, block_n))](
+            part_out, part_lse, w_uv, y, num_heads, num_splits, v_dim, w_uv.stride(0), w_uv.stride(1),
+            y.stride(0), y.stride(1), RANK=rank, BLOCK_R=block_r, BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_N=block_n, num_warps=8, **pdl,
+        )
+        return y
     if use_splits:
         block_c = min(block_r, 128)
         _mla_merge_splits_kernel[(num_tokens, num_heads, triton.cdiv(rank, block_c))](
@@ -530,7 +585,19 @@ def mla_decode_triton(
             RANK=rank, BLOCK_R=block_r, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_C=block_c, num_warps=4,
             **pdl,
         )
-    return out
+    return out if w_uv is None else _times_uv(out, w_uv)
+
+
+def merge_in_uv(q_latent: torch.Tensor, w_uv: torch.Tensor) -> bool:
+    """Whether a split step's merge may run in the W_UV GEMV's launch (``MERGE_IN_UV``): at most
+    ``BATCHED_GEMV_MAX_ROWS`` tokens of 16-bit queries and weights, R contiguous in ``w_uv``."""
+    return (bool(MERGE_IN_UV) and q_latent.shape[0] <= BATCHED_GEMV_MAX_ROWS and w_uv.stride(-1) == 1
+            and q_latent.dtype in (torch.float16, torch.bfloat16) and w_uv.dtype == q_latent.dtype)
+
+
+def _times_uv(out: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """out [T, H, R], w_uv [H, Dv, R] -> [T, H, Dv]: per head ``out[:, h] @ w_uv[h].T`` (``batched_linear``)."""
+    return batched_linear(out.transpose(0, 1), w_uv).transpose(0, 1)
 
 
 ABSORBED_MAX_QUERY_LEN = 16
@@ -561,11 +628,16 @@ def _tilelang_applies(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
 
 
 def mla_decode(
-    q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    w_uv: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`mla_decode_ref`; the Triton kernel on CUDA tensors, or the TileLang one
     (``kernels.mla_tilelang``) when ``RAYINFER_MLA_BACKEND=tilelang`` and the shapes suit it (16-bit,
     R and P multiples of 16, not batch-invariant mode).
+
+    ``w_uv`` (the absorbed form's value up-projection, [H, Dv, R]): when given, the result is each head's
+    output through it, [T, H, Dv] (``out[t, h] @ w_uv[h].T``, as :func:`~rayinfer.kernels.gemv.batched_linear`
+    computes it); the Triton path merges a batch-1-sized step's splits inside that product's launch.
 
     Raises:
         RuntimeError: when the TileLang backend is asked for but tilelang or CUDA is missing.
@@ -573,7 +645,8 @@ def mla_decode(
     if _tilelang_applies(q_latent, q_pe, kv_cache):
         from rayinfer.kernels.mla_tilelang import mla_decode_tilelang
 
-        return mla_decode_tilelang(q_latent, q_pe, kv_cache, meta, scale)
+        out = mla_decode_tilelang(q_latent, q_pe, kv_cache, meta, scale)
+        return out if w_uv is None else _times_uv(out, w_uv)
     if (
         q_latent.dim() == 3
         and kv_cache.dim() == 3
@@ -583,8 +656,9 @@ def mla_decode(
         and q_latent.shape[-1] + q_pe.shape[-1] == kv_cache.shape[-1]
         and use_triton(q_latent, q_pe, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc)
     ):
-        return mla_decode_triton(q_latent, q_pe, kv_cache, meta, scale)
-    return mla_decode_ref(q_latent, q_pe, kv_cache, meta, scale)
+        return mla_decode_triton(q_latent, q_pe, kv_cache, meta, scale, w_uv=w_uv)
+    out = mla_decode_ref(q_latent, q_pe, kv_cache, meta, scale)
+    return out if w_uv is None else _times_uv(out, w_uv)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -115,6 +115,39 @@ def check_kernels(device, cases, num_splits=None, config=None):
     return worst
 
 
+def check_uv(device, cases, num_splits=None, fused=True):
+    """``mla_decode(..., w_uv=)`` (each head's output through W_UV, the split merge inside that GEMV's launch
+    where ``merge_in_uv`` holds) against the reference's output times W_UV in float64. ``w_uv`` is a slice of
+    a [H, Dn + Dv, R] ``kv_b_proj`` view, as the model passes it. ``fused``: assert the launch merged in the GEMV."""
+    import rayinfer.kernels.mla_attention as mla
+
+    worst = 0.0
+    for i, (query_lens, seq_lens, heads, rank, rope, v_dim, bs, dtype) in enumerate(cases):
+        nb = sum(-(-s // bs) for s in seq_lens) + 3
+        meta = make_batch(query_lens, seq_lens, bs, nb, seed=i, device=device)
+        gen = torch.Generator().manual_seed(50 + i)
+        to = dict(device=device, dtype=dtype)
+        cache = torch.randn(nb, bs, rank + rope, generator=gen).to(**to)
+        t = sum(query_lens)
+        ql = torch.randn(t, heads, rank, generator=gen).to(**to)
+        qp = torch.randn(t, heads, rope, generator=gen).to(**to)
+        w_kv_b = (torch.randn(heads, 8 + v_dim, rank, generator=gen) / rank**0.5).to(**to)
+        w_uv = w_kv_b[:, 8:]
+        assert mla.merge_in_uv(ql, w_uv) == fused, f"case {i}: merge_in_uv"
+        if num_splits is None:
+            got = mla_decode(ql, qp, cache, meta, rank**-0.5, w_uv=w_uv)
+        else:
+            got = mla_decode_triton(ql, qp, cache, meta, rank**-0.5, num_splits=num_splits, w_uv=w_uv)
+        ref = mla_decode_ref(ql.double().cpu(), qp.double().cpu(), cache.double().cpu(), make_batch(
+            query_lens, seq_lens, bs, nb, seed=i), rank**-0.5)
+        want = torch.einsum("thr,hvr->thv", ref, w_uv.double().cpu())
+        assert got.shape == (t, heads, v_dim) and got.dtype == dtype
+        tol = 4 * TOL[dtype]
+        torch.testing.assert_close(got.double().cpu(), want, atol=tol, rtol=tol, msg=lambda m: f"uv case {i}: {m}")
+        worst = max(worst, (got.double().cpu() - want).abs().max().item())
+    return worst
+
+
 def check_prefill(device, cases):
     """mla_prefill against mla_prefill_ref; each case: (query_lens, seq_lens, heads, rank, rope, nope, v_dim,
     block_size, dtype). A query length below its sequence length is a chunk after a cached prefix."""
@@ -226,6 +259,13 @@ def test_split_kv_matches_ref_at_long_context():
     assert choose_num_splits(1, 1024, torch.cuda.get_device_properties(0).multi_processor_count) > 1
     print(f"mla_decode split-KV (default splits): max abs err {check_kernels('cuda', SPLIT_GPU_CASES):.2e}")
     print(f"mla_decode split-KV (7 splits): max abs err {check_kernels('cuda', SPLIT_GPU_CASES[:2], 7):.2e}")
+    # through W_UV (Dv 128): batch-1-sized steps merge in the GEMV's launch, V3's 128 heads too; larger ones apart
+    uv = [([1], [1024], 16, 512, 64, 128, 64, torch.bfloat16), ([1], [4096], 16, 512, 64, 128, 16, torch.bfloat16),
+          ([1] * 4, [4096, 1000, 1, 3000], 16, 512, 64, 128, 64, torch.bfloat16),
+          ([1], [3000], 128, 512, 64, 128, 64, torch.bfloat16)]
+    err = max(check_uv("cuda", uv), check_uv("cuda", [([4, 1, 8], [1024, 4096, 2000], 16, 512, 64, 128, 64,
+                                                        torch.bfloat16)], fused=False))
+    print(f"mla_decode through W_UV: max abs err {err:.2e}")
 
 
 @pytest.mark.gpu
@@ -306,6 +346,18 @@ if __name__ == "__main__":
         # per token: those with at least 40 keys take the swapped tiles, the others the default ones
         check_kernels("cpu", [([1, 1, 2], [5, 150, 40], 4, 32, 16, 4, f32)], num_splits=4,
                       config={**swap, "swap_min_keys": 40})
+        # through W_UV: 16-bit steps of up to 4 tokens merge their splits in the GEMV's launch (partial last
+        # column tile: Dv 20 in 16-row tiles; an empty split), others merge apart then multiply (float32; 5 tokens)
+        import rayinfer.kernels.mla_attention as mla
+
+        mla.MERGE_UV_BLOCK_N = 16
+        f16 = torch.float16
+        check_uv("cpu", [([1, 1, 2], [5, 150, 70], 4, 32, 16, 20, 4, f16)], num_splits=4)
+        check_uv("cpu", [([1], [9], 3, 24, 8, 16, 4, f16)], num_splits=3)
+        check_uv("cpu", [([1, 1, 2], [5, 150, 70], 4, 32, 16, 20, 4, f32)], num_splits=4, fused=False)
+        check_uv("cpu", [([3, 2], [40, 70], 2, 32, 16, 16, 4, f16)], num_splits=2, fused=False)
+        check_uv("cpu", [([1, 2], [70, 40], 2, 32, 16, 16, 4, f16)], num_splits=1)  # unsplit: no merge at all
+        mla.MERGE_UV_BLOCK_N = 32
         # expanded: whole prompts, chunks after cached prefixes, a tile boundary (32 rows), a one-token row
         check_prefill("cpu", [([40, 7, 1, 3], [40, 30, 9, 3], 2, 32, 16, 16, 24, 4, f32),
                               ([33], [70], 3, 24, 8, 12, 20, 8, f32)])
