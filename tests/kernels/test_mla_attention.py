@@ -337,6 +337,13 @@ if __name__ == "__main__":
         own = {"prefetch_index": False, "num_stages": 2}
         check_kernels("cpu", [([1, 3, 1], [5, 9, 40], 4, 32, 16, 4, f32)], config=own)
         check_kernels("cpu", [([1, 1, 2], [5, 150, 70], 4, 32, 16, 4, f32)], num_splits=4, config=own)
+        # the first tile's cached keys loaded before the PDL wait (early; the default up to 4 tokens): unsplit
+        # and split, this step's keys (query lengths 2 and 3) inside the first tile, a key loop after it; and off
+        for early in (True, False):
+            check_kernels("cpu", [([1, 3, 1], [5, 9, 40], 4, 32, 16, 4, f32), ([2], [2], 20, 24, 8, 8, f32)],
+                          config={"early": early})
+            check_kernels("cpu", [([1, 1, 2], [5, 150, 70], 4, 32, 16, 4, f32)], num_splits=4,
+                          config={"early": early, "block_n": 16})
         # a rank of 160: the merge's two 128-column slices, the second partial
         check_kernels("cpu", [([1, 2], [70, 40], 2, 160, 16, 4, f32)], num_splits=3)
         # keys as the products' rows (swap_ab): unsplit, split, a partial last tile, a rope width below 16
