@@ -3,7 +3,8 @@ under ``torch.profiler``), per A/B variant of ``jobs/bench_moe.py``.
 
 For each variant: the step's median time (graph replay plus the logits, as ``bench_moe.bench_step`` times it),
 each kernel's device time a step (sum and calls), and one step's timeline (kernel, start offset from the step's
-first kernel, duration). Under PDL a kernel starts before the one ahead of it ends, so its duration includes
+first kernel, duration), and each kernel's increment (its end minus the end of the kernel before it: its
+share of the step's critical path; median and sum a step). Under PDL a kernel starts before the one ahead of it ends, so its duration includes
 its wait: read the timeline's starts and ends, not the sum of durations (``no-pdl`` gives standalone times).
 
     PYTHONPATH=. python benchmarks/probe/decode_profile.py --variants default,no-pdl --out /tmp/profile.json
@@ -59,13 +60,23 @@ def profile_variant(model, name: str, batch: int, context: int, steps: int, reps
         by_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
     summary = sorted(({"name": k[:120], "us_per_step": sum(v) / steps, "calls_per_step": len(v) / steps}
                       for k, v in by_name.items()), key=lambda r: -r["us_per_step"])
+    # each kernel's share of the step's critical path under PDL: its end minus the end of the kernel before it
+    # (the step's first kernel: its duration), median over its calls in all steps, and the sum a step
+    inc: dict[str, list[float]] = {}
+    for ks in per_step:
+        for prev, e in zip([None, *ks[:-1]], ks):
+            d = e.time_range.end - (prev.time_range.end if prev is not None else e.time_range.start)
+            inc.setdefault(e.name, []).append(d)
+    increments = sorted(({"name": k[:120], "median_us": statistics.median(v), "us_per_step": sum(v) / steps}
+                         for k, v in inc.items()), key=lambda r: -r["us_per_step"])
     mid = per_step[len(per_step) // 2]
     t0 = mid[0].time_range.start
     timeline = [{"name": e.name[:80], "start_us": round(e.time_range.start - t0, 2),
                  "us": round(e.time_range.elapsed_us(), 2)} for e in mid]
     span = [s[-1].time_range.end - s[0].time_range.start for s in per_step]
     return {"variant": name, "batch": batch, "context": context, "ms": ms, "kernels_per_step": len(mid),
-            "device_span_us_median": statistics.median(span), "kernels": summary, "timeline": timeline}
+            "device_span_us_median": statistics.median(span), "increments": increments, "kernels": summary,
+            "timeline": timeline}
 
 
 def main():
@@ -87,8 +98,8 @@ def main():
         rows.append(row)
         print(f"{name}: {row['ms']:.3f} ms, {row['kernels_per_step']} kernels, device span "
               f"{row['device_span_us_median']:.0f} us", flush=True)
-        for k in row["kernels"][:14]:
-            print(f"   {k['us_per_step']:8.1f} us  x{k['calls_per_step']:5.1f}  {k['name'][:90]}", flush=True)
+        for k in row["increments"][:12]:
+            print(f"   {k['us_per_step']:8.1f} us a step, median {k['median_us']:6.2f} us  {k['name'][:70]}", flush=True)
     rev = args.git_rev or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                          text=True).stdout.strip()
     out = {"command": "PYTHONPATH=. python " + " ".join(sys.argv), "git_rev": rev,
