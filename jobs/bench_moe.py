@@ -293,6 +293,7 @@ AB_VARIANTS = {"default": {}, "no-pdl": {"RAYINFER_PDL": "0"}, "no-one-row": {"R
                # MLA decode up to 4 tokens: the first tile loaded after the PDL wait (before 2026-12-04's sixteenth
                # round); 8 warps a program
                "mla-early-0": {"@rayinfer.kernels.mla_attention.EARLY_FIRST_TILE": "0"},
+               "mla-early-1": {"@rayinfer.kernels.mla_attention.EARLY_FIRST_TILE": "1"},
                "mla-few-warps-8": {"@rayinfer.kernels.mla_attention.FEW_TOKEN_WARPS": "8"},
                # one token's down GEMM on other tiles than its gate/up GEMM's
                **{f"moe-down-n{n}": {"@rayinfer.kernels.fused_moe.ONE_TOKEN_DOWN_BLOCK_N": str(n)} for n in (32, 64)},

@@ -489,7 +489,7 @@ MERGE_IN_UV = 1
 MERGE_UV_BLOCK_N = 32
 # Up to 4 tokens a step (not in batch-invariant mode): each program loads its first tile's cached keys before
 # the PDL wait (``EARLY`` of ``_mla_decode_kernel``); 0: after it (an A/B variant of jobs/bench_moe.py)
-EARLY_FIRST_TILE = 1
+EARLY_FIRST_TILE = 0
 # warps a program up to 4 tokens a step (an A/B setting)
 FEW_TOKEN_WARPS = 4
 # 0: the decode tiles before 9950a61 (each tile's block numbers loaded in its own iteration, 2 stages, 16-key
