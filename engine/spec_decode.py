@@ -233,6 +233,7 @@ class DraftModelProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, reqs: list[Request], max_drafts: list[int]) -> list[Draft]:
+        from rayinfer.engine.staging import to_device
         from rayinfer.kernels.attention_metadata import AttentionMetadata, host_arrays
 
         cache = self.cache
@@ -251,30 +252,51 @@ class DraftModelProposer(Proposer):
             starts.append(start)
         if not live:
             return drafts
-        num_left = {i: max_drafts[i] for i in live}
-        while chunks:
+        catch_up = dict(zip(live, chunks))  # request index -> the tokens its first forward computes
+        # The catch-up forward, then one forward a draft, each fed the one before's top-1 on the device; the
+        # rows that still want drafts follow from max_drafts on the host, so nothing is read back until all
+        # forwards are launched (one read a step, not one a draft).
+        dev = self.device
+        num_left = [max_drafts[i] for i in live]
+        (ids,) = to_device([np.fromiter((t for c in chunks for t in c), np.int64)], dev)
+        query_lens = [len(c) for c in chunks]
+        steps = []  # per forward: (the indexes into reqs it drafted for, top-1 ids [n], their probabilities [n])
+        while True:
             rids = [reqs[i].request_id for i in live]
-            query_lens = [len(c) for c in chunks]
             seq_lens = [s + q for s, q in zip(starts, query_lens)]
             tables = [cache.block_ids[rid] for rid in rids]
             qsl, sl, bt, slots, positions = host_arrays(query_lens, seq_lens, tables, cache.block_size)
-            dev = self.device
-            ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=dev)
             width = self.graphs.ragged_width(query_lens, seq_lens) if self.graphs is not None else None
             if width is not None:  # draft steps and short catch-ups: a captured graph
                 hidden = self.graphs.run_ragged(ids, slots, query_lens, seq_lens, bt, width)
+                (last,) = to_device([qsl[1:].astype(np.int64) - 1], dev)
             else:
-                qsl_t, sl_t, bt_t, slots_t = (torch.from_numpy(a).to(dev) for a in (qsl, sl, bt, slots))
+                qsl_t, sl_t, bt_t, slots_t, pos_t, last = to_device(
+                    [qsl, sl, bt, slots, positions, qsl[1:].astype(np.int64) - 1], dev)
                 meta = AttentionMetadata(qsl_t, sl_t, bt_t, slots_t, cache.block_size, query_lens, seq_lens)
-                hidden = self.model(ids, torch.from_numpy(positions).to(dev), cache.kv_cache, meta)
-            last = torch.from_numpy(qsl[1:].astype(np.int64) - 1).to(dev)
+                hidden = self.model(ids, pos_t, cache.kv_cache, meta)
             probs = torch.softmax(self.model.compute_logits(hidden[last])[:, : self.vocab_size].float(), dim=-1)
-            for j in range(len(live)):
-                cache.computed[rids[j]] = cache.computed[rids[j]] + chunks[j]
-            top_id, keep = _append_top1(probs, drafts, live, num_left)
-            live = [live[j] for j in keep]
-            chunks = [[top_id[j]] for j in keep]
-            starts = [seq_lens[j] for j in keep]
+            top_p, top_id = probs.max(dim=-1)
+            steps.append((live, top_id, top_p))
+            num_left = [n - 1 for n in num_left]
+            keep = [j for j, n in enumerate(num_left) if n > 0]
+            if not keep:
+                break
+            ids = top_id if len(keep) == len(live) else top_id[to_device([np.asarray(keep, dtype=np.int64)], dev)[0]]
+            live, num_left = [live[j] for j in keep], [num_left[j] for j in keep]
+            starts, query_lens = [seq_lens[j] for j in keep], [1] * len(keep)
+        top_ids = torch.cat([t for _, t, _ in steps]).tolist()  # the step's one read
+        top_ps = torch.cat([p for _, _, p in steps]).tolist()
+        at = 0
+        for n, (rows, _, _) in enumerate(steps):
+            for i in rows:
+                d, rid = drafts[i], reqs[i].request_id
+                # the KV this forward computed: the catch-up tokens, then each request's draft before
+                cache.computed[rid] = cache.computed[rid] + (catch_up[i] if n == 0 else [d.token_ids[-1]])
+                d.token_ids.append(top_ids[at])
+                assert d.probs is not None
+                d.probs.append(top_ps[at])
+                at += 1
         return drafts
 
 
