@@ -290,15 +290,8 @@ AB_VARIANTS = {"default": {}, "no-pdl": {"RAYINFER_PDL": "0"}, "no-one-row": {"R
                # the MLA split merge in its own launch before the W_UV GEMV (before it ran in that GEMV's launch)
                "merge-apart": {"@rayinfer.kernels.mla_attention.MERGE_IN_UV": "0"},
                **{f"merge-uv-{n}": {"@rayinfer.kernels.mla_attention.MERGE_UV_BLOCK_N": str(n)} for n in (16, 64, 128)},
-               # MLA decode up to 4 tokens: the first tile loaded after the PDL wait (before 2026-12-04's sixteenth
-               # round); 8 warps a program
-               "mla-early-0": {"@rayinfer.kernels.mla_attention.EARLY_FIRST_TILE": "0"},
-               "mla-early-1": {"@rayinfer.kernels.mla_attention.EARLY_FIRST_TILE": "1"},
-               "mla-few-warps-8": {"@rayinfer.kernels.mla_attention.FEW_TOKEN_WARPS": "8"},
-               # one token's down GEMM on other tiles than its gate/up GEMM's
-               **{f"moe-down-n{n}": {"@rayinfer.kernels.fused_moe.ONE_TOKEN_DOWN_BLOCK_N": str(n)} for n in (32, 64)},
-               "moe-down-n64-k256": {"@rayinfer.kernels.fused_moe.ONE_TOKEN_DOWN_BLOCK_N": "64",
-                                     "@rayinfer.kernels.fused_moe.ONE_TOKEN_DOWN_BLOCK_K": "256"},
+               # MLA decode: its metadata and first block numbers read after the PDL wait (before the sixteenth round)
+               "mla-early-0": {"@rayinfer.kernels.mla_attention.EARLY_META": "0"},
                **{f"mla-swap-{n}": {"@rayinfer.kernels.mla_attention.FEW_TOKEN_SWAP_FROM": str(n)}
                   for n in (1024, 2048, 3072, 4096, 8192)},
                **{f"grouped-mm-{n}": {"@rayinfer.kernels.fused_moe.GROUPED_MM_FROM": str(n)}

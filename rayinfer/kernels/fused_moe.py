@@ -8,7 +8,6 @@ example -1) is skipped: expert parallelism marks the experts another rank comput
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -183,10 +182,6 @@ SLOTS_IN_HIDDEN_DTYPE = 1
 # bf16 one 2.20-2.21 ms against 2.09-2.10 on the tiles, so 16-bit experts keep the tiles.
 ONE_TOKEN_GEMV = 0
 ONE_TOKEN_GEMV_FP8 = 1
-# ONE_TOKEN_DOWN_BLOCK_N / _BLOCK_K: a one-token call's down GEMM on these tiles' N / K instead of the table's
-# (0: the table's, which the gate/up GEMM uses too); A/B settings
-ONE_TOKEN_DOWN_BLOCK_N = 0
-ONE_TOKEN_DOWN_BLOCK_K = 0
 # fp8 expert weights on a GPU with fp8 tensor cores: 1 quantizes the activations too (W8A8, DeepSeek-V3's
 # dynamic per-token-group scheme; fused_moe_triton's act_fp8); 0 keeps them in 16 bits (W8A16).
 FP8_ACTIVATIONS = 1
@@ -825,11 +820,7 @@ def fused_moe_triton(
     # 108 us a layer of V2-Lite at 4K tokens), as vLLM's fused MoE keeps it.
     alloc = torch.empty if reduce_slots else torch.zeros
     out = alloc((num_pairs, hidden_size), dtype=out_dtype, device=hidden.device)
-    tiles2 = tiles
-    if direct and (ONE_TOKEN_DOWN_BLOCK_N or ONE_TOKEN_DOWN_BLOCK_K):
-        tiles2 = dataclasses.replace(tiles, block_n=ONE_TOKEN_DOWN_BLOCK_N or tiles.block_n,
-                                     block_k=ONE_TOKEN_DOWN_BLOCK_K or tiles.block_k)
-    _moe_gemm(a2, w2, out, sorted_pairs, block_experts, weights, 1, True, tiles2, rowwise,
+    _moe_gemm(a2, w2, out, sorted_pairs, block_experts, weights, 1, True, tiles, rowwise,
               scale=w2_scale, direct=direct, a_scale=s2)
     return _pairs_result(out, kept, hidden, residual, top_k, reduce_slots)
 

@@ -241,18 +241,14 @@ def _mla_decode_kernel(
 ):
     token = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    # EARLY: the program reads, before the PDL wait, what no kernel of this step writes: the step's metadata,
-    # the block table, and its first tile's cache rows of keys stored before this step (the step's own keys
-    # are stored by the kernel just ahead, kernels.mla_rope; they are read after the wait). Its first tile
-    # then streams in while that kernel runs, instead of after it (a batch-1 step's programs have one tile).
+    # EARLY: the program reads, before the PDL wait, what no kernel of this step writes: the step's metadata
+    # and the block numbers of its first tile (a chain of dependent loads: the token's request, its length,
+    # the split bounds, the block table), so that after the wait only the query and the cache rows are left.
     if not EARLY:
         pdl_wait(USE_PDL)
     req = _request_of_token(query_start_loc_ptr, token, num_reqs)
-    q_start = tl.load(query_start_loc_ptr + req)
     q_end = tl.load(query_start_loc_ptr + req + 1)
-    seq_len = tl.load(seq_lens_ptr + req)
-    kv_hi = seq_len - (q_end - token) + 1  # own position + 1
-    cached = seq_len - (q_end - q_start)  # keys stored before this step
+    kv_hi = tl.load(seq_lens_ptr + req) - (q_end - token) + 1  # own position + 1
     kv_lo = 0
     n_keys = kv_hi  # the token's keys over all its splits (SWAP_MIN_KEYS compares these)
     split = tl.program_id(2)
@@ -272,21 +268,17 @@ def _mla_decode_kernel(
             part = (t64 * num_heads + heads) * num_splits + split
             tl.store(part_lse_ptr + part, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=h_ok)
             return
+    table = block_tables_ptr + req.to(tl.int64) * stride_bt
+    # PREFETCH_INDEX: each tile's block numbers come from a load of the iteration before (see _mla_decode_keys);
+    # the first tile's here
+    n_first = kv_lo + tl.arange(0, BLOCK_N)
+    blk_first = tl.load(table + n_first // KV_BLOCK_SIZE, mask=(n_first < kv_hi) & PREFETCH_INDEX, other=0)
+    if EARLY:
+        pdl_wait(USE_PDL)
     r = tl.arange(0, BLOCK_R)
     p = tl.arange(0, BLOCK_P)
     r_ok = r < RANK
     p_ok = p < ROPE
-    table = block_tables_ptr + req.to(tl.int64) * stride_bt
-    if EARLY:
-        n0 = kv_lo + tl.arange(0, BLOCK_N)
-        n0_ok = n0 < kv_hi
-        blk0 = tl.load(table + n0 // KV_BLOCK_SIZE, mask=n0_ok, other=0)
-        rows0 = blk0.to(tl.int64) * stride_cb + (n0 % KV_BLOCK_SIZE) * stride_cs
-        stored = n0_ok & (n0 < cached)
-        kl0 = tl.load(cache_ptr + rows0[:, None] + r[None, :], mask=stored[:, None] & r_ok[None, :], other=0.0)
-        kp0 = tl.load(cache_ptr + rows0[:, None] + RANK + p[None, :], mask=stored[:, None] & p_ok[None, :],
-                      other=0.0)
-        pdl_wait(USE_PDL)
     ql = tl.load(ql_ptr + t64 * stride_lt + heads[:, None] * stride_lh + r[None, :],
                  mask=h_ok[:, None] & r_ok[None, :], other=0.0)
     qp = tl.load(qp_ptr + t64 * stride_pt + heads[:, None] * stride_ph + p[None, :],
@@ -305,18 +297,9 @@ def _mla_decode_kernel(
                                               SWAP_BLOCK_N, KV_BLOCK_SIZE, IEEE)
         acc = tl.trans(acc_t)
     else:
-        first = kv_lo
-        if EARLY:  # the first tile: its rows of this step's keys now, then the tile's math
-            fresh = n0_ok & (n0 >= cached)
-            kl0 = tl.where(fresh[:, None], tl.load(cache_ptr + rows0[:, None] + r[None, :],
-                                                   mask=fresh[:, None] & r_ok[None, :], other=0.0), kl0)
-            kp0 = tl.where(fresh[:, None], tl.load(cache_ptr + rows0[:, None] + RANK + p[None, :],
-                                                   mask=fresh[:, None] & p_ok[None, :], other=0.0), kp0)
-            acc, m_i, l_i = _mla_decode_tile(ql, qp, kl0, kp0, n0_ok, qk_scale, acc, m_i, l_i, IEEE, ROWWISE)
-            first = kv_lo + BLOCK_N
-        acc, m_i, l_i = _mla_decode_keys(ql, qp, cache_ptr, table, first, kv_hi, qk_scale, stride_cb, stride_cs,
-                                         acc, m_i, l_i, RANK, ROPE, BLOCK_R, BLOCK_P, BLOCK_N, KV_BLOCK_SIZE,
-                                         IEEE, ROWWISE, PREFETCH_INDEX)
+        acc, m_i, l_i = _mla_decode_keys(ql, qp, cache_ptr, table, kv_lo, kv_hi, blk_first, qk_scale, stride_cb,
+                                         stride_cs, acc, m_i, l_i, RANK, ROPE, BLOCK_R, BLOCK_P, BLOCK_N,
+                                         KV_BLOCK_SIZE, IEEE, ROWWISE, PREFETCH_INDEX)
     if USE_SPLITS:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # an empty split: weight 0 in the merge
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
@@ -357,20 +340,20 @@ def _mla_decode_tile(ql, qp, kl, kp, n_ok, qk_scale, acc, m_i, l_i, IEEE: tl.con
 
 
 @triton.jit
-def _mla_decode_keys(ql, qp, cache_ptr, table, kv_lo, kv_hi, qk_scale, stride_cb, stride_cs, acc, m_i, l_i,
+def _mla_decode_keys(ql, qp, cache_ptr, table, kv_lo, kv_hi, blk_first, qk_scale, stride_cb, stride_cs, acc, m_i, l_i,
                      RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
                      BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr,
                      ROWWISE: tl.constexpr, PREFETCH_INDEX: tl.constexpr):
     """The key loop of ``_mla_decode_kernel`` with heads as rows: ql [BLOCK_H, BLOCK_R], qp [BLOCK_H, BLOCK_P];
-    continues (acc [BLOCK_H, BLOCK_R] float32, m_i, l_i) of the online base-2 softmax over keys [kv_lo, kv_hi)."""
+    continues (acc [BLOCK_H, BLOCK_R] float32, m_i, l_i) of the online base-2 softmax over keys [kv_lo, kv_hi).
+    blk_first: with PREFETCH_INDEX, the block numbers of the first tile's keys (loaded by the caller)."""
     r = tl.arange(0, BLOCK_R)
     p = tl.arange(0, BLOCK_P)
     r_ok = r < RANK
     p_ok = p < ROPE
     # PREFETCH_INDEX: a tile's block numbers come from a load of the iteration before (loop-carried), so its
     # cache loads never wait on its own block-table load and the compiler's pipeline keeps them in flight
-    n_next = kv_lo + tl.arange(0, BLOCK_N)
-    blk_next = tl.load(table + n_next // KV_BLOCK_SIZE, mask=(n_next < kv_hi) & PREFETCH_INDEX, other=0)
+    blk_next = blk_first
     for start in range(kv_lo, kv_hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < kv_hi
@@ -487,11 +470,9 @@ _MAX_SPLITS = 32
 # variant of jobs/bench_moe.py). MERGE_UV_BLOCK_N: W_UV rows a program.
 MERGE_IN_UV = 1
 MERGE_UV_BLOCK_N = 32
-# Up to 4 tokens a step (not in batch-invariant mode): each program loads its first tile's cached keys before
-# the PDL wait (``EARLY`` of ``_mla_decode_kernel``); 0: after it (an A/B variant of jobs/bench_moe.py)
-EARLY_FIRST_TILE = 0
-# warps a program up to 4 tokens a step (an A/B setting)
-FEW_TOKEN_WARPS = 4
+# Every step (not in batch-invariant mode): each program reads the step's metadata and its first tile's block
+# numbers before the PDL wait (``EARLY`` of ``_mla_decode_kernel``); 0: after it (an A/B variant of jobs/bench_moe.py)
+EARLY_META = 1
 # 0: the decode tiles before 9950a61 (each tile's block numbers loaded in its own iteration, 2 stages, 16-key
 # tiles up to 4 tokens); an A/B variant of jobs/bench_moe.py
 PREFETCH_INDEX = 1
@@ -536,8 +517,8 @@ def mla_decode_triton(
 ) -> torch.Tensor:
     """Triton kernel of :func:`mla_decode_ref` (same contract; no host sync; ``config`` overrides the
     tiles: block_h, block_n, num_warps, num_stages, min_split_tokens; prefetch_index: each tile's block
-    numbers loaded an iteration ahead; early: each program's first tile of cached keys loaded before the PDL
-    wait (default up to 4 tokens, ``EARLY_FIRST_TILE``); swap_ab: keys as the products' rows in
+    numbers loaded an iteration ahead; early: each program's metadata and first block numbers read before the
+    PDL wait (``EARLY_META``); swap_ab: keys as the products' rows in
     swap_block_n tiles, for Hopper's 64-row warpgroup MMA, for the tokens with at least swap_min_keys keys
     (the others take the block_n tiles); ignored in batch-invariant mode).
 
@@ -580,10 +561,10 @@ def mla_decode_triton(
     wide = block_r >= 512
     ahead = bool(PREFETCH_INDEX)
     cfg = {"block_h": 16 if block_r >= 256 else max(16, min(32, triton.next_power_of_2(num_heads))),  # acc [H, R] fp32
-           "block_n": 16 if wide and few and not ahead else 32, "num_warps": FEW_TOKEN_WARPS if few else 4, "num_stages": 3 if ahead else 2,
+           "block_n": 16 if wide and few and not ahead else 32, "num_warps": 4, "num_stages": 3 if ahead else 2,
            "prefetch_index": ahead, "min_split_tokens": 64 if wide and not few else 32,
            "swap_ab": few and FEW_TOKEN_SWAP_FROM > 0, "swap_block_n": 64, "swap_min_keys": FEW_TOKEN_SWAP_FROM,
-           "early": few and bool(EARLY_FIRST_TILE), **(config or {})}
+           "early": bool(EARLY_META), **(config or {})}
     block_h, block_n = cfg["block_h"], cfg["block_n"]
     head_tiles = triton.cdiv(num_heads, block_h)
     max_seq_len = max(max_seq_len or meta.max_seq_len, 1)
@@ -611,7 +592,7 @@ def mla_decode_triton(
         ROWWISE=invariant and is_interpreting(), USE_SPLITS=use_splits, MIN_SPLIT_TOKENS=cfg["min_split_tokens"],
         SWAP_AB=bool(cfg["swap_ab"]) and not invariant, SWAP_BLOCK_N=cfg["swap_block_n"],
         SWAP_MIN_KEYS=cfg["swap_min_keys"], PREFETCH_INDEX=bool(cfg["prefetch_index"]),
-        EARLY=bool(cfg["early"]) and not cfg["swap_ab"] and not invariant,
+        EARLY=bool(cfg["early"]) and not invariant,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl,
     )
     if use_splits and w_uv is not None and merge_in_uv(q_latent, w_uv):

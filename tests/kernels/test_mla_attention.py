@@ -337,8 +337,8 @@ if __name__ == "__main__":
         own = {"prefetch_index": False, "num_stages": 2}
         check_kernels("cpu", [([1, 3, 1], [5, 9, 40], 4, 32, 16, 4, f32)], config=own)
         check_kernels("cpu", [([1, 1, 2], [5, 150, 70], 4, 32, 16, 4, f32)], num_splits=4, config=own)
-        # the first tile's cached keys loaded before the PDL wait (early; the default up to 4 tokens): unsplit
-        # and split, this step's keys (query lengths 2 and 3) inside the first tile, a key loop after it; and off
+        # the metadata and first block numbers read before the PDL wait (early, the default) and after it:
+        # unsplit and split (empty splits, a key loop after the first tile)
         for early in (True, False):
             check_kernels("cpu", [([1, 3, 1], [5, 9, 40], 4, 32, 16, 4, f32), ([2], [2], 20, 24, 8, 8, f32)],
                           config={"early": early})
