@@ -292,8 +292,6 @@ AB_VARIANTS = {"default": {}, "no-pdl": {"RAYINFER_PDL": "0"}, "no-one-row": {"R
                **{f"merge-uv-{n}": {"@rayinfer.kernels.mla_attention.MERGE_UV_BLOCK_N": str(n)} for n in (16, 64, 128)},
                # MLA decode: its metadata and first block numbers read after the PDL wait (before the sixteenth round)
                "mla-early-0": {"@rayinfer.kernels.mla_attention.EARLY_META": "0"},
-               # the MoE layer's second GEMM reads its routing after the PDL wait (before the sixteenth round)
-               "moe-route-early-0": {"@rayinfer.kernels.fused_moe.ROUTE_EARLY": "0"},
                **{f"mla-swap-{n}": {"@rayinfer.kernels.mla_attention.FEW_TOKEN_SWAP_FROM": str(n)}
                   for n in (1024, 2048, 3072, 4096, 8192)},
                **{f"grouped-mm-{n}": {"@rayinfer.kernels.fused_moe.GROUPED_MM_FROM": str(n)}

@@ -182,9 +182,6 @@ SLOTS_IN_HIDDEN_DTYPE = 1
 # bf16 one 2.20-2.21 ms against 2.09-2.10 on the tiles, so 16-bit experts keep the tiles.
 ONE_TOKEN_GEMV = 0
 ONE_TOKEN_GEMV_FP8 = 1
-# ROUTE_EARLY: the second GEMM reads its tiles' experts and pairs before the PDL wait (``_moe_gemm``'s
-# route_early); 0: after it
-ROUTE_EARLY = 1
 # fp8 expert weights on a GPU with fp8 tensor cores: 1 quantizes the activations too (W8A8, DeepSeek-V3's
 # dynamic per-token-group scheme; fused_moe_triton's act_fp8); 0 keeps them in 16 bits (W8A16).
 FP8_ACTIVATIONS = 1
@@ -503,18 +500,13 @@ def _moe_gemm_kernel(
     ROWWISE: tl.constexpr = False, USE_PDL: tl.constexpr = False,
     DIRECT: tl.constexpr = False, num_experts=0, load_ptr=None, num_logical=0, COUNT_LOAD: tl.constexpr = False,
     ACT_SCALE: tl.constexpr = False, a_scale_ptr=None, stride_asm=0, WIDEN_FP8: tl.constexpr = False,
-    ROUTE_EARLY: tl.constexpr = False,
 ):
     # ACT_SCALE (W8A8): a is fp8 with one float32 scale per row and SCALE_BLOCK_K columns (a_scale [rows of a,
     # ceil(K / SCALE_BLOCK_K)]); each K step's fp8 x fp8 product is scaled by its rows' and columns' scales.
     # WIDEN_FP8: the interpreter, which has no fp8 tl.dot: both operands widened to float32.
-    # ROUTE_EARLY (the second GEMM of a layer, never with COUNT_LOAD): the tile's expert and pairs, written by
-    # the alignment or the router at least two kernels ahead, are read before the PDL wait (under PDL this
-    # kernel starts only once the one just ahead has waited, so every kernel before that one has finished)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if not ROUTE_EARLY:
-        pdl_wait(USE_PDL)  # the tile's expert comes from the alignment kernel (DIRECT: from the router)
+    pdl_wait(USE_PDL)  # the tile's expert comes from the alignment kernel (DIRECT: from the router)
     if DIRECT:
         # one pair per tile, pair pid_m, its expert read from topk_ids (block_experts_ptr); the tile's other
         # rows are padding. A pair without an expert here computes and writes a zero row (the slot sum
@@ -536,8 +528,6 @@ def _moe_gemm_kernel(
         pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
         row_ok = pairs < num_pairs
         row_out = row_ok
-    if ROUTE_EARLY:
-        pdl_wait(USE_PDL)
     a_rows = (pairs // A_ROW_DIV).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -616,8 +606,7 @@ def _active_tiles(num_pairs: int, num_experts: int, block_m: int, num_tiles: int
 
 def _moe_gemm(a, w, c, sorted_pairs, block_experts, weights, a_row_div: int, mul_weight: bool,
               tiles: MoETileConfig, rowwise: bool = False, gated: bool = False, scale: torch.Tensor | None = None,
-              direct: bool = False, expert_load: torch.Tensor | None = None, a_scale: torch.Tensor | None = None,
-              route_early: bool = False):
+              direct: bool = False, expert_load: torch.Tensor | None = None, a_scale: torch.Tensor | None = None):
     """One grouped GEMM. gated: w is w13 [E, 2N, K] and c gets ``silu(a @ gate.T) * (a @ up.T)`` [pairs, N].
     scale: fp8 block scales of w (``WEIGHT_BLOCK`` blocks), float32 (``weight_scale_inv``): [E, ceil(rows / bn),
     ceil(K / bk)], for w13 :func:`quantize_w13`'s [E, 2 * ceil(N / bn), ceil(K / bk)].
@@ -625,9 +614,7 @@ def _moe_gemm(a, w, c, sorted_pairs, block_experts, weights, a_row_div: int, mul
     one-token step, whose pairs have distinct experts); ``expert_load`` [L] int64 then counts the pairs'
     experts below L (in the first column tile's programs).
     a_scale: W8A8: a is float8_e4m3fn quantized per row and 128 columns (``block_fp8.quantize_act_fp8``), these
-    its float32 scales [rows of a, ceil(K / 128)]; w must be fp8 with ``scale``.
-    route_early: ``sorted_pairs`` / ``block_experts`` were written at least two kernel launches before this one
-    (the layer's second GEMM); they are read before the PDL wait (``ROUTE_EARLY``; not with ``expert_load``)."""
+    its float32 scales [rows of a, ceil(K / 128)]; w must be fp8 with ``scale``."""
     bn, bk = WEIGHT_BLOCK
     n = w.shape[1] // 2 if gated else w.shape[1]
     k = w.shape[2]
@@ -652,7 +639,6 @@ def _moe_gemm(a, w, c, sorted_pairs, block_experts, weights, a_row_div: int, mul
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_launch(use_pdl(a)),
         DIRECT=direct, num_experts=w.shape[0], load_ptr=expert_load if expert_load is not None else weights,
         num_logical=expert_load.numel() if expert_load is not None else 0, COUNT_LOAD=expert_load is not None,
-        ROUTE_EARLY=route_early and expert_load is None and bool(ROUTE_EARLY),
     )
 
 
@@ -835,7 +821,7 @@ def fused_moe_triton(
     alloc = torch.empty if reduce_slots else torch.zeros
     out = alloc((num_pairs, hidden_size), dtype=out_dtype, device=hidden.device)
     _moe_gemm(a2, w2, out, sorted_pairs, block_experts, weights, 1, True, tiles, rowwise,
-              scale=w2_scale, direct=direct, a_scale=s2, route_early=True)
+              scale=w2_scale, direct=direct, a_scale=s2)
     return _pairs_result(out, kept, hidden, residual, top_k, reduce_slots)
 
 
