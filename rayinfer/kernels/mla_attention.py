@@ -21,7 +21,8 @@ Kernels and grids. ``_mla_decode_kernel`` (absorbed form): grid (tokens, head ti
 KV splits); with one split a program writes its token's output, with several (split-KV, "flash
 decoding": a batch-1 decode is otherwise one program on a 132-multiprocessor GPU) each writes a partial
 output and log-sum-exp over its share of the keys and ``_mla_merge_splits_kernel`` (grid (tokens,
-heads)) combines them. The split count comes from the launch shape and the longest context a CUDA
+heads)) combines them; when the caller passes W_UV (``mla_decode(..., w_uv=)``) and the step has at most
+``BATCHED_GEMV_MAX_ROWS`` tokens, ``_mla_merge_uv_kernel`` merges them inside that up-projection's GEMV. The split count comes from the launch shape and the longest context a CUDA
 graph may replay (:func:`choose_num_splits`), never from the device's lengths, so the launch has no host
 sync and captures; each token sizes its splits from its own length in the kernel. The model takes this
 form for every step of short queries (:func:`use_absorbed`: decode, speculative verification), so
