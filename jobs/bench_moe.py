@@ -720,6 +720,15 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
+def _variants(text: str) -> list[str]:
+    """``--ab``'s comma-separated names; an unknown one is a usage error (before any benchmark runs)."""
+    names = [v for v in text.split(",") if v]
+    unknown = [v for v in names if v not in AB_VARIANTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown A/B variant(s) {', '.join(unknown)}; known: {', '.join(AB_VARIANTS)}")
+    return names
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="deepseek-v2-lite", choices=sorted(MODELS),
@@ -739,7 +748,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--git-rev", default=None, help="revision of the code (default: git rev-parse HEAD)")
     parser.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/moe-<device>.json, "
                         "moe-qwen3-30b-a3b-<device>.json for Qwen3)")
-    parser.add_argument("--ab", default=None, type=lambda t: [v for v in t.split(",") if v],
+    parser.add_argument("--ab", default=None, type=_variants,
                         help=f"A/B variants of the decode step timed in this process, e.g. default,no-pdl "
                         f"(from {', '.join(AB_VARIANTS)}; every --batches at the first --context, and every --prefill)")
     parser.add_argument("--ab-rounds", type=int, default=3, help="interleaved rounds of the --ab variants")

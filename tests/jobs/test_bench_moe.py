@@ -222,5 +222,12 @@ def test_ab_variants_run_interleaved_and_restore_the_settings(tmp_path, monkeypa
     assert [(r["variant"], r["round"], r["batch"], r["query_len"]) for r in rows] == [
         (v, i, 1, q) for i in range(2) for v in variants for q in (1, 8)]
     assert all(r["ms"] > 0 and r["roofline_ms"] > 0 for r in rows)
-    with pytest.raises(ValueError, match="unknown A/B variant"):
-        main(["--tiny", "--device", "cpu", "--ab", "no-such"])
+
+
+def test_unknown_ab_variant_is_a_usage_error(capsys):
+    """A misspelt --ab name stops at argument parsing with one line naming it (no benchmark runs first)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--tiny", "--device", "cpu", "--ab", "default,merge-apartt"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown A/B variant(s) merge-apartt" in err and "merge-apart" in err
