@@ -286,7 +286,6 @@ def _mla_decode_kernel(
                  mask=h_ok[:, None] & p_ok[None, :], other=0.0)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
     use_swap = False
     if SWAP_AB:
         use_swap = n_keys >= SWAP_MIN_KEYS  # per token: all its splits take the same path
@@ -299,7 +298,7 @@ def _mla_decode_kernel(
         acc = tl.trans(acc_t)
     else:
         acc, m_i, l_i = _mla_decode_keys(ql, qp, cache_ptr, table, kv_lo, kv_hi, blk_first, qk_scale, stride_cb,
-                                         stride_cs, acc, m_i, l_i, RANK, ROPE, BLOCK_R, BLOCK_P, BLOCK_N,
+                                         stride_cs, m_i, l_i, RANK, ROPE, BLOCK_R, BLOCK_P, BLOCK_H, BLOCK_N,
                                          KV_BLOCK_SIZE, IEEE, ROWWISE, PREFETCH_INDEX)
     if USE_SPLITS:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # an empty split: weight 0 in the merge
@@ -315,43 +314,18 @@ def _mla_decode_kernel(
 
 
 @triton.jit
-def _mla_decode_tile(ql, qp, kl, kp, n_ok, qk_scale, acc, m_i, l_i, IEEE: tl.constexpr, ROWWISE: tl.constexpr):
-    """One tile of keys of the online base-2 softmax (FlashAttention-2) with heads as rows: ql [BLOCK_H, R],
-    qp [BLOCK_H, P], the tile's latents kl [BLOCK_N, R] and roped keys kp [BLOCK_N, P] (masked rows: n_ok
-    False); returns the updated (acc [BLOCK_H, R] float32, m_i, l_i)."""
-    if ROWWISE:  # batch-invariant mode under the interpreter (see ROWWISE in kernels._triton_utils)
-        s = (tl.sum(ql.to(tl.float32)[:, :, None] * tl.trans(kl).to(tl.float32)[None, :, :], 1)
-             + tl.sum(qp.to(tl.float32)[:, :, None] * tl.trans(kp).to(tl.float32)[None, :, :], 1))
-    elif IEEE:
-        s = tl.dot(ql, tl.trans(kl), input_precision="ieee") + tl.dot(qp, tl.trans(kp), input_precision="ieee")
-    else:
-        s = tl.dot(ql, tl.trans(kl)) + tl.dot(qp, tl.trans(kp))
-    s = tl.where(n_ok[None, :], s * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: the tile's first key (start < kv_hi) is visible
-    prob = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(prob, 1)
-    if ROWWISE:
-        acc = acc * alpha[:, None] + tl.sum(prob[:, :, None] * kl.to(tl.float32)[None, :, :], 1)
-    elif IEEE:
-        acc = acc * alpha[:, None] + tl.dot(prob, kl, input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(prob.to(kl.dtype), kl)
-    return acc, m_new, l_i
-
-
-@triton.jit
-def _mla_decode_keys(ql, qp, cache_ptr, table, kv_lo, kv_hi, blk_first, qk_scale, stride_cb, stride_cs, acc, m_i, l_i,
+def _mla_decode_keys(ql, qp, cache_ptr, table, kv_lo, kv_hi, blk_first, qk_scale, stride_cb, stride_cs, m_i, l_i,
                      RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-                     BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr,
                      ROWWISE: tl.constexpr, PREFETCH_INDEX: tl.constexpr):
     """The key loop of ``_mla_decode_kernel`` with heads as rows: ql [BLOCK_H, BLOCK_R], qp [BLOCK_H, BLOCK_P];
-    continues (acc [BLOCK_H, BLOCK_R] float32, m_i, l_i) of the online base-2 softmax over keys [kv_lo, kv_hi).
+    returns (acc [BLOCK_H, BLOCK_R] float32, m_i, l_i) of the online base-2 softmax over keys [kv_lo, kv_hi).
     blk_first: with PREFETCH_INDEX, the block numbers of the first tile's keys (loaded by the caller)."""
     r = tl.arange(0, BLOCK_R)
     p = tl.arange(0, BLOCK_P)
     r_ok = r < RANK
     p_ok = p < ROPE
+    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
     # PREFETCH_INDEX: a tile's block numbers come from a load of the iteration before (loop-carried), so its
     # cache loads never wait on its own block-table load and the compiler's pipeline keeps them in flight
     blk_next = blk_first
@@ -366,7 +340,25 @@ def _mla_decode_keys(ql, qp, cache_ptr, table, kv_lo, kv_hi, blk_first, qk_scale
         rows = blk.to(tl.int64) * stride_cb + (n % KV_BLOCK_SIZE) * stride_cs
         kl = tl.load(cache_ptr + rows[:, None] + r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
         kp = tl.load(cache_ptr + rows[:, None] + RANK + p[None, :], mask=n_ok[:, None] & p_ok[None, :], other=0.0)
-        acc, m_i, l_i = _mla_decode_tile(ql, qp, kl, kp, n_ok, qk_scale, acc, m_i, l_i, IEEE, ROWWISE)
+        if ROWWISE:  # batch-invariant mode under the interpreter (see ROWWISE in kernels._triton_utils)
+            s = (tl.sum(ql.to(tl.float32)[:, :, None] * tl.trans(kl).to(tl.float32)[None, :, :], 1)
+                 + tl.sum(qp.to(tl.float32)[:, :, None] * tl.trans(kp).to(tl.float32)[None, :, :], 1))
+        elif IEEE:
+            s = tl.dot(ql, tl.trans(kl), input_precision="ieee") + tl.dot(qp, tl.trans(kp), input_precision="ieee")
+        else:
+            s = tl.dot(ql, tl.trans(kl)) + tl.dot(qp, tl.trans(kp))
+        s = tl.where(n_ok[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: the tile's first key (start < kv_hi) is visible
+        prob = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(prob, 1)
+        if ROWWISE:
+            acc = acc * alpha[:, None] + tl.sum(prob[:, :, None] * kl.to(tl.float32)[None, :, :], 1)
+        elif IEEE:
+            acc = acc * alpha[:, None] + tl.dot(prob, kl, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(prob.to(kl.dtype), kl)
+        m_i = m_new
     return acc, m_i, l_i
 
 
@@ -415,18 +407,28 @@ def _mla_merge_splits_kernel(
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
-    base = (token * num_heads + head) * num_splits
-    splits = tl.arange(0, BLOCK_S)
     pdl_wait(USE_PDL)
-    lse = tl.load(part_lse_ptr + base + splits, mask=splits < num_splits, other=float("-inf"))
-    m = tl.max(lse, 0)  # finite: the split holding the token's own position is never empty
-    w = tl.exp2(lse - m)  # 0 for an unused or empty split, which wrote no partial output (masked below)
-    used = lse > float("-inf")
-    part = tl.load(part_out_ptr + (base + splits)[:, None] * BLOCK_R + cols[None, :],
-                   mask=used[:, None] & (cols[None, :] < RANK), other=0.0)
-    acc = tl.sum(w[:, None] * part, 0) / tl.sum(w, 0)
+    acc = _merged_splits(part_out_ptr, part_lse_ptr, (token * num_heads + head) * num_splits, num_splits, cols,
+                         cols < RANK, BLOCK_R, BLOCK_S)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + cols, acc.to(out_ptr.dtype.element_ty),
              mask=cols < RANK)
+
+
+@triton.jit
+def _merged_splits(part_out_ptr, part_lse_ptr, base, num_splits, cols, col_ok, BLOCK_R: tl.constexpr,
+                   BLOCK_S: tl.constexpr):
+    """The split-KV merge of one (token, head) at columns ``cols``, float32: sum_s w_s * part_out_s / sum_s w_s
+    with w_s = 2^(lse_s - max lse) over the rows ``base .. base + num_splits`` of the partials. The partials
+    load beside the log-sum-exps, not after them: an unused or empty split's row (never written) is dropped
+    after the load."""
+    splits = tl.arange(0, BLOCK_S)
+    lse = tl.load(part_lse_ptr + base + splits, mask=splits < num_splits, other=float("-inf"))
+    part = tl.load(part_out_ptr + (base + splits)[:, None] * BLOCK_R + cols[None, :],
+                   mask=(splits < num_splits)[:, None] & col_ok[None, :], other=0.0)
+    part = tl.where((lse > float("-inf"))[:, None], part, 0.0)
+    m = tl.max(lse, 0)  # finite: the split holding the token's own position is never empty
+    w = tl.exp2(lse - m)  # 0 for an unused or empty split
+    return tl.sum(w[:, None] * part, 0) / tl.sum(w, 0)
 
 
 @triton.jit
@@ -450,17 +452,9 @@ def _mla_merge_uv_kernel(
     w = tl.load(w_ptr + head.to(tl.int64) * stride_wh + ns[:, None].to(tl.int64) * stride_wn + r[None, :],
                 mask=n_ok[:, None] & r_ok[None, :], other=0.0)
     pdl_wait(USE_PDL)
-    base = (token * num_heads + head) * num_splits
-    splits = tl.arange(0, BLOCK_S)
-    lse = tl.load(part_lse_ptr + base + splits, mask=splits < num_splits, other=float("-inf"))
-    m = tl.max(lse, 0)  # finite: the split holding the token's own position is never empty
-    wts = tl.exp2(lse - m)  # 0 for an unused or empty split, which wrote no partial output (masked below)
-    # the partials load beside the log-sum-exps, not after them: an unused or empty split's rows (never
-    # written) are dropped after the load
-    part = tl.load(part_out_ptr + (base + splits)[:, None] * BLOCK_R + r[None, :],
-                   mask=(splits < num_splits)[:, None] & r_ok[None, :], other=0.0)
-    part = tl.where((lse > float("-inf"))[:, None], part, 0.0)
-    x = (tl.sum(wts[:, None] * part, 0) / tl.sum(wts, 0)).to(y_ptr.dtype.element_ty).to(tl.float32)
+    x = _merged_splits(part_out_ptr, part_lse_ptr, (token * num_heads + head) * num_splits, num_splits, r, r_ok,
+                       BLOCK_R, BLOCK_S)
+    x = x.to(y_ptr.dtype.element_ty).to(tl.float32)  # rounded as the merge kernel stores it
     acc = tl.sum(w.to(tl.float32) * x[None, :], 1)
     tl.store(y_ptr + token * stride_yt + head * stride_yh + ns, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
 
