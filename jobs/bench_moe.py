@@ -233,7 +233,10 @@ def bench_step(model, ceil: dict, counts: dict, *, batch: int, query_len: int, c
     cached tokens, plus the logits of each request's last token; compare with the roofline.
 
     graphs: (decode on CUDA) also time the forward replayed from the engine's ``DecodeGraphs``
-    (``ms_graph``, ``pct_of_roofline_graph``)."""
+    (``ms_graph``, ``pct_of_roofline_graph``: each step synchronized) and the same steps enqueued back to back
+    (``ms_graph_pipelined``, ``pct_of_roofline_graph_pipelined``: a step's input copies, replay and logits
+    issued while the one before still runs, as the engine's pipelined scheduling runs decode, which feeds
+    each step its tokens on the device)."""
     from rayinfer.kernels.attention_metadata import AttentionMetadata
 
     cfg, device, dtype = model.config, model.lm_head.weight.device, model.lm_head.weight.dtype
@@ -267,9 +270,10 @@ def bench_step(model, ceil: dict, counts: dict, *, batch: int, query_len: int, c
     row["pct_of_roofline"] = 100 * row["roofline_ms"] / ms
     row["tokens_per_s"] = tokens / ms * 1e3
     if graph_ms is not None:
-        row["ms_graph"] = graph_ms
-        row["pct_of_roofline_graph"] = 100 * row["roofline_ms"] / graph_ms
-        row["tokens_per_s_graph"] = tokens / graph_ms * 1e3
+        row["ms_graph"], row["ms_graph_pipelined"] = graph_ms
+        row["pct_of_roofline_graph"] = 100 * row["roofline_ms"] / row["ms_graph"]
+        row["tokens_per_s_graph"] = tokens / row["ms_graph"] * 1e3
+        row["pct_of_roofline_graph_pipelined"] = 100 * row["roofline_ms"] / row["ms_graph_pipelined"]
     return row
 
 
@@ -287,6 +291,11 @@ AB_VARIANTS = {"default": {}, "no-pdl": {"RAYINFER_PDL": "0"}, "no-one-row": {"R
                # the absorbed RoPE/store after the first W_UK product's program (before c68b019), not on its own
                "rope-after": {"@rayinfer.kernels.mla_rope.ROPE_APART": "0"},
                "fp32-slots": {"@rayinfer.kernels.fused_moe.SLOTS_IN_HIDDEN_DTYPE": "0"},
+               # one token, 16-bit experts: the two GEMM launches (before both ran in one persistent launch);
+               # that launch handing out tiles first come first served, or with two programs a multiprocessor
+               "moe-persistent-0": {"@rayinfer.kernels.fused_moe.ONE_TOKEN_PERSISTENT": "0"},
+               "moe-persistent-dynamic": {"@rayinfer.kernels.fused_moe.PERSISTENT_DYNAMIC": "1"},
+               "moe-persistent-2": {"@rayinfer.kernels.fused_moe.PERSISTENT_PROGRAMS_PER_SM": "2"},
                # the MLA split merge in its own launch before the W_UV GEMV (before it ran in that GEMV's launch)
                "merge-apart": {"@rayinfer.kernels.mla_attention.MERGE_IN_UV": "0"},
                **{f"merge-uv-{n}": {"@rayinfer.kernels.mla_attention.MERGE_UV_BLOCK_N": str(n)} for n in (16, 64, 128)},
@@ -351,8 +360,10 @@ def ab_rows(model, ceil: dict, counts: dict, variants: list[str], batches: list[
             row = bench_step(model, ceil, counts, batch=batch, query_len=query_len, context=ctx,
                              reps=reps if query_len == 1 else max(3, reps // 3), graphs=model.lm_head.weight.is_cuda)
         rows.append({"variant": name, "round": rnd, **row})
+        piped = (f", pipelined {row['ms_graph_pipelined']:.3f} ms ({row['pct_of_roofline_graph_pipelined']:.1f}%)"
+                 if "ms_graph_pipelined" in row else "")
         print(f"ab {name:<11} round {rnd} B={batch} T={query_len} ctx={ctx}: {row.get('ms_graph', row['ms']):.3f} ms "
-              f"({row.get('pct_of_roofline_graph', row['pct_of_roofline']):.1f}%)", flush=True)
+              f"({row.get('pct_of_roofline_graph', row['pct_of_roofline']):.1f}%){piped}", flush=True)
     return rows
 
 
@@ -391,9 +402,10 @@ def prefill_kernel_profile(model, num_tokens: int, steps: int = 3, top: int = 30
                         for e in events[:top]]}
 
 
-def _graph_step_ms(model, kv, meta, ids, pos, seq_len: int, reps: int) -> float:
+def _graph_step_ms(model, kv, meta, ids, pos, seq_len: int, reps: int, pipelined: int = 10) -> tuple[float, float]:
     """Median ms of a decode step (one token per request) replayed from the engine's CUDA graphs, plus the
-    logits (eager, as the engine computes them)."""
+    logits (eager, as the engine computes them): synchronized after each step, and a step of ``pipelined``
+    steps enqueued back to back (the host's input copies and launches overlap the step before)."""
     from rayinfer.engine.cuda_graph import DecodeGraphs
 
     batch = meta.seq_lens.shape[0]
@@ -404,8 +416,12 @@ def _graph_step_ms(model, kv, meta, ids, pos, seq_len: int, reps: int) -> float:
         hidden = graphs.run(ids, pos, meta.slot_mapping, meta.seq_lens, meta.block_tables)
         return model.compute_logits(hidden)
 
+    def steps():
+        for _ in range(pipelined):
+            step()
+
     try:
-        return time_ms(step, kv.device, reps)
+        return time_ms(step, kv.device, reps), time_ms(steps, kv.device, max(3, reps // pipelined)) / pipelined
     finally:
         del graphs
         torch.cuda.empty_cache()
@@ -644,6 +660,8 @@ def _run(spec: MoEBenchModel, tiny, dev, dt, batches, contexts, prefill, moe_tok
             r = decode[-1]
             _print("decode", dict(r, ms=r["ms_graph"], pct_of_roofline=r["pct_of_roofline_graph"],
                                   tokens_per_s=r["tokens_per_s_graph"]), f"B={batch} graph")
+            _print("decode", dict(r, ms=r["ms_graph_pipelined"], pct_of_roofline=r["pct_of_roofline_graph_pipelined"],
+                                  tokens_per_s=batch / r["ms_graph_pipelined"] * 1e3), f"B={batch} pipelined")
     ab_out = ab_rows(model, ceil, counts, ab, batches, contexts[0], ab_rounds, reps, prefill) if ab else []
     prefill_rows = []
     for n in prefill:
@@ -693,7 +711,8 @@ def _run(spec: MoEBenchModel, tiny, dev, dt, batches, contexts, prefill, moe_tok
         "params": counts,
         "ceilings": ceil,
         "notes": ("ms: median wall time, eager, forward + logits of each request's last token; ms_graph: the same "
-                  "decode step replayed from the engine's CUDA graphs. roofline_ms: max(bytes / copy bandwidth, "
+                  "decode step replayed from the engine's CUDA graphs, synchronized after each step; ms_graph_pipelined: the "
+                  "same steps enqueued back to back, the step time of the engine's pipelined scheduling. roofline_ms: max(bytes / copy bandwidth, "
                   "FLOPs / matmul rate); pct_of_roofline = roofline_ms / ms."),
         "decode": decode,
         "prefill": prefill_rows,
