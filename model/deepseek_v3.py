@@ -313,10 +313,18 @@ class DeepseekV3DecoderLayer(PreNormDecoderLayer):
         out = attn.attend(qkv_a, cos, sin, kv_cache, meta)
         fused_linear(out, attn.o_proj.weight, attn.o_proj.bias, residual=h,
                      weight_scale=attn.o_proj._parameters.get(SCALE_SUFFIX))
-        if isinstance(self.mlp, DeepseekV3MoE):
-            self.mlp.forward_norm_residual(h, norm2)
+        mlp = self.mlp
+        if isinstance(mlp, DeepseekV3MoE):
+            mlp.forward_norm_residual(h, norm2)
+        elif isinstance(mlp, GatedMLP) and mlp.gate_up_proj is not None:
+            # a dense layer's MLP in two GEMVs, as Llama's: the norm in gate/up's prologue, SiLU-and-mul in
+            # down's prologue and the residual add in its epilogue
+            gate_up = fused_linear(h, mlp.gate_up_proj.weight, None, norm_weight=norm2.weight, eps=norm2.eps,
+                                   weight_scale=mlp.gate_up_proj._parameters.get(SCALE_SUFFIX))
+            fused_linear(gate_up, mlp.down_proj.weight, None, silu_and_mul_input=True, residual=h,
+                         weight_scale=mlp.down_proj._parameters.get(SCALE_SUFFIX))
         else:
-            h.add_(self.mlp(norm2(h)))
+            h.add_(mlp(norm2(h)))
         return h
 
 
@@ -421,7 +429,8 @@ class DeepseekV3ForCausalLM(MoEModelMixin, PagedCausalLM):
         """Called by ``model.loader.load_model`` once the weights are in: stacks each attention's query and
         latent projections (``DeepseekV3Attention.fuse_qkv_a``) and fuses each MoE layer's shared experts
         into its routed experts (``DeepseekV3MoE.fuse_shared_experts``, unless
-        RAYINFER_FUSE_SHARED_EXPERTS=0). A model built and loaded by hand runs unfused, with the same
+        RAYINFER_FUSE_SHARED_EXPERTS=0) and stacks each dense layer's gate and up projections
+        (``GatedMLP.fuse_gate_up``). A model built and loaded by hand runs unfused, with the same
         outputs up to float summation order. Then turns on ``one_row_fusion`` (unless
         RAYINFER_ONE_ROW_FUSION=0) when every layer's attention has ``qkv_a_proj`` and its GEMV-read
         weights (``qkv_a_proj``, ``o_proj``) are 16-bit, or fp8 blocks with ``kernels.gemv.FP8_WEIGHTS``."""
@@ -430,6 +439,9 @@ class DeepseekV3ForCausalLM(MoEModelMixin, PagedCausalLM):
                 module.fuse_qkv_a()
             elif isinstance(module, DeepseekV3MoE) and envs.fuse_shared_experts():
                 module.fuse_shared_experts()
+        for layer in self.model.layers:  # the dense layers' gate and up projections stacked (not the MTP's)
+            if isinstance(mlp := cast(DeepseekV3DecoderLayer, layer).mlp, GatedMLP):
+                mlp.fuse_gate_up()
         attns = [cast(DeepseekV3DecoderLayer, layer).self_attn for layer in self.model.layers]
         self.one_row_fusion = envs.one_row_fusion() and all(
             a.qkv_a_proj is not None and (bool(gemv.FP8_WEIGHTS) or not any(
@@ -454,6 +466,11 @@ class DeepseekV3ForCausalLM(MoEModelMixin, PagedCausalLM):
                     if not (leaf == "bias" and first == "q_proj"):  # q_proj has no bias (zeros stacked in)
                         out[f"{name}.{first}.{leaf}"] = t[:rows]
                     out[f"{name}.kv_a_proj_with_mqa.{leaf}"] = t[rows:]
+            elif isinstance(module, GatedMLP) and module.gate_up_proj is not None:
+                for leaf, t in module.gate_up_proj.state_dict().items():
+                    del out[f"{name}.gate_up_proj.{leaf}"]
+                    half = t.shape[0] // 2
+                    out[f"{name}.gate_proj.{leaf}"], out[f"{name}.up_proj.{leaf}"] = t[:half], t[half:]
             elif isinstance(module, RoutedExperts) and module.num_shared:
                 shared = name.removesuffix("experts") + "shared_experts"
                 for leaf, t in module.state_dict().items():

@@ -45,10 +45,33 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj: nn.Linear | None = None  # fuse_gate_up's stack of the two
+
+    def fuse_gate_up(self) -> bool:
+        """Stack ``gate_proj`` and ``up_proj`` into one ``gate_up_proj`` [2I, H] (gate rows first) and drop
+        them, so a step runs one GEMM (and a one-token step one GEMV, ``kernels.gemv.fused_linear``) where it
+        ran two and a concatenation. fp8 blocks stack when I fills whole 128-row blocks (their scales stack
+        with them; V2-Lite's dense I = 10944 does not, so such a layer stays unfused). Returns whether it
+        fused."""
+        gate, up = self.gate_proj, self.up_proj
+        scales = [getattr(m, SCALE_SUFFIX, None) for m in (gate, up)]
+        fp8 = scales[0] is not None
+        if self.gate_up_proj is not None or fp8 != (scales[1] is not None) or (fp8 and gate.out_features % WEIGHT_BLOCK[0]):
+            return False
+        fused = nn.Linear(gate.in_features, 2 * gate.out_features, bias=False, device="meta")
+        fused.weight = nn.Parameter(torch.cat([gate.weight, up.weight]), requires_grad=False)
+        if fp8:
+            fused.register_parameter(SCALE_SUFFIX, nn.Parameter(torch.cat(scales), requires_grad=False))
+        self.gate_up_proj = fused
+        del self.gate_proj, self.up_proj
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
-        gate_up = torch.cat([linear(x, self.gate_proj), linear(x, self.up_proj)], dim=-1)
+        if self.gate_up_proj is not None:
+            gate_up = linear(x, self.gate_up_proj)
+        else:
+            gate_up = torch.cat([linear(x, self.gate_proj), linear(x, self.up_proj)], dim=-1)
         return linear(silu_and_mul(gate_up), self.down_proj)
 
 

@@ -91,6 +91,7 @@ def test_prefill_then_decode_matches_hf(variant, paged, monkeypatch):
         assert moe.shared_experts is None and moe.experts.num_shared == 2
         assert moe.experts.w13.shape[0] == 8 + 2 and moe.experts.expert_counts.shape == (8,)
         assert ours.model.layers[0].self_attn.qkv_a_proj is not None  # q_a_proj and kv_a_proj_with_mqa stacked
+        assert ours.model.layers[0].mlp.gate_up_proj is not None  # the dense layer's gate_proj and up_proj stacked
         hf_names = ours.hf_state_dict()  # the unfused names and tensors again
         assert hf_names.keys() == unfused.keys()
         for name, t in unfused.items():

@@ -21,6 +21,7 @@ from rayinfer.kernels.block_fp8 import block_fp8_dequant_ref, quantize_block_fp8
 from rayinfer.kernels.fused_moe import dequant_w13, quantize_w13
 from rayinfer.model.deepseek_v3 import DeepseekV3ForCausalLM
 from rayinfer.model.loader import check_quantization, load_config, load_model
+from rayinfer.model.moe import RoutedExperts
 from rayinfer.model.quantization import BlockFp8Config, parse_quantization_config, quantizable_linears
 
 FP8 = torch.float8_e4m3fn
@@ -88,7 +89,7 @@ def fp8_checkpoint(model: DeepseekV3ForCausalLM, cfg) -> tuple[dict[str, torch.T
                 q, s = quantize_block_fp8(layer.weight)
                 state[f"{name}.weight"], state[f"{name}.weight_scale_inv"] = q, s
                 layer.weight.copy_(block_fp8_dequant_ref(q, s))
-            elif hasattr(layer, "gate_up_proj"):  # routed experts: each expert's projections in blocks of their own
+            elif isinstance(layer, RoutedExperts):  # routed experts: each expert's projections in blocks of their own
                 (q13, s13), (q2, s2) = quantize_w13(layer.gate_up_proj), quantize_block_fp8(layer.down_proj)
                 state[f"{name}.gate_up_proj"], state[f"{name}.down_proj"] = q13, q2
                 layer.gate_up_proj.copy_(dequant_w13(q13, s13, torch.float32))
@@ -214,7 +215,11 @@ def test_dummy_fp8_weights_are_the_dummy_weights_quantized():
     # and compared under the unfused names (hf_state_dict)
     plain = load_model("deepseek-v3-tiny", "float32", "cpu", "dummy", seed=0).hf_state_dict()
     fp8 = load_model("deepseek-v3-tiny", "float32", "cpu", "dummy", seed=0, quantization="fp8")
-    params, names = fp8.state_dict(), quantizable_linears(fp8)
+    # under the unfused names: the dense MLP's I = 128 fills a block, so its gate_up_proj is stacked
+    params = fp8.hf_state_dict()
+    names = [m for n in quantizable_linears(fp8) for m in (
+        [n.replace("gate_up", "gate"), n.replace("gate_up", "up")] if n.endswith("mlp.gate_up_proj") else [n])]
+    assert fp8.model.layers[0].mlp.gate_up_proj is not None
     assert len(names) == 2 * 4 + 3 + 3  # 4 attention projections a layer, the dense MLP, the shared expert
     for name in names:
         q, s = quantize_block_fp8(plain[f"{name}.weight"])
