@@ -659,6 +659,11 @@ def _moe_gemm(a, w, c, sorted_pairs, block_experts, weights, a_row_div: int, mul
 ONE_TOKEN_PERSISTENT = 1
 PERSISTENT_DYNAMIC = 0
 PERSISTENT_PROGRAMS_PER_SM = 1
+# the persistent launch's own tiles (0: the tuned table's for one token): column tiles of the gate/up tiles,
+# K steps and pipeline stages
+PERSISTENT_BLOCK_N1 = 0
+PERSISTENT_BLOCK_K = 0
+PERSISTENT_STAGES = 0
 _PERSISTENT_COUNTERS: dict = {}
 
 
@@ -795,7 +800,9 @@ def moe_one_token_persistent(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.
     inter = two_inter // 2
     num_pairs = topk_ids.numel()
     act = torch.empty((num_pairs, inter), dtype=hidden.dtype, device=hidden.device)
-    block_n1 = min(tiles.block_n, max(16, triton.next_power_of_2(inter)))
+    tiles = MoETileConfig(tiles.block_m, tiles.block_n, PERSISTENT_BLOCK_K or tiles.block_k, tiles.num_warps,
+                          PERSISTENT_STAGES or tiles.num_stages)
+    block_n1 = min(PERSISTENT_BLOCK_N1 or tiles.block_n, max(16, triton.next_power_of_2(inter)))
     block_n2 = min(tiles.block_n, max(16, triton.next_power_of_2(hidden_size)))
     dynamic = bool(PERSISTENT_DYNAMIC)
     total = num_pairs * (triton.cdiv(inter, block_n1) + triton.cdiv(hidden_size, block_n2))
