@@ -723,33 +723,34 @@ def _moe_one_token_kernel(
                      act.to(dt), mask=first[:, None] & col_ok[None, :])
             tl.debug_barrier()  # every thread's stores before the release
             tl.atomic_add(counters_ptr + pair, 1, sem="release")
-        else:  # down tile: out[pair, cols] = weight * act[pair] @ down.T
+        else:  # down tile: out[pair, cols] = weight * act[pair] @ down.T (names apart from the
+            # gate/up branch's: Triton types a name assigned in both branches alike)
             t2 = t - total1
-            pair = t2 // n2
-            expert = tl.load(ids_ptr + pair).to(tl.int32)
-            valid = (expert >= 0) & (expert < num_experts)
-            expert = tl.where(valid, expert, 0)
-            cols = (t2 % n2) * BLOCK_N2 + tl.arange(0, BLOCK_N2)
-            col_ok = cols < H
-            w_base = w2_ptr + expert.to(tl.int64) * stride_w2e
-            while tl.atomic_add(counters_ptr + pair, 0, sem="acquire") < n1:
+            pair2 = t2 // n2
+            expert2 = tl.load(ids_ptr + pair2).to(tl.int32)
+            valid2 = (expert2 >= 0) & (expert2 < num_experts)
+            expert2 = tl.where(valid2, expert2, 0)
+            cols2 = (t2 % n2) * BLOCK_N2 + tl.arange(0, BLOCK_N2)
+            col_ok2 = cols2 < H
+            w_base2 = w2_ptr + expert2.to(tl.int64) * stride_w2e
+            while tl.atomic_add(counters_ptr + pair2, 0, sem="acquire") < n1:
                 pass
-            acc = tl.zeros([BLOCK_M, BLOCK_N2], dtype=tl.float32)
-            for k0 in range(0, I, BLOCK_K2):
-                ks = k0 + tl.arange(0, BLOCK_K2)
-                k_ok = ks < I
-                a = tl.load(act_ptr + pair * I + tl.zeros([BLOCK_M], dtype=tl.int32)[:, None] + ks[None, :],
-                            mask=first[:, None] & k_ok[None, :], other=0.0, cache_modifier=".cg")
-                b = tl.load(w_base + cols[None, :] * stride_w2n + ks[:, None] * stride_w2k,
-                            mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-                acc += _moe_tile_dot(a, b, False, IEEE)
-            acc = acc * tl.load(weights_ptr + pair).to(tl.float32)
-            tl.store(out_ptr + pair * H + tl.zeros([BLOCK_M], dtype=tl.int32)[:, None] + cols[None, :],
-                     acc.to(out_ptr.dtype.element_ty), mask=first[:, None] & col_ok[None, :])
+            acc2 = tl.zeros([BLOCK_M, BLOCK_N2], dtype=tl.float32)
+            for k2 in range(0, I, BLOCK_K2):
+                ks2 = k2 + tl.arange(0, BLOCK_K2)
+                k_ok2 = ks2 < I
+                x2 = tl.load(act_ptr + pair2 * I + tl.zeros([BLOCK_M], dtype=tl.int32)[:, None] + ks2[None, :],
+                             mask=first[:, None] & k_ok2[None, :], other=0.0, cache_modifier=".cg")
+                w2_tile = tl.load(w_base2 + cols2[None, :] * stride_w2n + ks2[:, None] * stride_w2k,
+                                  mask=k_ok2[:, None] & col_ok2[None, :], other=0.0)
+                acc2 += _moe_tile_dot(x2, w2_tile, False, IEEE)
+            acc2 = acc2 * tl.load(weights_ptr + pair2).to(tl.float32)
+            tl.store(out_ptr + pair2 * H + tl.zeros([BLOCK_M], dtype=tl.int32)[:, None] + cols2[None, :],
+                     acc2.to(out_ptr.dtype.element_ty), mask=first[:, None] & col_ok2[None, :])
             tl.debug_barrier()
-            if tl.atomic_add(counters_ptr + num_pairs + pair, 1, sem="acq_rel") == n2 - 1:
-                tl.store(counters_ptr + pair, 0)  # the pair's last tile: every one of its tiles has passed
-                tl.store(counters_ptr + num_pairs + pair, 0)
+            if tl.atomic_add(counters_ptr + num_pairs + pair2, 1, sem="acq_rel") == n2 - 1:
+                tl.store(counters_ptr + pair2, 0)  # the pair's last tile: every one of its tiles has passed
+                tl.store(counters_ptr + num_pairs + pair2, 0)
         if DYNAMIC:
             t = tl.atomic_add(counters_ptr + 2 * num_pairs, 1)
         else:

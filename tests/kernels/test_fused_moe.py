@@ -367,6 +367,7 @@ GPU_CASES = [
     (300, 64, 2048, 768, 8, torch.bfloat16),
     (2048, 128, 1024, 512, 8, torch.bfloat16),
     (5, 8, 100, 36, 2, torch.float16),
+    (1, 8, 256, 40, 3, torch.float16),  # one token whose gate/up and down column tiles differ (32 / 64)
     (37, 8, 64, 48, 2, torch.float32),
 ]
 
