@@ -298,7 +298,7 @@ AB_VARIANTS = {"default": {}, "no-pdl": {"RAYINFER_PDL": "0"}, "no-one-row": {"R
                "moe-persistent-2": {"@rayinfer.kernels.fused_moe.PERSISTENT_PROGRAMS_PER_SM": "2"},
                "moe-persistent-n32": {"@rayinfer.kernels.fused_moe.PERSISTENT_BLOCK_N1": "32"},
                "moe-persistent-k256": {"@rayinfer.kernels.fused_moe.PERSISTENT_BLOCK_K": "256",
-                                       "@rayinfer.kernels.fused_moe.PERSISTENT_STAGES": "3"},
+                                       "@rayinfer.kernels.fused_moe.PERSISTENT_STAGES": "2"},
                "moe-persistent-s3": {"@rayinfer.kernels.fused_moe.PERSISTENT_STAGES": "3"},
                # the MLA split merge in its own launch before the W_UV GEMV (before it ran in that GEMV's launch)
                "merge-apart": {"@rayinfer.kernels.mla_attention.MERGE_IN_UV": "0"},

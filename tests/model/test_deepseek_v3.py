@@ -303,7 +303,10 @@ def test_one_row_path_matches_generic_forward_on_gpu(q_lora_rank, fp8):
     generic, fused, direct, calls = _one_row_vs_generic("cuda", torch.bfloat16, fp8=fp8, q_lora_rank=q_lora_rank)
     assert calls == 6  # 3 layers through forward, 3 through the direct loop
     # with fp8 and q_lora the generic path rounds q_a_layernorm's output to bf16 before q_b_proj (the 16-bit
-    # model's generic path takes the fused GEMV there too): 4 of 64 outputs differed by up to 0.047 on an H200
-    tol = 6e-2 if fp8 and q_lora_rank else 3e-2
+    # model's generic path takes the fused GEMV there too): 4 of 64 outputs differed by up to 0.047 on an H200.
+    # The dense layer's MLP in the one-row path does not round its normalized input to bf16 either: 1 of 64
+    # outputs differed by 0.031 (q_lora) / 0.038 (none) after the three layers on an H200 (68b7c94), by
+    # 0.055 / 0.039 with that MLP unfused; the one-row path and its direct loop stay bit-equal.
+    tol = 6e-2
     torch.testing.assert_close(fused.float(), generic.float(), rtol=tol, atol=tol)
     torch.testing.assert_close(direct.float(), fused.float(), rtol=3e-2, atol=3e-2)
