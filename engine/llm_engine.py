@@ -146,6 +146,9 @@ class LLMEngine:
         self.model = model
         hf_config = self.model.config
         self.max_model_len = model_config.max_model_len or hf_config.max_position_embeddings
+        if self.max_model_len > hf_config.max_position_embeddings:  # as vLLM: positions the model was not built for
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
+                             f"{hf_config.max_position_embeddings}")
         self.vocab_size = hf_config.vocab_size
         self.eos_token_ids = _eos_token_ids(hf_config, self.tokenizer)
 

@@ -116,7 +116,10 @@ def main() -> None:
     args = ap.parse_args()
     from rayinfer.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(ModelConfig(args.model, args.dtype, "dummy", max_model_len=8192),
+    from rayinfer.model.loader import load_config
+
+    max_len = min(8192, load_config(args.model).max_position_embeddings)
+    engine = LLMEngine(ModelConfig(args.model, args.dtype, "dummy", max_model_len=max_len),
                        EngineConfig(device=args.device, max_num_seqs=args.max_num_seqs,
                                     max_num_batched_tokens=args.max_num_batched_tokens))
     bl.warm_up(engine, engine.engine_config.block_size)

@@ -175,3 +175,16 @@ def test_huge_seed_and_top_k_run_beside_others(tiny_engine, tokenizer):
     assert done[3].output_token_ids == unfiltered.output_token_ids  # top_k past the vocabulary: no filter
     greedy = tiny_engine().generate([prompt], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0]
     assert done[4].output_token_ids == greedy.output_token_ids  # the neighbours are untouched
+
+
+def test_max_model_len_beyond_the_models_positions_is_named():
+    """A context limit past the positions the model was built for (its max_position_embeddings) is a config
+    error at engine construction, as in vLLM, not a wrong or failing RoPE lookup later."""
+    from rayinfer.engine.config import EngineConfig, ModelConfig
+    from rayinfer.engine.llm_engine import LLMEngine
+    from rayinfer.model.loader import load_config
+
+    limit = load_config("llama-tiny").max_position_embeddings
+    with pytest.raises(ValueError, match=f"max_model_len {limit + 1} exceeds the model's max_position_embeddings {limit}"):
+        LLMEngine(ModelConfig("llama-tiny", load_format="dummy", max_model_len=limit + 1),
+                  EngineConfig(device="cpu", num_kv_blocks=16))

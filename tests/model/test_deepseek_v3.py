@@ -310,3 +310,27 @@ def test_one_row_path_matches_generic_forward_on_gpu(q_lora_rank, fp8):
     tol = 6e-2
     torch.testing.assert_close(fused.float(), generic.float(), rtol=tol, atol=tol)
     torch.testing.assert_close(direct.float(), fused.float(), rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_table_gives_the_formulas_bits(dtype):
+    """rope_args reads cos/sin rows of the table built after loading, bit for bit the formula's, at the first
+    and last positions of max_position_embeddings and in between; a model moved to another dtype after the
+    build computes them again instead of reading a table in the wrong dtype."""
+    cfg = tiny_config(rope_parameters=YARN)
+    _, model = make_pair(cfg, seed=2)
+    model = model.to(dtype)
+    model.process_weights_after_loading()
+    table = model.rope_table
+    assert table is not None and table.shape == (cfg.max_position_embeddings, 2, cfg.qk_rope_head_dim // 2)
+    assert table.dtype == dtype
+    positions = torch.tensor([0, 1, 7, cfg.max_position_embeddings // 2 + 3, cfg.max_position_embeddings - 1])
+    hidden = torch.zeros(len(positions), cfg.hidden_size, dtype=dtype)
+    cos, sin = model.rope_args(positions, hidden)
+    want_cos, want_sin = model._rope_formula(positions, dtype)
+    assert cos.dtype == sin.dtype == dtype
+    assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+    assert cos.untyped_storage().data_ptr() == sin.untyped_storage().data_ptr()  # views of one gather
+    other = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
+    cos2, _ = model.to(other).rope_args(positions, hidden.to(other))
+    assert torch.equal(cos2, model._rope_formula(positions, other)[0])
