@@ -291,15 +291,10 @@ AB_VARIANTS = {"default": {}, "no-pdl": {"RAYINFER_PDL": "0"}, "no-one-row": {"R
                # the absorbed RoPE/store after the first W_UK product's program (before c68b019), not on its own
                "rope-after": {"@rayinfer.kernels.mla_rope.ROPE_APART": "0"},
                "fp32-slots": {"@rayinfer.kernels.fused_moe.SLOTS_IN_HIDDEN_DTYPE": "0"},
-               # one token, 16-bit experts: the two GEMM launches (before both ran in one persistent launch);
-               # that launch handing out tiles first come first served, or with two programs a multiprocessor
-               "moe-persistent-0": {"@rayinfer.kernels.fused_moe.ONE_TOKEN_PERSISTENT": "0"},
-               "moe-persistent-dynamic": {"@rayinfer.kernels.fused_moe.PERSISTENT_DYNAMIC": "1"},
-               "moe-persistent-2": {"@rayinfer.kernels.fused_moe.PERSISTENT_PROGRAMS_PER_SM": "2"},
-               "moe-persistent-n32": {"@rayinfer.kernels.fused_moe.PERSISTENT_BLOCK_N1": "32"},
-               "moe-persistent-k256": {"@rayinfer.kernels.fused_moe.PERSISTENT_BLOCK_K": "256",
-                                       "@rayinfer.kernels.fused_moe.PERSISTENT_STAGES": "2"},
-               "moe-persistent-s3": {"@rayinfer.kernels.fused_moe.PERSISTENT_STAGES": "3"},
+               # DeepSeek-V3: RoPE's cos/sin computed each step (before the table); a one-token step's dense MLP on
+               # cuBLAS, SiLU-and-mul and an add (before its two GEMVs; gate and up stay stacked)
+               "rope-formula": {"@rayinfer.model.deepseek_v3.ROPE_TABLE": "0"},
+               "dense-mlp-cublas": {"@rayinfer.model.deepseek_v3.DENSE_ONE_ROW_GEMV": "0"},
                # the MLA split merge in its own launch before the W_UV GEMV (before it ran in that GEMV's launch)
                "merge-apart": {"@rayinfer.kernels.mla_attention.MERGE_IN_UV": "0"},
                **{f"merge-uv-{n}": {"@rayinfer.kernels.mla_attention.MERGE_UV_BLOCK_N": str(n)} for n in (16, 64, 128)},

@@ -45,6 +45,11 @@ from rayinfer.model.moe import ExpertParallelism, GatedMLP, MoEModelMixin, Route
 from rayinfer.kernels.block_fp8 import WEIGHT_BLOCK
 from rayinfer.model.quantization import SCALE_SUFFIX, linear
 
+# A/B switches of jobs/bench_moe.py: ROPE_TABLE 0 computes RoPE's cos/sin each step (variant ``rope-formula``);
+# DENSE_ONE_ROW_GEMV 0 runs a dense layer's MLP in a one-token step on the generic kernels (``dense-mlp-cublas``).
+ROPE_TABLE = 1
+DENSE_ONE_ROW_GEMV = 1
+
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
@@ -316,7 +321,7 @@ class DeepseekV3DecoderLayer(PreNormDecoderLayer):
         mlp = self.mlp
         if isinstance(mlp, DeepseekV3MoE):
             mlp.forward_norm_residual(h, norm2)
-        elif isinstance(mlp, GatedMLP) and mlp.gate_up_proj is not None:
+        elif isinstance(mlp, GatedMLP) and mlp.gate_up_proj is not None and DENSE_ONE_ROW_GEMV:
             # a dense layer's MLP in two GEMVs, as Llama's: the norm in gate/up's prologue, SiLU-and-mul in
             # down's prologue and the residual add in its epilogue
             gate_up = fused_linear(h, mlp.gate_up_proj.weight, None, norm_weight=norm2.weight, eps=norm2.eps,
@@ -589,7 +594,7 @@ class DeepseekV3ForCausalLM(MoEModelMixin, PagedCausalLM):
         else computed (:meth:`_rope_formula`). Positions must be below ``max_position_embeddings`` on the
         table's path (the engine's ``max_model_len`` is)."""
         table = self.rope_table
-        if table is not None and table.device == positions.device and table.dtype == hidden.dtype:
+        if ROPE_TABLE and table is not None and table.device == positions.device and table.dtype == hidden.dtype:
             rows = table[positions]
             return rows[:, 0], rows[:, 1]
         return self._rope_formula(positions, hidden.dtype)

@@ -15,8 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from rayinfer import envs
-from rayinfer.kernels._triton_utils import (device_capability, is_interpreting, num_sms, pdl_launch, pdl_wait, tl, triton,
-                                           use_pdl, use_triton)
+from rayinfer.kernels._triton_utils import device_capability, is_interpreting, pdl_launch, pdl_wait, tl, triton, use_pdl, use_triton
 from rayinfer.kernels.activation import silu_and_mul, silu_and_mul_ref
 from rayinfer.kernels.batch_invariant import is_batch_invariant
 from rayinfer.kernels.block_fp8 import (FP8_DTYPE, WEIGHT_BLOCK, block_fp8_dequant_ref, has_fp8_tensor_cores,
@@ -643,193 +642,6 @@ def _moe_gemm(a, w, c, sorted_pairs, block_experts, weights, a_row_div: int, mul
     )
 
 
-# ----------------------------------------------------------------------------------------------------
-# One token, 16-bit experts: both GEMMs in one persistent launch. Its programs (one a multiprocessor) take
-# the gate/up tiles first, then the down tiles, pair by pair; a down tile waits (an acquire spin on the pair's
-# counter) until its pair's gate/up tiles have stored their SiLU-and-mul output. A program that finishes its
-# gate/up tiles streams down weights while the others still read gate/up ones: no drained grid between the
-# two GEMMs and no half-empty last wave of gate/up tiles (176 tiles on 132 multiprocessors for V2-Lite's 8
-# pairs). Deadlock-free because every program is resident (grid <= multiprocessors) and takes its tiles in
-# increasing order, all gate/up tiles before any down tile; the interpreter, which runs programs one after
-# another, takes one program (or, DYNAMIC, lets the first program grab every tile).
-# ----------------------------------------------------------------------------------------------------
-# ONE_TOKEN_PERSISTENT: 1 takes this kernel for one-token calls on 16-bit experts (A/B variant
-# ``moe-persistent-0`` of jobs/bench_moe.py gives the two launches back); PERSISTENT_DYNAMIC: 1 hands out tiles
-# from an atomic counter (first come, first served) instead of round robin.
-ONE_TOKEN_PERSISTENT = 1
-PERSISTENT_DYNAMIC = 0
-PERSISTENT_PROGRAMS_PER_SM = 1
-# the persistent launch's own tiles (0: the tuned table's for one token): column tiles of the gate/up tiles,
-# K steps and pipeline stages
-PERSISTENT_BLOCK_N1 = 0
-PERSISTENT_BLOCK_K = 0
-PERSISTENT_STAGES = 0
-_PERSISTENT_COUNTERS: dict = {}
-
-
-@triton.jit
-def _moe_one_token_kernel(
-    a_ptr, w13_ptr, w2_ptr, act_ptr, out_ptr, ids_ptr, weights_ptr, counters_ptr,
-    I, H, num_pairs, num_experts, num_programs,
-    stride_w13e, stride_w13n, stride_w13k, stride_w2e, stride_w2n, stride_w2k,
-    BLOCK_M: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_N2: tl.constexpr, BLOCK_K1: tl.constexpr,
-    BLOCK_K2: tl.constexpr, IEEE: tl.constexpr, DYNAMIC: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-    load_ptr=None, num_logical=0, COUNT_LOAD: tl.constexpr = False,
-):
-    # counters [2 * num_pairs + 1] int32, zero at launch and zero again at exit: [0, P) gate/up tiles done a
-    # pair, [P, 2P) down tiles done a pair (the pair's last down tile zeroes both), [2P] DYNAMIC's next tile
-    # (the last program to find no tile zeroes it).
-    pid = tl.program_id(0)
-    pdl_wait(USE_PDL)  # the pairs' experts come from the router
-    n1 = tl.cdiv(I, BLOCK_N1)
-    n2 = tl.cdiv(H, BLOCK_N2)
-    total1 = num_pairs * n1
-    total = total1 + num_pairs * n2
-    first = tl.arange(0, BLOCK_M) == 0  # row 0 is the token; the tile's other rows are padding
-    dt = act_ptr.dtype.element_ty
-    if DYNAMIC:
-        t = tl.atomic_add(counters_ptr + 2 * num_pairs, 1)
-    else:
-        t = pid
-    while t < total:
-        if t < total1:  # gate/up tile: act[pair, cols] = silu(x @ gate.T) * (x @ up.T)
-            pair = t // n1
-            expert = tl.load(ids_ptr + pair).to(tl.int32)
-            valid = (expert >= 0) & (expert < num_experts)
-            if COUNT_LOAD:
-                if t % n1 == 0:
-                    tl.atomic_add(load_ptr + expert, tl.full((), 1, tl.int64), mask=valid & (expert < num_logical))
-            expert = tl.where(valid, expert, 0)
-            row_ok = first & ((tl.zeros([BLOCK_M], dtype=tl.int32) + valid.to(tl.int32)) != 0)
-            cols = (t % n1) * BLOCK_N1 + tl.arange(0, BLOCK_N1)
-            col_ok = cols < I
-            w_base = w13_ptr + expert.to(tl.int64) * stride_w13e
-            acc = tl.zeros([BLOCK_M, BLOCK_N1], dtype=tl.float32)
-            acc_up = tl.zeros([BLOCK_M, BLOCK_N1], dtype=tl.float32)
-            for k0 in range(0, H, BLOCK_K1):
-                ks = k0 + tl.arange(0, BLOCK_K1)
-                k_ok = ks < H
-                a = tl.load(a_ptr + tl.zeros([BLOCK_M], dtype=tl.int32)[:, None] + ks[None, :],
-                            mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                b = tl.load(w_base + cols[None, :] * stride_w13n + ks[:, None] * stride_w13k,
-                            mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-                b_up = tl.load(w_base + (I + cols)[None, :] * stride_w13n + ks[:, None] * stride_w13k,
-                               mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-                acc += _moe_tile_dot(a, b, False, IEEE)
-                acc_up += _moe_tile_dot(a, b_up, False, IEEE)
-            g = acc.to(dt).to(tl.float32)  # _moe_gemm_kernel's GATED roundings
-            act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * acc_up.to(dt).to(tl.float32)
-            tl.store(act_ptr + pair * I + tl.zeros([BLOCK_M], dtype=tl.int32)[:, None] + cols[None, :],
-                     act.to(dt), mask=first[:, None] & col_ok[None, :])
-            tl.debug_barrier()  # every thread's stores before the release
-            tl.atomic_add(counters_ptr + pair, 1, sem="release")
-        else:  # down tile: out[pair, cols] = weight * act[pair] @ down.T (names apart from the
-            # gate/up branch's: Triton types a name assigned in both branches alike)
-            t2 = t - total1
-            pair2 = t2 // n2
-            expert2 = tl.load(ids_ptr + pair2).to(tl.int32)
-            valid2 = (expert2 >= 0) & (expert2 < num_experts)
-            expert2 = tl.where(valid2, expert2, 0)
-            cols2 = (t2 % n2) * BLOCK_N2 + tl.arange(0, BLOCK_N2)
-            col_ok2 = cols2 < H
-            w_base2 = w2_ptr + expert2.to(tl.int64) * stride_w2e
-            while tl.atomic_add(counters_ptr + pair2, 0, sem="acquire") < n1:
-                pass
-            acc2 = tl.zeros([BLOCK_M, BLOCK_N2], dtype=tl.float32)
-            for k2 in range(0, I, BLOCK_K2):
-                ks2 = k2 + tl.arange(0, BLOCK_K2)
-                k_ok2 = ks2 < I
-                x2 = tl.load(act_ptr + pair2 * I + tl.zeros([BLOCK_M], dtype=tl.int32)[:, None] + ks2[None, :],
-                             mask=first[:, None] & k_ok2[None, :], other=0.0, cache_modifier=".cg")
-                w2_tile = tl.load(w_base2 + cols2[None, :] * stride_w2n + ks2[:, None] * stride_w2k,
-                                  mask=k_ok2[:, None] & col_ok2[None, :], other=0.0)
-                acc2 += _moe_tile_dot(x2, w2_tile, False, IEEE)
-            acc2 = acc2 * tl.load(weights_ptr + pair2).to(tl.float32)
-            tl.store(out_ptr + pair2 * H + tl.zeros([BLOCK_M], dtype=tl.int32)[:, None] + cols2[None, :],
-                     acc2.to(out_ptr.dtype.element_ty), mask=first[:, None] & col_ok2[None, :])
-            tl.debug_barrier()
-            if tl.atomic_add(counters_ptr + num_pairs + pair2, 1, sem="acq_rel") == n2 - 1:
-                tl.store(counters_ptr + pair2, 0)  # the pair's last tile: every one of its tiles has passed
-                tl.store(counters_ptr + num_pairs + pair2, 0)
-        if DYNAMIC:
-            t = tl.atomic_add(counters_ptr + 2 * num_pairs, 1)
-        else:
-            t += num_programs
-    if DYNAMIC:
-        if t == total + num_programs - 1:  # the last program to find no tile: every grab is done
-            tl.store(counters_ptr + 2 * num_pairs, 0)
-
-
-def persistent_applies(hidden: torch.Tensor, w13: torch.Tensor) -> bool:
-    """Whether a one-token :func:`fused_moe_triton` call takes :func:`moe_one_token_persistent`: 16-bit or
-    float32 experts (fp8 ones take ``kernels.moe_gemv``) and ``ONE_TOKEN_PERSISTENT``."""
-    return bool(ONE_TOKEN_PERSISTENT) and w13.dtype in (torch.float16, torch.bfloat16, torch.float32) \
-        and w13.dtype == hidden.dtype
-
-
-def _persistent_counters(device: torch.device, num_pairs: int) -> torch.Tensor:
-    """The kernel's self-resetting counters for ``num_pairs`` pairs on ``device`` (zeros when made)."""
-    key = (device, num_pairs)
-    if key not in _PERSISTENT_COUNTERS:
-        _PERSISTENT_COUNTERS[key] = torch.zeros(2 * num_pairs + 1, dtype=torch.int32, device=device)
-    return _PERSISTENT_COUNTERS[key]
-
-
-def moe_one_token_persistent(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-                             topk_weights: torch.Tensor, out: torch.Tensor, tiles: MoETileConfig,
-                             expert_load: torch.Tensor | None = None, num_programs: int | None = None) -> None:
-    """One token's pairs through both expert GEMMs in one persistent launch (see ``_moe_one_token_kernel``).
-
-    Args:
-        hidden: [1, H] 16-bit or float32, contiguous.
-        w13, w2: [E, 2I, H] and [E, H, I] in hidden's dtype.
-        topk_ids: [1, k] (or [k]) expert ids, contiguous; one outside [0, E) gives a zero row.
-        topk_weights: [1, k] routing weights (any float dtype).
-        out: [k, H] (hidden's dtype or float32): row p gets ``w_p * down_e(silu(gate_e(x)) * up_e(x))``.
-        tiles: BLOCK_N (both GEMMs' column tiles), BLOCK_K, warps and stages; BLOCK_M is 16 (one row used).
-        expert_load: [L] int64: each pair's expert below L counted once.
-        num_programs: the grid (None: the device's multiprocessors x ``PERSISTENT_PROGRAMS_PER_SM``; under
-            the interpreter 1, or with ``PERSISTENT_DYNAMIC`` 4).
-
-    Raises:
-        ValueError: more than one token, or dtypes that :func:`persistent_applies` refuses.
-    """
-    if hidden.shape[0] != 1 or not hidden.is_contiguous() or not persistent_applies(hidden, w13):
-        raise ValueError(f"moe_one_token_persistent takes one contiguous token with 16-bit or float32 experts in "
-                         f"its dtype, got hidden {tuple(hidden.shape)} {hidden.dtype}, w13 {w13.dtype}")
-    num_experts, two_inter, hidden_size = w13.shape
-    inter = two_inter // 2
-    num_pairs = topk_ids.numel()
-    act = torch.empty((num_pairs, inter), dtype=hidden.dtype, device=hidden.device)
-    tiles = MoETileConfig(tiles.block_m, tiles.block_n, PERSISTENT_BLOCK_K or tiles.block_k, tiles.num_warps,
-                          PERSISTENT_STAGES or tiles.num_stages)
-    block_n1 = min(PERSISTENT_BLOCK_N1 or tiles.block_n, max(16, triton.next_power_of_2(inter)))
-    block_n2 = min(tiles.block_n, max(16, triton.next_power_of_2(hidden_size)))
-    dynamic = bool(PERSISTENT_DYNAMIC)
-    total = num_pairs * (triton.cdiv(inter, block_n1) + triton.cdiv(hidden_size, block_n2))
-    if num_programs is None:
-        if hidden.is_cuda and not is_interpreting():
-            num_programs = num_sms(hidden.device.index or 0) * PERSISTENT_PROGRAMS_PER_SM
-        else:
-            num_programs = 4 if dynamic else 1
-    num_programs = max(1, min(num_programs, total))
-    if is_interpreting() and not dynamic:
-        num_programs = 1  # programs run one after another there: one program takes every tile in order
-    counters = _persistent_counters(hidden.device, num_pairs)
-    weights = topk_weights.reshape(-1)
-    _moe_one_token_kernel[(num_programs,)](
-        hidden, w13, w2, act, out, topk_ids.reshape(-1), weights, counters,
-        inter, hidden_size, num_pairs, num_experts, num_programs,
-        w13.stride(0), w13.stride(1), w13.stride(2), w2.stride(0), w2.stride(1), w2.stride(2),
-        BLOCK_M=16, BLOCK_N1=block_n1, BLOCK_N2=block_n2, IEEE=hidden.dtype == torch.float32,
-        BLOCK_K1=min(tiles.block_k, max(16, triton.next_power_of_2(hidden_size))),  # _moe_gemm's K steps
-        BLOCK_K2=min(tiles.block_k, max(16, triton.next_power_of_2(inter))),
-        DYNAMIC=dynamic, num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_launch(use_pdl(hidden)),
-        load_ptr=expert_load if expert_load is not None else weights,
-        num_logical=expert_load.numel() if expert_load is not None else 0, COUNT_LOAD=expert_load is not None,
-    )
-
-
 @triton.jit
 def _moe_sum_kernel(out_ptr, kept_ptr, dst_ptr, hidden_size, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
                     ADD_TO_DST: tl.constexpr = False, USE_PDL: tl.constexpr = False, ALL_KEPT: tl.constexpr = False,
@@ -985,11 +797,6 @@ def fused_moe_triton(
         # the pairs' experts as GEMVs over hundreds of programs (kernels.moe_gemv), then the slot sum
         out = torch.empty((num_pairs, hidden_size), dtype=out_dtype, device=hidden.device)
         moe_gemv_pairs(hidden, w13, w2, topk_ids, topk_weights, out, expert_load, w13_scale, w2_scale)
-        return _pairs_result(out, None, hidden, residual, top_k, reduce_slots)
-    if direct and reduce_slots and hidden.is_contiguous() and persistent_applies(hidden, w13):
-        # both GEMMs in one persistent launch, then the slot sum
-        out = torch.empty((num_pairs, hidden_size), dtype=out_dtype, device=hidden.device)
-        moe_one_token_persistent(hidden, w13, w2, topk_ids, topk_weights, out, tiles, expert_load)
         return _pairs_result(out, None, hidden, residual, top_k, reduce_slots)
     kept = None
     if direct:

@@ -238,8 +238,8 @@ def check_grouped_mm(device, cases):
 
 def check_one_token_direct(x, w13, w2, ids, w, got):
     """A one-token call skips the alignment: its 16-bit experts run on direct grouped-GEMM tiles that read the
-    experts from topk_ids (both GEMMs in one persistent launch, or with ``ONE_TOKEN_PERSISTENT = 0`` in two), or
-    with ``ONE_TOKEN_GEMV = 1`` as GEMVs (``kernels.moe_gemv``). The tiles give the aligned path's bits, the GEMVs its values up to summation order (and zero rows for skipped ids in the
+    experts from topk_ids, or with ``ONE_TOKEN_GEMV = 1`` as GEMVs (``kernels.moe_gemv``). The tiles give the
+    aligned path's bits, the GEMVs its values up to summation order (and zero rows for skipped ids in the
     unsummed outputs); every form counts the same expert load (skipped ids not counted)."""
     import rayinfer.kernels.fused_moe as fm
 
@@ -257,16 +257,8 @@ def check_one_token_direct(x, w13, w2, ids, w, got):
             for k, v in saved.items():
                 setattr(fm, k, v)
 
-    gemv, aligned = run(ONE_TOKEN_GEMV=1), run(ONE_TOKEN_GEMV=0, ONE_TOKEN_DIRECT=0)
-    tiles = run(ONE_TOKEN_GEMV=0, ONE_TOKEN_PERSISTENT=0)  # the two GEMM launches
+    gemv, tiles, aligned = run(ONE_TOKEN_GEMV=1), run(ONE_TOKEN_GEMV=0), run(ONE_TOKEN_GEMV=0, ONE_TOKEN_DIRECT=0)
     assert torch.equal(tiles, aligned) and torch.equal(tiles, got)
-    if x.dtype in (torch.float16, torch.bfloat16, torch.float32):
-        # one persistent launch (the default): the same tiles' bits, round robin or first come first served,
-        # and twice in a row (its counters reset themselves)
-        for dynamic in (0, 1, 1):
-            assert torch.equal(run(ONE_TOKEN_GEMV=0, ONE_TOKEN_PERSISTENT=1, PERSISTENT_DYNAMIC=dynamic), tiles), \
-                f"persistent, dynamic={dynamic}"
-        assert all(int(c.abs().sum()) == 0 for c in fm._PERSISTENT_COUNTERS.values())
     tol = TOL[x.dtype]
     torch.testing.assert_close(gemv.float(), aligned.float(), atol=tol, rtol=tol, msg=lambda m: f"GEMVs: {m}")
     saved, fm.ONE_TOKEN_GEMV = fm.ONE_TOKEN_GEMV, 1
@@ -367,7 +359,7 @@ GPU_CASES = [
     (300, 64, 2048, 768, 8, torch.bfloat16),
     (2048, 128, 1024, 512, 8, torch.bfloat16),
     (5, 8, 100, 36, 2, torch.float16),
-    (1, 8, 256, 40, 3, torch.float16),  # one token whose gate/up and down column tiles differ (32 / 64)
+    (1, 8, 256, 40, 3, torch.float16),  # one token, gate/up and down column tiles of 32 and 64
     (37, 8, 64, 48, 2, torch.float32),
 ]
 
@@ -403,44 +395,6 @@ def test_grouped_mm_path_matches_ref():
 def test_align_kernel_matches_ref_on_gpu():
     check_align_kernel("cuda", ALIGN_CASES + [(129, 8, 33, 32), (4096, 8, 256, 64), (8192, 6, 64, 64),
                                               (1, 8, 288, 16), (10, 6, 64, 16)])
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("dynamic", [0, 1])
-def test_one_token_persistent_replays(dynamic):
-    """The one-token persistent launch (its down tiles spin on counters that other programs release), in a CUDA
-    graph of 8 MoE layers back to back, replayed 50 times on new experts: every replay gives the two-launch
-    tiles' bits (a lost release would hang or give stale rows; a counter not reset would skip a wait)."""
-    import rayinfer.kernels.fused_moe as fm
-
-    num_experts, hidden_size, inter, top_k, layers = 66, 2048, 1408, 8, 8
-    x, w13, w2, _, _ = make_case(1, num_experts, hidden_size, inter, top_k, torch.bfloat16, "cuda")
-    gen = torch.Generator(device="cpu").manual_seed(3)
-    ids = torch.zeros(layers, 1, top_k, dtype=torch.int64, device="cuda")
-    weights = torch.rand(layers, 1, top_k, device="cuda")
-    saved = fm.ONE_TOKEN_PERSISTENT, fm.PERSISTENT_DYNAMIC
-    fm.PERSISTENT_DYNAMIC = dynamic
-    try:
-        def step():
-            h = x.clone()
-            for i in range(layers):  # each layer's input is the one before's output
-                h = fused_moe(h, w13, w2, ids[i], weights[i], residual=h.clone())
-            return h
-        step()  # compiles outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = step()
-        for r in range(50):
-            ids.copy_(torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(layers)])[:, None])
-            graph.replay()
-            fm.ONE_TOKEN_PERSISTENT = 0
-            want = step()
-            fm.ONE_TOKEN_PERSISTENT = 1
-            assert torch.equal(out, want), f"replay {r}"
-    finally:
-        fm.ONE_TOKEN_PERSISTENT, fm.PERSISTENT_DYNAMIC = saved
-    assert all(int(c.abs().sum()) == 0 for c in fm._PERSISTENT_COUNTERS.values())
 
 
 @pytest.mark.gpu
