@@ -710,9 +710,10 @@ def _run(spec: MoEBenchModel, tiny, dev, dt, batches, contexts, prefill, moe_tok
         "params": counts,
         "ceilings": ceil,
         "notes": ("ms: median wall time, eager, forward + logits of each request's last token; ms_graph: the same "
-                  "decode step replayed from the engine's CUDA graphs, synchronized after each step; ms_graph_pipelined: the "
-                  "same steps enqueued back to back, the step time of the engine's pipelined scheduling. roofline_ms: max(bytes / copy bandwidth, "
-                  "FLOPs / matmul rate); pct_of_roofline = roofline_ms / ms."),
+                  "decode step replayed from the engine's CUDA graphs, synchronized after each step; "
+                  "ms_graph_pipelined: the same steps enqueued back to back, the step time of the engine's "
+                  "pipelined scheduling. roofline_ms: max(bytes / copy bandwidth, FLOPs / matmul rate); "
+                  "pct_of_roofline = roofline_ms / ms."),
         "decode": decode,
         "prefill": prefill_rows,
         "fused_moe": moe,

@@ -56,7 +56,8 @@ class GatedMLP(nn.Module):
         gate, up = self.gate_proj, self.up_proj
         scales = [getattr(m, SCALE_SUFFIX, None) for m in (gate, up)]
         fp8 = scales[0] is not None
-        if self.gate_up_proj is not None or fp8 != (scales[1] is not None) or (fp8 and gate.out_features % WEIGHT_BLOCK[0]):
+        aligned = not fp8 or gate.out_features % WEIGHT_BLOCK[0] == 0
+        if self.gate_up_proj is not None or fp8 != (scales[1] is not None) or not aligned:
             return False
         fused = nn.Linear(gate.in_features, 2 * gate.out_features, bias=False, device="meta")
         fused.weight = nn.Parameter(torch.cat([gate.weight, up.weight]), requires_grad=False)

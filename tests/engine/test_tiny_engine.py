@@ -185,6 +185,7 @@ def test_max_model_len_beyond_the_models_positions_is_named():
     from rayinfer.model.loader import load_config
 
     limit = load_config("llama-tiny").max_position_embeddings
-    with pytest.raises(ValueError, match=f"max_model_len {limit + 1} exceeds the model's max_position_embeddings {limit}"):
+    want = f"max_model_len {limit + 1} exceeds the model's max_position_embeddings {limit}"
+    with pytest.raises(ValueError, match=want):
         LLMEngine(ModelConfig("llama-tiny", load_format="dummy", max_model_len=limit + 1),
                   EngineConfig(device="cpu", num_kv_blocks=16))
