@@ -111,6 +111,33 @@ class ModelRunner:
             self.graphs.capture()
 
     @torch.inference_mode()
+    def warm_up_prefill(self, num_tokens: int) -> list[int]:
+        """Run prompts of ``num_tokens`` and ``num_tokens - 1`` tokens through the model (logits included) before
+        any request, so that the kernels a long prefill takes are compiled and their tiles chosen then, not in
+        the first user's TTFT (Triton specializes integer arguments on divisibility by 16, hence both lengths).
+        Their KV goes to the cache's first blocks, which no request holds yet and which every later request
+        writes before it reads. Returns the lengths run ([] when ``num_tokens`` < 2).
+
+        Raises:
+            ValueError: ``num_tokens`` above the cache's capacity.
+        """
+        # the cache is [layers, blocks, ...]
+        capacity = self.kv_cache.shape[1] * self.block_size if self.local_kv_cache is None else 0
+        if num_tokens > capacity:
+            raise ValueError(f"warm-up prompt of {num_tokens} tokens does not fit the KV cache ({capacity} tokens)")
+        lengths = [n for n in (num_tokens, num_tokens - 1) if n >= 2]
+        for n in lengths:
+            blocks = list(range(-(-n // self.block_size)))
+            meta = AttentionMetadata.build([n], [n], [blocks], self.block_size, self.device)
+            ids = torch.zeros(n, dtype=torch.long, device=self.device)
+            with batch_invariant_mode(self.batch_invariant):
+                hidden = self.model(ids, torch.arange(n, device=self.device), self.model_kv, meta)
+                self.model.compute_logits(hidden[-1:])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return lengths
+
+    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, requests: dict[str, Request]) -> StepOutput:
         """Run the step and wait; returns a sampled token for each request with ``needs_sample``."""
         return self.finish(self.execute_async(sched, requests))

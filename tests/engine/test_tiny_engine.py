@@ -52,6 +52,16 @@ def test_greedy_matches_reference_chunked_and_pipelined(tiny_engine, prompts, re
     check_equal(tiny_engine(**engine_kw).generate(prompts, GREEDY), reference)
 
 
+def test_warm_up_prefill_leaves_outputs_unchanged(tiny_engine, prompts, reference):
+    """The start-up prefill (CUDA engines run it at construction) writes scratch KV into the cache's first
+    blocks: requests afterwards still give the reference; a warm-up longer than the cache is refused."""
+    engine = tiny_engine()
+    assert engine.runner.warm_up_prefill(64 * 4) == [256, 255]  # the whole cache, then one token less
+    check_equal(engine.generate(prompts, GREEDY), reference)
+    with pytest.raises(ValueError, match="does not fit the KV cache"):
+        engine.runner.warm_up_prefill(64 * 4 + 1)
+
+
 def test_prefix_cache_hit_gives_the_cold_output(tiny_engine, prompts, reference):
     engine = tiny_engine()
     cold = engine.generate(prompts, GREEDY)
