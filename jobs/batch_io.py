@@ -21,6 +21,7 @@ response builder. Line numbers are the file's, 1-based (blank lines count).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import json
 from dataclasses import dataclass
@@ -135,10 +136,13 @@ def rayinfer_body(rec: dict[str, Any], defaults: dict[str, Any]) -> tuple[str, d
         raise APIError("each line needs exactly one of 'messages' or 'prompt'")
     endpoint = "chat" if messages is not None else "completions"
     body = {**defaults, **rec}
-    unknown = sorted(set(body) - (_CHAT_FIELDS if endpoint == "chat" else _COMPLETION_FIELDS))
+    known = _CHAT_FIELDS if endpoint == "chat" else _COMPLETION_FIELDS
+    unknown = sorted(set(body) - known)
     if unknown:
+        hints = [f"{name} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(name, known, 1))
+                 else name for name in unknown]
         raise APIError(f"unknown field(s) for a {'messages' if messages is not None else 'prompt'} line: "
-                       f"{', '.join(unknown)}", param=unknown[0])
+                       f"{', '.join(hints)}", param=unknown[0])
     if "max_completion_tokens" in rec and "max_tokens" not in rec:
         body.pop("max_tokens", None)  # the line's own limit beats the job's default
     if endpoint == "chat":

@@ -95,7 +95,7 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     what = {"serve": "Start the OpenAI-compatible service (jobs/serve.py) and serve until Ctrl-C.",
             "generate": "Run the batch job (jobs/generate.py): JSONL in (OpenAI Batch or rayinfer lines), "
                         "one output line per input line."}[command]
-    p = argparse.ArgumentParser(prog=f"rayinfer {command}", description=what,
+    p = argparse.ArgumentParser(prog=f"rayinfer {command}", description=what, allow_abbrev=False,
                                 epilog="Hydra overrides (key=value) after the flags still apply and win, e.g. "
                                        "engine.num_kv_blocks=512 parallel.pd.kv_transport=gloo.")
     p.add_argument("--model", help=f"a config of conf/model ({', '.join(config_options('model'))}), a model "

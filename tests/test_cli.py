@@ -27,6 +27,14 @@ def test_generate_flags_map_onto_overrides():
                    "output='out dir/o.jsonl'", "input_format='openai'", "engine.num_kv_blocks=64"]
 
 
+def test_abbreviated_flags_are_refused(capsys):
+    """A prefix of a flag is not taken for the flag (argparse's default would read --max-num-seq as
+    --max-num-seqs): it is an unrecognized argument."""
+    with pytest.raises(SystemExit):
+        build_parser("generate").parse_intermixed_args(["--max-num-seq", "8"])
+    assert "unrecognized arguments: --max-num-seq" in capsys.readouterr().err
+
+
 def test_generate_sampling_flags_set_the_line_defaults():
     from rayinfer.jobs import generate
 

@@ -49,7 +49,7 @@ def test_parse_lines_flags_bad_lines(tokenizer):
     assert errors["ok"] is None and errors["chat"] is None and errors["line-9"] is None
     assert jobs[2].id == "line-3" and "malformed JSON on line 3" in message(jobs[2])
     assert "empty" in errors["empty"]
-    assert "temprature" in errors["unknown"]
+    assert "temprature (did you mean temperature?)" in errors["unknown"]
     assert "temperature" in errors["neg"]
     assert "exactly one" in errors["both"]
     assert "duplicate" in message(jobs[7]) and jobs[0].error is None  # the first "ok" still runs
