@@ -158,7 +158,8 @@ class DeepseekV3Attention(nn.Module):
             fused.bias = nn.Parameter(torch.cat([lead, second.bias]), requires_grad=False)
         if fp8[0]:
             fused.register_parameter("weight_scale_inv", nn.Parameter(
-                torch.cat([first.weight_scale_inv, second.weight_scale_inv]), requires_grad=False))
+                torch.cat([cast(torch.Tensor, first.weight_scale_inv), cast(torch.Tensor, second.weight_scale_inv)]),
+                requires_grad=False))
         self.qkv_a_proj = fused
         if self.q_lora_rank is None:
             del self.q_proj
@@ -228,6 +229,8 @@ class DeepseekV3Attention(nn.Module):
 
 class DeepseekV3TopkRouter(nn.Module):
     """Router weights under Hugging Face names: ``weight`` [L, H] and ``e_score_correction_bias`` [L]."""
+
+    e_score_correction_bias: torch.Tensor
 
     def __init__(self, config):
         super().__init__()
@@ -386,6 +389,7 @@ class DeepseekV3ForCausalLM(MoEModelMixin, PagedCausalLM):
     :meth:`expert_load` (EPLB balances the main model's layers).
     """
 
+    inv_freq: torch.Tensor  # [qk_rope_head_dim / 2] float32 (a non-persistent buffer)
     supports_fp8_kv_cache = False  # MLA's cache and kernels are the model's dtype only
     supports_mtp = True
     supports_block_fp8 = True  # fp8 linears and routed experts (model.quantization)
@@ -513,7 +517,9 @@ class DeepseekV3ForCausalLM(MoEModelMixin, PagedCausalLM):
             input_ids: [T] int64, the tokens t_{i+1}.
             prev_hidden: [T, hidden_size] in the model dtype, h_i (before the final norm).
             positions: [T] int64 RoPE positions of the entries (the engine uses the position of t_{i+1};
-                only differences matter to attention).
+                only differences matter to attention). With ``rope_table`` built, one at or past
+                ``max_position_embeddings`` takes the last position's cos/sin (only the engine's chained
+                drafting steps past a request's wanted drafts reach there, and their output is dropped).
             kv_cache: :meth:`mtp_kv_cache_shape`; layer ``depth`` is written at ``meta.slot_mapping``.
             meta: attention metadata over the module's own cache.
             depth: which MTP module.
@@ -525,7 +531,10 @@ class DeepseekV3ForCausalLM(MoEModelMixin, PagedCausalLM):
         weight = self.model.embed_tokens.weight if layer.embed_weight is None else layer.embed_weight
         embeds = F.embedding(input_ids, weight)
         hidden = linear(torch.cat([layer.enorm(embeds), layer.hnorm(prev_hidden)], dim=-1), layer.eh_proj)
-        hidden, residual = layer(hidden, None, *self.rope_args(positions, hidden), kv_cache[depth], meta)
+        # MtpDraftGraphs runs every chained step, also those past a request's wanted drafts (no cache write,
+        # drafts dropped): near max_model_len = max_position_embeddings their positions pass the table's end
+        hidden, residual = layer(hidden, None, *self._rope(positions, hidden.dtype, clamp=True), kv_cache[depth],
+                                 meta)
         return hidden + residual
 
     def mtp_logits(self, hidden: torch.Tensor, depth: int = 0) -> torch.Tensor:
@@ -557,7 +566,7 @@ class DeepseekV3ForCausalLM(MoEModelMixin, PagedCausalLM):
                 d = int(m.group(1)) - n if m else -1
                 if d < 0:
                     yield name, tensor
-                elif d < num_mtp:
+                elif m is not None and d < num_mtp:
                     seen_mtp.add(d)
                     rest = m.group(2)
                     if rest in ("embed_tokens.weight", "shared_head.head.weight"):
@@ -590,14 +599,21 @@ class DeepseekV3ForCausalLM(MoEModelMixin, PagedCausalLM):
 
     def rope_args(self, positions: torch.Tensor, hidden: torch.Tensor) -> tuple:
         """(cos, sin) [T, qk_rope_head_dim / 2] in the hidden dtype, YaRN's magnitude factor applied: rows of
-        ``rope_table`` (one gather; row-strided views) where it is built on positions' device in that dtype,
-        else computed (:meth:`_rope_formula`). Positions must be below ``max_position_embeddings`` on the
-        table's path (the engine's ``max_model_len`` is)."""
+        ``rope_table`` (one gather; row-strided views, which the MLA RoPE kernels and their reference take)
+        where it is built on positions' device in that dtype, else computed (:meth:`_rope_formula`).
+        Positions must be in [0, max_position_embeddings) on the table's path (the engine's
+        ``max_model_len`` is at most that, and its positions are never negative); one at or past the end is
+        an IndexError on the CPU and a device-side assert on CUDA, not a wrong row."""
+        return self._rope(positions, hidden.dtype)
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype,
+              clamp: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`rope_args`; ``clamp``: positions past the table's end read its last row (one more launch)."""
         table = self.rope_table
-        if ROPE_TABLE and table is not None and table.device == positions.device and table.dtype == hidden.dtype:
-            rows = table[positions]
+        if ROPE_TABLE and table is not None and table.device == positions.device and table.dtype == dtype:
+            rows = table[positions.clamp(max=table.shape[0] - 1) if clamp else positions]
             return rows[:, 0], rows[:, 1]
-        return self._rope_formula(positions, hidden.dtype)
+        return self._rope_formula(positions, dtype)
 
     def _rope_formula(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]

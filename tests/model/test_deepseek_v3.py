@@ -334,3 +334,29 @@ def test_rope_table_gives_the_formulas_bits(dtype):
     other = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
     cos2, _ = model.to(other).rope_args(positions, hidden.to(other))
     assert torch.equal(cos2, model._rope_formula(positions, other)[0])
+
+
+def test_rope_table_end_mtp_clamps_main_path_raises():
+    """Past the table's end: an MTP forward (whose chained drafting steps past a request's wanted drafts reach
+    max_model_len + k - 4 in the engine's graphs) reads the last row, as the formula at the clamped position
+    gives; the main model's rope_args raises instead of reading a wrong row."""
+    from rayinfer.kernels.attention_metadata import AttentionMetadata
+
+    cfg = tiny_config()
+    _, model = make_pair(cfg, mtp=True)
+    model.process_weights_after_loading()
+    assert model.rope_table is not None
+    end = cfg.max_position_embeddings
+    positions = torch.tensor([end - 2, end - 1, end, end + 4])
+    torch.manual_seed(3)
+    ids, prev = torch.randint(0, cfg.vocab_size, (4,)), torch.randn(4, cfg.hidden_size)
+    table, outs = model.rope_table, []
+    with torch.no_grad():
+        for rope_table, pos in ((table, positions), (None, positions.clamp(max=end - 1))):  # None: the formula
+            model.rope_table = rope_table
+            kv = torch.zeros(model.mtp_kv_cache_shape(4, BLOCK_SIZE))
+            outs.append(model.mtp_forward(ids, prev, pos, kv, AttentionMetadata.build([4], [4], [[2]], BLOCK_SIZE)))
+        assert torch.equal(outs[0], outs[1])
+        model.rope_table = table
+        with pytest.raises(IndexError):
+            model.rope_args(positions, prev)
