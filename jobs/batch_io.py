@@ -211,7 +211,8 @@ class LineParser:
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
-                job.error = line_error("invalid_json", f"malformed JSON on line {line_no}: {e}")
+                # the file's line and the column in it (json's own "line 1 column N" counts within the line)
+                job.error = line_error("invalid_json", f"malformed JSON on line {line_no}, column {e.colno}: {e.msg}")
                 continue
             if not isinstance(rec, dict):
                 job.error = line_error("invalid_request", f"line {line_no} must be a JSON object")

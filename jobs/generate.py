@@ -298,7 +298,7 @@ def run(cfg: GenerateConfig, client=None) -> int:
         finally:
             if owned:
                 client.shutdown()
-        print(progress.summary() + f" for {len(todo)} lines")
+        print(progress.summary() + f" for {len(todo)} line{'s' if len(todo) != 1 else ''}")
     if interrupted:
         print(f"\ninterrupted: {len(done)} of {len(jobs)} lines done, kept in {partial}; "
               f"rerun the same command to finish the rest", file=sys.stderr)

@@ -64,7 +64,8 @@ def test_line_numbers_are_the_files_and_agree_with_the_message(tmp_path, tokeniz
     path.write_text('{"prompt": "a"}\n\n{"prompt": "b"}\n{oops\n')
     jobs = LineParser(tokenizer, MODEL, 8192).parse(read_lines(path))
     assert [(j.line_no, j.id) for j in jobs] == [(1, "line-1"), (3, "line-3"), (4, "line-4")]
-    assert message(jobs[2]).startswith("malformed JSON on line 4:")
+    # the file's line and the column within it, not json's "line 1 column 2"
+    assert message(jobs[2]) == "malformed JSON on line 4, column 2: Expecting property name enclosed in double quotes"
 
 
 def test_special_token_text_in_user_content_stays_plain(tokenizer):
