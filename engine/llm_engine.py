@@ -308,8 +308,7 @@ class LLMEngine:
         if (not on_cuda or self.role == EngineRole.DECODE or grouped or runner.local_kv_cache is not None
                 or runner.cp is not None):
             return
-        num_tokens = min(cfg.max_num_batched_tokens, self.max_model_len - 1,
-                         runner.kv_cache.shape[1] * cfg.block_size)
+        num_tokens = min(cfg.max_num_batched_tokens, self.max_model_len - 1, runner.prompt_capacity)
         started = time.perf_counter()
         lengths = runner.warm_up_prefill(num_tokens)
         logger.info("warm-up prefill of %s tokens in %.2f s", lengths, time.perf_counter() - started)

@@ -110,6 +110,12 @@ class ModelRunner:
         with batch_invariant_mode(self.batch_invariant):
             self.graphs.capture()
 
+    @property
+    def prompt_capacity(self) -> int:
+        """Tokens that one prompt's KV may take in the cache ([layers, blocks, ...]): all its blocks; 0 with a
+        sliding-window pool beside it (``warm_up_prefill`` does not take that layout)."""
+        return self.kv_cache.shape[1] * self.block_size if self.local_kv_cache is None else 0
+
     @torch.inference_mode()
     def warm_up_prefill(self, num_tokens: int) -> list[int]:
         """Run prompts of ``num_tokens`` and ``num_tokens - 1`` tokens through the model (logits included) before
@@ -121,8 +127,7 @@ class ModelRunner:
         Raises:
             ValueError: ``num_tokens`` above the cache's capacity.
         """
-        # the cache is [layers, blocks, ...]
-        capacity = self.kv_cache.shape[1] * self.block_size if self.local_kv_cache is None else 0
+        capacity = self.prompt_capacity
         if num_tokens > capacity:
             raise ValueError(f"warm-up prompt of {num_tokens} tokens does not fit the KV cache ({capacity} tokens)")
         lengths = [n for n in (num_tokens, num_tokens - 1) if n >= 2]
