@@ -310,7 +310,14 @@ class LLMEngine:
             return
         num_tokens = min(cfg.max_num_batched_tokens, self.max_model_len - 1, runner.prompt_capacity)
         started = time.perf_counter()
-        lengths = runner.warm_up_prefill(num_tokens)
+        try:
+            lengths = runner.warm_up_prefill(num_tokens)
+        except Exception as e:  # noqa: BLE001 - an optimization only: the engine serves without it
+            logger.warning("warm-up prefill of %d tokens failed (%s: %s); the first long prompt compiles its "
+                           "kernels instead", num_tokens, type(e).__name__, e)
+            if on_cuda:
+                torch.cuda.empty_cache()
+            return
         logger.info("warm-up prefill of %s tokens in %.2f s", lengths, time.perf_counter() - started)
 
     def _auto_num_blocks(self, draft_shape: tuple[int, ...] | None = None) -> int:
