@@ -199,3 +199,17 @@ def test_max_model_len_beyond_the_models_positions_is_named():
     with pytest.raises(ValueError, match=want):
         LLMEngine(ModelConfig("llama-tiny", load_format="dummy", max_model_len=limit + 1),
                   EngineConfig(device="cpu", num_kv_blocks=16))
+
+
+def test_a_failing_warm_up_prefill_is_a_warning(tiny_engine, prompts, reference, monkeypatch, caplog):
+    """The start-up prefill is an optimization: if it raises, the engine logs why and serves as before."""
+    engine = tiny_engine()
+
+    def broken(num_tokens):
+        raise RuntimeError("no kernel for you")
+
+    monkeypatch.setattr(engine.runner, "warm_up_prefill", broken)
+    with caplog.at_level("WARNING", logger="rayinfer.engine.llm_engine"):
+        engine._warm_up_prefill(True)  # as a CUDA engine calls it
+    assert "warm-up prefill of 256 tokens failed (RuntimeError: no kernel for you)" in caplog.text
+    check_equal(engine.generate(prompts, GREEDY), reference)
