@@ -312,10 +312,12 @@ def run(cfg: GenerateConfig, client=None) -> int:
     partial.unlink(missing_ok=True)
 
     failed = [(j, rec) for j, rec in zip(jobs, records) if is_error(rec)]
-    if cfg.print_outputs if cfg.print_outputs is not None else not cfg.input:
+    printed = cfg.print_outputs if cfg.print_outputs is not None else not cfg.input
+    if printed:
         for j, rec in zip(jobs, records):
             print(f"\n[{j.id}] {'ERROR: ' + error_text(rec) if is_error(rec) else record_text(rec)}")
-    print(f"\n{len(records) - len(failed)} ok, {len(failed)} failed; wrote {out_path}")
+    print(f"\n{len(records) - len(failed)} ok, {len(failed)} failed; wrote {out_path}"
+          + ("" if printed else " (the answers are there; print_outputs=true also prints them)"))
     for j, rec in failed[:MAX_FAILURES_SHOWN]:
         print(f"  line {j.line_no} ({j.id}): {error_text(rec)}")
     if len(failed) > MAX_FAILURES_SHOWN:

@@ -61,7 +61,7 @@ def resolve_model(name_or_path: str | Path) -> Path | str:
         f"unknown model '{name}'{f' (did you mean {close[0]!r}?)' if close else ''}: known models are "
         f"{DEFAULT_MODEL!r} (also 'smollm2', 'default'), "
         f"{GEMMA3_270M.name!r} (also 'gemma3') and the "
-        f"built-in shapes for load_format='dummy' {sorted(SHAPES)}; or give a Hugging Face-format directory "
+        f"built-in shapes, which load random weights (load_format='dummy'): {sorted(SHAPES)}; or give a Hugging Face-format directory "
         "with config.json and *.safetensors"
     )
 

@@ -1,19 +1,22 @@
 """OpenAI request bodies (pydantic, only here at the HTTP boundary) and OpenAI-shaped errors.
 
 Scalars are strict (``"5"`` is not an integer, ``true`` is not a number), as the OpenAI API is; unknown
-fields are accepted and ignored so newer clients keep working. Responses are plain dicts built in
-``serve/serving_*.py``.
+fields are accepted and ignored so newer clients keep working, with a warning in the server's log that
+names them (as vLLM does; :func:`ignored_fields`). Responses are plain dicts built in ``serve/serving_*.py``.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rayinfer.engine.errors import EngineInternalError, OverloadedError, RayInferError
+
+logger = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------------------------------
 # errors
@@ -325,15 +328,35 @@ class DetokenizeRequest(_Strict):
 def parse_body(model: type[BaseModel], body: Any) -> BaseModel:
     """Validate a decoded JSON body against a request model.
 
+    Fields the model does not know are ignored, and logged as a warning that names them (a misspelled
+    ``temprature`` would otherwise pass unseen).
+
     Raises:
         APIError: 400 naming the first bad field.
     """
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object")
     try:
-        return model.model_validate(body)
+        parsed = model.model_validate(body)
     except ValidationError as e:
         raise from_validation_error(e) from None
+    ignored = ignored_fields(parsed)
+    if ignored:
+        logger.warning("the following fields were present in the request but ignored: %s", ", ".join(ignored))
+    return parsed
+
+
+def ignored_fields(parsed: BaseModel, prefix: str = "") -> list[str]:
+    """Dotted paths of the fields a validated body carried that its models do not know (``messages.0.foo``),
+    nested models and lists of them included (the top level's first, then by field)."""
+    found = [prefix + name for name in (parsed.model_extra or {})]
+    for name in type(parsed).model_fields:
+        value = getattr(parsed, name)
+        items = enumerate(value) if isinstance(value, list) else [(None, value)]
+        for i, item in items:
+            if isinstance(item, BaseModel):
+                found += ignored_fields(item, f"{prefix}{name}." + ("" if i is None else f"{i}."))
+    return found
 
 
 def response_format_of(req: _SamplingRequest) -> dict | None:

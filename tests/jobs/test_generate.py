@@ -389,6 +389,7 @@ def test_relative_paths_resolve_against_base_dir_not_the_ray_copy(tmp_path, monk
     assert (user / "out" / "res.jsonl").is_file() and not (copy / "out").exists()
     captured = capsys.readouterr()
     assert f"wrote {user / 'out' / 'res.jsonl'}" in captured.out and "warning" not in captured.err
+    assert "print_outputs=true also prints them" in captured.out  # an input file: answers not printed by default
 
     assert run(GenerateConfig(input="p.jsonl")) == 0  # no base_dir: written inside the copy, with a warning
     captured = capsys.readouterr()
