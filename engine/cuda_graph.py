@@ -165,7 +165,7 @@ class DecodeGraphs:
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
             seq_lens: torch.Tensor, block_tables: torch.Tensor, query_len: int = 1,
-            min_batch: int | None = None) -> Outputs:
+            min_batch: int | None = None, gather_ids: tuple[torch.Tensor, torch.Tensor] | None = None) -> Outputs:
         """Replay the graph for ``n`` requests of ``query_len`` tokens each (inputs already on the device).
 
         Args:
@@ -174,6 +174,9 @@ class DecodeGraphs:
                 blocks of ``max_model_len``). n may be 0 (padding rows only: an expert-parallel rank
                 without requests meeting the others in the graph's collectives).
             min_batch: replay a graph of at least this many requests (the group's size).
+            gather_ids: (source, rows): the input ids are ``source[rows]`` (int64 device tensors: a previous
+                step's sampled tokens and the row of each input), gathered straight into the graph's input
+                buffer; ``input_ids`` is then not read.
         Returns:
             hidden states [n * query_len, hidden_size] (a view of the graph's output buffer, valid until
             the next replay); with ``with_hidden`` the pair (after the final norm, before it).
@@ -182,7 +185,10 @@ class DecodeGraphs:
         bs = self.padded_size(n, q, min_batch)
         assert bs is not None, f"no graph for {n} requests of {q} tokens (at least {min_batch})"
         t = n * q
-        self.input_ids[:t].copy_(input_ids)
+        if gather_ids is not None:
+            torch.index_select(gather_ids[0], 0, gather_ids[1], out=self.input_ids[:t])
+        else:
+            self.input_ids[:t].copy_(input_ids)
         self.positions[:t].copy_(positions)
         self.slot_mapping[:t].copy_(slot_mapping)
         self.slot_mapping[t : bs * q].fill_(-1)

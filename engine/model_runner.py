@@ -209,16 +209,23 @@ class ModelRunner:
                 meta.local = AttentionMetadata(
                     meta.query_start_loc, meta.seq_lens, dev[4], dev[5], self.block_size, query_lens, seq_lens,
                     kv_start=dev[6], kv_start_cpu=local_arrays[2].tolist())
-            if holes.size:
+            decode_graph, floor = False, None
+            if mm_embeds is None and self.graphs is not None and meta.is_decode_only:
+                floor = self._graph_floor(len(scheduled))
+                decode_graph = self.graphs.padded_size(len(scheduled), min_batch=floor) is not None
+            # a pipelined decode step whose every input is the previous step's token: the graph gathers them
+            # into its input buffer in one launch (else: a gather, a scatter and the buffer's copy)
+            gather = (prev.token_ids, extra[1]) if decode_graph and holes.size == num_tokens else None
+            if holes.size and gather is None:
                 ids[extra[0]] = prev.token_ids[extra[1]]
             prenorm = None
             if mm_embeds is not None:  # image rows: eager, never a decode graph
                 out = self.model(ids, pos, self.model_kv, meta, mm_embeds=mm_embeds)
-            elif (self.graphs is not None and meta.is_decode_only
-                  and self.graphs.padded_size(len(scheduled), min_batch=(floor := self._graph_floor(len(scheduled))))
-                  is not None):
+            elif decode_graph:
+                assert self.graphs is not None
                 self.num_group_graph_steps += self.in_group
-                out = self.graphs.run(ids, pos, meta.slot_mapping, meta.seq_lens, meta.block_tables, min_batch=floor)
+                out = self.graphs.run(ids, pos, meta.slot_mapping, meta.seq_lens, meta.block_tables, min_batch=floor,
+                                      gather_ids=gather)
             elif verify_width is not None:
                 out = self.graphs.run_ragged(ids, meta_arrays[2], query_lens, seq_lens, meta_arrays[1], verify_width)
             elif self.capture_hidden:

@@ -21,12 +21,27 @@ def make(smollm2):
     return make
 
 
-def test_async_equals_sync(prompts, make):
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "decode-graph-padding"])
+def test_async_equals_sync(prompts, make, graphs, monkeypatch):
+    """With the decode graphs' buffers (run eagerly on CPU), a pipelined step whose every input is a
+    placeholder gathers them straight into the graph's input buffer: the tokens stay the same."""
+    from rayinfer.engine.cuda_graph import DecodeGraphs
+
+    gathered = []
+    run = DecodeGraphs.run
+
+    def spy(self, *args, gather_ids=None, **kw):
+        gathered.append(gather_ids is not None)
+        return run(self, *args, gather_ids=gather_ids, **kw)
+
+    monkeypatch.setattr(DecodeGraphs, "run", spy)
     params = [SamplingParams(temperature=0.0, max_tokens=12), SamplingParams(temperature=0.8, seed=5, max_tokens=10),
               SamplingParams(temperature=0.0, max_tokens=3), SamplingParams(temperature=0.0, max_tokens=12, stop=["!"])]
-    sync = make(False).generate(prompts, params)
-    engine = make(True)
+    sync = make(False, debug_eager_graphs=graphs).generate(prompts, params)
+    assert not any(gathered)  # synchronous steps feed real token ids
+    engine = make(True, debug_eager_graphs=graphs)
     pipe = engine.generate(prompts, params)
+    assert any(gathered) == graphs
     for a, b in zip(sync, pipe):
         assert a.output_token_ids == b.output_token_ids and a.text == b.text
         assert a.finish_reason == b.finish_reason
