@@ -12,6 +12,7 @@ embedded cluster listens on ``node_ip_address`` (loopback unless asked otherwise
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,27 @@ from typing import Any
 from rayinfer import envs
 
 LOOPBACK = "127.0.0.1"
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def configure_worker_logging(level: int = logging.INFO) -> None:
+    """Show rayinfer's log records of a Ray worker process (each actor's ``__init__`` calls this): ``level``
+    and above go to stderr as ``time LEVEL logger: message``, which Ray forwards to the driver after the
+    actor's name and pid. A worker's root logger has no handler, so it would show warnings only; Ray's
+    own ``LoggingConfig`` shows them but appends eight ids of Ray's context (job, worker, node, actor,
+    task...) to every line.
+
+    Idempotent. A process whose root logger has a handler (a driver under Hydra, a test) is left as it is:
+    its rayinfer records already reach that handler.
+    """
+    logger = logging.getLogger("rayinfer")
+    if logging.getLogger().handlers or any(getattr(h, "rayinfer_worker", False) for h in logger.handlers):
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(LOG_FORMAT, datefmt="%H:%M:%S"))
+    handler.rayinfer_worker = True  # pyright: ignore[reportAttributeAccessIssue]
+    logger.addHandler(handler)
+    logger.setLevel(level)
 
 
 class RayStartError(RuntimeError):

@@ -35,6 +35,7 @@ import ray
 import ray.exceptions
 import torch
 
+from rayinfer.actors.cluster import configure_worker_logging
 from rayinfer.engine.errors import InvalidRequestError, RayInferError
 from rayinfer.engine.multimodal import EncoderCache, encode_missing
 from rayinfer.engine.types import MultiModalInput
@@ -253,6 +254,7 @@ class EncoderActorImpl:
     """
 
     def __init__(self, model_config, device: str = "auto", cache_tokens: int = 16384):
+        configure_worker_logging()
         from rayinfer.engine.llm_engine import resolve_device
         from rayinfer.model.loader import load_model, parse_dtype
 

@@ -14,6 +14,7 @@ import numpy as np
 import ray
 import torch
 
+from rayinfer.actors.cluster import configure_worker_logging
 from rayinfer.actors.kv_transport import COLLECTIVE_TRANSPORTS, KVTransferAgent, from_wire, on_stream, to_wire
 from rayinfer.engine.async_engine import AsyncLLMEngine
 from rayinfer.engine.config import EngineConfig, ModelConfig
@@ -47,6 +48,7 @@ class EngineActorImpl:
             kv_transport: "object_store", "cuda_ipc" (Ray Direct Transport, :meth:`pop_kv`), or "nccl" /
                 "gloo" (the fleet's transfer group, :meth:`send_kv` / :meth:`recv_kv`).
         """
+        configure_worker_logging()
         self.kv_transport = kv_transport
         self.replica_id = replica_id
         self.engine = AsyncLLMEngine(LLMEngine(model_config, engine_config))

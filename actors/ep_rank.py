@@ -24,6 +24,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from rayinfer.actors.cluster import configure_worker_logging
 from rayinfer.engine.config import EngineConfig, ModelConfig
 from rayinfer.engine.errors import EngineInternalError
 from rayinfer.engine.llm_engine import LLMEngine
@@ -317,6 +318,7 @@ class EPRankImpl:
     """
 
     def __init__(self, ep_rank: int, config: ParallelConfig):
+        configure_worker_logging()
         self.ep_rank = ep_rank
         self.config = config
         self.engine: LLMEngine | None = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ray
 import torch
 
+from rayinfer.actors.cluster import configure_worker_logging
 from rayinfer.placement.parallel_config import ParallelConfig
 from rayinfer.policy.eplb_policy import EPLBPolicy
 
@@ -28,6 +29,7 @@ class EPLBCoordinatorImpl:
     """
 
     def __init__(self, ranks: list, config: ParallelConfig, num_moe_layers: int, num_logical: int, num_groups: int = 1):
+        configure_worker_logging()
         self.ranks = list(ranks)
         self.policy = EPLBPolicy(config, num_moe_layers, num_logical, num_groups)
         self.placement_version = 0  # changed maps pushed so far

@@ -16,6 +16,7 @@ import numpy as np
 import ray
 import torch
 
+from rayinfer.actors.cluster import configure_worker_logging
 from rayinfer.actors.kv_disk_store import DEFAULT_TTL_S, DiskKVStore
 from rayinfer.actors.kv_transport import to_wire
 from rayinfer.policy.kv_store_index import KVStoreIndex
@@ -37,6 +38,7 @@ class KVStoreActorImpl:
 
     def __init__(self, max_blocks: int | None = None, max_bytes: int | None = None, ttl_s: float | None = None,
                  directory: str | None = None, namespace: str = ""):
+        configure_worker_logging()
         self.disk = (DiskKVStore(directory, namespace, max_blocks, max_bytes, ttl_s or DEFAULT_TTL_S)
                      if directory else None)
         self.index = KVStoreIndex(max_blocks=max_blocks, max_bytes=max_bytes, ttl_s=ttl_s)

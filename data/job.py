@@ -83,8 +83,7 @@ def run_data_job(cfg) -> int:
                              sampling={"max_tokens": 256, "temperature": 0.0, **cfg.sampling},
                              served_model_name=cfg.served_model_name,
                              **{f.name: getattr(pool, f.name) for f in dataclasses.fields(PoolConfig)})
-    print(init_ray(cfg.ray, logging_config=ray.LoggingConfig(encoding="TEXT", log_level="INFO"),
-                   log_to_driver=True, logging_level=logging.WARNING), flush=True)
+    print(init_ray(cfg.ray, log_to_driver=True, logging_level=logging.WARNING), flush=True)
     out = output_dir(inp, _resolve(cfg.output, base) if cfg.output else None)
     if not inp and not cfg.output:
         out = str(base / out)

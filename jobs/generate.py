@@ -189,7 +189,6 @@ def run(cfg: GenerateConfig, client=None) -> int:
         return run_data_job(cfg)
     import asyncio
 
-    import ray
     from tqdm import tqdm
 
     from rayinfer.actors.cluster import init_ray
@@ -242,8 +241,7 @@ def run(cfg: GenerateConfig, client=None) -> int:
     if todo:
         owned = client is None
         if owned:
-            print(init_ray(cfg.ray, logging_config=ray.LoggingConfig(encoding="TEXT", log_level="INFO"),
-                           log_to_driver=True, logging_level=logging.WARNING), flush=True)
+            print(init_ray(cfg.ray, log_to_driver=True, logging_level=logging.WARNING), flush=True)
             from rayinfer.actors.client import make_client
 
             client = make_client(cfg.model, cfg.engine, cfg.parallel)  # a fleet by parallel.topology

@@ -32,7 +32,6 @@ def run(cfg: ServeConfig, blocking: bool = True) -> int:
     Raises:
         ValueError: for an unknown model (before any actor starts).
     """
-    import ray
     from ray import serve
 
     from rayinfer.actors.cluster import init_ray
@@ -42,8 +41,7 @@ def run(cfg: ServeConfig, blocking: bool = True) -> int:
     resolve_model(cfg.model.model)  # unknown model: ValueError now; converts the default model once
     # fp8 on a model without fp8 layers, expert parallelism without routed experts: before Ray starts
     check_deployment(load_config(cfg.model.model), cfg.model.quantization, cfg.parallel.ep)
-    print(init_ray(cfg.ray, logging_config=ray.LoggingConfig(encoding="TEXT", log_level="INFO"),
-                   logging_level=logging.WARNING), flush=True)
+    print(init_ray(cfg.ray, logging_level=logging.WARNING), flush=True)
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
     serve.run(build_app_from_config(cfg), name="rayinfer", route_prefix="/")
     print(f"serving {cfg.model_name} at http://{cfg.host}:{cfg.port}/v1 (Ctrl-C to stop)", flush=True)

@@ -101,3 +101,26 @@ def test_an_embedded_cluster_needs_an_address_of_this_machine():
     cluster._check_own_address("auto")
     with pytest.raises(cluster.RayStartError, match="203.0.113.77 is not an address of this machine"):
         cluster._check_own_address("203.0.113.77")  # TEST-NET-3: documentation only, never local
+
+
+@pytest.mark.parametrize("root_handler", [False, True], ids=["worker", "driver"])
+def test_worker_logging_shows_rayinfer_info_once_in_one_short_line(root_handler):
+    """An actor's process (no root handler) prints rayinfer's INFO records as ``time LEVEL logger: message``,
+    once however often the actors' inits call it; a process with a root handler (a driver) keeps its own."""
+    code = textwrap.dedent(f"""
+        import logging
+        if {root_handler}:
+            logging.basicConfig(level=logging.INFO, format="root %(levelname)s %(name)s: %(message)s")
+        from rayinfer.actors.cluster import configure_worker_logging
+        configure_worker_logging()
+        configure_worker_logging()
+        logging.getLogger("rayinfer.engine.llm_engine").info("engine ready")
+        logging.getLogger("rayinfer.engine.llm_engine").debug("not shown")
+    """)
+    err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stderr
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    if root_handler:
+        assert lines[0] == "root INFO rayinfer.engine.llm_engine: engine ready"
+    else:
+        assert lines[0].endswith(" INFO rayinfer.engine.llm_engine: engine ready") and len(lines[0]) < 60
