@@ -45,6 +45,7 @@ import ray.exceptions
 from ray.util import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rayinfer.actors.cluster import configure_worker_logging
 from rayinfer.actors.cp_group import start_cp_group
 from rayinfer.actors.encoder_actor import EncoderActor, EncoderActorRDT, check_encoder_model, resolve_encoder_transport
 from rayinfer.actors.engine_actor import EngineActor, EngineActorImpl
@@ -138,6 +139,7 @@ class Router:
     """
 
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, parallel: ParallelConfig):
+        configure_worker_logging()
         check_supported(parallel)
         self.model_config, self.engine_config, self.parallel = model_config, engine_config, parallel
         self.topology = parallel.topology

@@ -18,6 +18,7 @@ from typing import Any
 import ray
 from ray import serve
 
+from rayinfer.actors.cluster import configure_worker_logging
 from rayinfer.actors.client import connect, start_fleet
 from rayinfer.model.loader import load_tokenizer
 from rayinfer.serve.config import ServeConfig, compose_config
@@ -36,6 +37,7 @@ class EngineFleet:
     """
 
     def __init__(self, cfg: ServeConfig):
+        configure_worker_logging()
         self.router = start_fleet(cfg.model, cfg.engine, cfg.parallel)
         ray.get(self.router.start.remote())  # start-up errors fail the deployment, with their message
 
@@ -63,6 +65,7 @@ class OpenAIIngress:
     """
 
     def __init__(self, cfg: ServeConfig, fleet):
+        configure_worker_logging()
         self.cfg = cfg
         self.fleet = fleet
         self.frontend = OpenAIFrontend(cfg, load_tokenizer(cfg.model.model), self._connect)
