@@ -491,10 +491,13 @@ class LLMEngine:
         if n > handle.num_tokens // bs or mm_hash_block_chain(token_ids[: n * bs], bs, None, mm_inputs) != list(
                 handle.block_hashes):
             raise InvalidRequestError("KV handle's block hashes do not match the request's tokens")
+        if not 0 <= handle.first_block <= n:
+            raise InvalidRequestError(f"KV handle leaves out {handle.first_block} leading blocks; it may leave "
+                                      f"out only its {n} hashed full blocks")
         if handle.layout != kv_layout_tag(self.kv_cache):
             raise InvalidRequestError(f"KV layout {handle.layout!r} does not match this engine's "
                                       f"{kv_layout_tag(self.kv_cache)!r}")
-        shape = (self.kv_cache.shape[0], -(-handle.num_tokens // bs), *self.kv_cache.shape[2:])
+        shape = (self.kv_cache.shape[0], -(-handle.num_tokens // bs) - handle.first_block, *self.kv_cache.shape[2:])
         if handle.payload is not None and tuple(handle.payload.shape) != shape:
             raise InvalidRequestError(f"KV payload has shape {tuple(handle.payload.shape)}, expected {shape}")
 

@@ -194,8 +194,10 @@ class Scheduler:
                 elif cp is not None and num_hit:  # CP covers the rest; the hit's blocks come first
                     handle = req.kv_handle = replace(req.kv_handle, payload=replace(cp, num_cached=num_hit))
                     cp_hit, num_hit = num_hit, handle.num_tokens
-                else:
-                    hit_blocks, num_hit = [], req.kv_handle.num_tokens
+                elif len(hit_blocks) < req.kv_handle.first_block:
+                    req.kv_handle = None  # blocks the payload leaves out were evicted: computed past the hit
+                else:  # the payload's blocks follow the cached ones it leaves out
+                    hit_blocks, num_hit = hit_blocks[: req.kv_handle.first_block], req.kv_handle.num_tokens
             elif req.num_computed_tokens:
                 hit_blocks, num_hit = [], 0
             else:
@@ -224,7 +226,8 @@ class Scheduler:
             computed_here = False  # a context-parallel prefill: its tokens are computed, not cache hits
             if req.kv_handle is not None:
                 num_import_blocks = self.kv.blocks_needed(num_hit)
-                imports.append((req.request_id, tuple(req.block_ids[:num_import_blocks]), req.kv_handle))
+                imports.append((req.request_id, tuple(req.block_ids[req.kv_handle.first_block : num_import_blocks]),
+                                req.kv_handle))
                 computed_here = isinstance(req.kv_handle.payload, ContextParallelPrefill)
                 req.kv_handle = None
             if req.status == RequestStatus.WAITING:

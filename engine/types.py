@@ -146,7 +146,11 @@ class KVHandle:
         num_tokens: tokens whose KV the payload holds.
         layout: versioned payload layout tag, e.g. ``"v1:L,N,2,bs,H,D:float32"``: layers x blocks x
             (k, v) x block_size x kv heads x head dim.
-        payload: a tensor of that layout, or a Ray ObjectRef to one.
+        payload: a tensor of that layout, or a Ray ObjectRef to one, holding blocks ``first_block`` ..
+            ``ceil(num_tokens / block_size) - 1``.
+        first_block: leading full blocks the payload leaves out because the importing replica's prefix
+            cache holds them (a KV-store fetch skips what the replica has); if they are gone by admission,
+            the handle is dropped and the prompt is computed past whatever is still cached.
     """
 
     request_id: str
@@ -154,6 +158,7 @@ class KVHandle:
     num_tokens: int
     layout: str
     payload: Any = None
+    first_block: int = 0
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,10 @@ def test_store_across_replicas_and_restart(ray_cluster, model_config, tmp_path):
     # three conversations with their own 40-token prefixes: one per check, so no replica has the prefix
     # in its own pool when it is asked for it
     prompts = [[p + tokens(3) for _ in range(2)] for p in (tokens(41), tokens(41), tokens(41))]
+    longer = prompts[0][0][:41] + tokens(23)  # conversation 0 goes on: its first 40 tokens stay the same
     ref = LLMEngine(model_config, ENGINE)
     expected = [[c.output_token_ids for c in ref.generate(ps, PARAMS)] for ps in prompts]
+    expected_longer = ref.generate([longer], PARAMS)[0].output_token_ids
     del ref
 
     store = KVStoreActor.options(num_cpus=0, max_restarts=1).remote(None, None, None, str(tmp_path), "tiny")
@@ -55,6 +57,18 @@ def test_store_across_replicas_and_restart(ray_cluster, model_config, tmp_path):
     run(b, 0, 1)  # replica B loads A's prefix from the store
     sb = ray.get(b.stats.remote())
     assert sb["kv_store_hit_blocks"] >= 10 and sb["num_computed_tokens"] < 20
+
+    # A computes the conversation's next turn; B has its first 40 tokens in its own pool and fetches only the rest
+    done = ray.get(a.complete.remote("longer-a", longer, PARAMS))
+    assert done.output_token_ids == expected_longer
+    ray.get(a.flush_kv_writes.remote())
+    done = ray.get(b.complete.remote("longer-b", longer, PARAMS))
+    assert done.error is None and done.output_token_ids == expected_longer
+    sb2 = ray.get(b.stats.remote())
+    assert sb2["kv_store_skipped_blocks"] == 10  # the 40 tokens B had: not fetched again
+    assert sb2["kv_store_hit_blocks"] - sb["kv_store_hit_blocks"] == 5  # tokens 40..59 (of 64; one left to compute)
+    assert sb2["num_computed_tokens"] - sb["num_computed_tokens"] == len(longer) - 60 + PARAMS.max_tokens - 1
+    sb = sb2
 
     ray.kill(store, no_restart=False)  # the store restarts and reads its index back from disk
     restarted = {}

@@ -213,3 +213,52 @@ def test_a_failing_warm_up_prefill_is_a_warning(tiny_engine, prompts, reference,
         engine._warm_up_prefill(True)  # as a CUDA engine calls it
     assert "warm-up prefill of 256 tokens failed (RuntimeError: no kernel for you)" in caplog.text
     check_equal(engine.generate(prompts, GREEDY), reference)
+
+
+
+def test_a_handle_that_leaves_out_cached_blocks_imports_the_rest(tiny_engine, prompts):
+    """A KV-store handle may leave out the leading blocks the replica has cached (``first_block``): the
+    scheduler takes those from the prefix cache and imports only the payload's blocks; if they were evicted
+    by admission, the handle is dropped and the prompt computed. Outputs equal a run without a handle."""
+    from rayinfer.engine.model_runner import kv_layout_tag
+    from rayinfer.engine.types import KVHandle
+    from rayinfer.policy.kv_store_index import block_hashes
+
+    shared = prompts[0][:12]  # three blocks of 4 tokens
+    prompt = shared + prompts[1] + prompts[2][:9]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    ref = tiny_engine()
+    want = ref.generate([prompt], params)[0].output_token_ids
+    hashes = block_hashes(prompt, 4)
+    pool = ref.scheduler.kv.pool
+    ids = [pool.hash_to_block[h] for h in hashes]
+    skip = 3
+
+    def handle(rid):
+        payload = ref.kv_cache[:, ids[skip:]].clone()
+        return KVHandle(rid, hashes, len(hashes) * 4, kv_layout_tag(ref.kv_cache), payload, first_block=skip)
+
+    engine = tiny_engine()
+    engine.generate([shared + prompts[3][:5]], params)  # the shared blocks are now cached here
+    computed = engine.num_computed_tokens
+    engine.add_request("with-handle", prompt, params, kv_handle=handle("with-handle"))
+    out = drain_one(engine)
+    assert out == want
+    assert engine.num_computed_tokens - computed == len(prompt) - len(hashes) * 4 + params.max_tokens - 1
+
+    cold = tiny_engine()  # the blocks the handle leaves out are not cached: dropped, the prompt computed
+    cold.add_request("no-prefix", prompt, params, kv_handle=handle("no-prefix"))
+    assert drain_one(cold) == want
+    assert cold.num_computed_tokens == len(prompt) + params.max_tokens - 1
+
+    with pytest.raises(InvalidRequestError, match=r"leaves out \d+ leading blocks; it may leave out only its \d+ hashed"):
+        bad = KVHandle("bad", hashes, len(hashes) * 4, kv_layout_tag(ref.kv_cache), None, first_block=len(hashes) + 1)
+        engine.add_request("bad", prompt, params, kv_handle=bad)
+
+
+def drain_one(engine) -> list[int]:
+    tokens = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += out.new_token_ids
+    return tokens
