@@ -106,13 +106,12 @@ class KVCacheManager:
         num_full = num_tokens // self.block_size
         if len(req.block_hashes) >= num_full:
             return
-        tokens = req.all_token_ids
         parent = req.block_hashes[-1] if req.block_hashes else NONE_HASH
         bs = self.block_size
         for b in range(len(req.block_hashes), num_full):
             # a block holding image placeholders also keys on the images' content hashes
             key = block_extra_key(req.cache_salt, req.mm_inputs, b * bs, (b + 1) * bs) if req.mm_inputs else req.cache_salt
-            parent = hash_block(parent, tokens[b * bs : (b + 1) * bs], key)
+            parent = hash_block(parent, req.known_token_ids(b * bs, (b + 1) * bs), key)
             req.block_hashes.append(parent)
 
     def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:

@@ -105,7 +105,8 @@ class NgramProposer(Proposer):
             context = self._contexts.get(r.request_id)
             if context is None:
                 context = self._contexts[r.request_id] = TokenBuffer()
-            drafts.append(Draft(ngram_lookup(context.sync(r.all_token_ids), k, self.ngram_min, self.ngram_max)))
+            context = context.sync(r.prompt_token_ids, r.output_token_ids)
+            drafts.append(Draft(ngram_lookup(context, k, self.ngram_min, self.ngram_max)))
         return drafts
 
     def release(self, request_id: str) -> None:
@@ -120,20 +121,25 @@ class TokenBuffer:
         self.data = np.empty(0, dtype=np.int64)
         self.length = 0
 
-    def sync(self, tokens: list[int]) -> np.ndarray:
-        """The array of ``tokens`` (a view, valid until the next call): appends what is new, or rebuilds
-        when the kept tokens are no longer a prefix of ``tokens`` (checked at the last kept token)."""
-        n = self.length
-        if n > len(tokens) or (n and tokens[n - 1] != self.data[n - 1]):
+    def sync(self, tokens: list[int], more: list[int] = ()) -> np.ndarray:  # type: ignore[assignment]
+        """The array of ``tokens + more`` (a view, valid until the next call; a request's prompt and outputs,
+        never concatenated): appends what is new, or rebuilds when the kept tokens are no longer a prefix
+        (checked at the last kept token)."""
+        p, n = len(tokens), self.length
+        total = p + len(more)
+        if n > total or (n and (tokens[n - 1] if n <= p else more[n - 1 - p]) != self.data[n - 1]):
             n = 0
-        if len(tokens) > len(self.data):
-            grown = np.empty(max(2 * len(self.data), len(tokens), 64), dtype=np.int64)
+        if total > len(self.data):
+            grown = np.empty(max(2 * len(self.data), total, 64), dtype=np.int64)
             grown[:n] = self.data[:n]
             self.data = grown
-        if len(tokens) > n:
-            self.data[n: len(tokens)] = tokens[n:]
-        self.length = len(tokens)
-        return self.data[: self.length]
+        if n < p:
+            self.data[n:p] = tokens[n:]
+            n = p
+        if total > n:
+            self.data[n:total] = more[n - p:]
+        self.length = total
+        return self.data[:total]
 
 
 def ngram_lookup(tokens: np.ndarray, k: int, ngram_min: int, ngram_max: int) -> list[int]:

@@ -2,11 +2,14 @@
 
     python jobs/bench_host.py                          # batches 1, 64, 256; 1000 prompt / 128 output tokens
     python jobs/bench_host.py --batches 256 --profile  # and the top host functions under cProfile
+    python jobs/bench_host.py --ngram 4 --batches 1 8 32  # speculative decoding: n-gram, 4 drafts, fixed k
 
 For each batch size B, B requests of ``--input-len`` random prompt tokens run to exactly ``--output-len``
 tokens (ignore_eos, seeded sampling) through ``LLMEngine.step`` with async scheduling, on CPU, with a
 1-layer Llama of hidden size 64 and a 512-token vocab (dummy weights, the default model's tokenizer).
-Only decode steps (every scheduled request computes one token) are counted. A step's host time is its
+Only decode steps (every scheduled request computes one token, or with ``--ngram`` one plus its drafts)
+are counted. With ``--ngram K`` each prompt repeats a 50-token phrase, so prompt lookup finds drafts; with
+random weights they are rarely accepted, so the steps measure the drafting and verification host work. A step's host time is its
 wall time minus the time inside the model's forward, its logits and the sampling kernel (the work a GPU
 does): scheduling, input and metadata building, sampler bookkeeping, detokenization and outputs.
 Prints per batch: decode steps, median (and mean) host ms per step, median model ms per step.
@@ -28,7 +31,7 @@ from pathlib import Path
 import torch
 
 import rayinfer.engine.sampler as sampler_mod
-from rayinfer.engine.config import EngineConfig, ModelConfig
+from rayinfer.engine.config import EngineConfig, ModelConfig, SpeculativeConfig
 from rayinfer.engine.llm_engine import LLMEngine
 from rayinfer.engine.types import SamplingParams
 
@@ -74,19 +77,21 @@ class DeviceClock:
         return timed
 
 
-def make_engine(model_dir: Path, batch: int, input_len: int, output_len: int, block_size: int) -> LLMEngine:
-    blocks = batch * -(-(input_len + output_len + 1) // block_size) + 16
+def make_engine(model_dir: Path, batch: int, input_len: int, output_len: int, block_size: int,
+                ngram: int = 0) -> LLMEngine:
+    blocks = batch * -(-(input_len + output_len + ngram + 1) // block_size) + 16
+    spec = SpeculativeConfig(method="ngram", num_draft_tokens=ngram) if ngram else SpeculativeConfig()
     return LLMEngine(
         ModelConfig(model=str(model_dir), dtype="float32", load_format="dummy"),
         EngineConfig(device="cpu", block_size=block_size, num_kv_blocks=blocks, max_num_seqs=batch,
-                     max_num_batched_tokens=8192, async_scheduling=True, enforce_eager=True),
+                     max_num_batched_tokens=8192, async_scheduling=True, enforce_eager=True, speculative=spec),
     )
 
 
 def run_batch(model_dir: Path, batch: int, input_len: int, output_len: int, block_size: int = 16,
-              profile: cProfile.Profile | None = None) -> dict:
+              profile: cProfile.Profile | None = None, ngram: int = 0) -> dict:
     """Drive one batch to the end; returns decode-step counts and median / mean host and device ms."""
-    engine = make_engine(model_dir, batch, input_len, output_len, block_size)
+    engine = make_engine(model_dir, batch, input_len, output_len, block_size, ngram)
     clock = DeviceClock(profile)
     model = engine.runner.model
     model.forward = clock.wrap(model.forward)
@@ -101,8 +106,12 @@ def run_batch(model_dir: Path, batch: int, input_len: int, output_len: int, bloc
     engine.scheduler.schedule = schedule_and_keep
     rng = random.Random(0)
     for i in range(batch):
-        engine.add_request(f"r{i}", [rng.randrange(3, TINY_LLAMA["vocab_size"]) for _ in range(input_len)],
-                           SamplingParams(max_tokens=output_len, ignore_eos=True, seed=i))
+        if ngram:  # a repeated phrase: prompt lookup finds it
+            phrase = [rng.randrange(3, TINY_LLAMA["vocab_size"]) for _ in range(50)]
+            prompt = (phrase * (input_len // 50 + 1))[:input_len]
+        else:
+            prompt = [rng.randrange(3, TINY_LLAMA["vocab_size"]) for _ in range(input_len)]
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=output_len, ignore_eos=True, seed=i))
     host, device = [], []
     orig_sample = sampler_mod.sample
     sampler_mod.sample = clock.wrap(orig_sample)
@@ -117,12 +126,12 @@ def run_batch(model_dir: Path, batch: int, input_len: int, output_len: int, bloc
                 profile.disable()
             wall = time.perf_counter() - t0
             sched = last["sched"]
-            if sched.scheduled and all(s.num_new_tokens == 1 for s in sched.scheduled):
+            if sched.scheduled and all(s.num_new_tokens == 1 + s.num_draft_tokens for s in sched.scheduled):
                 device.append(clock.seconds - device0)
                 host.append(wall - device[-1])
     finally:
         sampler_mod.sample = orig_sample
-    return {"batch": batch, "steps": len(host), "host_ms": statistics.median(host) * 1e3,
+    return {"batch": batch, "ngram": ngram, "steps": len(host), "host_ms": statistics.median(host) * 1e3,
             "host_ms_mean": statistics.mean(host) * 1e3, "model_ms": statistics.median(device) * 1e3}
 
 
@@ -132,8 +141,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--input-len", type=int, default=1000)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    ap.add_argument("--ngram", type=int, default=0, metavar="K",
+                    help="speculative decoding by prompt lookup with K drafts (fixed k); 0: off")
     ap.add_argument("--profile", action="store_true", help="cProfile the steps; print the top functions")
     ap.add_argument("--top", type=int, default=25, help="functions to print with --profile")
+    ap.add_argument("--sort", default="tottime", help="pstats sort key with --profile (tottime, cumulative)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = []
@@ -142,13 +154,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"{'batch':>6} {'steps':>6} {'host ms/step':>13} {'(mean)':>8} {'model ms/step':>14}")
         for batch in args.batches:
             prof = cProfile.Profile() if args.profile else None
-            row = run_batch(model_dir, batch, args.input_len, args.output_len, profile=prof)
+            row = run_batch(model_dir, batch, args.input_len, args.output_len, profile=prof, ngram=args.ngram)
             rows.append(row)
             print(f"{row['batch']:>6} {row['steps']:>6} {row['host_ms']:>13.3f} {row['host_ms_mean']:>8.3f} "
                   f"{row['model_ms']:>14.3f}", flush=True)
             if prof is not None:
-                print(f"-- batch {batch}: top {args.top} host functions by own time (all steps, prefill included)")
-                pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
+                print(f"-- batch {batch}: top {args.top} host functions by {args.sort} (all steps, prefill included)")
+                pstats.Stats(prof).sort_stats(args.sort).print_stats(args.top)
     return rows
 
 

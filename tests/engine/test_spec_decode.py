@@ -63,6 +63,10 @@ def test_ngram_lookup_equals_the_window_scan_at_every_length():
     buffer = TokenBuffer()
     buffer.sync([1, 2, 3, 4])
     assert buffer.sync([1, 2, 9]).tolist() == [1, 2, 9]  # shorter and changed: rebuilt
+    split = TokenBuffer()  # a request's prompt and outputs, given apart
+    for outputs in ([], [7], [7, 8, 9], list(range(7, 80))):
+        assert split.sync([1, 2, 3], outputs).tolist() == [1, 2, 3, *outputs]
+    assert split.sync([1, 2, 3], [7, 5]).tolist() == [1, 2, 3, 7, 5]  # an output changed (shorter): rebuilt
 
 
 def test_ngram_lookup_takes_the_longest_recurring_suffix():
