@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,6 +120,8 @@ def init_ray(cfg: RayConfig | None = None, *, num_cpus: int | None = None, **kwa
     import ray
 
     cfg = cfg or RayConfig()
+    if not sys.stdout.isatty():  # the actors' log lines Ray prints here: no colour codes in a file or pipe
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     if num_cpus is not None and (cfg.address not in (None, "local") or resolve_address(cfg)[0] is not None):
         raise ValueError("num_cpus sizes an embedded cluster; a joined cluster keeps its own")
     if ray.is_initialized():

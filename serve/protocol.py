@@ -325,11 +325,11 @@ class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
-def parse_body(model: type[BaseModel], body: Any) -> BaseModel:
+def parse_body(model: type[BaseModel], body: Any, request_id: str | None = None) -> BaseModel:
     """Validate a decoded JSON body against a request model.
 
-    Fields the model does not know are ignored, and logged as a warning that names them (a misspelled
-    ``temprature`` would otherwise pass unseen).
+    Fields the model does not know are ignored, and logged as a warning that names them and
+    ``request_id`` (a misspelled ``temprature`` would otherwise pass unseen).
 
     Raises:
         APIError: 400 naming the first bad field.
@@ -342,7 +342,8 @@ def parse_body(model: type[BaseModel], body: Any) -> BaseModel:
         raise from_validation_error(e) from None
     ignored = ignored_fields(parsed)
     if ignored:
-        logger.warning("the following fields were present in the request but ignored: %s", ", ".join(ignored))
+        logger.warning("request %s: the following fields were present in the request but ignored: %s",
+                       request_id or "(no id)", ", ".join(ignored))
     return parsed
 
 

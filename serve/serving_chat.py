@@ -95,7 +95,7 @@ class ChatServing:
     def _prepare(self, body: Any, request_id: str, record: RequestRecord | None):
         """Parse, render and tokenize (on the serving's executor): ``(context, [(prompt_ids, params)])``."""
         s = self.serving
-        req: ChatCompletionRequest = parse_body(ChatCompletionRequest, body)  # pyright: ignore[reportAssignmentType]
+        req: ChatCompletionRequest = parse_body(ChatCompletionRequest, body, request_id)  # pyright: ignore[reportAssignmentType]
         s.check_model(req.model)
         s.check_prompt_chars([body.get("messages"), body.get("tools")], "messages")
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None

@@ -96,7 +96,7 @@ class CompletionServing:
         """
         request_id = request_id or f"cmpl-{uuid.uuid4().hex}"
         try:
-            req, jobs, echo_ids, num_prompt_tokens = self._prepare(body)
+            req, jobs, echo_ids, num_prompt_tokens = self._prepare(body, request_id)
         except Exception as e:  # noqa: BLE001 - whatever the tokenizer raised: a 400
             raise refused(e, "prompt") from None
         ctx = {"id": request_id, "object": "text_completion", "created": int(time.time()),
@@ -104,10 +104,10 @@ class CompletionServing:
         return PreparedRequest(request_id, jobs, lambda states: self._response(
             ctx, req, states, echo_ids, num_prompt_tokens, RequestRecord()))
 
-    def _prepare(self, body: Any):
+    def _prepare(self, body: Any, request_id: str | None = None):
         """Parse and tokenize (on the serving's executor): ``(request, jobs, echo ids, prompt tokens)``."""
         s = self.serving
-        req: CompletionRequest = parse_body(CompletionRequest, body)  # pyright: ignore[reportAssignmentType]
+        req: CompletionRequest = parse_body(CompletionRequest, body, request_id)  # pyright: ignore[reportAssignmentType]
         s.check_model(req.model)
         s.check_prompt_chars(body.get("prompt"), "prompt")
         if req.suffix:

@@ -20,9 +20,9 @@ def test_parse_valid_chat_body_ignores_unknown_fields_and_logs_them(caplog):
     body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache": 1}]}], "max_tokens": 3,
             "temprature": 0.5, "stream_options": {"include_usage": True, "extra": 1}}
     with caplog.at_level("WARNING", logger="rayinfer.serve.protocol"):
-        req = parse_body(ChatCompletionRequest, body)
+        req = parse_body(ChatCompletionRequest, body, "chatcmpl-1")
     assert req.messages[0].content[0].text == "hi" and req.max_tokens == 3 and req.temperature is None
-    assert "present in the request but ignored: temprature, stream_options.extra, messages.0.content.0.cache" \
+    assert "request chatcmpl-1: the following fields were present in the request but ignored: temprature, stream_options.extra, messages.0.content.0.cache" \
         in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="rayinfer.serve.protocol"):
