@@ -741,9 +741,11 @@ def sampling_case(results, ceil, batch, full_filters):
 GEMV_SHAPES = {"o": (HIDDEN, HIDDEN), "down": (HIDDEN, INTER), "qkv": (HIDDEN + 2 * KV_HEADS * HEAD_DIM, HIDDEN),
                "gate_up": (2 * INTER, HIDDEN),
                # DeepSeek-V2-Lite's one-row layer: qkv_a_proj (16 heads x 192 + 512 + 64 rows), o_proj
-               "mla_qkv_a": (16 * 192 + 576, 2048), "mla_o": (2048, 2048)}
+               "mla_qkv_a": (16 * 192 + 576, 2048), "mla_o": (2048, 2048),
+               # its dense first layer's MLP (GatedMLP.fuse_gate_up): gate and up stacked, then down
+               "v2lite_gate_up": (2 * 10944, 2048), "v2lite_down": (2048, 10944)}
 GEMV_PROLOGUE = {"o": None, "down": "silu_and_mul", "qkv": "rms_norm", "gate_up": "rms_norm",
-                 "mla_qkv_a": "rms_norm", "mla_o": None}
+                 "mla_qkv_a": "rms_norm", "mla_o": None, "v2lite_gate_up": "rms_norm", "v2lite_down": "silu_and_mul"}
 LLAMA_GEMVS = ("o", "down", "qkv", "gate_up")
 
 
@@ -896,7 +898,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer cases")
     parser.add_argument("--sweep", action="store_true", help="also sweep prefill tiles and decode split factors")
     parser.add_argument("--only-sweeps", nargs="*", default=None,
-                        help="skip the kernel table; run these sweeps (gemv, gemv_mla, decode_tiles, prefill, prefill_gqa8, prefill_long, "
+                        help="skip the kernel table; run these sweeps (gemv, gemv_mla, gemv_v2lite_mlp, decode_tiles, prefill, prefill_gqa8, prefill_long, "
                         "decode_splits, decode_step, mla, mla_tiles, mla_tilelang, mla_splits, mla_swap, mla_swap_few, mla_prefill)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -921,7 +923,9 @@ def main() -> None:
                  "prefill_long": sweep_prefill_long,
                  "mla_tiles": sweep_mla_tiles, "mla_tilelang": sweep_mla_tilelang, "mla_splits": sweep_mla_splits, "mla_swap": sweep_mla_swap, "mla_swap_few": sweep_mla_swap_few,
                  "mla_prefill": sweep_mla_prefill,
-                 "gemv_mla": lambda c: sweep_gemv(c, ("mla_qkv_a", "mla_o"), block_ks=(512, 1024, 2048))}
+                 "gemv_mla": lambda c: sweep_gemv(c, ("mla_qkv_a", "mla_o"), block_ks=(512, 1024, 2048)),
+                 "gemv_v2lite_mlp": lambda c: sweep_gemv(c, ("v2lite_gate_up", "v2lite_down"),
+                                                         block_ks=(512, 1024, 2048))}
         for name in args.only_sweeps:
             sweeps[name] = funcs[name](ceil)
             with open(args.out, "w") as f:  # after each sweep, so a cut-off run keeps what it measured
