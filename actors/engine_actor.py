@@ -66,7 +66,7 @@ class EngineActorImpl:
         self._store_stream = torch.cuda.Stream(e.device) if e.device.type == "cuda" else None
         self.num_store_writes_skipped = 0
         self.num_store_hit_blocks = 0  # blocks loaded from the store (NORMAL role)
-        self.num_store_skipped_blocks = 0  # leading blocks of a store hit taken from this replica's cache instead
+        self.num_store_skipped_blocks = 0  # leading blocks of a store hit taken from this replica's own tiers instead
         self.num_store_lookups = 0
         self.cp_peer = None  # a CP peer rank's side of rank 0's prefills (join_cp_group_as_peer)
         if kv_store is not None and e.role.value == "normal":
@@ -108,9 +108,9 @@ class EngineActorImpl:
         leading blocks than this replica's device and host pools; a store that is down, or blocks that
         turn out missing or damaged, are a miss (the prompt is computed).
 
-        The leading blocks in this replica's device pool are not fetched: the handle leaves them out
-        (``KVHandle.first_block``) and the scheduler takes them from the prefix cache (a shared system
-        prompt cached here, a conversation's later turns in the store)."""
+        The leading blocks in this replica's device pool and host tier are not fetched: the handle leaves
+        them out (``KVHandle.first_block``) and the scheduler takes them from the prefix cache and the host
+        tier (a shared system prompt cached here, a conversation's later turns in the store)."""
         e = self.engine.engine
         if (self.kv_store is None or e.role.value != "normal" or kwargs.get("kv_handle") is not None
                 or kwargs.get("mm_inputs")):  # the store's hashes know no images
@@ -121,10 +121,9 @@ class EngineActorImpl:
         hashes = block_hashes(list(prompt_token_ids) + list(kwargs.get("output_token_ids") or []), bs)
         kv = e.scheduler.kv
         # a racy read of the engine thread's dicts: only a hint of what is cached here (device pool, then host)
-        on_device = 0
-        while on_device < len(hashes) and hashes[on_device] in kv.pool.hash_to_block:
-            on_device += 1
-        local = on_device
+        local = 0
+        while local < len(hashes) and hashes[local] in kv.pool.hash_to_block:
+            local += 1
         while local < len(hashes) and kv.host is not None and hashes[local] in kv.host.hash_to_slot:
             local += 1
         if local == len(hashes):
@@ -134,17 +133,17 @@ class EngineActorImpl:
             n = await self.kv_store.match.remote(hashes)
             if n <= local:
                 return
-            layout, blocks = await self.kv_store.get_blocks.remote(hashes[on_device:n])
+            layout, blocks = await self.kv_store.get_blocks.remote(hashes[local:n])
         except ray.exceptions.RayError as err:
             logger.warning("KV store unavailable (%s); computing the prompt", type(err).__name__)
             return
-        if not blocks or layout != kv_layout_tag(e.kv_cache) or on_device + len(blocks) <= local:
+        if not blocks or layout != kv_layout_tag(e.kv_cache):
             return
         self.num_store_hit_blocks += len(blocks)
-        self.num_store_skipped_blocks += on_device
+        self.num_store_skipped_blocks += local
         payload = from_wire(np.concatenate(blocks, axis=1), e.kv_cache.dtype)
-        n = on_device + len(blocks)
-        kwargs["kv_handle"] = KVHandle(request_id, list(hashes[:n]), n * bs, layout, payload, first_block=on_device)
+        n = local + len(blocks)
+        kwargs["kv_handle"] = KVHandle(request_id, list(hashes[:n]), n * bs, layout, payload, first_block=local)
 
     def _put_finished(self, block_hashes: list[int], start: int, payload: torch.Tensor) -> bool:
         """The engine's store writer (engine thread): copy to host and put, on the store-write thread."""

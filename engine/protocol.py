@@ -40,7 +40,7 @@ class ReplicaStats:
         host_kv_offloaded_blocks, host_kv_loaded_blocks, host_kv_bytes_moved: host tier traffic.
         kv_store_lookups, kv_store_hit_blocks, kv_store_skipped_blocks: NORMAL role with a KV store: store
             lookups made for prompts the replica's own tiers missed, blocks loaded from the store, and
-            leading blocks of those hits taken from the replica's own device pool instead of fetched.
+            leading blocks of those hits taken from the replica's own device pool and host tier instead of fetched.
         num_encoder_runs, encoder_cache_hits, encoder_cache_tokens: vision-language models: images this
             replica's own encoder ran on, images served from its encoder cache, and the cache's rows (all
             stay 0 behind encoder replicas, which send embeddings).

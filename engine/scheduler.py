@@ -184,6 +184,7 @@ class Scheduler:
         while admit and not preempted and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[0]
             cp_hit = 0  # a context-parallel prefill's tokens found in the prefix cache
+            handle_host: list[int] = []  # host-tier slots of blocks a handle leaves out (after the device hits)
             if req.kv_handle is not None:  # PD import or stored prefix: the handle's tokens arrive computed
                 hit_blocks, num_hit = self.kv.get_computed_blocks(req)
                 cp = req.kv_handle.payload if isinstance(req.kv_handle.payload, ContextParallelPrefill) else None
@@ -194,17 +195,25 @@ class Scheduler:
                 elif cp is not None and num_hit:  # CP covers the rest; the hit's blocks come first
                     handle = req.kv_handle = replace(req.kv_handle, payload=replace(cp, num_cached=num_hit))
                     cp_hit, num_hit = num_hit, handle.num_tokens
-                elif len(hit_blocks) < req.kv_handle.first_block:
-                    req.kv_handle = None  # blocks the payload leaves out were evicted: computed past the hit
+                elif len(hit_blocks) < (skip := req.kv_handle.first_block):
+                    # the blocks the payload leaves out that the device pool no longer holds load from the
+                    # host tier; evicted from both, the handle is dropped and the prompt computed past the hit
+                    handle_host = self.kv.match_host(req, len(hit_blocks))[: skip - len(hit_blocks)]
+                    if len(hit_blocks) + len(handle_host) < skip:
+                        req.kv_handle, handle_host = None, []
+                    else:
+                        num_hit = req.kv_handle.num_tokens
                 else:  # the payload's blocks follow the cached ones it leaves out
                     hit_blocks, num_hit = hit_blocks[: req.kv_handle.first_block], req.kv_handle.num_tokens
             elif req.num_computed_tokens:
                 hit_blocks, num_hit = [], 0
             else:
                 hit_blocks, num_hit = self.kv.get_computed_blocks(req)
-            host_slots = (self.kv.match_host(req, len(hit_blocks))
-                          if req.kv_handle is None and not req.num_computed_tokens else [])
-            num_hit += len(host_slots) * cfg.block_size
+            if req.kv_handle is not None:
+                host_slots = handle_host  # already counted in the handle's tokens
+            else:
+                host_slots = self.kv.match_host(req, len(hit_blocks)) if not req.num_computed_tokens else []
+                num_hit += len(host_slots) * cfg.block_size
             # bounded replay: a hit restores the full-attention layers' KV only; the sliding layers'
             # KV of the hit's last W - 1 tokens is recomputed in the same forward as the rest
             num_replay = self.kv.num_replay_tokens(num_hit)

@@ -148,9 +148,9 @@ class KVHandle:
             (k, v) x block_size x kv heads x head dim.
         payload: a tensor of that layout, or a Ray ObjectRef to one, holding blocks ``first_block`` ..
             ``ceil(num_tokens / block_size) - 1``.
-        first_block: leading full blocks the payload leaves out because the importing replica's prefix
-            cache holds them (a KV-store fetch skips what the replica has); if they are gone by admission,
-            the handle is dropped and the prompt is computed past whatever is still cached.
+        first_block: leading full blocks the payload leaves out because the importing replica holds them
+            (device pool, then host tier: a KV-store fetch skips what the replica has); if they are gone
+            from both by admission, the handle is dropped and the prompt is computed past what is cached.
     """
 
     request_id: str

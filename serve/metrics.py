@@ -92,7 +92,7 @@ _ENGINE_METRICS = (
     ("kv_store_hit_blocks", "rayinfer_kv_store_replica_hit_blocks", (), "Blocks a replica loaded from the KV "
      "store.", "counter"),
     ("kv_store_skipped_blocks", "rayinfer_kv_store_replica_skipped_blocks", (), "Leading blocks of a KV store hit "
-     "that a replica took from its own device pool instead of fetching them.", "counter"),
+     "that a replica took from its own device pool and host tier instead of fetching them.", "counter"),
     ("kv_store_queries", "rayinfer_kv_store_queries", (), "Blocks asked of the KV store.", "counter"),
     ("kv_store_hits", "rayinfer_kv_store_hits", (), "Blocks the KV store held when asked.", "counter"),
     ("kv_store_corrupt", "rayinfer_kv_store_corrupt_blocks", (), "KV store blocks dropped for a missing or "

@@ -218,8 +218,9 @@ def test_a_failing_warm_up_prefill_is_a_warning(tiny_engine, prompts, reference,
 
 def test_a_handle_that_leaves_out_cached_blocks_imports_the_rest(tiny_engine, prompts):
     """A KV-store handle may leave out the leading blocks the replica has cached (``first_block``): the
-    scheduler takes those from the prefix cache and imports only the payload's blocks; if they were evicted
-    by admission, the handle is dropped and the prompt computed. Outputs equal a run without a handle."""
+    scheduler takes those from the prefix cache (or loads them from the host tier) and imports only the
+    payload's blocks; if they were evicted from both by admission, the handle is dropped and the prompt
+    computed. Outputs equal a run without a handle."""
     from rayinfer.engine.model_runner import kv_layout_tag
     from rayinfer.engine.types import KVHandle
     from rayinfer.policy.kv_store_index import block_hashes
@@ -250,6 +251,19 @@ def test_a_handle_that_leaves_out_cached_blocks_imports_the_rest(tiny_engine, pr
     cold.add_request("no-prefix", prompt, params, kv_handle=handle("no-prefix"))
     assert drain_one(cold) == want
     assert cold.num_computed_tokens == len(prompt) + params.max_tokens - 1
+
+    # host tier: the left-out blocks were evicted from the device pool to host memory; they load back from there
+    tiered = tiny_engine(num_kv_blocks=16, host_kv_cache_gib=0.01)
+    tiered.generate([shared + prompts[3][:5]], params)
+    tiered.generate([(prompts[2] * 3)[:58]], params)  # 58 + 6 tokens fill all 16 blocks: the shared ones are evicted
+    kv = tiered.scheduler.kv
+    assert not any(h in kv.pool.hash_to_block for h in hashes[:skip]) and all(h in kv.host.hash_to_slot
+                                                                           for h in hashes[:skip])
+    loaded, computed = kv.host.num_loaded, tiered.num_computed_tokens
+    tiered.add_request("from-host", prompt, params, kv_handle=handle("from-host"))
+    assert drain_one(tiered) == want
+    assert kv.host.num_loaded - loaded == skip
+    assert tiered.num_computed_tokens - computed == len(prompt) - len(hashes) * 4 + params.max_tokens - 1
 
     with pytest.raises(InvalidRequestError, match=r"leaves out \d+ leading blocks; it may leave out only its \d+ hashed"):
         bad = KVHandle("bad", hashes, len(hashes) * 4, kv_layout_tag(ref.kv_cache), None, first_block=len(hashes) + 1)
