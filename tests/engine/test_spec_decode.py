@@ -58,7 +58,9 @@ def test_ngram_lookup_equals_the_window_scan_at_every_length():
             context = buffer.sync(seq[:length].tolist())
             assert np.array_equal(context, seq[:length])
             for (lo, hi), k in [((1, 4), 3), ((2, 3), 5), ((1, 1), 1)]:
-                assert ngram_lookup(context, k, lo, hi) == scan_lookup(seq[:length], k, lo, hi), (length, lo, hi, k)
+                want = scan_lookup(seq[:length], k, lo, hi)
+                assert ngram_lookup(context, k, lo, hi) == want, (length, lo, hi, k)
+                assert buffer.ngram_lookup(k, lo, hi) == want, (length, lo, hi, k)  # the indexed fast path
     assert TokenBuffer().sync([]).size == 0
     buffer = TokenBuffer()
     buffer.sync([1, 2, 3, 4])
@@ -66,7 +68,13 @@ def test_ngram_lookup_equals_the_window_scan_at_every_length():
     split = TokenBuffer()  # a request's prompt and outputs, given apart
     for outputs in ([], [7], [7, 8, 9], list(range(7, 80))):
         assert split.sync([1, 2, 3], outputs).tolist() == [1, 2, 3, *outputs]
+        assert split.positions == {t: [i] for i, t in enumerate([1, 2, 3, *outputs])}
     assert split.sync([1, 2, 3], [7, 5]).tolist() == [1, 2, 3, 7, 5]  # an output changed (shorter): rebuilt
+    assert split.positions == {1: [0], 2: [1], 3: [2], 7: [3], 5: [4]}
+    assert split.sync([1, 2, 3], [7, 5, 1, 2, 3]).tolist() == [1, 2, 3, 7, 5, 1, 2, 3]
+    assert split.positions[1] == [0, 5] and split.ngram_lookup(2, 1, 3) == [7, 5]
+    assert split.sync([1, 2, 3, 4, 5, 6, 7, 8, 9], [9]).tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 9, 9]  # rebuilt, longer
+    assert split.positions == {**{t: [t - 1] for t in range(1, 9)}, 9: [8, 9]}
 
 
 def test_ngram_lookup_takes_the_longest_recurring_suffix():
