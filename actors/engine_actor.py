@@ -133,7 +133,7 @@ class EngineActorImpl:
             n = await self.kv_store.match.remote(hashes)
             if n <= local:
                 return
-            layout, blocks = await self.kv_store.get_blocks.remote(hashes[local:n])
+            layout, blocks = await self.kv_store.get_blocks.remote(hashes[:n], local)
         except ray.exceptions.RayError as err:
             logger.warning("KV store unavailable (%s); computing the prompt", type(err).__name__)
             return

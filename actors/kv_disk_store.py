@@ -130,15 +130,19 @@ class DiskKVStore:
         self._expire()
         return self.index.match(block_hashes)
 
-    def get(self, block_hashes: Sequence[int]) -> list[np.ndarray]:
-        """The leading stored blocks of a chain, read from their files: one ``[L, 1, ...]`` wire array each.
+    def get(self, block_hashes: Sequence[int], start: int = 0) -> list[np.ndarray]:
+        """The leading stored blocks of a chain, read from their files: one ``[L, 1, ...]`` wire array each,
+        from block ``start`` on (the caller holds the ones before it; they must be stored, else nothing is
+        read).
 
         A missing or damaged file ends the run there and drops that block and its descendants.
-        Side effect: the blocks read become the most recent.
+        Side effect: the blocks before ``start`` and those read become the most recent, the chain's head newest.
         """
         self._expire()
         out = []
-        for h in block_hashes:
+        if any(h not in self.index.blocks for h in block_hashes[:start]):
+            return out
+        for h in block_hashes[start:]:
             block = self.index.blocks.get(h)
             if block is None:
                 break
@@ -149,7 +153,7 @@ class DiskKVStore:
                 break
             out.append(arr)
         if out:
-            self.index.get(block_hashes[: len(out)])
+            self.index.get(block_hashes[: start + len(out)])
         self._save_index()
         return out
 

@@ -51,12 +51,15 @@ class KVStoreActorImpl:
             return self.disk.match(block_hashes)
         return self.index.match(block_hashes)
 
-    def get_blocks(self, block_hashes: list[int]) -> tuple[str | None, list[np.ndarray]]:
+    def get_blocks(self, block_hashes: list[int], start: int = 0) -> tuple[str | None, list[np.ndarray]]:
         """The leading stored blocks of a chain as wire arrays ``[L, 1, ...]`` (fewer than :meth:`match`
-        said when a file turned out missing or damaged)."""
+        said when a file turned out missing or damaged), from block ``start`` on: a replica that holds the
+        first ones fetches the rest. The whole run read counts as used (LRU), the head newest, so the blocks
+        the caller skipped are not evicted before the ones after them."""
         if self.disk is not None:
-            return self.disk.layout, self.disk.get(block_hashes)
-        return self.layout, ray.get(self.index.get(block_hashes))
+            return self.disk.layout, self.disk.get(block_hashes, start)
+        refs = self.index.get(block_hashes)
+        return self.layout, ray.get(refs[start:]) if len(refs) > start else []
 
     def get(self, block_hashes: list[int]) -> tuple[str | None, list[ray.ObjectRef]]:
         """The leading stored blocks of a chain.

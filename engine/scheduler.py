@@ -185,6 +185,7 @@ class Scheduler:
             req = self.waiting[0]
             cp_hit = 0  # a context-parallel prefill's tokens found in the prefix cache
             handle_host: list[int] = []  # host-tier slots of blocks a handle leaves out (after the device hits)
+            host_match: list[int] | None = None  # a host-tier match already made (and pinned) for this request
             if req.kv_handle is not None:  # PD import or stored prefix: the handle's tokens arrive computed
                 hit_blocks, num_hit = self.kv.get_computed_blocks(req)
                 cp = req.kv_handle.payload if isinstance(req.kv_handle.payload, ContextParallelPrefill) else None
@@ -198,11 +199,11 @@ class Scheduler:
                 elif len(hit_blocks) < (skip := req.kv_handle.first_block):
                     # the blocks the payload leaves out that the device pool no longer holds load from the
                     # host tier; evicted from both, the handle is dropped and the prompt computed past the hit
-                    handle_host = self.kv.match_host(req, len(hit_blocks))[: skip - len(hit_blocks)]
-                    if len(hit_blocks) + len(handle_host) < skip:
-                        req.kv_handle, handle_host = None, []
+                    host_match = self.kv.match_host(req, len(hit_blocks))
+                    if len(hit_blocks) + len(host_match) < skip:
+                        req.kv_handle = None
                     else:
-                        num_hit = req.kv_handle.num_tokens
+                        handle_host, num_hit = host_match[: skip - len(hit_blocks)], req.kv_handle.num_tokens
                 else:  # the payload's blocks follow the cached ones it leaves out
                     hit_blocks, num_hit = hit_blocks[: req.kv_handle.first_block], req.kv_handle.num_tokens
             elif req.num_computed_tokens:
@@ -212,7 +213,9 @@ class Scheduler:
             if req.kv_handle is not None:
                 host_slots = handle_host  # already counted in the handle's tokens
             else:
-                host_slots = self.kv.match_host(req, len(hit_blocks)) if not req.num_computed_tokens else []
+                if host_match is None:
+                    host_match = self.kv.match_host(req, len(hit_blocks)) if not req.num_computed_tokens else []
+                host_slots = host_match
                 num_hit += len(host_slots) * cfg.block_size
             # bounded replay: a hit restores the full-attention layers' KV only; the sliding layers'
             # KV of the hit's last W - 1 tokens is recomputed in the same forward as the rest

@@ -228,7 +228,8 @@ def run(cfg: GenerateConfig, client=None) -> int:
             raise ValueError(f"sampling ({', '.join(f'{k}={v}' for k, v in cfg.sampling.items())}): {probe.error}")
     jobs = parser.parse(lines, cfg.input_format)
     if jobs:
-        print(f"read {len(jobs)} lines ({jobs[0].format} format) from {in_path or 'the built-in prompts'}")
+        print(f"read {len(jobs)} line{'s' if len(jobs) != 1 else ''} ({jobs[0].format} format) from "
+              f"{in_path or 'the built-in prompts'}")
     partial = out_path.with_name(out_path.name + ".partial")
     if drop_cut_line(partial):
         print(f"dropped a cut last line of {partial}")
@@ -315,7 +316,7 @@ def run(cfg: GenerateConfig, client=None) -> int:
         for j, rec in zip(jobs, records):
             print(f"\n[{j.id}] {'ERROR: ' + error_text(rec) if is_error(rec) else record_text(rec)}")
     print(f"\n{len(records) - len(failed)} ok, {len(failed)} failed; wrote {out_path}"
-          + ("" if printed else " (the answers are there; print_outputs=true also prints them)"))
+          + ("" if printed or len(failed) == len(records) else " (the answers are there; print_outputs=true also prints them)"))
     for j, rec in failed[:MAX_FAILURES_SHOWN]:
         print(f"  line {j.line_no} ({j.id}): {error_text(rec)}")
     if len(failed) > MAX_FAILURES_SHOWN:

@@ -2,7 +2,8 @@
 
 Scalars are strict (``"5"`` is not an integer, ``true`` is not a number), as the OpenAI API is; unknown
 fields are accepted and ignored so newer clients keep working, with a warning in the server's log that
-names them (as vLLM does; :func:`ignored_fields`). Responses are plain dicts built in ``serve/serving_*.py``.
+names a request's own unknown fields (as vLLM does; a message's extra fields may be read by the chat
+template). Responses are plain dicts built in ``serve/serving_*.py``.
 """
 
 from __future__ import annotations
@@ -328,8 +329,9 @@ class DetokenizeRequest(_Strict):
 def parse_body(model: type[BaseModel], body: Any, request_id: str | None = None) -> BaseModel:
     """Validate a decoded JSON body against a request model.
 
-    Fields the model does not know are ignored, and logged as a warning that names them and
-    ``request_id`` (a misspelled ``temprature`` would otherwise pass unseen).
+    Top-level fields the model does not know are ignored, and logged as a warning that names them and
+    ``request_id`` (a misspelled ``temprature`` would otherwise pass unseen). Nested ones are not named:
+    a message's extra fields (``reasoning_content``) go on to the chat template.
 
     Raises:
         APIError: 400 naming the first bad field.
@@ -340,24 +342,12 @@ def parse_body(model: type[BaseModel], body: Any, request_id: str | None = None)
         parsed = model.model_validate(body)
     except ValidationError as e:
         raise from_validation_error(e) from None
-    ignored = ignored_fields(parsed)
+    ignored = list(parsed.model_extra or {})  # nested extras (a message's) may reach the chat template
     if ignored:
         logger.warning("request %s: the following fields were present in the request but ignored: %s",
                        request_id or "(no id)", ", ".join(ignored))
     return parsed
 
-
-def ignored_fields(parsed: BaseModel, prefix: str = "") -> list[str]:
-    """Dotted paths of the fields a validated body carried that its models do not know (``messages.0.foo``),
-    nested models and lists of them included (the top level's first, then by field)."""
-    found = [prefix + name for name in (parsed.model_extra or {})]
-    for name in type(parsed).model_fields:
-        value = getattr(parsed, name)
-        items = enumerate(value) if isinstance(value, list) else [(None, value)]
-        for i, item in items:
-            if isinstance(item, BaseModel):
-                found += ignored_fields(item, f"{prefix}{name}." + ("" if i is None else f"{i}."))
-    return found
 
 
 def response_format_of(req: _SamplingRequest) -> dict | None:

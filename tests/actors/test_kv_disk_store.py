@@ -57,3 +57,15 @@ def test_ttl_and_byte_limit(tmp_path):
     now[0] += 61
     assert store.match([7]) == 0 and not list(store.blocks_dir.glob("*.kv"))  # expired, files deleted
     assert DiskKVStore(tmp_path, "m", clock=lambda: now[0]).match([7]) == 0
+
+
+def test_get_from_a_later_block_reads_only_those_files_and_touches_the_chain(tmp_path):
+    store = DiskKVStore(tmp_path, "m", max_blocks=5)
+    p = _payload(3)
+    store.put([1, 2, 3], 0, p, LAYOUT)
+    store.put([7, 8], 0, p[:, :2], LAYOUT)
+    got = store.get([1, 2, 3], start=1)
+    assert np.array_equal(np.concatenate(got, axis=1), p[:, 1:])
+    store.put([9], 0, p[:, :1], LAYOUT)  # one block over the limit
+    assert store.match([1, 2, 3]) == 3 and store.match([7, 8]) == 1  # the LRU block: the other chain's tail
+    assert store.get([5, 6, 7], start=2) == []  # blocks before start must be stored

@@ -93,3 +93,20 @@ def test_wire_form_round_trip_keeps_bytes():
         assert isinstance(wire, np.ndarray) and wire.nbytes == x.numel() * x.element_size()
         back = from_wire(wire, dtype)
         assert back.dtype == dtype and torch.equal(back.view(torch.uint8), x.view(torch.uint8))
+
+
+def test_a_fetch_from_a_later_block_keeps_the_chain_in_lru_order(store):
+    """A replica that holds a chain's first blocks fetches the rest (``get_blocks(..., start)``); the blocks it
+    skipped count as used too, so the next eviction takes an older chain, not this one's head (which would drop
+    the whole conversation with it). The store holds 8 blocks."""
+    chain, other, newer = (hash_block_chain(list(range(s, s + 20)), 4) for s in (0, 1000, 2000))
+    data = payload(5)
+    assert ray.get(store.put.remote(chain, 0, data, LAYOUT)) == 5
+    assert ray.get(store.put.remote(other[:2], 0, data[:, :2], LAYOUT)) == 2
+    layout, blocks = ray.get(store.get_blocks.remote(chain, 2))
+    assert layout == LAYOUT and len(blocks) == 3
+    assert torch.equal(from_wire(np.concatenate(blocks, axis=1), torch.float32), data[:, 2:])
+    assert ray.get(store.put.remote(newer[:2], 0, data[:, :2], LAYOUT)) == 2  # 9 blocks: the LRU one is evicted
+    # the other chain's tail; had the skipped blocks not counted as used, the chain's block 1 (and after it 2..4)
+    assert ray.get(store.match.remote(chain)) == 5 and ray.get(store.match.remote(other[:2])) == 1
+    assert ray.get(store.get_blocks.remote(chain, 5)) == (LAYOUT, [])  # nothing after the held blocks

@@ -82,7 +82,7 @@ def test_special_token_text_in_user_content_stays_plain(tokenizer):
     assert "<|im_start|>" in tokenizer.decode(ids)
 
 
-def test_job_end_to_end_with_errors_and_resume(tmp_path, fleet):
+def test_job_end_to_end_with_errors_and_resume(tmp_path, fleet, capsys):
     long_prompt = "word " * 9000
     lines = [
         {"id": "a", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 8},
@@ -96,6 +96,8 @@ def test_job_end_to_end_with_errors_and_resume(tmp_path, fleet):
     cfg = GenerateConfig(input=str(inp), output=str(out), model=ModelConfig(dtype="float32"),
                          sampling={"max_tokens": 8, "temperature": 0.0})
     assert run(cfg, client=fleet) == 0
+    assert f"2 ok, 3 failed; wrote {out} (the answers are there; print_outputs=true also prints them)" \
+        in capsys.readouterr().out  # an input file: the answers are not printed
     recs = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["id"] for r in recs] == ["a", "b", "too-long", "bad", "line-5"]
     assert recs[0]["error"] is None and "Paris" in recs[0]["text"]
@@ -389,7 +391,8 @@ def test_relative_paths_resolve_against_base_dir_not_the_ray_copy(tmp_path, monk
     assert (user / "out" / "res.jsonl").is_file() and not (copy / "out").exists()
     captured = capsys.readouterr()
     assert f"wrote {user / 'out' / 'res.jsonl'}" in captured.out and "warning" not in captured.err
-    assert "print_outputs=true also prints them" in captured.out  # an input file: answers not printed by default
+    assert "print_outputs=true" not in captured.out  # every line failed: no answers to point to
+    assert captured.out.startswith("read 1 line (rayinfer format)")
 
     assert run(GenerateConfig(input="p.jsonl")) == 0  # no base_dir: written inside the copy, with a warning
     captured = capsys.readouterr()

@@ -22,8 +22,8 @@ def test_parse_valid_chat_body_ignores_unknown_fields_and_logs_them(caplog):
     with caplog.at_level("WARNING", logger="rayinfer.serve.protocol"):
         req = parse_body(ChatCompletionRequest, body, "chatcmpl-1")
     assert req.messages[0].content[0].text == "hi" and req.max_tokens == 3 and req.temperature is None
-    assert "request chatcmpl-1: the following fields were present in the request but ignored: temprature, stream_options.extra, messages.0.content.0.cache" \
-        in caplog.text
+    assert caplog.text.strip().endswith("request chatcmpl-1: the following fields were present in the request but "
+                                        "ignored: temprature")  # nested extras may reach the chat template
     caplog.clear()
     with caplog.at_level("WARNING", logger="rayinfer.serve.protocol"):
         parse_body(ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}]})
