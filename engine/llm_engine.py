@@ -315,8 +315,7 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001 - an optimization only: the engine serves without it
             logger.warning("warm-up prefill of %d tokens failed (%s: %s); the first long prompt compiles its "
                            "kernels instead", num_tokens, type(e).__name__, e)
-            if on_cuda:
-                torch.cuda.empty_cache()
+            torch.cuda.empty_cache()  # CUDA only gets here
             return
         logger.info("warm-up prefill of %s tokens in %.2f s", lengths, time.perf_counter() - started)
 

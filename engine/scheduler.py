@@ -184,8 +184,7 @@ class Scheduler:
         while admit and not preempted and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[0]
             cp_hit = 0  # a context-parallel prefill's tokens found in the prefix cache
-            handle_host: list[int] = []  # host-tier slots of blocks a handle leaves out (after the device hits)
-            host_match: list[int] | None = None  # a host-tier match already made (and pinned) for this request
+            host_slots: list[int] | None = None  # host-tier slots after the device hits, once matched (pinned)
             if req.kv_handle is not None:  # PD import or stored prefix: the handle's tokens arrive computed
                 hit_blocks, num_hit = self.kv.get_computed_blocks(req)
                 cp = req.kv_handle.payload if isinstance(req.kv_handle.payload, ContextParallelPrefill) else None
@@ -199,23 +198,21 @@ class Scheduler:
                 elif len(hit_blocks) < (skip := req.kv_handle.first_block):
                     # the blocks the payload leaves out that the device pool no longer holds load from the
                     # host tier; evicted from both, the handle is dropped and the prompt computed past the hit
-                    host_match = self.kv.match_host(req, len(hit_blocks))
-                    if len(hit_blocks) + len(host_match) < skip:
+                    host_slots = self.kv.match_host(req, len(hit_blocks))
+                    if len(hit_blocks) + len(host_slots) < skip:
                         req.kv_handle = None
                     else:
-                        handle_host, num_hit = host_match[: skip - len(hit_blocks)], req.kv_handle.num_tokens
+                        host_slots, num_hit = host_slots[: skip - len(hit_blocks)], req.kv_handle.num_tokens
                 else:  # the payload's blocks follow the cached ones it leaves out
                     hit_blocks, num_hit = hit_blocks[: req.kv_handle.first_block], req.kv_handle.num_tokens
             elif req.num_computed_tokens:
                 hit_blocks, num_hit = [], 0
             else:
                 hit_blocks, num_hit = self.kv.get_computed_blocks(req)
-            if req.kv_handle is not None:
-                host_slots = handle_host  # already counted in the handle's tokens
-            else:
-                if host_match is None:
-                    host_match = self.kv.match_host(req, len(hit_blocks)) if not req.num_computed_tokens else []
-                host_slots = host_match
+            if host_slots is None:
+                host_slots = (self.kv.match_host(req, len(hit_blocks))
+                              if req.kv_handle is None and not req.num_computed_tokens else [])
+            if req.kv_handle is None:  # a kept handle's tokens count its host slots already
                 num_hit += len(host_slots) * cfg.block_size
             # bounded replay: a hit restores the full-attention layers' KV only; the sliding layers'
             # KV of the hit's last W - 1 tokens is recomputed in the same forward as the rest

@@ -165,6 +165,10 @@ def cp_summary(stats) -> str:
     return line
 
 
+def _lines(n: int) -> str:
+    return f"{n} line{'' if n == 1 else 's'}"
+
+
 def run(cfg: GenerateConfig, client=None) -> int:
     """Run the job; returns the process exit code (0 even when some lines failed).
 
@@ -228,8 +232,7 @@ def run(cfg: GenerateConfig, client=None) -> int:
             raise ValueError(f"sampling ({', '.join(f'{k}={v}' for k, v in cfg.sampling.items())}): {probe.error}")
     jobs = parser.parse(lines, cfg.input_format)
     if jobs:
-        print(f"read {len(jobs)} line{'s' if len(jobs) != 1 else ''} ({jobs[0].format} format) from "
-              f"{in_path or 'the built-in prompts'}")
+        print(f"read {_lines(len(jobs))} ({jobs[0].format} format) from {in_path or 'the built-in prompts'}")
     partial = out_path.with_name(out_path.name + ".partial")
     if drop_cut_line(partial):
         print(f"dropped a cut last line of {partial}")
@@ -297,7 +300,7 @@ def run(cfg: GenerateConfig, client=None) -> int:
         finally:
             if owned:
                 client.shutdown()
-        print(progress.summary() + f" for {len(todo)} line{'s' if len(todo) != 1 else ''}")
+        print(progress.summary() + f" for {_lines(len(todo))}")
     if interrupted:
         print(f"\ninterrupted: {len(done)} of {len(jobs)} lines done, kept in {partial}; "
               f"rerun the same command to finish the rest", file=sys.stderr)
@@ -315,8 +318,8 @@ def run(cfg: GenerateConfig, client=None) -> int:
     if printed:
         for j, rec in zip(jobs, records):
             print(f"\n[{j.id}] {'ERROR: ' + error_text(rec) if is_error(rec) else record_text(rec)}")
-    print(f"\n{len(records) - len(failed)} ok, {len(failed)} failed; wrote {out_path}"
-          + ("" if printed or len(failed) == len(records) else " (the answers are there; print_outputs=true also prints them)"))
+    hint = "" if printed or len(failed) == len(records) else " (the answers are there; print_outputs=true also prints them)"
+    print(f"\n{len(records) - len(failed)} ok, {len(failed)} failed; wrote {out_path}{hint}")
     for j, rec in failed[:MAX_FAILURES_SHOWN]:
         print(f"  line {j.line_no} ({j.id}): {error_text(rec)}")
     if len(failed) > MAX_FAILURES_SHOWN:
