@@ -17,6 +17,11 @@ An optional ``"grouped_mm_from": {"E=64,N=2816,K=2048,dtype=bfloat16": 8192, ...
 token count from which the layer runs on torch's grouped GEMM instead of the Triton kernel
 (``kernels.fused_moe.fused_moe_grouped_mm``; measured per device, :func:`grouped_mm_from`); a shape not
 listed always takes the Triton kernel.
+
+An optional ``"gemv": {"N=3648,K=2048,dtype=bfloat16": {"block_n": 16, "block_k": 2048, "num_warps": 4,
+"num_stages": 3}, ...}`` gives the one-row GEMV's tiles (``kernels.gemv``) per weight shape [N, K] and weight
+dtype, measured on the device under programmatic dependent launch (:func:`gemv_tile_config`); a shape not
+listed takes ``kernels.gemv._choose_config``'s rule.
 """
 
 from __future__ import annotations
@@ -170,3 +175,53 @@ def grouped_mm_from(device_name: str | None, num_experts: int, n: int, k: int, d
     if device_name is None:
         return None
     return load_grouped_mm_from(device_name).get(shape_key(num_experts, n, k, dtype))
+
+
+_GEMV_KEYS = ("block_n", "block_k", "num_warps", "num_stages")
+
+
+def gemv_key(n: int, k: int, dtype: str) -> str:
+    """``"N=3648,K=2048,dtype=bfloat16"``: a GEMV weight's shape [N, K] and its dtype name."""
+    return f"N={n},K={k},dtype={dtype}"
+
+
+def _check_gemv_entry(entry) -> dict:
+    """One ``gemv`` entry, checked. Raises: ValueError on missing or extra keys or a bad value."""
+    if not isinstance(entry, dict) or set(entry) != set(_GEMV_KEYS):
+        raise ValueError(f"tiles {entry!r} must have exactly the keys {_GEMV_KEYS}")
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in entry.values()):
+        raise ValueError(f"tiles {entry!r} must be integers")
+    bn, bk, warps, stages = (entry[k] for k in _GEMV_KEYS)
+    if bn < 1 or bn & (bn - 1) or bk < 16 or bk & (bk - 1):
+        raise ValueError(f"tiles {entry!r}: block_n must be a power of two, block_k one >= 16")
+    if warps not in (1, 2, 4, 8, 16) or not 1 <= stages <= 8:
+        raise ValueError(f"tiles {entry!r}: num_warps / num_stages out of range")
+    return dict(entry)
+
+
+@functools.lru_cache(maxsize=None)
+def load_gemv_table(device_name: str, config_dir: Path | None = None) -> dict[str, dict]:
+    """The device table's ``gemv`` object ({} without a file or the key): {gemv_key: tiles}.
+
+    Raises: ValueError on a malformed entry (naming the file and the shape)."""
+    path, table = _read_table(device_name, config_dir)
+    data = table.get("gemv", {}) if table is not None else {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: 'gemv' must be an object of weight shapes, not {data!r}")
+    out = {}
+    for shape, entry in data.items():
+        try:
+            out[shape] = _check_gemv_entry(entry)
+        except ValueError as exc:
+            raise ValueError(f"{path}: gemv entry {shape!r}: {exc}") from exc
+    return out
+
+
+def gemv_tile_config(device_name: str | None, n: int, k: int, dtype: str) -> dict | None:
+    """The one-row GEMV's tiles for an [n, k] weight of dtype name ``dtype`` on this device (a copy of the
+    table's entry: block_n, block_k, num_warps, num_stages), or None (no entry; ``device_name`` None).
+    Raises: ValueError if the device's table file is malformed."""
+    if device_name is None:
+        return None
+    found = load_gemv_table(device_name).get(gemv_key(n, k, dtype))
+    return dict(found) if found is not None else None

@@ -30,6 +30,8 @@ when :func:`gemv_applies` holds and the unfused kernels otherwise.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -37,6 +39,7 @@ from rayinfer.kernels._triton_utils import pdl_launch, pdl_wait, tl, triton, use
 from rayinfer.kernels.activation import silu_and_mul, silu_and_mul_ref
 from rayinfer.kernels.batch_invariant import is_batch_invariant
 from rayinfer.kernels.block_fp8 import FP8_DTYPE, WEIGHT_BLOCK, block_fp8_linear
+from rayinfer.kernels.fused_moe_config import gemv_tile_config
 from rayinfer.kernels.matmul import dense_batched_linear, dense_linear
 from rayinfer.kernels.norm import rms_norm, rms_norm_ref
 
@@ -189,12 +192,33 @@ def _choose_config(n: int, k: int, pdl: bool = True) -> dict:
     return dict(block_n=8, block_k=2048, num_warps=8 if n == k else 4, num_stages=3)
 
 
+# A/B switch (jobs/bench_moe.py variant "gemv-table-0"): 1 takes the tiles of the device's table
+# (kernels/configs/<device>.json, "gemv") for a weight shape it lists, under PDL; 0 the rule above only.
+DEVICE_TABLE = 1
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def _table_config(x: torch.Tensor, weight: torch.Tensor) -> dict:
+    """The device table's tiles for ``weight``'s shape and dtype ({} off CUDA, without an entry or with
+    :data:`DEVICE_TABLE` 0). Raises: ValueError if the device's table file is malformed."""
+    if not DEVICE_TABLE or not x.is_cuda:
+        return {}
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    n, k = weight.shape
+    return gemv_tile_config(_device_name(index), n, k, str(weight.dtype).removeprefix("torch.")) or {}
+
+
 def fused_linear_triton(x, weight, bias=None, *, norm_weight=None, eps=1e-6, silu_and_mul_input=False,
                         residual=None, config=None, weight_scale=None):
     """Triton kernel of :func:`fused_linear_ref` for one row (x: [1, K] or [1, 2K]).
 
     With ``residual`` ([1, N], x's dtype) the sum is written into ``residual`` in place and returned.
-    ``config`` overrides the tiles (block_n, block_k, num_warps, num_stages) and ``pdl`` (bool: launch
+    Tiles: the device table's entry for the weight's shape and dtype under PDL (:func:`_table_config`),
+    else :func:`_choose_config`; ``config`` overrides them (block_n, block_k, num_warps, num_stages) and ``pdl`` (bool: launch
     with programmatic dependent launch; default :func:`use_pdl`). ``weight_scale``: ``weight`` is
     float8_e4m3fn in 128 x 128 blocks with this float32 ``scale_inv`` [ceil(N/128), ceil(K/128)]
     (``kernels.block_fp8``'s format), dequantized in the K loop (half the bytes of a 16-bit weight).
@@ -210,7 +234,7 @@ def fused_linear_triton(x, weight, bias=None, *, norm_weight=None, eps=1e-6, sil
     else:
         y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     pdl = bool((config or {}).get("pdl", use_pdl(x)))
-    cfg = {**_choose_config(n, k, pdl), **(config or {})}
+    cfg = {**_choose_config(n, k, pdl), **(_table_config(x, weight) if pdl else {}), **(config or {})}
     block_k = min(cfg["block_k"], max(16, triton.next_power_of_2(k)))
     fp8 = {}
     if weight_scale is not None:  # whole 128-column scale blocks per K tile

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from rayinfer.kernels import fused_moe_config as fmc
 from rayinfer.kernels.fused_moe_config import MoETileConfig, default_tile_config, load_table, lookup, tile_config
@@ -69,6 +70,83 @@ def test_shipped_tables_parse():
         assert fmc.table_path(data["device"]) == path, f"{path.name} is not named after its device"
         assert fmc.parse_table(data), f"{path.name} has no entries"
         fmc.load_grouped_mm_from(data["device"])  # raises on a malformed grouped_mm_from
+        fmc.load_gemv_table(data["device"])  # raises on a malformed gemv entry
+
+
+GEMV = {"block_n": 16, "block_k": 2048, "num_warps": 4, "num_stages": 3}
+
+
+def test_gemv_tiles_per_weight_shape(tmp_path, monkeypatch):
+    """The table's gemv object gives the one-row GEMV's tiles per weight shape and dtype; kernels.gemv takes
+    them under PDL unless DEVICE_TABLE is 0, and a config argument still overrides them."""
+    from rayinfer.kernels import gemv
+
+    dev = "NVIDIA Test GPU-80GB"
+    path = write_table(tmp_path)
+    data = json.loads(path.read_text())
+    data["gemv"] = {fmc.gemv_key(3648, 2048, "bfloat16"): GEMV}
+    path.write_text(json.dumps(data))
+    monkeypatch.setattr(fmc, "CONFIG_DIR", tmp_path)
+    fmc.load_gemv_table.cache_clear()
+    try:
+        assert fmc.gemv_tile_config(dev, 3648, 2048, "bfloat16") == GEMV
+        assert fmc.gemv_tile_config(dev, 3648, 2048, "float16") is None
+        assert fmc.gemv_tile_config(dev, 2048, 2048, "bfloat16") is None
+        assert fmc.gemv_tile_config(None, 3648, 2048, "bfloat16") is None
+        fmc.gemv_tile_config(dev, 3648, 2048, "bfloat16")["num_warps"] = 8  # a copy: the table is unchanged
+        assert fmc.gemv_tile_config(dev, 3648, 2048, "bfloat16") == GEMV
+
+        class CudaRow:  # what _table_config reads of x: its device
+            is_cuda = True
+            device = torch.device("cuda", 0)
+
+        monkeypatch.setattr(gemv, "_device_name", lambda index: dev)
+        w = torch.empty(3648, 2048, dtype=torch.bfloat16)
+        assert gemv._table_config(CudaRow(), w) == GEMV
+        assert gemv._table_config(CudaRow(), w.to(torch.float16)) == {}
+        assert gemv._table_config(torch.empty(1, 2048), w) == {}  # CPU rows: the rule
+        monkeypatch.setattr(gemv, "DEVICE_TABLE", 0)
+        assert gemv._table_config(CudaRow(), w) == {}
+    finally:
+        fmc.load_gemv_table.cache_clear()
+
+
+@pytest.mark.parametrize("entry, problem", [(dict(GEMV, block_n=12), "power of two"),
+                                            (dict(GEMV, block_k=8), "power of two"),
+                                            (dict(GEMV, num_warps=3), "out of range"),
+                                            ({"block_n": 8}, "exactly the keys"),
+                                            (dict(GEMV, num_stages="3"), "integers")])
+def test_malformed_gemv_entries_name_the_problem(tmp_path, entry, problem):
+    path = write_table(tmp_path, "Bad GPU")
+    data = json.loads(path.read_text())
+    data["gemv"] = {"N=8,K=64,dtype=bfloat16": entry}
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=f"Bad_GPU.json.*N=8,K=64.*{problem}"):
+        fmc.load_gemv_table("Bad GPU", tmp_path)
+
+
+def test_gemv_tuner_writes_winners_and_drops_the_rest(tmp_path):
+    """jobs/tune_gemv.py writes a shape's winner only when it beats the rule's tiles by the margin, removes
+    the entry of a shape where it does not, and keeps the rest of the file."""
+    from jobs import tune_gemv
+
+    path = write_table(tmp_path)
+    data = json.loads(path.read_text())
+    data["gemv"] = {fmc.gemv_key(2048, 2048, "bfloat16"): GEMV, fmc.gemv_key(9, 9, "bfloat16"): GEMV}
+    path.write_text(json.dumps(data))
+    rule = {"block_n": 8, "block_k": 2048, "num_warps": 8, "num_stages": 3}
+    tuned = {(3648, 2048): {"config": GEMV, "us": 4.8, "rule": rule, "rule_us": 5.5},
+             (2048, 2048): {"config": GEMV, "us": 2.95, "rule": rule, "rule_us": 3.0}}
+    table = tune_gemv.merge_table(path, "NVIDIA Test GPU-80GB", "bfloat16", tuned, margin=0.03)
+    assert table["gemv"] == {fmc.gemv_key(3648, 2048, "bfloat16"): GEMV, fmc.gemv_key(9, 9, "bfloat16"): GEMV}
+    assert table["entries"] == data["entries"]
+    with pytest.raises(ValueError, match="not of 'Other GPU'"):
+        tune_gemv.merge_table(path, "Other GPU", "bfloat16", tuned, margin=0.03)
+    assert tune_gemv.parse_shape("64x128:silu_and_mul") == ("64x128:silu_and_mul", [(64, 128, "silu_and_mul")])
+    assert tune_gemv.parse_shape("deepseek-v2-lite")[1][0] == (3648, 2048, "rms_norm")
+    for bad in ("64x", "64x128:gelu", "llama"):
+        with pytest.raises(ValueError, match="shape"):
+            tune_gemv.parse_shape(bad)
 
 
 def test_grouped_mm_from_per_shape(tmp_path, monkeypatch):
