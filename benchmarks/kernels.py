@@ -843,12 +843,12 @@ def sweep_decode_step(ceil) -> list[dict]:
                     cfg.update(table.get((n, k), table.get("*", {})))
                 return cfg
 
-            gemv._choose_config = pick
+            gemv._choose_config, gemv.DEVICE_TABLE = pick, 0  # these sets, not the device table's tiles
             try:
                 with torch.inference_mode():
                     us = bench_graph([lambda: model.compute_logits(model(ids, pos, kv, meta))], replays=30)
             finally:
-                gemv._choose_config = choose
+                gemv._choose_config, gemv.DEVICE_TABLE = choose, 1
             if us is None:
                 continue
             ms = us / 1e3
