@@ -57,6 +57,8 @@ def test_warm_up_prefill_leaves_outputs_unchanged(tiny_engine, prompts, referenc
     blocks: requests afterwards still give the reference; a warm-up longer than the cache is refused."""
     engine = tiny_engine()
     assert engine.runner.warm_up_prefill(64 * 4) == [256, 255]  # the whole cache, then one token less
+    engine.runner.WARM_UP_MIN_TOKENS = 64  # then halvings down to the minimum, each also one token less
+    assert engine.runner.warm_up_prefill(64 * 4) == [256, 255, 128, 127, 64, 63]
     check_equal(engine.generate(prompts, GREEDY), reference)
     with pytest.raises(ValueError, match="does not fit the KV cache"):
         engine.runner.warm_up_prefill(64 * 4 + 1)
