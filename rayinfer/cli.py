@@ -172,7 +172,11 @@ def compose(config_name: str, overrides: list[str]):
         if missing:  # a misspelt key: Hydra's "+key" hint only leads to the unknown-key error below
             message = re.sub(r"\.?\s*To append to your config use \+\S+", ": the config has no such key", message)
             with initialize_config_module(config_module="rayinfer.conf", version_base="1.3"):
-                message += did_you_mean(hydra_compose(config_name=config_name), missing.group(1))
+                base = hydra_compose(config_name=config_name)
+            hint = did_you_mean(base, missing.group(1))
+            if not hint and is_open_node(base, missing.group(1)):  # sampling.top_p: a field its defaults leave out
+                hint = f" (to add it, write +{missing.group(1)}=...)"
+            message += hint
         elif cause and cause[0] not in message:  # "Error merging override k=v" says why only in its cause
             message += f": {cause[0]}"
         # an unknown preset (parallel=ep3): its group's options, the closest ones, without Hydra's search path
@@ -212,6 +216,16 @@ def did_you_mean(cfg, dotted: str) -> str:
     names = names if names is not None else [str(k) for k in node.keys()]
     close = difflib.get_close_matches(leaf, [n for n in names if n != leaf], n=1)
     return f" (did you mean {parent + '.' if parent else ''}{close[0]}?)" if close else ""
+
+
+def is_open_node(cfg, dotted: str) -> bool:
+    """Whether ``dotted``'s parent node in ``cfg`` is a config node without a schema (``sampling``), to which
+    ``+key=value`` adds keys that are read."""
+    from omegaconf import DictConfig, OmegaConf
+
+    parent = dotted.lstrip("+~").rpartition(".")[0]
+    node = OmegaConf.select(cfg, parent) if parent else None
+    return isinstance(node, DictConfig) and declared_keys(node) is None
 
 
 def unknown_keys(node, prefix: str = "") -> list[str]:

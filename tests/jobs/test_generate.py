@@ -134,6 +134,8 @@ IN_PROCESS = {"model.model", "model", "input", "sampling.temperature", "parallel
     ("+engine.max_num_seq=4", "unknown key(s) engine.max_num_seq (did you mean engine.max_num_seqs?)"),
     ("parallel=3p1d", "Available options in 'parallel': 1p1d"),  # an unknown preset: its group's options
     ("sampling.temperature=-1", "temperature must be >= 0.0"),  # a default every line would fail on
+    # a sampling field the defaults leave out: how to add it
+    ("sampling.top_p=0.9", "'sampling.top_p': the config has no such key (to add it, write +sampling.top_p=...)"),
 ])
 def test_bad_config_exits_2_with_one_line_before_work(override, message, tmp_path, capsys):
     # an output of its own: a finished default output in the checkout would be resumed without Ray
