@@ -32,6 +32,8 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--no-warm-up", action="store_true")
+    ap.add_argument("--log-compiles", action="store_true",
+                    help="record the Triton kernels each prompt compiles (triton.knobs.runtime.jit_post_compile_hook)")
     ap.add_argument("--git-rev", default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -42,9 +44,14 @@ def main() -> None:
                        EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens))
     build_s = time.perf_counter() - started
     rng = random.Random(0)
-    ttft = []
+    ttft, compiled = [], []
+    if args.log_compiles:
+        import triton
+
+        triton.knobs.runtime.jit_post_compile_hook = lambda **kw: compiled[-1].append(str(kw.get("repr"))[:600])
     for i in range(args.prompts):
         prompt = [rng.randrange(engine.vocab_size) for _ in range(args.input_len)]
+        compiled.append([])
         t0 = time.perf_counter()
         engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0), request_ids=[f"p{i}"])
         ttft.append(1e3 * (time.perf_counter() - t0))
@@ -53,7 +60,7 @@ def main() -> None:
     result = {"command": " ".join(["python", *sys.argv]), "git_rev": rev, "model": args.model,
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "warm_up": not args.no_warm_up, "engine_build_s": build_s, "input_len": args.input_len,
-              "ttft_ms": ttft}
+              "ttft_ms": ttft, **({"compiled_per_prompt": compiled} if args.log_compiles else {})}
     print(json.dumps(result))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
