@@ -300,7 +300,9 @@ def _moe_count_kernel(
     tl.store(chunk_counts_ptr + chunk * num_experts + experts, hist, mask=experts < num_experts)
 
 
-@triton.jit
+# num_chunks and num_tiles are not specialized on divisibility by 16: the start-up prefill's prompts all
+# have 256 chunks, and a first 3000-token prompt (188 chunks) waited ~1 s for this kernel's compile on an H200
+@triton.jit(do_not_specialize=["num_chunks", "num_tiles"])
 def _moe_scatter_kernel(
     ids_ptr, log2phy_ptr, replica_counts_ptr, chunk_counts_ptr, sorted_pairs_ptr, block_experts_ptr, kept_ptr,
     load_ptr, num_pairs, stride_r, first_local, num_experts, num_logical, num_chunks, num_tiles,
