@@ -56,28 +56,12 @@ def bench_eager(fn, rep_ms: int = 60) -> float:
 
 
 def bench_graph(fns, replays: int = 20) -> float | None:
-    """Microseconds per call of ``fns`` (one per layer) captured once in a CUDA graph and replayed."""
+    """Microseconds per call of ``fns`` (one per layer) captured once in a CUDA graph and replayed
+    (``jobs.benchlib.graph_time_us``, median of 3); None when capture fails."""
+    from rayinfer.jobs.benchlib import graph_time_us
+
     try:
-        for f in fns:
-            f()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for f in fns:
-                f()
-        graph.replay()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(3):
-            start.record()
-            for _ in range(replays):
-                graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / (replays * len(fns)))
-        del graph
-        return sorted(times)[1]
+        return graph_time_us(fns, replays=replays, samples=3)
     except Exception as exc:  # capture can fail for an op; eager numbers still stand
         print(f"  graph capture failed: {exc!r}", file=sys.stderr)
         return None

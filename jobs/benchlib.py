@@ -300,6 +300,32 @@ class OfflineReplica:
 
 
 # -- direct model steps: decode and prefill ------------------------------------------------------
+def graph_time_us(fns, replays: int = 10, samples: int = 5) -> float:
+    """Microseconds a call of ``fns`` (callables, e.g. one per distinct weight so that none stays in L2),
+    captured once into a CUDA graph and replayed ``replays`` times per sample; the median of ``samples``.
+    Raises: whatever capture or the calls raise."""
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in fns:
+            f()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(samples):
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (replays * len(fns)))
+    del graph
+    return sorted(times)[samples // 2]
+
+
 def decode_block_tables(batch: int, context: int, block_size: int, num_blocks: int) -> tuple[list[list[int]], bool]:
     """Block tables of ``batch`` requests of ``context`` tokens each, packed one after another.
 

@@ -59,32 +59,10 @@ def parse_shape(text: str) -> tuple[str, list[tuple[int, int, str | None]]]:
     return text, [(n, k, prologue or None)]
 
 
-def graph_us(fns) -> float:
-    """Microseconds a call of ``fns`` (one callable per distinct weight), captured once and replayed."""
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(5):
-        start.record()
-        for _ in range(10):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (10 * len(fns)))
-    return sorted(times)[2]
-
-
 def tune_shape(n: int, k: int, prologue: str | None, dtype: torch.dtype, log=print) -> dict:
     """{"config": best tiles, "us": its time, "rule": the rule's tiles, "rule_us": their time, "max_abs_err":
     the winner against the torch reference} of one [n, k] weight."""
+    from rayinfer.jobs.benchlib import graph_time_us
     from rayinfer.kernels.gemv import _choose_config, fused_linear_ref, fused_linear_triton
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -95,7 +73,7 @@ def tune_shape(n: int, k: int, prologue: str | None, dtype: torch.dtype, log=pri
     kw = dict(norm_weight=norm, eps=1e-6, silu_and_mul_input=prologue == "silu_and_mul")
 
     def time_us(cfg: dict) -> float:
-        return graph_us([lambda w=w: fused_linear_triton(x, w, config=cfg, **kw) for w in ws])
+        return graph_time_us([lambda w=w: fused_linear_triton(x, w, config=cfg, **kw) for w in ws])
 
     rule = _choose_config(n, k, True)
     rule_us = time_us(rule)
