@@ -42,6 +42,9 @@ def run(cfg: ServeConfig, blocking: bool = True) -> int:
     # fp8 on a model without fp8 layers, expert parallelism without routed experts: before Ray starts
     check_deployment(load_config(cfg.model.model), cfg.model.quantization, cfg.parallel.ep)
     print(init_ray(cfg.ray, logging_level=logging.WARNING), flush=True)
+    # Serve's driver-side INFO lines as Ray's: off (its "Connecting to existing Serve app ... will not be
+    # applied" when run() deploys into the Serve that start() began is expected, not a conflict)
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
     serve.run(build_app_from_config(cfg), name="rayinfer", route_prefix="/")
     print(f"serving {cfg.model_name} at http://{cfg.host}:{cfg.port}/v1 (Ctrl-C to stop)", flush=True)
