@@ -4,6 +4,7 @@
     python jobs/tune_gemv.py                                  # DeepSeek-V2-Lite's one-row projections
     python jobs/tune_gemv.py --shapes deepseek-v2-lite,llama-3-8b --out $OUT/NVIDIA_H200.json
     python jobs/tune_gemv.py --shapes 4096x4096:rms_norm      # NxK[:prologue]
+    python jobs/tune_gemv.py --fp8                            # fp8 block weights (entries of that dtype)
 
 For each weight shape [N, K] (with the prologue the model runs it with: an RMSNorm, SiLU-and-mul of a [1, 2K]
 input, or none), times ``fused_linear_triton`` under a CUDA graph over enough distinct weights that none
@@ -59,21 +60,29 @@ def parse_shape(text: str) -> tuple[str, list[tuple[int, int, str | None]]]:
     return text, [(n, k, prologue or None)]
 
 
-def tune_shape(n: int, k: int, prologue: str | None, dtype: torch.dtype, log=print) -> dict:
+def tune_shape(n: int, k: int, prologue: str | None, dtype: torch.dtype, log=print, fp8: bool = False,
+               device: str = "cuda") -> dict:
     """{"config": best tiles, "us": its time, "rule": the rule's tiles, "rule_us": their time, "max_abs_err":
-    the winner against the torch reference} of one [n, k] weight."""
-    from rayinfer.jobs.benchlib import graph_time_us
+    the winner against the torch reference} of one [n, k] weight (``fp8``: float8_e4m3fn in 128 x 128 blocks,
+    ``kernels.block_fp8``'s format, against the reference on the dequantized weight)."""
+    from rayinfer.jobs import benchlib
+    from rayinfer.kernels.block_fp8 import block_fp8_dequant_ref, quantize_block_fp8
     from rayinfer.kernels.gemv import _choose_config, fused_linear_ref, fused_linear_triton
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    layers = max(1, min(256, math.ceil(ROTATE_BYTES / (n * k * 2))))
-    ws = [(torch.randn(n, k, generator=gen, device="cuda") / k ** 0.5).to(dtype) for _ in range(layers)]
-    x = torch.randn(1, 2 * k if prologue == "silu_and_mul" else k, generator=gen, device="cuda").to(dtype)
-    norm = (torch.rand(k, generator=gen, device="cuda") + 0.5).to(dtype) if prologue == "rms_norm" else None
+    gen = torch.Generator(device=device).manual_seed(0)
+    rotate = ROTATE_BYTES if device == "cuda" else 1  # off CUDA (tests): one weight
+    layers = max(1, min(256, math.ceil(rotate / (n * k * (1 if fp8 else 2)))))
+    ws = [(torch.randn(n, k, generator=gen, device=device) / k ** 0.5).to(dtype) for _ in range(layers)]
+    scales: list = [None] * layers
+    if fp8:
+        ws, scales = (list(t) for t in zip(*(quantize_block_fp8(w) for w in ws)))
+    x = torch.randn(1, 2 * k if prologue == "silu_and_mul" else k, generator=gen, device=device).to(dtype)
+    norm = (torch.rand(k, generator=gen, device=device) + 0.5).to(dtype) if prologue == "rms_norm" else None
     kw = dict(norm_weight=norm, eps=1e-6, silu_and_mul_input=prologue == "silu_and_mul")
 
     def time_us(cfg: dict) -> float:
-        return graph_time_us([lambda w=w: fused_linear_triton(x, w, config=cfg, **kw) for w in ws])
+        return benchlib.graph_time_us([lambda w=w, s=s: fused_linear_triton(x, w, config=cfg, weight_scale=s, **kw)
+                              for w, s in zip(ws, scales)])
 
     rule = _choose_config(n, k, True)
     rule_us = time_us(rule)
@@ -86,8 +95,9 @@ def tune_shape(n: int, k: int, prologue: str | None, dtype: torch.dtype, log=pri
             continue
         if us < best_us:
             best, best_us = cfg, us
-    err = (fused_linear_triton(x, ws[0], config=best, **kw).float()
-           - fused_linear_ref(x, ws[0], **kw).float()).abs().max().item()
+    ref_w = block_fp8_dequant_ref(ws[0], scales[0], dtype) if fp8 else ws[0]
+    err = (fused_linear_triton(x, ws[0], config=best, weight_scale=scales[0], **kw).float()
+           - fused_linear_ref(x, ref_w, **kw).float()).abs().max().item()
     return {"config": best, "us": best_us, "rule": rule, "rule_us": rule_us, "max_abs_err": err}
 
 
@@ -116,6 +126,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--shapes", default="deepseek-v2-lite",
                         help=f"comma-separated names ({', '.join(SHAPES)}) or NxK[:rms_norm|silu_and_mul]")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--fp8", action="store_true",
+                        help="fp8 block weights (table entries of dtype float8_e4m3fn; activations in --dtype)")
     parser.add_argument("--margin", type=float, default=0.03,
                         help="how much faster (a fraction) than the rule's tiles a winner must be to be written")
     parser.add_argument("--out", default=None, help="table path (default: rayinfer/kernels/configs/<device>.json)")
@@ -136,11 +148,11 @@ def main(argv: list[str] | None = None) -> dict:
     with torch.inference_mode():
         for name, dims in shapes:
             for n, k, prologue in dims:
-                r = tuned[(n, k)] = tune_shape(n, k, prologue, dtype, log=lambda s: print(s, flush=True))
+                r = tuned[(n, k)] = tune_shape(n, k, prologue, dtype, log=lambda s: print(s, flush=True), fp8=args.fp8)
                 print(f"{name} {n}x{k} ({prologue}): rule {r['rule']} {r['rule_us']:.2f} us, best {r['config']} "
                       f"{r['us']:.2f} us, max abs err {r['max_abs_err']:.2e}", flush=True)
     out = Path(args.out) if args.out else table_path(device)
-    table = merge_table(out, device, args.dtype, tuned, args.margin)
+    table = merge_table(out, device, "float8_e4m3fn" if args.fp8 else args.dtype, tuned, args.margin)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(table, indent=1) + "\n")
     print(f"wrote {out} ({time.time() - started:.0f} s)")
