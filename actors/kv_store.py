@@ -58,8 +58,7 @@ class KVStoreActorImpl:
         the caller skipped are not evicted before the ones after them."""
         if self.disk is not None:
             return self.disk.layout, self.disk.get(block_hashes, start)
-        refs = self.index.get(block_hashes)
-        return self.layout, ray.get(refs[start:]) if len(refs) > start else []
+        return self.layout, ray.get(self.index.get(block_hashes)[start:])  # ray.get([]) is []
 
     def get(self, block_hashes: list[int]) -> tuple[str | None, list[ray.ObjectRef]]:
         """The leading stored blocks of a chain.

@@ -298,9 +298,10 @@ class LLMEngine:
 
     def _warm_up_prefill(self, on_cuda: bool) -> None:
         """On CUDA, run a chunk-sized prompt and its halvings down to 512 tokens through the model at startup
-        (``ModelRunner.warm_up_prefill``), as vLLM's start-up forward does: the first 1K prompt of a V2-Lite-shaped
-        MoE engine waited 4.2 s for its kernels to compile without it, 57 ms with it. Not for a DECODE-role engine (it never prefills), a sliding-window or
-        context-parallel layout, or a process in a distributed group (expert-parallel ranks step in lockstep)."""
+        (``ModelRunner.warm_up_prefill``), as vLLM's start-up forward does: the first 1K prompt of a
+        V2-Lite-shaped MoE engine waited 4.2 s for its kernels to compile without it, 57 ms with it. Not for a
+        DECODE-role engine (it never prefills), a sliding-window or context-parallel layout, or a process in a
+        distributed group (expert-parallel ranks step in lockstep)."""
         import torch.distributed as dist
 
         cfg, runner = self.engine_config, self.runner

@@ -349,7 +349,6 @@ def parse_body(model: type[BaseModel], body: Any, request_id: str | None = None)
     return parsed
 
 
-
 def response_format_of(req: _SamplingRequest) -> dict | None:
     """The request's output constraint as a ``SamplingParams.response_format`` dict (or None).
 

@@ -218,8 +218,8 @@ def fused_linear_triton(x, weight, bias=None, *, norm_weight=None, eps=1e-6, sil
 
     With ``residual`` ([1, N], x's dtype) the sum is written into ``residual`` in place and returned.
     Tiles: the device table's entry for the weight's shape and dtype under PDL (:func:`_table_config`),
-    else :func:`_choose_config`; ``config`` overrides them (block_n, block_k, num_warps, num_stages) and ``pdl`` (bool: launch
-    with programmatic dependent launch; default :func:`use_pdl`). ``weight_scale``: ``weight`` is
+    else :func:`_choose_config`; ``config`` overrides them (block_n, block_k, num_warps, num_stages) and
+    ``pdl`` (bool: launch with programmatic dependent launch; default :func:`use_pdl`). ``weight_scale``: ``weight`` is
     float8_e4m3fn in 128 x 128 blocks with this float32 ``scale_inv`` [ceil(N/128), ceil(K/128)]
     (``kernels.block_fp8``'s format), dequantized in the K loop (half the bytes of a 16-bit weight).
     """
