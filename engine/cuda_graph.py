@@ -26,6 +26,9 @@ import numpy as np
 import torch
 
 from rayinfer.kernels.attention_metadata import AttentionMetadata
+from rayinfer.kernels.graph_inputs import fill_graph_inputs, fill_graph_inputs_ref
+
+FUSED_INPUTS = 1  # 0: a replay's inputs go into the graph's buffers by separate torch ops (the A/B baseline)
 
 logger = logging.getLogger(__name__)
 
@@ -185,19 +188,10 @@ class DecodeGraphs:
         bs = self.padded_size(n, q, min_batch)
         assert bs is not None, f"no graph for {n} requests of {q} tokens (at least {min_batch})"
         t = n * q
-        if gather_ids is not None:
-            torch.index_select(gather_ids[0], 0, gather_ids[1], out=self.input_ids[:t])
-        else:
-            self.input_ids[:t].copy_(input_ids)
-        self.positions[:t].copy_(positions)
-        self.slot_mapping[:t].copy_(slot_mapping)
-        self.slot_mapping[t : bs * q].fill_(-1)
-        self.seq_lens[:n].copy_(seq_lens)
-        self.seq_lens[n:bs].fill_(q)
-        w = min(block_tables.shape[1], self.block_tables.shape[1])  # later blocks hold no position < max_model_len
-        self.block_tables[:n, :w].copy_(block_tables[:, :w])
-        self.block_tables[:n, w:].zero_()
-        self.block_tables[n:bs].zero_()
+        fill = fill_graph_inputs if FUSED_INPUTS else fill_graph_inputs_ref
+        fill((self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.block_tables),
+             gather_ids if gather_ids is not None else input_ids, positions, slot_mapping, seq_lens, block_tables,
+             bs, q)
         if self.eager:  # the host lists the CPU attention reads are the real ones here
             ids, pos, kv, meta = self._args(bs, q)
             meta.seq_lens_cpu = self.seq_lens[:bs].tolist()

@@ -310,7 +310,8 @@ AB_VARIANTS = {"default": {}, "no-pdl": {"RAYINFER_PDL": "0"}, "no-one-row": {"R
                # fp8 one-row linears on block_fp8_linear and no one-row layers: the fp8 model before its GEMV
                "no-fp8-gemv": {"@rayinfer.kernels.gemv.FP8_WEIGHTS": "0", "RAYINFER_ONE_ROW_FUSION": "0"},
                # one-row GEMVs on kernels.gemv._choose_config's rule only, not the device table's tiles (jobs/tune_gemv.py)
-               "gemv-table-0": {"@rayinfer.kernels.gemv.DEVICE_TABLE": "0"}}
+               "gemv-table-0": {"@rayinfer.kernels.gemv.DEVICE_TABLE": "0"},
+               "graph-inputs-apart": {"@rayinfer.engine.cuda_graph.FUSED_INPUTS": "0"}}
 
 
 @contextlib.contextmanager
