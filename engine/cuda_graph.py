@@ -28,7 +28,9 @@ import torch
 from rayinfer.kernels.attention_metadata import AttentionMetadata
 from rayinfer.kernels.graph_inputs import fill_graph_inputs, fill_graph_inputs_ref
 
-FUSED_INPUTS = 1  # 0: a replay's inputs go into the graph's buffers by separate torch ops (the A/B baseline)
+# 1: a replay's inputs go into the graph's buffers in one launch (kernels/graph_inputs.py); 0: by separate torch
+# ops. Off until its gain is measured on a GPU (A/B variant graph-inputs-fused); tested against the torch ops.
+FUSED_INPUTS = 0
 
 logger = logging.getLogger(__name__)
 

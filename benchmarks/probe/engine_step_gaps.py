@@ -82,17 +82,17 @@ def main() -> None:
     ap.add_argument("--warm-steps", type=int, default=64)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--min-gap-us", type=float, default=0.5)
-    ap.add_argument("--inputs-apart", action="store_true",
-                    help="a replay's inputs go into the graph's buffers by separate torch ops (the A/B baseline)")
+    ap.add_argument("--fused-inputs", action="store_true",
+                    help="a replay's inputs go into the graph's buffers in one launch (cuda_graph.FUSED_INPUTS)")
     ap.add_argument("--git-rev", default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
 
-    if args.inputs_apart:
+    if args.fused_inputs:
         from rayinfer.engine import cuda_graph
 
-        cuda_graph.FUSED_INPUTS = 0
+        cuda_graph.FUSED_INPUTS = 1
 
     engine = LLMEngine(ModelConfig(args.model, "bfloat16", "dummy", max_model_len=8192), EngineConfig())
     engine.add_request("p", list(range(1, args.input_len + 1)),
@@ -114,7 +114,7 @@ def main() -> None:
     rev = args.git_rev or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                          text=True).stdout.strip() or None
     result = {"command": " ".join(["python", *sys.argv]), "git_rev": rev, "model": args.model,
-              "inputs_apart": args.inputs_apart,
+              "fused_inputs": args.fused_inputs,
               "device": torch.cuda.get_device_name(), **result}
     lead = result["graph_launch_lead_us"]
     print(f"period {result['period_us']:.1f} us/step, busy {result['busy_us']:.1f}, idle {result['idle_us']:.1f}; "
