@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from rayinfer import envs
 from rayinfer.engine.multimodal import mm_hash_block_chain
 from rayinfer.engine.sampler import Sampler, SamplerOutput
 from rayinfer.engine.staging import to_device
@@ -97,6 +99,11 @@ class ModelRunner:
         self.in_group = False  # an expert-parallel rank: graphs only at the group's batch size (class docstring)
         self.group_batch_size: int | None = None
         self.num_group_graph_steps = 0  # steps run at the group's graph size (empty ones included)
+        # RAYINFER_SIDE_STREAM_COPIES: (upload, download) streams, so that a step's inputs travel while the
+        # previous step computes and its tokens travel while the next one does
+        self.copy_streams = None
+        if self.device.type == "cuda" and envs.side_stream_copies():
+            self.copy_streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))
 
     def capture_cuda_graphs(self, max_model_len: int, max_num_seqs: int, max_query_len: int = 1,
                             eager: bool = False) -> None:
@@ -215,7 +222,7 @@ class ModelRunner:
             mm_embeds = gather_mm_embeds(self.model, self.encoder_cache, scheduled, requests, starts, self.device)
         # one host-to-device copy for all inputs
         with no_host_sync(self.sync_guard), batch_invariant_mode(self.batch_invariant):
-            ids, pos, *dev = to_device([input_ids, positions, starts, *meta_arrays, *local_arrays, *extra], self.device)
+            ids, pos, *dev = self._upload([input_ids, positions, starts, *meta_arrays, *local_arrays, *extra])
             meta, extra = AttentionMetadata(*dev[:4], self.block_size, query_lens, seq_lens), dev[4 + len(local_arrays):]
             if local_arrays:
                 meta.local = AttentionMetadata(
@@ -256,15 +263,45 @@ class ModelRunner:
             step.rows = {r.request_id: i for i, r in enumerate(row_reqs)}  # a request's last row
             step.token_ids = out.token_ids
             if self.device.type == "cuda":
-                step.host = SamplerOutput(*(None if t is None else
-                                            torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-                                            for t in (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)),
-                                      errors=out.errors)
-                step.event = torch.cuda.Event()
-                step.event.record()
+                step.host, step.event = self._download(out)
             else:
                 step.host = out
         return step
+
+    def _upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        """A step's input arrays on the device (``staging.to_device``), without waiting. With copy streams
+        the copy runs on the upload stream and the compute stream waits for it there (an event), so the
+        copy overlaps the step still running instead of sitting between two steps' kernels."""
+        if self.copy_streams is None:
+            return to_device(arrays, self.device)
+        compute, upload = torch.cuda.current_stream(self.device), self.copy_streams[0]
+        # no wait on the compute stream: the source is a fresh pinned buffer and the destination a fresh block
+        # of the upload stream's pool (the allocator reuses a block only after the streams recorded on it)
+        with torch.cuda.stream(upload):
+            dev = to_device(arrays, self.device)
+        compute.wait_stream(upload)
+        if dev:
+            dev[0].record_stream(compute)  # one device buffer behind every view: not reused before compute is done
+        return dev
+
+    def _download(self, out: SamplerOutput) -> tuple[SamplerOutput, torch.cuda.Event]:
+        """The sampler's output copied to pinned host memory, and the event recorded after the copy. With
+        copy streams the copy waits for the sampler on the download stream, so the next step's kernels
+        need not wait behind it."""
+        tensors = (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)
+        stream = None if self.copy_streams is None else self.copy_streams[1]
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            for t in tensors:
+                if t is not None:
+                    t.record_stream(stream)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            host = SamplerOutput(*(None if t is None else
+                                   torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                                   for t in tensors), errors=out.errors)
+            event = torch.cuda.Event()
+            event.record()
+        return host, event
 
     def _local_arrays(self, scheduled, query_lens, seq_lens, starts: np.ndarray, slots: np.ndarray) -> list[np.ndarray]:
         """The sliding layers' block tables, slot mapping and ``kv_start`` ([] without a local KV group).

@@ -64,6 +64,13 @@ def ep_fused_dispatch() -> bool:
     return _flag("RAYINFER_EP_FUSED_DISPATCH", True)
 
 
+def side_stream_copies() -> bool:
+    """RAYINFER_SIDE_STREAM_COPIES (default off until measured on a GPU): whether a CUDA step's input upload and
+    its sampled tokens' download run on streams of their own (``engine.model_runner``), out of the compute
+    stream's way, instead of between two steps' kernels."""
+    return _flag("RAYINFER_SIDE_STREAM_COPIES", False)
+
+
 def fuse_shared_experts() -> bool:
     """RAYINFER_FUSE_SHARED_EXPERTS (default on): whether DeepSeek's shared experts join the fused MoE kernel."""
     return _flag("RAYINFER_FUSE_SHARED_EXPERTS", True)

@@ -8,10 +8,12 @@ boundary causes shows by name. It also reports how long before its first kernel 
 was issued: a launch that comes after the device went idle means the host is on the critical path.
 
     PYTHONPATH=. python benchmarks/probe/engine_step_gaps.py --out /tmp/gaps.json
+    PYTHONPATH=. python benchmarks/probe/engine_step_gaps.py --fused-inputs --side-stream-copies --out /tmp/b.json
 """
 import argparse
 import collections
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -84,11 +86,15 @@ def main() -> None:
     ap.add_argument("--min-gap-us", type=float, default=0.5)
     ap.add_argument("--fused-inputs", action="store_true",
                     help="a replay's inputs go into the graph's buffers in one launch (cuda_graph.FUSED_INPUTS)")
+    ap.add_argument("--side-stream-copies", action="store_true",
+                    help="the step's upload and download on copy streams (RAYINFER_SIDE_STREAM_COPIES=1)")
     ap.add_argument("--git-rev", default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
 
+    if args.side_stream_copies:
+        os.environ["RAYINFER_SIDE_STREAM_COPIES"] = "1"
     if args.fused_inputs:
         from rayinfer.engine import cuda_graph
 
@@ -114,7 +120,7 @@ def main() -> None:
     rev = args.git_rev or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                          text=True).stdout.strip() or None
     result = {"command": " ".join(["python", *sys.argv]), "git_rev": rev, "model": args.model,
-              "fused_inputs": args.fused_inputs,
+              "fused_inputs": args.fused_inputs, "side_stream_copies": args.side_stream_copies,
               "device": torch.cuda.get_device_name(), **result}
     lead = result["graph_launch_lead_us"]
     print(f"period {result['period_us']:.1f} us/step, busy {result['busy_us']:.1f}, idle {result['idle_us']:.1f}; "
