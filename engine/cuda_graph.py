@@ -168,9 +168,10 @@ class DecodeGraphs:
                 return bs
         return None
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor | None,
             seq_lens: torch.Tensor, block_tables: torch.Tensor, query_len: int = 1,
-            min_batch: int | None = None, gather_ids: tuple[torch.Tensor, torch.Tensor] | None = None) -> Outputs:
+            min_batch: int | None = None, gather_ids: tuple[torch.Tensor, torch.Tensor] | None = None,
+            advance: torch.Tensor | None = None) -> Outputs:
         """Replay the graph for ``n`` requests of ``query_len`` tokens each (inputs already on the device).
 
         Args:
@@ -182,6 +183,10 @@ class DecodeGraphs:
             gather_ids: (source, rows): the input ids are ``source[rows]`` (int64 device tensors: a previous
                 step's sampled tokens and the row of each input), gathered straight into the graph's input
                 buffer; ``input_ids`` is then not read.
+            advance: optional [n] int device tensor: request i's positions and context length move by
+                ``advance[i]`` and its slots are computed from its block table on the device
+                (``kernels.graph_inputs``; ``slot_mapping`` is then not read), so the count may come from a
+                step still in flight. Its table must already hold the moved positions' blocks.
         Returns:
             hidden states [n * query_len, hidden_size] (a view of the graph's output buffer, valid until
             the next replay); with ``with_hidden`` the pair (after the final norm, before it).
@@ -193,7 +198,7 @@ class DecodeGraphs:
         fill = fill_graph_inputs if FUSED_INPUTS else fill_graph_inputs_ref
         fill((self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.block_tables),
              gather_ids if gather_ids is not None else input_ids, positions, slot_mapping, seq_lens, block_tables,
-             bs, q)
+             bs, q, advance, self.block_size)
         if self.eager:  # the host lists the CPU attention reads are the real ones here
             ids, pos, kv, meta = self._args(bs, q)
             meta.seq_lens_cpu = self.seq_lens[:bs].tolist()
