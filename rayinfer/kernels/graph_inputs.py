@@ -84,7 +84,7 @@ def fill_graph_inputs_ref(buffers: tuple[torch.Tensor, ...], ids: torch.Tensor |
     table_buf[n:bs].zero_()
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["table_stride", "n", "w"])  # they change from step to step: one compile
 def _fill_graph_inputs_kernel(ids_ptr, gather_src_ptr, pos_ptr, slot_ptr, seq_ptr, table_ptr, table_stride,
                               ids_buf, pos_buf, slot_buf, seq_buf, table_buf, table_buf_stride,
                               adv_ptr, n, w, W, q, block_size, GATHER: tl.constexpr, ADVANCE: tl.constexpr,
@@ -137,8 +137,8 @@ def fill_graph_inputs_triton(buffers, ids, positions, slot_mapping, seq_lens, bl
         rows, src, positions, positions if slot_mapping is None else slot_mapping, seq_lens, tables, tables.stride(0),
         input_ids, pos_buf, slot_buf, seq_buf, table_buf, table_buf.stride(0),
         seq_lens if advance is None else advance, n, min(tables.shape[1], W), W, query_len, block_size or 1,
-        GATHER=gather, ADVANCE=advance is not None, BLOCK_Q=triton.next_power_of_2(query_len), BLOCK_W=min(1024, triton.next_power_of_2(W)),
-        num_warps=4,
+        GATHER=gather, ADVANCE=advance is not None, BLOCK_Q=triton.next_power_of_2(query_len),
+        BLOCK_W=min(1024, triton.next_power_of_2(W)), num_warps=4,
     )
 
 
