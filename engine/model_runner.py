@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 from dataclasses import dataclass, field
 
@@ -295,7 +294,7 @@ class ModelRunner:
             for t in tensors:
                 if t is not None:
                     t.record_stream(stream)
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        with torch.cuda.stream(stream):  # None: the current stream
             host = SamplerOutput(*(None if t is None else
                                    torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
                                    for t in tensors), errors=out.errors)

@@ -14,7 +14,6 @@ import argparse
 import collections
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from rayinfer.engine.config import EngineConfig, ModelConfig  # noqa: E402
 from rayinfer.engine.llm_engine import LLMEngine  # noqa: E402
 from rayinfer.engine.types import SamplingParams  # noqa: E402
+from rayinfer.jobs import benchlib as bl  # noqa: E402
 
 DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 
@@ -117,11 +117,8 @@ def main() -> None:
         dev, launches = timeline(json.loads(path.read_text()))
     result = analyse(dev, launches, args.steps, args.min_gap_us)
     result["host_wall_us_per_step"] = wall / args.steps * 1e6
-    rev = args.git_rev or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                         text=True).stdout.strip() or None
-    result = {"command": " ".join(["python", *sys.argv]), "git_rev": rev, "model": args.model,
-              "fused_inputs": args.fused_inputs, "side_stream_copies": args.side_stream_copies,
-              "device": torch.cuda.get_device_name(), **result}
+    result = {**bl.run_metadata(torch.device("cuda"), args.git_rev), "model": args.model,
+              "fused_inputs": args.fused_inputs, "side_stream_copies": args.side_stream_copies, **result}
     lead = result["graph_launch_lead_us"]
     print(f"period {result['period_us']:.1f} us/step, busy {result['busy_us']:.1f}, idle {result['idle_us']:.1f}; "
           f"host {result['host_wall_us_per_step']:.1f} us/step under the profiler; graph launch lead (us) "

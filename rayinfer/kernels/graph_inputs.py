@@ -58,7 +58,7 @@ def fill_graph_inputs_ref(buffers: tuple[torch.Tensor, ...], ids: torch.Tensor |
     _check_args(slot_mapping, advance, block_size)
     input_ids, pos_buf, slot_buf, seq_buf, table_buf = buffers
     n, q, bs = seq_lens.shape[0], query_len, padded_batch
-    t = n * q
+    t, w = n * q, min(block_tables.shape[1], table_buf.shape[1])
     if isinstance(ids, tuple):
         torch.index_select(ids[0], 0, ids[1], out=input_ids[:t])
     else:
@@ -69,16 +69,15 @@ def fill_graph_inputs_ref(buffers: tuple[torch.Tensor, ...], ids: torch.Tensor |
         positions = positions.to(torch.int64) + adv.repeat_interleave(q)
         seq_lens = seq_lens + adv.to(seq_lens.dtype)
         req = torch.arange(n, device=positions.device).repeat_interleave(q)
-        col, width = positions // block_size, min(block_tables.shape[1], table_buf.shape[1])
-        inside = col < width  # a position past its table (or the graph's) gets slot -1: its KV is not written
-        blocks = block_tables[req, col.clamp(max=max(width - 1, 0))].to(torch.int64)
+        col = positions // block_size
+        inside = col < w  # a position past its table (or the graph's) gets slot -1: its KV is not written
+        blocks = block_tables[req, col.clamp(max=max(w - 1, 0))].to(torch.int64)
         slot_mapping = torch.where(inside, blocks * block_size + positions % block_size, -1)
     pos_buf[:t].copy_(positions)
     slot_buf[:t].copy_(slot_mapping)
     slot_buf[t : bs * q].fill_(-1)
     seq_buf[:n].copy_(seq_lens)
     seq_buf[n:bs].fill_(q)
-    w = min(block_tables.shape[1], table_buf.shape[1])
     table_buf[:n, :w].copy_(block_tables[:, :w])
     table_buf[:n, w:].zero_()
     table_buf[n:bs].zero_()
@@ -134,6 +133,7 @@ def fill_graph_inputs_triton(buffers, ids, positions, slot_mapping, seq_lens, bl
     tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     W = table_buf.shape[1]
     _fill_graph_inputs_kernel[(padded_batch,)](
+        # an argument the kernel does not read (slot_mapping with advance, advance without) takes any tensor
         rows, src, positions, positions if slot_mapping is None else slot_mapping, seq_lens, tables, tables.stride(0),
         input_ids, pos_buf, slot_buf, seq_buf, table_buf, table_buf.stride(0),
         seq_lens if advance is None else advance, n, min(tables.shape[1], W), W, query_len, block_size or 1,
