@@ -25,12 +25,13 @@ import logging
 import numpy as np
 import torch
 
+from rayinfer import envs
 from rayinfer.kernels.attention_metadata import AttentionMetadata
 from rayinfer.kernels.graph_inputs import fill_graph_inputs, fill_graph_inputs_ref
 
 # 1: a replay's inputs go into the graph's buffers in one launch (kernels/graph_inputs.py); 0: by separate torch
-# ops. Off until its gain is measured on a GPU (A/B variant graph-inputs-fused); tested against the torch ops.
-FUSED_INPUTS = 0
+# ops. RAYINFER_FUSED_GRAPH_INPUTS, off until its gain is measured on a GPU; tested against the torch ops.
+FUSED_INPUTS = int(envs.fused_graph_inputs())
 
 logger = logging.getLogger(__name__)
 

@@ -71,6 +71,13 @@ def side_stream_copies() -> bool:
     return _flag("RAYINFER_SIDE_STREAM_COPIES", False)
 
 
+def fused_graph_inputs() -> bool:
+    """RAYINFER_FUSED_GRAPH_INPUTS (default off until measured on a GPU): whether a CUDA graph replay's inputs go
+    into the graph's buffers in one launch (``kernels.graph_inputs.fill_graph_inputs``) instead of 6-8 torch ops;
+    read once, at import of ``engine.cuda_graph`` (its ``FUSED_INPUTS``)."""
+    return _flag("RAYINFER_FUSED_GRAPH_INPUTS", False)
+
+
 def fuse_shared_experts() -> bool:
     """RAYINFER_FUSE_SHARED_EXPERTS (default on): whether DeepSeek's shared experts join the fused MoE kernel."""
     return _flag("RAYINFER_FUSE_SHARED_EXPERTS", True)
