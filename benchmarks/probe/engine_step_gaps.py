@@ -8,7 +8,7 @@ boundary causes shows by name. It also reports how long before its first kernel 
 was issued: a launch that comes after the device went idle means the host is on the critical path.
 
     PYTHONPATH=. python benchmarks/probe/engine_step_gaps.py --out /tmp/gaps.json
-    PYTHONPATH=. python benchmarks/probe/engine_step_gaps.py --fused-inputs --side-stream-copies --out /tmp/b.json
+    PYTHONPATH=. python benchmarks/probe/engine_step_gaps.py --fused-inputs 0 --side-stream-copies 0 --out /tmp/b.json
 """
 import argparse
 import collections
@@ -84,21 +84,24 @@ def main() -> None:
     ap.add_argument("--warm-steps", type=int, default=64)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--min-gap-us", type=float, default=0.5)
-    ap.add_argument("--fused-inputs", action="store_true",
-                    help="a replay's inputs go into the graph's buffers in one launch (cuda_graph.FUSED_INPUTS)")
-    ap.add_argument("--side-stream-copies", action="store_true",
-                    help="the step's upload and download on copy streams (RAYINFER_SIDE_STREAM_COPIES=1)")
+    ap.add_argument("--fused-inputs", type=int, choices=(0, 1), default=None,
+                    help="1: a replay's inputs go into the graph's buffers in one launch, 0: by torch ops "
+                         "(cuda_graph.FUSED_INPUTS; default: the engine's)")
+    ap.add_argument("--side-stream-copies", type=int, choices=(0, 1), default=None,
+                    help="1: the step's upload and download on copy streams, 0: on the compute stream "
+                         "(RAYINFER_SIDE_STREAM_COPIES; default: the engine's)")
     ap.add_argument("--git-rev", default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
 
-    if args.side_stream_copies:
-        os.environ["RAYINFER_SIDE_STREAM_COPIES"] = "1"
-    if args.fused_inputs:
-        from rayinfer.engine import cuda_graph
+    from rayinfer import envs
+    from rayinfer.engine import cuda_graph
 
-        cuda_graph.FUSED_INPUTS = 1
+    if args.side_stream_copies is not None:
+        os.environ["RAYINFER_SIDE_STREAM_COPIES"] = str(args.side_stream_copies)
+    if args.fused_inputs is not None:
+        cuda_graph.FUSED_INPUTS = args.fused_inputs
 
     engine = LLMEngine(ModelConfig(args.model, "bfloat16", "dummy", max_model_len=8192), EngineConfig())
     engine.add_request("p", list(range(1, args.input_len + 1)),
@@ -118,7 +121,7 @@ def main() -> None:
     result = analyse(dev, launches, args.steps, args.min_gap_us)
     result["host_wall_us_per_step"] = wall / args.steps * 1e6
     result = {**bl.run_metadata(torch.device("cuda"), args.git_rev), "model": args.model,
-              "fused_inputs": args.fused_inputs, "side_stream_copies": args.side_stream_copies, **result}
+              "fused_inputs": bool(cuda_graph.FUSED_INPUTS), "side_stream_copies": envs.side_stream_copies(), **result}
     lead = result["graph_launch_lead_us"]
     print(f"period {result['period_us']:.1f} us/step, busy {result['busy_us']:.1f}, idle {result['idle_us']:.1f}; "
           f"host {result['host_wall_us_per_step']:.1f} us/step under the profiler; graph launch lead (us) "

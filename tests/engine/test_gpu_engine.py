@@ -101,22 +101,23 @@ def test_moe_graphs_and_pipelining_equal_eager_sync(model):
 
 def test_side_stream_copies_and_fused_graph_inputs_keep_tokens(monkeypatch):
     """The step's upload and download on copy streams of their own (RAYINFER_SIDE_STREAM_COPIES) and the
-    graph's inputs written in one launch (cuda_graph.FUSED_INPUTS) give the default engine's greedy tokens,
-    token for token, with the sync guard on: same kernels, only the copies move (bf16, dummy weights, batches
-    of 1 to 12 requests under CUDA graphs and pipelined scheduling)."""
+    graph's inputs written in one launch (cuda_graph.FUSED_INPUTS), both on by default, give the greedy tokens
+    of an engine with both off (copies on the compute stream, inputs by torch ops), token for token, with the
+    sync guard on: same kernels, only the copies move (bf16, dummy weights, batches of 1 to 12 requests under
+    CUDA graphs and pipelined scheduling)."""
     from rayinfer.engine import cuda_graph
 
     prompts = [[(11 * i + j) % 1000 + 3 for j in range(4 + 5 * i)] for i in range(12)]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
-    def generate():
+    def generate(on: int):
+        monkeypatch.setenv("RAYINFER_SIDE_STREAM_COPIES", str(on))
+        monkeypatch.setattr(cuda_graph, "FUSED_INPUTS", on)
         engine = LLMEngine(ModelConfig("deepseek-v3-tiny", dtype="bfloat16", load_format="dummy"),
                            EngineConfig(device="cuda", num_kv_blocks=256, debug_sync_guard=True))
-        assert (engine.runner.copy_streams is not None) == (cuda_graph.FUSED_INPUTS == 1)
+        assert (engine.runner.copy_streams is not None) == bool(on)
         return [c.output_token_ids for c in engine.generate(prompts[:1], params) + engine.generate(prompts, params)]
 
-    default = generate()
-    monkeypatch.setenv("RAYINFER_SIDE_STREAM_COPIES", "1")
-    monkeypatch.setattr(cuda_graph, "FUSED_INPUTS", 1)
-    moved = generate()
-    assert moved == default
+    plain = generate(0)
+    moved = generate(1)
+    assert moved == plain
