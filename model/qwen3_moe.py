@@ -8,12 +8,18 @@ softmax top-k (``norm_topk_prob``); ``decoder_sparse_step`` and ``mlp_only_layer
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from rayinfer import envs
+from rayinfer.kernels import gemv
 from rayinfer.kernels.attention_metadata import AttentionMetadata
+from rayinfer.kernels.gemv import fused_linear, gemv_applies
 from rayinfer.kernels.matmul import dense_linear
+from rayinfer.kernels.moe_routing import norm_router_logits
 from rayinfer.kernels.paged_attention import paged_attention
 from rayinfer.kernels.rotary import rotary_store_kv
 from rayinfer.model.llama import PagedCausalLM, PreNormDecoderLayer, RMSNorm
@@ -90,6 +96,19 @@ class Qwen3MoeAttention(nn.Module):
         out = paged_attention(q, kv_cache, meta, self.scale)
         return linear(out.reshape(t, self.num_heads * d), self.o_proj)
 
+    def attend(self, qkv: torch.Tensor, positions, inv_freq, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """The attention between the stacked projection and ``o_proj``: qkv [T, (H + 2 * H_kv) * head_dim]
+        (``qkv_proj``'s output) -> [T, H * head_dim]; q/k norms and RoPE in the KV-write launch, the step's
+        K/V written into ``kv_cache``. Raises: AssertionError without ``qkv_proj`` (:meth:`fuse_qkv`)."""
+        assert self.qkv_proj is not None
+        t, d = qkv.shape[0], self.head_dim
+        nq, nkv = self.num_heads * d, self.num_kv_heads * d
+        q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
+        q = rotary_store_kv(q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d),
+                            v.view(t, self.num_kv_heads, d), positions, inv_freq, kv_cache, meta.slot_mapping,
+                            qk_norm=(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps))
+        return paged_attention(q, kv_cache, meta, self.scale).reshape(t, nq)
+
 
 class Qwen3MoeRouter(nn.Module):
     """Router weights under the Hugging Face name ``mlp.gate.weight``: [num_experts, hidden_size]."""
@@ -117,6 +136,15 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         weights, ids = softmax_topk(dense_linear(hidden, self.gate.weight), self.top_k, self.norm_topk_prob)
         return self.experts(hidden, ids, weights)
 
+    def forward_norm_residual(self, residual: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """The block over ``norm(residual)``, its output added into ``residual`` in place (returned): the
+        norm in the router kernel's prologue where it applies (``moe_routing.norm_router_logits``), the sum
+        added by the fused MoE kernel's last launch. residual [T, hidden_size]. The router's float32 logits
+        are rounded to the model dtype, as :meth:`forward`'s router GEMM rounds them, so both route alike."""
+        logits, hidden = norm_router_logits(residual, norm.weight, norm.eps, self.gate.weight)
+        weights, ids = softmax_topk(logits.to(residual.dtype), self.top_k, self.norm_topk_prob)
+        return self.experts(hidden, ids, weights, residual=residual)
+
 
 def _is_sparse(config, layer_idx: int) -> bool:
     """Hugging Face's rule for which decoder layers are MoE."""
@@ -137,6 +165,32 @@ class Qwen3MoeDecoderLayer(PreNormDecoderLayer):
             self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward_one_row(self, h: torch.Tensor, positions, inv_freq, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """The layer for one token (batch-1 decode); ``h`` [1, hidden] is the residual stream itself, updated
+        in place and returned (as ``LlamaDecoderLayer.forward_one_row``).
+
+        input_layernorm runs in the prologue of the ``qkv_proj`` GEMV and the attention's residual add in the
+        epilogue of the ``o_proj`` GEMV (``kernels.gemv.fused_linear``); post_attention_layernorm runs in the
+        router kernel's prologue (:meth:`Qwen3MoeSparseMoeBlock.forward_norm_residual`), whose output the
+        fused MoE kernel adds into ``h``; a dense layer's MLP runs as in :meth:`forward`. Needs ``qkv_proj``
+        (:meth:`Qwen3MoeAttention.fuse_qkv`; :meth:`Qwen3MoeForCausalLM.process_weights_after_loading`
+        checks). Same result as :meth:`forward` up to rounding (the normed inputs of the GEMVs are not
+        rounded to the model dtype)."""
+        attn = self.self_attn
+        assert attn.qkv_proj is not None
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        qkv = fused_linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight=norm1.weight, eps=norm1.eps,
+                           weight_scale=attn.qkv_proj._parameters.get(SCALE_SUFFIX))
+        out = attn.attend(qkv, positions, inv_freq, kv_cache, meta)
+        fused_linear(out, attn.o_proj.weight, attn.o_proj.bias, residual=h,
+                     weight_scale=attn.o_proj._parameters.get(SCALE_SUFFIX))
+        mlp = self.mlp
+        if isinstance(mlp, Qwen3MoeSparseMoeBlock):
+            mlp.forward_norm_residual(h, norm2)
+        else:  # a dense layer (``mlp_only_layers``; Qwen3-30B-A3B has none)
+            h.add_(mlp(norm2(h)))
+        return h
 
 
 class Qwen3MoeModel(nn.Module):
@@ -170,14 +224,35 @@ class Qwen3MoeForCausalLM(MoEModelMixin, PagedCausalLM):
         self.config = config
         self.model = Qwen3MoeModel(config, ep or ExpertParallelism())
         self._init_head(config)
+        self.one_row_fusion = False  # process_weights_after_loading decides
+
+    def forward(self, input_ids, positions, kv_cache, meta):
+        """:meth:`PagedCausalLM.forward`; a one-token step on the GPU in bf16/fp16 (batch-1 decode) runs each
+        layer through :meth:`Qwen3MoeDecoderLayer.forward_one_row` when ``one_row_fusion`` holds."""
+        if input_ids.shape[0] == 1 and self.one_row_fusion:
+            w = self.model.embed_tokens.weight
+            if gemv_applies(w[:1], w):  # the [1, hidden] embedding row: 16-bit on a GPU, not batch-invariant
+                hidden = self.model.embed_tokens(input_ids)
+                for i, layer in enumerate(self.model.layers):
+                    cast(Qwen3MoeDecoderLayer, layer).forward_one_row(hidden, positions, self.inv_freq,
+                                                                      kv_cache[i], meta)
+                return self.model.norm(hidden)
+        return super().forward(input_ids, positions, kv_cache, meta)
 
     def process_weights_after_loading(self) -> None:
         """Called by ``model.loader.load_model`` once the weights are in: stacks each attention's q, k and v
-        projections (:meth:`Qwen3MoeAttention.fuse_qkv`). A model built and loaded by hand runs unfused,
-        with the same outputs up to float summation order."""
+        projections (:meth:`Qwen3MoeAttention.fuse_qkv`). A model built and loaded by hand runs unfused, with
+        the same outputs up to float summation order. Then turns on ``one_row_fusion`` (unless RAYINFER_ONE_ROW_FUSION=0) when
+        every attention has ``qkv_proj`` and its GEMV-read weights (``qkv_proj``, ``o_proj``) are 16-bit, or
+        fp8 blocks with ``kernels.gemv.FP8_WEIGHTS``."""
         for module in self.modules():
             if isinstance(module, Qwen3MoeAttention):
                 module.fuse_qkv()
+        attns = [cast(Qwen3MoeDecoderLayer, layer).self_attn for layer in self.model.layers]
+        self.one_row_fusion = envs.one_row_fusion() and all(
+            a.qkv_proj is not None and (bool(gemv.FP8_WEIGHTS) or not any(
+                SCALE_SUFFIX in m._parameters for m in (a.qkv_proj, a.o_proj)))
+            for a in attns)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The parameters and buffers under the Hugging Face 5.x names, whatever
