@@ -35,6 +35,8 @@ SHAPES = {
                          (2048, 10944, "silu_and_mul")],
     "llama-3-8b": [(6144, 4096, "rms_norm"), (4096, 4096, None), (28672, 4096, "rms_norm"),
                    (4096, 14336, "silu_and_mul")],
+    # q (32 heads x 128), k and v (4 heads x 128) stacked, the input norm in its prologue; o_proj
+    "qwen3-30b-a3b": [(5120, 2048, "rms_norm"), (2048, 4096, None)],
 }
 ROTATE_BYTES = 1 << 30  # distinct weights a graph cycles through: 20x an H200's L2
 
