@@ -219,14 +219,11 @@ def test_mtp_forward_matches_its_formula(variant, paged):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def _one_row_vs_generic(device, dtype, fp8=False, **cfg_kw):
-    """Hidden states of a decode token through the one-row path (``forward_one_row``: GEMVs with the
-    norms and residual adds fused in, the MoE sum added into the residual stream) and the generic path,
-    from the same cache after a 9-token prefill; and how many layers took the one-row path. ``fp8``: the
-    linears and experts in 128 x 128 fp8 blocks, the generic path's one-row linears on block_fp8_linear
-    (``kernels.gemv.FP8_WEIGHTS`` = 0), the one-row path's on the fp8 GEMV."""
-    from rayinfer.kernels import gemv
-    from rayinfer.kernels.attention_metadata import AttentionMetadata
+def _one_row_vs_generic(paged, device, dtype, fp8=False, **cfg_kw):
+    """``paged.one_row_vs_generic`` of a random model (norm weights not all ones, so a norm weight applied wrong
+    shows): the one-row path is GEMVs with the norms and residual adds fused in, the MoE sum added into the
+    residual stream. ``fp8``: the linears and experts in 128 x 128 fp8 blocks, the one-row path's linears
+    on the fp8 GEMV."""
     from rayinfer.model.deepseek_v3 import DeepseekV3DecoderLayer
     from rayinfer.model.quantization import BlockFp8Config, quantize_linears
 
@@ -234,62 +231,29 @@ def _one_row_vs_generic(device, dtype, fp8=False, **cfg_kw):
     _, model = make_pair(cfg, seed=3)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:  # not all ones, so a norm weight applied wrong shows
+            if "norm" in name:
                 p.uniform_(0.5, 1.5)
     model.process_weights_after_loading()  # qkv_a_proj, shared experts fused, one_row_fusion decided
     assert model.one_row_fusion
     model = model.to(device=device, dtype=dtype)
     if fp8:
         quantize_linears(model, BlockFp8Config())
-    kv = torch.zeros(model.kv_cache_shape(8, BLOCK_SIZE), device=device, dtype=dtype)
-    ids = torch.randint(0, 128, (10,), generator=torch.Generator().manual_seed(0)).to(device)
-    table = [3, 1, 6]
-    calls = []
-    real = DeepseekV3DecoderLayer.forward_one_row
-
-    def counting(self, *a):
-        calls.append(1)
-        return real(self, *a)
-
-    with torch.no_grad():
-        model(ids[:9], torch.arange(9, device=device), kv,
-              AttentionMetadata.build([9], [9], [table], BLOCK_SIZE, device=device))
-        meta = AttentionMetadata.build([1], [10], [table], BLOCK_SIZE, device=device)
-        pos = torch.arange(9, 10, device=device)
-        model.one_row_fusion = False
-        saved, gemv.FP8_WEIGHTS = gemv.FP8_WEIGHTS, 0 if fp8 else gemv.FP8_WEIGHTS
-        try:
-            generic = model(ids[9:], pos, kv.clone(), meta)
-        finally:
-            gemv.FP8_WEIGHTS = saved
-        model.one_row_fusion = True
-        DeepseekV3DecoderLayer.forward_one_row = counting
-        try:
-            fused = model(ids[9:], pos, kv.clone(), meta)
-            h = model.model.embed_tokens(ids[9:])
-            cos, sin = model.rope_args(pos, h)
-            cache = kv.clone()
-            for i, layer in enumerate(model.model.layers):
-                layer.forward_one_row(h, cos, sin, cache[i], meta)
-            direct = model.model.norm(h)
-        finally:
-            DeepseekV3DecoderLayer.forward_one_row = real
-    return generic, fused, direct, len(calls)
+    return paged.one_row_vs_generic(model, DeepseekV3DecoderLayer, BLOCK_SIZE, fp8)
 
 
 @pytest.mark.parametrize("q_lora_rank", [48, None])
-def test_one_row_path_matches_generic_forward(q_lora_rank):
+def test_one_row_path_matches_generic_forward(q_lora_rank, paged):
     """forward_one_row computes the same layers (dense and MoE) as the generic forward: on CPU its
     dispatchers run the unfused ops, which checks the wiring (norm placement, residual adds)."""
-    generic, fused, direct, calls = _one_row_vs_generic("cpu", torch.float32, q_lora_rank=q_lora_rank)
+    generic, fused, direct, calls = _one_row_vs_generic(paged, "cpu", torch.float32, q_lora_rank=q_lora_rank)
     assert calls == 3  # only the direct loop: float32 on CPU keeps forward on the generic path
     torch.testing.assert_close(fused, generic)
     torch.testing.assert_close(direct, generic, rtol=1e-5, atol=1e-5)
 
 
-def test_one_row_path_with_fp8_weights_matches_generic_forward():
+def test_one_row_path_with_fp8_weights_matches_generic_forward(paged):
     """fp8 block weights: forward_one_row passes each projection's scales (on CPU to block_fp8_linear)."""
-    generic, fused, direct, calls = _one_row_vs_generic("cpu", torch.float32, fp8=True, q_lora_rank=48)
+    generic, fused, direct, calls = _one_row_vs_generic(paged, "cpu", torch.float32, fp8=True, q_lora_rank=48)
     assert calls == 3
     torch.testing.assert_close(direct, generic, rtol=1e-5, atol=1e-5)
 
@@ -297,10 +261,10 @@ def test_one_row_path_with_fp8_weights_matches_generic_forward():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("q_lora_rank,fp8", [(48, False), (None, False), (48, True), (None, True)])
-def test_one_row_path_matches_generic_forward_on_gpu(q_lora_rank, fp8):
+def test_one_row_path_matches_generic_forward_on_gpu(q_lora_rank, fp8, paged):
     """bf16 on the GPU: the GEMV kernels and the fused MoE's residual add take every layer of forward;
     with fp8 block weights, the fp8 GEMV (scales in its K loop) against block_fp8_linear's one-row calls."""
-    generic, fused, direct, calls = _one_row_vs_generic("cuda", torch.bfloat16, fp8=fp8, q_lora_rank=q_lora_rank)
+    generic, fused, direct, calls = _one_row_vs_generic(paged, "cuda", torch.bfloat16, fp8=fp8, q_lora_rank=q_lora_rank)
     assert calls == 6  # 3 layers through forward, 3 through the direct loop
     # with fp8 and q_lora the generic path rounds q_a_layernorm's output to bf16 before q_b_proj (the 16-bit
     # model's generic path takes the fused GEMV there too): 4 of 64 outputs differed by up to 0.047 on an H200.

@@ -115,22 +115,18 @@ def test_stacked_qkv_with_fp8_blocks_and_hf_twin():
     assert not small.model.layers[0].self_attn.fuse_qkv()  # 64 query rows: not whole blocks
 
 
-def _one_row_vs_generic(device, dtype, fp8=False, **cfg_kw):
-    """Hidden states of a decode token through the one-row path (``forward_one_row``: GEMVs with the norms
-    and residual adds fused in, the router's norm in its kernel, the MoE sum added into the residual stream)
-    and the generic path, from the same cache after a 9-token prefill; and how many layers took the one-row
-    path. ``fp8``: 128 x 128 fp8 block linears (hidden 128, so q/k/v stack), the generic path's one-row
-    linears on block_fp8_linear (``kernels.gemv.FP8_WEIGHTS`` = 0), the one-row path's on the fp8 GEMV."""
-    from rayinfer.kernels import gemv
-    from rayinfer.kernels.attention_metadata import AttentionMetadata
+def _one_row_vs_generic(paged, device, dtype, fp8=False, **cfg_kw):
+    """``paged.one_row_vs_generic`` of a random model (norm weights not all ones and biases not zero, so one
+    applied wrong shows): the one-row path is GEMVs with the norms and residual adds fused in, the router's
+    norm in its kernel, the MoE sum added into the residual stream. ``fp8``: 128 x 128 fp8 block linears
+    (q/k/v stack when their rows fill whole blocks), the one-row path's on the fp8 GEMV."""
     from rayinfer.model.qwen3_moe import Qwen3MoeDecoderLayer
     from rayinfer.model.quantization import BlockFp8Config, quantize_linears
 
-    cfg = tiny_config(**cfg_kw)
-    _, model = make_pair(cfg, seed=3)
+    _, model = make_pair(tiny_config(**cfg_kw), seed=3)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:  # not all ones, so a norm weight applied wrong shows
+            if "norm" in name:
                 p.uniform_(0.5, 1.5)
             elif name.endswith("bias"):  # HF initializes them to zero
                 p.uniform_(-0.5, 0.5)
@@ -139,55 +135,23 @@ def _one_row_vs_generic(device, dtype, fp8=False, **cfg_kw):
         quantize_linears(model, BlockFp8Config())
     model.process_weights_after_loading()  # qkv_proj stacked, one_row_fusion decided
     assert model.one_row_fusion
-    kv = torch.zeros(model.kv_cache_shape(8, BLOCK_SIZE), device=device, dtype=dtype)
-    ids = torch.randint(0, 128, (10,), generator=torch.Generator().manual_seed(0)).to(device)
-    table = [3, 1, 6]
-    calls = []
-    real = Qwen3MoeDecoderLayer.forward_one_row
-
-    def counting(self, *a):
-        calls.append(1)
-        return real(self, *a)
-
-    with torch.no_grad():
-        model(ids[:9], torch.arange(9, device=device), kv,
-              AttentionMetadata.build([9], [9], [table], BLOCK_SIZE, device=device))
-        meta = AttentionMetadata.build([1], [10], [table], BLOCK_SIZE, device=device)
-        pos = torch.arange(9, 10, device=device)
-        model.one_row_fusion = False
-        saved, gemv.FP8_WEIGHTS = gemv.FP8_WEIGHTS, 0 if fp8 else gemv.FP8_WEIGHTS
-        try:
-            generic = model(ids[9:], pos, kv.clone(), meta)
-        finally:
-            gemv.FP8_WEIGHTS = saved
-        model.one_row_fusion = True
-        Qwen3MoeDecoderLayer.forward_one_row = counting
-        try:
-            fused = model(ids[9:], pos, kv.clone(), meta)
-            h = model.model.embed_tokens(ids[9:])
-            cache = kv.clone()
-            for i, layer in enumerate(model.model.layers):
-                layer.forward_one_row(h, pos, model.inv_freq, cache[i], meta)
-            direct = model.model.norm(h)
-        finally:
-            Qwen3MoeDecoderLayer.forward_one_row = real
-    return generic, fused, direct, len(calls)
+    return paged.one_row_vs_generic(model, Qwen3MoeDecoderLayer, BLOCK_SIZE, fp8)
 
 
 @pytest.mark.parametrize("extra", [{}, dict(attention_bias=True, norm_topk_prob=False)])
-def test_one_row_path_matches_generic_forward(extra):
+def test_one_row_path_matches_generic_forward(extra, paged):
     """forward_one_row computes the same layers (MoE and the dense layer 1) as the generic forward: on CPU its
     dispatchers run the unfused ops, which checks the wiring (norm placement, residual adds, the router's
     normed input, q/k norms and RoPE on the stacked projection's columns)."""
-    generic, fused, direct, calls = _one_row_vs_generic("cpu", torch.float32, **extra)
+    generic, fused, direct, calls = _one_row_vs_generic(paged, "cpu", torch.float32, **extra)
     assert calls == 3  # only the direct loop: float32 on CPU keeps forward on the generic path
     torch.testing.assert_close(fused, generic)
     torch.testing.assert_close(direct, generic, rtol=1e-5, atol=1e-5)
 
 
-def test_one_row_path_with_fp8_weights_matches_generic_forward():
+def test_one_row_path_with_fp8_weights_matches_generic_forward(paged):
     """fp8 block weights: forward_one_row passes each projection's scales (on CPU to block_fp8_linear)."""
-    generic, fused, direct, calls = _one_row_vs_generic("cpu", torch.float32, fp8=True, hidden_size=128,
+    generic, fused, direct, calls = _one_row_vs_generic(paged, "cpu", torch.float32, fp8=True, hidden_size=128,
                                                         num_key_value_heads=4, head_dim=32)
     assert calls == 3
     torch.testing.assert_close(direct, generic, rtol=1e-5, atol=1e-5)
@@ -204,11 +168,11 @@ def test_one_row_fusion_off_by_switch(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("fp8", [False, True])
-def test_one_row_path_matches_generic_forward_on_gpu(fp8):
+def test_one_row_path_matches_generic_forward_on_gpu(fp8, paged):
     """bf16 on the GPU: the GEMV kernels, the router's fused norm and the fused MoE's residual add take every
     layer of forward; with fp8 block weights, the fp8 GEMV against block_fp8_linear's one-row calls."""
     kw = dict(hidden_size=128, num_key_value_heads=4, head_dim=32) if fp8 else {}
-    generic, fused, direct, calls = _one_row_vs_generic("cuda", torch.bfloat16, fp8=fp8, **kw)
+    generic, fused, direct, calls = _one_row_vs_generic(paged, "cuda", torch.bfloat16, fp8=fp8, **kw)
     assert calls == 6  # 3 layers through forward, 3 through the direct loop
     # the one-row path does not round the normed inputs of its GEMVs to bf16, the generic path does
     tol = 6e-2
