@@ -30,7 +30,7 @@ from rayinfer.kernels.attention_metadata import AttentionMetadata
 from rayinfer.kernels.graph_inputs import fill_graph_inputs, fill_graph_inputs_ref
 
 # 1: a replay's inputs go into the graph's buffers in one launch (kernels/graph_inputs.py); 0: by separate torch
-# ops (RAYINFER_FUSED_GRAPH_INPUTS, default 1; tested against the torch ops).
+# ops (RAYINFER_FUSED_GRAPH_INPUTS, default 0 until the GPU measurements agree; tested against the torch ops).
 FUSED_INPUTS = int(envs.fused_graph_inputs())
 
 logger = logging.getLogger(__name__)

@@ -65,17 +65,18 @@ def ep_fused_dispatch() -> bool:
 
 
 def side_stream_copies() -> bool:
-    """RAYINFER_SIDE_STREAM_COPIES (default on; "0" for A/B runs): whether a CUDA step's input upload and its
-    sampled tokens' download run on streams of their own (``engine.model_runner``), out of the compute stream's
-    way, instead of between two steps' kernels."""
-    return _flag("RAYINFER_SIDE_STREAM_COPIES", True)
+    """RAYINFER_SIDE_STREAM_COPIES (default off: the GPU measurements disagree, benchmarks/README.md twentieth
+    round): whether a CUDA step's input upload and its sampled tokens' download run on streams of their own
+    (``engine.model_runner``), out of the compute stream's way, instead of between two steps' kernels."""
+    return _flag("RAYINFER_SIDE_STREAM_COPIES", False)
 
 
 def fused_graph_inputs() -> bool:
-    """RAYINFER_FUSED_GRAPH_INPUTS (default on; "0" for A/B runs): whether a CUDA graph replay's inputs go into
-    the graph's buffers in one launch (``kernels.graph_inputs.fill_graph_inputs``) instead of 6-8 torch ops;
-    read once, at import of ``engine.cuda_graph`` (its ``FUSED_INPUTS``)."""
-    return _flag("RAYINFER_FUSED_GRAPH_INPUTS", True)
+    """RAYINFER_FUSED_GRAPH_INPUTS (default off: the GPU measurements disagree, benchmarks/README.md twentieth
+    round): whether a CUDA graph replay's inputs go into the graph's buffers in one launch
+    (``kernels.graph_inputs.fill_graph_inputs``) instead of 6-8 torch ops; read once, at import of
+    ``engine.cuda_graph`` (its ``FUSED_INPUTS``)."""
+    return _flag("RAYINFER_FUSED_GRAPH_INPUTS", False)
 
 
 def fuse_shared_experts() -> bool:

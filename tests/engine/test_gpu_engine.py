@@ -101,7 +101,7 @@ def test_moe_graphs_and_pipelining_equal_eager_sync(model):
 
 def test_side_stream_copies_and_fused_graph_inputs_keep_tokens(monkeypatch):
     """The step's upload and download on copy streams of their own (RAYINFER_SIDE_STREAM_COPIES) and the
-    graph's inputs written in one launch (cuda_graph.FUSED_INPUTS), both on by default, give the greedy tokens
+    graph's inputs written in one launch (cuda_graph.FUSED_INPUTS), both off by default, give the greedy tokens
     of an engine with both off (copies on the compute stream, inputs by torch ops), token for token, with the
     sync guard on: same kernels, only the copies move (bf16, dummy weights, batches of 1 to 12 requests under
     CUDA graphs and pipelined scheduling)."""
