@@ -75,6 +75,8 @@ class Qwen3MoeAttention(nn.Module):
 
     def forward(self, hidden, positions, inv_freq, kv_cache, meta: AttentionMetadata):
         """hidden [T, hidden_size] -> [T, hidden_size]; writes this step's K/V into ``kv_cache`` (one layer)."""
+        if self.qkv_proj is not None and QK_NORM_IN_ROPE:
+            return linear(self.attend(linear(hidden, self.qkv_proj), positions, inv_freq, kv_cache, meta), self.o_proj)
         t, d = hidden.shape[0], self.head_dim
         if self.qkv_proj is not None:
             nq, nkv = self.num_heads * d, self.num_kv_heads * d
@@ -242,9 +244,9 @@ class Qwen3MoeForCausalLM(MoEModelMixin, PagedCausalLM):
     def process_weights_after_loading(self) -> None:
         """Called by ``model.loader.load_model`` once the weights are in: stacks each attention's q, k and v
         projections (:meth:`Qwen3MoeAttention.fuse_qkv`). A model built and loaded by hand runs unfused, with
-        the same outputs up to float summation order. Then turns on ``one_row_fusion`` (unless RAYINFER_ONE_ROW_FUSION=0) when
-        every attention has ``qkv_proj`` and its GEMV-read weights (``qkv_proj``, ``o_proj``) are 16-bit, or
-        fp8 blocks with ``kernels.gemv.FP8_WEIGHTS``."""
+        the same outputs up to float summation order. Then turns on ``one_row_fusion`` (unless
+        RAYINFER_ONE_ROW_FUSION=0) when every attention has ``qkv_proj`` and its GEMV-read weights
+        (``qkv_proj``, ``o_proj``) are 16-bit, or fp8 blocks with ``kernels.gemv.FP8_WEIGHTS``."""
         for module in self.modules():
             if isinstance(module, Qwen3MoeAttention):
                 module.fuse_qkv()
