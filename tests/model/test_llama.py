@@ -37,9 +37,9 @@ def test_llama_prefill_then_decode_matches_hf():
     torch.testing.assert_close(torch.cat(got), expected, rtol=1e-4, atol=1e-4)
 
 
-def _one_row_vs_generic(device, dtype):
-    """Hidden states of a decode token through the one-row (fused-GEMV) path and the generic path, from
-    the same cache state after a 9-token prefill; and how many layers took the one-row path."""
+def _one_row_vs_generic(paged, device, dtype):
+    """``paged.one_row_vs_generic`` of a random Llama (norm weights not all ones, so a norm weight applied
+    wrong shows): the one-row (fused-GEMV) path against the generic path."""
     from rayinfer.model.llama import LlamaDecoderLayer
 
     torch.manual_seed(1)
@@ -48,40 +48,16 @@ def _one_row_vs_generic(device, dtype):
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:  # not all ones, so a norm weight applied wrong shows
+            if "norm" in name:
                 p.uniform_(0.5, 1.5)
     model = model.to(device=device, dtype=dtype)
-    block_size = 4
-    kv = torch.zeros(model.kv_cache_shape(8, block_size), device=device, dtype=dtype)
-    ids = torch.randint(0, 128, (10,), device=device)
-    table = [3, 1, 6]
-    calls = []
-    real = LlamaDecoderLayer.forward_one_row
-
-    def counting(self, *a):
-        calls.append(1)
-        return real(self, *a)
-
-    with torch.no_grad():
-        model(ids[:9], torch.arange(9, device=device), kv, AttentionMetadata.build([9], [9], [table], block_size, device=device))
-        meta = AttentionMetadata.build([1], [10], [table], block_size, device=device)
-        pos = torch.arange(9, 10, device=device)
-        model.one_row_fusion = False
-        generic = model(ids[9:], pos, kv.clone(), meta)
-        model.one_row_fusion = True
-        LlamaDecoderLayer.forward_one_row = counting
-        try:
-            fused = model(ids[9:], pos, kv.clone(), meta)
-            direct = model.forward_one_row(model.model.embed_tokens(ids[9:]), pos, kv.clone(), meta)
-        finally:
-            LlamaDecoderLayer.forward_one_row = real
-    return generic, fused, direct, len(calls)
+    return paged.one_row_vs_generic(model, LlamaDecoderLayer, 4)
 
 
-def test_one_row_path_matches_generic_forward():
+def test_one_row_path_matches_generic_forward(paged):
     """forward_one_row (norms and residual adds moved into the projections) computes the same layer as
     the generic forward: on CPU its dispatchers run the unfused ops, which checks the wiring."""
-    generic, fused, direct, calls = _one_row_vs_generic("cpu", torch.float32)
+    generic, fused, direct, calls = _one_row_vs_generic(paged, "cpu", torch.float32)
     assert calls == 2  # only the direct call: float32 on CPU keeps the generic path in forward
     torch.testing.assert_close(fused, generic)
     torch.testing.assert_close(direct, generic, rtol=1e-5, atol=1e-5)
@@ -89,9 +65,9 @@ def test_one_row_path_matches_generic_forward():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_one_row_path_matches_generic_forward_on_gpu():
+def test_one_row_path_matches_generic_forward_on_gpu(paged):
     """bf16 on the GPU: the fused GEMV kernels (with PDL where supported) take every layer of forward."""
-    generic, fused, direct, calls = _one_row_vs_generic("cuda", torch.bfloat16)
+    generic, fused, direct, calls = _one_row_vs_generic(paged, "cuda", torch.bfloat16)
     assert calls == 4  # 2 layers through forward, 2 through the direct call
     torch.testing.assert_close(fused.float(), generic.float(), rtol=3e-2, atol=3e-2)
     torch.testing.assert_close(direct.float(), fused.float(), rtol=0, atol=0)
