@@ -8,7 +8,7 @@ from typing import Any, AsyncIterator
 
 from rayinfer.engine.errors import RayInferError
 from rayinfer.engine.types import MultiModalInput
-from rayinfer.serve.chat import render_messages
+from rayinfer.serve.chat import OnImage, render_messages
 from rayinfer.serve.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -123,14 +123,16 @@ class ChatServing:
 
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         mm_inputs: list[MultiModalInput] = []
-        on_image = None
+        on_image: OnImage | None = None
         if s.images is not None:
             loader = s.images
 
-            def on_image(url: str, offset: int, index: int) -> list[int]:
+            def load_image(url: str, offset: int, index: int) -> list[int]:
                 mm = loader.load(url, offset, index)  # InvalidRequestError naming the image: a 400
                 mm_inputs.append(mm)
                 return loader.processor.placeholder_ids(mm.length)
+
+            on_image = load_image
         try:
             prompt_ids = render_messages(s.tokenizer, messages, tools if use_tools else None,
                                          add_generation_prompt=req.add_generation_prompt, on_image=on_image)

@@ -74,7 +74,7 @@ class CompletionServing:
         request_id = request_id or f"cmpl-{uuid.uuid4().hex}"
         record = record if record is not None else RequestRecord()
         # tokenization runs off the event loop: a long prompt stalls no other stream
-        req, jobs, echo_ids, num_prompt_tokens = await s.prepare(self._prepare, body, param="prompt")
+        req, jobs, echo_ids, num_prompt_tokens = await s.prepare(self._prepare, body, request_id, param="prompt")
         ctx = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": s.model_name}
         if req.stream:
             stream, first = await s.start(request_id, jobs, arrival)

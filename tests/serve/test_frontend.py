@@ -178,6 +178,19 @@ def test_a_template_error_is_400(tokenizer):
     assert err["param"] == "messages" and "roles must alternate" in err["message"]
 
 
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", CHAT),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 3}),
+])
+def test_the_ignored_fields_warning_names_the_request_id(tokenizer, caplog, path, body):
+    fe, _ = make(tokenizer)
+    with caplog.at_level("WARNING", logger="rayinfer.serve.protocol"):
+        r = call(fe, "POST", path, json={**body, "temprature": 0.5}, headers=AUTH)
+    assert r.status_code == 200, r.text
+    assert caplog.text.strip().endswith(f"request {r.json()['id']}: the following fields were present in the "
+                                        "request but ignored: temprature")
+
+
 # -- 2. size limits, and tokenization off the event loop ------------------------------------------
 def test_body_over_the_limit_is_413_before_parsing(tokenizer):
     fe, fake = make(tokenizer, max_request_bytes=1000)
