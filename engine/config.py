@@ -79,6 +79,9 @@ class SpeculativeConfig:
         max_verify_tokens: "confidence": the per-step budget of draft tokens verified, at most; None
             takes ``num_draft_tokens`` x max_num_seqs.
         min_confidence: "confidence": drafts whose running product falls below it are never verified.
+        device_drafts: MTP drafts the next step's tokens on the device at the end of each verification step
+            (no drafting pass of its own before the next step, no host sync between them); False drafts before
+            each step from the tokens on the host (``MtpProposer.propose``). Other methods ignore it.
     Raises:
         ValueError: naming the field, for an unknown method or schedule or a non-positive count.
     """
@@ -92,6 +95,7 @@ class SpeculativeConfig:
     schedule: str = "fixed"
     max_verify_tokens: int | None = None
     min_confidence: float = 0.05
+    device_drafts: bool = True
 
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:

@@ -24,6 +24,7 @@ from rayinfer.engine.sampler import Sampler
 from rayinfer.engine.scheduler import Scheduler, SchedulerConfig
 from rayinfer.engine.spec_decode import (
     AcceptanceCalibrator,
+    Draft,
     DraftModelProposer,
     MtpProposer,
     NgramProposer,
@@ -220,6 +221,7 @@ class LLMEngine:
         self.calibrator = AcceptanceCalibrator(spec.num_draft_tokens)
         self.gate = SpeculationGate()  # "confidence": speculate only where it measured faster than plain
         self._draft_probs: dict[str, list[float] | None] = {}  # of the drafts being verified, by request
+        self.num_device_drafted_steps = 0  # steps whose drafts (some of them) were made on the device (MTP)
         if spec.enabled:
             if spec.method == "ngram":
                 self.proposer = NgramProposer(spec.ngram_min, spec.ngram_max)
@@ -256,6 +258,8 @@ class LLMEngine:
             elif on_cuda and isinstance(self.proposer, MtpProposer):
                 self.proposer.capture_cuda_graphs(self.max_model_len, min(cfg.max_num_seqs, 512),
                                                   spec.num_draft_tokens)
+        if isinstance(self.proposer, MtpProposer) and spec.device_drafts:
+            self.proposer.enable_device_drafts(self.max_model_len, min(cfg.max_num_seqs, 512), spec.num_draft_tokens)
         self._warm_up_prefill(on_cuda)
         self.num_prompt_tokens = 0  # counters for metrics
         self.num_generation_tokens = 0
@@ -599,10 +603,23 @@ class LLMEngine:
             if k > 0:
                 reqs.append(req)
                 ks.append(k)
+        assert self.proposer is not None
+        ready = self.proposer.take_drafts()  # made on the device at the end of the last step
+        expected = getattr(self.proposer, "expected_num_tokens", {})
         if not reqs:
             return
-        assert self.proposer is not None
-        drafts = self.proposer.propose(reqs, ks)
+        drafts: list[Draft | None] = [None] * len(reqs)
+        for i, req in enumerate(reqs):
+            d = ready.get(req.request_id)
+            if d is not None and expected.get(req.request_id) == req.num_tokens:
+                drafts[i] = Draft(d.token_ids[: ks[i]], None if d.probs is None else d.probs[: ks[i]])
+        self.num_device_drafted_steps += any(d is not None for d in drafts)
+        rest = [i for i, d in enumerate(drafts) if d is None]
+        if rest:
+            for i, d in zip(rest, self.proposer.propose([reqs[i] for i in rest], [ks[i] for i in rest])):
+                drafts[i] = d
+        drafts = [d for d in drafts if d is not None]
+        assert len(drafts) == len(reqs)
         self.spec_stats.num_drafts_proposed += sum(len(d.token_ids) for d in drafts)
         if spec.schedule == "confidence":
             conf = torch.zeros(len(reqs), spec.num_draft_tokens)
@@ -685,6 +702,11 @@ class LLMEngine:
                     prev = None
                 outputs += self._execute_isolated(sched, step_reqs, prev_step, e)
             else:
+                if self.proposer is not None:
+                    try:  # the next step's drafts, queued on the device behind this step (MTP)
+                        self.proposer.launch_drafts(sched, launched, self.engine_config.speculative.num_draft_tokens)
+                    except Exception:  # noqa: BLE001 - drafts are only proposals: the next step drafts on the host
+                        logger.exception("drafting on the device failed; the next step drafts on the host")
                 # a verification step is never left in flight: the next step starts from its accepted tokens
                 if self.async_scheduling and not num_drafts:
                     self._inflight, self._inflight_speculative = (sched, launched, step_reqs), speculating
@@ -942,6 +964,7 @@ class LLMEngine:
                 "spec_gate_plain_steps": self.gate.num_plain_steps,
                 "spec_gate_drafting_steps": self.gate.num_drafting_steps,
                 "spec_gate_explore_steps": self.gate.num_explore_steps,
+                "spec_device_drafted_steps": self.num_device_drafted_steps,
                 "spec_gate_plain_s": self.gate.seconds[False], "spec_gate_drafting_s": self.gate.seconds[True]}
                if self.proposer is not None else {}),
             **(self._host_stats() if kv.host is not None else {}),

@@ -76,6 +76,17 @@ class Proposer:
     def release(self, request_id: str) -> None:
         """Forget a finished or aborted request (free its draft KV); unknown ids are ignored."""
 
+    def launch_drafts(self, sched: SchedulerOutput, step, num_drafts: int) -> None:
+        """Right after a step is launched (``step``: its :class:`~rayinfer.engine.model_runner.PendingStep`),
+        queue drafting for the step after it on the device, from the step's own samples: the drafts then
+        need no pass of their own before the next step (:meth:`take_drafts`). Proposers that cannot
+        (the default) do nothing, and :meth:`propose` drafts before the next step as usual."""
+
+    def take_drafts(self) -> dict[str, "Draft"]:
+        """The drafts :meth:`launch_drafts` queued for the last processed step, by request id (waits for the
+        device); each is valid for its request while ``req.num_tokens`` equals ``expected_num_tokens[rid]``."""
+        return {}
+
     def observe(self, sched: SchedulerOutput, hidden: torch.Tensor, step_out: StepOutput) -> None:
         """After a step (before its tokens are appended), with ``needs_hidden``: the target's hidden states.
 
@@ -409,6 +420,10 @@ class MtpProposer(Proposer):
                                  self.device)
         self.states: dict[str, _MtpState] = {}
         self.graphs: MtpDraftGraphs | None = None  # a step's drafts in one replay (capture_cuda_graphs)
+        self.device_graphs: MtpDraftGraphs | None = None  # enable_device_drafts: the graphs, or eager buffers
+        self._launched: dict[str, int] = {}  # launch_drafts: request id -> its verified rows' first position
+        self._queued = None  # launch_drafts: (request ids, draft ids, probs, event) on their way to the host
+        self.expected_num_tokens: dict[str, int] = {}  # take_drafts: the token count each draft was made for
 
     def capture_cuda_graphs(self, max_model_len: int, max_num_seqs: int, num_draft_tokens: int) -> None:
         """Capture a decode step's drafting (the catch-up forward over the tokens since the last step, then
@@ -418,17 +433,114 @@ class MtpProposer(Proposer):
                                      num_draft_tokens)
         self.graphs.capture()
 
+    def enable_device_drafts(self, max_model_len: int, max_num_seqs: int, num_draft_tokens: int) -> None:
+        """Draft at the end of each verification step (:meth:`launch_drafts`), in the captured graphs when
+        there are (call after :meth:`capture_cuda_graphs`), else eagerly on the same buffers."""
+        self.device_graphs = self.graphs or MtpDraftGraphs(self.model, self.cache, self.vocab_size, max_model_len,
+                                                           max_num_seqs, num_draft_tokens, eager=True)
+
     def release(self, request_id: str) -> None:
         self.cache.release(request_id)
         self.states.pop(request_id, None)
+        self.expected_num_tokens.pop(request_id, None)
+
+    @torch.inference_mode()
+    def launch_drafts(self, sched: SchedulerOutput, step, num_drafts: int) -> None:
+        """Queue the next step's drafts on the device at the end of a verification step, with no host sync.
+
+        For each verified request whose module entries are current up to its last token's position p0
+        (the last :meth:`propose` or device drafting caught it up), the device counts the drafts the
+        target accepted (``a``: the leading ``sampled[j] == draft[j + 1]``), catches the module up on
+        entries ``p0 + 1 .. p0 + a + 1`` (the target's tokens at rows ``0..a``, paired with its hidden
+        states at those rows; the rows past ``a`` are padding whose cache writes are masked), and chains
+        ``num_drafts`` drafts from the last entry: :meth:`MtpDraftGraphs.run_device`, the same forwards as
+        :meth:`propose` makes for those tokens before the next step. The drafts and their probabilities
+        are copied to pinned host memory; :meth:`take_drafts` hands them out after :meth:`observe` has
+        moved each request's state past the entries made here.
+        """
+        from rayinfer.engine.staging import to_device
+
+        self._launched, self._queued = {}, None
+        graphs = self.device_graphs
+        if graphs is None or step.drafts is None or step.hidden is None or step.token_ids is None:
+            return
+        cache = self.cache
+        token_start, starts = 0, {}
+        for s in sched.scheduled:
+            starts[s.request_id] = token_start
+            token_start += len(s.token_ids)
+        by_id = {s.request_id: s for s in sched.scheduled}
+        rows = []  # per request: (request id, first sampler row, first hidden row, k, p0, base, drafts)
+        sample_row = 0
+        for req, drafts in zip(step.sample_reqs, step.drafts):
+            rid, k = req.request_id, len(drafts)
+            s, st = by_id[rid], self.states.get(rid)
+            first_hidden = starts[rid] + len(s.token_ids) - k - 1
+            p0 = s.start_pos + len(s.token_ids) - k - 1
+            if (k and st is not None and st.base is not None and st.pending is not None and not len(st.pending)
+                    and st.pend_start == p0 and st.base + len(st.tokens) == p0 + 1
+                    and graphs.fits(len(rows) + 1, k + 1)
+                    and cache.reserve(rid, p0 + k + 1 - st.base + num_drafts) is not None):
+                rows.append((rid, sample_row, first_hidden, k, p0, st.base, drafts))
+            sample_row += k + 1
+        if not rows:
+            return
+        n, w = len(rows), max(r[3] for r in rows) + 1
+        j = np.arange(w)
+        tok_rows = np.array([b + np.minimum(j, k) for _, b, _, k, *_ in rows], dtype=np.int64)
+        hid_rows = np.array([h + np.minimum(j, k) for _, _, h, k, *_ in rows], dtype=np.int64).reshape(-1)
+        padded_drafts = np.full((n, w), -1, dtype=np.int64)
+        for e, row in enumerate(rows):
+            padded_drafts[e, : row[3]] = row[6]
+        first_pos = np.array([p0 + 1 for *_, p0, _, _ in rows], dtype=np.int64)
+        first_local = np.array([p0 + 1 - base for *_, p0, base, _ in rows], dtype=np.int64)
+        tables = np.zeros((n, graphs.max_blocks), dtype=np.int32)
+        for e, (rid, *_) in enumerate(rows):
+            blocks = cache.block_ids[rid][: graphs.max_blocks]
+            tables[e, : len(blocks)] = blocks
+        dev = step.token_ids.device
+        tok_t, hid_t, drafts_t, pos_t, local_t, tables_t = to_device(
+            [tok_rows, hid_rows, padded_drafts, first_pos, first_local, tables], dev)
+        target = step.token_ids[tok_t]  # [n, w]: the target's token after each verified row
+        accepted = torch.cumprod((target[:, :-1] == drafts_t[:, :-1]).long(), dim=1).sum(dim=1)
+        ids, probs = graphs.run_device(target, step.hidden[hid_t], pos_t, local_t, tables_t, accepted, num_drafts)
+        if dev.type == "cuda":
+            ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True).copy_(ids, non_blocking=True)
+            probs = torch.empty(probs.shape, dtype=probs.dtype, pin_memory=True).copy_(probs, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            event = None
+        self._launched = {rid: p0 for rid, *_, p0, _, _ in rows}
+        self._queued = ([r[0] for r in rows], ids, probs, event)
+
+    def take_drafts(self) -> dict[str, Draft]:
+        queued, self._queued = self._queued, None
+        if queued is None:
+            return {}
+        rids, ids, probs, event = queued
+        if event is not None:
+            event.synchronize()
+        ids_l, probs_l = ids.tolist(), probs.tolist()
+        return {rid: Draft(ids_l[e], probs_l[e]) for e, rid in enumerate(rids) if rid in self.expected_num_tokens}
 
     def observe(self, sched: SchedulerOutput, hidden: torch.Tensor, step_out: StepOutput) -> None:
         row = 0
+        launched, self._launched = self._launched, {}
+        self.expected_num_tokens = {}
         for s in sched.scheduled:
             num = len(s.token_ids)
             rows, row = hidden[row: row + num], row + num
             rid = s.request_id
             if rid in step_out.errors or (s.num_draft_tokens and rid not in step_out.sampled):
+                continue
+            p0 = launched.get(rid)
+            if p0 is not None:  # launch_drafts made the entries of this step's tokens: the state moves past them
+                st = self.states[rid]
+                new = [t.token_id for t in step_out.accepted.get(rid, ())] + [step_out.sampled[rid].token_id]
+                st.tokens = st.tokens[: p0 + 1 - st.base] + new
+                st.pend_start, st.pending = p0 + len(new), rows[:0]
+                self.expected_num_tokens[rid] = p0 + len(new) + 1
                 continue
             # rows past the last accepted draft were computed over rejected tokens
             num_valid = num - s.num_draft_tokens + len(step_out.accepted.get(rid, ()))
@@ -605,6 +717,53 @@ class MtpDraftGraphs:
         torch.cuda.synchronize()
         logger.info("captured MTP drafting graphs (%d drafts, catch-ups of 1..%d entries) for batch sizes %s",
                     self.num_drafts, self.max_width, self.sizes)
+
+    def run_device(self, ids: torch.Tensor, prev: torch.Tensor, first_pos: torch.Tensor, first_local: torch.Tensor,
+                   tables: torch.Tensor, accepted: torch.Tensor, wanted: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`run` with inputs that are still on the device (a verification step in flight): each request's
+        catch-up entries are its ``w`` rows, of which the first ``accepted + 1`` are real.
+
+        Args:
+            ids: [n, w] int64, the entries' tokens; prev: [n * w, hidden_size], the target's hidden states
+                before them; first_pos, first_local: [n] int64, the RoPE position and the local slot of each
+                request's first entry; tables: [n, max_blocks] int32, its blocks in the module's cache
+                (reserved for ``accepted + wanted`` more entries); accepted: [n] int64, at most ``w - 1``;
+                wanted: drafts per request (at most k).
+        Returns:
+            draft ids [n, wanted] int64 and their top-1 probabilities [n, wanted] float32 (new tensors).
+        """
+        n, w = ids.shape
+        bs = next(size for size in self.sizes if size >= n)
+        bsz, dev = self.cache.block_size, ids.device
+        j = torch.arange(w, device=dev)
+        local = first_local[:, None] + j
+        slots = tables.long().gather(1, (local // bsz).clamp(max=self.max_blocks - 1)) * bsz + local % bsz
+        slots = torch.where(j <= accepted[:, None], slots, -1)
+        t = n * w
+        self.ids[: bs * w].zero_()
+        self.ids[:t] = ids.reshape(-1)
+        self.prev[: bs * w].zero_()
+        self.prev[:t] = prev
+        self.positions[: bs * w].zero_()
+        self.positions[:t] = (first_pos[:, None] + j).reshape(-1)
+        self.slots[: bs * w].fill_(-1)
+        self.slots[:t] = slots.reshape(-1)
+        self.block_tables[:bs].zero_()
+        self.block_tables[:n] = tables
+        self.seq_lens[:bs].fill_(w)
+        self.seq_lens[:n] = (first_local + w).to(torch.int32)
+        self.real_lens[:bs].fill_(1)
+        self.real_lens[:n] = (first_local + accepted + 1).to(torch.int32)
+        self.last_row[:bs] = self.rows[:bs] * w
+        self.last_row[:n] += accepted
+        self.num_wanted[:bs].zero_()
+        self.num_wanted[:n] = min(max(wanted - 1, 0), self.num_steps)
+        if self.eager or (bs, w) not in self.graphs:
+            self._draft(bs, w)
+        else:
+            self.graphs[(bs, w)].replay()
+        take = min(wanted, self.num_drafts)
+        return self.out_ids[:n, :take].clone(), self.out_probs[:n, :take].clone()
 
     def run(self, drafts: list[Draft], live: list[int], wanted: list[int], chunks: list[list[int]],
             prev: list[torch.Tensor], bases: list[int], starts: list[int], tables: list[list[int]]) -> None:

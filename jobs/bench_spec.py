@@ -53,8 +53,10 @@ class SpecBenchSpec:
         output_len: tokens generated per request (``ignore_eos``).
         num_draft_tokens: k of every speculative config.
         methods: names of the configs to run, from ``plain``, ``ngram``, ``ngram-confidence``,
-            ``self-draft``, ``self-draft-confidence``, ``mtp``, ``mtp-confidence`` (DeepSeek-V3 with
-            ``num_nextn_predict_layers`` > 0); ``plain`` is always run first (the speedups' base).
+            ``self-draft``, ``self-draft-confidence``, ``mtp``, ``mtp-confidence``, ``mtp-host-drafts`` (DeepSeek-V3
+            with ``num_nextn_predict_layers`` > 0; the last drafts before each step from the tokens on the host
+            instead of on the device at the end of the step before); ``plain`` is always run first (the
+            speedups' base).
             ``ngram-gate-plain`` is n-gram confidence with the gate held at plain decoding: what the
             confidence engine's plain steps cost against a plain engine's (the gate's ceiling where
             speculation loses).
@@ -82,6 +84,7 @@ METHODS = {
     "self-draft-confidence": {"method": "draft_model", "schedule": "confidence"},
     "mtp": {"method": "mtp"},
     "mtp-confidence": {"method": "mtp", "schedule": "confidence"},
+    "mtp-host-drafts": {"method": "mtp", "device_drafts": False},  # drafts made before each step, on the host
 }
 
 GATE_HELD_PLAIN = {"ngram-gate-plain"}

@@ -772,7 +772,7 @@ def test_mtp_draft_chain_matches_the_step_by_step_loop(mtp_checkpoint, tokenizer
     from rayinfer.engine.spec_decode import MtpDraftGraphs
 
     path, _ = mtp_checkpoint
-    spec = dict(method="mtp", num_draft_tokens=4)
+    spec = dict(method="mtp", num_draft_tokens=4, device_drafts=False)
     loop = _mtp_engine(path, tokenizer, spec)
     chained = _mtp_engine(path, tokenizer, spec, model=loop.model)
     prop = chained.proposer
@@ -805,6 +805,42 @@ def test_mtp_draft_chain_matches_the_step_by_step_loop(mtp_checkpoint, tokenizer
     assert chained.stats()["spec_num_drafts_accepted"] > 0
     assert len(chain_runs) >= len(logs["chain"]) - 2, (chain_runs, len(logs["chain"]))  # all but prompts' catch-ups
     assert any(n == 3 for n, _ in chain_runs) and any(w > 1 for _, w in chain_runs)  # padded to 4; wide catch-ups
+
+
+@pytest.mark.parametrize("schedule", ["fixed", "confidence"])
+def test_mtp_device_drafts_equal_the_host_drafts(mtp_checkpoint, tokenizer, schedule):
+    """Drafting at the end of each verification step on the device (``launch_drafts``: accepted count,
+    catch-up and chained drafts from the step's own samples, no host sync) gives every step the drafts
+    ``propose`` gives it from the tokens on the host, and the same greedy output; requests near max_tokens
+    take a prefix of them."""
+    path, _ = mtp_checkpoint
+    host = _mtp_engine(path, tokenizer, dict(method="mtp", num_draft_tokens=3, device_drafts=False, schedule=schedule))
+    device = _mtp_engine(path, tokenizer, dict(method="mtp", num_draft_tokens=3, schedule=schedule), model=host.model)
+    logs = {}
+    for name, eng in (("host", host), ("device", device)):
+        log = logs[name] = []
+        propose = eng._propose
+
+        def logged(eng=eng, propose=propose, log=log):
+            propose()
+            log.append(sorted((r.request_id, tuple(r.draft_token_ids), tuple(eng._draft_probs.get(r.request_id) or ()))
+                              for r in eng.scheduler.running if r.draft_token_ids))
+
+        eng._propose = logged
+    prompts = list(MTP_PROMPTS)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (24, 23, 21)]
+    want = host.generate(prompts, params)
+    _check_same(device.generate(prompts, params), want)
+    assert len(logs["device"]) == len(logs["host"]) > 3
+    for got, ref in zip(logs["device"], logs["host"]):
+        assert [(rid, ids) for rid, ids, _ in got] == [(rid, ids) for rid, ids, _ in ref]
+        for (*_, p), (*_, q) in zip(got, ref):
+            assert p == pytest.approx(q, abs=1e-5)
+    assert any(len(ids) == 3 for step in logs["device"] for _, ids, _ in step)
+    stats = device.stats()
+    assert stats["spec_device_drafted_steps"] >= len(logs["device"]) - 3  # all but the prompts' first drafts
+    assert host.stats()["spec_device_drafted_steps"] == 0
+    assert stats["spec_num_drafts_accepted"] > 0
 
 
 def test_mtp_output_under_preemption(mtp_checkpoint, tokenizer):
