@@ -941,3 +941,5 @@ def test_mla_verification_cuda_graphs_on_gpu(mtp_checkpoint, tokenizer, method):
     assert all(c.output_token_ids[:8] == p.output_token_ids[:8] for c, p in zip(out, plain))
     assert any(q > 1 for q in replays), replays
     assert engine.stats()["spec_num_drafts_accepted"] > 0
+    if method == "mtp":  # drafted on the device behind the verification steps, under the sync guard
+        assert engine.stats()["spec_device_drafted_steps"] > 0
