@@ -604,14 +604,13 @@ class LLMEngine:
                 reqs.append(req)
                 ks.append(k)
         assert self.proposer is not None
-        ready = self.proposer.take_drafts()  # made on the device at the end of the last step
-        expected = getattr(self.proposer, "expected_num_tokens", {})
+        ready = self.proposer.take_drafts(reqs)  # made on the device behind the last step (MTP)
         if not reqs:
             return
         drafts: list[Draft | None] = [None] * len(reqs)
         for i, req in enumerate(reqs):
             d = ready.get(req.request_id)
-            if d is not None and expected.get(req.request_id) == req.num_tokens:
+            if d is not None:
                 drafts[i] = Draft(d.token_ids[: ks[i]], None if d.probs is None else d.probs[: ks[i]])
         self.num_device_drafted_steps += any(d is not None for d in drafts)
         rest = [i for i, d in enumerate(drafts) if d is None]

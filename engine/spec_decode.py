@@ -82,9 +82,10 @@ class Proposer:
         need no pass of their own before the next step (:meth:`take_drafts`). Proposers that cannot
         (the default) do nothing, and :meth:`propose` drafts before the next step as usual."""
 
-    def take_drafts(self) -> dict[str, "Draft"]:
-        """The drafts :meth:`launch_drafts` queued for the last processed step, by request id (waits for the
-        device); each is valid for its request while ``req.num_tokens`` equals ``expected_num_tokens[rid]``."""
+    def take_drafts(self, reqs: list[Request]) -> dict[str, "Draft"]:
+        """The drafts :meth:`launch_drafts` queued behind the last step for those of ``reqs`` they are still
+        valid for (made after the request's last token), by request id; waits for the device. The rest are
+        dropped: a call takes what the last launch queued, once."""
         return {}
 
     def observe(self, sched: SchedulerOutput, hidden: torch.Tensor, step_out: StepOutput) -> None:
@@ -423,7 +424,7 @@ class MtpProposer(Proposer):
         self.device_graphs: MtpDraftGraphs | None = None  # enable_device_drafts: the graphs, or eager buffers
         self._launched: dict[str, int] = {}  # launch_drafts: request id -> its verified rows' first position
         self._queued = None  # launch_drafts: (request ids, draft ids, probs, event) on their way to the host
-        self.expected_num_tokens: dict[str, int] = {}  # take_drafts: the token count each draft was made for
+        self.expected_num_tokens: dict[str, int] = {}  # observe: the token count each queued draft follows
 
     def capture_cuda_graphs(self, max_model_len: int, max_num_seqs: int, num_draft_tokens: int) -> None:
         """Capture a decode step's drafting (the catch-up forward over the tokens since the last step, then
@@ -514,7 +515,7 @@ class MtpProposer(Proposer):
         self._launched = {rid: p0 for rid, *_, p0, _, _ in rows}
         self._queued = ([r[0] for r in rows], ids, probs, event)
 
-    def take_drafts(self) -> dict[str, Draft]:
+    def take_drafts(self, reqs: list[Request]) -> dict[str, Draft]:
         queued, self._queued = self._queued, None
         if queued is None:
             return {}
@@ -522,7 +523,10 @@ class MtpProposer(Proposer):
         if event is not None:
             event.synchronize()
         ids_l, probs_l = ids.tolist(), probs.tolist()
-        return {rid: Draft(ids_l[e], probs_l[e]) for e, rid in enumerate(rids) if rid in self.expected_num_tokens}
+        row = {rid: e for e, rid in enumerate(rids)}
+        expected = self.expected_num_tokens  # observe: the token count each request's drafts follow
+        return {r.request_id: Draft(ids_l[row[r.request_id]], probs_l[row[r.request_id]]) for r in reqs
+                if r.request_id in row and expected.get(r.request_id) == r.num_tokens}
 
     def observe(self, sched: SchedulerOutput, hidden: torch.Tensor, step_out: StepOutput) -> None:
         row = 0
@@ -534,9 +538,8 @@ class MtpProposer(Proposer):
             rid = s.request_id
             if rid in step_out.errors or (s.num_draft_tokens and rid not in step_out.sampled):
                 continue
-            p0 = launched.get(rid)
-            if p0 is not None:  # launch_drafts made the entries of this step's tokens: the state moves past them
-                st = self.states[rid]
+            p0, st = launched.get(rid), self.states.get(rid)
+            if p0 is not None and st is not None:  # launch_drafts made this step's entries: the state moves past them
                 new = [t.token_id for t in step_out.accepted.get(rid, ())] + [step_out.sampled[rid].token_id]
                 st.tokens = st.tokens[: p0 + 1 - st.base] + new
                 st.pend_start, st.pending = p0 + len(new), rows[:0]
