@@ -437,8 +437,10 @@ class MtpProposer(Proposer):
     def enable_device_drafts(self, max_model_len: int, max_num_seqs: int, num_draft_tokens: int) -> None:
         """Draft at the end of each verification step (:meth:`launch_drafts`), in the captured graphs when
         there are (call after :meth:`capture_cuda_graphs`), else eagerly on the same buffers."""
+        # uncaptured on CUDA (enforce_eager): the same forwards run eagerly, with the graphs' device-side lengths
         self.device_graphs = self.graphs or MtpDraftGraphs(self.model, self.cache, self.vocab_size, max_model_len,
-                                                           max_num_seqs, num_draft_tokens, eager=True)
+                                                           max_num_seqs, num_draft_tokens,
+                                                           eager=self.device.type != "cuda")
 
     def release(self, request_id: str) -> None:
         self.cache.release(request_id)
