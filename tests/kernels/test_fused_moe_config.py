@@ -68,7 +68,8 @@ def test_shipped_tables_parse():
     for path in files:
         data = json.loads(path.read_text())
         assert fmc.table_path(data["device"]) == path, f"{path.name} is not named after its device"
-        assert fmc.parse_table(data), f"{path.name} has no entries"
+        # fused-MoE tiles, one-row GEMV tiles, or both (a device tuned for the GEMVs only has {} entries)
+        assert fmc.parse_table(data) or data.get("gemv"), f"{path.name} has no entries"
         fmc.load_grouped_mm_from(data["device"])  # raises on a malformed grouped_mm_from
         fmc.load_gemv_table(data["device"])  # raises on a malformed gemv entry
 
