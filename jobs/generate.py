@@ -165,6 +165,18 @@ def cp_summary(stats) -> str:
     return line
 
 
+def spec_summary(stats) -> str:
+    """One line on what speculative decoding did in a fleet (``FleetStats``): drafts proposed, verified and
+    accepted over all replicas, and the mean tokens a verification step emitted."""
+    spec = [r.spec_decode for r in stats.replicas if r.spec_decode]
+    proposed, verified, accepted, steps = (sum(c.get(k, 0) for c in spec) for k in (
+        "spec_num_drafts_proposed", "spec_num_drafts_verified", "spec_num_drafts_accepted", "spec_num_verify_steps"))
+    rate = accepted / verified if verified else 0.0
+    mean = (accepted + steps) / steps if steps else 0.0
+    return (f"speculative decoding: {proposed} drafts proposed, {verified} verified, {accepted} accepted "
+            f"({rate:.0%}); {mean:.2f} tokens per verification step")
+
+
 def _lines(n: int) -> str:
     return f"{n} line{'' if n == 1 else 's'}"
 
@@ -295,8 +307,12 @@ def run(cfg: GenerateConfig, client=None) -> int:
                 progress = TokenProgress(bar)
                 parser.serving.client = ProgressClient(client, progress)
                 interrupted = asyncio.run(drive(sink, progress))
-            if cfg.parallel.cp > 1:
-                print(cp_summary(asyncio.run(client.stats())))
+            if cfg.parallel.cp > 1 or cfg.engine.speculative.enabled:
+                stats = asyncio.run(client.stats())
+                if cfg.parallel.cp > 1:
+                    print(cp_summary(stats))
+                if cfg.engine.speculative.enabled:
+                    print(spec_summary(stats))
         finally:
             if owned:
                 client.shutdown()

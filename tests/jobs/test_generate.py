@@ -427,3 +427,18 @@ def test_cp_summary_line():
     lost = ReplicaStats.from_dict({"cp": 2, "cp_active": False, "num_cp_prefills": 1, "num_cp_prefill_tokens": 100,
                                    "num_cp_solo_prefills": 2}, replica_id=0)
     assert cp_summary(FleetStats("colocated", [lost, peer])).endswith("2 prefilled alone after 1 replica(s) lost a CP peer")
+
+
+def test_spec_summary_line():
+    """The batch job's closing line with speculative decoding on: drafts over all replicas and the tokens a
+    verification step emitted on average (accepted drafts plus the target's own token)."""
+    from rayinfer.engine.protocol import FleetStats, ReplicaStats
+    from rayinfer.jobs.generate import spec_summary
+
+    a = ReplicaStats.from_dict({"spec_num_drafts_proposed": 40, "spec_num_drafts_verified": 36,
+                                "spec_num_drafts_accepted": 18, "spec_num_verify_steps": 10}, replica_id=0)
+    b = ReplicaStats.from_dict({"spec_num_drafts_proposed": 8, "spec_num_drafts_verified": 4,
+                                "spec_num_drafts_accepted": 2, "spec_num_verify_steps": 2}, replica_id=1)
+    line = spec_summary(FleetStats("colocated", [a, b, ReplicaStats(replica_id=2)]))
+    assert line == ("speculative decoding: 48 drafts proposed, 40 verified, 20 accepted (50%); "
+                    "2.67 tokens per verification step")
