@@ -33,6 +33,7 @@ from rayinfer.engine.spec_decode import (
     SpeculationGate,
     choose_num_drafts,
 )
+from rayinfer.engine.sync_guard import no_host_sync
 from rayinfer.engine.types import (
     Completion,
     ContextParallelPrefill,
@@ -607,18 +608,14 @@ class LLMEngine:
         ready = self.proposer.take_drafts(reqs)  # made on the device behind the last step (MTP)
         if not reqs:
             return
-        drafts: list[Draft | None] = [None] * len(reqs)
-        for i, req in enumerate(reqs):
+        self.num_device_drafted_steps += bool(ready)
+        rest = [(r, k) for r, k in zip(reqs, ks) if r.request_id not in ready]  # the proposer drafts those now
+        proposed = iter(self.proposer.propose([r for r, _ in rest], [k for _, k in rest]) if rest else ())
+        drafts = []
+        for req, k in zip(reqs, ks):
             d = ready.get(req.request_id)
-            if d is not None:
-                drafts[i] = Draft(d.token_ids[: ks[i]], None if d.probs is None else d.probs[: ks[i]])
-        self.num_device_drafted_steps += any(d is not None for d in drafts)
-        rest = [i for i, d in enumerate(drafts) if d is None]
-        if rest:
-            for i, d in zip(rest, self.proposer.propose([reqs[i] for i in rest], [ks[i] for i in rest])):
-                drafts[i] = d
-        drafts = [d for d in drafts if d is not None]
-        assert len(drafts) == len(reqs)
+            drafts.append(next(proposed) if d is None else
+                          Draft(d.token_ids[:k], None if d.probs is None else d.probs[:k]))
         self.spec_stats.num_drafts_proposed += sum(len(d.token_ids) for d in drafts)
         if spec.schedule == "confidence":
             conf = torch.zeros(len(reqs), spec.num_draft_tokens)
@@ -702,8 +699,6 @@ class LLMEngine:
                 outputs += self._execute_isolated(sched, step_reqs, prev_step, e)
             else:
                 if self.proposer is not None:
-                    from rayinfer.engine.sync_guard import no_host_sync
-
                     try:  # the next step's drafts, queued on the device behind this step (MTP)
                         with no_host_sync(self.runner.sync_guard):
                             self.proposer.launch_drafts(sched, launched, self.engine_config.speculative.num_draft_tokens)

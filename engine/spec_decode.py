@@ -30,6 +30,7 @@ from __future__ import annotations
 import bisect
 import logging
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -355,6 +356,18 @@ class DraftModelProposer(Proposer):
         return drafts
 
 
+class _VerifiedRows(NamedTuple):
+    """One request's rows in a verification step (``MtpProposer.launch_drafts``): its first sampler row and
+    first hidden row, the position ``p0`` of its last known token, its MTP base, the drafts it verifies."""
+
+    rid: str
+    sample_row: int
+    hidden_row: int
+    p0: int
+    base: int
+    drafts: tuple[int, ...]
+
+
 @dataclass
 class _MtpState:
     """One request's MTP progress. Entry p (at RoPE position p, local slot ``p - base`` of its blocks)
@@ -468,39 +481,36 @@ class MtpProposer(Proposer):
         if graphs is None or step.drafts is None or step.hidden is None or step.token_ids is None:
             return
         cache = self.cache
-        token_start, starts = 0, {}
+        placed, token_start = {}, 0  # request id -> (its schedule, its first row in the step's tokens)
         for s in sched.scheduled:
-            starts[s.request_id] = token_start
+            placed[s.request_id] = (s, token_start)
             token_start += len(s.token_ids)
-        by_id = {s.request_id: s for s in sched.scheduled}
-        rows = []  # per request: (request id, first sampler row, first hidden row, k, p0, base, drafts)
+        rows: list[_VerifiedRows] = []
         sample_row = 0
         for req, drafts in zip(step.sample_reqs, step.drafts):
             rid, k = req.request_id, len(drafts)
-            s, st = by_id[rid], self.states.get(rid)
-            first_hidden = starts[rid] + len(s.token_ids) - k - 1
+            (s, token_row), st = placed[rid], self.states.get(rid)
             p0 = s.start_pos + len(s.token_ids) - k - 1
             if (k and st is not None and st.base is not None and st.pending is not None and not len(st.pending)
                     and st.pend_start == p0 and st.base + len(st.tokens) == p0 + 1
                     and graphs.fits(len(rows) + 1, k + 1)
                     and cache.reserve(rid, p0 + k + 1 - st.base + num_drafts) is not None):
-                rows.append((rid, sample_row, first_hidden, k, p0, st.base, drafts))
+                rows.append(_VerifiedRows(rid, sample_row, token_row + len(s.token_ids) - k - 1, p0, st.base, drafts))
             sample_row += k + 1
         if not rows:
             return
-        n, w = len(rows), max(r[3] for r in rows) + 1
+        n, w = len(rows), max(len(r.drafts) for r in rows) + 1
         j = np.arange(w)
-        tok_rows = np.array([b + np.minimum(j, k) for _, b, _, k, *_ in rows], dtype=np.int64)
-        hid_rows = np.array([h + np.minimum(j, k) for _, _, h, k, *_ in rows], dtype=np.int64).reshape(-1)
+        tok_rows = np.array([r.sample_row + np.minimum(j, len(r.drafts)) for r in rows], dtype=np.int64)
+        hid_rows = np.array([r.hidden_row + np.minimum(j, len(r.drafts)) for r in rows], dtype=np.int64).reshape(-1)
         padded_drafts = np.full((n, w), -1, dtype=np.int64)
-        for e, row in enumerate(rows):
-            padded_drafts[e, : row[3]] = row[6]
-        first_pos = np.array([p0 + 1 for *_, p0, _, _ in rows], dtype=np.int64)
-        first_local = np.array([p0 + 1 - base for *_, p0, base, _ in rows], dtype=np.int64)
         tables = np.zeros((n, graphs.max_blocks), dtype=np.int32)
-        for e, (rid, *_) in enumerate(rows):
-            blocks = cache.block_ids[rid][: graphs.max_blocks]
+        for e, r in enumerate(rows):
+            padded_drafts[e, : len(r.drafts)] = r.drafts
+            blocks = cache.block_ids[r.rid][: graphs.max_blocks]
             tables[e, : len(blocks)] = blocks
+        first_pos = np.array([r.p0 + 1 for r in rows], dtype=np.int64)
+        first_local = first_pos - np.array([r.base for r in rows], dtype=np.int64)
         dev = step.token_ids.device
         tok_t, hid_t, drafts_t, pos_t, local_t, tables_t = to_device(
             [tok_rows, hid_rows, padded_drafts, first_pos, first_local, tables], dev)
@@ -514,8 +524,8 @@ class MtpProposer(Proposer):
             event.record()
         else:
             event = None
-        self._launched = {rid: p0 for rid, *_, p0, _, _ in rows}
-        self._queued = ([r[0] for r in rows], ids, probs, event)
+        self._launched = {r.rid: r.p0 for r in rows}
+        self._queued = ([r.rid for r in rows], ids, probs, event)
 
     def take_drafts(self, reqs: list[Request]) -> dict[str, Draft]:
         queued, self._queued = self._queued, None

@@ -168,13 +168,15 @@ def cp_summary(stats) -> str:
 def spec_summary(stats) -> str:
     """One line on what speculative decoding did in a fleet (``FleetStats``): drafts proposed, verified and
     accepted over all replicas, and the mean tokens a verification step emitted."""
-    spec = [r.spec_decode for r in stats.replicas if r.spec_decode]
-    proposed, verified, accepted, steps = (sum(c.get(k, 0) for c in spec) for k in (
-        "spec_num_drafts_proposed", "spec_num_drafts_verified", "spec_num_drafts_accepted", "spec_num_verify_steps"))
-    rate = accepted / verified if verified else 0.0
-    mean = (accepted + steps) / steps if steps else 0.0
-    return (f"speculative decoding: {proposed} drafts proposed, {verified} verified, {accepted} accepted "
-            f"({rate:.0%}); {mean:.2f} tokens per verification step")
+    from rayinfer.engine.spec_decode import SpecStats
+
+    total = SpecStats(0)  # the replicas' counters summed; rates as each engine derives its own
+    for name in ("num_drafts_proposed", "num_drafts_verified", "num_drafts_accepted", "num_verify_steps"):
+        setattr(total, name, sum(r.spec_decode.get(f"spec_{name}", 0) for r in stats.replicas))
+    d = total.to_dict()
+    return (f"speculative decoding: {total.num_drafts_proposed} drafts proposed, {total.num_drafts_verified} verified, "
+            f"{total.num_drafts_accepted} accepted ({d['spec_acceptance_rate']:.0%}); "
+            f"{d['spec_mean_accepted_length']:.2f} tokens per verification step")
 
 
 def _lines(n: int) -> str:
