@@ -10,6 +10,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -39,6 +40,7 @@ from rayinfer.engine.types import (
     ContextParallelPrefill,
     EngineRole,
     KVHandle,
+    PLACEHOLDER,
     MultiModalInput,
     Request,
     RequestOutput,
@@ -232,9 +234,11 @@ class LLMEngine:
                 self.proposer = DraftModelProposer(draft_model, num_blocks, cfg.block_size, self.vocab_size)
             # MTP reads the target's hidden states: every step keeps them (graphs capture them too)
             self.runner.capture_hidden = self.proposer.needs_hidden
-            if self.async_scheduling and (self.proposer.needs_hidden or spec.schedule != "confidence"):
+            chains = spec.method == "mtp" and spec.device_drafts and spec.schedule == "fixed"
+            if self.async_scheduling and not chains and (self.proposer.needs_hidden or spec.schedule != "confidence"):
                 # drafts need the last step's tokens (MTP: its hidden states) on the host: every step drafts, so
-                # every step drains; with the confidence schedule only drafting steps drain, plain ones pipeline
+                # every step drains; with the confidence schedule only drafting steps drain, plain ones pipeline.
+                # MTP drafting on the device chains verification steps instead (see _step_chained)
                 logger.info("speculative decoding (%s, %s schedule): pipelined scheduling is off, steps run "
                             "drained", spec.method, spec.schedule)
                 self.async_scheduling = False
@@ -261,6 +265,14 @@ class LLMEngine:
                                                   spec.num_draft_tokens)
         if isinstance(self.proposer, MtpProposer) and spec.device_drafts:
             self.proposer.enable_device_drafts(self.max_model_len, min(cfg.max_num_seqs, 512), spec.num_draft_tokens)
+        # pipelined speculative decoding: a verification step is planned and launched behind the one in flight,
+        # from the drafts made on the device behind it (MTP, fixed schedule, in the target's graphs)
+        self.chain_verification = (self.async_scheduling and isinstance(self.proposer, MtpProposer)
+                                   and spec.device_drafts and spec.schedule == "fixed" and self.runner.graphs is not None)
+        self.num_chained_steps = 0
+        if self.proposer is not None and self.async_scheduling:
+            logger.info("speculative decoding (%s, %s schedule): verification steps %s", spec.method, spec.schedule,
+                        "chained behind the step in flight" if self.chain_verification else "drained")
         self._warm_up_prefill(on_cuda)
         self.num_prompt_tokens = 0  # counters for metrics
         self.num_generation_tokens = 0
@@ -658,6 +670,10 @@ class LLMEngine:
         """
         started = time.perf_counter()
         self._flush_gate_sample(started)
+        if self.chain_verification and step_kind is None and self._inflight is not None:
+            chained = self._step_chained()
+            if chained is not None:
+                return chained
         drained: list[RequestOutput] = []
         speculating = self.proposer is not None and self._speculate_next()
         if speculating:
@@ -678,7 +694,8 @@ class LLMEngine:
         prev, prev_speculative = self._inflight, self._inflight_speculative
         self._inflight = None
         num_prev_tokens = 0  # tokens of the step that was in flight (its mode: prev_speculative)
-        if prev is not None and (not self.async_scheduling or sched.is_empty or self._needs_drain(sched)):
+        if prev is not None and (not self.async_scheduling or sched.is_empty or self._needs_drain(sched)
+                                 or prev[1].drafts is not None or prev[0].chained):  # a verification step: its accepted count
             prev_outputs = self._process(*prev)
             num_prev_tokens = _num_tokens(prev_outputs)
             outputs += prev_outputs
@@ -706,8 +723,9 @@ class LLMEngine:
                         if self.runner.sync_guard:  # debug mode: a hidden host sync is the test's failure
                             raise
                         logger.exception("drafting on the device failed; the next step drafts on the host")
-                # a verification step is never left in flight: the next step starts from its accepted tokens
-                if self.async_scheduling and not num_drafts:
+                # a verification step is left in flight only where the next one may chain behind it (from the
+                # drafts made on the device); else the next step starts from its accepted tokens on the host
+                if self.async_scheduling and (not num_drafts or self.chain_verification):
                     self._inflight, self._inflight_speculative = (sched, launched, step_reqs), speculating
                 else:
                     outputs += self._process(sched, launched, step_reqs)
@@ -753,6 +771,68 @@ class LLMEngine:
         else:  # tokens of a step in flight of the other mode count for that mode
             self.gate.record(speculating, batch, num_tokens, seconds, other_tokens=other)
 
+    def _step_chained(self) -> list[RequestOutput] | None:
+        """Pipelined speculative decoding: plan and launch the next verification step of every running request
+        behind the verification step still in flight, from the drafts made on the device behind it
+        (``Scheduler.schedule_chained``, ``ModelRunner`` chained steps), then process the step in flight,
+        give the new step its drafts and positions on the host, and queue the drafts for the step after it.
+        The device never waits for the host between verification steps.
+
+        Returns:
+            the outputs of the step that was in flight, or None (nothing launched) where the next step cannot
+            chain: a request not drafted on the device, a request that cannot verify k more drafts (room,
+            host-state sampling), requests waiting, too few free blocks, no graph of the shape, or a launch
+            that raised (logged; the caller then drains as usual).
+        """
+        assert self._inflight is not None and self.proposer is not None
+        prev_sched, prev_step, prev_reqs = self._inflight
+        k = self.engine_config.speculative.num_draft_tokens
+        running = self.scheduler.running
+        if (prev_step.next_inputs is None or any(r.request_id not in prev_step.next_inputs[0] for r in running)
+                or not self.runner.can_chain(len(running), k + 1)):
+            return None
+        sched = self.scheduler.schedule_chained(k)
+        if sched is None:
+            return None
+        live = self.scheduler.requests
+        step_reqs = {s.request_id: live[s.request_id] for s in sched.scheduled}
+        try:
+            launched = self.runner.execute_async(sched, step_reqs, prev_step)
+        except Exception:  # noqa: BLE001 - the caller drains and plans the step as usual
+            if self.runner.sync_guard:
+                raise
+            logger.exception("launching a chained verification step failed; draining the pipeline")
+            self.scheduler.undo_chained(sched)
+            return None
+        self._inflight = None
+        self.num_chained_steps += 1
+        self.num_computed_tokens += sched.num_scheduled_tokens
+        drafts = self.proposer.take_chained()
+        outputs = self._process(prev_sched, prev_step, prev_reqs)
+        # the step in flight is processed: its accepted counts give the new step's positions and first tokens
+        resolved, verified = [], []
+        for s in sched.scheduled:
+            req, d = live.get(s.request_id), drafts.get(s.request_id)
+            tokens = list(d.token_ids) if d is not None else [PLACEHOLDER] * k
+            if req is step_reqs[s.request_id] and not req.is_finished and d is not None:
+                s = replace(s, token_ids=(req.output_token_ids[-1], *tokens), start_pos=req.num_computed_tokens - k - 1)
+                self._draft_probs[s.request_id] = d.probs
+                self.spec_stats.num_drafts_proposed += k
+            resolved.append(s)
+            verified.append(tuple(tokens))
+        self.num_device_drafted_steps += 1
+        sched = replace(sched, scheduled=tuple(resolved))
+        launched.drafts = verified
+        try:
+            with no_host_sync(self.runner.sync_guard):
+                self.proposer.launch_drafts(sched, launched, k)
+        except Exception:  # noqa: BLE001 - drafts are only proposals: the next step drafts on the host
+            if self.runner.sync_guard:
+                raise
+            logger.exception("drafting on the device failed; the next step drafts on the host")
+        self._inflight, self._inflight_speculative = (sched, launched, step_reqs), True
+        return outputs
+
     def _needs_drain(self, sched) -> bool:
         from rayinfer.engine.sampler import needs_host_state
 
@@ -766,6 +846,7 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001 - waiting for the device failed: the step's samples are lost
             logger.exception("finishing an engine step failed")
             step_out = StepOutput({}, {s.request_id: e for s in sched.scheduled if s.needs_sample})
+        self._drop_ended(step_out, step_reqs)  # before the proposer sees the step
         if self.proposer is not None:
             if launched.hidden is not None:
                 self.proposer.observe(sched, launched.hidden, step_out)
@@ -805,13 +886,7 @@ class LLMEngine:
     def _apply(self, sched: SchedulerOutput, step_out: StepOutput, step_reqs: dict[str, Request]) -> list[RequestOutput]:
         """Fail the requests in ``step_out.errors``, then append the others' tokens and make their deltas
         (a request whose delta raises fails alone too)."""
-        live = self.scheduler.requests
-        for rid in [rid for rid, req in step_reqs.items() if live.get(rid) is not req]:
-            # aborted while in flight (a stop string found outside the core) and its id already reused:
-            # the token belongs to the old request, not to the new one of the same id
-            step_out.sampled.pop(rid, None)
-            step_out.errors.pop(rid, None)
-            step_out.accepted.pop(rid, None)
+        self._drop_ended(step_out, step_reqs)
         outputs = []
         for rid, e in step_out.errors.items():
             step_out.sampled.pop(rid, None)
@@ -822,6 +897,16 @@ class LLMEngine:
             except Exception as e:  # noqa: BLE001 - e.g. exporting its KV: this request's fault
                 outputs.append(self._fail(req, e))
         return outputs
+
+    def _drop_ended(self, step_out: StepOutput, step_reqs: dict[str, Request]) -> None:
+        """Drop from ``step_out`` the requests that ended while the step was in flight (aborted, a stop string
+        found outside the core, finished by the step before a chained one): their tokens are not appended,
+        and their ids may already name new requests, whose tokens these are not."""
+        live = self.scheduler.requests
+        for rid in [rid for rid, req in step_reqs.items() if live.get(rid) is not req]:
+            step_out.sampled.pop(rid, None)
+            step_out.errors.pop(rid, None)
+            step_out.accepted.pop(rid, None)
 
     def _fail(self, req: Request, error: Exception) -> RequestOutput:
         """End one request with an error (its blocks freed); the engine and other requests go on."""
@@ -964,6 +1049,7 @@ class LLMEngine:
                 "spec_gate_drafting_steps": self.gate.num_drafting_steps,
                 "spec_gate_explore_steps": self.gate.num_explore_steps,
                 "spec_device_drafted_steps": self.num_device_drafted_steps,
+                "spec_chained_steps": self.num_chained_steps,
                 "spec_gate_plain_s": self.gate.seconds[False], "spec_gate_drafting_s": self.gate.seconds[True]}
                if self.proposer is not None else {}),
             **(self._host_stats() if kv.host is not None else {}),

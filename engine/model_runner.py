@@ -45,6 +45,11 @@ class PendingStep:
     event: object = None
     drafts: list[tuple[int, ...]] | None = None  # speculative: per sampled request, its verified drafts
     hidden: torch.Tensor | None = None  # [T, hidden_size] last layer before the final norm (capture_hidden)
+    # pipelined speculative decoding, set by a drafter that drafted on the device behind this step
+    # (``MtpProposer.launch_drafts``): (request id -> row, inputs [n, k + 1] int64: the target's token after
+    # the accepted drafts, then the next k drafts; advance [n] int64: accepted - verified drafts), the inputs
+    # of a chained step (``SchedulerOutput.chained``)
+    next_inputs: tuple[dict[str, int], torch.Tensor, torch.Tensor] | None = None
 
 
 class ModelRunner:
@@ -179,6 +184,8 @@ class ModelRunner:
         from rayinfer.engine.sync_guard import no_host_sync
 
         self.run_host_transfers(sched)
+        if sched.chained:
+            return self._execute_chained(sched, requests, prev)
         for _, block_ids, handle in sched.kv_imports:
             self.import_kv(block_ids, handle)
         scheduled = sched.scheduled
@@ -265,6 +272,57 @@ class ModelRunner:
                 step.host, step.event = self._download(out)
             else:
                 step.host = out
+        return step
+
+    def can_chain(self, num_reqs: int, query_len: int) -> bool:
+        """Whether a chained verification step of ``num_reqs`` requests of ``query_len`` tokens runs here: it
+        needs a captured graph of that shape (on CPU, the graphs' eager buffers), and none of what the
+        graphs do not take (expert-parallel group sizes, images, a sliding-window cache, context parallel)."""
+        return (self.graphs is not None and self.graphs.padded_size(num_reqs, query_len) is not None
+                and not self.in_group and self.encoder_cache is None and self.local_kv_cache is None and self.cp is None)
+
+    def _execute_chained(self, sched: SchedulerOutput, requests: dict[str, Request], prev: PendingStep | None) -> PendingStep:
+        """Launch a chained verification step (``SchedulerOutput.chained``) in the graph of its shape: each
+        request's inputs are the row of ``prev.next_inputs`` (the in-flight step's target token and the drafts
+        made behind it), its positions, context length, cache slots and sampled output positions move by that
+        row's advance, all on the device. ``PendingStep.drafts`` is left None: the engine sets it once ``prev``
+        is processed and the drafts are on the host (``finish`` needs them).
+
+        Raises:
+            RuntimeError: under ``sync_guard``, if launching the step synchronizes with the device.
+            ValueError: ``prev`` has no next inputs for a scheduled request.
+        """
+        from rayinfer.engine.sync_guard import no_host_sync
+
+        scheduled = sched.scheduled
+        if prev is None or prev.next_inputs is None or any(s.request_id not in prev.next_inputs[0] for s in scheduled):
+            raise ValueError("a chained verification step needs the drafts made behind the step before it")
+        assert self.graphs is not None
+        rows_of, next_ids, next_advance = prev.next_inputs
+        q, n = len(scheduled[0].token_ids), len(scheduled)
+        query_lens = [q] * n
+        seq_lens = [s.start_pos + q for s in scheduled]  # as if the step before accepted every draft
+        tables = [s.block_ids for s in scheduled]
+        padded = self.padded_tables.pad([s.request_id for s in scheduled], tables)
+        _, seq_arr, table_arr, _, positions = host_arrays(query_lens, seq_lens, tables, self.block_size, padded)
+        src = np.fromiter((rows_of[s.request_id] for s in scheduled), np.int64, n)
+        reqs = [requests[s.request_id] for s in scheduled]
+        row_reqs = [r for r in reqs for _ in range(q)]
+        with no_host_sync(self.sync_guard), batch_invariant_mode(self.batch_invariant):
+            pos, seq_t, tables_t, src_t = self._upload([positions, seq_arr, table_arr, src])
+            advance = next_advance[src_t]
+            out = self.graphs.run(next_ids[src_t].reshape(-1), pos, None, seq_t, tables_t, query_len=q, advance=advance)
+            hidden, prenorm = out if isinstance(out, tuple) else (out, None)
+            # the graph's buffer is rewritten by the next replay, which is launched before this step is processed
+            step = PendingStep(reqs, hidden=None if prenorm is None else prenorm.clone())
+            sampled = self.sampler.sample(self.model.compute_logits(hidden), row_reqs, list(range(q)) * n,
+                                          position_shift=advance.repeat_interleave(q))
+            step.rows = {r.request_id: i for i, r in enumerate(row_reqs)}
+            step.token_ids = sampled.token_ids
+            if self.device.type == "cuda":
+                step.host, step.event = self._download(sampled)
+            else:
+                step.host = sampled
         return step
 
     def _upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:

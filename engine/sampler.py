@@ -82,17 +82,18 @@ class Sampler:
             seed = self.seeds[req.request_id] = self._seed_rng.getrandbits(62)
         return seed
 
-    def _row(self, req: Request, offset: int = 0) -> tuple[float, int, float, float, int, int]:
+    def _row(self, req: Request, offset: int = 0, num_rows: int = 1) -> tuple[float, int, float, float, int, int]:
         """One request's sampling inputs: temperature, top_k (clamped to the vocabulary, so any integer
         fits int32; top_k >= vocab filters nothing), top_p, min_p, seed, and the output position being
-        drawn (a pending token counts: in-flight steps sampled it; ``offset`` more for the row after
-        that many draft tokens)."""
+        drawn: the tokens out so far and those earlier in-flight steps sampled (the pending tokens other
+        than this step's ``num_rows``), ``offset`` more for the row after that many draft tokens."""
         p = req.params
-        position = len(req.output_token_ids) + max(req.num_pending_tokens - 1, 0) + offset
+        position = len(req.output_token_ids) + max(req.num_pending_tokens - num_rows, 0) + offset
         return (float(p.temperature), min(int(p.top_k), self.vocab_size), float(p.top_p), float(p.min_p),
                 self._seed(req), position)
 
-    def sample(self, logits: torch.Tensor, reqs: list[Request], offsets: list[int] | None = None) -> SamplerOutput:
+    def sample(self, logits: torch.Tensor, reqs: list[Request], offsets: list[int] | None = None,
+               position_shift: torch.Tensor | None = None) -> SamplerOutput:
         """Draw a token per row without waiting for the device.
 
         Each request's host-side preparation (its sampling inputs, penalties, min_tokens, grammar mask)
@@ -106,6 +107,9 @@ class Sampler:
             offsets: per row, how many draft tokens precede it (speculative verification: row ``j`` of a
                 request draws output position ``n + j`` with that position's seeded uniforms and
                 min_tokens rule); None: all 0. Rows with an offset must not need penalties or a grammar.
+            position_shift: optional [B] int64 on logits' device, added to each row's output position (a
+                chained verification step: the step in flight before it accepted that many drafts fewer than
+                the host counts; ``Scheduler.schedule_chained``).
         Returns:
             a :class:`SamplerOutput` on logits' device.
         """
@@ -115,9 +119,12 @@ class Sampler:
         errors: dict[str, Exception] = {}
         rows = []
         offsets = offsets or [0] * len(reqs)
+        num_rows: dict[str, int] = {}  # this step's rows per request (its pending tokens)
+        for req in reqs:
+            num_rows[req.request_id] = num_rows.get(req.request_id, 0) + 1
         for req, offset in zip(reqs, offsets):
             try:
-                rows.append(self._row(req, offset))
+                rows.append(self._row(req, offset, num_rows[req.request_id]))
             except Exception as e:  # noqa: BLE001 - this request's fault, not the step's
                 errors[req.request_id] = e
                 rows.append(_GREEDY_ROW)
@@ -137,9 +144,12 @@ class Sampler:
             # launch, without the race's input copy and its four kernels
             token_ids = logits.argmax(dim=-1)
         else:
+            inputs = to_device([np.fromiter(col, dtype, n) for col, dtype in zip(cols, _ROW_DTYPES)], dev)
+            if position_shift is not None:
+                inputs[5] = inputs[5] + position_shift
             token_ids = sample(
                 logits,
-                *to_device([np.fromiter(col, dtype, n) for col, dtype in zip(cols, _ROW_DTYPES)], dev),
+                *inputs,
                 use_top_k_top_p=any(r[1] or r[2] < 1.0 for r in rows),
                 use_min_p=any(r[3] > 0 for r in rows),
             )

@@ -273,7 +273,7 @@ class Scheduler:
                 local_kv_start=req.local_kv_start,
             ))
             if needs_sample:
-                req.num_pending_tokens += 1
+                req.num_pending_tokens += 1 + num_drafts
         if has_drafts:
             for req in running:
                 req.draft_token_ids = []  # drafts live one step: verified now or dropped
@@ -281,6 +281,68 @@ class Scheduler:
         offloads, loads = self.kv.take_transfers()
         return SchedulerOutput(tuple(scheduled), tuple(r.request_id for r in preempted), finished, tuple(imports),
                                offloads, loads)
+
+    def schedule_chained(self, num_drafts: int) -> SchedulerOutput | None:
+        """Plan a verification step of every running request behind the verification step still in flight
+        (pipelined speculative decoding), or return None (and change nothing) where it cannot be planned:
+        requests waiting, a request that is not decoding, needs host state to sample (grammar,
+        penalties, min_tokens unmet), has less than ``num_drafts + 1`` tokens of room before ``max_tokens``
+        or the context limit counting the in-flight step's drafts as accepted, or too few free blocks.
+
+        Each request verifies ``num_drafts`` drafts that the in-flight step's drafter leaves on the device.
+        The plan assumes the in-flight step accepts all its drafts: ``start_pos`` is the position after
+        them and blocks are allocated up to there plus this step's ``num_drafts + 1`` tokens; the model runner
+        moves the positions back on the device by what it did not accept, and :meth:`update_from_output` of
+        the two steps rolls ``num_computed_tokens`` back by the drafts each rejected. No preemption, no
+        prefill, no host-tier loads; a sliding-window KV group is not supported (None).
+
+        Returns:
+            a :class:`SchedulerOutput` with ``chained`` set: per request ``num_drafts + 1`` placeholder
+            tokens, ``num_draft_tokens = num_drafts``.
+        """
+        from rayinfer.engine.sampler import needs_host_state
+
+        kv, cfg, q = self.kv, self.config, num_drafts + 1
+        if self.waiting or not self.running or self.kv.local_pool is not None or num_drafts < 1:
+            return None
+        if q * len(self.running) > cfg.max_num_batched_tokens:
+            return None
+        num_blocks = 0
+        for req in self.running:
+            p = req.params
+            room = cfg.max_model_len - req.num_tokens - 1
+            if p.max_tokens is not None:
+                room = min(room, p.max_tokens - req.num_output_tokens - req.num_pending_tokens - 1)
+            if (req.num_tokens - req.num_computed_tokens != 1 or req.num_computed_tokens < req.num_prompt_tokens
+                    or needs_host_state(req) or room < num_drafts):
+                return None
+            num_blocks += max(kv.blocks_needed(req.num_computed_tokens + q) - len(req.block_ids), 0)
+        if num_blocks > kv.pool.num_free_blocks:
+            return None
+        scheduled = []
+        for req in self.running:
+            start = req.num_computed_tokens
+            allocated = kv.allocate_slots(req, q)
+            assert allocated is not None  # counted above
+            req.num_computed_tokens = start + q
+            req.num_pending_tokens += q
+            scheduled.append(ScheduledRequest(request_id=req.request_id, token_ids=(PLACEHOLDER,) * q,
+                                              start_pos=start, block_ids=tuple(req.block_ids), needs_sample=True,
+                                              num_draft_tokens=num_drafts))
+        finished, self._finished_ids = tuple(self._finished_ids), []
+        offloads, loads = kv.take_transfers()
+        return SchedulerOutput(tuple(scheduled), (), finished, (), offloads, loads, chained=True)
+
+    def undo_chained(self, sched: SchedulerOutput) -> None:
+        """Take back a plan of :meth:`schedule_chained` whose launch failed: the requests' counts return (their
+        blocks stay allocated) and its finished ids go to the next plan. Its host-tier copies are the model
+        runner's to have run (``ModelRunner.execute_async`` runs them first)."""
+        self._finished_ids[:0] = sched.finished_ids
+        for s in sched.scheduled:
+            req = self.requests.get(s.request_id)
+            if req is not None:
+                req.num_computed_tokens -= len(s.token_ids)
+                req.num_pending_tokens -= len(s.token_ids)
 
     def _num_drafts(self, req: Request, num_left: int, budget: int) -> int:
         """How many of a decoding request's drafts to verify this step: none unless only its last token
@@ -339,7 +401,7 @@ class Scheduler:
             sampled = sampled_tokens.get(s.request_id)
             if req is None or sampled is None or req.status.is_finished:
                 continue  # aborted or finished while the step was in flight: the token is dropped
-            req.num_pending_tokens -= 1
+            req.num_pending_tokens -= 1 + s.num_draft_tokens
             updated.append(req)
             accepted = out.accepted.get(s.request_id)
             if s.num_draft_tokens:

@@ -35,7 +35,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from rayinfer.engine.types import Request, SchedulerOutput, StepOutput
+from rayinfer.engine.types import PLACEHOLDER, Request, SchedulerOutput, StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +80,15 @@ class Proposer:
     def launch_drafts(self, sched: SchedulerOutput, step, num_drafts: int) -> None:
         """Right after a step is launched (``step``: its :class:`~rayinfer.engine.model_runner.PendingStep`),
         queue drafting for the step after it on the device, from the step's own samples: the drafts then
-        need no pass of their own before the next step (:meth:`take_drafts`). Proposers that cannot
-        (the default) do nothing, and :meth:`propose` drafts before the next step as usual."""
+        need no pass of their own before the next step (:meth:`take_drafts`). A proposer that can also
+        sets ``step.next_inputs`` (the next step's inputs on the device), from which the engine may chain the
+        next verification step before this one is processed (:meth:`take_chained` then hands out the drafts).
+        Proposers that cannot (the default) do nothing, and :meth:`propose` drafts before the next step as usual."""
+
+    def take_chained(self) -> dict[str, "Draft"]:
+        """The drafts behind ``step.next_inputs`` of the last :meth:`launch_drafts`, by request id, whatever
+        the host knows yet (a chained step verifies exactly those); waits for the device. Default: none."""
+        return {}
 
     def take_drafts(self, reqs: list[Request]) -> dict[str, "Draft"]:
         """The drafts :meth:`launch_drafts` queued behind the last step for those of ``reqs`` they are still
@@ -492,6 +499,7 @@ class MtpProposer(Proposer):
             (s, token_row), st = placed[rid], self.states.get(rid)
             p0 = s.start_pos + len(s.token_ids) - k - 1
             if (k and st is not None and st.base is not None and st.pending is not None and not len(st.pending)
+                    and PLACEHOLDER not in drafts  # a chained step's row of a request that ended before it
                     and st.pend_start == p0 and st.base + len(st.tokens) == p0 + 1
                     and graphs.fits(len(rows) + 1, k + 1)
                     and cache.reserve(rid, p0 + k + 1 - st.base + num_drafts) is not None):
@@ -511,12 +519,17 @@ class MtpProposer(Proposer):
             tables[e, : len(blocks)] = blocks
         first_pos = np.array([r.p0 + 1 for r in rows], dtype=np.int64)
         first_local = first_pos - np.array([r.base for r in rows], dtype=np.int64)
+        num_verified = np.array([len(r.drafts) for r in rows], dtype=np.int64)
         dev = step.token_ids.device
-        tok_t, hid_t, drafts_t, pos_t, local_t, tables_t = to_device(
-            [tok_rows, hid_rows, padded_drafts, first_pos, first_local, tables], dev)
+        tok_t, hid_t, drafts_t, pos_t, local_t, tables_t, verified_t = to_device(
+            [tok_rows, hid_rows, padded_drafts, first_pos, first_local, tables, num_verified], dev)
         target = step.token_ids[tok_t]  # [n, w]: the target's token after each verified row
         accepted = torch.cumprod((target[:, :-1] == drafts_t[:, :-1]).long(), dim=1).sum(dim=1)
         ids, probs = graphs.run_device(target, step.hidden[hid_t], pos_t, local_t, tables_t, accepted, num_drafts)
+        # a chained step's inputs (pipelined verification): the target's token after the accepted drafts, then
+        # the new drafts; its positions move by the drafts not accepted (the host plans as if all were)
+        step.next_inputs = ({r.rid: e for e, r in enumerate(rows)},
+                            torch.cat([target.gather(1, accepted[:, None]), ids], dim=1), accepted - verified_t)
         if dev.type == "cuda":
             ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True).copy_(ids, non_blocking=True)
             probs = torch.empty(probs.shape, dtype=probs.dtype, pin_memory=True).copy_(probs, non_blocking=True)
@@ -526,6 +539,15 @@ class MtpProposer(Proposer):
             event = None
         self._launched = {r.rid: r.p0 for r in rows}
         self._queued = ([r.rid for r in rows], ids, probs, event)
+
+    def take_chained(self) -> dict[str, Draft]:
+        queued, self._queued = self._queued, None
+        if queued is None:
+            return {}
+        rids, ids, probs, event = queued
+        if event is not None:
+            event.synchronize()
+        return {rid: Draft(d, p) for rid, d, p in zip(rids, ids.tolist(), probs.tolist())}
 
     def take_drafts(self, reqs: list[Request]) -> dict[str, Draft]:
         queued, self._queued = self._queued, None

@@ -229,7 +229,9 @@ class Request:
     num_registered_blocks: int = 0  # leading blocks of block_ids already registered in the prefix cache
     status: RequestStatus = RequestStatus.WAITING
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
-    num_pending_tokens: int = 0  # sampled on the device by an in-flight step, not yet known here
+    # sampled on the device by in-flight steps, not yet known here (a verification step counts its k drafts too:
+    # it may accept them all; the count comes back to the real one when the step is processed)
+    num_pending_tokens: int = 0
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     grammar: Any = None  # an xgrammar GrammarMatcher when output is constrained
@@ -334,6 +336,11 @@ class SchedulerOutput:
     # evicted blocks, then (host slot, device block) copies of host prefix hits
     kv_offloads: tuple[tuple[int, int], ...] = ()
     kv_loads: tuple[tuple[int, int], ...] = ()
+    # a verification step planned behind one still in flight (``Scheduler.schedule_chained``): each request's
+    # inputs are that step's target token and device drafts, its positions move on the device by the
+    # in-flight step's accepted count minus its drafts (``token_ids`` are placeholders, ``start_pos`` assumes
+    # every draft accepted)
+    chained: bool = False
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -53,8 +53,10 @@ class SpecBenchSpec:
         output_len: tokens generated per request (``ignore_eos``).
         num_draft_tokens: k of every speculative config.
         methods: names of the configs to run, from ``plain``, ``ngram``, ``ngram-confidence``,
-            ``self-draft``, ``self-draft-confidence``, ``mtp``, ``mtp-confidence``, ``mtp-host-drafts`` (DeepSeek-V3
-            with ``num_nextn_predict_layers`` > 0; the last drafts before each step from the tokens on the host
+            ``self-draft``, ``self-draft-confidence``, ``mtp``, ``mtp-confidence``, ``mtp-host-drafts``,
+            ``mtp-drained`` (DeepSeek-V3 with ``num_nextn_predict_layers`` > 0; ``mtp`` chains each verification
+            step behind the one in flight where scheduling is pipelined (on CUDA), ``mtp-drained`` drains the
+            pipeline before each, ``mtp-host-drafts`` drafts before each step from the tokens on the host
             instead of on the device at the end of the step before); ``plain`` is always run first (the
             speedups' base).
             ``ngram-gate-plain`` is n-gram confidence with the gate held at plain decoding: what the
@@ -85,7 +87,10 @@ METHODS = {
     "mtp": {"method": "mtp"},
     "mtp-confidence": {"method": "mtp", "schedule": "confidence"},
     "mtp-host-drafts": {"method": "mtp", "device_drafts": False},  # drafts made before each step, on the host
+    "mtp-drained": {"method": "mtp"},  # device drafts, but each verification step drained (no chaining)
 }
+# engine settings of a method besides its speculative config
+METHOD_ENGINE = {"mtp-drained": {"async_scheduling": False}}
 
 GATE_HELD_PLAIN = {"ngram-gate-plain"}
 
@@ -147,7 +152,7 @@ def run_spec_section(spec: SpecBenchSpec, model_config, engine_config, model, to
                 sc = SpeculativeConfig(**METHODS[name], num_draft_tokens=spec.num_draft_tokens) if METHODS[name] \
                     else SpeculativeConfig()
                 cfg = dataclasses.replace(engine_config, max_num_seqs=batch, num_kv_blocks=spec.num_kv_blocks,
-                                          speculative=sc)
+                                          speculative=sc, **METHOD_ENGINE.get(name, {}))
                 if name == "plain" and rep == 0 and resolve_device(cfg.device).type == "cuda":
                     # an untimed pass on a throwaway engine (no prefix cache carried over): kernels for this
                     # batch's prefill sizes compile there, not in the base run (a 0.8 s first TTFT at batch 32

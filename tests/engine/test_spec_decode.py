@@ -912,17 +912,18 @@ def test_mla_verification_steps_through_graph_buffers(mtp_checkpoint, tokenizer,
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("method", ["ngram", "mtp"])
+@pytest.mark.parametrize("method", ["ngram", "mtp", "mtp-chained"])
 def test_mla_verification_cuda_graphs_on_gpu(mtp_checkpoint, tokenizer, method):
     """On the GPU, DeepSeek-V3's verification steps replay captured graphs (split-KV absorbed MLA; with MTP
     the graphs return the hidden states too) without a host sync, and greedy output equals the eager
-    plain engine's."""
+    plain engine's. "mtp-chained": pipelined scheduling, each verification step launched behind the one in
+    flight (its inputs and positions from the device), still without a host sync while launching."""
     path, _ = mtp_checkpoint
     prompts = list(MTP_PROMPTS)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (24, 23, 21)]
     plain = _mtp_engine(path, tokenizer, device="cuda", enforce_eager=True).generate(prompts, params)
-    engine = _mtp_engine(path, tokenizer, dict(method=method, num_draft_tokens=3), device="cuda",
-                         debug_sync_guard=True)
+    engine = _mtp_engine(path, tokenizer, dict(method=method.removesuffix("-chained"), num_draft_tokens=3),
+                         device="cuda", debug_sync_guard=True, async_scheduling=method.endswith("-chained"))
     graphs = engine.runner.graphs
     assert graphs is not None and graphs.max_query_len == 4 and any(q == 4 for _, q in graphs.graphs)
     replays = []
@@ -941,5 +942,49 @@ def test_mla_verification_cuda_graphs_on_gpu(mtp_checkpoint, tokenizer, method):
     assert all(c.output_token_ids[:8] == p.output_token_ids[:8] for c, p in zip(out, plain))
     assert any(q > 1 for q in replays), replays
     assert engine.stats()["spec_num_drafts_accepted"] > 0
-    if method == "mtp":  # drafted on the device behind the verification steps, under the sync guard
+    if method.startswith("mtp"):  # drafted on the device behind the verification steps, under the sync guard
         assert engine.stats()["spec_device_drafted_steps"] > 0
+    assert (engine.stats().get("spec_chained_steps", 0) > 0) is method.endswith("-chained")
+
+
+def test_mtp_chained_verification_keeps_plain_output(mtp_checkpoint, tokenizer):
+    """Pipelined speculative decoding (``Scheduler.schedule_chained``): each verification step is launched
+    behind the one in flight from the drafts made on the device, its positions moved on the device by the
+    drafts the step before did not accept. Greedy, seeded and logprob output equal plain decoding's, with
+    stop strings, max_tokens mid-draft and requests of different lengths; most steps chain."""
+    path, _ = mtp_checkpoint
+    spec = dict(method="mtp", num_draft_tokens=3)
+    chained = _mtp_engine(path, tokenizer, spec, async_scheduling=True, debug_eager_graphs=True)
+    assert chained.chain_verification
+    plain = _mtp_engine(path, tokenizer, model=chained.model)
+    free = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want_free = plain.generate([MTP_PROMPTS[1]], free)[0].text
+    params = [free,
+              SamplingParams(temperature=0.8, max_tokens=37, ignore_eos=True, seed=5, logprobs=2),
+              SamplingParams(temperature=0.0, max_tokens=31, ignore_eos=True, logprobs=0),
+              SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[want_free[len(want_free) // 2:][:2]])]
+    prompts = list(MTP_PROMPTS) + [MTP_PROMPTS[1]]
+    want = plain.generate(prompts, params)
+    _check_same(chained.generate(prompts, params), want)
+    assert want[3].finish_reason == "stop" and len(want[3].output_token_ids) < 40
+    stats = chained.stats()
+    assert stats["spec_num_drafts_accepted"] > 0
+    assert stats["spec_chained_steps"] > 10, stats
+
+
+def test_mtp_chained_verification_under_preemption_and_admission(mtp_checkpoint, tokenizer):
+    """Chained verification steps with a KV pool too small for every request (preemption) and more
+    requests than ``max_num_seqs`` (admissions mid-chain): the chain breaks and drains there, output stays
+    plain's."""
+    path, _ = mtp_checkpoint
+    chained = _mtp_engine(path, tokenizer, dict(method="mtp", num_draft_tokens=3), async_scheduling=True,
+                          debug_eager_graphs=True, num_kv_blocks=18, max_num_seqs=3)
+    params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.8, max_tokens=27, ignore_eos=True, seed=5),
+              SamplingParams(temperature=0.0, max_tokens=21, ignore_eos=True, logprobs=0),
+              SamplingParams(temperature=0.5, max_tokens=25, ignore_eos=True, seed=9)]
+    prompts = list(MTP_PROMPTS) + [MTP_PROMPTS[0][::-1]]
+    want = _mtp_engine(path, tokenizer, model=chained.model).generate(prompts, params)
+    _check_same(chained.generate(prompts, params), want)
+    stats = chained.stats()
+    assert stats["num_preemptions"] > 0 and stats["spec_chained_steps"] > 3, stats
