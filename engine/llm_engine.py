@@ -234,7 +234,7 @@ class LLMEngine:
                 self.proposer = DraftModelProposer(draft_model, num_blocks, cfg.block_size, self.vocab_size)
             # MTP reads the target's hidden states: every step keeps them (graphs capture them too)
             self.runner.capture_hidden = self.proposer.needs_hidden
-            chains = spec.method == "mtp" and spec.device_drafts and spec.schedule == "fixed"
+            chains = spec.method in ("mtp", "draft_model") and spec.device_drafts and spec.schedule == "fixed"
             if self.async_scheduling and not chains and (self.proposer.needs_hidden or spec.schedule != "confidence"):
                 # drafts need the last step's tokens (MTP: its hidden states) on the host: every step drafts, so
                 # every step drains; with the confidence schedule only drafting steps drain, plain ones pipeline.
@@ -265,10 +265,13 @@ class LLMEngine:
                                                   spec.num_draft_tokens)
         if isinstance(self.proposer, MtpProposer) and spec.device_drafts:
             self.proposer.enable_device_drafts(self.max_model_len, min(cfg.max_num_seqs, 512), spec.num_draft_tokens)
+        elif isinstance(self.proposer, DraftModelProposer) and spec.device_drafts:
+            self.proposer.enable_device_drafts(self.max_model_len, min(cfg.max_num_seqs, 512))
         # pipelined speculative decoding: a verification step is planned and launched behind the one in flight,
-        # from the drafts made on the device behind it (MTP, fixed schedule, in the target's graphs)
-        self.chain_verification = (self.async_scheduling and isinstance(self.proposer, MtpProposer)
-                                   and spec.device_drafts and spec.schedule == "fixed" and self.runner.graphs is not None)
+        # from the drafts made on the device behind it (MTP or a draft model, fixed schedule, in the target's graphs)
+        self.chain_verification = (self.async_scheduling and spec.device_drafts and spec.schedule == "fixed"
+                                   and getattr(self.proposer, "device_graphs", None) is not None
+                                   and self.runner.graphs is not None)
         self.num_chained_steps = 0
         if self.proposer is not None and self.async_scheduling:
             logger.info("speculative decoding (%s, %s schedule): verification steps %s", spec.method, spec.schedule,

@@ -281,6 +281,12 @@ class DraftModelProposer(Proposer):
         self.device = weight.device
         self.cache = _DraftCache(model.kv_cache_shape(num_blocks, block_size), block_size, weight.dtype, self.device)
         self.graphs = None  # DecodeGraphs over the draft cache once captured
+        self.device_graphs = None  # enable_device_drafts: the graphs (CUDA), or eager buffers (CPU)
+        # launch_drafts: the drafts queued behind the last verification step, (request ids, ids, probs, event), and
+        # per request (its last known position p0, the drafts it verified) until its cache bookkeeping is settled
+        self._queued = None
+        self._launched: dict[str, tuple[int, int]] = {}
+        self._host: tuple[list[str], list[list[int]], list[list[float]]] | None = None
 
     def capture_cuda_graphs(self, max_model_len: int, max_num_seqs: int, max_query_len: int) -> None:
         """Capture the draft model's forwards (CUDA only): one-token draft steps, and catch-up steps of up
@@ -291,14 +297,146 @@ class DraftModelProposer(Proposer):
                                    max_num_seqs, max_query_len=max_query_len)
         self.graphs.capture()
 
+    def enable_device_drafts(self, max_model_len: int, max_num_seqs: int) -> None:
+        """Draft at the end of each verification step (:meth:`launch_drafts`): in the captured graphs when
+        there are (call after :meth:`capture_cuda_graphs`), off CUDA on the same padded buffers run eagerly.
+        On CUDA without graphs (``enforce_eager``) the drafts stay on the host."""
+        from rayinfer.engine.cuda_graph import DecodeGraphs
+
+        if self.graphs is not None and self.graphs.max_query_len >= 2:
+            self.device_graphs = self.graphs
+        elif self.device.type != "cuda":
+            self.device_graphs = DecodeGraphs(self.model, self.cache.kv_cache, self.cache.block_size, max_model_len,
+                                              max_num_seqs, max_query_len=2, eager=True)
+
     def release(self, request_id: str) -> None:
         self.cache.release(request_id)
+        self._launched.pop(request_id, None)
+
+    def _host_drafts(self) -> tuple[list[str], list[list[int]], list[list[float]]] | None:
+        """The queued drafts on the host (waits for their copy once)."""
+        if self._host is None and self._queued is not None:
+            rids, ids, probs, event = self._queued
+            if event is not None:
+                event.synchronize()
+            self._host = (rids, ids.tolist(), probs.tolist())
+        return self._host
+
+    def _settle(self, reqs: list[Request]) -> dict[str, tuple[list[int], list[float]]]:
+        """Once the step the last :meth:`launch_drafts` followed is processed: the draft cache of each of
+        ``reqs`` it drafted for holds the request's tokens up to the target's token after the accepted drafts,
+        then the first k - 1 new drafts (``cache.computed`` says so). Returns those requests' new drafts and
+        probabilities, by request id. A request it drafted for that is not in ``reqs`` keeps its older
+        ``computed``, which stays true of the cache's first entries (the device rewrote them with the same
+        tokens), so its next catch-up is only longer."""
+        host, launched = self._host_drafts(), self._launched
+        self._queued, self._host, self._launched = None, None, {}
+        if host is None:
+            return {}
+        row = {rid: e for e, rid in enumerate(host[0])}
+        out = {}
+        for req in reqs:
+            rid = req.request_id
+            if rid not in launched or rid not in row:
+                continue
+            p0, k = launched[rid]
+            if not 0 <= req.num_known_tokens - p0 - 2 <= k:  # not (only) that step's tokens were appended
+                continue
+            ids = host[1][row[rid]]
+            self.cache.computed[rid] = req.all_token_ids + ids[:-1]
+            out[rid] = (ids, host[2][row[rid]])
+        return out
+
+    def take_chained(self) -> dict[str, Draft]:
+        host = self._host_drafts()
+        return {} if host is None else {rid: Draft(d, p) for rid, d, p in zip(*host)}
+
+    def take_drafts(self, reqs: list[Request]) -> dict[str, Draft]:
+        return {rid: Draft(ids, probs) for rid, (ids, probs) in self._settle(reqs).items()}
+
+    @torch.inference_mode()
+    def launch_drafts(self, sched: SchedulerOutput, step, num_drafts: int) -> None:
+        """Queue the next step's drafts on the device at the end of a verification step, with no host sync.
+
+        For each verified request whose draft cache holds its tokens up to the last known one (position p0)
+        and then its first k - 1 drafts (what :meth:`propose` or the last device drafting left), the device
+        counts the accepted drafts ``a``, feeds the draft model the two tokens at p0 + a and p0 + a + 1 (the
+        last accepted token, whose entry is rewritten with the same values or, for a = k, first computed,
+        and the target's token after it) and chains ``num_drafts - 1`` one-token forwards from the top-1 of
+        each: the draft graphs of widths 2 and 1 (:meth:`DecodeGraphs.run` with ``advance=a``). The drafts and
+        their probabilities are copied to pinned host memory; ``step.next_inputs`` gets the next step's inputs.
+        """
+        from rayinfer.engine.staging import to_device
+
+        self._settle(step.sample_reqs if step.drafts is not None else [])  # the step before was processed
+        graphs = self.device_graphs
+        if graphs is None or step.drafts is None or step.token_ids is None or num_drafts < 1:
+            return
+        cache = self.cache
+        placed = {s.request_id: s for s in sched.scheduled}
+        rows, sample_row = [], 0  # (request id, first sample row, p0, last token, drafts)
+        for req, drafts in zip(step.sample_reqs, step.drafts):
+            rid, k = req.request_id, len(drafts)
+            s = placed[rid]
+            p0 = s.start_pos + len(s.token_ids) - k - 1
+            computed = cache.computed.get(rid)
+            if (k and PLACEHOLDER not in drafts and computed is not None and len(computed) == p0 + k
+                    and computed[p0 + 1:] == list(drafts[: k - 1]) and len(rows) < graphs.sizes[-1]
+                    and cache.reserve(rid, p0 + k + num_drafts + 1) is not None):
+                rows.append((rid, sample_row, p0, s.token_ids[len(s.token_ids) - k - 1], drafts))
+            sample_row += k + 1
+        if not rows or graphs.padded_size(len(rows), 2) is None:
+            return
+        n, w = len(rows), max(len(r[4]) for r in rows) + 1
+        j = np.arange(w)
+        tok_rows = np.array([r[1] + np.minimum(j, len(r[4])) for r in rows], dtype=np.int64)
+        fed = np.full((n, w), -1, dtype=np.int64)  # the last known token, then the drafts
+        for e, r in enumerate(rows):
+            fed[e, 0] = r[3]
+            fed[e, 1: len(r[4]) + 1] = r[4]
+        p0 = np.array([r[2] for r in rows], dtype=np.int64)
+        blocks = [cache.block_ids[r[0]] for r in rows]
+        tables = np.zeros((n, max(len(b) for b in blocks)), dtype=np.int32)
+        for e, b in enumerate(blocks):
+            tables[e, : len(b)] = b
+        verified = np.array([len(r[4]) for r in rows], dtype=np.int64)
+        dev = step.token_ids.device
+        tok_t, fed_t, p0_t, tables_t, verified_t = to_device([tok_rows, fed, p0, tables, verified], dev)
+        target = step.token_ids[tok_t]  # [n, w]: the target's token after each verified row
+        accepted = torch.cumprod((target[:, :-1] == fed_t[:, 1:]).long(), dim=1).sum(dim=1)
+        bonus = target.gather(1, accepted[:, None])
+        ids = torch.cat([fed_t.gather(1, accepted[:, None]), bonus], dim=1).reshape(-1)
+        pos = (p0_t[:, None] + torch.arange(2, device=dev)).reshape(-1)  # moved by a on the device
+        out_ids, out_probs = [], []
+        for step_j in range(num_drafts):
+            q = 2 if step_j == 0 else 1
+            seq = (p0_t + 2 + step_j).to(torch.int32)  # the context through the last fed token, before the move
+            hidden = graphs.run(ids, pos, None, seq, tables_t, query_len=q, advance=accepted)
+            last = hidden[q - 1:: q] if q > 1 else hidden
+            probs = torch.softmax(self.model.compute_logits(last)[:, : self.vocab_size].float(), dim=-1)
+            top_p, top_id = probs.max(dim=-1)
+            out_ids.append(top_id)
+            out_probs.append(top_p)
+            ids, pos = top_id, p0_t + 2 + step_j
+        ids_t, probs_t = torch.stack(out_ids, dim=1), torch.stack(out_probs, dim=1)
+        step.next_inputs = ({r[0]: e for e, r in enumerate(rows)}, torch.cat([bonus, ids_t], dim=1),
+                            accepted - verified_t)
+        if dev.type == "cuda":
+            ids_t = torch.empty(ids_t.shape, dtype=ids_t.dtype, pin_memory=True).copy_(ids_t, non_blocking=True)
+            probs_t = torch.empty(probs_t.shape, dtype=probs_t.dtype, pin_memory=True).copy_(probs_t, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            event = None
+        self._queued = ([r[0] for r in rows], ids_t, probs_t, event)
+        self._launched = {r[0]: (r[2], len(r[4])) for r in rows}
 
     @torch.inference_mode()
     def propose(self, reqs: list[Request], max_drafts: list[int]) -> list[Draft]:
         from rayinfer.engine.staging import to_device
         from rayinfer.kernels.attention_metadata import AttentionMetadata, host_arrays
 
+        self._settle(reqs)
         cache = self.cache
         drafts = [Draft([], []) for _ in reqs]
         live, chunks, starts = [], [], []

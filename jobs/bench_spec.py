@@ -54,11 +54,11 @@ class SpecBenchSpec:
         num_draft_tokens: k of every speculative config.
         methods: names of the configs to run, from ``plain``, ``ngram``, ``ngram-confidence``,
             ``self-draft``, ``self-draft-confidence``, ``mtp``, ``mtp-confidence``, ``mtp-host-drafts``,
-            ``mtp-drained`` (DeepSeek-V3 with ``num_nextn_predict_layers`` > 0; ``mtp`` chains each verification
-            step behind the one in flight where scheduling is pipelined (on CUDA), ``mtp-drained`` drains the
-            pipeline before each, ``mtp-host-drafts`` drafts before each step from the tokens on the host
-            instead of on the device at the end of the step before); ``plain`` is always run first (the
-            speedups' base).
+            ``mtp-drained`` (DeepSeek-V3 with ``num_nextn_predict_layers`` > 0), ``self-draft-drained``,
+            ``self-draft-host-drafts``: ``mtp`` and ``self-draft`` chain each verification step behind the one in
+            flight where scheduling is pipelined (on CUDA), ``-drained`` drains the pipeline before each,
+            ``-host-drafts`` drafts before each step from the tokens on the host instead of on the device at
+            the end of the step before; ``plain`` is always run first (the speedups' base).
             ``ngram-gate-plain`` is n-gram confidence with the gate held at plain decoding: what the
             confidence engine's plain steps cost against a plain engine's (the gate's ceiling where
             speculation loses).
@@ -88,9 +88,11 @@ METHODS = {
     "mtp-confidence": {"method": "mtp", "schedule": "confidence"},
     "mtp-host-drafts": {"method": "mtp", "device_drafts": False},  # drafts made before each step, on the host
     "mtp-drained": {"method": "mtp"},  # device drafts, but each verification step drained (no chaining)
+    "self-draft-drained": {"method": "draft_model"},  # likewise
+    "self-draft-host-drafts": {"method": "draft_model", "device_drafts": False},
 }
 # engine settings of a method besides its speculative config
-METHOD_ENGINE = {"mtp-drained": {"async_scheduling": False}}
+METHOD_ENGINE = {"mtp-drained": {"async_scheduling": False}, "self-draft-drained": {"async_scheduling": False}}
 
 GATE_HELD_PLAIN = {"ngram-gate-plain"}
 

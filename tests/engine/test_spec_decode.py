@@ -502,19 +502,20 @@ def tiny_pair(tokenizer):
 PROMPTS = ([5, 9, 11, 5, 9, 11, 5, 9], [3, 1, 4, 1, 5, 9, 2, 6], [7, 7, 2, 7, 7, 2, 7])
 
 
-def _tiny_spec_engine(tiny_pair, tokenizer, spec, num_kv_blocks=1024, async_scheduling=False, gate=True):
+def _tiny_spec_engine(tiny_pair, tokenizer, spec, num_kv_blocks=1024, async_scheduling=False, gate=True, **kw):
     """``gate=False``: the confidence schedule always drafts (its SpeculationGate would turn speculation
-    off on this tiny model, where plain decode steps are faster)."""
+    off on this tiny model, where plain decode steps are faster). ``kw``: more engine settings."""
     from rayinfer.engine.spec_decode import DraftModelProposer
 
     target, draft = tiny_pair
-    engine = LLMEngine(ModelConfig("tiny-llama", max_model_len=512),
-                       EngineConfig(device="cpu", block_size=4, num_kv_blocks=num_kv_blocks, max_num_seqs=128,
-                                    max_num_batched_tokens=2048, async_scheduling=async_scheduling,
-                                    speculative=SpeculativeConfig(**spec)),
-                       model=target, tokenizer=tokenizer)
+    cfg = dict(device="cpu", block_size=4, num_kv_blocks=num_kv_blocks, max_num_seqs=128, max_num_batched_tokens=2048,
+               async_scheduling=async_scheduling, speculative=SpeculativeConfig(**spec))
+    engine = LLMEngine(ModelConfig("tiny-llama", max_model_len=512), EngineConfig(**{**cfg, **kw}), model=target,
+                       tokenizer=tokenizer)
     if spec.get("method") == "draft_model":  # draft with the perturbed copy instead of the target itself
         engine.proposer = DraftModelProposer(draft, 1024, 4, engine.vocab_size)
+        if engine.engine_config.speculative.device_drafts:  # as the engine set up the one it built
+            engine.proposer.enable_device_drafts(engine.max_model_len, 128)
     if not gate:
         engine.gate.speculate = lambda batch_size: True
     return engine
@@ -820,6 +821,10 @@ def test_mtp_device_drafts_equal_the_host_drafts(mtp_checkpoint, tokenizer, sche
     for name, eng in (("host", host), ("device", device)):
         log = logs[name] = []
         propose = eng._propose
+        # the confidence schedule's choices read measured step times: frozen (and the gate held at drafting), so
+        # both engines choose alike on a loaded machine (the drafts are what is compared here)
+        eng.step_time.update = lambda num_tokens, seconds: None
+        eng.gate.speculate = lambda batch_size: True
 
         def logged(eng=eng, propose=propose, log=log):
             propose()
@@ -912,12 +917,13 @@ def test_mla_verification_steps_through_graph_buffers(mtp_checkpoint, tokenizer,
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("method", ["ngram", "mtp", "mtp-chained"])
+@pytest.mark.parametrize("method", ["ngram", "mtp", "mtp-chained", "draft_model-chained"])
 def test_mla_verification_cuda_graphs_on_gpu(mtp_checkpoint, tokenizer, method):
     """On the GPU, DeepSeek-V3's verification steps replay captured graphs (split-KV absorbed MLA; with MTP
     the graphs return the hidden states too) without a host sync, and greedy output equals the eager
-    plain engine's. "mtp-chained": pipelined scheduling, each verification step launched behind the one in
-    flight (its inputs and positions from the device), still without a host sync while launching."""
+    plain engine's. "-chained": pipelined scheduling, each verification step launched behind the one in
+    flight (its inputs and positions from the device, drafted there by MTP or by the model drafting for
+    itself in its own graphs), still without a host sync while launching."""
     path, _ = mtp_checkpoint
     prompts = list(MTP_PROMPTS)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (24, 23, 21)]
@@ -942,7 +948,7 @@ def test_mla_verification_cuda_graphs_on_gpu(mtp_checkpoint, tokenizer, method):
     assert all(c.output_token_ids[:8] == p.output_token_ids[:8] for c, p in zip(out, plain))
     assert any(q > 1 for q in replays), replays
     assert engine.stats()["spec_num_drafts_accepted"] > 0
-    if method.startswith("mtp"):  # drafted on the device behind the verification steps, under the sync guard
+    if method != "ngram":  # drafted on the device behind the verification steps, under the sync guard
         assert engine.stats()["spec_device_drafted_steps"] > 0
     assert (engine.stats().get("spec_chained_steps", 0) > 0) is method.endswith("-chained")
 
@@ -988,3 +994,57 @@ def test_mtp_chained_verification_under_preemption_and_admission(mtp_checkpoint,
     _check_same(chained.generate(prompts, params), want)
     stats = chained.stats()
     assert stats["num_preemptions"] > 0 and stats["spec_chained_steps"] > 3, stats
+
+
+def test_draft_model_device_drafts_equal_the_host_drafts(tiny_pair, tokenizer):
+    """A draft model drafting at the end of each verification step on the device (``launch_drafts``: the
+    accepted count, a two-token catch-up at the accepted position, chained one-token forwards, all moved
+    on the device) gives every step the drafts ``propose`` gives it from the tokens on the host, and the
+    same greedy output; requests near max_tokens take a prefix of them."""
+    spec = dict(method="draft_model", num_draft_tokens=3)
+    host = _tiny_spec_engine(tiny_pair, tokenizer, dict(spec, device_drafts=False))
+    device = _tiny_spec_engine(tiny_pair, tokenizer, spec)
+    assert host.proposer.device_graphs is None and device.proposer.device_graphs is not None
+    logs = {}
+    for name, eng in (("host", host), ("device", device)):
+        log = logs[name] = []
+        propose = eng._propose
+
+        def logged(eng=eng, propose=propose, log=log):
+            propose()
+            log.append(sorted((r.request_id, tuple(r.draft_token_ids), tuple(eng._draft_probs.get(r.request_id) or ()))
+                              for r in eng.scheduler.running if r.draft_token_ids))
+
+        eng._propose = logged
+    prompts = list(PROMPTS)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (24, 23, 21)]
+    want = host.generate(prompts, params)
+    assert [c.output_token_ids for c in device.generate(prompts, params)] == [c.output_token_ids for c in want]
+    assert len(logs["device"]) == len(logs["host"]) > 3
+    for got, ref in zip(logs["device"], logs["host"]):
+        assert [(rid, ids) for rid, ids, _ in got] == [(rid, ids) for rid, ids, _ in ref]
+        for (*_, p), (*_, q) in zip(got, ref):
+            assert p == pytest.approx(q, abs=1e-5)
+    assert any(len(ids) == 3 for step in logs["device"] for _, ids, _ in step)
+    stats = device.stats()
+    assert stats["spec_device_drafted_steps"] >= len(logs["device"]) - 3  # all but the prompts' first drafts
+    assert host.stats()["spec_device_drafted_steps"] == 0
+    assert 0 < stats["spec_num_drafts_accepted"] < stats["spec_num_drafts_verified"]
+
+
+def test_draft_model_chained_verification_keeps_plain_output(tiny_pair, tokenizer):
+    """Chained verification steps with a draft model drafting on the device behind each (pipelined
+    scheduling): greedy, seeded and logprob output equal plain decoding's; most steps chain."""
+    spec = dict(method="draft_model", num_draft_tokens=3)
+    chained = _tiny_spec_engine(tiny_pair, tokenizer, spec, async_scheduling=True, debug_eager_graphs=True)
+    chained.chain_verification = True  # the engine decided it for the proposer it built, replaced above
+    prompts = list(PROMPTS) + [PROMPTS[0][::-1]]
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.8, max_tokens=37, ignore_eos=True, seed=5, logprobs=2),
+              SamplingParams(temperature=0.0, max_tokens=31, ignore_eos=True, logprobs=0),
+              SamplingParams(temperature=1.0, max_tokens=33, ignore_eos=True, seed=11)]
+    want = _tiny_spec_engine(tiny_pair, tokenizer, {}).generate(prompts, params)
+    _check_same(chained.generate(prompts, params), want)
+    stats = chained.stats()
+    assert 0 < stats["spec_num_drafts_accepted"] < stats["spec_num_drafts_verified"]
+    assert stats["spec_chained_steps"] > 10, stats
