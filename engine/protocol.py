@@ -49,7 +49,8 @@ class ReplicaStats:
             ``kv_transfer_budget_peak`` (received bytes not yet imported, now and at most).
         spec_decode: speculative decoding's counters (``spec_num_drafts_proposed`` / ``_verified`` /
             ``_accepted``, ``spec_num_verify_steps``, ``spec_acceptance_rate``, ``spec_mean_accepted_length``,
-            ``spec_acceptance_by_position``: a list, one rate per draft position); empty when it is off.
+            ``spec_acceptance_by_position``: a list, one rate per draft position; ``spec_device_drafted_steps``,
+            ``spec_chained_steps``: steps drafted on the device, verification steps chained); empty when it is off.
         context_parallel: a CP replica's counters: on rank 0 ``cp`` (the group's size), ``cp_active``
             (False once a peer was lost), ``num_cp_prefills``, ``num_cp_prefill_tokens`` (tokens the group
             computed; prefix hits excluded), ``num_cp_solo_prefills`` (prefilled alone after a loss); on a

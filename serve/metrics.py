@@ -79,6 +79,10 @@ _ENGINE_METRICS = (
      "Speculative decoding: request-steps that verified drafts.", "counter"),
     ("spec_mean_accepted_length", "rayinfer_spec_decode_mean_accepted_length", (),
      "Speculative decoding: tokens emitted per verifying request-step (accepted drafts + 1).", "gauge"),
+    ("spec_device_drafted_steps", "rayinfer_spec_decode_device_drafted_steps", (),
+     "Speculative decoding: steps whose drafts were made on the device behind the step before.", "counter"),
+    ("spec_chained_steps", "rayinfer_spec_decode_chained_steps", (),
+     "Speculative decoding: verification steps launched behind the one in flight (pipelined).", "counter"),
     ("host_kv_blocks", "rayinfer_host_kv_cache_blocks", (), "Blocks held by the host-memory KV tier.", "gauge"),
     ("host_kv_queries", "rayinfer_host_kv_cache_queries", (), "Blocks looked up in the host KV tier after a "
      "device-pool miss.", "counter"),

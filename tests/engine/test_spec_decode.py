@@ -953,6 +953,28 @@ def test_mla_verification_cuda_graphs_on_gpu(mtp_checkpoint, tokenizer, method):
     assert (engine.stats().get("spec_chained_steps", 0) > 0) is method.endswith("-chained")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_mtp_device_drafts_without_graphs_on_gpu(mtp_checkpoint, tokenizer):
+    """``enforce_eager`` on CUDA: MTP still drafts on the device behind each verification step (its forwards
+    eager, reading the lengths on the device), nothing chains (no graphs), and greedy output equals the
+    eager plain engine's (up to one near-tie flip late in a sequence, as the graph test allows)."""
+    path, _ = mtp_checkpoint
+    prompts = list(MTP_PROMPTS)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (24, 23, 21)]
+    plain_engine = _mtp_engine(path, tokenizer, device="cuda", enforce_eager=True)
+    plain = plain_engine.generate(prompts, params)
+    engine = _mtp_engine(path, tokenizer, dict(method="mtp", num_draft_tokens=3), device="cuda", enforce_eager=True,
+                         async_scheduling=True)
+    out = engine.generate(prompts, params)
+    same = sum(c.output_token_ids == p.output_token_ids for c, p in zip(out, plain))
+    assert same >= len(out) - 1, [(c.output_token_ids, p.output_token_ids) for c, p in zip(out, plain)]
+    assert all(c.output_token_ids[:8] == p.output_token_ids[:8] for c, p in zip(out, plain))
+    stats = engine.stats()
+    assert engine.runner.graphs is None and not engine.chain_verification and stats["spec_chained_steps"] == 0
+    assert stats["spec_device_drafted_steps"] > 0 and stats["spec_num_drafts_accepted"] > 0
+
+
 def test_mtp_chained_verification_keeps_plain_output(mtp_checkpoint, tokenizer):
     """Pipelined speculative decoding (``Scheduler.schedule_chained``): each verification step is launched
     behind the one in flight from the drafts made on the device, its positions moved on the device by the

@@ -162,7 +162,8 @@ def test_spec_decode_stats_are_exported_per_replica():
     spec.num_drafts_proposed = 9
     spec.record(3, 2)  # a request-step verified 3 drafts and accepted the first 2
     spec.record(2, 0)
-    replica = ReplicaStats.from_dict({"num_running": 1, **spec.to_dict()}, replica_id=0)
+    replica = ReplicaStats.from_dict({"num_running": 1, **spec.to_dict(), "spec_device_drafted_steps": 4,
+                                      "spec_chained_steps": 3}, replica_id=0)
     assert replica.spec_decode["spec_num_drafts_verified"] == 5
     metrics = ServeMetrics("m", names="both")
     metrics.set_engine_stats(FleetStats("colocated", [replica]))
@@ -172,6 +173,8 @@ def test_spec_decode_stats_are_exported_per_replica():
     assert samples[("rayinfer_spec_decode_num_draft_tokens_total", "0", None)] == 5
     assert samples[("vllm:spec_decode_num_accepted_tokens_total", "0", None)] == 2
     assert samples[("rayinfer_spec_decode_mean_accepted_length", "0", None)] == 2.0  # (2 + 0) / 2 steps + 1
+    assert samples[("rayinfer_spec_decode_device_drafted_steps_total", "0", None)] == 4
+    assert samples[("rayinfer_spec_decode_chained_steps_total", "0", None)] == 3
     assert [samples[("rayinfer_spec_decode_acceptance_by_position", "0", str(j))] for j in range(3)] == [0.5, 0.5, 0.0]
 
 
