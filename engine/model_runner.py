@@ -259,6 +259,8 @@ class ModelRunner:
                 out = self.model(ids, pos, self.model_kv, meta)
             if isinstance(out, tuple):  # capture_hidden (the graphs then return the pair too)
                 hidden, prenorm = out
+                if decode_graph:  # a view of the graph's buffer, which the next replay (maybe launched before this
+                    prenorm = prenorm.clone()  # step is processed: pipelined scheduling) rewrites
             else:
                 hidden = out
             step = PendingStep(sample_reqs, drafts=drafts, hidden=prenorm)
@@ -311,7 +313,8 @@ class ModelRunner:
         with no_host_sync(self.sync_guard), batch_invariant_mode(self.batch_invariant):
             pos, seq_t, tables_t, src_t = self._upload([positions, seq_arr, table_arr, src])
             advance = next_advance[src_t]
-            out = self.graphs.run(next_ids[src_t].reshape(-1), pos, None, seq_t, tables_t, query_len=q, advance=advance)
+            ids = next_ids[src_t][:, :q].reshape(-1)  # the target's token, then the drafts this step verifies
+            out = self.graphs.run(ids, pos, None, seq_t, tables_t, query_len=q, advance=advance)
             hidden, prenorm = out if isinstance(out, tuple) else (out, None)
             # the graph's buffer is rewritten by the next replay, which is launched before this step is processed
             step = PendingStep(reqs, hidden=None if prenorm is None else prenorm.clone())
