@@ -234,7 +234,7 @@ class LLMEngine:
                 self.proposer = DraftModelProposer(draft_model, num_blocks, cfg.block_size, self.vocab_size)
             # MTP reads the target's hidden states: every step keeps them (graphs capture them too)
             self.runner.capture_hidden = self.proposer.needs_hidden
-            chains = spec.method in ("mtp", "draft_model") and spec.device_drafts
+            chains = spec.method in ("mtp", "draft_model") and spec.device_drafts and spec.schedule == "fixed"
             if self.async_scheduling and not chains and (self.proposer.needs_hidden or spec.schedule != "confidence"):
                 # drafts need the last step's tokens (MTP: its hidden states) on the host: every step drafts, so
                 # every step drains; with the confidence schedule only drafting steps drain, plain ones pipeline.
@@ -268,8 +268,10 @@ class LLMEngine:
         elif isinstance(self.proposer, DraftModelProposer) and spec.device_drafts:
             self.proposer.enable_device_drafts(self.max_model_len, min(cfg.max_num_seqs, 512))
         # pipelined speculative decoding: a verification step is planned and launched behind the one in flight,
-        # from the drafts made on the device behind it (MTP or a draft model, in the target's graphs)
-        self.chain_verification = (self.async_scheduling and spec.device_drafts
+        # from the drafts made on the device behind it (MTP or a draft model, fixed schedule, in the target's graphs).
+        # The confidence schedule does not chain: chained, MTP-confidence measured 16.1 ms a token at batch 1 on the
+        # H100 against 8.6 drained (benchmarks/README.md, "Chained verification with a draft model")
+        self.chain_verification = (self.async_scheduling and spec.device_drafts and spec.schedule == "fixed"
                                    and getattr(self.proposer, "device_graphs", None) is not None
                                    and self.runner.graphs is not None)
         self.num_chained_steps = 0
@@ -675,7 +677,7 @@ class LLMEngine:
         self._flush_gate_sample(started)
         speculating = self.proposer is not None and self._speculate_next()
         if self.chain_verification and speculating and step_kind is None and self._inflight is not None:
-            chained = self._step_chained(started)
+            chained = self._step_chained()
             if chained is not None:
                 return chained
         drained: list[RequestOutput] = []
@@ -774,29 +776,7 @@ class LLMEngine:
         else:  # tokens of a step in flight of the other mode count for that mode
             self.gate.record(speculating, batch, num_tokens, seconds, other_tokens=other)
 
-    def _chained_num_drafts(self) -> int:
-        """Drafts each request verifies in the next chained step: k with the fixed schedule; with "confidence"
-        the most that :func:`choose_num_drafts` keeps for any running request, from the calibrated confidences
-        of the drafts its last verification step took (one step old: the next step's own are still on the
-        device) and the step time model. A graph runs every request at the step's width, so drafts kept for
-        one request cost the others nothing more."""
-        spec = self.engine_config.speculative
-        k = spec.num_draft_tokens
-        if spec.schedule != "confidence":
-            return k
-        running = self.scheduler.running
-        conf = torch.zeros(len(running), k)
-        for i, req in enumerate(running):
-            probs = self._draft_probs.get(req.request_id)
-            if probs:
-                c = self.calibrator.confidence(Draft(list(probs[:k]), list(probs[:k])))
-                conf[i, : len(c)] = torch.tensor(c, dtype=torch.float32)
-        max_verify = spec.max_verify_tokens or k * self.engine_config.max_num_seqs
-        n = len(running)
-        keep = choose_num_drafts(conf, n, float(n), self.step_time.a, self.step_time.b, max_verify, spec.min_confidence)
-        return int(keep.max()) if n else 0
-
-    def _step_chained(self, started: float) -> list[RequestOutput] | None:
+    def _step_chained(self) -> list[RequestOutput] | None:
         """Pipelined speculative decoding: plan and launch the next verification step of every running request
         behind the verification step still in flight, from the drafts made on the device behind it
         (``Scheduler.schedule_chained``, ``ModelRunner`` chained steps), then process the step in flight,
@@ -814,10 +794,9 @@ class LLMEngine:
         running = self.scheduler.running
         if prev_step.next_inputs is None or any(r.request_id not in prev_step.next_inputs[0] for r in running):
             return None
-        num_made = self.engine_config.speculative.num_draft_tokens  # what the drafter made behind the step
-        k = self._chained_num_drafts()  # what the next step verifies of them
-        if k < 1 or not self.runner.can_chain(len(running), k + 1):
-            return None  # (no draft kept: the usual path decides with the fresh drafts)
+        num_made = k = self.engine_config.speculative.num_draft_tokens  # the drafts made behind it, all verified
+        if not self.runner.can_chain(len(running), k + 1):
+            return None
         sched = self.scheduler.schedule_chained(k)
         if sched is None:
             return None
@@ -859,8 +838,6 @@ class LLMEngine:
             logger.exception("drafting on the device failed; the next step drafts on the host")
         self._inflight, self._inflight_speculative = (sched, launched, step_reqs), True
         self._last_speculative = True
-        if self.engine_config.speculative.schedule == "confidence":  # the gate's sample of this call, as a drained one's
-            self._gate_sample = (True, len(running), _num_tokens(outputs), 0, False, started, time.perf_counter())
         return outputs
 
     def _needs_drain(self, sched) -> bool:
