@@ -36,11 +36,11 @@ from rayinfer.engine.spec_decode import (
 )
 from rayinfer.engine.sync_guard import no_host_sync
 from rayinfer.engine.types import (
+    PLACEHOLDER,
     Completion,
     ContextParallelPrefill,
     EngineRole,
     KVHandle,
-    PLACEHOLDER,
     MultiModalInput,
     Request,
     RequestOutput,
@@ -238,7 +238,7 @@ class LLMEngine:
             if self.async_scheduling and not chains and (self.proposer.needs_hidden or spec.schedule != "confidence"):
                 # drafts need the last step's tokens (MTP: its hidden states) on the host: every step drafts, so
                 # every step drains; with the confidence schedule only drafting steps drain, plain ones pipeline.
-                # MTP drafting on the device chains verification steps instead (see _step_chained)
+                # MTP and draft models drafting on the device chain verification steps instead (_step_chained)
                 logger.info("speculative decoding (%s, %s schedule): pipelined scheduling is off, steps run "
                             "drained", spec.method, spec.schedule)
                 self.async_scheduling = False
@@ -671,7 +671,9 @@ class LLMEngine:
         the device may still run step N-1, then processes step N-1's tokens. Inputs sampled by N-1 are
         placeholders filled on the device; stop checks land one step late, and the extra token of a
         request that finished meanwhile is dropped. A step whose sampling needs host state (grammar,
-        penalties, min_tokens) first drains the pipeline.
+        penalties, min_tokens) first drains the pipeline. A verification step drafted on the device behind
+        the step before it (MTP or a draft model, fixed schedule) is launched before that step is processed
+        (:meth:`_step_chained`); other drafting steps drain the pipeline first.
         """
         started = time.perf_counter()
         self._flush_gate_sample(started)
@@ -794,7 +796,7 @@ class LLMEngine:
         running = self.scheduler.running
         if prev_step.next_inputs is None or any(r.request_id not in prev_step.next_inputs[0] for r in running):
             return None
-        num_made = k = self.engine_config.speculative.num_draft_tokens  # the drafts made behind it, all verified
+        k = self.engine_config.speculative.num_draft_tokens  # the drafts made behind it, all verified
         if not self.runner.can_chain(len(running), k + 1):
             return None
         sched = self.scheduler.schedule_chained(k)
@@ -831,7 +833,7 @@ class LLMEngine:
         launched.drafts = verified
         try:
             with no_host_sync(self.runner.sync_guard):
-                self.proposer.launch_drafts(sched, launched, num_made)
+                self.proposer.launch_drafts(sched, launched, k)
         except Exception:  # noqa: BLE001 - drafts are only proposals: the next step drafts on the host
             if self.runner.sync_guard:
                 raise

@@ -45,8 +45,8 @@ class PendingStep:
     event: object = None
     drafts: list[tuple[int, ...]] | None = None  # speculative: per sampled request, its verified drafts
     hidden: torch.Tensor | None = None  # [T, hidden_size] last layer before the final norm (capture_hidden)
-    # pipelined speculative decoding, set by a drafter that drafted on the device behind this step
-    # (``MtpProposer.launch_drafts``): (request id -> row, inputs [n, k + 1] int64: the target's token after
+    # pipelined speculative decoding, set by a proposer that drafted on the device behind this step (its
+    # ``launch_drafts``): (request id -> row, inputs [n, k + 1] int64: the target's token after
     # the accepted drafts, then the next k drafts; advance [n] int64: accepted - verified drafts), the inputs
     # of a chained step (``SchedulerOutput.chained``)
     next_inputs: tuple[dict[str, int], torch.Tensor, torch.Tensor] | None = None

@@ -286,7 +286,7 @@ class DraftModelProposer(Proposer):
         # per request (its last known position p0, the drafts it verified) until its cache bookkeeping is settled
         self._queued = None
         self._launched: dict[str, tuple[int, int]] = {}
-        self._host: tuple[list[str], list[list[int]], list[list[float]]] | None = None
+        self._host: dict[str, Draft] | None = None
 
     def capture_cuda_graphs(self, max_model_len: int, max_num_seqs: int, max_query_len: int) -> None:
         """Capture the draft model's forwards (CUDA only): one-token draft steps, and catch-up steps of up
@@ -313,16 +313,13 @@ class DraftModelProposer(Proposer):
         self.cache.release(request_id)
         self._launched.pop(request_id, None)
 
-    def _host_drafts(self) -> tuple[list[str], list[list[int]], list[list[float]]] | None:
-        """The queued drafts on the host (waits for their copy once)."""
+    def _host_drafts(self) -> dict[str, Draft]:
+        """The queued drafts on the host, by request id (waits for their copy once)."""
         if self._host is None and self._queued is not None:
-            rids, ids, probs, event = self._queued
-            if event is not None:
-                event.synchronize()
-            self._host = (rids, ids.tolist(), probs.tolist())
-        return self._host
+            self._host = _queued_drafts(self._queued)
+        return self._host or {}
 
-    def _settle(self, reqs: list[Request]) -> dict[str, tuple[list[int], list[float]]]:
+    def _settle(self, reqs: list[Request]) -> dict[str, Draft]:
         """Once the step the last :meth:`launch_drafts` followed is processed: the draft cache of each of
         ``reqs`` it drafted for holds the request's tokens up to the target's token after the accepted drafts,
         then the first k - 1 new drafts (``cache.computed`` says so). Returns those requests' new drafts and
@@ -331,28 +328,23 @@ class DraftModelProposer(Proposer):
         tokens), so its next catch-up is only longer."""
         host, launched = self._host_drafts(), self._launched
         self._queued, self._host, self._launched = None, None, {}
-        if host is None:
-            return {}
-        row = {rid: e for e, rid in enumerate(host[0])}
         out = {}
         for req in reqs:
             rid = req.request_id
-            if rid not in launched or rid not in row:
+            if rid not in launched or rid not in host:
                 continue
             p0, k = launched[rid]
             if not 0 <= req.num_known_tokens - p0 - 2 <= k:  # not (only) that step's tokens were appended
                 continue
-            ids = host[1][row[rid]]
-            self.cache.computed[rid] = req.all_token_ids + ids[:-1]
-            out[rid] = (ids, host[2][row[rid]])
+            self.cache.computed[rid] = req.all_token_ids + host[rid].token_ids[:-1]
+            out[rid] = host[rid]
         return out
 
     def take_chained(self) -> dict[str, Draft]:
-        host = self._host_drafts()
-        return {} if host is None else {rid: Draft(d, p) for rid, d, p in zip(*host)}
+        return dict(self._host_drafts())
 
     def take_drafts(self, reqs: list[Request]) -> dict[str, Draft]:
-        return {rid: Draft(ids, probs) for rid, (ids, probs) in self._settle(reqs).items()}
+        return self._settle(reqs)
 
     @torch.inference_mode()
     def launch_drafts(self, sched: SchedulerOutput, step, num_drafts: int) -> None:
@@ -419,8 +411,7 @@ class DraftModelProposer(Proposer):
             out_probs.append(top_p)
             ids, pos = top_id, p0_t + 2 + step_j
         ids_t, probs_t = torch.stack(out_ids, dim=1), torch.stack(out_probs, dim=1)
-        step.next_inputs = ({r[0]: e for e, r in enumerate(rows)}, torch.cat([bonus, ids_t], dim=1),
-                            accepted - verified_t)
+        next_inputs = ({r[0]: e for e, r in enumerate(rows)}, torch.cat([bonus, ids_t], dim=1), accepted - verified_t)
         if dev.type == "cuda":
             ids_t = torch.empty(ids_t.shape, dtype=ids_t.dtype, pin_memory=True).copy_(ids_t, non_blocking=True)
             probs_t = torch.empty(probs_t.shape, dtype=probs_t.dtype, pin_memory=True).copy_(probs_t, non_blocking=True)
@@ -430,6 +421,7 @@ class DraftModelProposer(Proposer):
             event = None
         self._queued = ([r[0] for r in rows], ids_t, probs_t, event)
         self._launched = {r[0]: (r[2], len(r[4])) for r in rows}
+        step.next_inputs = next_inputs  # last: a chained step needs the drafts queued too
 
     @torch.inference_mode()
     def propose(self, reqs: list[Request], max_drafts: list[int]) -> list[Draft]:
@@ -666,8 +658,8 @@ class MtpProposer(Proposer):
         ids, probs = graphs.run_device(target, step.hidden[hid_t], pos_t, local_t, tables_t, accepted, num_drafts)
         # a chained step's inputs (pipelined verification): the target's token after the accepted drafts, then
         # the new drafts; its positions move by the drafts not accepted (the host plans as if all were)
-        step.next_inputs = ({r.rid: e for e, r in enumerate(rows)},
-                            torch.cat([target.gather(1, accepted[:, None]), ids], dim=1), accepted - verified_t)
+        next_inputs = ({r.rid: e for e, r in enumerate(rows)},
+                       torch.cat([target.gather(1, accepted[:, None]), ids], dim=1), accepted - verified_t)
         if dev.type == "cuda":
             ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True).copy_(ids, non_blocking=True)
             probs = torch.empty(probs.shape, dtype=probs.dtype, pin_memory=True).copy_(probs, non_blocking=True)
@@ -677,28 +669,17 @@ class MtpProposer(Proposer):
             event = None
         self._launched = {r.rid: r.p0 for r in rows}
         self._queued = ([r.rid for r in rows], ids, probs, event)
+        step.next_inputs = next_inputs  # last: a chained step needs the drafts queued too
 
     def take_chained(self) -> dict[str, Draft]:
         queued, self._queued = self._queued, None
-        if queued is None:
-            return {}
-        rids, ids, probs, event = queued
-        if event is not None:
-            event.synchronize()
-        return {rid: Draft(d, p) for rid, d, p in zip(rids, ids.tolist(), probs.tolist())}
+        return {} if queued is None else _queued_drafts(queued)
 
     def take_drafts(self, reqs: list[Request]) -> dict[str, Draft]:
-        queued, self._queued = self._queued, None
-        if queued is None:
-            return {}
-        rids, ids, probs, event = queued
-        if event is not None:
-            event.synchronize()
-        ids_l, probs_l = ids.tolist(), probs.tolist()
-        row = {rid: e for e, rid in enumerate(rids)}
+        drafts = self.take_chained()
         expected = self.expected_num_tokens  # observe: the token count each request's drafts follow
-        return {r.request_id: Draft(ids_l[row[r.request_id]], probs_l[row[r.request_id]]) for r in reqs
-                if r.request_id in row and expected.get(r.request_id) == r.num_tokens}
+        return {r.request_id: drafts[r.request_id] for r in reqs
+                if r.request_id in drafts and expected.get(r.request_id) == r.num_tokens}
 
     def observe(self, sched: SchedulerOutput, hidden: torch.Tensor, step_out: StepOutput) -> None:
         row = 0
@@ -1009,6 +990,15 @@ def _append_top1(probs: torch.Tensor, drafts, live: list[int],
         if num_left[i] > 0:
             keep.append(j)
     return top_id, keep
+
+def _queued_drafts(queued) -> dict[str, Draft]:
+    """Drafts a proposer's ``launch_drafts`` queued, ``(request ids, ids [n, k], probs [n, k], event)``, on the
+    host by request id (waits for their copy: the event, recorded after it on CUDA)."""
+    rids, ids, probs, event = queued
+    if event is not None:
+        event.synchronize()
+    return {rid: Draft(d, p) for rid, d, p in zip(rids, ids.tolist(), probs.tolist())}
+
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
