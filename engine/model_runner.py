@@ -267,14 +267,18 @@ class ModelRunner:
             if not sample_idx:
                 return step
             logits = self.model.compute_logits(hidden if all_sampled else hidden[extra[-1]])
-            out = self.sampler.sample(logits, row_reqs, offsets)
-            step.rows = {r.request_id: i for i, r in enumerate(row_reqs)}  # a request's last row
-            step.token_ids = out.token_ids
-            if self.device.type == "cuda":
-                step.host, step.event = self._download(out)
-            else:
-                step.host = out
+            self._attach(step, row_reqs, self.sampler.sample(logits, row_reqs, offsets))
         return step
+
+    def _attach(self, step: PendingStep, row_reqs: list[Request], out: SamplerOutput) -> None:
+        """Give a launched step its draws: each request's last row, the tokens on the device, and their copy
+        on the way to the host (asynchronous on CUDA)."""
+        step.rows = {r.request_id: i for i, r in enumerate(row_reqs)}  # a request's last row
+        step.token_ids = out.token_ids
+        if self.device.type == "cuda":
+            step.host, step.event = self._download(out)
+        else:
+            step.host = out
 
     def can_chain(self, num_reqs: int, query_len: int) -> bool:
         """Whether a chained verification step of ``num_reqs`` requests of ``query_len`` tokens runs here: it
@@ -318,14 +322,8 @@ class ModelRunner:
             hidden, prenorm = out if isinstance(out, tuple) else (out, None)
             # the graph's buffer is rewritten by the next replay, which is launched before this step is processed
             step = PendingStep(reqs, hidden=None if prenorm is None else prenorm.clone())
-            sampled = self.sampler.sample(self.model.compute_logits(hidden), row_reqs, list(range(q)) * n,
-                                          position_shift=advance.repeat_interleave(q))
-            step.rows = {r.request_id: i for i, r in enumerate(row_reqs)}
-            step.token_ids = sampled.token_ids
-            if self.device.type == "cuda":
-                step.host, step.event = self._download(sampled)
-            else:
-                step.host = sampled
+            self._attach(step, row_reqs, self.sampler.sample(self.model.compute_logits(hidden), row_reqs,
+                                                             list(range(q)) * n, position_shift=advance.repeat_interleave(q)))
         return step
 
     def _upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:

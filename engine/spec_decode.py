@@ -412,14 +412,7 @@ class DraftModelProposer(Proposer):
             ids, pos = top_id, p0_t + 2 + step_j
         ids_t, probs_t = torch.stack(out_ids, dim=1), torch.stack(out_probs, dim=1)
         next_inputs = ({r[0]: e for e, r in enumerate(rows)}, torch.cat([bonus, ids_t], dim=1), accepted - verified_t)
-        if dev.type == "cuda":
-            ids_t = torch.empty(ids_t.shape, dtype=ids_t.dtype, pin_memory=True).copy_(ids_t, non_blocking=True)
-            probs_t = torch.empty(probs_t.shape, dtype=probs_t.dtype, pin_memory=True).copy_(probs_t, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        else:
-            event = None
-        self._queued = ([r[0] for r in rows], ids_t, probs_t, event)
+        self._queued = _queue_drafts([r[0] for r in rows], ids_t, probs_t)
         self._launched = {r[0]: (r[2], len(r[4])) for r in rows}
         step.next_inputs = next_inputs  # last: a chained step needs the drafts queued too
 
@@ -660,15 +653,8 @@ class MtpProposer(Proposer):
         # the new drafts; its positions move by the drafts not accepted (the host plans as if all were)
         next_inputs = ({r.rid: e for e, r in enumerate(rows)},
                        torch.cat([target.gather(1, accepted[:, None]), ids], dim=1), accepted - verified_t)
-        if dev.type == "cuda":
-            ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True).copy_(ids, non_blocking=True)
-            probs = torch.empty(probs.shape, dtype=probs.dtype, pin_memory=True).copy_(probs, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        else:
-            event = None
         self._launched = {r.rid: r.p0 for r in rows}
-        self._queued = ([r.rid for r in rows], ids, probs, event)
+        self._queued = _queue_drafts([r.rid for r in rows], ids, probs)
         step.next_inputs = next_inputs  # last: a chained step needs the drafts queued too
 
     def take_chained(self) -> dict[str, Draft]:
@@ -990,6 +976,18 @@ def _append_top1(probs: torch.Tensor, drafts, live: list[int],
         if num_left[i] > 0:
             keep.append(j)
     return top_id, keep
+
+def _queue_drafts(rids: list[str], ids: torch.Tensor, probs: torch.Tensor) -> tuple:
+    """What ``launch_drafts`` keeps of the drafts it queued: ``(rids, ids, probs, event)``, on CUDA copied to
+    pinned host memory without waiting and the event recorded after the copy (None elsewhere)."""
+    if ids.device.type != "cuda":
+        return rids, ids, probs, None
+    ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True).copy_(ids, non_blocking=True)
+    probs = torch.empty(probs.shape, dtype=probs.dtype, pin_memory=True).copy_(probs, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return rids, ids, probs, event
+
 
 def _queued_drafts(queued) -> dict[str, Draft]:
     """Drafts a proposer's ``launch_drafts`` queued, ``(request ids, ids [n, k], probs [n, k], event)``, on the

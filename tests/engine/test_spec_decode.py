@@ -808,6 +808,32 @@ def test_mtp_draft_chain_matches_the_step_by_step_loop(mtp_checkpoint, tokenizer
     assert any(n == 3 for n, _ in chain_runs) and any(w > 1 for _, w in chain_runs)  # padded to 4; wide catch-ups
 
 
+def _same_drafts_on_device_and_host(host, device, prompts) -> dict[str, list]:
+    """Run greedy requests (max_tokens 24, 23, 21: near the end they want fewer drafts) through an engine
+    drafting on the host and one drafting on the device; assert the same output, the same drafts at every
+    step (probabilities within 1e-5), some of them k = 3 long. Returns each engine's per-step drafts."""
+    logs = {}
+    for name, eng in (("host", host), ("device", device)):
+        log = logs[name] = []
+        propose = eng._propose
+
+        def logged(eng=eng, propose=propose, log=log):
+            propose()
+            log.append(sorted((r.request_id, tuple(r.draft_token_ids), tuple(eng._draft_probs.get(r.request_id) or ()))
+                              for r in eng.scheduler.running if r.draft_token_ids))
+
+        eng._propose = logged
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (24, 23, 21)]
+    _check_same(device.generate(prompts, params), host.generate(prompts, params))
+    assert len(logs["device"]) == len(logs["host"]) > 3
+    for got, ref in zip(logs["device"], logs["host"]):
+        assert [(rid, ids) for rid, ids, _ in got] == [(rid, ids) for rid, ids, _ in ref]
+        for (*_, p), (*_, q) in zip(got, ref):
+            assert p == pytest.approx(q, abs=1e-5)
+    assert any(len(ids) == 3 for step in logs["device"] for _, ids, _ in step)
+    return logs
+
+
 @pytest.mark.parametrize("schedule", ["fixed", "confidence"])
 def test_mtp_device_drafts_equal_the_host_drafts(mtp_checkpoint, tokenizer, schedule):
     """Drafting at the end of each verification step on the device (``launch_drafts``: accepted count,
@@ -817,31 +843,12 @@ def test_mtp_device_drafts_equal_the_host_drafts(mtp_checkpoint, tokenizer, sche
     path, _ = mtp_checkpoint
     host = _mtp_engine(path, tokenizer, dict(method="mtp", num_draft_tokens=3, device_drafts=False, schedule=schedule))
     device = _mtp_engine(path, tokenizer, dict(method="mtp", num_draft_tokens=3, schedule=schedule), model=host.model)
-    logs = {}
-    for name, eng in (("host", host), ("device", device)):
-        log = logs[name] = []
-        propose = eng._propose
+    for eng in (host, device):
         # the confidence schedule's choices read measured step times: frozen (and the gate held at drafting), so
         # both engines choose alike on a loaded machine (the drafts are what is compared here)
         eng.step_time.update = lambda num_tokens, seconds: None
         eng.gate.speculate = lambda batch_size: True
-
-        def logged(eng=eng, propose=propose, log=log):
-            propose()
-            log.append(sorted((r.request_id, tuple(r.draft_token_ids), tuple(eng._draft_probs.get(r.request_id) or ()))
-                              for r in eng.scheduler.running if r.draft_token_ids))
-
-        eng._propose = logged
-    prompts = list(MTP_PROMPTS)
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (24, 23, 21)]
-    want = host.generate(prompts, params)
-    _check_same(device.generate(prompts, params), want)
-    assert len(logs["device"]) == len(logs["host"]) > 3
-    for got, ref in zip(logs["device"], logs["host"]):
-        assert [(rid, ids) for rid, ids, _ in got] == [(rid, ids) for rid, ids, _ in ref]
-        for (*_, p), (*_, q) in zip(got, ref):
-            assert p == pytest.approx(q, abs=1e-5)
-    assert any(len(ids) == 3 for step in logs["device"] for _, ids, _ in step)
+    logs = _same_drafts_on_device_and_host(host, device, list(MTP_PROMPTS))
     stats = device.stats()
     assert stats["spec_device_drafted_steps"] >= len(logs["device"]) - 3  # all but the prompts' first drafts
     assert host.stats()["spec_device_drafted_steps"] == 0
@@ -1027,27 +1034,7 @@ def test_draft_model_device_drafts_equal_the_host_drafts(tiny_pair, tokenizer):
     host = _tiny_spec_engine(tiny_pair, tokenizer, dict(spec, device_drafts=False))
     device = _tiny_spec_engine(tiny_pair, tokenizer, spec)
     assert host.proposer.device_graphs is None and device.proposer.device_graphs is not None
-    logs = {}
-    for name, eng in (("host", host), ("device", device)):
-        log = logs[name] = []
-        propose = eng._propose
-
-        def logged(eng=eng, propose=propose, log=log):
-            propose()
-            log.append(sorted((r.request_id, tuple(r.draft_token_ids), tuple(eng._draft_probs.get(r.request_id) or ()))
-                              for r in eng.scheduler.running if r.draft_token_ids))
-
-        eng._propose = logged
-    prompts = list(PROMPTS)
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (24, 23, 21)]
-    want = host.generate(prompts, params)
-    assert [c.output_token_ids for c in device.generate(prompts, params)] == [c.output_token_ids for c in want]
-    assert len(logs["device"]) == len(logs["host"]) > 3
-    for got, ref in zip(logs["device"], logs["host"]):
-        assert [(rid, ids) for rid, ids, _ in got] == [(rid, ids) for rid, ids, _ in ref]
-        for (*_, p), (*_, q) in zip(got, ref):
-            assert p == pytest.approx(q, abs=1e-5)
-    assert any(len(ids) == 3 for step in logs["device"] for _, ids, _ in step)
+    logs = _same_drafts_on_device_and_host(host, device, list(PROMPTS))
     stats = device.stats()
     assert stats["spec_device_drafted_steps"] >= len(logs["device"]) - 3  # all but the prompts' first drafts
     assert host.stats()["spec_device_drafted_steps"] == 0
