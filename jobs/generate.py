@@ -167,16 +167,19 @@ def cp_summary(stats) -> str:
 
 def spec_summary(stats) -> str:
     """One line on what speculative decoding did in a fleet (``FleetStats``): drafts proposed, verified and
-    accepted over all replicas, and the mean tokens a verification step emitted."""
+    accepted over all replicas, the mean tokens a verification step emitted, and the verification steps
+    chained (pipelined) behind the one in flight."""
     from rayinfer.engine.spec_decode import SpecStats
 
     total = SpecStats(0)  # the replicas' counters summed; rates as each engine derives its own
     for name in ("num_drafts_proposed", "num_drafts_verified", "num_drafts_accepted", "num_verify_steps"):
         setattr(total, name, sum(r.spec_decode.get(f"spec_{name}", 0) for r in stats.replicas))
     d = total.to_dict()
+    chained = sum(r.spec_decode.get("spec_chained_steps", 0) for r in stats.replicas)
     return (f"speculative decoding: {total.num_drafts_proposed} drafts proposed, {total.num_drafts_verified} verified, "
             f"{total.num_drafts_accepted} accepted ({d['spec_acceptance_rate']:.0%}); "
-            f"{d['spec_mean_accepted_length']:.2f} tokens per verification step")
+            f"{d['spec_mean_accepted_length']:.2f} tokens per verification step; "
+            f"{chained} verification steps chained behind the one in flight")
 
 
 def _lines(n: int) -> str:
@@ -236,6 +239,13 @@ def run(cfg: GenerateConfig, client=None) -> int:
     hf_config = load_config(cfg.model.model)
     # fp8 on a model without fp8 layers, expert parallelism without routed experts: before any work
     check_deployment(hf_config, cfg.model.quantization, cfg.parallel.ep)
+    spec = cfg.engine.speculative  # a drafter the model cannot have, an unknown draft model: before any work
+    if spec.method == "mtp":
+        from rayinfer.engine.llm_engine import check_supports_mtp
+
+        check_supports_mtp(cfg.model.model)
+    if spec.draft_model is not None:
+        resolve_model(spec.draft_model)
     max_model_len = cfg.model.max_model_len or getattr(hf_config, "text_config", hf_config).max_position_embeddings
     parser = LineParser(tokenizer, cfg.served_model_name or cfg.model.model, max_model_len,
                         {"max_tokens": 256, "temperature": 0.0, **cfg.sampling}, key_model=cfg.model.model,

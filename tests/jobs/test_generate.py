@@ -116,7 +116,7 @@ def test_job_end_to_end_with_errors_and_resume(tmp_path, fleet, capsys):
 
 # overrides whose error the job's run raises, checked through `rayinfer generate` in this process; the
 # others (and ray.address, which needs a process without Ray) through jobs/generate.py in a subprocess
-IN_PROCESS = {"model.model", "model", "input", "sampling.temperature", "parallel.ep"}
+IN_PROCESS = {"model.model", "model", "input", "sampling.temperature", "parallel.ep", "engine.speculative.method"}
 
 
 @pytest.mark.parametrize("override, message", [
@@ -124,6 +124,10 @@ IN_PROCESS = {"model.model", "model", "input", "sampling.temperature", "parallel
     ("model=no-such-model", "unknown model 'no-such-model'"),  # a config-group name Hydra does not know
     ("model=deepseek-v3-tny", "unknown model 'deepseek-v3-tny' (did you mean 'deepseek-v3-tiny'?)"),
     ("parallel.ep=2", "is not a MoE model: expert parallelism needs routed experts"),  # before Ray starts
+    # drafters the job can refuse before Ray starts: MTP on a model without MTP modules, an unknown draft model
+    ("engine.speculative.method=mtp", "speculative.method=mtp needs a model with multi-token-prediction modules"),
+    ("engine.speculative.method=draft_model engine.speculative.draft_model=no-such-drafter",
+     "unknown model 'no-such-drafter'"),
     ("model.dtype=float64", "dtype"),
     ("engine.max_num_seqs=0", "max_num_seqs"),
     ("input=/no/such/file.jsonl", "input file not found: /no/such/file.jsonl"),
@@ -139,7 +143,7 @@ IN_PROCESS = {"model.model", "model", "input", "sampling.temperature", "parallel
 ])
 def test_bad_config_exits_2_with_one_line_before_work(override, message, tmp_path, capsys):
     # an output of its own: a finished default output in the checkout would be resumed without Ray
-    argv = [override, f"output={tmp_path / 'out.jsonl'}"]
+    argv = [*override.split(" "), f"output={tmp_path / 'out.jsonl'}"]  # one override, or several
     if override.split("=")[0] in IN_PROCESS:
         # the error comes from the job's run, which `rayinfer generate` runs too: asked in this process (a
         # subprocess spends seconds importing torch and loading the tokenizer to reach it)
@@ -436,9 +440,10 @@ def test_spec_summary_line():
     from rayinfer.jobs.generate import spec_summary
 
     a = ReplicaStats.from_dict({"spec_num_drafts_proposed": 40, "spec_num_drafts_verified": 36,
-                                "spec_num_drafts_accepted": 18, "spec_num_verify_steps": 10}, replica_id=0)
+                                "spec_num_drafts_accepted": 18, "spec_num_verify_steps": 10,
+                                "spec_chained_steps": 7}, replica_id=0)
     b = ReplicaStats.from_dict({"spec_num_drafts_proposed": 8, "spec_num_drafts_verified": 4,
                                 "spec_num_drafts_accepted": 2, "spec_num_verify_steps": 2}, replica_id=1)
     line = spec_summary(FleetStats("colocated", [a, b, ReplicaStats(replica_id=2)]))
     assert line == ("speculative decoding: 48 drafts proposed, 40 verified, 20 accepted (50%); "
-                    "2.67 tokens per verification step")
+                    "2.67 tokens per verification step; 7 verification steps chained behind the one in flight")
