@@ -270,7 +270,7 @@ class LLMEngine:
         # pipelined speculative decoding: a verification step is planned and launched behind the one in flight,
         # from the drafts made on the device behind it (MTP or a draft model, fixed schedule, in the target's graphs).
         # The confidence schedule does not chain: chained, MTP-confidence measured 16.1 ms a token at batch 1 on the
-        # H100 against 8.6 drained (benchmarks/README.md, "Chained verification with a draft model")
+        # H100 against 8.6 drained, in one unwarmed run (benchmarks/README.md, "Chained verification with a draft model")
         self.chain_verification = (self.async_scheduling and spec.device_drafts and spec.schedule == "fixed"
                                    and getattr(self.proposer, "device_graphs", None) is not None
                                    and self.runner.graphs is not None)

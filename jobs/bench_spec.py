@@ -155,11 +155,14 @@ def run_spec_section(spec: SpecBenchSpec, model_config, engine_config, model, to
                     else SpeculativeConfig()
                 cfg = dataclasses.replace(engine_config, max_num_seqs=batch, num_kv_blocks=spec.num_kv_blocks,
                                           speculative=sc, **METHOD_ENGINE.get(name, {}))
-                if name == "plain" and rep == 0 and resolve_device(cfg.device).type == "cuda":
-                    # an untimed pass on a throwaway engine (no prefix cache carried over): kernels for this
-                    # batch's prefill sizes compile there, not in the base run (a 0.8 s first TTFT at batch 32
-                    # once inflated every speedup of that batch)
+                if rep == 0 and resolve_device(cfg.device).type == "cuda":
+                    # an untimed pass on a throwaway engine of each method (no prefix cache carried over): kernels
+                    # for this batch's prefill and verification sizes compile there, not in the timed runs (a 0.8 s
+                    # first TTFT at batch 32 once inflated every speedup of that batch; each call's first run of a
+                    # speculative method at a batch measured up to 4x slower than its later runs)
                     warm = LLMEngine(model_config, cfg, model=model, tokenizer=tokenizer)
+                    if name in GATE_HELD_PLAIN:
+                        warm.gate.speculate = lambda batch_size: False
                     bl.run_offline(warm, items, request_prefix="spec-warm")
                     del warm
                     gc.collect()
