@@ -286,8 +286,9 @@ class Scheduler:
         """Plan a verification step of every running request behind the verification step still in flight
         (pipelined speculative decoding), or return None (and change nothing) where it cannot be planned:
         requests waiting, a request that is not decoding, needs host state to sample (grammar,
-        penalties, min_tokens unmet), has less than ``num_drafts + 1`` tokens of room before ``max_tokens``
-        or the context limit counting the in-flight step's drafts as accepted, or too few free blocks.
+        penalties, min_tokens unmet), has less than ``num_drafts + 1`` tokens of room before the context
+        limit counting the in-flight step's drafts as accepted, or too few free blocks. ``max_tokens`` is no
+        limit: :meth:`update_from_output` drops what a step samples past it, as past a stop.
 
         Each request verifies ``num_drafts`` drafts that the in-flight step's drafter leaves on the device.
         The plan assumes the in-flight step accepts all its drafts: ``start_pos`` is the position after
@@ -309,10 +310,9 @@ class Scheduler:
             return None
         num_blocks = 0
         for req in self.running:
-            p = req.params
+            # max_tokens is no limit here: the tokens past it are dropped when the step is processed (as past a
+            # stop), so requests of different lengths keep chaining to their ends
             room = cfg.max_model_len - req.num_tokens - 1
-            if p.max_tokens is not None:
-                room = min(room, p.max_tokens - req.num_output_tokens - req.num_pending_tokens - 1)
             if (req.num_tokens - req.num_computed_tokens != 1 or req.num_computed_tokens < req.num_prompt_tokens
                     or needs_host_state(req) or room < num_drafts):
                 return None

@@ -986,7 +986,8 @@ def test_mtp_chained_verification_keeps_plain_output(mtp_checkpoint, tokenizer):
     """Pipelined speculative decoding (``Scheduler.schedule_chained``): each verification step is launched
     behind the one in flight from the drafts made on the device, its positions moved on the device by the
     drafts the step before did not accept. Greedy, seeded and logprob output equal plain decoding's, with
-    stop strings, max_tokens mid-draft and requests of different lengths; most steps chain."""
+    stop strings, max_tokens mid-draft and requests of different lengths; nearly every step drafted on the
+    device chains, up to each request's end."""
     path, _ = mtp_checkpoint
     spec = dict(method="mtp", num_draft_tokens=3)
     chained = _mtp_engine(path, tokenizer, spec, async_scheduling=True, debug_eager_graphs=True)
@@ -1004,7 +1005,8 @@ def test_mtp_chained_verification_keeps_plain_output(mtp_checkpoint, tokenizer):
     assert want[3].finish_reason == "stop" and len(want[3].output_token_ids) < 40
     stats = chained.stats()
     assert stats["spec_num_drafts_accepted"] > 0
-    assert stats["spec_chained_steps"] > 10, stats
+    # requests of different lengths keep chaining to their ends (what a step samples past max_tokens is dropped)
+    assert stats["spec_chained_steps"] >= stats["spec_device_drafted_steps"] - 2 > 10, stats
 
 
 def test_mtp_chained_verification_under_preemption_and_admission(mtp_checkpoint, tokenizer):
