@@ -285,7 +285,8 @@ class Scheduler:
     def schedule_chained(self, num_drafts: int) -> SchedulerOutput | None:
         """Plan a verification step of every running request behind the verification step still in flight
         (pipelined speculative decoding), or return None (and change nothing) where it cannot be planned:
-        requests waiting, a request that is not decoding, needs host state to sample (grammar,
+        requests waiting while ``max_num_seqs`` leaves room for one (at the limit, the queue waits for a
+        request to finish, as it would anyway), a request that is not decoding, needs host state to sample (grammar,
         penalties, min_tokens unmet), has less than ``num_drafts + 1`` tokens of room before the context
         limit counting the in-flight step's drafts as accepted, or too few free blocks. ``max_tokens`` is no
         limit: :meth:`update_from_output` drops what a step samples past it, as past a stop.
@@ -304,7 +305,9 @@ class Scheduler:
         from rayinfer.engine.sampler import needs_host_state
 
         kv, cfg, q = self.kv, self.config, num_drafts + 1
-        if self.waiting or not self.running or self.kv.local_pool is not None or num_drafts < 1:
+        if not self.running or self.kv.local_pool is not None or num_drafts < 1:
+            return None
+        if self.waiting and len(self.running) < cfg.max_num_seqs:  # one could be admitted: not past it
             return None
         if q * len(self.running) > cfg.max_num_batched_tokens:
             return None

@@ -1009,6 +1009,23 @@ def test_mtp_chained_verification_keeps_plain_output(mtp_checkpoint, tokenizer):
     assert stats["spec_chained_steps"] >= stats["spec_device_drafted_steps"] - 2 > 10, stats
 
 
+def test_mtp_chained_verification_with_a_full_queue(mtp_checkpoint, tokenizer):
+    """Requests waiting while ``max_num_seqs`` are running (a saturated engine) do not stop the chain: they
+    could not be admitted before one finishes anyway; each finish drains the pipeline once to admit the next.
+    Output equals plain decoding's."""
+    path, _ = mtp_checkpoint
+    chained = _mtp_engine(path, tokenizer, dict(method="mtp", num_draft_tokens=3), async_scheduling=True,
+                          debug_eager_graphs=True, max_num_seqs=2)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (30, 27, 21, 25)]
+    params += [SamplingParams(temperature=0.7, max_tokens=33, ignore_eos=True, seed=3),
+               SamplingParams(temperature=0.0, max_tokens=19, ignore_eos=True, logprobs=1)]
+    prompts = list(MTP_PROMPTS) * 2
+    _check_same(chained.generate(prompts, params),
+                _mtp_engine(path, tokenizer, model=chained.model, max_num_seqs=2).generate(prompts, params))
+    stats = chained.stats()
+    assert stats["spec_chained_steps"] >= 0.8 * stats["spec_device_drafted_steps"] > 20, stats
+
+
 def test_mtp_chained_verification_under_preemption_and_admission(mtp_checkpoint, tokenizer):
     """Chained verification steps with a KV pool too small for every request (preemption) and more
     requests than ``max_num_seqs`` (admissions mid-chain): the chain breaks and drains there, output stays
