@@ -286,10 +286,11 @@ class Scheduler:
         """Plan a verification step of every running request behind the verification step still in flight
         (pipelined speculative decoding), or return None (and change nothing) where it cannot be planned:
         requests waiting while ``max_num_seqs`` leaves room for one (at the limit, the queue waits for a
-        request to finish, as it would anyway), a request that is not decoding, needs host state to sample (grammar,
-        penalties, min_tokens unmet), has less than ``num_drafts + 1`` tokens of room before the context
-        limit counting the in-flight step's drafts as accepted, or too few free blocks. ``max_tokens`` is no
-        limit: :meth:`update_from_output` drops what a step samples past it, as past a stop.
+        request to finish, as it would anyway), a request that is not decoding, needs host state to sample
+        (grammar, penalties, min_tokens unmet), has less than ``num_drafts + 1`` tokens of room before the
+        context limit counting the in-flight step's drafts as accepted, or too few free blocks.
+        ``max_tokens`` is no limit: :meth:`update_from_output` drops what a step samples past it, as past a
+        stop.
 
         Each request verifies ``num_drafts`` drafts that the in-flight step's drafter leaves on the device.
         The plan assumes the in-flight step accepts all its drafts: ``start_pos`` is the position after
