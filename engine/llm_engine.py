@@ -225,6 +225,12 @@ class LLMEngine:
         self.gate = SpeculationGate()  # "confidence": speculate only where it measured faster than plain
         self._draft_probs: dict[str, list[float] | None] = {}  # of the drafts being verified, by request
         self.num_device_drafted_steps = 0  # steps whose drafts (some of them) were made on the device (MTP)
+        # pipelined speculative decoding: a verification step is planned and launched behind the one in flight,
+        # from the drafts made on the device behind it (MTP or a draft model, fixed schedule, in the target's graphs;
+        # see _step_chained). The confidence schedule does not chain: chained, MTP-confidence measured 16.1 ms a token
+        # at batch 1 on the H100 against 8.6 drained, in one unwarmed run (benchmarks/README.md, "Chained
+        # verification with a draft model")
+        chains = spec.method in ("mtp", "draft_model") and spec.device_drafts and spec.schedule == "fixed"
         if spec.enabled:
             if spec.method == "ngram":
                 self.proposer = NgramProposer(spec.ngram_min, spec.ngram_max)
@@ -234,7 +240,6 @@ class LLMEngine:
                 self.proposer = DraftModelProposer(draft_model, num_blocks, cfg.block_size, self.vocab_size)
             # MTP reads the target's hidden states: every step keeps them (graphs capture them too)
             self.runner.capture_hidden = self.proposer.needs_hidden
-            chains = spec.method in ("mtp", "draft_model") and spec.device_drafts and spec.schedule == "fixed"
             if self.async_scheduling and not chains and (self.proposer.needs_hidden or spec.schedule != "confidence"):
                 # drafts need the last step's tokens (MTP: its hidden states) on the host: every step drafts, so
                 # every step drains; with the confidence schedule only drafting steps drain, plain ones pipeline.
@@ -263,17 +268,10 @@ class LLMEngine:
             elif on_cuda and isinstance(self.proposer, MtpProposer):
                 self.proposer.capture_cuda_graphs(self.max_model_len, min(cfg.max_num_seqs, 512),
                                                   spec.num_draft_tokens)
-        if isinstance(self.proposer, MtpProposer) and spec.device_drafts:
+        if self.proposer is not None and spec.device_drafts:
             self.proposer.enable_device_drafts(self.max_model_len, min(cfg.max_num_seqs, 512), spec.num_draft_tokens)
-        elif isinstance(self.proposer, DraftModelProposer) and spec.device_drafts:
-            self.proposer.enable_device_drafts(self.max_model_len, min(cfg.max_num_seqs, 512))
-        # pipelined speculative decoding: a verification step is planned and launched behind the one in flight,
-        # from the drafts made on the device behind it (MTP or a draft model, fixed schedule, in the target's graphs).
-        # The confidence schedule does not chain: chained, MTP-confidence measured 16.1 ms a token at batch 1 on the
-        # H100 against 8.6 drained, in one unwarmed run (benchmarks/README.md, "Chained verification with a draft model")
-        self.chain_verification = (self.async_scheduling and spec.device_drafts and spec.schedule == "fixed"
-                                   and getattr(self.proposer, "device_graphs", None) is not None
-                                   and self.runner.graphs is not None)
+        self.chain_verification = (chains and self.async_scheduling and self.runner.graphs is not None
+                                   and self.proposer is not None and self.proposer.device_graphs is not None)
         self.num_chained_steps = 0
         if self.proposer is not None and self.async_scheduling:
             logger.info("speculative decoding (%s, %s schedule): verification steps %s", spec.method, spec.schedule,
@@ -878,24 +876,26 @@ class LLMEngine:
         logger.warning("engine step of %d requests failed (%s: %s); rerunning them one at a time",
                        len(sched.scheduled), type(error).__name__, error)
         if len(sched.scheduled) == 1:
-            return self._apply(sched, StepOutput({}, {sched.scheduled[0].request_id: error}), step_reqs)
-        step_out = StepOutput({})
-        for s in sched.scheduled:
-            alone = SchedulerOutput((s,), kv_imports=tuple(i for i in sched.kv_imports if i[0] == s.request_id))
-            try:
-                out = self.runner.finish(self.runner.execute_async(alone, step_reqs, prev_step))
-            except Exception as e:  # noqa: BLE001 - this request's fault
-                step_out.errors[s.request_id] = e
-            else:
-                step_out.sampled.update(out.sampled)
-                step_out.errors.update(out.errors)
-                step_out.accepted.update(out.accepted)
+            step_out = StepOutput({}, {sched.scheduled[0].request_id: error})
+        else:
+            step_out = StepOutput({})
+            for s in sched.scheduled:
+                alone = SchedulerOutput((s,), kv_imports=tuple(i for i in sched.kv_imports if i[0] == s.request_id))
+                try:
+                    out = self.runner.finish(self.runner.execute_async(alone, step_reqs, prev_step))
+                except Exception as e:  # noqa: BLE001 - this request's fault
+                    step_out.errors[s.request_id] = e
+                else:
+                    step_out.sampled.update(out.sampled)
+                    step_out.errors.update(out.errors)
+                    step_out.accepted.update(out.accepted)
+        self._drop_ended(step_out, step_reqs)  # the step before may have ended some (processed first)
         return self._apply(sched, step_out, step_reqs)
 
     def _apply(self, sched: SchedulerOutput, step_out: StepOutput, step_reqs: dict[str, Request]) -> list[RequestOutput]:
         """Fail the requests in ``step_out.errors``, then append the others' tokens and make their deltas
-        (a request whose delta raises fails alone too)."""
-        self._drop_ended(step_out, step_reqs)
+        (a request whose delta raises fails alone too). The callers have dropped the requests that ended while
+        the step was in flight (:meth:`_drop_ended`)."""
         outputs = []
         for rid, e in step_out.errors.items():
             step_out.sampled.pop(rid, None)

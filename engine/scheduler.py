@@ -277,10 +277,15 @@ class Scheduler:
         if has_drafts:
             for req in running:
                 req.draft_token_ids = []  # drafts live one step: verified now or dropped
+        return self._plan(scheduled, tuple(r.request_id for r in preempted), tuple(imports))
+
+    def _plan(self, scheduled: list[ScheduledRequest], preempted_ids: tuple[str, ...] = (), imports: tuple = (),
+              chained: bool = False) -> SchedulerOutput:
+        """A step's :class:`SchedulerOutput`, with the ids finished since the last plan and the host-tier copies
+        the planning queued (both taken here)."""
         finished, self._finished_ids = tuple(self._finished_ids), []
         offloads, loads = self.kv.take_transfers()
-        return SchedulerOutput(tuple(scheduled), tuple(r.request_id for r in preempted), finished, tuple(imports),
-                               offloads, loads)
+        return SchedulerOutput(tuple(scheduled), preempted_ids, finished, imports, offloads, loads, chained=chained)
 
     def schedule_chained(self, num_drafts: int) -> SchedulerOutput | None:
         """Plan a verification step of every running request behind the verification step still in flight
@@ -333,9 +338,7 @@ class Scheduler:
             scheduled.append(ScheduledRequest(request_id=req.request_id, token_ids=(PLACEHOLDER,) * q,
                                               start_pos=start, block_ids=tuple(req.block_ids), needs_sample=True,
                                               num_draft_tokens=num_drafts))
-        finished, self._finished_ids = tuple(self._finished_ids), []
-        offloads, loads = kv.take_transfers()
-        return SchedulerOutput(tuple(scheduled), (), finished, (), offloads, loads, chained=True)
+        return self._plan(scheduled, chained=True)
 
     def undo_chained(self, sched: SchedulerOutput) -> None:
         """Take back a plan of :meth:`schedule_chained` whose launch failed: the requests' counts return (their

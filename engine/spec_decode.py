@@ -62,6 +62,7 @@ class Proposer:
     """
 
     needs_hidden = False
+    device_graphs = None  # set by enable_device_drafts where the proposer drafts on the device
 
     def propose(self, reqs: list[Request], max_drafts: list[int]) -> list[Draft]:
         """Draft up to ``max_drafts[i]`` tokens after ``reqs[i].all_token_ids``.
@@ -76,6 +77,10 @@ class Proposer:
 
     def release(self, request_id: str) -> None:
         """Forget a finished or aborted request (free its draft KV); unknown ids are ignored."""
+
+    def enable_device_drafts(self, max_model_len: int, max_num_seqs: int, num_draft_tokens: int) -> None:
+        """Draft on the device behind each verification step from now on (:meth:`launch_drafts`), where the
+        proposer can (it then sets ``device_graphs``). Default: it cannot; nothing changes."""
 
     def launch_drafts(self, sched: SchedulerOutput, step, num_drafts: int) -> None:
         """Right after a step is launched (``step``: its :class:`~rayinfer.engine.model_runner.PendingStep`),
@@ -281,7 +286,6 @@ class DraftModelProposer(Proposer):
         self.device = weight.device
         self.cache = _DraftCache(model.kv_cache_shape(num_blocks, block_size), block_size, weight.dtype, self.device)
         self.graphs = None  # DecodeGraphs over the draft cache once captured
-        self.device_graphs = None  # enable_device_drafts: the graphs (CUDA), or eager buffers (CPU)
         # launch_drafts: the drafts queued behind the last verification step, (request ids, ids, probs, event), and
         # per request (its last known position p0, the drafts it verified) until its cache bookkeeping is settled
         self._queued = None
@@ -297,10 +301,11 @@ class DraftModelProposer(Proposer):
                                    max_num_seqs, max_query_len=max_query_len)
         self.graphs.capture()
 
-    def enable_device_drafts(self, max_model_len: int, max_num_seqs: int) -> None:
+    def enable_device_drafts(self, max_model_len: int, max_num_seqs: int, num_draft_tokens: int) -> None:
         """Draft at the end of each verification step (:meth:`launch_drafts`): in the captured graphs when
         there are (call after :meth:`capture_cuda_graphs`), off CUDA on the same padded buffers run eagerly.
-        On CUDA without graphs (``enforce_eager``) the drafts stay on the host."""
+        On CUDA without graphs (``enforce_eager``) the drafts stay on the host. The k drafted per step is
+        :meth:`launch_drafts`' argument (``num_draft_tokens`` sizes nothing here)."""
         from rayinfer.engine.cuda_graph import DecodeGraphs
 
         if self.graphs is not None and self.graphs.max_query_len >= 2:
@@ -358,52 +363,37 @@ class DraftModelProposer(Proposer):
         each: the draft graphs of widths 2 and 1 (:meth:`DecodeGraphs.run` with ``advance=a``). The drafts and
         their probabilities are copied to pinned host memory; ``step.next_inputs`` gets the next step's inputs.
         """
-        from rayinfer.engine.staging import to_device
-
         self._settle(step.sample_reqs if step.drafts is not None else [])  # the step before was processed
         graphs = self.device_graphs
         if graphs is None or step.drafts is None or step.token_ids is None or num_drafts < 1:
             return
         cache = self.cache
-        placed = {s.request_id: s for s in sched.scheduled}
-        rows, sample_row = [], 0  # (request id, first sample row, p0, last token, drafts)
-        for req, drafts in zip(step.sample_reqs, step.drafts):
-            rid, k = req.request_id, len(drafts)
-            s = placed[rid]
-            p0 = s.start_pos + len(s.token_ids) - k - 1
-            computed = cache.computed.get(rid)
-            if (k and PLACEHOLDER not in drafts and computed is not None and len(computed) == p0 + k
-                    and computed[p0 + 1:] == list(drafts[: k - 1]) and len(rows) < graphs.sizes[-1]
-                    and cache.reserve(rid, p0 + k + num_drafts + 1) is not None):
-                rows.append((rid, sample_row, p0, s.token_ids[len(s.token_ids) - k - 1], drafts))
-            sample_row += k + 1
+        rows = []
+        for r in _verified_rows(sched, step):
+            k, computed = len(r.drafts), cache.computed.get(r.rid)
+            if (computed is not None and len(computed) == r.p0 + k and computed[r.p0 + 1:] == list(r.drafts[: k - 1])
+                    and len(rows) < graphs.sizes[-1] and cache.reserve(r.rid, r.p0 + k + num_drafts + 1) is not None):
+                rows.append(r)
         if not rows or graphs.padded_size(len(rows), 2) is None:
             return
-        n, w = len(rows), max(len(r[4]) for r in rows) + 1
-        j = np.arange(w)
-        tok_rows = np.array([r[1] + np.minimum(j, len(r[4])) for r in rows], dtype=np.int64)
-        fed = np.full((n, w), -1, dtype=np.int64)  # the last known token, then the drafts
-        for e, r in enumerate(rows):
-            fed[e, 0] = r[3]
-            fed[e, 1: len(r[4]) + 1] = r[4]
-        p0 = np.array([r[2] for r in rows], dtype=np.int64)
-        blocks = [cache.block_ids[r[0]] for r in rows]
-        tables = np.zeros((n, max(len(b) for b in blocks)), dtype=np.int32)
+        blocks = [cache.block_ids[r.rid] for r in rows]
+        tables = np.zeros((len(rows), max(len(b) for b in blocks)), dtype=np.int32)
         for e, b in enumerate(blocks):
             tables[e, : len(b)] = b
-        verified = np.array([len(r[4]) for r in rows], dtype=np.int64)
-        dev = step.token_ids.device
-        tok_t, fed_t, p0_t, tables_t, verified_t = to_device([tok_rows, fed, p0, tables, verified], dev)
-        target = step.token_ids[tok_t]  # [n, w]: the target's token after each verified row
-        accepted = torch.cumprod((target[:, :-1] == fed_t[:, 1:]).long(), dim=1).sum(dim=1)
-        bonus = target.gather(1, accepted[:, None])
-        ids = torch.cat([fed_t.gather(1, accepted[:, None]), bonus], dim=1).reshape(-1)
+        p0 = np.array([r.p0 for r in rows], dtype=np.int64)
+        last = np.array([r.last for r in rows], dtype=np.int64)
+        v = _verify_on_device(step, rows, [p0, tables, last])
+        p0_t, tables_t, last_t = v.extra
+        dev = p0_t.device
+        fed = torch.cat([last_t[:, None], v.drafts], dim=1)  # the last known token, then the drafts
+        ids = torch.cat([fed.gather(1, v.accepted[:, None]), v.target.gather(1, v.accepted[:, None])], dim=1)
+        ids = ids.reshape(-1)
         pos = (p0_t[:, None] + torch.arange(2, device=dev)).reshape(-1)  # moved by a on the device
         out_ids, out_probs = [], []
         for step_j in range(num_drafts):
             q = 2 if step_j == 0 else 1
             seq = (p0_t + 2 + step_j).to(torch.int32)  # the context through the last fed token, before the move
-            hidden = graphs.run(ids, pos, None, seq, tables_t, query_len=q, advance=accepted)
+            hidden = graphs.run(ids, pos, None, seq, tables_t, query_len=q, advance=v.accepted)
             last = hidden[q - 1:: q] if q > 1 else hidden
             probs = torch.softmax(self.model.compute_logits(last)[:, : self.vocab_size].float(), dim=-1)
             top_p, top_id = probs.max(dim=-1)
@@ -411,10 +401,9 @@ class DraftModelProposer(Proposer):
             out_probs.append(top_p)
             ids, pos = top_id, p0_t + 2 + step_j
         ids_t, probs_t = torch.stack(out_ids, dim=1), torch.stack(out_probs, dim=1)
-        next_inputs = ({r[0]: e for e, r in enumerate(rows)}, torch.cat([bonus, ids_t], dim=1), accepted - verified_t)
-        self._queued = _queue_drafts([r[0] for r in rows], ids_t, probs_t)
-        self._launched = {r[0]: (r[2], len(r[4])) for r in rows}
-        step.next_inputs = next_inputs  # last: a chained step needs the drafts queued too
+        self._queued = _queue_drafts([r.rid for r in rows], ids_t, probs_t)
+        self._launched = {r.rid: (r.p0, len(r.drafts)) for r in rows}
+        step.next_inputs = v.next_inputs(ids_t)  # last: a chained step needs the drafts queued too
 
     @torch.inference_mode()
     def propose(self, reqs: list[Request], max_drafts: list[int]) -> list[Draft]:
@@ -487,15 +476,74 @@ class DraftModelProposer(Proposer):
 
 
 class _VerifiedRows(NamedTuple):
-    """One request's rows in a verification step (``MtpProposer.launch_drafts``): its first sampler row and
-    first hidden row, the position ``p0`` of its last known token, its MTP base, the drafts it verifies."""
+    """One request's rows in a verification step (a proposer's ``launch_drafts``): its first sampler row and
+    first row in the step's tokens (and hidden states), the position ``p0`` and id of its last known token,
+    the drafts it verifies."""
 
     rid: str
     sample_row: int
     hidden_row: int
     p0: int
-    base: int
+    last: int
     drafts: tuple[int, ...]
+
+
+def _verified_rows(sched: SchedulerOutput, step) -> list[_VerifiedRows]:
+    """The requests of a launched step (``step``: its ``PendingStep``) that verify drafts, the chained step's
+    rows of requests that ended before it (placeholder drafts) left out."""
+    placed, token_start = {}, 0  # request id -> (its schedule, its first row in the step's tokens)
+    for s in sched.scheduled:
+        placed[s.request_id] = (s, token_start)
+        token_start += len(s.token_ids)
+    rows, sample_row = [], 0
+    for req, drafts in zip(step.sample_reqs, step.drafts):
+        (s, token_row), k = placed[req.request_id], len(drafts)
+        if k and PLACEHOLDER not in drafts:
+            first = len(s.token_ids) - k - 1  # the last known token's index among the step's tokens
+            rows.append(_VerifiedRows(req.request_id, sample_row, token_row + first, s.start_pos + first,
+                                      s.token_ids[first], drafts))
+        sample_row += k + 1
+    return rows
+
+
+class _DeviceVerification(NamedTuple):
+    """What the device knows of a launched verification step before the host does (``_verify_on_device``):
+    ``target`` [n, w] int64, the target's token after each verified row (padded rows repeat the last);
+    ``accepted`` [n] int64, the leading drafts it agrees with; ``drafts`` [n, w - 1] int64 (-1 padded);
+    ``verified`` [n] int64, the drafts each request verified; ``rids``; ``extra``: the caller's arrays."""
+
+    rids: list[str]
+    target: torch.Tensor
+    accepted: torch.Tensor
+    drafts: torch.Tensor
+    verified: torch.Tensor
+    extra: list[torch.Tensor]
+
+    def next_inputs(self, new_drafts: torch.Tensor) -> tuple[dict[str, int], torch.Tensor, torch.Tensor]:
+        """``PendingStep.next_inputs``, the inputs of a chained step: the target's token after the accepted drafts,
+        then ``new_drafts`` [n, k]; its positions move by the drafts not accepted (the host plans as if all were)."""
+        first = self.target.gather(1, self.accepted[:, None])
+        return ({rid: e for e, rid in enumerate(self.rids)}, torch.cat([first, new_drafts], dim=1),
+                self.accepted - self.verified)
+
+
+def _verify_on_device(step, rows: list[_VerifiedRows], extra: list[np.ndarray]) -> _DeviceVerification:
+    """Count, on the device and without a host sync, the drafts a launched step accepts for ``rows``
+    (``accepted[i]``: the leading ``target[j] == draft[j + 1]``); ``extra`` host arrays travel in the same
+    upload and come back on the device in order."""
+    from rayinfer.engine.staging import to_device
+
+    n, w = len(rows), max(len(r.drafts) for r in rows) + 1
+    j = np.arange(w)
+    tok_rows = np.array([r.sample_row + np.minimum(j, len(r.drafts)) for r in rows], dtype=np.int64)
+    drafts = np.full((n, w - 1), -1, dtype=np.int64)
+    for e, r in enumerate(rows):
+        drafts[e, : len(r.drafts)] = r.drafts
+    verified = np.array([len(r.drafts) for r in rows], dtype=np.int64)
+    tok_t, drafts_t, verified_t, *extra_t = to_device([tok_rows, drafts, verified, *extra], step.token_ids.device)
+    target = step.token_ids[tok_t]
+    accepted = torch.cumprod((target[:, :-1] == drafts_t).long(), dim=1).sum(dim=1)
+    return _DeviceVerification([r.rid for r in rows], target, accepted, drafts_t, verified_t, extra_t)
 
 
 @dataclass
@@ -604,58 +652,36 @@ class MtpProposer(Proposer):
         are copied to pinned host memory; :meth:`take_drafts` hands them out after :meth:`observe` has
         moved each request's state past the entries made here.
         """
-        from rayinfer.engine.staging import to_device
-
         self._launched, self._queued = {}, None
         graphs = self.device_graphs
         if graphs is None or step.drafts is None or step.hidden is None or step.token_ids is None:
             return
         cache = self.cache
-        placed, token_start = {}, 0  # request id -> (its schedule, its first row in the step's tokens)
-        for s in sched.scheduled:
-            placed[s.request_id] = (s, token_start)
-            token_start += len(s.token_ids)
         rows: list[_VerifiedRows] = []
-        sample_row = 0
-        for req, drafts in zip(step.sample_reqs, step.drafts):
-            rid, k = req.request_id, len(drafts)
-            (s, token_row), st = placed[rid], self.states.get(rid)
-            p0 = s.start_pos + len(s.token_ids) - k - 1
-            if (k and st is not None and st.base is not None and st.pending is not None and not len(st.pending)
-                    and PLACEHOLDER not in drafts  # a chained step's row of a request that ended before it
-                    and st.pend_start == p0 and st.base + len(st.tokens) == p0 + 1
-                    and graphs.fits(len(rows) + 1, k + 1)
-                    and cache.reserve(rid, p0 + k + 1 - st.base + num_drafts) is not None):
-                rows.append(_VerifiedRows(rid, sample_row, token_row + len(s.token_ids) - k - 1, p0, st.base, drafts))
-            sample_row += k + 1
+        for r in _verified_rows(sched, step):
+            st = self.states.get(r.rid)
+            if (st is not None and st.base is not None and st.pending is not None and not len(st.pending)
+                    and st.pend_start == r.p0 and st.base + len(st.tokens) == r.p0 + 1
+                    and graphs.fits(len(rows) + 1, len(r.drafts) + 1)
+                    and cache.reserve(r.rid, r.p0 + len(r.drafts) + 1 - st.base + num_drafts) is not None):
+                rows.append(r)
         if not rows:
             return
-        n, w = len(rows), max(len(r.drafts) for r in rows) + 1
+        w = max(len(r.drafts) for r in rows) + 1
         j = np.arange(w)
-        tok_rows = np.array([r.sample_row + np.minimum(j, len(r.drafts)) for r in rows], dtype=np.int64)
         hid_rows = np.array([r.hidden_row + np.minimum(j, len(r.drafts)) for r in rows], dtype=np.int64).reshape(-1)
-        padded_drafts = np.full((n, w), -1, dtype=np.int64)
-        tables = np.zeros((n, graphs.max_blocks), dtype=np.int32)
+        tables = np.zeros((len(rows), graphs.max_blocks), dtype=np.int32)
         for e, r in enumerate(rows):
-            padded_drafts[e, : len(r.drafts)] = r.drafts
             blocks = cache.block_ids[r.rid][: graphs.max_blocks]
             tables[e, : len(blocks)] = blocks
         first_pos = np.array([r.p0 + 1 for r in rows], dtype=np.int64)
-        first_local = first_pos - np.array([r.base for r in rows], dtype=np.int64)
-        num_verified = np.array([len(r.drafts) for r in rows], dtype=np.int64)
-        dev = step.token_ids.device
-        tok_t, hid_t, drafts_t, pos_t, local_t, tables_t, verified_t = to_device(
-            [tok_rows, hid_rows, padded_drafts, first_pos, first_local, tables, num_verified], dev)
-        target = step.token_ids[tok_t]  # [n, w]: the target's token after each verified row
-        accepted = torch.cumprod((target[:, :-1] == drafts_t[:, :-1]).long(), dim=1).sum(dim=1)
-        ids, probs = graphs.run_device(target, step.hidden[hid_t], pos_t, local_t, tables_t, accepted, num_drafts)
-        # a chained step's inputs (pipelined verification): the target's token after the accepted drafts, then
-        # the new drafts; its positions move by the drafts not accepted (the host plans as if all were)
-        next_inputs = ({r.rid: e for e, r in enumerate(rows)},
-                       torch.cat([target.gather(1, accepted[:, None]), ids], dim=1), accepted - verified_t)
+        first_local = first_pos - np.array([self.states[r.rid].base for r in rows], dtype=np.int64)
+        v = _verify_on_device(step, rows, [hid_rows, first_pos, first_local, tables])
+        hid_t, pos_t, local_t, tables_t = v.extra
+        ids, probs = graphs.run_device(v.target, step.hidden[hid_t], pos_t, local_t, tables_t, v.accepted, num_drafts)
         self._launched = {r.rid: r.p0 for r in rows}
         self._queued = _queue_drafts([r.rid for r in rows], ids, probs)
-        step.next_inputs = next_inputs  # last: a chained step needs the drafts queued too
+        step.next_inputs = v.next_inputs(ids)  # last: a chained step needs the drafts queued too
 
     def take_chained(self) -> dict[str, Draft]:
         queued, self._queued = self._queued, None

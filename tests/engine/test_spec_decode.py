@@ -515,7 +515,7 @@ def _tiny_spec_engine(tiny_pair, tokenizer, spec, num_kv_blocks=1024, async_sche
     if spec.get("method") == "draft_model":  # draft with the perturbed copy instead of the target itself
         engine.proposer = DraftModelProposer(draft, 1024, 4, engine.vocab_size)
         if engine.engine_config.speculative.device_drafts:  # as the engine set up the one it built
-            engine.proposer.enable_device_drafts(engine.max_model_len, 128)
+            engine.proposer.enable_device_drafts(engine.max_model_len, 128, engine.engine_config.speculative.num_draft_tokens)
     if not gate:
         engine.gate.speculate = lambda batch_size: True
     return engine
