@@ -81,9 +81,10 @@ class SpeculativeConfig:
         min_confidence: "confidence": drafts whose running product falls below it are never verified.
         device_drafts: MTP and the draft model draft the next step's tokens on the device at the end of each
             verification step (no drafting pass of its own before the next step, no host sync between them); with
-            pipelined scheduling and the fixed schedule the next verification step is then launched behind the
-            one in flight (chained). False drafts before each step from the tokens on the host (``propose``). A
-            draft model on CUDA without graphs (``enforce_eager``) drafts on the host. N-gram ignores it.
+            pipelined scheduling the next verification step is then launched behind the one in flight (chained;
+            the confidence schedule picks each chained step's width from the confidences the host already has,
+            those of the step before). False drafts before each step from the tokens on the host (``propose``).
+            A draft model on CUDA without graphs (``enforce_eager``) drafts on the host. N-gram ignores it.
     Raises:
         ValueError: naming the field, for an unknown method or schedule or a non-positive count.
     """

@@ -226,11 +226,9 @@ class LLMEngine:
         self._draft_probs: dict[str, list[float] | None] = {}  # of the drafts being verified, by request
         self.num_device_drafted_steps = 0  # steps whose drafts (some of them) were made on the device (MTP)
         # pipelined speculative decoding: a verification step is planned and launched behind the one in flight,
-        # from the drafts made on the device behind it (MTP or a draft model, fixed schedule, in the target's graphs;
-        # see _step_chained). The confidence schedule does not chain: chained, MTP-confidence measured 16.1 ms a token
-        # at batch 1 on the H100 against 8.6 drained, in one unwarmed run (benchmarks/README.md, "Chained
-        # verification with a draft model")
-        chains = spec.method in ("mtp", "draft_model") and spec.device_drafts and spec.schedule == "fixed"
+        # from the drafts made on the device behind it (MTP or a draft model, in the target's graphs; see
+        # _step_chained; the confidence schedule picks each chained step's width from the step before's confidences)
+        chains = spec.method in ("mtp", "draft_model") and spec.device_drafts
         if spec.enabled:
             if spec.method == "ngram":
                 self.proposer = NgramProposer(spec.ngram_min, spec.ngram_max)
@@ -670,14 +668,14 @@ class LLMEngine:
         placeholders filled on the device; stop checks land one step late, and the extra token of a
         request that finished meanwhile is dropped. A step whose sampling needs host state (grammar,
         penalties, min_tokens) first drains the pipeline. A verification step drafted on the device behind
-        the step before it (MTP or a draft model, fixed schedule) is launched before that step is processed
+        the step before it (MTP or a draft model) is launched before that step is processed
         (:meth:`_step_chained`); other drafting steps drain the pipeline first.
         """
         started = time.perf_counter()
         self._flush_gate_sample(started)
         speculating = self.proposer is not None and self._speculate_next()
         if self.chain_verification and speculating and step_kind is None and self._inflight is not None:
-            chained = self._step_chained()
+            chained = self._step_chained(started)
             if chained is not None:
                 return chained
         drained: list[RequestOutput] = []
@@ -776,7 +774,29 @@ class LLMEngine:
         else:  # tokens of a step in flight of the other mode count for that mode
             self.gate.record(speculating, batch, num_tokens, seconds, other_tokens=other)
 
-    def _step_chained(self) -> list[RequestOutput] | None:
+    def _chained_num_drafts(self) -> int:
+        """Drafts each request verifies in the next chained step: k with the fixed schedule; with "confidence"
+        the most that :func:`choose_num_drafts` keeps for any running request, from the calibrated confidences
+        of the drafts its last verification step took (one step old: the next step's own are still on the
+        device) and the step time model. A graph runs every request at the step's width, so drafts kept for
+        one request cost the others nothing more."""
+        spec = self.engine_config.speculative
+        k = spec.num_draft_tokens
+        if spec.schedule != "confidence":
+            return k
+        running = self.scheduler.running
+        conf = torch.zeros(len(running), k)
+        for i, req in enumerate(running):
+            probs = self._draft_probs.get(req.request_id)
+            if probs:
+                c = self.calibrator.confidence(Draft(list(probs[:k]), list(probs[:k])))
+                conf[i, : len(c)] = torch.tensor(c, dtype=torch.float32)
+        max_verify = spec.max_verify_tokens or k * self.engine_config.max_num_seqs
+        n = len(running)
+        keep = choose_num_drafts(conf, n, float(n), self.step_time.a, self.step_time.b, max_verify, spec.min_confidence)
+        return int(keep.max()) if n else 0
+
+    def _step_chained(self, started: float) -> list[RequestOutput] | None:
         """Pipelined speculative decoding: plan and launch the next verification step of every running request
         behind the verification step still in flight, from the drafts made on the device behind it
         (``Scheduler.schedule_chained``, ``ModelRunner`` chained steps), then process the step in flight,
@@ -794,9 +814,10 @@ class LLMEngine:
         running = self.scheduler.running
         if prev_step.next_inputs is None or any(r.request_id not in prev_step.next_inputs[0] for r in running):
             return None
-        k = self.engine_config.speculative.num_draft_tokens  # the drafts made behind it, all verified
-        if not self.runner.can_chain(len(running), k + 1):
-            return None
+        num_made = self.engine_config.speculative.num_draft_tokens  # what the drafter made behind the step
+        k = self._chained_num_drafts()  # what the next step verifies of them
+        if k < 1 or not self.runner.can_chain(len(running), k + 1):
+            return None  # (no draft kept: the usual path decides with the fresh drafts)
         sched = self.scheduler.schedule_chained(k)
         if sched is None:
             return None
@@ -831,13 +852,15 @@ class LLMEngine:
         launched.drafts = verified
         try:
             with no_host_sync(self.runner.sync_guard):
-                self.proposer.launch_drafts(sched, launched, k)
+                self.proposer.launch_drafts(sched, launched, num_made)
         except Exception:  # noqa: BLE001 - drafts are only proposals: the next step drafts on the host
             if self.runner.sync_guard:
                 raise
             logger.exception("drafting on the device failed; the next step drafts on the host")
         self._inflight, self._inflight_speculative = (sched, launched, step_reqs), True
         self._last_speculative = True
+        if self.engine_config.speculative.schedule == "confidence":  # the gate's sample of this call, as a drained one's
+            self._gate_sample = (True, len(running), _num_tokens(outputs), 0, False, started, time.perf_counter())
         return outputs
 
     def _needs_drain(self, sched) -> bool:

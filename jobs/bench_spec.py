@@ -3,6 +3,7 @@
     python jobs/bench.py scenario=smollm2-spec                 # SmolLM2-135M real weights, GPU
     python jobs/bench.py scenario=smollm2-spec spec.batches=[1,8] spec.output_len=64
     python jobs/bench.py scenario=deepseek-v3-tiny-mtp     # MTP drafting on the DeepSeek-V3 shape (CPU)
+    python jobs/bench.py scenario=llama-3-8b-spec          # Llama-3-8B shape, n-gram and a Llama-3.2-1B draft
 
 For each batch size, the same workload runs through an engine per method (``spec.methods``: plain, n-gram
 and the model drafting for itself, each with the fixed and the confidence schedule); all requests arrive
@@ -14,6 +15,10 @@ position). One model is loaded and shared by every engine; each engine gets its 
 ``mtp`` / ``mtp-confidence`` draft with DeepSeek-V3's multi-token-prediction module: the model is then
 loaded with its MTP modules (``spec_model_kwargs``). With dummy weights the drafts are noise (nearly
 none accepted), so those rows measure the proposer's overhead per step, not a speedup.
+
+``draft`` / ``draft-confidence`` / ``draft-drained`` draft with a separate model (``spec.draft_model``, loaded
+with the target's ``load_format``): with dummy weights its drafts are rejected too, so those rows measure what a
+wrong drafter costs, and what the confidence schedule's gate wins back.
 """
 
 from __future__ import annotations
@@ -55,13 +60,16 @@ class SpecBenchSpec:
         methods: names of the configs to run, from ``plain``, ``ngram``, ``ngram-confidence``,
             ``self-draft``, ``self-draft-confidence``, ``mtp``, ``mtp-confidence``, ``mtp-host-drafts``,
             ``mtp-drained`` (DeepSeek-V3 with ``num_nextn_predict_layers`` > 0), ``self-draft-drained``,
-            ``self-draft-host-drafts``: ``mtp`` and ``self-draft`` chain each verification step behind the one in
+            ``self-draft-host-drafts``, ``draft``, ``draft-confidence``, ``draft-drained`` (a separate draft
+            model, ``draft_model``): ``mtp``, ``self-draft`` and ``draft`` chain each verification step behind the one in
             flight where scheduling is pipelined (on CUDA), ``-drained`` drains the pipeline before each,
             ``-host-drafts`` drafts before each step from the tokens on the host instead of on the device at
             the end of the step before; ``plain`` is always run first (the speedups' base).
             ``ngram-gate-plain`` is n-gram confidence with the gate held at plain decoding: what the
             confidence engine's plain steps cost against a plain engine's (the gate's ceiling where
             speculation loses).
+        draft_model: the draft model of the ``draft*`` methods (a built-in shape name or a directory, as
+            ``model.model``); it must share the target's tokenizer.
         num_kv_blocks: KV blocks of each engine (and of the draft's own cache).
         repeats: runs of every method per batch, interleaved (plain, the others, plain, ...); a row then
             reports the median run's throughput (``output_tok_s_runs``: all of them) and the speedup of
@@ -73,6 +81,7 @@ class SpecBenchSpec:
     num_draft_tokens: int = 4
     methods: list[str] = field(default_factory=lambda: ["plain", "ngram", "ngram-confidence", "self-draft",
                                                         "self-draft-confidence"])
+    draft_model: str | None = None
     num_kv_blocks: int = 8192
     repeats: int = 1
 
@@ -90,9 +99,14 @@ METHODS = {
     "mtp-drained": {"method": "mtp"},  # device drafts, but each verification step drained (no chaining)
     "self-draft-drained": {"method": "draft_model"},  # likewise
     "self-draft-host-drafts": {"method": "draft_model", "device_drafts": False},
+    "draft": {"method": "draft_model"},  # with spec.draft_model
+    "draft-confidence": {"method": "draft_model", "schedule": "confidence"},
+    "draft-drained": {"method": "draft_model"},
 }
 # engine settings of a method besides its speculative config
-METHOD_ENGINE = {"mtp-drained": {"async_scheduling": False}, "self-draft-drained": {"async_scheduling": False}}
+METHOD_ENGINE = {"mtp-drained": {"async_scheduling": False}, "self-draft-drained": {"async_scheduling": False},
+                 "draft-drained": {"async_scheduling": False}}
+DRAFT_METHODS = {"draft", "draft-confidence", "draft-drained"}  # the separate draft model's
 
 GATE_HELD_PLAIN = {"ngram-gate-plain"}
 
@@ -134,7 +148,7 @@ def run_spec_section(spec: SpecBenchSpec, model_config, engine_config, model, to
         model, tokenizer: the loaded target (shared by every engine; the drafter of self-draft).
         line: prints one result line.
     Raises:
-        ValueError: for an unknown method name.
+        ValueError: for an unknown method name, or a ``draft*`` method without ``spec.draft_model``.
     """
     import dataclasses
 
@@ -144,6 +158,8 @@ def run_spec_section(spec: SpecBenchSpec, model_config, engine_config, model, to
     bad = [m for m in spec.methods if m not in METHODS]
     if bad:
         raise ValueError(f"spec.methods has unknown entries {bad}; choose from {list(METHODS)}")
+    if spec.draft_model is None and DRAFT_METHODS.intersection(spec.methods):
+        raise ValueError(f"spec.methods {sorted(DRAFT_METHODS.intersection(spec.methods))} need spec.draft_model")
     names = ["plain"] + [m for m in spec.methods if m != "plain"]
     rows = []
     for batch in spec.batches:
@@ -151,8 +167,10 @@ def run_spec_section(spec: SpecBenchSpec, model_config, engine_config, model, to
         runs: dict[str, list[tuple[dict, dict, list]]] = {name: [] for name in names}
         for rep in range(max(spec.repeats, 1)):
             for name in names:
-                sc = SpeculativeConfig(**METHODS[name], num_draft_tokens=spec.num_draft_tokens) if METHODS[name] \
-                    else SpeculativeConfig()
+                draft = dict(draft_model=spec.draft_model, draft_load_format=model_config.load_format) \
+                    if name in DRAFT_METHODS else {}
+                sc = SpeculativeConfig(**METHODS[name], **draft, num_draft_tokens=spec.num_draft_tokens) \
+                    if METHODS[name] else SpeculativeConfig()
                 cfg = dataclasses.replace(engine_config, max_num_seqs=batch, num_kv_blocks=spec.num_kv_blocks,
                                           speculative=sc, **METHOD_ENGINE.get(name, {}))
                 if rep == 0 and resolve_device(cfg.device).type == "cuda":

@@ -480,6 +480,15 @@ register_scenario(Scenario(
      "sections": ["spec"]},
 ))
 register_scenario(Scenario(
+    "llama-3-8b-spec", "Llama-3-8B shape, dummy bf16 weights, on the GPU: speculative decoding at scale (n-gram, a "
+    "Llama-3.2-1B-shape draft model; fixed and confidence-scheduled k) against plain decoding, up to 256 requests",
+    {"model": {"model": "llama-3-8b", "dtype": "bfloat16", "load_format": "dummy", "max_model_len": 2048},
+     "engine": {"max_num_seqs": 256, "max_num_batched_tokens": 8192},
+     "sections": ["spec"],
+     "spec": {"batches": [1, 32, 256], "draft_model": "llama-3.2-1b", "num_kv_blocks": 8192,
+              "methods": ["plain", "ngram", "ngram-confidence", "draft", "draft-confidence"]}},
+))
+register_scenario(Scenario(
     "deepseek-v3-tiny-mtp", "deepseek-v3-tiny shape (MLA, MoE, one MTP module), dummy float32 weights, on CPU: "
     "the MTP proposer's overhead per step against plain decoding (dummy drafts are rejected)",
     {"model": {"model": "deepseek-v3-tiny", "dtype": "float32", "load_format": "dummy", "max_model_len": 2048},

@@ -15,6 +15,14 @@ SHAPES: dict[str, dict] = {
         head_dim=128, rope_theta=500000.0, max_position_embeddings=8192, rms_norm_eps=1e-5,
         tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001,
     ),
+    # Meta Llama-3.2-1B: Llama-3-8B's tokenizer and vocab, so a draft model for it (tied embeddings; the
+    # "llama3" RoPE scaling of the real checkpoint is left out: a dummy-weight shape for speed).
+    "llama-3.2-1b": dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=2048,
+        intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=64, rope_theta=500000.0, max_position_embeddings=8192, rms_norm_eps=1e-5,
+        tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001,
+    ),
     # SmolLM2-135M(-Instruct), as in the default model's config.json.
     "smollm2-135m": dict(
         model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576,

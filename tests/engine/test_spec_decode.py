@@ -1076,3 +1076,40 @@ def test_draft_model_chained_verification_keeps_plain_output(tiny_pair, tokenize
     stats = chained.stats()
     assert 0 < stats["spec_num_drafts_accepted"] < stats["spec_num_drafts_verified"]
     assert stats["spec_chained_steps"] > 10, stats
+
+
+@pytest.mark.parametrize("proposer", ["mtp", "draft_model"])
+def test_chained_verification_of_varying_width(mtp_checkpoint, tiny_pair, tokenizer, proposer):
+    """The confidence schedule chains too: each chained step verifies the first m of the k drafts made on
+    the device, m chosen per step (``_chained_num_drafts``; cycled here through 3, 1, 2, and then the
+    schedule's own choice), so the in-flight step's advance counts its own m. Greedy and seeded output
+    equal plain decoding's."""
+    import itertools
+
+    spec = dict(method=proposer, num_draft_tokens=3, schedule="confidence")
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.8, max_tokens=37, ignore_eos=True, seed=5, logprobs=1),
+              SamplingParams(temperature=0.0, max_tokens=31, ignore_eos=True)]
+    for own_choice in (False, True):
+        if proposer == "mtp":
+            path, _ = mtp_checkpoint
+            chained = _mtp_engine(path, tokenizer, spec, async_scheduling=True, debug_eager_graphs=True)
+            want = _mtp_engine(path, tokenizer, model=chained.model).generate(list(MTP_PROMPTS), params)
+        else:
+            chained = _tiny_spec_engine(tiny_pair, tokenizer, spec, async_scheduling=True, debug_eager_graphs=True)
+            chained.chain_verification = True  # for the proposer swapped in above
+            want = _tiny_spec_engine(tiny_pair, tokenizer, {}).generate(list(MTP_PROMPTS), params)
+        assert chained.chain_verification
+        chained.gate.speculate = lambda batch_size: True  # the tiny models decode faster plain
+        widths = []
+        if not own_choice:
+            cycle = itertools.cycle([3, 1, 2])
+            chained._chained_num_drafts = lambda: widths.append(next(cycle)) or widths[-1]
+        _check_same(chained.generate(list(MTP_PROMPTS), params), want)
+        stats = chained.stats()
+        assert stats["spec_chained_steps"] > 5, stats
+        if not own_choice:
+            verified = stats["spec_num_drafts_verified"]
+            assert 0 < stats["spec_num_drafts_accepted"] < verified
+            by_position = chained.spec_stats.verified_by_position
+            assert by_position[0] > by_position[1] > by_position[2] > 0  # widths 1 and 2 left later drafts out

@@ -298,6 +298,28 @@ def test_spec_section_rows_compare_speed_and_outputs_with_plain():
     assert rows[3]["spec_num_drafts_proposed"] == 0 and "spec_gate_plain_s" in rows[3]  # the gate held plain
 
 
+def test_spec_section_runs_a_separate_draft_model():
+    """spec.draft_model: the ``draft*`` methods draft with that model (a built-in shape with dummy weights, as
+    the llama-3-8b-spec scenario's Llama-3.2-1B); without it they are refused, naming the setting."""
+    from rayinfer.engine.config import EngineConfig, ModelConfig
+    from rayinfer.jobs.bench_spec import SpecBenchSpec, run_spec_section
+    from rayinfer.model.loader import load_model, load_tokenizer
+
+    model = load_model("llama-tiny", torch.float32, torch.device("cpu"), "dummy")
+    tokenizer = load_tokenizer("SmolLM2-135M-Instruct")
+    model_config = ModelConfig("llama-tiny", dtype="float32", load_format="dummy", max_model_len=512)
+    spec = SpecBenchSpec(batches=[2], output_len=5, num_kv_blocks=64, methods=["plain", "draft", "draft-confidence"])
+    with pytest.raises(ValueError, match="spec.draft_model"):
+        run_spec_section(spec, model_config, EngineConfig(device="cpu", async_scheduling=False), model, tokenizer)
+    spec.draft_model = "smollm2-135m"  # another model over the same vocab: its drafts are mostly rejected
+    rows = run_spec_section(spec, model_config, EngineConfig(device="cpu", async_scheduling=False), model, tokenizer,
+                            line=lambda _: None)
+    assert [r["method"] for r in rows] == ["plain", "draft", "draft-confidence"]
+    assert all(r["fraction_outputs_equal_plain"] == 1.0 and r["num_output_tokens"] == 10 for r in rows)
+    draft = rows[1]
+    assert draft["spec_num_drafts_verified"] > 0 and draft["spec_num_drafts_accepted"] < draft["spec_num_drafts_verified"]
+
+
 def _earlier_result(path, model, output_tok_s):
     path.write_text(json.dumps({"config": {"model": {"model": model}}, "git_rev": "abc1234",
                                 "offline": {"fixed": {"output_tok_s": output_tok_s}}}))
