@@ -1120,7 +1120,12 @@ class SpeculationGate:
     ``explore_fraction`` of the time at most, however the two modes compare: two close modes re-measure
     each other every few steps (a bucket whose acceptance changes mid-run switches soon), a drafting
     step that costs ten plain ones only every few hundred. Several steps at a time let the pipeline of
-    plain steps refill and average out n-gram steps that find no draft.
+    plain steps refill and average out n-gram steps that find no draft. A re-measurement also switches
+    modes twice, and a switch costs time of its own that neither mode's rate shows apart (the pipeline of
+    plain steps drained and refilled, a drafter catching up on the plain steps' tokens): the regret counts
+    ``switch_steps`` of the faster mode's steps besides. Without it, two modes measured close (at the 8B
+    shape on the H100, plain steps at 13 ms in a confidence engine re-measuring n-gram every few steps,
+    against 9.7 ms in steps left alone) re-measured each other so often that the switches made them close.
 
     Measurements (:meth:`record`, :meth:`charge`): tokens count for the mode of the step that computed
     them, seconds for the mode of the call that spent them; the engine charges the refill of the pipeline
@@ -1133,12 +1138,13 @@ class SpeculationGate:
         decay: weight of the past per new step, in [0, 1).
         explore_steps: steps of the slower mode per re-measurement (>= 1).
         warmup_steps: unmeasured first steps of each mode and bucket (>= 0).
+        switch_steps: what one re-measurement's switches cost, in steps of the faster mode (>= 0).
     Raises:
         ValueError: for an argument out of range.
     """
 
     def __init__(self, explore_fraction: float = 0.03, decay: float = 0.9, explore_steps: int = 4,
-                 warmup_steps: int = 2):
+                 warmup_steps: int = 2, switch_steps: float = 2.0):
         if not 0.0 < explore_fraction < 1.0:
             raise ValueError(f"explore_fraction must be in (0, 1), got {explore_fraction}")
         if not 0.0 <= decay < 1.0:
@@ -1147,6 +1153,9 @@ class SpeculationGate:
             raise ValueError(f"explore_steps must be >= 1, got {explore_steps}")
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        if switch_steps < 0:
+            raise ValueError(f"switch_steps must be >= 0, got {switch_steps}")
+        self.switch_steps = switch_steps
         self.explore_fraction, self.decay = explore_fraction, decay
         self.explore_steps, self.warmup_steps = explore_steps, warmup_steps
         self._sums: dict[tuple[bool, int], list[float]] = {}  # (speculative, bucket) -> [tokens, s, steps]
@@ -1189,7 +1198,9 @@ class SpeculationGate:
             else:
                 slow_rate, fast_rate = (plain, spec) if fast else (spec, plain)
                 _, secs, steps = self._sums[(not fast, b)]
-                regret = self.explore_steps * secs / steps * (1.0 - slow_rate / fast_rate)
+                _, fast_secs, fast_steps = self._sums[(fast, b)]
+                regret = (self.explore_steps * secs / steps * (1.0 - slow_rate / fast_rate)
+                          + self.switch_steps * fast_secs / fast_steps)
                 choice = fast
                 if self._since.get(b, 0.0) * self.explore_fraction >= regret:
                     choice = not fast

@@ -160,7 +160,7 @@ def test_speculation_gate_tries_both_modes_after_warm_up_and_keeps_buckets_apart
     assert gate.rates[(True, gate.bucket(8))] == pytest.approx(40 / 0.004)
     assert gate.speculate(1) and gate.speculate(16)  # other batch buckets have their own measurements
     for bad in (dict(explore_fraction=0.0), dict(explore_fraction=1.0), dict(decay=1.0), dict(explore_steps=0),
-                dict(warmup_steps=-1)):
+                dict(warmup_steps=-1), dict(switch_steps=-1.0)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SpeculationGate(**bad)
 
@@ -198,18 +198,46 @@ def test_speculation_gate_stays_within_its_regret_budget(spec_over_plain, spec_s
     assert tokens / seconds >= 0.95 * best, (tokens / seconds / best, sum(picks))
 
 
+@pytest.mark.parametrize("spec_over_plain", [0.5, 0.9, 1.0, 1.1, 1.6])
+def test_speculation_gate_pays_for_its_switches(spec_over_plain):
+    """A switch of mode costs time of its own (a drained pipeline and its refill: here two plain steps'
+    worth, on the step after each switch, where the engine measures it). Two modes measured close must
+    not re-measure each other so often that the switches eat the budget: the gate stays within about 5%
+    of the faster mode's throughput (at the 8B shape the switches of a confidence engine re-measuring
+    n-gram every few steps took 25%)."""
+    from rayinfer.engine.spec_decode import SpeculationGate
+
+    plain_s, batch, switch_s = 0.001, 8, 0.002
+    spec_s = 2 * plain_s
+    last = [None]
+
+    def step(i, spec):
+        n, s = (batch * spec_over_plain * 2, spec_s) if spec else (batch, plain_s)
+        if last[0] is not None and last[0] != spec:
+            s += switch_s
+        last[0] = spec
+        return n, s
+
+    tokens, seconds, picks = _run_gate(SpeculationGate(), 5000, step)
+    best = max(batch / plain_s, batch * spec_over_plain * 2 / spec_s)
+    switches = sum(a != b for a, b in zip(picks, picks[1:]))
+    assert tokens / seconds >= 0.95 * best, (tokens / seconds / best, switches)
+
+
 def test_speculation_gate_re_measures_close_modes_often_and_far_ones_rarely():
     from rayinfer.engine.spec_decode import SpeculationGate
 
-    def explorations(spec_over_plain):
-        gate = SpeculationGate()
+    def explorations(spec_over_plain, **kw):
+        gate = SpeculationGate(**kw)
         _run_gate(gate, 4000, lambda i, spec: (8 * 4 * spec_over_plain, 0.004) if spec else (8, 0.001))
         return gate.num_explore_steps
 
-    close, far = explorations(0.95), explorations(0.3)
+    close, far = explorations(0.95, switch_steps=0.0), explorations(0.3, switch_steps=0.0)
     # time-share would re-try a 4 ms drafting step every 80 ms for both; by regret the close one is re-tried
     # 14x as often (1 - 0.3) / (1 - 0.95)
     assert close >= 8 * far and far >= 4, (close, far)
+    # the switches' own cost (two plain steps a re-measurement) spaces out the close one's re-measurements
+    assert explorations(0.3) <= far and explorations(0.95) < close / 2
 
 
 @pytest.mark.parametrize("first, then", [(1.6, 0.5), (0.5, 1.6)])
