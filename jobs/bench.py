@@ -54,7 +54,7 @@ from omegaconf import DictConfig, OmegaConf
 from rayinfer.engine.config import EngineConfig, ModelConfig
 from rayinfer.jobs import benchlib as bl
 from rayinfer.jobs import roofline as rl
-from rayinfer.jobs.bench_spec import SpecBenchSpec, run_spec_section, spec_model_kwargs
+from rayinfer.jobs.bench_spec import SpecBenchSpec, check_spec, run_spec_section, spec_model_kwargs
 from rayinfer.jobs.moe_cost import register_bench_plugins
 
 register_bench_plugins()  # the MoE cost models and scenarios (deepseek-v2-lite, qwen3-30b-a3b); in memory only
@@ -332,6 +332,8 @@ def _run(cfg: BenchConfig) -> dict[str, Any]:
     t_start = time.perf_counter()
     hf_config = load_config(cfg.model.model)
     check_quantization(hf_config, cfg.model.quantization)  # before any engine starts
+    if "spec" in cfg.sections:
+        check_spec(cfg.spec)
     device = resolve_device(cfg.engine.device)
     dtype = parse_dtype(cfg.model.dtype, device)
     kv_bytes = 1 if cfg.engine.kv_cache_dtype == "fp8" else None

@@ -111,6 +111,22 @@ DRAFT_METHODS = {"draft", "draft-confidence", "draft-drained"}  # the separate d
 GATE_HELD_PLAIN = {"ngram-gate-plain"}
 
 
+def check_spec(spec: SpecBenchSpec) -> None:
+    """Refuse a spec section that cannot run, before any model loads.
+
+    Raises:
+        ValueError: naming the setting, for an unknown method name or a ``draft*`` method without
+            ``spec.draft_model``.
+    """
+    bad = [m for m in spec.methods if m not in METHODS]
+    if bad:
+        raise ValueError(f"spec.methods has unknown entries {bad}; choose from {list(METHODS)}")
+    needs_draft = sorted(DRAFT_METHODS.intersection(spec.methods))
+    if spec.draft_model is None and needs_draft:
+        raise ValueError(f"spec.methods {needs_draft} draft with a separate model: set spec.draft_model "
+                         "(e.g. spec.draft_model=llama-3.2-1b)")
+
+
 def spec_model_kwargs(spec: SpecBenchSpec, model_config, sections) -> dict | None:
     """The model's extra arguments for the spec section: ``enable_mtp`` when an MTP method is asked for.
 
@@ -155,11 +171,7 @@ def run_spec_section(spec: SpecBenchSpec, model_config, engine_config, model, to
     from rayinfer.engine.config import SpeculativeConfig
     from rayinfer.engine.llm_engine import LLMEngine, resolve_device
 
-    bad = [m for m in spec.methods if m not in METHODS]
-    if bad:
-        raise ValueError(f"spec.methods has unknown entries {bad}; choose from {list(METHODS)}")
-    if spec.draft_model is None and DRAFT_METHODS.intersection(spec.methods):
-        raise ValueError(f"spec.methods {sorted(DRAFT_METHODS.intersection(spec.methods))} need spec.draft_model")
+    check_spec(spec)
     names = ["plain"] + [m for m in spec.methods if m != "plain"]
     rows = []
     for batch in spec.batches:

@@ -167,8 +167,9 @@ def cp_summary(stats) -> str:
 
 def spec_summary(stats) -> str:
     """One line on what speculative decoding did in a fleet (``FleetStats``): drafts proposed, verified and
-    accepted over all replicas, the mean tokens a verification step emitted, and the verification steps
-    chained (pipelined) behind the one in flight."""
+    accepted over all replicas, the mean tokens a verification step emitted, the verification steps
+    chained (pipelined) behind the one in flight, and (the confidence schedule) the decode steps its gate
+    kept plain."""
     from rayinfer.engine.spec_decode import SpecStats
 
     total = SpecStats(0)  # the replicas' counters summed; rates as each engine derives its own
@@ -176,10 +177,12 @@ def spec_summary(stats) -> str:
         setattr(total, name, sum(r.spec_decode.get(f"spec_{name}", 0) for r in stats.replicas))
     d = total.to_dict()
     chained = sum(r.spec_decode.get("spec_chained_steps", 0) for r in stats.replicas)
+    gated = sum(r.spec_decode.get("spec_gate_plain_steps", 0) for r in stats.replicas)
     return (f"speculative decoding: {total.num_drafts_proposed} drafts proposed, {total.num_drafts_verified} verified, "
             f"{total.num_drafts_accepted} accepted ({d['spec_acceptance_rate']:.0%}); "
             f"{d['spec_mean_accepted_length']:.2f} tokens per verification step; "
-            f"{chained} verification steps chained behind the one in flight")
+            f"{chained} verification steps chained behind the one in flight"
+            + (f"; {gated} decode steps kept plain by the confidence schedule's gate" if gated else ""))
 
 
 def _lines(n: int) -> str:

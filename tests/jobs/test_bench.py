@@ -221,6 +221,26 @@ def test_large_model_on_cpu_is_refused(tmp_path):
         bench.BenchConfig(sections=["offline", "decoder"])
 
 
+def test_a_spec_section_that_cannot_run_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    """A ``draft*`` method without spec.draft_model, or an unknown method: refused up front (the job exits 2
+    with that message), not after an 8B model has loaded and as a failed section of a written result."""
+    from rayinfer.engine.config import EngineConfig, ModelConfig
+    from rayinfer.engine import llm_engine
+    from rayinfer.jobs import bench
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("an engine was built before the spec section was checked")
+
+    monkeypatch.setattr(llm_engine, "LLMEngine", no_engine)
+    for methods, match in ((["plain", "draft"], "set spec.draft_model"), (["plain", "eagle"], "unknown entries")):
+        cfg = bench.BenchConfig(model=ModelConfig(model="llama-tiny", dtype="float32", load_format="dummy"),
+                                engine=EngineConfig(device="cpu"), out_dir=str(tmp_path), sections=["spec"],
+                                spec=bench.SpecBenchSpec(methods=methods), cpu_threads=1)
+        with pytest.raises(ValueError, match=match):
+            bench.run(cfg)
+    assert not list(tmp_path.iterdir())  # no result written
+
+
 def test_a_failing_section_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
     from rayinfer.engine.config import EngineConfig, ModelConfig
     from rayinfer.jobs import bench

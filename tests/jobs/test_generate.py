@@ -447,3 +447,7 @@ def test_spec_summary_line():
     line = spec_summary(FleetStats("colocated", [a, b, ReplicaStats(replica_id=2)]))
     assert line == ("speculative decoding: 48 drafts proposed, 40 verified, 20 accepted (50%); "
                     "2.67 tokens per verification step; 7 verification steps chained behind the one in flight")
+    b = ReplicaStats.from_dict({"spec_num_drafts_proposed": 8, "spec_gate_plain_steps": 5}, replica_id=1)
+    line = spec_summary(FleetStats("colocated", [a, b]))  # the confidence schedule: the steps its gate kept plain
+    assert line.endswith("7 verification steps chained behind the one in flight; 5 decode steps kept plain by the "
+                         "confidence schedule's gate"), line
