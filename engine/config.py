@@ -84,7 +84,11 @@ class SpeculativeConfig:
             pipelined scheduling the next verification step is then launched behind the one in flight (chained;
             the confidence schedule picks each chained step's width from the confidences the host already has,
             those of the step before). False drafts before each step from the tokens on the host (``propose``).
-            A draft model on CUDA without graphs (``enforce_eager``) drafts on the host. N-gram ignores it.
+            A draft model on CUDA without graphs (``enforce_eager``) drafts on the host. N-gram follows
+            ``ngram_on_device``.
+        ngram_on_device: n-gram also looks its drafts up on the device behind each verification step, so that
+            with pipelined scheduling its verification steps chain as MTP's do (a request without a match then
+            verifies k placeholder drafts: one width a graph). Off by default: not yet measured on a GPU.
     Raises:
         ValueError: naming the field, for an unknown method or schedule or a non-positive count.
     """
@@ -99,6 +103,7 @@ class SpeculativeConfig:
     max_verify_tokens: int | None = None
     min_confidence: float = 0.05
     device_drafts: bool = True
+    ngram_on_device: bool = False
 
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:

@@ -228,10 +228,11 @@ class LLMEngine:
         # pipelined speculative decoding: a verification step is planned and launched behind the one in flight,
         # from the drafts made on the device behind it (MTP or a draft model, in the target's graphs; see
         # _step_chained; the confidence schedule picks each chained step's width from the step before's confidences)
-        chains = spec.method in ("mtp", "draft_model") and spec.device_drafts
+        chains = spec.device_drafts and (spec.method in ("mtp", "draft_model")
+                                         or spec.method == "ngram" and spec.ngram_on_device)
         if spec.enabled:
             if spec.method == "ngram":
-                self.proposer = NgramProposer(spec.ngram_min, spec.ngram_max)
+                self.proposer = NgramProposer(spec.ngram_min, spec.ngram_max, on_device=spec.ngram_on_device)
             elif spec.method == "mtp":
                 self.proposer = MtpProposer(self.model, num_blocks, cfg.block_size, self.vocab_size)
             else:

@@ -115,15 +115,62 @@ class Proposer:
 class NgramProposer(Proposer):
     """Prompt lookup: find the latest earlier occurrence of the context's last n tokens (n from
     ``ngram_max`` down to ``ngram_min``) and propose the tokens that followed it (after Saxena 2023,
-    "Prompt lookup decoding", and vLLM's n-gram proposer). No model, host only.
+    "Prompt lookup decoding", and vLLM's n-gram proposer). No model.
+
+    On the host by default. With ``on_device`` (``speculative.ngram_on_device``) and device drafts enabled,
+    :meth:`launch_drafts` also runs the same lookup on the device behind each verification step
+    (:class:`_NgramDeviceLookup`), so that verification steps chain as MTP's and the draft model's do.
 
     Args:
         ngram_min, ngram_max: n-gram lengths tried, longest first.
+        on_device: allow the device lookup (:meth:`enable_device_drafts` then turns it on).
     """
 
-    def __init__(self, ngram_min: int = 1, ngram_max: int = 4):
+    def __init__(self, ngram_min: int = 1, ngram_max: int = 4, on_device: bool = False):
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
+        self.on_device = on_device
         self._contexts: dict[str, TokenBuffer] = {}
+        self._queued = None  # the drafts of the last launch_drafts: (rids, ids, counts, event)
+
+    def enable_device_drafts(self, max_model_len: int, max_num_seqs: int, num_draft_tokens: int) -> None:
+        """With ``on_device``: look drafts up on the device behind each verification step (:meth:`launch_drafts`);
+        the lookup's buffers are made at the first launch, on that step's device."""
+        if self.on_device:
+            self.device_graphs = _NgramDeviceLookup(max_model_len, max_num_seqs, self.ngram_min, self.ngram_max)
+
+    @torch.inference_mode()
+    def launch_drafts(self, sched: SchedulerOutput, step, num_drafts: int) -> None:
+        """Queue the next step's drafts at the end of a verification step, on the device and without a host
+        sync: each verified request's context (its tokens through the last known one, kept on the device and
+        topped up from the host) is extended by the target's tokens through the first rejected draft, and the
+        n-gram lookup of :func:`ngram_lookup` runs over it (:meth:`_NgramDeviceLookup.lookup`). A request
+        whose lookup finds no n-gram, or fewer than ``num_drafts`` tokens, gets token 0 in the missing places
+        (verified and, unless the target samples it, rejected: a graph verifies one width for all)."""
+        self._queued = None
+        lookup = self.device_graphs
+        if lookup is None or step.drafts is None or step.token_ids is None or num_drafts < 1:
+            return
+        assert isinstance(lookup, _NgramDeviceLookup)
+        reqs = {r.request_id: r for r in step.sample_reqs}
+        rows = [r for r in _verified_rows(sched, step, decode_rows=True)  # a request without a draft chains too
+                if r.rid in reqs and reqs[r.rid].num_known_tokens == r.p0 + 1 and lookup.slot(r.rid) is not None]
+        if not rows:
+            return
+        v = _verify_on_device(step, rows, [np.array([r.p0 for r in rows], dtype=np.int64)])
+        (p0_t,) = v.extra
+        ids = lookup.lookup([reqs[r.rid] for r in rows], [r.p0 for r in rows], p0_t, v.target, v.accepted,
+                            num_drafts)
+        self._queued = _queue_drafts([r.rid for r in rows], ids, torch.ones(ids.shape, device=ids.device))
+        step.next_inputs = v.next_inputs(ids)
+
+    def take_chained(self) -> dict[str, Draft]:
+        queued, self._queued = self._queued, None
+        # prompt lookup has no probabilities (as the host path's drafts)
+        return {} if queued is None else {rid: Draft(d.token_ids) for rid, d in _queued_drafts(queued).items()}
+
+    def take_drafts(self, reqs: list[Request]) -> dict[str, Draft]:
+        self._queued = None  # a drained step drafts on the host: the lookup there is exact and cheap
+        return {}
 
     def propose(self, reqs: list[Request], max_drafts: list[int]) -> list[Draft]:
         drafts = []
@@ -137,6 +184,113 @@ class NgramProposer(Proposer):
 
     def release(self, request_id: str) -> None:
         self._contexts.pop(request_id, None)
+        if isinstance(self.device_graphs, _NgramDeviceLookup):
+            self.device_graphs.release(request_id)
+
+
+class _NgramDeviceLookup:
+    """Prompt lookup on the device, for chained verification (:meth:`NgramProposer.launch_drafts`).
+
+    Each request holds a row of a [max_num_seqs, max_model_len] int64 buffer of its tokens. Before a lookup
+    the host uploads the tokens it knows that the row lacks (from ``synced[rid]`` through the last known
+    one); the device then writes the verified step's target tokens after it (the accepted drafts equal
+    them) and searches. Positions past a row's context may hold stale tokens; the search never reads them.
+    """
+
+    def __init__(self, max_model_len: int, max_num_seqs: int, ngram_min: int, ngram_max: int):
+        self.max_model_len, self.ngram_min, self.ngram_max = max_model_len, ngram_min, ngram_max
+        self.ctx: torch.Tensor | None = None  # made at the first lookup, on the step's device
+        self.free = list(range(max_num_seqs))[::-1]
+        self.slots: dict[str, int] = {}
+        self.synced: dict[str, int] = {}  # tokens of the request's row the host wrote (positions 0 .. n-1)
+
+    def slot(self, rid: str) -> int | None:
+        """The request's row (a new one for a new request; None when all are taken)."""
+        if rid not in self.slots:
+            if not self.free:
+                return None
+            self.slots[rid], self.synced[rid] = self.free.pop(), 0
+        return self.slots[rid]
+
+    def release(self, rid: str) -> None:
+        if rid in self.slots:
+            self.free.append(self.slots.pop(rid))
+            self.synced.pop(rid, None)
+
+    def lookup(self, reqs: list[Request], p0: list[int], p0_t: torch.Tensor, target: torch.Tensor,
+               accepted: torch.Tensor, k: int) -> torch.Tensor:
+        """Drafts for ``reqs`` (each known through position ``p0[i]``) after a verification step whose target
+        tokens ``target`` [n, w] and accepted-draft counts ``accepted`` [n] are on the device (``p0_t``: [n]
+        int64 there). Returns [n, k] int64 on the device: :func:`ngram_lookup`'s continuation of each context
+        ``tokens[: p0 + accepted + 2]``, 0 where it has fewer than k tokens."""
+        from rayinfer.engine.staging import to_device
+
+        dev, (n, w) = target.device, target.shape
+        if self.ctx is None:
+            self.ctx = torch.zeros(len(self.free) + len(self.slots), self.max_model_len, dtype=torch.long, device=dev)
+        ctx, max_len = self.ctx, self.max_model_len
+        slots = np.array([self.slots[r.request_id] for r in reqs], dtype=np.int64)
+        up_rows, up_pos, up_tok = [], [], []
+        for e, (req, last) in enumerate(zip(reqs, p0)):
+            start = self.synced[req.request_id]
+            if start <= last:
+                tokens = req.known_token_ids(start, last + 1)
+                up_rows.append(np.full(len(tokens), slots[e], dtype=np.int64))
+                up_pos.append(np.arange(start, last + 1, dtype=np.int64))
+                up_tok.append(np.asarray(tokens, dtype=np.int64))
+                self.synced[req.request_id] = last + 1
+        slots_t, *up = to_device([slots] + ([np.concatenate(up_rows), np.concatenate(up_pos), np.concatenate(up_tok)]
+                                            if up_rows else []), dev)
+        if up:
+            ctx[up[0], up[1]] = up[2]
+        # the target's tokens after the last known one: the accepted drafts (equal to them), then its own
+        pos = (p0_t[:, None] + 1 + torch.arange(w, device=dev)).clamp(max=max_len - 1)
+        ctx[slots_t[:, None], pos] = target
+        width = min(max(p0) + w + 1, max_len)  # the longest context, at most (known on the host)
+        rows = ctx[slots_t, :width]
+        length = (p0_t + accepted + 2).clamp(max=max_len)
+        return device_ngram_lookup(rows, length, k, self.ngram_min, self.ngram_max)
+
+
+def device_ngram_lookup(tokens: torch.Tensor, length: torch.Tensor, k: int, ngram_min: int,
+                        ngram_max: int) -> torch.Tensor:
+    """:func:`ngram_lookup` for a batch of contexts at once, in torch ops on their device (no host sync).
+
+    For each n from ``ngram_max`` down to ``ngram_min``, every window of n tokens is compared with the
+    context's last n; the first n with a match wins, and of its matches the latest followed by k tokens,
+    else the first (as :func:`ngram_lookup`). O(n x width) comparisons a row, cheap beside a forward.
+
+    Args:
+        tokens: [B, W] int64, row b's context in its first ``length[b]`` entries (the rest is ignored).
+        length: [B] int64 on the same device, each in [1, W].
+        k: drafts per row.
+        ngram_min, ngram_max: n-gram lengths tried, longest first.
+    Returns:
+        [B, k] int64: the continuation of each row, 0 past its end (where the host version returns fewer
+        than k tokens, or none).
+    """
+    batch, width = tokens.shape
+    dev = tokens.device
+    length = length[:, None]
+    starts_all = torch.arange(width, device=dev)
+    found = torch.zeros(batch, dtype=torch.bool, device=dev)
+    best = torch.zeros(batch, dtype=torch.long, device=dev)  # where the continuation starts
+    for n in range(min(ngram_max, width - 1), ngram_min - 1, -1):
+        suffix = tokens.gather(1, (length - n + torch.arange(n, device=dev)).clamp(min=0))  # [B, n]
+        windows = tokens.unfold(1, n, 1)  # [B, W - n + 1, n]
+        starts = starts_all[: windows.shape[1]][None]
+        # an earlier occurrence: it ends before the last token (and the context has n + 1 tokens at least)
+        match = (windows == suffix[:, None, :]).all(dim=-1) & (starts + n <= length - 1)
+        full = match & (starts + n + k <= length)
+        latest_full = torch.where(full, starts, -1).amax(dim=1)
+        first = torch.where(match, starts, width).amin(dim=1)
+        start = torch.where(latest_full >= 0, latest_full, first)
+        take = match.any(dim=1) & ~found
+        best = torch.where(take, start + n, best)
+        found |= take
+    pos = best[:, None] + torch.arange(k, device=dev)
+    ok = found[:, None] & (pos < length)
+    return torch.where(ok, tokens.gather(1, pos.clamp(max=width - 1)), torch.zeros_like(pos))
 
 
 class TokenBuffer:
@@ -488,9 +642,10 @@ class _VerifiedRows(NamedTuple):
     drafts: tuple[int, ...]
 
 
-def _verified_rows(sched: SchedulerOutput, step) -> list[_VerifiedRows]:
+def _verified_rows(sched: SchedulerOutput, step, decode_rows: bool = False) -> list[_VerifiedRows]:
     """The requests of a launched step (``step``: its ``PendingStep``) that verify drafts, the chained step's
-    rows of requests that ended before it (placeholder drafts) left out."""
+    rows of requests that ended before it (placeholder drafts) left out; with ``decode_rows`` also those that
+    decode one token without drafts (no draft verified: the device's count of accepted drafts is then 0)."""
     placed, token_start = {}, 0  # request id -> (its schedule, its first row in the step's tokens)
     for s in sched.scheduled:
         placed[s.request_id] = (s, token_start)
@@ -498,7 +653,7 @@ def _verified_rows(sched: SchedulerOutput, step) -> list[_VerifiedRows]:
     rows, sample_row = [], 0
     for req, drafts in zip(step.sample_reqs, step.drafts):
         (s, token_row), k = placed[req.request_id], len(drafts)
-        if k and PLACEHOLDER not in drafts:
+        if (k or decode_rows and len(s.token_ids) == 1) and PLACEHOLDER not in drafts:
             first = len(s.token_ids) - k - 1  # the last known token's index among the step's tokens
             rows.append(_VerifiedRows(req.request_id, sample_row, token_row + first, s.start_pos + first,
                                       s.token_ids[first], drafts))

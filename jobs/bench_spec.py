@@ -65,6 +65,8 @@ class SpecBenchSpec:
             flight where scheduling is pipelined (on CUDA), ``-drained`` drains the pipeline before each,
             ``-host-drafts`` drafts before each step from the tokens on the host instead of on the device at
             the end of the step before; ``plain`` is always run first (the speedups' base).
+            ``ngram-chained`` looks the n-gram drafts up on the device behind each verification step and chains
+            the steps (``speculative.ngram_on_device``); ``ngram`` drains before each.
             ``ngram-gate-plain`` is n-gram confidence with the gate held at plain decoding: what the
             confidence engine's plain steps cost against a plain engine's (the gate's ceiling where
             speculation loses).
@@ -90,6 +92,7 @@ METHODS = {
     "plain": {},
     "ngram": {"method": "ngram"},
     "ngram-confidence": {"method": "ngram", "schedule": "confidence"},
+    "ngram-chained": {"method": "ngram", "ngram_on_device": True},  # looked up on the device, steps chained
     "ngram-gate-plain": {"method": "ngram", "schedule": "confidence"},  # the gate held at plain (see below)
     "self-draft": {"method": "draft_model"},
     "self-draft-confidence": {"method": "draft_model", "schedule": "confidence"},

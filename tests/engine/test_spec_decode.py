@@ -952,19 +952,21 @@ def test_mla_verification_steps_through_graph_buffers(mtp_checkpoint, tokenizer,
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("method", ["ngram", "mtp", "mtp-chained", "draft_model-chained"])
+@pytest.mark.parametrize("method", ["ngram", "ngram-chained", "mtp", "mtp-chained", "draft_model-chained"])
 def test_mla_verification_cuda_graphs_on_gpu(mtp_checkpoint, tokenizer, method):
     """On the GPU, DeepSeek-V3's verification steps replay captured graphs (split-KV absorbed MLA; with MTP
     the graphs return the hidden states too) without a host sync, and greedy output equals the eager
     plain engine's. "-chained": pipelined scheduling, each verification step launched behind the one in
     flight (its inputs and positions from the device, drafted there by MTP or by the model drafting for
-    itself in its own graphs), still without a host sync while launching."""
+    itself in its own graphs, or looked up there by n-gram), still without a host sync while launching."""
     path, _ = mtp_checkpoint
     prompts = list(MTP_PROMPTS)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (24, 23, 21)]
     plain = _mtp_engine(path, tokenizer, device="cuda", enforce_eager=True).generate(prompts, params)
-    engine = _mtp_engine(path, tokenizer, dict(method=method.removesuffix("-chained"), num_draft_tokens=3),
-                         device="cuda", debug_sync_guard=True, async_scheduling=method.endswith("-chained"))
+    spec = dict(method=method.removesuffix("-chained"), num_draft_tokens=3,
+                **({"ngram_on_device": True} if method == "ngram-chained" else {}))
+    engine = _mtp_engine(path, tokenizer, spec, device="cuda", debug_sync_guard=True,
+                         async_scheduling=method.endswith("-chained"))
     graphs = engine.runner.graphs
     assert graphs is not None and graphs.max_query_len == 4 and any(q == 4 for _, q in graphs.graphs)
     replays = []
@@ -1141,3 +1143,64 @@ def test_chained_verification_of_varying_width(mtp_checkpoint, tiny_pair, tokeni
             assert 0 < stats["spec_num_drafts_accepted"] < verified
             by_position = chained.spec_stats.verified_by_position
             assert by_position[0] > by_position[1] > by_position[2] > 0  # widths 1 and 2 left later drafts out
+
+
+def test_device_ngram_lookup_equals_the_host_lookup():
+    """``device_ngram_lookup`` (a padded batch of contexts of different lengths, torch ops) gives
+    ``ngram_lookup``'s continuation for every row, 0 past its end; contexts from a small vocab repeat often,
+    so matches of every length, none, and continuations cut short by the context's end all occur."""
+    from rayinfer.engine.spec_decode import device_ngram_lookup, ngram_lookup
+
+    rng = np.random.default_rng(0)
+    for trial in range(40):
+        batch, k = 6, 4
+        lengths = rng.integers(1, 40, size=batch)
+        vocab = int(rng.integers(2, 9))
+        width = int(lengths.max()) + int(rng.integers(0, 5))
+        tokens = rng.integers(0, vocab, size=(batch, width)).astype(np.int64)  # past a row's length: stale
+        lo, hi = (1, 4) if trial % 2 else (2, 3)
+        got = device_ngram_lookup(torch.from_numpy(tokens), torch.from_numpy(lengths.astype(np.int64)), k, lo, hi)
+        for b in range(batch):
+            want = ngram_lookup(tokens[b, : lengths[b]], k, lo, hi)
+            assert got[b].tolist() == want + [0] * (k - len(want)), (trial, b, tokens[b, : lengths[b]].tolist())
+
+
+def test_ngram_chained_verification_keeps_plain_output(tiny_pair, tokenizer):
+    """``speculative.ngram_on_device``: n-gram drafts looked up on the device behind each verification step,
+    so verification steps chain (pipelined scheduling): greedy, seeded and logprob output equal plain
+    decoding's, and most steps chain. The drafts a chained step verifies are the host lookup's (padded with
+    token 0 where it has fewer than k)."""
+    spec = dict(method="ngram", num_draft_tokens=3, ngram_on_device=True)
+    chained = _tiny_spec_engine(tiny_pair, tokenizer, spec, async_scheduling=True, debug_eager_graphs=True)
+    assert chained.chain_verification
+    from rayinfer.engine.spec_decode import ngram_lookup
+
+    proposer, taken, checked = chained.proposer, [], []
+    real_take, real_step_chained = proposer.take_chained, chained._step_chained
+    proposer.take_chained = lambda: taken.append(real_take()) or taken[-1]
+
+    def step_chained(started):
+        outputs = real_step_chained(started)
+        if outputs is not None:  # the step in flight is processed now: its requests' tokens are on the host
+            for rid, d in taken[-1].items():
+                req = chained.scheduler.requests.get(rid)
+                if req is not None and not req.is_finished:
+                    want = ngram_lookup(np.array(req.all_token_ids), 3, 1, 4)
+                    checked.append(d.token_ids == want + [0] * (3 - len(want)))
+        return outputs
+
+    chained._step_chained = step_chained
+    prompts = list(PROMPTS) + [PROMPTS[0][::-1]]
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.8, max_tokens=37, ignore_eos=True, seed=5, logprobs=2),
+              SamplingParams(temperature=0.0, max_tokens=31, ignore_eos=True, logprobs=0),
+              SamplingParams(temperature=1.0, max_tokens=33, ignore_eos=True, seed=11)]
+    want = _tiny_spec_engine(tiny_pair, tokenizer, {}).generate(prompts, params)
+    _check_same(chained.generate(prompts, params), want)
+    stats = chained.stats()
+    assert 0 < stats["spec_num_drafts_accepted"] < stats["spec_num_drafts_verified"]
+    assert stats["spec_chained_steps"] > 10, stats
+    assert len(checked) > 10 and all(checked), checked
+    # off by default: fixed-k n-gram steps drain (pipelined scheduling turned off), as before
+    assert not _tiny_spec_engine(tiny_pair, tokenizer, dict(method="ngram"), async_scheduling=True,
+                                 debug_eager_graphs=True).chain_verification
