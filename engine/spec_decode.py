@@ -191,7 +191,7 @@ class NgramProposer(Proposer):
 class _NgramDeviceLookup:
     """Prompt lookup on the device, for chained verification (:meth:`NgramProposer.launch_drafts`).
 
-    Each request holds a row of a [max_num_seqs, max_model_len] int64 buffer of its tokens. Before a lookup
+    Each request holds a row of a [max_num_seqs, max_model_len] int32 buffer of its tokens (256 x 8K: 8 MiB). Before a lookup
     the host uploads the tokens it knows that the row lacks (from ``synced[rid]`` through the last known
     one); the device then writes the verified step's target tokens after it (the accepted drafts equal
     them) and searches. Positions past a row's context may hold stale tokens; the search never reads them.
@@ -227,7 +227,7 @@ class _NgramDeviceLookup:
 
         dev, (n, w) = target.device, target.shape
         if self.ctx is None:
-            self.ctx = torch.zeros(len(self.free) + len(self.slots), self.max_model_len, dtype=torch.long, device=dev)
+            self.ctx = torch.zeros(len(self.free) + len(self.slots), self.max_model_len, dtype=torch.int32, device=dev)
         ctx, max_len = self.ctx, self.max_model_len
         slots = np.array([self.slots[r.request_id] for r in reqs], dtype=np.int64)
         up_rows, up_pos, up_tok = [], [], []
@@ -237,7 +237,7 @@ class _NgramDeviceLookup:
                 tokens = req.known_token_ids(start, last + 1)
                 up_rows.append(np.full(len(tokens), slots[e], dtype=np.int64))
                 up_pos.append(np.arange(start, last + 1, dtype=np.int64))
-                up_tok.append(np.asarray(tokens, dtype=np.int64))
+                up_tok.append(np.asarray(tokens, dtype=np.int32))
                 self.synced[req.request_id] = last + 1
         slots_t, *up = to_device([slots] + ([np.concatenate(up_rows), np.concatenate(up_pos), np.concatenate(up_tok)]
                                             if up_rows else []), dev)
@@ -245,11 +245,11 @@ class _NgramDeviceLookup:
             ctx[up[0], up[1]] = up[2]
         # the target's tokens after the last known one: the accepted drafts (equal to them), then its own
         pos = (p0_t[:, None] + 1 + torch.arange(w, device=dev)).clamp(max=max_len - 1)
-        ctx[slots_t[:, None], pos] = target
+        ctx[slots_t[:, None], pos] = target.to(torch.int32)
         width = min(max(p0) + w + 1, max_len)  # the longest context, at most (known on the host)
         rows = ctx[slots_t, :width]
         length = (p0_t + accepted + 2).clamp(max=max_len)
-        return device_ngram_lookup(rows, length, k, self.ngram_min, self.ngram_max)
+        return device_ngram_lookup(rows, length, k, self.ngram_min, self.ngram_max).long()
 
 
 def device_ngram_lookup(tokens: torch.Tensor, length: torch.Tensor, k: int, ngram_min: int,
@@ -261,13 +261,13 @@ def device_ngram_lookup(tokens: torch.Tensor, length: torch.Tensor, k: int, ngra
     else the first (as :func:`ngram_lookup`). O(n x width) comparisons a row, cheap beside a forward.
 
     Args:
-        tokens: [B, W] int64, row b's context in its first ``length[b]`` entries (the rest is ignored).
+        tokens: [B, W] int32 or int64, row b's context in its first ``length[b]`` entries (the rest is ignored).
         length: [B] int64 on the same device, each in [1, W].
         k: drafts per row.
         ngram_min, ngram_max: n-gram lengths tried, longest first.
     Returns:
-        [B, k] int64: the continuation of each row, 0 past its end (where the host version returns fewer
-        than k tokens, or none).
+        [B, k] in ``tokens``' dtype: the continuation of each row, 0 past its end (where the host version
+        returns fewer than k tokens, or none).
     """
     batch, width = tokens.shape
     dev = tokens.device
