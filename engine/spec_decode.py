@@ -153,7 +153,8 @@ class NgramProposer(Proposer):
         assert isinstance(lookup, _NgramDeviceLookup)
         reqs = {r.request_id: r for r in step.sample_reqs}
         rows = [r for r in _verified_rows(sched, step, decode_rows=True)  # a request without a draft chains too
-                if r.rid in reqs and reqs[r.rid].num_known_tokens == r.p0 + 1 and lookup.slot(r.rid) is not None]
+                if r.rid in reqs and reqs[r.rid].num_prompt_tokens <= r.p0 == reqs[r.rid].num_known_tokens - 1
+                and lookup.slot(r.rid) is not None]  # (not a prompt's last chunk: its first drafts come from the host)
         if not rows:
             return
         v = _verify_on_device(step, rows, [np.array([r.p0 for r in rows], dtype=np.int64)])

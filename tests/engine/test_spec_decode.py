@@ -1056,13 +1056,15 @@ def test_mtp_chained_verification_with_a_full_queue(mtp_checkpoint, tokenizer):
     assert stats["spec_chained_steps"] >= 0.8 * stats["spec_device_drafted_steps"] > 20, stats
 
 
-def test_mtp_chained_verification_under_preemption_and_admission(mtp_checkpoint, tokenizer):
+@pytest.mark.parametrize("method", ["mtp", "ngram"])
+def test_chained_verification_under_preemption_and_admission(mtp_checkpoint, tokenizer, method):
     """Chained verification steps with a KV pool too small for every request (preemption) and more
     requests than ``max_num_seqs`` (admissions mid-chain): the chain breaks and drains there, output stays
-    plain's."""
+    plain's (MTP, and n-gram looked up on the device, whose rows are reused by the requests admitted later)."""
     path, _ = mtp_checkpoint
-    chained = _mtp_engine(path, tokenizer, dict(method="mtp", num_draft_tokens=3), async_scheduling=True,
-                          debug_eager_graphs=True, num_kv_blocks=18, max_num_seqs=3)
+    spec = dict(method=method, num_draft_tokens=3, **({"ngram_on_device": True} if method == "ngram" else {}))
+    chained = _mtp_engine(path, tokenizer, spec, async_scheduling=True, debug_eager_graphs=True, num_kv_blocks=18,
+                          max_num_seqs=3)
     params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
               SamplingParams(temperature=0.8, max_tokens=27, ignore_eos=True, seed=5),
               SamplingParams(temperature=0.0, max_tokens=21, ignore_eos=True, logprobs=0),
