@@ -130,7 +130,7 @@ class NgramProposer(Proposer):
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
         self.on_device = on_device
         self._contexts: dict[str, TokenBuffer] = {}
-        self._queued = None  # the drafts of the last launch_drafts: (rids, ids, counts, event)
+        self._queued = None  # the drafts of the last launch_drafts, as _queue_drafts keeps them
 
     def enable_device_drafts(self, max_model_len: int, max_num_seqs: int, num_draft_tokens: int) -> None:
         """With ``on_device``: look drafts up on the device behind each verification step (:meth:`launch_drafts`);
@@ -192,10 +192,11 @@ class NgramProposer(Proposer):
 class _NgramDeviceLookup:
     """Prompt lookup on the device, for chained verification (:meth:`NgramProposer.launch_drafts`).
 
-    Each request holds a row of a [max_num_seqs, max_model_len] int32 buffer of its tokens (256 x 8K: 8 MiB). Before a lookup
-    the host uploads the tokens it knows that the row lacks (from ``synced[rid]`` through the last known
-    one); the device then writes the verified step's target tokens after it (the accepted drafts equal
-    them) and searches. Positions past a row's context may hold stale tokens; the search never reads them.
+    Each request holds a row of a [max_num_seqs, max_model_len] int32 buffer of its tokens (256 x 8K: 8 MiB).
+    Before a lookup the host uploads the tokens it knows that the row lacks (from ``synced[rid]`` through the
+    last known one); the device then writes the verified step's target tokens after it (the accepted drafts
+    equal them) and searches. Positions past a row's context may hold stale tokens; the search never reads
+    them.
     """
 
     def __init__(self, max_model_len: int, max_num_seqs: int, ngram_min: int, ngram_max: int):
