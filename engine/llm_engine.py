@@ -631,20 +631,23 @@ class LLMEngine:
             drafts.append(next(proposed) if d is None else
                           Draft(d.token_ids[:k], None if d.probs is None else d.probs[:k]))
         self.spec_stats.num_drafts_proposed += sum(len(d.token_ids) for d in drafts)
-        if spec.schedule == "confidence":
-            conf = torch.zeros(len(reqs), spec.num_draft_tokens)
-            for i, d in enumerate(drafts):
-                if d.token_ids:
-                    conf[i, : len(d.token_ids)] = torch.tensor(self.calibrator.confidence(d), dtype=torch.float32)
-            max_verify = spec.max_verify_tokens or spec.num_draft_tokens * self.engine_config.max_num_seqs
-            num_base = len(self.scheduler.running)
-            keep = choose_num_drafts(conf, num_base, float(num_base), self.step_time.a, self.step_time.b,
-                                     max_verify, spec.min_confidence).tolist()
-        else:
-            keep = [len(d.token_ids) for d in drafts]
+        keep = self._drafts_to_verify(drafts) if spec.schedule == "confidence" else [len(d.token_ids) for d in drafts]
         for req, d, k in zip(reqs, drafts, keep):
             req.draft_token_ids = d.token_ids[:k]
             self._draft_probs[req.request_id] = d.probs
+
+    def _drafts_to_verify(self, drafts: list[Draft]) -> list[int]:
+        """The confidence schedule: how many of each draft to verify this step (:func:`choose_num_drafts` over
+        the calibrated confidences of the drafts, with the step time model, one base token per running request)."""
+        spec = self.engine_config.speculative
+        conf = torch.zeros(len(drafts), spec.num_draft_tokens)
+        for i, d in enumerate(drafts):
+            if d.token_ids:
+                conf[i, : len(d.token_ids)] = torch.tensor(self.calibrator.confidence(d), dtype=torch.float32)
+        max_verify = spec.max_verify_tokens or spec.num_draft_tokens * self.engine_config.max_num_seqs
+        num_base = len(self.scheduler.running)
+        return choose_num_drafts(conf, num_base, float(num_base), self.step_time.a, self.step_time.b, max_verify,
+                                 spec.min_confidence).tolist()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._inflight is not None
@@ -785,17 +788,10 @@ class LLMEngine:
         k = spec.num_draft_tokens
         if spec.schedule != "confidence":
             return k
-        running = self.scheduler.running
-        conf = torch.zeros(len(running), k)
-        for i, req in enumerate(running):
-            probs = self._draft_probs.get(req.request_id)
-            if probs:
-                c = self.calibrator.confidence(Draft(list(probs[:k]), list(probs[:k])))
-                conf[i, : len(c)] = torch.tensor(c, dtype=torch.float32)
-        max_verify = spec.max_verify_tokens or k * self.engine_config.max_num_seqs
-        n = len(running)
-        keep = choose_num_drafts(conf, n, float(n), self.step_time.a, self.step_time.b, max_verify, spec.min_confidence)
-        return int(keep.max()) if n else 0
+        # the drafts' ids do not matter to the schedule, only their probabilities (none: no draft kept)
+        last = [self._draft_probs.get(req.request_id) or [] for req in self.scheduler.running]
+        keep = self._drafts_to_verify([Draft([0] * len(p[:k]), list(p[:k])) for p in last])
+        return max(keep, default=0)
 
     def _step_chained(self, started: float) -> list[RequestOutput] | None:
         """Pipelined speculative decoding: plan and launch the next verification step of every running request

@@ -90,10 +90,14 @@ class Proposer:
         next verification step before this one is processed (:meth:`take_chained` then hands out the drafts).
         Proposers that cannot (the default) do nothing, and :meth:`propose` drafts before the next step as usual."""
 
+    _queued: tuple | None = None  # the drafts the last launch_drafts queued (_queue_drafts), until taken
+
     def take_chained(self) -> dict[str, "Draft"]:
         """The drafts behind ``step.next_inputs`` of the last :meth:`launch_drafts`, by request id, whatever
-        the host knows yet (a chained step verifies exactly those); waits for the device. Default: none."""
-        return {}
+        the host knows yet (a chained step verifies exactly those); waits for the device. Default: what the
+        last launch queued (none for a proposer that does not draft on the device), once."""
+        queued, self._queued = self._queued, None
+        return {} if queued is None else _queued_drafts(queued)
 
     def take_drafts(self, reqs: list[Request]) -> dict[str, "Draft"]:
         """The drafts :meth:`launch_drafts` queued behind the last step for those of ``reqs`` they are still
@@ -130,7 +134,6 @@ class NgramProposer(Proposer):
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
         self.on_device = on_device
         self._contexts: dict[str, TokenBuffer] = {}
-        self._queued = None  # the drafts of the last launch_drafts, as _queue_drafts keeps them
 
     def enable_device_drafts(self, max_model_len: int, max_num_seqs: int, num_draft_tokens: int) -> None:
         """With ``on_device``: look drafts up on the device behind each verification step (:meth:`launch_drafts`);
@@ -161,13 +164,8 @@ class NgramProposer(Proposer):
         (p0_t,) = v.extra
         ids = lookup.lookup([reqs[r.rid] for r in rows], [r.p0 for r in rows], p0_t, v.target, v.accepted,
                             num_drafts)
-        self._queued = _queue_drafts([r.rid for r in rows], ids, torch.ones(ids.shape, device=ids.device))
+        self._queued = _queue_drafts([r.rid for r in rows], ids)
         step.next_inputs = v.next_inputs(ids)
-
-    def take_chained(self) -> dict[str, Draft]:
-        queued, self._queued = self._queued, None
-        # prompt lookup has no probabilities (as the host path's drafts)
-        return {} if queued is None else {rid: Draft(d.token_ids) for rid, d in _queued_drafts(queued).items()}
 
     def take_drafts(self, reqs: list[Request]) -> dict[str, Draft]:
         self._queued = None  # a drained step drafts on the host: the lookup there is exact and cheap
@@ -840,10 +838,6 @@ class MtpProposer(Proposer):
         self._queued = _queue_drafts([r.rid for r in rows], ids, probs)
         step.next_inputs = v.next_inputs(ids)  # last: a chained step needs the drafts queued too
 
-    def take_chained(self) -> dict[str, Draft]:
-        queued, self._queued = self._queued, None
-        return {} if queued is None else _queued_drafts(queued)
-
     def take_drafts(self, reqs: list[Request]) -> dict[str, Draft]:
         drafts = self.take_chained()
         expected = self.expected_num_tokens  # observe: the token count each request's drafts follow
@@ -1160,24 +1154,28 @@ def _append_top1(probs: torch.Tensor, drafts, live: list[int],
             keep.append(j)
     return top_id, keep
 
-def _queue_drafts(rids: list[str], ids: torch.Tensor, probs: torch.Tensor) -> tuple:
-    """What ``launch_drafts`` keeps of the drafts it queued: ``(rids, ids, probs, event)``, on CUDA copied to
-    pinned host memory without waiting and the event recorded after the copy (None elsewhere)."""
+def _queue_drafts(rids: list[str], ids: torch.Tensor, probs: torch.Tensor | None = None) -> tuple:
+    """What ``launch_drafts`` keeps of the drafts it queued: ``(rids, ids, probs, event)`` (``probs`` None for a
+    drafter without probabilities: prompt lookup), on CUDA copied to pinned host memory without waiting and the
+    event recorded after the copy (None elsewhere)."""
     if ids.device.type != "cuda":
         return rids, ids, probs, None
     ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True).copy_(ids, non_blocking=True)
-    probs = torch.empty(probs.shape, dtype=probs.dtype, pin_memory=True).copy_(probs, non_blocking=True)
+    if probs is not None:
+        probs = torch.empty(probs.shape, dtype=probs.dtype, pin_memory=True).copy_(probs, non_blocking=True)
     event = torch.cuda.Event()
     event.record()
     return rids, ids, probs, event
 
 
 def _queued_drafts(queued) -> dict[str, Draft]:
-    """Drafts a proposer's ``launch_drafts`` queued, ``(request ids, ids [n, k], probs [n, k], event)``, on the
-    host by request id (waits for their copy: the event, recorded after it on CUDA)."""
+    """Drafts a proposer's ``launch_drafts`` queued, ``(request ids, ids [n, k], probs [n, k] or None, event)``,
+    on the host by request id (waits for their copy: the event, recorded after it on CUDA)."""
     rids, ids, probs, event = queued
     if event is not None:
         event.synchronize()
+    if probs is None:
+        return {rid: Draft(d) for rid, d in zip(rids, ids.tolist())}
     return {rid: Draft(d, p) for rid, d, p in zip(rids, ids.tolist(), probs.tolist())}
 
 
