@@ -126,7 +126,7 @@ def check_spec(spec: SpecBenchSpec) -> None:
         raise ValueError(f"spec.methods has unknown entries {bad}; choose from {list(METHODS)}")
     needs_draft = sorted(DRAFT_METHODS.intersection(spec.methods))
     if spec.draft_model is None and needs_draft:
-        raise ValueError(f"spec.methods {needs_draft} draft with a separate model: set spec.draft_model "
+        raise ValueError(f"spec.methods {needs_draft} need a separate draft model: set spec.draft_model "
                          "(e.g. spec.draft_model=llama-3.2-1b)")
 
 
