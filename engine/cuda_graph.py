@@ -11,7 +11,11 @@ captured too, per query length ``q`` (``max_query_len``), for every batch size d
 ``max_verify_seqs``): a step
 whose requests have different query lengths runs in the graph of its longest one, each request padded to
 ``q`` rows (:meth:`DecodeGraphs.run_ragged`). A padding row sits after its request's real rows, so causal
-attention never shows it to them, and its slot is -1.
+attention never shows it to them, and its slot is -1. A draft model that skipped steps (the confidence
+schedule's plain steps) catches up on many tokens at once: one wider query length (``catch_up_len``) is
+captured for the batch sizes whose ``size * catch_up_len`` rows fit ``max_catch_up_tokens``, and a longer
+catch-up runs as several replays of it (:meth:`DecodeGraphs.catch_up_rounds`) instead of one eager forward
+(a few hundred launches from Python, and a compile for each new shape).
 
 With ``with_hidden`` (MTP drafting reads the target's last hidden states) the captured forward is
 ``model.forward_with_prenorm`` and each replay returns both outputs.
@@ -84,10 +88,13 @@ class DecodeGraphs:
             of the padding and buffer logic).
         with_hidden: capture ``model.forward_with_prenorm``: replays return (hidden after the final
             norm, hidden before it), both [rows, hidden_size].
+        catch_up_len: one more query length captured, above ``max_query_len`` (0: none), for the batch
+            sizes with ``size * catch_up_len <= max_catch_up_tokens``.
     """
 
     def __init__(self, model, kv_cache: torch.Tensor, block_size: int, max_model_len: int, max_num_seqs: int,
-                 max_query_len: int = 1, max_verify_seqs: int | None = None, eager: bool = False, with_hidden: bool = False):
+                 max_query_len: int = 1, max_verify_seqs: int | None = None, eager: bool = False, with_hidden: bool = False,
+                 catch_up_len: int = 0, max_catch_up_tokens: int = 4096):
         dev = kv_cache.device
         self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
         self.forward = model.forward_with_prenorm if with_hidden else model
@@ -97,8 +104,12 @@ class DecodeGraphs:
         limit = max_verify_seqs if max_verify_seqs is not None else self.sizes[-1]
         self.verify_sizes = [s for s in self.sizes if s <= limit] if max_query_len > 1 else []
         self.max_query_len = max_query_len if self.verify_sizes else 1
+        catch_up_sizes = [s for s in self.sizes if s * catch_up_len <= max_catch_up_tokens]
+        self.catch_up_len = catch_up_len if catch_up_len > self.max_query_len and catch_up_sizes else 0
+        self.catch_up_sizes = catch_up_sizes if self.catch_up_len else []
         n = self.sizes[-1]
-        num_tokens = max(n, (self.verify_sizes[-1] if self.verify_sizes else 0) * self.max_query_len)
+        num_tokens = max(n, (self.verify_sizes[-1] if self.verify_sizes else 0) * self.max_query_len,
+                         (self.catch_up_sizes or [0])[-1] * self.catch_up_len)
         max_blocks = -(-max_model_len // block_size)
         self.input_ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
         self.positions = torch.zeros(num_tokens, dtype=torch.long, device=dev)
@@ -107,7 +118,7 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=dev)
         # per query length q: request i's rows start at i * q
         self.query_start_loc = {q: torch.arange(0, (n + 1) * q, q, dtype=torch.int32, device=dev)
-                                for q in range(1, self.max_query_len + 1)}
+                                for q in self.query_lens()}
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], Outputs] = {}
 
@@ -119,8 +130,14 @@ class DecodeGraphs:
         t = bs * q
         return self.input_ids[:t], self.positions[:t], self.kv_cache, self._meta(bs, q)
 
+    def query_lens(self) -> list[int]:
+        """The captured query lengths: 1 .. ``max_query_len``, then ``catch_up_len`` if any."""
+        return list(range(1, self.max_query_len + 1)) + ([self.catch_up_len] if self.catch_up_len else [])
+
     def _sizes_for(self, q: int) -> list[int]:
-        return self.sizes if q == 1 else self.verify_sizes
+        if q == 1:
+            return self.sizes
+        return self.verify_sizes if q <= self.max_query_len else self.catch_up_sizes if q == self.catch_up_len else []
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -132,7 +149,7 @@ class DecodeGraphs:
         if self.eager:
             return
         pool = None
-        for q in range(1, self.max_query_len + 1):
+        for q in self.query_lens():
             self.seq_lens.fill_(q)  # a context of q tokens at capture (its keys: block 0's slots)
             try:
                 for bs in reversed(self._sizes_for(q)):
@@ -151,18 +168,21 @@ class DecodeGraphs:
                 logger.warning("CUDA graphs for %d-token queries not captured (%s): those steps run eagerly", q, exc)
                 for key in [k for k in self.graphs if k[1] >= q]:
                     del self.graphs[key], self.outputs[key]
-                self.max_query_len = q - 1
+                if q <= self.max_query_len:
+                    self.max_query_len = q - 1
+                self.catch_up_len, self.catch_up_sizes = 0, []
                 torch.cuda.synchronize()
                 break
         self.seq_lens.fill_(1)
         torch.cuda.synchronize()
-        logger.info("captured CUDA graphs for batch sizes %s (1-token queries)%s", self.sizes,
-                    f" and {self.verify_sizes} (2..{self.max_query_len}-token queries)" if self.max_query_len > 1 else "")
+        logger.info("captured CUDA graphs for batch sizes %s (1-token queries)%s%s", self.sizes,
+                    f" and {self.verify_sizes} (2..{self.max_query_len}-token queries)" if self.max_query_len > 1 else "",
+                    f", {self.catch_up_sizes} ({self.catch_up_len}-token catch-ups)" if self.catch_up_len else "")
 
     def padded_size(self, num_reqs: int, query_len: int = 1, min_batch: int | None = None) -> int | None:
         """Smallest captured size holding ``num_reqs`` requests of ``query_len`` tokens (and at least
         ``min_batch``: an expert-parallel group's size), or None."""
-        if not 1 <= query_len <= self.max_query_len:
+        if not (1 <= query_len <= self.max_query_len or query_len == self.catch_up_len > 0):
             return None
         for bs in self._sizes_for(query_len):
             if bs >= max(num_reqs, min_batch or 0):
@@ -209,16 +229,46 @@ class DecodeGraphs:
         return _rows(self.outputs[(bs, q)], slice(0, t))
 
     def ragged_width(self, query_lens: list[int], seq_lens: list[int]) -> int | None:
-        """The query length whose graphs can run a step of these requests (its longest query), or None
-        (none captured, too many requests, or a padded context past ``max_model_len``)."""
+        """The query length whose graphs can run a step of these requests (its longest query, or
+        ``catch_up_len`` above ``max_query_len``), or None (none captured, too many requests, or a padded
+        context past ``max_model_len``)."""
         if not query_lens:
             return None
         width = max(query_lens)
+        if width > self.max_query_len and width <= self.catch_up_len:
+            width = self.catch_up_len
         if self.padded_size(len(query_lens), width) is None:
             return None
         if any(s - q + width > self.max_model_len for q, s in zip(query_lens, seq_lens)):
             return None
         return width
+
+    def catch_up_rounds(self, query_lens: list[int], seq_lens: list[int], max_rounds: int = 8) -> list[list[int]] | None:
+        """Split catch-ups longer than the captured widths into replays of the widest (``catch_up_len``, else
+        ``max_query_len``): how many of its next tokens each request feeds in each replay but the last, so
+        that the last replay feeds every request's last ``min(query_len, width)`` tokens (its last token's
+        hidden state gives its first draft). A request longer than the width feeds ``min(width, left -
+        width)`` tokens a replay, so it has the width left for the last.
+
+        Args:
+            query_lens, seq_lens: per request, the tokens to catch up on and its context after them.
+            max_rounds: most replays in all (more: an eager forward is cheaper).
+        Returns:
+            per replay before the last, the tokens of each request ([] when every catch-up fits one
+            replay), or None when they cannot run in graphs (too many rounds, requests or context).
+        """
+        width = self.catch_up_len or self.max_query_len
+        left, rounds = list(query_lens), []
+        while left and max(left) > width:
+            take = [min(width, n - width) if n > width else 0 for n in left]
+            rows = [i for i, t in enumerate(take) if t]
+            if len(rounds) + 2 > max_rounds or self.padded_size(len(rows), width) is None:
+                return None
+            rounds.append(take)
+            left = [n - t for n, t in zip(left, take)]
+        if self.ragged_width(left, seq_lens) is None:
+            return None
+        return rounds
 
     def run_ragged(self, input_ids: np.ndarray | torch.Tensor, slot_mapping: np.ndarray, query_lens: list[int], seq_lens: list[int], block_tables: np.ndarray, width: int) -> Outputs:
         """Replay the graph of ``width``-token queries for requests of up to ``width`` new tokens each.

@@ -446,13 +446,21 @@ class DraftModelProposer(Proposer):
         self._launched: dict[str, tuple[int, int]] = {}
         self._host: dict[str, Draft] | None = None
 
+    # Catch-ups on more tokens than a verification step accepts (the prompt, the confidence schedule's plain
+    # steps) replay graphs of RAYINFER_DRAFT_CATCH_UP_LEN tokens a request (default 32), up to this many rows
+    # (DecodeGraphs.catch_up_rounds).
+    MAX_CATCH_UP_TOKENS = 8192
+
     def capture_cuda_graphs(self, max_model_len: int, max_num_seqs: int, max_query_len: int) -> None:
-        """Capture the draft model's forwards (CUDA only): one-token draft steps, and catch-up steps of up
-        to ``max_query_len`` tokens (the last verification's accepted tokens)."""
+        """Capture the draft model's forwards (CUDA only): one-token draft steps, catch-up steps of up
+        to ``max_query_len`` tokens (the last verification's accepted tokens), and steps of
+        ``RAYINFER_DRAFT_CATCH_UP_LEN`` tokens a request, of which a longer catch-up runs several."""
+        from rayinfer import envs
         from rayinfer.engine.cuda_graph import DecodeGraphs
 
         self.graphs = DecodeGraphs(self.model, self.cache.kv_cache, self.cache.block_size, max_model_len,
-                                   max_num_seqs, max_query_len=max_query_len)
+                                   max_num_seqs, max_query_len=max_query_len, catch_up_len=envs.draft_catch_up_len(),
+                                   max_catch_up_tokens=self.MAX_CATCH_UP_TOKENS)
         self.graphs.capture()
 
     def enable_device_drafts(self, max_model_len: int, max_num_seqs: int, num_draft_tokens: int) -> None:
@@ -587,8 +595,24 @@ class DraftModelProposer(Proposer):
         # forwards are launched (one read a step, not one a draft).
         dev = self.device
         num_left = [max_drafts[i] for i in live]
-        (ids,) = to_device([np.fromiter((t for c in chunks for t in c), np.int64)], dev)
         query_lens = [len(c) for c in chunks]
+        rounds = None if self.graphs is None else self.graphs.catch_up_rounds(
+            query_lens, [s + q for s, q in zip(starts, query_lens)])
+        for take in rounds or ():  # a long catch-up (the plain steps' tokens): its first tokens in graph replays
+            rows = [j for j, t in enumerate(take) if t]
+            fed = [chunks[j][:take[j]] for j in rows]
+            lens = [take[j] for j in rows]
+            seqs = [starts[j] + take[j] for j in rows]
+            tables = [cache.block_ids[reqs[live[j]].request_id] for j in rows]
+            _, _, bt, slots, _ = host_arrays(lens, seqs, tables, cache.block_size)
+            (fed_t,) = to_device([np.fromiter((t for c in fed for t in c), np.int64)], dev)
+            width = self.graphs.ragged_width(lens, seqs)
+            assert width is not None
+            self.graphs.run_ragged(fed_t, slots, lens, seqs, bt, width)
+            for j in rows:
+                chunks[j], starts[j] = chunks[j][take[j]:], starts[j] + take[j]
+            query_lens = [len(c) for c in chunks]
+        (ids,) = to_device([np.fromiter((t for c in chunks for t in c), np.int64)], dev)
         steps = []  # per forward: (the indexes into reqs it drafted for, top-1 ids [n], their probabilities [n])
         while True:
             rids = [reqs[i].request_id for i in live]

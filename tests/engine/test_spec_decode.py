@@ -602,6 +602,72 @@ def test_verification_and_draft_steps_through_graph_buffers(tiny_pair, tokenizer
     assert engine.stats()["spec_num_drafts_accepted"] > 0
 
 
+@pytest.mark.parametrize("query_lens", [[3], [7, 1, 12], [30, 2], [5, 5, 6, 1], [17]])
+def test_catch_up_rounds_feed_every_token_once_and_end_together(tiny_pair, query_lens):
+    """A catch-up longer than the captured widths runs as replays of the widest: each request's tokens are
+    fed once, in order, none more than the width a replay, and the last replay holds every request."""
+    from rayinfer.engine.cuda_graph import DecodeGraphs
+
+    model = tiny_pair[1]
+    kv = torch.zeros(model.kv_cache_shape(64, 4))
+    graphs = DecodeGraphs(model, kv, 4, 512, 4, max_query_len=3, eager=True, catch_up_len=6)
+    assert graphs.query_lens() == [1, 2, 3, 6] and graphs.catch_up_sizes == [1, 2, 4]
+    seq_lens = [q + 10 for q in query_lens]
+    rounds = graphs.catch_up_rounds(query_lens, seq_lens)
+    assert rounds is not None
+    fed = [sum(r[i] for r in rounds) for i in range(len(query_lens))]
+    last = [q - f for q, f in zip(query_lens, fed)]
+    assert all(1 <= n <= 6 for n in last) and all(0 <= t <= 6 for r in rounds for t in r)
+    assert len(rounds) == max(0, -(-max(query_lens) // 6) - 1)
+    assert graphs.ragged_width(last, seq_lens) == (6 if max(last) > 3 else max(last))
+    assert graphs.catch_up_rounds([100], [110]) is None  # 17 replays: an eager forward instead
+    wide = DecodeGraphs(model, kv, 4, 512, 8, max_query_len=3, eager=True, catch_up_len=6, max_catch_up_tokens=24)
+    assert wide.catch_up_sizes == [1, 2, 4] and wide.ragged_width([5] * 8, [20] * 8) is None
+
+
+def test_draft_model_catches_up_on_plain_steps_in_graph_replays(tiny_pair, tokenizer):
+    """The confidence schedule's plain steps leave the draft model behind; back to drafting, it catches up
+    in replays of its widest graph (eagerly on CPU, same buffers): greedy and seeded output equal plain
+    decoding's, drafts are accepted after the catch-ups, and catch-ups longer than one replay occurred."""
+    from rayinfer.engine.cuda_graph import DecodeGraphs
+
+    prompts = list(PROMPTS)
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.8, max_tokens=37, ignore_eos=True, seed=5),
+              SamplingParams(temperature=0.0, max_tokens=35, ignore_eos=True, logprobs=0)]
+    plain = _tiny_spec_engine(tiny_pair, tokenizer, {}).generate(prompts, params)
+    engine = _tiny_spec_engine(tiny_pair, tokenizer, dict(method="draft_model", schedule="confidence",
+                                                          num_draft_tokens=3))
+    calls = []
+    engine.gate.speculate = lambda batch_size: len(calls.append(0) or calls) % 12 >= 9  # 9 plain, then 3 drafting
+    prop = engine.proposer
+    prop.graphs = DecodeGraphs(prop.model, prop.cache.kv_cache, prop.cache.block_size, 512, 4, max_query_len=4,
+                               eager=True, catch_up_len=6)
+    plans, widths = [], []
+    plan, run_ragged = prop.graphs.catch_up_rounds, prop.graphs.run_ragged
+    prop.graphs.catch_up_rounds = lambda *a, **kw: plans.append(plan(*a, **kw)) or plans[-1]
+    prop.graphs.run_ragged = lambda *a: widths.append(a[-1]) or run_ragged(*a)
+    drafts = _recorded_drafts(prop)
+    _check_same(engine.generate(prompts, params), plain)
+    assert any(p for p in plans), plans  # some catch-up took more than one replay
+    assert None not in plans and 6 in widths
+    assert engine.stats()["spec_num_drafts_accepted"] > 0
+    # the same drafts as one eager catch-up forward makes
+    eager = _tiny_spec_engine(tiny_pair, tokenizer, dict(method="draft_model", schedule="confidence", num_draft_tokens=3))
+    calls.clear()
+    eager.gate.speculate = engine.gate.speculate
+    want = _recorded_drafts(eager.proposer)
+    eager.generate(prompts, params)
+    assert drafts == want and len(drafts) > 10
+
+
+def _recorded_drafts(prop) -> list:
+    """Every draft ``prop.propose`` makes from now on, in order (token ids)."""
+    out, propose = [], prop.propose
+    prop.propose = lambda reqs, ks: [out.append(d.token_ids) or d for d in propose(reqs, ks)]
+    return out
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_greedy_and_seeded_output_under_preemption(tiny_pair, tokenizer, method):
     prompts = list(PROMPTS)

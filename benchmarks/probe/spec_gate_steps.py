@@ -1,0 +1,150 @@
+"""Probe: where a confidence-scheduled draft-model engine's decode steps spend their time.
+
+Runs the speculative bench's workload (``jobs/bench_spec.py``: prompts that ask to repeat, fix or continue a
+text) through ``LLMEngine.step()`` and records per step: the gate's choice, the step's wall time, and for the
+draft model's own work the time of each ``propose`` (synchronized before and after, so these steps lose their
+overlap), how many requests it caught up and on how many tokens, whether the catch-up forward replayed a graph
+or ran eagerly, and how many requests ``launch_drafts`` chained. ``--runs`` repeats the workload on fresh
+engines; the first is the warm-up (compiles) and is reported apart.
+
+    PYTHONPATH=. python benchmarks/probe/spec_gate_steps.py --batch 8 --out /tmp/steps.json
+    PYTHONPATH=. python benchmarks/probe/spec_gate_steps.py --schedule fixed --batch 32
+"""
+import argparse
+import collections
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from rayinfer.engine.config import EngineConfig, ModelConfig, SpeculativeConfig  # noqa: E402
+from rayinfer.engine.llm_engine import LLMEngine  # noqa: E402
+from rayinfer.jobs import benchlib as bl  # noqa: E402
+from rayinfer.jobs.bench_spec import spec_workload  # noqa: E402
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def instrument(engine: LLMEngine, log: list[dict]) -> None:
+    """Wrap the engine's gate, proposer and step so that each step appends one record to ``log``."""
+    prop, gate = engine.proposer, engine.gate
+    dev = prop.device
+    cur: dict = {}
+
+    orig_speculate = gate.speculate
+
+    def speculate(batch_size):
+        choice = orig_speculate(batch_size)
+        cur["gate"] = "draft" if choice else "plain"
+        cur["explore"] = bool(gate._explored.get(gate.bucket(batch_size)))
+        return choice
+
+    gate.speculate = speculate
+
+    orig_propose = prop.propose
+
+    def propose(reqs, max_drafts):
+        lags = []
+        for r in reqs:
+            seen = prop.cache.computed.get(r.request_id, [])
+            tokens = r.all_token_ids
+            same = 0
+            for a, b in zip(seen, tokens):
+                if a != b:
+                    break
+                same += 1
+            lags.append(len(tokens) - min(same, len(tokens) - 1))
+        graphs = prop.graphs
+        width = graphs.ragged_width(lags, [len(r.all_token_ids) for r in reqs]) if graphs is not None and lags else None
+        _sync(dev)
+        t0 = time.perf_counter()
+        out = orig_propose(reqs, max_drafts)
+        _sync(dev)
+        cur.setdefault("propose", []).append({"ms": (time.perf_counter() - t0) * 1e3, "reqs": len(reqs),
+                                              "catch_up_max": max(lags, default=0), "catch_up_sum": sum(lags),
+                                              "graph": width is not None})
+        return out
+
+    prop.propose = propose
+
+    orig_launch = prop.launch_drafts
+
+    def launch_drafts(sched, step, num_drafts):
+        orig_launch(sched, step, num_drafts)
+        cur["chained_rows"] = cur.get("chained_rows", 0) + len(prop._launched)
+
+    prop.launch_drafts = launch_drafts
+
+    orig_step = engine.step
+
+    def step(*a, **kw):
+        cur.clear()
+        t0 = time.perf_counter()
+        out = orig_step(*a, **kw)
+        rec = dict(cur, ms=(time.perf_counter() - t0) * 1e3, tokens=sum(len(o.new_token_ids) for o in out))
+        log.append(rec)
+        return out
+
+    engine.step = step
+
+
+def summarize(log: list[dict]) -> dict:
+    by = collections.defaultdict(lambda: {"steps": 0, "ms": 0.0, "tokens": 0})
+    for r in log:
+        key = r.get("gate", "other") + ("-explore" if r.get("explore") else "")
+        by[key]["steps"] += 1
+        by[key]["ms"] += r["ms"]
+        by[key]["tokens"] += r["tokens"]
+    props = [p for r in log for p in r.get("propose", [])]
+    return {"by_gate": dict(by), "total_ms": sum(r["ms"] for r in log),
+            "propose": {"calls": len(props), "ms": sum(p["ms"] for p in props),
+                        "eager_calls": sum(not p["graph"] for p in props),
+                        "eager_ms": sum(p["ms"] for p in props if not p["graph"]),
+                        "graph_ms": sum(p["ms"] for p in props if p["graph"])},
+            "chained_rows": sum(r.get("chained_rows", 0) for r in log)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--draft-model", default=None, help="default: the target drafts for itself")
+    ap.add_argument("--schedule", default="confidence", choices=["fixed", "confidence"])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    mc = ModelConfig(model=args.model, load_format=args.load_format, dtype=args.dtype)
+    sc = SpeculativeConfig(method="draft_model", draft_model=args.draft_model, schedule=args.schedule,
+                           draft_load_format=args.load_format)
+    ec = EngineConfig(device=args.device, max_num_seqs=args.batch, speculative=sc)
+    runs = []
+    for run in range(args.runs):
+        engine = LLMEngine(mc, ec)
+        items = spec_workload(engine.tokenizer, args.batch, args.output_len)
+        log: list[dict] = []
+        instrument(engine, log)
+        res = bl.run_offline(engine, items, request_prefix=f"probe{run}")
+        summary = summarize(log)
+        summary["output_tok_s"] = sum(t.num_output_tokens for t in res.timings) / res.elapsed_s
+        print(f"run {run}: {summary['output_tok_s']:.0f} tok/s  {json.dumps(summary)}", flush=True)
+        runs.append({"summary": summary, "steps": log})
+        del engine
+        bl.release_device_memory()
+    result = {**bl.run_metadata(torch.device("cuda" if torch.cuda.is_available() else "cpu")),
+              "command": "python " + " ".join(sys.argv), "args": vars(args), "runs": runs}
+    bl.emit_json(result, args.out)
+
+
+if __name__ == "__main__":
+    main()
