@@ -243,7 +243,7 @@ class DecodeGraphs:
             return None
         return width
 
-    def catch_up_rounds(self, query_lens: list[int], seq_lens: list[int], max_rounds: int = 8) -> list[list[int]] | None:
+    def catch_up_rounds(self, query_lens: list[int], seq_lens: list[int], max_rounds: int = 16) -> list[list[int]] | None:
         """Split catch-ups longer than the captured widths into replays of the widest (``catch_up_len``, else
         ``max_query_len``): how many of its next tokens each request feeds in each replay but the last, so
         that the last replay feeds every request's last ``min(query_len, width)`` tokens (its last token's

@@ -61,14 +61,15 @@ def instrument(engine: LLMEngine, log: list[dict]) -> None:
                 same += 1
             lags.append(len(tokens) - min(same, len(tokens) - 1))
         graphs = prop.graphs
-        width = graphs.ragged_width(lags, [len(r.all_token_ids) for r in reqs]) if graphs is not None and lags else None
+        rounds = graphs.catch_up_rounds(lags, [len(r.all_token_ids) for r in reqs]) if graphs is not None and lags else None
         _sync(dev)
         t0 = time.perf_counter()
         out = orig_propose(reqs, max_drafts)
         _sync(dev)
         cur.setdefault("propose", []).append({"ms": (time.perf_counter() - t0) * 1e3, "reqs": len(reqs),
                                               "catch_up_max": max(lags, default=0), "catch_up_sum": sum(lags),
-                                              "graph": width is not None})
+                                              "graph": rounds is not None,
+                                              "replays": None if rounds is None else len(rounds) + 1})
         return out
 
     prop.propose = propose

@@ -620,7 +620,7 @@ def test_catch_up_rounds_feed_every_token_once_and_end_together(tiny_pair, query
     assert all(1 <= n <= 6 for n in last) and all(0 <= t <= 6 for r in rounds for t in r)
     assert len(rounds) == max(0, -(-max(query_lens) // 6) - 1)
     assert graphs.ragged_width(last, seq_lens) == (6 if max(last) > 3 else max(last))
-    assert graphs.catch_up_rounds([100], [110]) is None  # 17 replays: an eager forward instead
+    assert graphs.catch_up_rounds([100], [110]) is None  # 17 replays: one eager forward instead
     wide = DecodeGraphs(model, kv, 4, 512, 8, max_query_len=3, eager=True, catch_up_len=6, max_catch_up_tokens=24)
     assert wide.catch_up_sizes == [1, 2, 4] and wide.ragged_width([5] * 8, [20] * 8) is None
 
