@@ -236,7 +236,8 @@ class LLMEngine:
             elif spec.method == "mtp":
                 self.proposer = MtpProposer(self.model, num_blocks, cfg.block_size, self.vocab_size)
             else:
-                self.proposer = DraftModelProposer(draft_model, num_blocks, cfg.block_size, self.vocab_size)
+                self.proposer = DraftModelProposer(draft_model, num_blocks, cfg.block_size, self.vocab_size,
+                                                   max_catch_up_tokens=cfg.max_num_batched_tokens)
             # MTP reads the target's hidden states: every step keeps them (graphs capture them too)
             self.runner.capture_hidden = self.proposer.needs_hidden
             if self.async_scheduling and not chains and (self.proposer.needs_hidden or spec.schedule != "confidence"):

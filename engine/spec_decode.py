@@ -427,12 +427,15 @@ class DraftModelProposer(Proposer):
             ``kv_cache_shape``), in eval mode; the target itself drafts for itself (acceptance 1 greedy).
         num_blocks, block_size: its KV pool.
         vocab_size: the target's vocabulary (draft logits past it are ignored).
+        max_catch_up_tokens: most rows of one eager catch-up forward (a longer catch-up runs as several;
+            the engine passes its ``max_num_batched_tokens``).
     Raises:
         ValueError: if the draft's vocabulary is smaller than the target's tokenizer needs.
     """
 
-    def __init__(self, model, num_blocks: int, block_size: int, vocab_size: int):
+    def __init__(self, model, num_blocks: int, block_size: int, vocab_size: int, max_catch_up_tokens: int = 8192):
         weight = next(model.parameters())
+        self.max_catch_up_tokens = max(int(max_catch_up_tokens), 1)
         if model.config.vocab_size < vocab_size:
             raise ValueError(f"draft model's vocab_size ({model.config.vocab_size}) is smaller than the target's "
                              f"({vocab_size}); a draft model must share the target's tokenizer")
@@ -567,10 +570,30 @@ class DraftModelProposer(Proposer):
         self._launched = {r.rid: (r.p0, len(r.drafts)) for r in rows}
         step.next_inputs = v.next_inputs(ids_t)  # last: a chained step needs the drafts queued too
 
+    def _forward(self, ids: torch.Tensor, query_lens: list[int], seq_lens: list[int],
+                 tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft forward over ``query_lens`` new tokens a request (``ids``: [sum(query_lens)] int64 on the
+        device), in a captured graph where one fits, else eagerly. Returns the hidden states [tokens,
+        hidden_size] and each request's last row's index among them ([n] int64, on the device)."""
+        from rayinfer.engine.staging import to_device
+        from rayinfer.kernels.attention_metadata import AttentionMetadata, host_arrays
+
+        cache, dev = self.cache, self.device
+        qsl, sl, bt, slots, positions = host_arrays(query_lens, seq_lens, tables, cache.block_size)
+        width = self.graphs.ragged_width(query_lens, seq_lens) if self.graphs is not None else None
+        if width is not None:  # draft steps and short catch-ups: a captured graph
+            assert self.graphs is not None
+            hidden = self.graphs.run_ragged(ids, slots, query_lens, seq_lens, bt, width)
+            (last,) = to_device([qsl[1:].astype(np.int64) - 1], dev)
+            return hidden, last  # type: ignore[return-value]
+        qsl_t, sl_t, bt_t, slots_t, pos_t, last = to_device(
+            [qsl, sl, bt, slots, positions, qsl[1:].astype(np.int64) - 1], dev)
+        meta = AttentionMetadata(qsl_t, sl_t, bt_t, slots_t, cache.block_size, query_lens, seq_lens)
+        return self.model(ids, pos_t, cache.kv_cache, meta), last
+
     @torch.inference_mode()
     def propose(self, reqs: list[Request], max_drafts: list[int]) -> list[Draft]:
         from rayinfer.engine.staging import to_device
-        from rayinfer.kernels.attention_metadata import AttentionMetadata, host_arrays
 
         self._settle(reqs)
         cache = self.cache
@@ -596,19 +619,16 @@ class DraftModelProposer(Proposer):
         dev = self.device
         num_left = [max_drafts[i] for i in live]
         query_lens = [len(c) for c in chunks]
-        rounds = None if self.graphs is None else self.graphs.catch_up_rounds(
-            query_lens, [s + q for s, q in zip(starts, query_lens)])
-        for take in rounds or ():  # a long catch-up (the plain steps' tokens): its first tokens in graph replays
+        seq_lens = [s + q for s, q in zip(starts, query_lens)]
+        rounds = None if self.graphs is None else self.graphs.catch_up_rounds(query_lens, seq_lens)
+        if rounds is None:
+            rounds = _eager_catch_up_rounds(query_lens, self.max_catch_up_tokens)
+        for take in rounds:  # a long catch-up (the prompt, the plain steps' tokens): its first tokens
             rows = [j for j, t in enumerate(take) if t]
             fed = [chunks[j][:take[j]] for j in rows]
-            lens = [take[j] for j in rows]
-            seqs = [starts[j] + take[j] for j in rows]
-            tables = [cache.block_ids[reqs[live[j]].request_id] for j in rows]
-            _, _, bt, slots, _ = host_arrays(lens, seqs, tables, cache.block_size)
             (fed_t,) = to_device([np.fromiter((t for c in fed for t in c), np.int64)], dev)
-            width = self.graphs.ragged_width(lens, seqs)
-            assert width is not None
-            self.graphs.run_ragged(fed_t, slots, lens, seqs, bt, width)
+            self._forward(fed_t, [take[j] for j in rows], [starts[j] + take[j] for j in rows],
+                          [cache.block_ids[reqs[live[j]].request_id] for j in rows])
             for j in rows:
                 chunks[j], starts[j] = chunks[j][take[j]:], starts[j] + take[j]
             query_lens = [len(c) for c in chunks]
@@ -617,17 +637,7 @@ class DraftModelProposer(Proposer):
         while True:
             rids = [reqs[i].request_id for i in live]
             seq_lens = [s + q for s, q in zip(starts, query_lens)]
-            tables = [cache.block_ids[rid] for rid in rids]
-            qsl, sl, bt, slots, positions = host_arrays(query_lens, seq_lens, tables, cache.block_size)
-            width = self.graphs.ragged_width(query_lens, seq_lens) if self.graphs is not None else None
-            if width is not None:  # draft steps and short catch-ups: a captured graph
-                hidden = self.graphs.run_ragged(ids, slots, query_lens, seq_lens, bt, width)
-                (last,) = to_device([qsl[1:].astype(np.int64) - 1], dev)
-            else:
-                qsl_t, sl_t, bt_t, slots_t, pos_t, last = to_device(
-                    [qsl, sl, bt, slots, positions, qsl[1:].astype(np.int64) - 1], dev)
-                meta = AttentionMetadata(qsl_t, sl_t, bt_t, slots_t, cache.block_size, query_lens, seq_lens)
-                hidden = self.model(ids, pos_t, cache.kv_cache, meta)
+            hidden, last = self._forward(ids, query_lens, seq_lens, [cache.block_ids[rid] for rid in rids])
             probs = torch.softmax(self.model.compute_logits(hidden[last])[:, : self.vocab_size].float(), dim=-1)
             top_p, top_id = probs.max(dim=-1)
             steps.append((live, top_id, top_p))
@@ -651,6 +661,23 @@ class DraftModelProposer(Proposer):
                 d.probs.append(top_ps[at])
                 at += 1
         return drafts
+
+
+def _eager_catch_up_rounds(query_lens: list[int], max_tokens: int) -> list[list[int]]:
+    """Eager forwards that bound a catch-up's rows by ``max_tokens`` (a batch of long prompts at once): how
+    many of its next tokens each request feeds in each forward before the last, which then feeds every
+    request's last token. [] when one forward of ``sum(query_lens)`` rows fits."""
+    if sum(query_lens) <= max_tokens:
+        return []
+    left, rounds = [n - 1 for n in query_lens], []
+    while sum(left):
+        room, take = max_tokens, []
+        for n in left:
+            take.append(min(n, room))
+            room -= take[-1]
+        rounds.append(take)
+        left = [n - t for n, t in zip(left, take)]
+    return rounds
 
 
 class _VerifiedRows(NamedTuple):

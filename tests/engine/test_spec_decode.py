@@ -625,10 +625,12 @@ def test_catch_up_rounds_feed_every_token_once_and_end_together(tiny_pair, query
     assert wide.catch_up_sizes == [1, 2, 4] and wide.ragged_width([5] * 8, [20] * 8) is None
 
 
-def test_draft_model_catches_up_on_plain_steps_in_graph_replays(tiny_pair, tokenizer):
-    """The confidence schedule's plain steps leave the draft model behind; back to drafting, it catches up
-    in replays of its widest graph (eagerly on CPU, same buffers): greedy and seeded output equal plain
-    decoding's, drafts are accepted after the catch-ups, and catch-ups longer than one replay occurred."""
+@pytest.mark.parametrize("path", ["graphs", "eager-bounded"])
+def test_draft_model_catches_up_on_plain_steps_in_rounds(tiny_pair, tokenizer, path):
+    """The confidence schedule's plain steps leave the draft model behind; back to drafting, it catches up in
+    rounds: replays of its widest graph (eagerly on CPU, same buffers), or eager forwards of at most
+    ``max_catch_up_tokens`` rows. Greedy and seeded output equal plain decoding's, catch-ups longer than one
+    round occurred, and the drafts equal those of one unbounded eager catch-up forward."""
     from rayinfer.engine.cuda_graph import DecodeGraphs
 
     prompts = list(PROMPTS)
@@ -636,26 +638,35 @@ def test_draft_model_catches_up_on_plain_steps_in_graph_replays(tiny_pair, token
               SamplingParams(temperature=0.8, max_tokens=37, ignore_eos=True, seed=5),
               SamplingParams(temperature=0.0, max_tokens=35, ignore_eos=True, logprobs=0)]
     plain = _tiny_spec_engine(tiny_pair, tokenizer, {}).generate(prompts, params)
-    engine = _tiny_spec_engine(tiny_pair, tokenizer, dict(method="draft_model", schedule="confidence",
-                                                          num_draft_tokens=3))
+    spec = dict(method="draft_model", schedule="confidence", num_draft_tokens=3)
+    engine = _tiny_spec_engine(tiny_pair, tokenizer, spec)
     calls = []
     engine.gate.speculate = lambda batch_size: len(calls.append(0) or calls) % 12 >= 9  # 9 plain, then 3 drafting
+    engine.step_time.update = lambda *a: None  # drafts verified by the fixed step-time model, not by the clock
     prop = engine.proposer
-    prop.graphs = DecodeGraphs(prop.model, prop.cache.kv_cache, prop.cache.block_size, 512, 4, max_query_len=4,
-                               eager=True, catch_up_len=6)
-    plans, widths = [], []
-    plan, run_ragged = prop.graphs.catch_up_rounds, prop.graphs.run_ragged
-    prop.graphs.catch_up_rounds = lambda *a, **kw: plans.append(plan(*a, **kw)) or plans[-1]
-    prop.graphs.run_ragged = lambda *a: widths.append(a[-1]) or run_ragged(*a)
+    rows_per_forward, widths, plans = [], [], []
+    if path == "graphs":
+        prop.graphs = DecodeGraphs(prop.model, prop.cache.kv_cache, prop.cache.block_size, 512, 4, max_query_len=4,
+                                   eager=True, catch_up_len=6)
+        plan, run_ragged = prop.graphs.catch_up_rounds, prop.graphs.run_ragged
+        prop.graphs.catch_up_rounds = lambda *a, **kw: plans.append(plan(*a, **kw)) or plans[-1]
+        prop.graphs.run_ragged = lambda *a: widths.append(a[-1]) or run_ragged(*a)
+    else:
+        prop.max_catch_up_tokens = 5
+        forward = prop._forward
+        prop._forward = lambda ids, lens, *a: rows_per_forward.append(sum(lens)) or forward(ids, lens, *a)
     drafts = _recorded_drafts(prop)
     _check_same(engine.generate(prompts, params), plain)
-    assert any(p for p in plans), plans  # some catch-up took more than one replay
-    assert None not in plans and 6 in widths
+    if path == "graphs":
+        assert any(p for p in plans), plans  # some catch-up took more than one replay
+        assert None not in plans and 6 in widths
+    else:
+        assert max(rows_per_forward) <= 5 and rows_per_forward.count(5) > 3, rows_per_forward
     assert engine.stats()["spec_num_drafts_accepted"] > 0
-    # the same drafts as one eager catch-up forward makes
-    eager = _tiny_spec_engine(tiny_pair, tokenizer, dict(method="draft_model", schedule="confidence", num_draft_tokens=3))
+    # the same drafts as one unbounded eager catch-up forward makes
+    eager = _tiny_spec_engine(tiny_pair, tokenizer, spec)
     calls.clear()
-    eager.gate.speculate = engine.gate.speculate
+    eager.gate.speculate, eager.step_time.update = engine.gate.speculate, engine.step_time.update
     want = _recorded_drafts(eager.proposer)
     eager.generate(prompts, params)
     assert drafts == want and len(drafts) > 10
