@@ -89,7 +89,8 @@ class DecodeGraphs:
         with_hidden: capture ``model.forward_with_prenorm``: replays return (hidden after the final
             norm, hidden before it), both [rows, hidden_size].
         catch_up_len: one more query length captured, above ``max_query_len`` (0: none), for the batch
-            sizes with ``size * catch_up_len <= max_catch_up_tokens``.
+            sizes with ``size * catch_up_len <= max_catch_up_tokens``; none for a model whose
+            ``max_graph_query_len`` is shorter (MLA: longer queries take a prefill path sized on the host).
     """
 
     def __init__(self, model, kv_cache: torch.Tensor, block_size: int, max_model_len: int, max_num_seqs: int,
@@ -104,6 +105,9 @@ class DecodeGraphs:
         limit = max_verify_seqs if max_verify_seqs is not None else self.sizes[-1]
         self.verify_sizes = [s for s in self.sizes if s <= limit] if max_query_len > 1 else []
         self.max_query_len = max_query_len if self.verify_sizes else 1
+        cap = getattr(model, "max_graph_query_len", None)  # MLA: only short queries read their lengths on the device
+        if cap is not None and catch_up_len > cap:
+            catch_up_len = 0
         catch_up_sizes = [s for s in self.sizes if s * catch_up_len <= max_catch_up_tokens]
         self.catch_up_len = catch_up_len if catch_up_len > self.max_query_len and catch_up_sizes else 0
         self.catch_up_sizes = catch_up_sizes if self.catch_up_len else []

@@ -623,6 +623,12 @@ def test_catch_up_rounds_feed_every_token_once_and_end_together(tiny_pair, query
     assert graphs.catch_up_rounds([100], [110]) is None  # 17 replays: one eager forward instead
     wide = DecodeGraphs(model, kv, 4, 512, 8, max_query_len=3, eager=True, catch_up_len=6, max_catch_up_tokens=24)
     assert wide.catch_up_sizes == [1, 2, 4] and wide.ragged_width([5] * 8, [20] * 8) is None
+    model.max_graph_query_len = 5  # as MLA models cap it: no catch-up graphs past the cap
+    try:
+        capped = DecodeGraphs(model, kv, 4, 512, 4, max_query_len=3, eager=True, catch_up_len=6)
+    finally:
+        del model.max_graph_query_len
+    assert capped.query_lens() == [1, 2, 3] and capped.catch_up_rounds([7], [17]) == [[3], [1]]  # in 3-token replays
 
 
 @pytest.mark.parametrize("path", ["graphs", "eager-bounded"])
