@@ -251,6 +251,8 @@ class LLMEngine:
         self._inflight_speculative = False  # whether the step in flight was launched as a drafting step
         self._last_speculative = False  # whether the last step drafted (the gate's choice)
         self._gate_sample = None  # the last pure-decode call's measurement, recorded at the next call
+        self._plain_lookups = 0  # plain decode calls of the confidence schedule (_look_for_drafts)
+        self._last_lookup = (0.0, 0.0)  # the last of their draft lookups: (when, seconds it took)
         if (on_cuda and not cfg.enforce_eager or not on_cuda and cfg.debug_eager_graphs) and self.local_kv_cache is None:
             # speculative: verification steps (each request's last token + up to k drafts) get graphs too
             def graph_query_len(model) -> int:
@@ -606,19 +608,7 @@ class LLMEngine:
         token); neither do requests within one token of ``max_tokens`` or the context limit.
         """
         spec = self.engine_config.speculative
-        reqs, ks = [], []
-        for req in self.scheduler.running:
-            p = req.params
-            if (req.num_tokens - req.num_computed_tokens != 1 or req.num_computed_tokens < req.num_prompt_tokens
-                    or req.grammar is not None or p.needs_penalties):
-                continue
-            room = self.max_model_len - req.num_tokens - 1
-            if p.max_tokens is not None:
-                room = min(room, p.max_tokens - req.num_output_tokens - 1)
-            k = min(spec.num_draft_tokens, room)
-            if k > 0:
-                reqs.append(req)
-                ks.append(k)
+        reqs, ks = self._draft_candidates()
         assert self.proposer is not None
         ready = self.proposer.take_drafts(reqs)  # made on the device behind the last step (MTP)
         if not reqs:
@@ -632,10 +622,58 @@ class LLMEngine:
             drafts.append(next(proposed) if d is None else
                           Draft(d.token_ids[:k], None if d.probs is None else d.probs[:k]))
         self.spec_stats.num_drafts_proposed += sum(len(d.token_ids) for d in drafts)
+        if self.proposer.drafts_vary and spec.schedule == "confidence":
+            self.gate.note_drafts(True, len(self.scheduler.running), sum(len(d.token_ids) for d in drafts) / len(drafts))
         keep = self._drafts_to_verify(drafts) if spec.schedule == "confidence" else [len(d.token_ids) for d in drafts]
         for req, d, k in zip(reqs, drafts, keep):
             req.draft_token_ids = d.token_ids[:k]
             self._draft_probs[req.request_id] = d.probs
+
+    def _draft_candidates(self) -> tuple[list[Request], list[int]]:
+        """The running requests that may draft for their next step, and the most drafts worth proposing for
+        each (at least 1): decoding (one token left to compute, the prompt done), no grammar or penalties
+        (their sampling reads host state token by token), room left before ``max_tokens`` and the context
+        limit."""
+        spec = self.engine_config.speculative
+        reqs, ks = [], []
+        for req in self.scheduler.running:
+            p = req.params
+            if (req.num_tokens - req.num_computed_tokens != 1 or req.num_computed_tokens < req.num_prompt_tokens
+                    or req.grammar is not None or p.needs_penalties):
+                continue
+            room = self.max_model_len - req.num_tokens - 1
+            if p.max_tokens is not None:
+                room = min(room, p.max_tokens - req.num_output_tokens - 1)
+            k = min(spec.num_draft_tokens, room)
+            if k > 0:
+                reqs.append(req)
+                ks.append(k)
+        return reqs, ks
+
+    # the confidence schedule's plain steps look drafts up (a proposer whose drafts vary with the text) every so
+    # many steps, and only while the lookups take at most this share of the time
+    DRAFT_LOOKUP_EVERY = 8
+    DRAFT_LOOKUP_SHARE = 0.05
+
+    def _look_for_drafts(self) -> None:
+        """A plain decode step of the confidence schedule, with a proposer whose drafts vary with the text (n-gram):
+        every ``DRAFT_LOOKUP_EVERY`` such steps, and no sooner than the last lookup's time over
+        ``DRAFT_LOOKUP_SHARE``, count the drafts it would find now for the gate
+        (:meth:`SpeculationGate.note_drafts`). The lookup reads the tokens known on the host (with a step in
+        flight, one step old) and changes nothing."""
+        self._plain_lookups += 1
+        now = time.perf_counter()
+        last_at, last_s = self._last_lookup
+        if self._plain_lookups % self.DRAFT_LOOKUP_EVERY or now - last_at < last_s / self.DRAFT_LOOKUP_SHARE:
+            return
+        k = self.engine_config.speculative.num_draft_tokens
+        reqs = [r for r in self.scheduler.running if r.num_computed_tokens >= r.num_prompt_tokens
+                and r.grammar is None and not r.params.needs_penalties]  # decoding (a step may be in flight)
+        if reqs:
+            assert self.proposer is not None
+            drafts = self.proposer.propose(reqs, [k] * len(reqs))
+            self.gate.note_drafts(False, len(self.scheduler.running), sum(len(d.token_ids) for d in drafts) / len(reqs))
+            self._last_lookup = (now, time.perf_counter() - now)
 
     def _drafts_to_verify(self, drafts: list[Draft]) -> list[int]:
         """The confidence schedule: how many of each draft to verify this step (:func:`choose_num_drafts` over
@@ -679,6 +717,9 @@ class LLMEngine:
         started = time.perf_counter()
         self._flush_gate_sample(started)
         speculating = self.proposer is not None and self._speculate_next()
+        if (not speculating and self.proposer is not None and self.proposer.drafts_vary
+                and self.engine_config.speculative.schedule == "confidence" and self.scheduler.running):
+            self._look_for_drafts()
         if self.chain_verification and speculating and step_kind is None and self._inflight is not None:
             chained = self._step_chained(started)
             if chained is not None:
@@ -1078,6 +1119,7 @@ class LLMEngine:
                 "spec_gate_plain_steps": self.gate.num_plain_steps,
                 "spec_gate_drafting_steps": self.gate.num_drafting_steps,
                 "spec_gate_explore_steps": self.gate.num_explore_steps,
+                "spec_gate_draft_triggers": self.gate.num_draft_triggers,
                 "spec_device_drafted_steps": self.num_device_drafted_steps,
                 "spec_chained_steps": self.num_chained_steps,
                 "spec_gate_plain_s": self.gate.seconds[False], "spec_gate_drafting_s": self.gate.seconds[True]}

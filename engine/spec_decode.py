@@ -58,10 +58,13 @@ class Proposer:
     """Drafts tokens for decoding requests (the interface every method implements).
 
     ``needs_hidden``: the proposer reads the target's hidden states (:meth:`observe` after every step);
-    the engine then has the model runner keep them.
+    the engine then has the model runner keep them. ``drafts_vary``: how many drafts it finds depends on
+    the text (n-gram lookup) and costs little on the host, so the confidence schedule's plain steps look
+    now and then (:meth:`SpeculationGate.note_drafts`).
     """
 
     needs_hidden = False
+    drafts_vary = False
     device_graphs = None  # set by enable_device_drafts where the proposer drafts on the device
 
     def propose(self, reqs: list[Request], max_drafts: list[int]) -> list[Draft]:
@@ -129,6 +132,8 @@ class NgramProposer(Proposer):
         ngram_min, ngram_max: n-gram lengths tried, longest first.
         on_device: allow the device lookup (:meth:`enable_device_drafts` then turns it on).
     """
+
+    drafts_vary = True
 
     def __init__(self, ngram_min: int = 1, ngram_max: int = 4, on_device: bool = False):
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
@@ -1333,6 +1338,13 @@ class SpeculationGate:
     shape on the H100, plain steps at 13 ms in a confidence engine re-measuring n-gram every few steps,
     against 9.7 ms in steps left alone) re-measured each other so often that the switches made them close.
 
+    A proposer whose drafts depend on the text (n-gram lookup) may find none early in a request's output
+    and many later (once it starts to repeat or quote its prompt), so a rate measured then goes stale in a
+    way the regret schedule repairs only slowly. The engine tells the gate how many drafts a request the
+    proposer finds (:meth:`note_drafts`): drafting steps record it beside their rate, and where a plain step's
+    lookup finds at least twice as many (plus a quarter draft a request) while plain decoding is the faster
+    mode, speculation's measurement is dropped and re-taken at once (``explore_steps`` steps at least).
+
     Measurements (:meth:`record`, :meth:`charge`): tokens count for the mode of the step that computed
     them, seconds for the mode of the call that spent them; the engine charges the refill of the pipeline
     after a drafting step to speculation. The first ``warmup_steps`` steps of each mode and bucket are not
@@ -1372,6 +1384,8 @@ class SpeculationGate:
         self.num_plain_steps = 0  # decode steps the gate kept plain (engine stats)
         self.num_drafting_steps = 0  # decode steps the gate let draft
         self.num_explore_steps = 0  # steps of the slower mode, to re-measure it
+        self._drafts: dict[int, float] = {}  # bucket -> drafts a request found where speculation was measured
+        self.num_draft_triggers = 0  # re-measurements of speculation that more drafts found in plain steps set off
         self.seconds = {False: 0.0, True: 0.0}  # seconds recorded per mode (engine stats)
 
     @property
@@ -1448,6 +1462,28 @@ class SpeculationGate:
         else:
             d = self.decay
             sums[0], sums[1], sums[2] = d * sums[0] + num_output_tokens, d * sums[1] + seconds, d * sums[2] + 1
+
+    def note_drafts(self, speculative: bool, batch_size: int, drafts_per_request: float) -> None:
+        """How many drafts a request the proposer found for a decode step of ``batch_size`` requests (the
+        mean over the requests that may draft): a drafting step's (``speculative``) is kept beside its rate
+        (an average over its last steps); a plain step's lookup that finds at least ``2 x + 0.25`` of that,
+        where plain decoding is the faster mode, drops speculation's measurement of this batch size so that
+        the next steps re-measure it (``explore_steps`` of them, at least)."""
+        b = self.bucket(batch_size)
+        last = self._drafts.get(b)
+        if speculative:
+            self._drafts[b] = drafts_per_request if last is None else 0.5 * (last + drafts_per_request)
+            return
+        if last is None or drafts_per_request < 2.0 * last + 0.25:
+            return
+        rates = self.rates
+        spec, plain = rates.get((True, b)), rates.get((False, b))
+        if spec is None or plain is None or spec >= plain:
+            return
+        del self._sums[(True, b)]  # measured on text where the proposer found fewer drafts
+        self._exploring[b] = (True, self.explore_steps)
+        self._drafts[b] = drafts_per_request
+        self.num_draft_triggers += 1
 
     def charge(self, speculative: bool, batch_size: int, seconds: float) -> None:
         """Add ``seconds`` to a mode's time without a step (the engine charges speculation the refill of

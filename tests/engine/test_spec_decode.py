@@ -285,6 +285,73 @@ def test_speculation_gate_keeps_speculating_through_n_gram_steps_that_find_no_dr
     assert tokens / seconds >= 0.9 * spec_rate, (tokens / seconds) / spec_rate
 
 
+def _run_gate_with_drafts(gate, num_steps, drafts_found, notes=True, batch=8):
+    """Drive ``gate`` through n-gram-like steps on a fake clock: at step i the lookup finds ``drafts_found(i)``
+    drafts a request; a drafting step gives 1 + 1.1 x that many tokens a request in 1 + drafts/8 plain
+    steps' time (plus half a plain step of lookup and drain). Drafting steps note what they found, and every
+    8th plain step looks (the engine's DRAFT_LOOKUP_EVERY) when ``notes``. Returns per step (tokens, s)."""
+    plain_s, out = 0.001, []
+    for i in range(num_steps):
+        spec, found = gate.speculate(batch), drafts_found(i)
+        if notes and (spec or i % 8 == 0):
+            gate.note_drafts(spec, batch, found)
+        step = ((batch * (1 + 1.1 * found), plain_s * (1.5 + found / 8)) if spec else (batch, plain_s))
+        gate.record(spec, batch, *step)
+        out.append(step)
+    return out
+
+
+def test_speculation_gate_re_measures_speculation_when_drafts_turn_up():
+    """Early in its output a request gives an n-gram lookup nothing to find (speculation measures 0.67x of
+    plain), later it repeats its prompt (3.5 drafts a request, 2.2x). The plain steps' lookups see the drafts
+    appear, and the gate re-measures speculation at once instead of after its regret schedule's pause: from
+    10 steps after the change it runs at >= 90% of speculation's rate; without the lookups it is still plain."""
+    from rayinfer.engine.spec_decode import SpeculationGate
+
+    found = lambda i: 0.0 if i < 200 else 3.5  # noqa: E731
+    spec_rate = 8 * (1 + 1.1 * 3.5) / (0.001 * (1.5 + 3.5 / 8))
+
+    def window_rate(steps, lo, hi):
+        tokens, seconds = (sum(x) for x in zip(*steps[lo:hi]))
+        return tokens / seconds
+
+    gate = SpeculationGate()
+    steps = _run_gate_with_drafts(gate, 600, found)
+    assert window_rate(steps, 210, 600) >= 0.9 * spec_rate and gate.num_draft_triggers == 1
+    blind = SpeculationGate()  # here it re-measures 75 steps after the change (real runs: often never in 128)
+    assert window_rate(_run_gate_with_drafts(blind, 600, found, notes=False), 210, 270) < 0.5 * spec_rate
+    # drafts found as often as when speculation was measured, or speculation already the faster mode: no trigger
+    same = SpeculationGate()
+    _run_gate_with_drafts(same, 600, lambda i: 0.0)
+    faster = SpeculationGate()
+    _run_gate_with_drafts(faster, 600, lambda i: 3.5 if i < 200 else 4.0)
+    assert same.num_draft_triggers == 0 and faster.num_draft_triggers == 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["drained", "pipelined"])
+def test_confidence_schedule_looks_for_n_gram_drafts_in_plain_steps(tiny_pair, tokenizer, async_scheduling):
+    """With n-gram drafts (found or not depending on the text), every 8th plain decode step of the confidence
+    schedule looks drafts up and tells the gate how many it found a request, as drafting steps do; the
+    lookups change no output (greedy, seeded)."""
+    prompts = list(PROMPTS)
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.8, max_tokens=40, ignore_eos=True, seed=5),
+              SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)]
+    plain = _tiny_spec_engine(tiny_pair, tokenizer, {}, async_scheduling=async_scheduling).generate(prompts, params)
+    engine = _tiny_spec_engine(tiny_pair, tokenizer, dict(method="ngram", schedule="confidence"),
+                               async_scheduling=async_scheduling)
+    picks = []
+    engine.gate.speculate = lambda batch_size: picks.append(len(picks) % 10 >= 8) or picks[-1]  # 8 plain, 2 drafting
+    notes, note = [], engine.gate.note_drafts
+    engine.gate.note_drafts = lambda spec, batch, found: notes.append((spec, batch, found)) or note(spec, batch, found)
+    _check_same(engine.generate(prompts, params), plain)
+    plain_notes = [n for n in notes if not n[0]]
+    assert len(plain_notes) == picks.count(False) // 8 and len(plain_notes) >= 3, (len(plain_notes), picks.count(False))
+    assert all(b == 3 for _, b, _ in notes) and max(f for _, _, f in plain_notes) > 0
+    assert any(spec for spec, _, _ in notes)
+    assert engine.stats()["spec_gate_draft_triggers"] == engine.gate.num_draft_triggers
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["drained", "pipelined"])
 def test_confidence_schedule_stops_speculating_where_it_loses(tiny_pair, tokenizer, async_scheduling):
     """A proposer that costs 30 ms a step makes speculation slower than plain decoding: the gate keeps
@@ -309,10 +376,17 @@ def test_confidence_schedule_stops_speculating_where_it_loses(tiny_pair, tokeniz
 
     engine, calls, overlapped = slow_engine(dict(method="ngram", schedule="confidence"))
     assert engine.async_scheduling is async_scheduling
+    lookups, note = [], engine.gate.note_drafts
+    engine.gate.note_drafts = lambda spec, *a: (lookups.append(0) if not spec else None, note(spec, *a))[1]
     assert [c.output_token_ids for c in engine.generate(prompts, params)] == [c.output_token_ids for c in plain]
     # it measured speculation (a warm-up step, dropped, and a timed one), then re-tried it at most once per
-    # 0.6 s of plain steps (30 ms / explore_fraction 0.05)
-    assert 2 <= len(calls) <= 4 and engine.stats()["num_spec_gated_steps"] >= 30, calls
+    # 0.6 s of plain steps (30 ms / explore_fraction 0.05); the plain steps' draft lookups (n-gram's drafts
+    # vary with the text) take at most 5% of the time: the first, then none for 0.6 s. A lookup that finds
+    # more drafts than the measured drafting steps did has speculation re-measured (explore_steps steps).
+    triggers = engine.gate.num_draft_triggers
+    assert 1 <= len(lookups) <= 2 and triggers <= 1, (calls, lookups)
+    assert 2 <= len(calls) - len(lookups) <= 4 + triggers * engine.gate.explore_steps, (calls, lookups)
+    assert engine.stats()["num_spec_gated_steps"] >= 30
     assert (sum(overlapped) > 20) is async_scheduling
     fixed, fixed_calls, _ = slow_engine(dict(method="ngram"))  # fixed-k always speculates (and drains)
     assert fixed.async_scheduling is False
