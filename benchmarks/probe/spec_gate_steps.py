@@ -123,6 +123,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--git-rev", default=None, help="the revision to record (default: this checkout's)")
     args = ap.parse_args()
 
     mc = ModelConfig(model=args.model, load_format=args.load_format, dtype=args.dtype)
@@ -142,7 +143,7 @@ def main() -> None:
         runs.append({"summary": summary, "steps": log})
         del engine
         bl.release_device_memory()
-    result = {**bl.run_metadata(torch.device("cuda" if torch.cuda.is_available() else "cpu")),
+    result = {**bl.run_metadata(torch.device("cuda" if torch.cuda.is_available() else "cpu"), args.git_rev),
               "command": "python " + " ".join(sys.argv), "args": vars(args), "runs": runs}
     bl.emit_json(result, args.out)
 
