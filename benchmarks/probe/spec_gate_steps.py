@@ -1,14 +1,16 @@
-"""Probe: where a confidence-scheduled draft-model engine's decode steps spend their time.
+"""Probe: where a confidence-scheduled speculative engine's decode steps spend their time.
 
 Runs the speculative bench's workload (``jobs/bench_spec.py``: prompts that ask to repeat, fix or continue a
 text) through ``LLMEngine.step()`` and records per step: the gate's choice, the step's wall time, and for the
 draft model's own work the time of each ``propose`` (synchronized before and after, so these steps lose their
 overlap), how many requests it caught up and on how many tokens, whether the catch-up forward replayed a graph
-or ran eagerly, and how many requests ``launch_drafts`` chained. ``--runs`` repeats the workload on fresh
-engines; the first is the warm-up (compiles) and is reported apart.
+or ran eagerly, how many requests ``launch_drafts`` chained, and what the gate was told (each ``record`` and
+``charge``: mode, tokens, ms). ``--runs`` repeats the workload on fresh engines; the first is the warm-up
+(compiles) and is reported apart.
 
     PYTHONPATH=. python benchmarks/probe/spec_gate_steps.py --batch 8 --out /tmp/steps.json
     PYTHONPATH=. python benchmarks/probe/spec_gate_steps.py --schedule fixed --batch 32
+    PYTHONPATH=. python benchmarks/probe/spec_gate_steps.py --method ngram --model llama-3-8b --load-format dummy --batch 256
 """
 import argparse
 import collections
@@ -34,7 +36,8 @@ def _sync(dev: torch.device) -> None:
 def instrument(engine: LLMEngine, log: list[dict]) -> None:
     """Wrap the engine's gate, proposer and step so that each step appends one record to ``log``."""
     prop, gate = engine.proposer, engine.gate
-    dev = prop.device
+    dev = engine.device
+    drafter = hasattr(prop, "cache")  # a draft model (its own KV cache to catch up); n-gram has none
     cur: dict = {}
 
     orig_speculate = gate.speculate
@@ -47,11 +50,24 @@ def instrument(engine: LLMEngine, log: list[dict]) -> None:
 
     gate.speculate = speculate
 
+    orig_record, orig_charge = gate.record, gate.charge
+
+    def record(speculative, batch_size, num_output_tokens, seconds, other_tokens=0):
+        cur.setdefault("gate_calls", []).append(["record", bool(speculative), int(num_output_tokens),
+                                                 round(seconds * 1e3, 4), int(other_tokens)])
+        return orig_record(speculative, batch_size, num_output_tokens, seconds, other_tokens)
+
+    def charge(speculative, batch_size, seconds):
+        cur.setdefault("gate_calls", []).append(["charge", bool(speculative), 0, round(seconds * 1e3, 4), 0])
+        return orig_charge(speculative, batch_size, seconds)
+
+    gate.record, gate.charge = record, charge
+
     orig_propose = prop.propose
 
     def propose(reqs, max_drafts):
         lags = []
-        for r in reqs:
+        for r in reqs if drafter else ():
             seen = prop.cache.computed.get(r.request_id, [])
             tokens = r.all_token_ids
             same = 0
@@ -60,7 +76,7 @@ def instrument(engine: LLMEngine, log: list[dict]) -> None:
                     break
                 same += 1
             lags.append(len(tokens) - min(same, len(tokens) - 1))
-        graphs = prop.graphs
+        graphs = getattr(prop, "graphs", None)
         rounds = graphs.catch_up_rounds(lags, [len(r.all_token_ids) for r in reqs]) if graphs is not None and lags else None
         _sync(dev)
         t0 = time.perf_counter()
@@ -78,7 +94,7 @@ def instrument(engine: LLMEngine, log: list[dict]) -> None:
 
     def launch_drafts(sched, step, num_drafts):
         orig_launch(sched, step, num_drafts)
-        cur["chained_rows"] = cur.get("chained_rows", 0) + len(prop._launched)
+        cur["chained_rows"] = cur.get("chained_rows", 0) + len(getattr(prop, "_launched", ()))
 
     prop.launch_drafts = launch_drafts
 
@@ -108,7 +124,13 @@ def summarize(log: list[dict]) -> dict:
                         "eager_calls": sum(not p["graph"] for p in props),
                         "eager_ms": sum(p["ms"] for p in props if not p["graph"]),
                         "graph_ms": sum(p["ms"] for p in props if p["graph"])},
-            "chained_rows": sum(r.get("chained_rows", 0) for r in log)}
+            "chained_rows": sum(r.get("chained_rows", 0) for r in log),
+            # what the gate was told, per mode: calls recorded (tokens, ms) and ms charged
+            "gate_saw": {mode: {"records": sum(1 for c in calls if c[0] == "record" and c[1] == spec),
+                                "tokens": sum(c[2] + 0 for c in calls if c[0] == "record" and c[1] == spec),
+                                "ms": sum(c[3] for c in calls if c[1] == spec)}
+                         for mode, spec in (("plain", False), ("draft", True))
+                         for calls in [[c for r in log for c in r.get("gate_calls", [])]]}}
 
 
 def main() -> None:
@@ -116,7 +138,9 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--method", default="draft_model", choices=["draft_model", "ngram"])
     ap.add_argument("--draft-model", default=None, help="default: the target drafts for itself")
+    ap.add_argument("--num-kv-blocks", type=int, default=8192, help="as jobs/bench_spec.py")
     ap.add_argument("--schedule", default="confidence", choices=["fixed", "confidence"])
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--output-len", type=int, default=128)
@@ -127,9 +151,9 @@ def main() -> None:
     args = ap.parse_args()
 
     mc = ModelConfig(model=args.model, load_format=args.load_format, dtype=args.dtype)
-    sc = SpeculativeConfig(method="draft_model", draft_model=args.draft_model, schedule=args.schedule,
-                           draft_load_format=args.load_format)
-    ec = EngineConfig(device=args.device, max_num_seqs=args.batch, speculative=sc)
+    draft = dict(draft_model=args.draft_model, draft_load_format=args.load_format) if args.method == "draft_model" else {}
+    sc = SpeculativeConfig(method=args.method, schedule=args.schedule, **draft)
+    ec = EngineConfig(device=args.device, max_num_seqs=args.batch, num_kv_blocks=args.num_kv_blocks, speculative=sc)
     runs = []
     for run in range(args.runs):
         engine = LLMEngine(mc, ec)
