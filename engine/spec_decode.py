@@ -160,9 +160,12 @@ class NgramProposer(Proposer):
             return
         assert isinstance(lookup, _NgramDeviceLookup)
         reqs = {r.request_id: r for r in step.sample_reqs}
-        rows = [r for r in _verified_rows(sched, step, decode_rows=True)  # a request without a draft chains too
-                if r.rid in reqs and reqs[r.rid].num_prompt_tokens <= r.p0 == reqs[r.rid].num_known_tokens - 1
-                and lookup.slot(r.rid) is not None]  # (not a prompt's last chunk: its first drafts come from the host)
+        # a request without a draft chains too; not a prompt's last chunk (its first drafts come from the host), nor
+        # a request that ended after this step was scheduled (released already: a row taken now would never be freed)
+        rows = [r for r in _verified_rows(sched, step, decode_rows=True)
+                if r.rid in reqs and not reqs[r.rid].is_finished
+                and reqs[r.rid].num_prompt_tokens <= r.p0 == reqs[r.rid].num_known_tokens - 1
+                and lookup.slot(r.rid) is not None]
         if not rows:
             return
         v = _verify_on_device(step, rows, [np.array([r.p0 for r in rows], dtype=np.int64)])

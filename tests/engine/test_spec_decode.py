@@ -1310,6 +1310,30 @@ def test_chained_verification_of_varying_width(mtp_checkpoint, tiny_pair, tokeni
             assert by_position[0] > by_position[1] > by_position[2] > 0  # widths 1 and 2 left later drafts out
 
 
+def test_ngram_device_lookup_frees_the_rows_of_ended_requests(tiny_pair, tokenizer):
+    """Each request holds a row of the device lookup's buffer (``max_num_seqs`` rows) until it ends. A request
+    that ends while the verification step chained behind it is launched must not take a row back (the
+    engine already released it): rows would leak until none is left and nothing chains any more (the
+    bench's two warm-up requests once held 2 of 8 rows, and chaining fell from 14 steps to 4)."""
+    spec = dict(method="ngram", num_draft_tokens=3, ngram_on_device=True)
+    engine = _tiny_spec_engine(tiny_pair, tokenizer, spec, async_scheduling=True, debug_eager_graphs=True, max_num_seqs=4)
+    lookup = engine.proposer.device_graphs
+    prompts = list(PROMPTS) + [PROMPTS[0][::-1]]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (40, 37, 31, 33)]
+    # short requests that repeat themselves (as the bench's warm-up did on the SmolLM2 shape): each ends in a
+    # verification step processed after the next step was scheduled with it
+    for n in range(3, 9):
+        engine.generate([[5, 9, 11] * 6, [3, 1, 4, 1] * 5], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        assert lookup.slots == {} and len(lookup.free) == 4, (n, lookup.slots)
+    chained = []
+    for _ in range(3):
+        before = engine.stats()["spec_chained_steps"]
+        engine.generate(prompts, params)
+        chained.append(engine.stats()["spec_chained_steps"] - before)
+        assert lookup.slots == {} and len(lookup.free) == 4, lookup.slots
+    assert min(chained) > 10 and max(chained) - min(chained) <= 2, chained
+
+
 def test_device_ngram_lookup_equals_the_host_lookup():
     """``device_ngram_lookup`` (a padded batch of contexts of different lengths, torch ops) gives
     ``ngram_lookup``'s continuation for every row, 0 past its end; contexts from a small vocab repeat often,
