@@ -915,10 +915,10 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001 - waiting for the device failed: the step's samples are lost
             logger.exception("finishing an engine step failed")
             step_out = StepOutput({}, {s.request_id: e for s in sched.scheduled if s.needs_sample})
-        self._drop_ended(step_out, step_reqs)  # before the proposer sees the step
+        ended = self._drop_ended(step_out, step_reqs)  # before the proposer sees the step
         if self.proposer is not None:
             if launched.hidden is not None:
-                self.proposer.observe(sched, launched.hidden, step_out)
+                self.proposer.observe(sched, launched.hidden, step_out, ended)
             for s in sched.scheduled:
                 if s.num_draft_tokens and s.request_id in step_out.sampled:
                     num_accepted = len(step_out.accepted.get(s.request_id, ()))
@@ -969,15 +969,17 @@ class LLMEngine:
                 outputs.append(self._fail(req, e))
         return outputs
 
-    def _drop_ended(self, step_out: StepOutput, step_reqs: dict[str, Request]) -> None:
+    def _drop_ended(self, step_out: StepOutput, step_reqs: dict[str, Request]) -> frozenset[str]:
         """Drop from ``step_out`` the requests that ended while the step was in flight (aborted, a stop string
         found outside the core, finished by the step before a chained one): their tokens are not appended,
-        and their ids may already name new requests, whose tokens these are not."""
+        and their ids may already name new requests, whose tokens these are not. Returns their ids."""
         live = self.scheduler.requests
-        for rid in [rid for rid, req in step_reqs.items() if live.get(rid) is not req]:
+        ended = frozenset(rid for rid, req in step_reqs.items() if live.get(rid) is not req)
+        for rid in ended:
             step_out.sampled.pop(rid, None)
             step_out.errors.pop(rid, None)
             step_out.accepted.pop(rid, None)
+        return ended
 
     def _fail(self, req: Request, error: Exception) -> RequestOutput:
         """End one request with an error (its blocks freed); the engine and other requests go on."""

@@ -108,7 +108,8 @@ class Proposer:
         dropped: a call takes what the last launch queued, once."""
         return {}
 
-    def observe(self, sched: SchedulerOutput, hidden: torch.Tensor, step_out: StepOutput) -> None:
+    def observe(self, sched: SchedulerOutput, hidden: torch.Tensor, step_out: StepOutput,
+                ended: frozenset[str] = frozenset()) -> None:
         """After a step (before its tokens are appended), with ``needs_hidden``: the target's hidden states.
 
         Args:
@@ -116,6 +117,8 @@ class Proposer:
             hidden: [num_scheduled_tokens, hidden_size] in the model dtype: the last layer before the
                 final norm.
             step_out: what the step sampled and accepted (rows past a request's accepted drafts are stale).
+            ended: requests of the step that ended while it was in flight (released already; their rows
+                are to be ignored, and their ids may name new requests by now).
         """
 
 
@@ -903,7 +906,8 @@ class MtpProposer(Proposer):
         return {r.request_id: drafts[r.request_id] for r in reqs
                 if r.request_id in drafts and expected.get(r.request_id) == r.num_tokens}
 
-    def observe(self, sched: SchedulerOutput, hidden: torch.Tensor, step_out: StepOutput) -> None:
+    def observe(self, sched: SchedulerOutput, hidden: torch.Tensor, step_out: StepOutput,
+                ended: frozenset[str] = frozenset()) -> None:
         row = 0
         launched, self._launched = self._launched, {}
         self.expected_num_tokens = {}
@@ -911,7 +915,7 @@ class MtpProposer(Proposer):
             num = len(s.token_ids)
             rows, row = hidden[row: row + num], row + num
             rid = s.request_id
-            if rid in step_out.errors or (s.num_draft_tokens and rid not in step_out.sampled):
+            if rid in ended or rid in step_out.errors or (s.num_draft_tokens and rid not in step_out.sampled):
                 continue
             p0, st = launched.get(rid), self.states.get(rid)
             if p0 is not None and st is not None:  # launch_drafts made this step's entries: the state moves past them

@@ -1334,6 +1334,38 @@ def test_ngram_device_lookup_frees_the_rows_of_ended_requests(tiny_pair, tokeniz
     assert min(chained) > 10 and max(chained) - min(chained) <= 2, chained
 
 
+@pytest.mark.parametrize("method", ["mtp", "mtp-confidence", "draft_model", "ngram-chained"])
+def test_proposers_forget_requests_that_end(mtp_checkpoint, tiny_pair, tokenizer, method):
+    """Once every request has ended, no proposer holds state for any: no MTP state (its pending hidden rows
+    live on the device) or draft blocks, no draft-model cache, no n-gram context or device row, although
+    requests of different lengths end while a step with them is in flight (pipelined scheduling)."""
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (5, 9, 14, 3)]
+    prompts = list(MTP_PROMPTS) + [[5, 9, 11] * 4]
+    kw = dict(async_scheduling=True, debug_eager_graphs=True)
+    if method.startswith("mtp"):
+        spec = dict(method="mtp", num_draft_tokens=2, schedule="confidence" if method == "mtp-confidence" else "fixed")
+        engine = _mtp_engine(mtp_checkpoint[0], tokenizer, spec, **kw)
+    else:
+        spec = dict(method="ngram", ngram_on_device=True) if method == "ngram-chained" else dict(method=method)
+        engine = _tiny_spec_engine(tiny_pair, tokenizer, spec, **kw)
+    if method == "mtp-confidence":  # plain steps (pipelined) between drafting ones
+        picks = []
+        engine.gate.speculate = lambda batch_size: picks.append(len(picks) % 3 == 2) or picks[-1]
+    for _ in range(2):
+        engine.generate(prompts, params)
+    from rayinfer.engine.spec_decode import _NgramDeviceLookup
+
+    prop = engine.proposer
+    held = {name: getattr(prop, name) for name in ("states", "expected_num_tokens", "_contexts", "_launched")
+            if getattr(prop, name, None)}
+    if hasattr(prop, "cache"):
+        held.update({k: v for k, v in (("blocks", prop.cache.block_ids), ("computed", prop.cache.computed)) if v})
+    if isinstance(prop.device_graphs, _NgramDeviceLookup) and prop.device_graphs.slots:
+        held["rows"] = prop.device_graphs.slots
+    assert not held, {k: list(v) for k, v in held.items()}
+    assert engine.stats()["spec_num_drafts_proposed"] > 0
+
+
 def test_device_ngram_lookup_equals_the_host_lookup():
     """``device_ngram_lookup`` (a padded batch of contexts of different lengths, torch ops) gives
     ``ngram_lookup``'s continuation for every row, 0 past its end; contexts from a small vocab repeat often,
