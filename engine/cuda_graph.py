@@ -248,8 +248,7 @@ class DecodeGraphs:
         return width
 
     def catch_up_rounds(self, query_lens: list[int], seq_lens: list[int], max_rounds: int = 16) -> list[list[int]] | None:
-        """Split catch-ups longer than the captured widths into replays of the widest (``catch_up_len``, else
-        ``max_query_len``): how many of its next tokens each request feeds in each replay but the last, so
+        """Split catch-ups longer than the captured widths into replays of ``catch_up_len`` tokens a request: how many of its next tokens each request feeds in each replay but the last, so
         that the last replay feeds every request's last ``min(query_len, width)`` tokens (its last token's
         hidden state gives its first draft). A request longer than the width feeds ``min(width, left -
         width)`` tokens a replay, so it has the width left for the last.
@@ -259,9 +258,12 @@ class DecodeGraphs:
             max_rounds: most replays in all (more: an eager forward is cheaper).
         Returns:
             per replay before the last, the tokens of each request ([] when every catch-up fits one
-            replay), or None when they cannot run in graphs (too many rounds, requests or context).
+            replay), or None when they cannot run in graphs (no ``catch_up_len`` and longer than
+            ``max_query_len``, too many rounds, requests or context).
         """
-        width = self.catch_up_len or self.max_query_len
+        if not self.catch_up_len:  # no catch-up graphs: one replay or none
+            return [] if self.ragged_width(query_lens, seq_lens) is not None else None
+        width = self.catch_up_len
         left, rounds = list(query_lens), []
         while left and max(left) > width:
             take = [min(width, n - width) if n > width else 0 for n in left]

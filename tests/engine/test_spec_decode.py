@@ -702,7 +702,8 @@ def test_catch_up_rounds_feed_every_token_once_and_end_together(tiny_pair, query
         capped = DecodeGraphs(model, kv, 4, 512, 4, max_query_len=3, eager=True, catch_up_len=6)
     finally:
         del model.max_graph_query_len
-    assert capped.query_lens() == [1, 2, 3] and capped.catch_up_rounds([7], [17]) == [[3], [1]]  # in 3-token replays
+    assert capped.query_lens() == [1, 2, 3] and capped.catch_up_rounds([7], [17]) is None  # one eager forward
+    assert capped.catch_up_rounds([3, 1], [13, 11]) == []  # a verification's width: one replay
 
 
 @pytest.mark.parametrize("path", ["graphs", "eager-bounded"])
