@@ -725,7 +725,10 @@ class LLMEngine:
             if chained is not None:
                 return chained
         drained: list[RequestOutput] = []
-        if speculating:
+        # a verification step left in flight (chained) is processed before a plain step is scheduled: its rejected
+        # drafts roll the requests back, so a step planned before that would start past them
+        verifying = self._inflight is not None and any(s.num_draft_tokens for s in self._inflight[0].scheduled)
+        if speculating or verifying:
             if self._inflight is not None:  # drafts start from the last step's tokens: drain the pipeline
                 drained_sched = self._inflight[0]
                 drained = self._process(*self._inflight)
@@ -734,7 +737,8 @@ class LLMEngine:
                 self.gate.record(self._inflight_speculative, len(drained_sched.scheduled), _num_tokens(drained),
                                  time.perf_counter() - started)
                 started = time.perf_counter()
-            self._propose()
+            if speculating:
+                self._propose()
         sched = self.scheduler.schedule() if step_kind is None else self.scheduler.schedule(step_kind)
         live = self.scheduler.requests
         step_reqs = {s.request_id: live[s.request_id] for s in sched.scheduled}  # before anything finishes

@@ -453,6 +453,55 @@ def test_gate_credits_tokens_to_the_mode_that_computed_them(tiny_pair, tokenizer
     assert any(spec for spec, _ in fitted) and all(spec or n > len(prompts) for spec, n in fitted), fitted
 
 
+@pytest.mark.parametrize("pattern", [(4, 4), (1, 1), (2, 7)], ids=["4-4", "1-1", "2-7"])
+@pytest.mark.parametrize("proposer", ["draft_model", "mtp"])
+def test_chained_confidence_engine_switching_to_plain_keeps_output(mtp_checkpoint, tiny_pair, tokenizer, proposer,
+                                                                   pattern):
+    """A verification step is left in flight (chained); when the gate turns to plain, it is processed before the
+    plain step is planned: its rejected drafts roll the requests back, and a step planned before that started
+    past them (greedy output differed from plain decoding's whenever the gate switched; the confidence schedule
+    chains since 41044d3). Its wait (here 30 ms a verification, as a sleep) and its tokens count for
+    speculation, not for the plain call: plain steps once measured several times slower than they run."""
+    import time as _time
+
+    drafting, plain_steps = pattern
+    prompts = list(PROMPTS)
+    params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.8, max_tokens=27, ignore_eos=True, seed=5),
+              SamplingParams(temperature=0.0, max_tokens=25, ignore_eos=True)]
+    spec = dict(method=proposer, schedule="confidence", num_draft_tokens=3)
+    kw = dict(async_scheduling=True, debug_eager_graphs=True)
+    if proposer == "mtp":
+        path = mtp_checkpoint[0]
+        want = _mtp_engine(path, tokenizer).generate(prompts, params)
+        engine = _mtp_engine(path, tokenizer, spec, **kw)
+    else:
+        want = _tiny_spec_engine(tiny_pair, tokenizer, {}).generate(prompts, params)
+        engine = _tiny_spec_engine(tiny_pair, tokenizer, spec, **kw)
+    assert engine.chain_verification
+    picks = []
+    engine.gate.speculate = lambda batch_size: (picks.append(len(picks) % (drafting + plain_steps) < drafting)
+                                                or picks[-1])
+    engine.step_time.update = lambda *a: None  # every draft verified (the fixed step-time model's choice)
+    process = engine._process
+
+    def slow_verification(sched, launched, step_reqs):
+        if any(s.num_draft_tokens for s in sched.scheduled):
+            _time.sleep(0.03)  # the device still runs the verification step
+        return process(sched, launched, step_reqs)
+
+    engine._process = slow_verification
+    records, record = [], engine.gate.record
+    engine.gate.record = lambda spec_, batch, n, secs, other_tokens=0: (records.append((spec_, n, secs, other_tokens)),
+                                                                         record(spec_, batch, n, secs, other_tokens))[1]
+    _check_same(engine.generate(prompts, params), want)
+    # a verification step is left in flight even when the next one does not chain (one drafting step at a time)
+    assert (engine.stats()["spec_chained_steps"] > 0) is (drafting > 1) and picks.count(False) >= 3
+    plain_records = [r for r in records if not r[0]]
+    assert plain_records and any(r[0] and r[2] >= 0.03 for r in records), records
+    assert max(secs for _, _, secs, _ in plain_records) < 0.025, plain_records
+
+
 def test_gate_times_a_step_up_to_the_next_call(tiny_pair, tokenizer):
     """A decode call is measured up to the next call (the caller's work on its outputs is part of a step's
     cost, and speculation saves it by taking fewer steps), a gap longer than the call counting as the
