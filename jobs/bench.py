@@ -329,7 +329,10 @@ def _run(cfg: BenchConfig) -> dict[str, Any]:
     from rayinfer.engine.llm_engine import LLMEngine, resolve_device
     from rayinfer.model.loader import check_quantization, load_config, parse_dtype
 
+    from rayinfer import envs
+
     t_start = time.perf_counter()
+    envs.check()  # a bad RAYINFER_* value: before any model loads
     hf_config = load_config(cfg.model.model)
     check_quantization(hf_config, cfg.model.quantization)  # before any engine starts
     if "spec" in cfg.sections:

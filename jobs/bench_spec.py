@@ -118,9 +118,15 @@ def check_spec(spec: SpecBenchSpec) -> None:
     """Refuse a spec section that cannot run, before any model loads.
 
     Raises:
-        ValueError: naming the setting, for an unknown method name or a ``draft*`` method without
-            ``spec.draft_model``.
+        ValueError: naming the setting, for an unknown method name, a ``draft*`` method without
+            ``spec.draft_model``, or a size that is not a positive integer.
     """
+    if not spec.batches or any(not isinstance(b, int) or b < 1 for b in spec.batches):
+        raise ValueError(f"spec.batches must be a non-empty list of positive integers, got {spec.batches}")
+    for name in ("output_len", "num_draft_tokens", "num_kv_blocks", "repeats"):
+        value = getattr(spec, name)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"spec.{name} must be a positive integer, got {value!r}")
     bad = [m for m in spec.methods if m not in METHODS]
     if bad:
         raise ValueError(f"spec.methods has unknown entries {bad}; choose from {list(METHODS)}")

@@ -36,6 +36,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from rayinfer import envs
 from rayinfer.actors.cluster import RayConfig
 from rayinfer.data.config import PoolConfig
 from rayinfer.engine.config import EngineConfig, ModelConfig
@@ -169,7 +170,7 @@ def spec_summary(stats) -> str:
     """One line on what speculative decoding did in a fleet (``FleetStats``): drafts proposed, verified and
     accepted over all replicas, the mean tokens a verification step emitted, the verification steps
     chained (pipelined) behind the one in flight, and (the confidence schedule) the decode steps its gate
-    kept plain."""
+    kept plain and its re-measurements when n-gram drafts turned up in plain steps."""
     from rayinfer.engine.spec_decode import SpecStats
 
     total = SpecStats(0)  # the replicas' counters summed; rates as each engine derives its own
@@ -178,11 +179,13 @@ def spec_summary(stats) -> str:
     d = total.to_dict()
     chained = sum(r.spec_decode.get("spec_chained_steps", 0) for r in stats.replicas)
     gated = sum(r.spec_decode.get("spec_gate_plain_steps", 0) for r in stats.replicas)
+    triggers = sum(r.spec_decode.get("spec_gate_draft_triggers", 0) for r in stats.replicas)
     return (f"speculative decoding: {total.num_drafts_proposed} drafts proposed, {total.num_drafts_verified} verified, "
             f"{total.num_drafts_accepted} accepted ({d['spec_acceptance_rate']:.0%}); "
             f"{d['spec_mean_accepted_length']:.2f} tokens per verification step; "
             f"{chained} verification steps chained behind the one in flight"
-            + (f"; {gated} decode steps kept plain by the confidence schedule's gate" if gated else ""))
+            + (f"; {gated} decode steps kept plain by the confidence schedule's gate" if gated else "")
+            + (f", which re-measured drafting {triggers} times when drafts turned up" if triggers else ""))
 
 
 def _lines(n: int) -> str:
@@ -236,6 +239,7 @@ def run(cfg: GenerateConfig, client=None) -> int:
     hint = _ray_copy_hint(cfg)
     if hint and out_path.resolve().is_relative_to(Path.cwd().resolve()):  # would vanish with Ray's copy
         print(f"warning: writing {out_path}{hint}", file=sys.stderr, flush=True)
+    envs.check()  # a bad RAYINFER_* value: before any work (its getter may run only in an actor, or on CUDA)
     resolve_model(cfg.model.model)  # unknown model: ValueError before any work; converts once
     tokenizer = load_tokenizer(cfg.model.model)
     lines = read_lines(in_path) if in_path else [(i + 1, json.dumps(p)) for i, p in enumerate(BUILTIN_PROMPTS)]
@@ -248,7 +252,10 @@ def run(cfg: GenerateConfig, client=None) -> int:
 
         check_supports_mtp(cfg.model.model)
     if spec.draft_model is not None:
-        resolve_model(spec.draft_model)
+        try:
+            resolve_model(spec.draft_model)
+        except ValueError as e:
+            raise ValueError(f"engine.speculative.draft_model: {e}") from None
     max_model_len = cfg.model.max_model_len or getattr(hf_config, "text_config", hf_config).max_position_embeddings
     parser = LineParser(tokenizer, cfg.served_model_name or cfg.model.model, max_model_len,
                         {"max_tokens": 256, "temperature": 0.0, **cfg.sampling}, key_model=cfg.model.model,

@@ -30,14 +30,16 @@ def run(cfg: ServeConfig, blocking: bool = True) -> int:
     """Start Serve with the app and wait until interrupted; returns the process exit code.
 
     Raises:
-        ValueError: for an unknown model (before any actor starts).
+        ValueError: for an unknown model or a bad RAYINFER_* value (before any actor starts).
     """
     from ray import serve
 
+    from rayinfer import envs
     from rayinfer.actors.cluster import init_ray
     from rayinfer.model.loader import check_deployment, load_config, resolve_model
     from rayinfer.serve.app import build_app_from_config
 
+    envs.check()  # a bad RAYINFER_* value: now, not in a replica
     resolve_model(cfg.model.model)  # unknown model: ValueError now; converts the default model once
     # fp8 on a model without fp8 layers, expert parallelism without routed experts: before Ray starts
     check_deployment(load_config(cfg.model.model), cfg.model.quantization, cfg.parallel.ep)

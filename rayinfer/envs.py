@@ -22,8 +22,9 @@ Variables:
     RAYINFER_MOE_GROUPED_MM_FROM: token count from which the fused MoE layer runs on torch's grouped GEMM
         (``kernels.fused_moe.fused_moe_grouped_mm``); "0" never; unset: the device table's value for the
         layer's shape (``kernels.fused_moe_config.grouped_mm_from``). For A/B runs.
-    RAYINFER_DRAFT_CATCH_UP_LEN: query length of the draft model's catch-up graphs (default 32; "0": none,
-        a catch-up longer than a verification's runs as one eager forward), ``engine.spec_decode.DraftModelProposer``.
+    RAYINFER_DRAFT_CATCH_UP_LEN: query length of the draft model's catch-up graphs on CUDA (default 32; "0":
+        none, a catch-up longer than a verification's runs as one eager forward),
+        ``engine.spec_decode.DraftModelProposer``.
 """
 
 from __future__ import annotations
@@ -132,11 +133,26 @@ def moe_grouped_mm_from() -> int:
 
 
 def draft_catch_up_len() -> int:
-    """RAYINFER_DRAFT_CATCH_UP_LEN (default 32): tokens a request of the draft model's catch-up graphs (0: none)."""
-    value = os.environ.get("RAYINFER_DRAFT_CATCH_UP_LEN")
-    if value is None or value.strip() == "":
+    """RAYINFER_DRAFT_CATCH_UP_LEN (default 32): tokens a request of the draft model's catch-up graphs (0: none).
+
+    Raises:
+        ValueError: for a value that is not a non-negative integer.
+    """
+    value = (os.environ.get("RAYINFER_DRAFT_CATCH_UP_LEN") or "").strip()
+    if not value:
         return 32
-    try:
-        return max(int(value), 0)
-    except ValueError:
-        raise ValueError(f"RAYINFER_DRAFT_CATCH_UP_LEN must be an integer, got {value!r}") from None
+    if not value.isdigit():
+        raise ValueError(f"RAYINFER_DRAFT_CATCH_UP_LEN must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
+def check() -> None:
+    """Read every variable whose getter can refuse a value, so that entry points report a bad one before any
+    work (the getters themselves run where the value is used, often inside an actor or on CUDA only).
+
+    Raises:
+        ValueError: naming the first variable with a bad value.
+    """
+    mla_backend()
+    moe_grouped_mm_from()
+    draft_catch_up_len()

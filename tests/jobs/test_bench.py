@@ -222,8 +222,9 @@ def test_large_model_on_cpu_is_refused(tmp_path):
 
 
 def test_a_spec_section_that_cannot_run_is_refused_before_the_model_loads(tmp_path, monkeypatch):
-    """A ``draft*`` method without spec.draft_model, or an unknown method: refused up front (the job exits 2
-    with that message), not after an 8B model has loaded and as a failed section of a written result."""
+    """A ``draft*`` method without spec.draft_model, an unknown method, a size that is not a positive integer, a
+    bad ``RAYINFER_*`` value: refused up front (the job exits 2 with that message), not after an 8B model has
+    loaded and as a failed section of a written result."""
     from rayinfer.engine.config import EngineConfig, ModelConfig
     from rayinfer.engine import llm_engine
     from rayinfer.jobs import bench
@@ -232,12 +233,23 @@ def test_a_spec_section_that_cannot_run_is_refused_before_the_model_loads(tmp_pa
         raise AssertionError("an engine was built before the spec section was checked")
 
     monkeypatch.setattr(llm_engine, "LLMEngine", no_engine)
-    for methods, match in ((["plain", "draft"], "set spec.draft_model"), (["plain", "eagle"], "unknown entries")):
+    cases = [(dict(methods=["plain", "draft"]), "set spec.draft_model"),
+             (dict(methods=["plain", "eagle"]), "unknown entries"),
+             (dict(num_draft_tokens=0), "spec.num_draft_tokens must be a positive integer"),
+             (dict(batches=[0]), "spec.batches must be"), (dict(batches=[]), "spec.batches must be"),
+             (dict(output_len=0), "spec.output_len"), (dict(repeats=0), "spec.repeats")]
+    for fields, match in cases:
         cfg = bench.BenchConfig(model=ModelConfig(model="llama-tiny", dtype="float32", load_format="dummy"),
                                 engine=EngineConfig(device="cpu"), out_dir=str(tmp_path), sections=["spec"],
-                                spec=bench.SpecBenchSpec(methods=methods), cpu_threads=1)
+                                spec=bench.SpecBenchSpec(**fields), cpu_threads=1)
         with pytest.raises(ValueError, match=match):
             bench.run(cfg)
+    # a bad environment variable of the engine's (read on CUDA, or inside an actor): before any model loads
+    monkeypatch.setenv("RAYINFER_DRAFT_CATCH_UP_LEN", "-3")
+    cfg = bench.BenchConfig(model=ModelConfig(model="llama-tiny", dtype="float32", load_format="dummy"),
+                            engine=EngineConfig(device="cpu"), out_dir=str(tmp_path), sections=["spec"], cpu_threads=1)
+    with pytest.raises(ValueError, match="RAYINFER_DRAFT_CATCH_UP_LEN must be a non-negative integer, got '-3'"):
+        bench.run(cfg)
     assert not list(tmp_path.iterdir())  # no result written
 
 

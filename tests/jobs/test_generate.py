@@ -127,7 +127,7 @@ IN_PROCESS = {"model.model", "model", "input", "sampling.temperature", "parallel
     # drafters the job can refuse before Ray starts: MTP on a model without MTP modules, an unknown draft model
     ("engine.speculative.method=mtp", "speculative.method=mtp needs a model with multi-token-prediction modules"),
     ("engine.speculative.method=draft_model engine.speculative.draft_model=no-such-drafter",
-     "unknown model 'no-such-drafter'"),
+     "engine.speculative.draft_model: unknown model 'no-such-drafter'"),
     ("model.dtype=float64", "dtype"),
     ("engine.max_num_seqs=0", "max_num_seqs"),
     ("input=/no/such/file.jsonl", "input file not found: /no/such/file.jsonl"),
@@ -163,6 +163,25 @@ def test_bad_config_exits_2_with_one_line_before_work(override, message, tmp_pat
     assert "Config search path" not in stderr  # Hydra's own search path is noise to a user
     if override.startswith(("model=", "model.model=")):  # the known models are listed, tiny MoE shapes too
         assert "qwen3-moe-tiny" in errors[0] and "SmolLM2-135M-Instruct" in errors[0]
+
+
+def test_bad_environment_variable_exits_2_with_one_line_before_work(tmp_path, monkeypatch, capsys):
+    """An engine variable read only on CUDA or inside an actor (RAYINFER_DRAFT_CATCH_UP_LEN) is checked by the job
+    itself, on any device, before any work."""
+    from rayinfer.cli import main
+
+    import rayinfer.model.loader as loader
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was resolved before the environment was checked")
+
+    monkeypatch.setattr(loader, "resolve_model", no_load)
+    for value in ("abc", "-3"):
+        monkeypatch.setenv("RAYINFER_DRAFT_CATCH_UP_LEN", value)
+        assert main(["generate", f"output={tmp_path / 'out.jsonl'}"]) == 2
+        stderr = capsys.readouterr().err
+        assert f"error: RAYINFER_DRAFT_CATCH_UP_LEN must be a non-negative integer, got '{value}'" in stderr
+        assert "Traceback" not in stderr
 
 
 def test_missing_input_is_reported_before_the_tokenizer_loads(tmp_path, monkeypatch):
@@ -451,3 +470,8 @@ def test_spec_summary_line():
     line = spec_summary(FleetStats("colocated", [a, b]))  # the confidence schedule: the steps its gate kept plain
     assert line.endswith("7 verification steps chained behind the one in flight; 5 decode steps kept plain by the "
                          "confidence schedule's gate"), line
+    b = ReplicaStats.from_dict({"spec_num_drafts_proposed": 8, "spec_gate_plain_steps": 5,
+                                "spec_gate_draft_triggers": 2}, replica_id=1)
+    line = spec_summary(FleetStats("colocated", [a, b]))  # n-gram drafts that turned up in plain steps
+    assert line.endswith("5 decode steps kept plain by the confidence schedule's gate, which re-measured drafting "
+                         "2 times when drafts turned up"), line
