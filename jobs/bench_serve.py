@@ -3,6 +3,7 @@
     python jobs/bench_serve.py --base-url http://127.0.0.1:8000 --num-prompts 200 --request-rate 8 \
         --max-concurrency 64 --input-len 64 --output-len 32 --goodput ttft:200 tpot:50 --json bench.json
     python jobs/bench_serve.py --dataset-name sharegpt --dataset-path ShareGPT_V3.json --num-prompts 500
+    python jobs/bench_serve.py --dataset-name spec --num-prompts 200 --request-rate 4 --output-len 128  # speculative
 
 Reports TTFT, TPOT, ITL and end-to-end latency (mean, median, p90, p95, p99, in ms), request / token
 throughput and, with ``--goodput``, the requests per second that met every SLO, as vLLM's ``bench serve``
@@ -123,6 +124,16 @@ def random_requests(num: int, input_len: int, output_len: int, seed: int, tokeni
     return out
 
 
+def spec_requests(num: int, output_len: int, tokenizer: Tokenizer) -> list[SampleRequest]:
+    """``num`` prompts that ask to repeat, fix, rewrite or continue a given text (the workload of
+    ``jobs/bench_spec.py``, where prompt lookup pays: speculative decoding under online arrivals), cycled, each
+    asking for ``output_len`` tokens."""
+    from rayinfer.jobs.bench_spec import spec_prompt
+
+    prompts = [spec_prompt(i) for i in range(num)]
+    return [SampleRequest(p, len(tokenizer.encode(p)), output_len) for p in prompts]
+
+
 def load_sharegpt(path: str, num: int, seed: int, tokenizer: Tokenizer, output_len: int | None = None
                   ) -> list[SampleRequest]:
     """``num`` requests from a ShareGPT-format file, as vLLM samples them.
@@ -233,6 +244,8 @@ def sample_requests(args: argparse.Namespace) -> list[SampleRequest]:
                             else RemoteTokenizer(args.base_url, args.api_key))
     if args.dataset_name == "sharegpt":
         return load_sharegpt(args.dataset_path, args.num_prompts, args.seed, tokenizer, args.sharegpt_output_len)
+    if args.dataset_name == "spec":
+        return spec_requests(args.num_prompts, args.output_len, tokenizer)
     return random_requests(args.num_prompts, args.input_len, args.output_len, args.seed, tokenizer)
 
 
@@ -355,14 +368,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all at once")
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
-    p.add_argument("--dataset-name", choices=("random", "sharegpt"), default="random")
+    p.add_argument("--dataset-name", choices=("random", "sharegpt", "spec"), default="random",
+                   help="random words; ShareGPT conversations; spec: prompts to repeat, fix or continue a text "
+                        "(speculative decoding's workload, --output-len tokens each)")
     p.add_argument("--dataset-path", default=None, help="the ShareGPT JSON file (--dataset-name sharegpt)")
     p.add_argument("--sharegpt-output-len", type=int, default=None,
                    help="max_tokens of every ShareGPT request (default: the length of its answer)")
     p.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=32,
                    help="prompt length in tokens (random dataset)")
     p.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=16,
-                   help="max_tokens of each request (random dataset)")
+                   help="max_tokens of each request (random and spec datasets)")
     p.add_argument("--tokenizer", default=None,
                    help="count tokens with this local tokenizer (a built-in model name or a directory); "
                         "default: the server's /tokenize")

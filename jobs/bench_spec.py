@@ -150,13 +150,16 @@ def spec_model_kwargs(spec: SpecBenchSpec, model_config, sections) -> dict | Non
     return {"enable_mtp": True}
 
 
+def spec_prompt(i: int) -> str:
+    """The workload's ``i``-th user message (before any chat template): texts x instructions, cycled."""
+    return INSTRUCTIONS[(i // len(TEXTS)) % len(INSTRUCTIONS)].format(text=TEXTS[i % len(TEXTS)])
+
+
 def spec_workload(tokenizer, num_prompts: int, output_len: int) -> list[bl.WorkItem]:
     """``num_prompts`` chat prompts (the tokenizer's template) cycling over texts x instructions."""
     items = []
     for i in range(num_prompts):
-        text = TEXTS[i % len(TEXTS)]
-        instruction = INSTRUCTIONS[(i // len(TEXTS)) % len(INSTRUCTIONS)]
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": instruction.format(text=text)}],
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": spec_prompt(i)}],
                                                add_generation_prompt=True, tokenize=False)
         items.append(bl.WorkItem(tokenizer.encode(prompt, add_special_tokens=False), output_len))
     return items

@@ -15,6 +15,7 @@ from rayinfer.jobs.bench_serve import (
     parse_args,
     parse_goodput,
     random_requests,
+    spec_requests,
     summarize,
 )
 
@@ -30,6 +31,19 @@ def test_random_prompts_have_input_len_tokens(tok):
     assert all(r.output_len == 9 for r in reqs)
     assert [r.prompt for r in random_requests(5, 37, 9, 3, tok)] == [r.prompt for r in reqs]  # seeded
     assert random_requests(1, 37, 9, 4, tok)[0].prompt != reqs[0].prompt
+
+
+def test_spec_prompts_cycle_over_texts_to_repeat_or_continue(tok):
+    """--dataset-name spec: the speculative bench's workload (texts x instructions), as chat messages."""
+    from rayinfer.jobs.bench_spec import INSTRUCTIONS, TEXTS
+
+    reqs = spec_requests(20, output_len=64, tokenizer=tok)
+    n = len(TEXTS) * len(INSTRUCTIONS)
+    assert len(reqs) == 20 and len({r.prompt for r in reqs}) == min(20, n)
+    assert all(r.output_len == 64 and r.prompt_len == len(tok.encode(r.prompt)) > 30 for r in reqs)
+    assert reqs[0].prompt.startswith("Repeat the following text") and TEXTS[0] in reqs[0].prompt
+    assert TEXTS[1] in reqs[1].prompt and [r.prompt for r in spec_requests(20, 64, tok)] == [r.prompt for r in reqs]
+    assert parse_args(["--dataset-name", "spec"]).dataset_name == "spec"
 
 
 def _conv(*turns):
