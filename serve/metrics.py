@@ -83,6 +83,11 @@ _ENGINE_METRICS = (
      "Speculative decoding: steps whose drafts were made on the device behind the step before.", "counter"),
     ("spec_chained_steps", "rayinfer_spec_decode_chained_steps", (),
      "Speculative decoding: verification steps launched behind the one in flight (pipelined).", "counter"),
+    ("spec_gate_plain_steps", "rayinfer_spec_decode_gate_plain_steps", (),
+     "Speculative decoding, confidence schedule: decode steps its gate kept plain.", "counter"),
+    ("spec_gate_draft_triggers", "rayinfer_spec_decode_gate_draft_triggers", (),
+     "Speculative decoding, confidence schedule: re-measurements of drafting when drafts turned up in plain steps.",
+     "counter"),
     ("host_kv_blocks", "rayinfer_host_kv_cache_blocks", (), "Blocks held by the host-memory KV tier.", "gauge"),
     ("host_kv_queries", "rayinfer_host_kv_cache_queries", (), "Blocks looked up in the host KV tier after a "
      "device-pool miss.", "counter"),

@@ -163,7 +163,8 @@ def test_spec_decode_stats_are_exported_per_replica():
     spec.record(3, 2)  # a request-step verified 3 drafts and accepted the first 2
     spec.record(2, 0)
     replica = ReplicaStats.from_dict({"num_running": 1, **spec.to_dict(), "spec_device_drafted_steps": 4,
-                                      "spec_chained_steps": 3}, replica_id=0)
+                                      "spec_chained_steps": 3, "spec_gate_plain_steps": 11,
+                                      "spec_gate_draft_triggers": 2}, replica_id=0)
     assert replica.spec_decode["spec_num_drafts_verified"] == 5
     metrics = ServeMetrics("m", names="both")
     metrics.set_engine_stats(FleetStats("colocated", [replica]))
@@ -175,6 +176,8 @@ def test_spec_decode_stats_are_exported_per_replica():
     assert samples[("rayinfer_spec_decode_mean_accepted_length", "0", None)] == 2.0  # (2 + 0) / 2 steps + 1
     assert samples[("rayinfer_spec_decode_device_drafted_steps_total", "0", None)] == 4
     assert samples[("rayinfer_spec_decode_chained_steps_total", "0", None)] == 3
+    assert samples[("rayinfer_spec_decode_gate_plain_steps_total", "0", None)] == 11
+    assert samples[("rayinfer_spec_decode_gate_draft_triggers_total", "0", None)] == 2
     assert [samples[("rayinfer_spec_decode_acceptance_by_position", "0", str(j))] for j in range(3)] == [0.5, 0.5, 0.0]
 
 
