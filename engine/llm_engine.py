@@ -251,6 +251,9 @@ class LLMEngine:
         self._inflight_speculative = False  # whether the step in flight was launched as a drafting step
         self._last_speculative = False  # whether the last step drafted (the gate's choice)
         self._gate_sample = None  # the last pure-decode call's measurement, recorded at the next call
+        # the confidence schedule's plain steps look n-gram drafts up now and then (_look_for_drafts)
+        self._plain_steps_look = (self.proposer is not None and self.proposer.drafts_vary
+                                  and spec.schedule == "confidence")
         self._plain_lookups = 0  # plain decode calls of the confidence schedule (_look_for_drafts)
         self._last_lookup = (0.0, 0.0)  # the last of their draft lookups: (when, seconds it took)
         if (on_cuda and not cfg.enforce_eager or not on_cuda and cfg.debug_eager_graphs) and self.local_kv_cache is None:
@@ -629,17 +632,17 @@ class LLMEngine:
             req.draft_token_ids = d.token_ids[:k]
             self._draft_probs[req.request_id] = d.probs
 
-    def _draft_candidates(self) -> tuple[list[Request], list[int]]:
+    def _draft_candidates(self, step_in_flight: bool = False) -> tuple[list[Request], list[int]]:
         """The running requests that may draft for their next step, and the most drafts worth proposing for
-        each (at least 1): decoding (one token left to compute, the prompt done), no grammar or penalties
-        (their sampling reads host state token by token), room left before ``max_tokens`` and the context
-        limit."""
+        each (at least 1): decoding (one token left to compute, the prompt done; with ``step_in_flight``, none
+        left while a step computes it), no grammar or penalties (their sampling reads host state token by
+        token), room left before ``max_tokens`` and the context limit."""
         spec = self.engine_config.speculative
         reqs, ks = [], []
         for req in self.scheduler.running:
             p = req.params
-            if (req.num_tokens - req.num_computed_tokens != 1 or req.num_computed_tokens < req.num_prompt_tokens
-                    or req.grammar is not None or p.needs_penalties):
+            if (req.num_tokens - req.num_computed_tokens not in ((0, 1) if step_in_flight else (1,))
+                    or req.num_computed_tokens < req.num_prompt_tokens or req.grammar is not None or p.needs_penalties):
                 continue
             room = self.max_model_len - req.num_tokens - 1
             if p.max_tokens is not None:
@@ -666,12 +669,10 @@ class LLMEngine:
         last_at, last_s = self._last_lookup
         if self._plain_lookups % self.DRAFT_LOOKUP_EVERY or now - last_at < last_s / self.DRAFT_LOOKUP_SHARE:
             return
-        k = self.engine_config.speculative.num_draft_tokens
-        reqs = [r for r in self.scheduler.running if r.num_computed_tokens >= r.num_prompt_tokens
-                and r.grammar is None and not r.params.needs_penalties]  # decoding (a step may be in flight)
+        reqs, ks = self._draft_candidates(step_in_flight=True)
         if reqs:
             assert self.proposer is not None
-            drafts = self.proposer.propose(reqs, [k] * len(reqs))
+            drafts = self.proposer.propose(reqs, ks)
             self.gate.note_drafts(False, len(self.scheduler.running), sum(len(d.token_ids) for d in drafts) / len(reqs))
             self._last_lookup = (now, time.perf_counter() - now)
 
@@ -717,8 +718,7 @@ class LLMEngine:
         started = time.perf_counter()
         self._flush_gate_sample(started)
         speculating = self.proposer is not None and self._speculate_next()
-        if (not speculating and self.proposer is not None and self.proposer.drafts_vary
-                and self.engine_config.speculative.schedule == "confidence" and self.scheduler.running):
+        if self._plain_steps_look and not speculating and self.scheduler.running:
             self._look_for_drafts()
         if self.chain_verification and speculating and step_kind is None and self._inflight is not None:
             chained = self._step_chained(started)
@@ -747,8 +747,9 @@ class LLMEngine:
         prev, prev_speculative = self._inflight, self._inflight_speculative
         self._inflight = None
         num_prev_tokens = 0  # tokens of the step that was in flight (its mode: prev_speculative)
+        # (a verification step in flight was processed above; one of a drafting step that found no draft, here)
         if prev is not None and (not self.async_scheduling or sched.is_empty or self._needs_drain(sched)
-                                 or prev[1].drafts is not None or prev[0].chained):  # a verification step: its accepted count
+                                 or prev[1].drafts is not None):
             prev_outputs = self._process(*prev)
             num_prev_tokens = _num_tokens(prev_outputs)
             outputs += prev_outputs
