@@ -185,7 +185,8 @@ def spec_summary(stats) -> str:
             f"{d['spec_mean_accepted_length']:.2f} tokens per verification step; "
             f"{chained} verification steps chained behind the one in flight"
             + (f"; {gated} decode steps kept plain by the confidence schedule's gate" if gated else "")
-            + (f", which re-measured drafting {triggers} times when drafts turned up" if triggers else ""))
+            + (f", which re-measured drafting {'once' if triggers == 1 else f'{triggers} times'} when drafts turned up"
+               if triggers else ""))
 
 
 def _lines(n: int) -> str:

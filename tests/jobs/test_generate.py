@@ -475,3 +475,5 @@ def test_spec_summary_line():
     line = spec_summary(FleetStats("colocated", [a, b]))  # n-gram drafts that turned up in plain steps
     assert line.endswith("5 decode steps kept plain by the confidence schedule's gate, which re-measured drafting "
                          "2 times when drafts turned up"), line
+    b.spec_decode["spec_gate_draft_triggers"] = 1
+    assert spec_summary(FleetStats("colocated", [a, b])).endswith("re-measured drafting once when drafts turned up")
