@@ -34,8 +34,12 @@ def _sync(dev: torch.device) -> None:
 
 
 def instrument(engine: LLMEngine, log: list[dict]) -> None:
-    """Wrap the engine's gate, proposer and step so that each step appends one record to ``log``."""
+    """Wrap the engine's gate, proposer and step so that each step appends one record to ``log`` (only the step
+    without speculation: its steps are all "plain-only")."""
     prop, gate = engine.proposer, engine.gate
+    if prop is None:
+        _instrument_step(engine, log, {"gate": "plain-only"})
+        return
     dev = engine.device
     drafter = hasattr(prop, "cache")  # a draft model (its own KV cache to catch up); n-gram has none
     cur: dict = {}
@@ -97,11 +101,16 @@ def instrument(engine: LLMEngine, log: list[dict]) -> None:
         cur["chained_rows"] = cur.get("chained_rows", 0) + len(getattr(prop, "_launched", ()))
 
     prop.launch_drafts = launch_drafts
+    _instrument_step(engine, log, cur)
 
+
+def _instrument_step(engine: LLMEngine, log: list[dict], cur: dict) -> None:
     orig_step = engine.step
+    fixed = dict(cur)
 
     def step(*a, **kw):
         cur.clear()
+        cur.update(fixed)
         t0 = time.perf_counter()
         out = orig_step(*a, **kw)
         rec = dict(cur, ms=(time.perf_counter() - t0) * 1e3, tokens=sum(len(o.new_token_ids) for o in out))
@@ -138,7 +147,8 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--method", default="draft_model", choices=["draft_model", "ngram"])
+    ap.add_argument("--method", default="draft_model", choices=["draft_model", "ngram", "none"],
+                    help="none: the same workload without speculation (its steps' times, the baseline)")
     ap.add_argument("--draft-model", default=None, help="default: the target drafts for itself")
     ap.add_argument("--num-kv-blocks", type=int, default=8192, help="as jobs/bench_spec.py")
     ap.add_argument("--schedule", default="confidence", choices=["fixed", "confidence"])

@@ -58,11 +58,13 @@ def test_bf16_graphs_run():
 
 
 @pytest.mark.parametrize("spec", [dict(method="ngram"), dict(method="draft_model", num_draft_tokens=3),
-                                  dict(method="ngram", schedule="confidence")],
-                         ids=["ngram", "self-draft", "ngram-confidence"])
+                                  dict(method="ngram", schedule="confidence"),
+                                  dict(method="draft_model", num_draft_tokens=3, schedule="confidence")],
+                         ids=["ngram", "self-draft", "ngram-confidence", "self-draft-confidence"])
 def test_gpu_speculative_greedy_equals_plain(spec):
     """Speculative steps on the GPU (verify steps eager, plain decode steps through the CUDA graphs, steps
-    drained) give the plain GPU engine's greedy tokens, and seeded sampling its seeded tokens."""
+    drained; a self-drafting confidence engine chains its verification steps and turns to plain steps when its
+    gate says so) give the plain GPU engine's greedy tokens, and seeded sampling its seeded tokens."""
     from rayinfer.engine.config import SpeculativeConfig
 
     _, plain = run("cuda")
