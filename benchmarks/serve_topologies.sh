@@ -7,6 +7,9 @@
 #   bash benchmarks/serve_topologies.sh /tmp/out "5 10 20" "400 1000 200" \
 #       "dp2:model=llama-3-8b parallel.dp=2 parallel.num_gpus_per_replica=1" \
 #       "1p1d:model=llama-3-8b parallel=1p1d parallel.num_gpus_per_replica=1"
+#   BENCH_ARGS="--dataset-name spec" bash benchmarks/serve_topologies.sh /tmp/out "8 32" "400 32 128" \
+#       "plain:" "ngram-confidence:engine.speculative.method=ngram engine.speculative.schedule=confidence"
+# BENCH_ARGS: more arguments of jobs/bench_serve.py (the speculative bench's prompts above: --input-len unused).
 set -uo pipefail
 out=$1; rates=$2; read -r num_prompts input_len output_len <<< "$3"; shift 3
 mkdir -p "$out"
@@ -31,9 +34,10 @@ for spec in "$@"; do
     echo "$name: the server did not come up"; tail -20 "$out/serve-$name.log"; kill -TERM $pid; wait $pid; continue
   fi
   for rate in $rates; do
+    # shellcheck disable=SC2086
     python jobs/bench_serve.py --base-url "http://127.0.0.1:$port" --endpoint completions \
       --num-prompts "$num_prompts" --input-len "$input_len" --output-len "$output_len" --request-rate "$rate" \
-      --disable-tqdm --json "$out/serve-$name-rate$rate.json" \
+      --disable-tqdm ${BENCH_ARGS:-} --json "$out/serve-$name-rate$rate.json" \
       --metadata "topology=$name" "server_overrides=$overrides" "device=$device" "git_rev=$rev" \
       "launcher=bash benchmarks/serve_topologies.sh" > "$out/serve-$name-rate$rate.txt" 2>&1
     python - "$out/serve-$name-rate$rate.json" "$name" "$rate" <<'PY' || tail -5 "$out/serve-$name-rate$rate.txt"
