@@ -654,22 +654,28 @@ class LLMEngine:
         return reqs, ks
 
     # the confidence schedule's plain steps look drafts up (a proposer whose drafts vary with the text) every so
-    # many steps, and only while the lookups take at most this share of the time
+    # many steps, for so many requests at most (in turn), and only while the lookups take at most this share of the time
     DRAFT_LOOKUP_EVERY = 8
+    DRAFT_LOOKUP_REQUESTS = 32
     DRAFT_LOOKUP_SHARE = 0.05
 
     def _look_for_drafts(self) -> None:
         """A plain decode step of the confidence schedule, with a proposer whose drafts vary with the text (n-gram):
         every ``DRAFT_LOOKUP_EVERY`` such steps, and no sooner than the last lookup's time over
         ``DRAFT_LOOKUP_SHARE``, count the drafts it would find now for the gate
-        (:meth:`SpeculationGate.note_drafts`). The lookup reads the tokens known on the host (with a step in
-        flight, one step old) and changes nothing."""
+        (:meth:`SpeculationGate.note_drafts`: the mean a request). A larger batch is sampled: each lookup takes the
+        next ``DRAFT_LOOKUP_REQUESTS`` of the running requests in turn, as a mean needs no more. The lookup
+        reads the tokens known on the host (with a step in flight, one step old) and changes nothing."""
         self._plain_lookups += 1
         now = time.perf_counter()
         last_at, last_s = self._last_lookup
         if self._plain_lookups % self.DRAFT_LOOKUP_EVERY or now - last_at < last_s / self.DRAFT_LOOKUP_SHARE:
             return
         reqs, ks = self._draft_candidates(step_in_flight=True)
+        n = self.DRAFT_LOOKUP_REQUESTS
+        if len(reqs) > n:
+            start = (self._plain_lookups // self.DRAFT_LOOKUP_EVERY * n) % len(reqs)
+            reqs, ks = (reqs + reqs)[start : start + n], (ks + ks)[start : start + n]
         if reqs:
             assert self.proposer is not None
             drafts = self.proposer.propose(reqs, ks)

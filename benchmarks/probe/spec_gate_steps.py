@@ -1,10 +1,11 @@
 """Probe: where a confidence-scheduled speculative engine's decode steps spend their time.
 
 Runs the speculative bench's workload (``jobs/bench_spec.py``: prompts that ask to repeat, fix or continue a
-text) through ``LLMEngine.step()`` and records per step: the gate's choice, the step's wall time, and for the
+text) through ``LLMEngine.step()`` and records per step: the gate's choice, the step's wall time; for the
 draft model's own work the time of each ``propose`` (synchronized before and after, so these steps lose their
 overlap), how many requests it caught up and on how many tokens, whether the catch-up forward replayed a graph
-or ran eagerly, how many requests ``launch_drafts`` chained, and what the gate was told (each ``record`` and
+or ran eagerly; the host time of the plain steps' draft lookups (n-gram); how many requests ``launch_drafts``
+chained, and what the gate was told (each ``record`` and
 ``charge``: mode, tokens, ms). ``--runs`` repeats the workload on fresh engines; the first is the warm-up
 (compiles) and is reported apart.
 
@@ -101,6 +102,15 @@ def instrument(engine: LLMEngine, log: list[dict]) -> None:
         cur["chained_rows"] = cur.get("chained_rows", 0) + len(getattr(prop, "_launched", ()))
 
     prop.launch_drafts = launch_drafts
+
+    orig_look = engine._look_for_drafts
+
+    def look_for_drafts():  # the plain steps' draft lookups (n-gram), not synchronized: host time only
+        t0 = time.perf_counter()
+        orig_look()
+        cur["lookup_ms"] = cur.get("lookup_ms", 0.0) + (time.perf_counter() - t0) * 1e3
+
+    engine._look_for_drafts = look_for_drafts
     _instrument_step(engine, log, cur)
 
 
@@ -134,6 +144,7 @@ def summarize(log: list[dict]) -> dict:
                         "eager_ms": sum(p["ms"] for p in props if not p["graph"]),
                         "graph_ms": sum(p["ms"] for p in props if p["graph"])},
             "chained_rows": sum(r.get("chained_rows", 0) for r in log),
+            "plain_lookup_ms": sum(r.get("lookup_ms", 0.0) for r in log),
             # what the gate was told, per mode: calls recorded (tokens, ms) and ms charged
             "gate_saw": {mode: {"records": sum(1 for c in calls if c[0] == "record" and c[1] == spec),
                                 "tokens": sum(c[2] + 0 for c in calls if c[0] == "record" and c[1] == spec),

@@ -332,7 +332,8 @@ def test_speculation_gate_re_measures_speculation_when_drafts_turn_up():
 def test_confidence_schedule_looks_for_n_gram_drafts_in_plain_steps(tiny_pair, tokenizer, async_scheduling):
     """With n-gram drafts (found or not depending on the text), every 8th plain decode step of the confidence
     schedule looks drafts up and tells the gate how many it found a request, as drafting steps do; the
-    lookups change no output (greedy, seeded)."""
+    lookups change no output (greedy, seeded). A batch larger than DRAFT_LOOKUP_REQUESTS is sampled, every
+    request in turn."""
     prompts = list(PROMPTS)
     params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
               SamplingParams(temperature=0.8, max_tokens=40, ignore_eos=True, seed=5),
@@ -344,7 +345,14 @@ def test_confidence_schedule_looks_for_n_gram_drafts_in_plain_steps(tiny_pair, t
     engine.gate.speculate = lambda batch_size: picks.append(len(picks) % 10 >= 8) or picks[-1]  # 8 plain, 2 drafting
     notes, note = [], engine.gate.note_drafts
     engine.gate.note_drafts = lambda spec, batch, found: notes.append((spec, batch, found)) or note(spec, batch, found)
+    engine.DRAFT_LOOKUP_REQUESTS = 2  # of the 3 requests
+    looked, look, propose, in_look = [], engine._look_for_drafts, engine.proposer.propose, []
+    engine._look_for_drafts = lambda: (in_look.append(1), look(), in_look.pop())
+    engine.proposer.propose = lambda reqs, ks: (looked.append([r.request_id for r in reqs]) if in_look else None,
+                                                propose(reqs, ks))[1]
     _check_same(engine.generate(prompts, params), plain)
+    assert looked and all(len(ids) == 2 for ids in looked), looked
+    assert len({i for ids in looked for i in ids}) == 3, looked  # in turn: each request's drafts counted
     plain_notes = [n for n in notes if not n[0]]
     assert len(plain_notes) == picks.count(False) // 8 and len(plain_notes) >= 3, (len(plain_notes), picks.count(False))
     assert all(b == 3 for _, b, _ in notes) and max(f for _, _, f in plain_notes) > 0
