@@ -1343,7 +1343,9 @@ class SpeculationGate:
     plain steps drained and refilled, a drafter catching up on the plain steps' tokens): the regret counts
     ``switch_steps`` of the faster mode's steps besides. Without it, two modes measured close (at the 8B
     shape on the H100, plain steps at 13 ms in a confidence engine re-measuring n-gram every few steps,
-    against 9.7 ms in steps left alone) re-measured each other so often that the switches made them close.
+    against 9.7 ms in steps left alone) re-measured each other so often that the switches made them close
+    (the engine's accounting then also charged the wait for a drafting step still in flight to the plain call
+    after it, which made plain steps between drafting ones look slower; see ``LLMEngine._flush_gate_sample``).
 
     A proposer whose drafts depend on the text (n-gram lookup) may find none early in a request's output
     and many later (once it starts to repeat or quote its prompt), so a rate measured then goes stale in a
@@ -1353,8 +1355,9 @@ class SpeculationGate:
     mode, speculation's measurement is dropped and re-taken at once (``explore_steps`` steps at least).
 
     Measurements (:meth:`record`, :meth:`charge`): tokens count for the mode of the step that computed
-    them, seconds for the mode of the call that spent them; the engine charges the refill of the pipeline
-    after a drafting step to speculation. The first ``warmup_steps`` steps of each mode and bucket are not
+    them, and so does the time a call spent processing that step (on a GPU, the wait for it); the rest of a
+    call's time counts for the mode of the call; the engine charges the refill of the pipeline after a
+    drafting step to speculation. The first ``warmup_steps`` steps of each mode and bucket are not
     measured (compiles, first graph replays). Averages decay per step of that mode (``decay``), over
     tokens and seconds apart, so a pipelined call that returned nothing yet is no zero rate.
 
@@ -1443,17 +1446,21 @@ class SpeculationGate:
         return choice
 
     def record(self, speculative: bool, batch_size: int, num_output_tokens: int, seconds: float,
-               other_tokens: int = 0) -> None:
+               other_tokens: int = 0, other_seconds: float = 0.0) -> None:
         """Fold in one decode call of ``batch_size`` requests in the mode :meth:`speculate` chose (or the
-        wait for a step of that mode, drained): ``seconds`` it took (host and device: proposing,
-        scheduling, the forward, sampling), ``num_output_tokens`` that steps of this mode gave back in it,
-        and ``other_tokens`` that a step of the other mode gave back in it (a pipelined step finished
-        late), credited to that mode."""
+        wait for a step of that mode, drained; or the part of a call that processed a pipelined step of this
+        mode): ``seconds`` it took (host and device: proposing, scheduling, the forward, sampling),
+        ``num_output_tokens`` that steps of this mode gave back in it, and ``other_tokens`` tokens and
+        ``other_seconds`` seconds of the other mode in the same call, credited to that mode (added to its
+        measurement, once it has one, without counting a step)."""
         if batch_size <= 0:
             return
         b = self.bucket(batch_size)
-        if other_tokens and (not speculative, b) in self._sums:
-            self._sums[(not speculative, b)][0] += other_tokens
+        if (other_tokens or other_seconds > 0) and (not speculative, b) in self._sums:
+            sums = self._sums[(not speculative, b)]
+            sums[0] += other_tokens
+            sums[1] += max(other_seconds, 0.0)
+            self.seconds[not speculative] += max(other_seconds, 0.0)
         if seconds <= 0:
             return
         key = (speculative, b)

@@ -57,13 +57,14 @@ def instrument(engine: LLMEngine, log: list[dict]) -> None:
 
     orig_record, orig_charge = gate.record, gate.charge
 
-    def record(speculative, batch_size, num_output_tokens, seconds, other_tokens=0):
+    def record(speculative, batch_size, num_output_tokens, seconds, other_tokens=0, other_seconds=0.0):
         cur.setdefault("gate_calls", []).append(["record", bool(speculative), int(num_output_tokens),
-                                                 round(seconds * 1e3, 4), int(other_tokens)])
-        return orig_record(speculative, batch_size, num_output_tokens, seconds, other_tokens)
+                                                 round(seconds * 1e3, 4), int(other_tokens),
+                                                 round(other_seconds * 1e3, 4)])
+        return orig_record(speculative, batch_size, num_output_tokens, seconds, other_tokens, other_seconds)
 
     def charge(speculative, batch_size, seconds):
-        cur.setdefault("gate_calls", []).append(["charge", bool(speculative), 0, round(seconds * 1e3, 4), 0])
+        cur.setdefault("gate_calls", []).append(["charge", bool(speculative), 0, round(seconds * 1e3, 4), 0, 0.0])
         return orig_charge(speculative, batch_size, seconds)
 
     gate.record, gate.charge = record, charge
@@ -147,8 +148,8 @@ def summarize(log: list[dict]) -> dict:
             "plain_lookup_ms": sum(r.get("lookup_ms", 0.0) for r in log),
             # what the gate was told, per mode: calls recorded (tokens, ms) and ms charged
             "gate_saw": {mode: {"records": sum(1 for c in calls if c[0] == "record" and c[1] == spec),
-                                "tokens": sum(c[2] + 0 for c in calls if c[0] == "record" and c[1] == spec),
-                                "ms": sum(c[3] for c in calls if c[1] == spec)}
+                                "tokens": sum(c[2] if c[1] == spec else c[4] for c in calls if c[0] == "record"),
+                                "ms": sum(c[3] if c[1] == spec else c[5] for c in calls)}
                          for mode, spec in (("plain", False), ("draft", True))
                          for calls in [[c for r in log for c in r.get("gate_calls", [])]]}}
 

@@ -420,7 +420,12 @@ def test_pipelined_confidence_schedule_keeps_greedy_and_seeded_output(tiny_pair,
 def test_gate_credits_tokens_to_the_mode_that_computed_them(tiny_pair, tokenizer):
     """Pipelined: a drafting step that found no draft is left in flight and its tokens come back in the next
     call; they count for speculation, not for the plain step of that call (they once did, so n-gram steps
-    without drafts measured as zero-token drafting steps and plain looked faster than it was)."""
+    without drafts measured as zero-token drafting steps and plain looked faster than it was). So does the
+    wait for that step (here 10 ms a decode step, as a sleep where its tokens are processed: the device still
+    runs it): it once counted for the plain call, and plain steps measured half again as slow as drafting
+    steps that ran the same forward."""
+    import time as _time
+
     prompts = list(PROMPTS)
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     plain = _tiny_spec_engine(tiny_pair, tokenizer, {}).generate(prompts, params)
@@ -438,15 +443,25 @@ def test_gate_credits_tokens_to_the_mode_that_computed_them(tiny_pair, tokenizer
         return execute(sched, reqs, prev)
 
     engine.runner.execute_async = counting_execute
-    credited = {True: 0, False: 0}
+    credited, credited_s = {True: 0, False: 0}, {True: 0.0, False: 0.0}
     record = engine.gate.record
 
-    def spy(speculative, batch_size, num_output_tokens, seconds, other_tokens=0):
+    def spy(speculative, batch_size, num_output_tokens, seconds, other_tokens=0, other_seconds=0.0):
         credited[speculative] += num_output_tokens
         credited[not speculative] += other_tokens
-        record(speculative, batch_size, num_output_tokens, seconds, other_tokens)
+        credited_s[speculative] += seconds
+        credited_s[not speculative] += other_seconds
+        record(speculative, batch_size, num_output_tokens, seconds, other_tokens, other_seconds)
 
     engine.gate.record = spy
+    process = engine._process
+
+    def device_wait(sched, launched_step, step_reqs):
+        if sched.scheduled and all(len(s.token_ids) == 1 for s in sched.scheduled):
+            _time.sleep(0.01)
+        return process(sched, launched_step, step_reqs)
+
+    engine._process = device_wait
     fitted = []  # (drafting step, tokens) of the steps the per-draft schedule's StepTimeModel fits
     update = engine.step_time.update
     engine.step_time.update = lambda n, secs: (fitted.append((bool(mode) and mode[-1], n)), update(n, secs))[1]
@@ -456,6 +471,9 @@ def test_gate_credits_tokens_to_the_mode_that_computed_them(tiny_pair, tokenizer
     # the last decode step's tokens come back in a call that schedules nothing (not measured)
     assert launched[True] - len(prompts) <= credited[True] <= launched[True], (launched, credited)
     assert launched[False] - len(prompts) <= credited[False] <= launched[False], (launched, credited)
+    # the same forward, the same sleep: about the same seconds a step (plain's were 1.5x drafting's before)
+    per_step = {m: credited_s[m] / (launched[m] / len(prompts)) for m in (True, False)}
+    assert 0.75 < per_step[False] / per_step[True] < 1.3, per_step
     # pipelined plain decode steps are not fitted (a call there overlaps two steps): only drafting and
     # prefill steps are
     assert any(spec for spec, _ in fitted) and all(spec or n > len(prompts) for spec, n in fitted), fitted
@@ -500,8 +518,8 @@ def test_chained_confidence_engine_switching_to_plain_keeps_output(mtp_checkpoin
 
     engine._process = slow_verification
     records, record = [], engine.gate.record
-    engine.gate.record = lambda spec_, batch, n, secs, other_tokens=0: (records.append((spec_, n, secs, other_tokens)),
-                                                                         record(spec_, batch, n, secs, other_tokens))[1]
+    engine.gate.record = lambda spec_, batch, n, secs, **kw: (records.append((spec_, n, secs, kw)),
+                                                               record(spec_, batch, n, secs, **kw))[1]
     _check_same(engine.generate(prompts, params), want)
     # a verification step is left in flight even when the next one does not chain (one drafting step at a time)
     assert (engine.stats()["spec_chained_steps"] > 0) is (drafting > 1) and picks.count(False) >= 3
@@ -513,22 +531,26 @@ def test_chained_confidence_engine_switching_to_plain_keeps_output(mtp_checkpoin
 def test_gate_times_a_step_up_to_the_next_call(tiny_pair, tokenizer):
     """A decode call is measured up to the next call (the caller's work on its outputs is part of a step's
     cost, and speculation saves it by taking fewer steps), a gap longer than the call counting as the
-    call's length (the caller idled); a refill of the pipeline is charged to speculation."""
+    call's length (the caller idled); a refill of the pipeline is charged to speculation; a call that processed
+    a pipelined step of the other mode gives that mode the processing, the caller's work and the tokens."""
     engine = _tiny_spec_engine(tiny_pair, tokenizer, dict(method="ngram", schedule="confidence"))
     got = []
     engine.gate.record = lambda *args, **kw: got.append(("record", args, kw))
     engine.gate.charge = lambda *args: got.append(("charge", args))
-    engine._gate_sample = (False, 4, 3, 1, False, 10.0, 10.010)  # a plain call of 10 ms, one drafting step's token
+    engine._gate_sample = (False, 4, 3, 0, None, False, 10.0, 10.010)  # a plain call of 10 ms
     engine._flush_gate_sample(10.013)  # the caller took 3 ms
     engine._flush_gate_sample(10.5)  # nothing pending: nothing recorded
-    engine._gate_sample = (True, 4, 12, 0, False, 20.0, 20.010)
+    engine._gate_sample = (True, 4, 12, 0, None, False, 20.0, 20.010)
     engine._flush_gate_sample(25.0)  # idle for 5 s: counts as 10 ms
-    engine._gate_sample = (False, 4, 0, 0, True, 30.0, 30.002)
+    engine._gate_sample = (False, 4, 0, 0, None, True, 30.0, 30.002)
     engine._flush_gate_sample(30.003)
+    # a plain call of 10 ms, 8 of them processing a drafting step in flight (its 4 tokens), then the caller's 2 ms
+    engine._gate_sample = (False, 4, 0, 4, 0.008, False, 40.0, 40.010)
+    engine._flush_gate_sample(40.012)
     assert [(kind, args[:-1]) for kind, args, *_ in got] == [
-        ("record", (False, 4, 3)), ("record", (True, 4, 12)), ("charge", (True, 4))]
-    assert [g[1][-1] for g in got] == pytest.approx([0.013, 0.020, 0.003])
-    assert got[0][2] == {"other_tokens": 1} and got[1][2] == {"other_tokens": 0}
+        ("record", (False, 4, 3)), ("record", (True, 4, 12)), ("charge", (True, 4)), ("record", (True, 4, 4))]
+    assert [g[1][-1] for g in got] == pytest.approx([0.013, 0.020, 0.003, 0.010])
+    assert got[0][2] == {} and got[3][2] == {"other_tokens": 0, "other_seconds": pytest.approx(0.002)}
 
 
 def test_calibrator_learns_acceptance_from_verifications():
