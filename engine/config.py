@@ -107,26 +107,26 @@ class SpeculativeConfig:
 
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative.method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+            raise ValueError(f"engine.speculative.method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
         for name in ("num_draft_tokens", "ngram_min", "ngram_max"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"speculative.{name} must be a positive integer, got {value!r}")
+                raise ValueError(f"engine.speculative.{name} must be a positive integer, got {value!r}")
         if self.ngram_min > self.ngram_max:
-            raise ValueError(f"speculative.ngram_min ({self.ngram_min}) must not exceed ngram_max ({self.ngram_max})")
+            raise ValueError(f"engine.speculative.ngram_min ({self.ngram_min}) must not exceed ngram_max ({self.ngram_max})")
         if self.schedule not in ("fixed", "confidence"):
-            raise ValueError(f"speculative.schedule must be 'fixed' or 'confidence', got {self.schedule!r}")
+            raise ValueError(f"engine.speculative.schedule must be 'fixed' or 'confidence', got {self.schedule!r}")
         if self.max_verify_tokens is not None and (not isinstance(self.max_verify_tokens, int)
                                                    or self.max_verify_tokens <= 0):
-            raise ValueError(f"speculative.max_verify_tokens must be a positive integer or None, "
+            raise ValueError(f"engine.speculative.max_verify_tokens must be a positive integer or None, "
                              f"got {self.max_verify_tokens!r}")
         if not 0 <= self.min_confidence < 1:
-            raise ValueError(f"speculative.min_confidence must be in [0, 1), got {self.min_confidence}")
+            raise ValueError(f"engine.speculative.min_confidence must be in [0, 1), got {self.min_confidence}")
         if self.draft_load_format not in _LOAD_FORMATS:
-            raise ValueError(f"speculative.draft_load_format must be one of {_LOAD_FORMATS}, "
+            raise ValueError(f"engine.speculative.draft_load_format must be one of {_LOAD_FORMATS}, "
                              f"got {self.draft_load_format!r}")
         if self.draft_model is not None and self.method != "draft_model":
-            raise ValueError(f"speculative.draft_model is set but method is {self.method!r} (use draft_model)")
+            raise ValueError(f"engine.speculative.draft_model is set but method is {self.method!r} (use draft_model)")
 
     @property
     def enabled(self) -> bool:

@@ -181,7 +181,7 @@ def spec_summary(stats) -> str:
     gated = sum(r.spec_decode.get("spec_gate_plain_steps", 0) for r in stats.replicas)
     triggers = sum(r.spec_decode.get("spec_gate_draft_triggers", 0) for r in stats.replicas)
     return (f"speculative decoding: {total.num_drafts_proposed} drafts proposed, {total.num_drafts_verified} verified, "
-            f"{total.num_drafts_accepted} accepted ({d['spec_acceptance_rate']:.0%}); "
+            f"{total.num_drafts_accepted} accepted ({d['spec_acceptance_rate']:.0%} of those verified); "
             f"{d['spec_mean_accepted_length']:.2f} tokens per verification step; "
             f"{chained} verification steps chained behind the one in flight"
             + (f"; {gated} decode steps kept plain by the confidence schedule's gate" if gated else "")

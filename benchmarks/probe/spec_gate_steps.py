@@ -4,10 +4,14 @@ Runs the speculative bench's workload (``jobs/bench_spec.py``: prompts that ask 
 text) through ``LLMEngine.step()`` and records per step: the gate's choice, the step's wall time; for the
 draft model's own work the time of each ``propose`` (synchronized before and after, so these steps lose their
 overlap), how many requests it caught up and on how many tokens, whether the catch-up forward replayed a graph
-or ran eagerly; the host time of the plain steps' draft lookups (n-gram); how many requests ``launch_drafts``
-chained, and what the gate was told (each ``record`` and
-``charge``: mode, tokens, ms). ``--runs`` repeats the workload on fresh engines; the first is the warm-up
-(compiles) and is reported apart.
+or ran eagerly; the host time of the plain steps' draft lookups (n-gram); ``chained_rows``, the requests whose
+next drafts ``launch_drafts`` queued on the device behind the step (whether or not the next step then chained:
+``spec_chained_steps`` of the engine's stats counts those), and what the gate was told (each ``record`` and
+``charge``: mode, tokens, ms, and tokens and ms credited to the other mode). A step's ``gate`` is "draft" or
+"plain" where the gate chose (pure decode steps), "other" where it was not asked (prefill and mixed steps), and
+"plain-only" for every step with ``--method none``. ``--runs`` repeats the workload on fresh engines; the first
+is the warm-up (compiles), marked ``"warm_up": true``. It prints a line a run; the per-step records go to
+``--out`` (or to stdout without it).
 
     PYTHONPATH=. python benchmarks/probe/spec_gate_steps.py --batch 8 --out /tmp/steps.json
     PYTHONPATH=. python benchmarks/probe/spec_gate_steps.py --schedule fixed --batch 32
@@ -174,7 +178,9 @@ def main() -> None:
 
     mc = ModelConfig(model=args.model, load_format=args.load_format, dtype=args.dtype)
     draft = dict(draft_model=args.draft_model, draft_load_format=args.load_format) if args.method == "draft_model" else {}
-    sc = SpeculativeConfig(method=args.method, schedule=args.schedule, **draft)
+    if args.method == "none":
+        args.schedule = None  # recorded as such: no speculation, no schedule
+    sc = SpeculativeConfig(method=args.method, schedule=args.schedule or "fixed", **draft)
     ec = EngineConfig(device=args.device, max_num_seqs=args.batch, num_kv_blocks=args.num_kv_blocks, speculative=sc)
     runs = []
     for run in range(args.runs):
@@ -185,13 +191,18 @@ def main() -> None:
         res = bl.run_offline(engine, items, request_prefix=f"probe{run}")
         summary = summarize(log)
         summary["output_tok_s"] = sum(t.num_output_tokens for t in res.timings) / res.elapsed_s
-        print(f"run {run}: {summary['output_tok_s']:.0f} tok/s  {json.dumps(summary)}", flush=True)
-        runs.append({"summary": summary, "steps": log})
+        label = " (warm-up)" if run == 0 and args.runs > 1 else ""
+        print(f"run {run}{label}: {summary['output_tok_s']:.0f} tok/s  {json.dumps(summary)}", flush=True)
+        runs.append({"warm_up": bool(label), "summary": summary, "steps": log})
         del engine
         bl.release_device_memory()
     result = {**bl.run_metadata(torch.device("cuda" if torch.cuda.is_available() else "cpu"), args.git_rev),
               "command": "python " + " ".join(sys.argv), "args": vars(args), "runs": runs}
-    bl.emit_json(result, args.out)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    else:
+        bl.emit_json(result, None)
 
 
 if __name__ == "__main__":

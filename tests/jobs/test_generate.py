@@ -464,7 +464,7 @@ def test_spec_summary_line():
     b = ReplicaStats.from_dict({"spec_num_drafts_proposed": 8, "spec_num_drafts_verified": 4,
                                 "spec_num_drafts_accepted": 2, "spec_num_verify_steps": 2}, replica_id=1)
     line = spec_summary(FleetStats("colocated", [a, b, ReplicaStats(replica_id=2)]))
-    assert line == ("speculative decoding: 48 drafts proposed, 40 verified, 20 accepted (50%); "
+    assert line == ("speculative decoding: 48 drafts proposed, 40 verified, 20 accepted (50% of those verified); "
                     "2.67 tokens per verification step; 7 verification steps chained behind the one in flight")
     b = ReplicaStats.from_dict({"spec_num_drafts_proposed": 8, "spec_gate_plain_steps": 5}, replica_id=1)
     line = spec_summary(FleetStats("colocated", [a, b]))  # the confidence schedule: the steps its gate kept plain
