@@ -833,8 +833,8 @@ class LLMEngine:
         the rest of the call (planning and launching its own step; on a CPU, computing it) for the call's mode.
         Counted whole for the call's mode, the first plain call after such a drafting step paid for the drafting
         step's forward, and plain run in short stretches measured a step slower per stretch than it runs (on CPU
-        with a simulated 10 ms device step, 17.6 ms a step; the likely cause of plain steps timed at 17.5 ms
-        between n-gram drafting steps at the Llama-3-8B shape on the H100, against 9.95 ms alone)."""
+        with a simulated 10 ms device step, 17.6 ms a step; at the Llama-3-8B shape on the H100, 17.5 ms between
+        n-gram drafting steps against 9.95 ms alone, and n-gram confidence ran 0.68x plain at batch 256, 0.96x since)."""
         sample, self._gate_sample = self._gate_sample, None
         if sample is None:
             return
