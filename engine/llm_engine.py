@@ -757,9 +757,7 @@ class LLMEngine:
         # (a verification step in flight was processed above; one of a drafting step that found no draft, here)
         if prev is not None and (not self.async_scheduling or sched.is_empty or self._needs_drain(sched)
                                  or prev[1].drafts is not None):
-            prev_at = time.perf_counter()
-            prev_outputs = self._process(*prev)
-            prev_s = time.perf_counter() - prev_at
+            prev_outputs, prev_s = self._process_timed(prev)
             num_prev_tokens = _num_tokens(prev_outputs)
             outputs += prev_outputs
             prev_step, prev = prev[1], None
@@ -772,7 +770,7 @@ class LLMEngine:
                 launched = self.runner.execute_async(sched, step_reqs, prev_step)
             except Exception as e:  # noqa: BLE001 - find the requests at fault; the step goes on for the rest
                 if prev is not None:  # its tokens come first
-                    prev_outputs = self._process(*prev)
+                    prev_outputs, prev_s = self._process_timed(prev)
                     num_prev_tokens = _num_tokens(prev_outputs)
                     outputs += prev_outputs
                     prev = None
@@ -795,9 +793,7 @@ class LLMEngine:
         elif run_empty:
             self.runner.execute_empty()
         if prev is not None:
-            prev_at = time.perf_counter()
-            prev_outputs = self._process(*prev)
-            prev_s = time.perf_counter() - prev_at
+            prev_outputs, prev_s = self._process_timed(prev)
             num_prev_tokens = _num_tokens(prev_outputs)
             outputs += prev_outputs
         if self.proposer is not None and not sched.is_empty:
@@ -820,6 +816,12 @@ class LLMEngine:
                                      started, time.perf_counter())
             self._last_speculative = speculating
         return outputs
+
+    def _process_timed(self, inflight: tuple) -> tuple[list[RequestOutput], float]:
+        """:meth:`_process` of a step left in flight, and the seconds it took (on a GPU, mostly the wait for it)."""
+        at = time.perf_counter()
+        outputs = self._process(*inflight)
+        return outputs, time.perf_counter() - at
 
     def _flush_gate_sample(self, now: float) -> None:
         """Hand the last pure-decode call's measurement to the gate, timed up to ``now`` (the next call):

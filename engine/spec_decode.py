@@ -1456,11 +1456,12 @@ class SpeculationGate:
         if batch_size <= 0:
             return
         b = self.bucket(batch_size)
-        if (other_tokens or other_seconds > 0) and (not speculative, b) in self._sums:
+        other_seconds = max(other_seconds, 0.0)
+        if (other_tokens or other_seconds) and (not speculative, b) in self._sums:
             sums = self._sums[(not speculative, b)]
             sums[0] += other_tokens
-            sums[1] += max(other_seconds, 0.0)
-            self.seconds[not speculative] += max(other_seconds, 0.0)
+            sums[1] += other_seconds
+            self.seconds[not speculative] += other_seconds
         if seconds <= 0:
             return
         key = (speculative, b)

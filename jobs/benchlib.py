@@ -63,10 +63,12 @@ def git_revision(root: Path = REPO_ROOT) -> tuple[str, bool | None]:
         return "unknown", None
 
 
-def emit_json(result: dict[str, Any], path: str | None) -> None:
-    """Print ``result`` as indented JSON, and write it to ``path`` too when given (a bench script's output)."""
+def emit_json(result: dict[str, Any], path: str | None, echo: bool = True) -> None:
+    """Print ``result`` as indented JSON (unless not ``echo``), and write it to ``path`` too when given (a bench
+    script's output)."""
     text = json.dumps(result, indent=2)
-    print(text)
+    if echo:
+        print(text)
     if path:
         with open(path, "w") as f:
             f.write(text + "\n")

@@ -43,7 +43,7 @@ def instrument(engine: LLMEngine, log: list[dict]) -> None:
     without speculation: its steps are all "plain-only")."""
     prop, gate = engine.proposer, engine.gate
     if prop is None:
-        _instrument_step(engine, log, {"gate": "plain-only"})
+        _instrument_step(engine, log, {}, base={"gate": "plain-only"})
         return
     dev = engine.device
     drafter = hasattr(prop, "cache")  # a draft model (its own KV cache to catch up); n-gram has none
@@ -119,13 +119,14 @@ def instrument(engine: LLMEngine, log: list[dict]) -> None:
     _instrument_step(engine, log, cur)
 
 
-def _instrument_step(engine: LLMEngine, log: list[dict], cur: dict) -> None:
+def _instrument_step(engine: LLMEngine, log: list[dict], cur: dict, base: dict | None = None) -> None:
+    """Wrap ``engine.step`` so that each step appends ``base``, what the other wrappers put in ``cur`` during the
+    step, its wall time and its tokens to ``log``."""
     orig_step = engine.step
-    fixed = dict(cur)
 
     def step(*a, **kw):
         cur.clear()
-        cur.update(fixed)
+        cur.update(base or {})
         t0 = time.perf_counter()
         out = orig_step(*a, **kw)
         rec = dict(cur, ms=(time.perf_counter() - t0) * 1e3, tokens=sum(len(o.new_token_ids) for o in out))
@@ -198,11 +199,9 @@ def main() -> None:
         bl.release_device_memory()
     result = {**bl.run_metadata(torch.device("cuda" if torch.cuda.is_available() else "cpu"), args.git_rev),
               "command": "python " + " ".join(sys.argv), "args": vars(args), "runs": runs}
+    bl.emit_json(result, args.out, echo=not args.out)
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.out}")
-    else:
-        bl.emit_json(result, None)
 
 
 if __name__ == "__main__":
