@@ -1,0 +1,101 @@
+"""Probe: where a speculative engine's step spends its wall time, host against device (torch.profiler).
+
+Runs the speculative bench's workload (``jobs/bench_spec.py``) through ``LLMEngine.step()`` on one engine: a
+warm-up run, then one run under ``torch.profiler``. Prints per step the wall time, the device's busy time (the
+union of the kernels' intervals, so overlapping streams count once) and so the time the device sat idle, then the
+operations with the most host time and the kernels with the most device time. With ``--method none`` it is the
+same workload without speculation, the baseline.
+
+    PYTHONPATH=. python benchmarks/probe/spec_step_profile.py --method ngram --batch 1
+    PYTHONPATH=. python benchmarks/probe/spec_step_profile.py --method none --batch 1 --out /tmp/p.json
+"""
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from rayinfer.engine.config import EngineConfig, ModelConfig, SpeculativeConfig  # noqa: E402
+from rayinfer.engine.llm_engine import LLMEngine  # noqa: E402
+from rayinfer.jobs import benchlib as bl  # noqa: E402
+from rayinfer.jobs.bench_spec import spec_workload  # noqa: E402
+
+
+def busy_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals (microseconds)."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e <= end:
+            continue
+        total += e - max(s, end)
+        end = e
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--method", default="ngram", choices=["ngram", "draft_model", "mtp", "none"])
+    ap.add_argument("--schedule", default="fixed", choices=["fixed", "confidence"])
+    ap.add_argument("--ngram-on-device", action="store_true")
+    ap.add_argument("--num-draft-tokens", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--num-kv-blocks", type=int, default=8192)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--git-rev", default=None)
+    args = ap.parse_args()
+
+    sc = SpeculativeConfig(method=args.method, schedule=args.schedule, num_draft_tokens=args.num_draft_tokens,
+                           ngram_on_device=args.ngram_on_device)
+    engine = LLMEngine(ModelConfig(model=args.model, load_format=args.load_format, dtype=args.dtype),
+                       EngineConfig(device=args.device, max_num_seqs=args.batch, num_kv_blocks=args.num_kv_blocks,
+                                    speculative=sc))
+    items = spec_workload(engine.tokenizer, args.batch, args.output_len)
+    bl.run_offline(engine, items, request_prefix="warm")
+    steps = [0]
+    step = engine.step
+
+    def counted_step():
+        steps[0] += 1
+        return step()
+
+    engine.step = counted_step  # type: ignore[method-assign]
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        res = bl.run_offline(engine, items, request_prefix="prof")
+    n = max(steps[0], 1)
+    tokens = sum(t.num_output_tokens for t in res.timings)
+    kernels = [e for e in prof.events() or () if e.device_type == torch.profiler.DeviceType.CUDA]
+    dev_us = busy_us([(e.time_range.start, e.time_range.end) for e in kernels])
+    wall_ms = res.elapsed_s * 1e3
+    avg = prof.key_averages()
+    host = sorted(avg, key=lambda e: e.self_cpu_time_total, reverse=True)[:args.top]
+    dev = sorted(avg, key=lambda e: e.self_device_time_total, reverse=True)[:args.top]
+    summary = {"steps": n, "tokens": tokens, "wall_ms_per_step": wall_ms / n, "device_busy_ms_per_step": dev_us / 1e3 / n,
+               "tokens_per_step": tokens / n, "output_tok_s": tokens / res.elapsed_s}
+    print(summary)
+    print("host (self CPU ms a step):")
+    for e in host:
+        print(f"  {e.self_cpu_time_total / 1e3 / n:8.3f}  x{e.count / n:6.1f}  {e.key[:100]}")
+    print("device (self device ms a step):")
+    for e in dev:
+        if e.self_device_time_total:
+            print(f"  {e.self_device_time_total / 1e3 / n:8.3f}  x{e.count / n:6.1f}  {e.key[:100]}")
+    result = {**bl.run_metadata(engine.device, args.git_rev), "command": "python " + " ".join(sys.argv),
+              "args": vars(args), "summary": summary,
+              "host_top": [[e.key, e.self_cpu_time_total / 1e3 / n, e.count / n] for e in host],
+              "device_top": [[e.key, e.self_device_time_total / 1e3 / n, e.count / n] for e in dev]}
+    if args.out:
+        bl.emit_json(result, args.out, echo=False)
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
