@@ -54,7 +54,11 @@ def test_client_disconnect_aborts_and_frees_blocks(live_server, model):
         # the stream is closed mid-generation here
         mid = live_server.engine_stats()
     stats = live_server.wait_all_blocks_free(timeout_s=20)
-    assert all(s["num_free_blocks"] == s["num_blocks"] and s["num_running"] == 0 for s in stats), (mid, stats)
+    # on a failure, say whether the abort was lost (the request ran on towards its 400 tokens) or late
+    assert all(s["num_free_blocks"] == s["num_blocks"] and s["num_running"] == 0 for s in stats), (
+        f"20 s after the disconnect: running {[s['num_running'] for s in stats]}, tokens generated since the "
+        f"request started {stats[0]['num_generation_tokens'] - before} (at the disconnect "
+        f"{mid[0]['num_generation_tokens'] - before}) of its 400")
     gen_tokens = stats[0]["num_generation_tokens"]
     assert gen_tokens - before < 200, "the request ran on after the disconnect"
     time.sleep(1.0)
