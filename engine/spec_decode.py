@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from rayinfer.engine.types import PLACEHOLDER, Request, SchedulerOutput, StepOutput
+from rayinfer.kernels.ngram import ngram_lookup_device
 
 logger = logging.getLogger(__name__)
 
@@ -233,7 +234,8 @@ class _NgramDeviceLookup:
         """Drafts for ``reqs`` (each known through position ``p0[i]``) after a verification step whose target
         tokens ``target`` [n, w] and accepted-draft counts ``accepted`` [n] are on the device (``p0_t``: [n]
         int64 there). Returns [n, k] int64 on the device: :func:`ngram_lookup`'s continuation of each context
-        ``tokens[: p0 + accepted + 2]``, 0 where it has fewer than k tokens."""
+        ``tokens[: p0 + accepted + 2]``, 0 where it has fewer than k tokens (:func:`ngram_lookup_device`: one
+        Triton launch on CUDA)."""
         from rayinfer.engine.staging import to_device
 
         dev, (n, w) = target.device, target.shape
@@ -258,50 +260,8 @@ class _NgramDeviceLookup:
         pos = (p0_t[:, None] + 1 + torch.arange(w, device=dev)).clamp(max=max_len - 1)
         ctx[slots_t[:, None], pos] = target.to(torch.int32)
         width = min(max(p0) + w + 1, max_len)  # the longest context, at most (known on the host)
-        rows = ctx[slots_t, :width]
         length = (p0_t + accepted + 2).clamp(max=max_len)
-        return device_ngram_lookup(rows, length, k, self.ngram_min, self.ngram_max).long()
-
-
-def device_ngram_lookup(tokens: torch.Tensor, length: torch.Tensor, k: int, ngram_min: int,
-                        ngram_max: int) -> torch.Tensor:
-    """:func:`ngram_lookup` for a batch of contexts at once, in torch ops on their device (no host sync).
-
-    For each n from ``ngram_max`` down to ``ngram_min``, every window of n tokens is compared with the
-    context's last n; the first n with a match wins, and of its matches the latest followed by k tokens,
-    else the first (as :func:`ngram_lookup`). O(n x width) comparisons a row, cheap beside a forward.
-
-    Args:
-        tokens: [B, W] int32 or int64, row b's context in its first ``length[b]`` entries (the rest is ignored).
-        length: [B] int64 on the same device, each in [1, W].
-        k: drafts per row.
-        ngram_min, ngram_max: n-gram lengths tried, longest first.
-    Returns:
-        [B, k] in ``tokens``' dtype: the continuation of each row, 0 past its end (where the host version
-        returns fewer than k tokens, or none).
-    """
-    batch, width = tokens.shape
-    dev = tokens.device
-    length = length[:, None]
-    starts_all = torch.arange(width, device=dev)
-    found = torch.zeros(batch, dtype=torch.bool, device=dev)
-    best = torch.zeros(batch, dtype=torch.long, device=dev)  # where the continuation starts
-    for n in range(min(ngram_max, width - 1), ngram_min - 1, -1):
-        suffix = tokens.gather(1, (length - n + torch.arange(n, device=dev)).clamp(min=0))  # [B, n]
-        windows = tokens.unfold(1, n, 1)  # [B, W - n + 1, n]
-        starts = starts_all[: windows.shape[1]][None]
-        # an earlier occurrence: it ends before the last token (and the context has n + 1 tokens at least)
-        match = (windows == suffix[:, None, :]).all(dim=-1) & (starts + n <= length - 1)
-        full = match & (starts + n + k <= length)
-        latest_full = torch.where(full, starts, -1).amax(dim=1)
-        first = torch.where(match, starts, width).amin(dim=1)
-        start = torch.where(latest_full >= 0, latest_full, first)
-        take = match.any(dim=1) & ~found
-        best = torch.where(take, start + n, best)
-        found |= take
-    pos = best[:, None] + torch.arange(k, device=dev)
-    ok = found[:, None] & (pos < length)
-    return torch.where(ok, tokens.gather(1, pos.clamp(max=width - 1)), torch.zeros_like(pos))
+        return ngram_lookup_device(ctx[:, :width], slots_t, length, k, self.ngram_min, self.ngram_max)
 
 
 class TokenBuffer:

@@ -1473,26 +1473,6 @@ def test_proposers_forget_requests_that_end(mtp_checkpoint, tiny_pair, tokenizer
     assert engine.stats()["spec_num_drafts_proposed"] > 0
 
 
-def test_device_ngram_lookup_equals_the_host_lookup():
-    """``device_ngram_lookup`` (a padded batch of contexts of different lengths, torch ops) gives
-    ``ngram_lookup``'s continuation for every row, 0 past its end; contexts from a small vocab repeat often,
-    so matches of every length, none, and continuations cut short by the context's end all occur."""
-    from rayinfer.engine.spec_decode import device_ngram_lookup, ngram_lookup
-
-    rng = np.random.default_rng(0)
-    for trial in range(40):
-        batch, k = 6, 4
-        lengths = rng.integers(1, 40, size=batch)
-        vocab = int(rng.integers(2, 9))
-        width = int(lengths.max()) + int(rng.integers(0, 5))
-        tokens = rng.integers(0, vocab, size=(batch, width)).astype(np.int64)  # past a row's length: stale
-        lo, hi = (1, 4) if trial % 2 else (2, 3)
-        got = device_ngram_lookup(torch.from_numpy(tokens), torch.from_numpy(lengths.astype(np.int64)), k, lo, hi)
-        for b in range(batch):
-            want = ngram_lookup(tokens[b, : lengths[b]], k, lo, hi)
-            assert got[b].tolist() == want + [0] * (k - len(want)), (trial, b, tokens[b, : lengths[b]].tolist())
-
-
 def test_ngram_chained_verification_keeps_plain_output(tiny_pair, tokenizer):
     """``speculative.ngram_on_device``: n-gram drafts looked up on the device behind each verification step,
     so verification steps chain (pipelined scheduling): greedy, seeded and logprob output equal plain
