@@ -4,7 +4,8 @@ Runs the speculative bench's workload (``jobs/bench_spec.py``) through ``LLMEngi
 warm-up run, then one run under ``torch.profiler``. Prints per step the wall time, the device's busy time (the
 union of the kernels' intervals, so overlapping streams count once) and so the time the device sat idle, then the
 operations with the most host time and the kernels with the most device time. With ``--method none`` it is the
-same workload without speculation, the baseline.
+same workload without speculation, the baseline. ``--cprofile`` profiles the run with cProfile instead: the
+Python functions' cumulative host time a step (what torch.profiler, recording only torch ops, does not show).
 
     PYTHONPATH=. python benchmarks/probe/spec_step_profile.py --method ngram --batch 1
     PYTHONPATH=. python benchmarks/probe/spec_step_profile.py --method none --batch 1 --out /tmp/p.json
@@ -48,6 +49,7 @@ def main() -> None:
     ap.add_argument("--num-kv-blocks", type=int, default=8192)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--cprofile", action="store_true", help="cProfile's Python functions instead of torch ops")
     ap.add_argument("--out", default=None)
     ap.add_argument("--git-rev", default=None)
     args = ap.parse_args()
@@ -67,6 +69,27 @@ def main() -> None:
         return step()
 
     engine.step = counted_step  # type: ignore[method-assign]
+    if args.cprofile:
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        res = bl.run_offline(engine, items, request_prefix="prof")
+        prof.disable()
+        n = max(steps[0], 1)
+        tokens = sum(t.num_output_tokens for t in res.timings)
+        print({"steps": n, "tokens": tokens, "wall_ms_per_step": res.elapsed_s * 1e3 / n})
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(r"rayinfer|engine/|kernels/|triton|torch/cuda", 45)
+        text = buf.getvalue()
+        print(text)
+        if args.out:
+            bl.emit_json({**bl.run_metadata(engine.device, args.git_rev), "command": "python " + " ".join(sys.argv),
+                          "args": vars(args), "steps": n, "wall_ms_per_step": res.elapsed_s * 1e3 / n,
+                          "cprofile": text}, args.out, echo=False)
+        return
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
     with profile(activities=acts) as prof:
         res = bl.run_offline(engine, items, request_prefix="prof")

@@ -67,8 +67,8 @@ def _ngram_lookup_kernel(ctx_ptr, stride_row, rows_ptr, len_ptr, out_ptr, K: tl.
     found = length * 0  # 0 / 1: an n matched
     best = length * 0
     offs = tl.arange(0, BLOCK)
-    for i in tl.static_range(NMAX - NMIN + 1):
-        n = NMAX - i
+    # n ascending: a longer n with a match overrides a shorter one (the longest n with a match wins)
+    for n in tl.static_range(NMIN, NMAX + 1):
         latest_full = best * 0 - 1
         first = best * 0 + big
         # windows start at s with s + n <= length - 1: they end before the context's last token
@@ -80,7 +80,7 @@ def _ngram_lookup_kernel(ctx_ptr, stride_row, rows_ptr, len_ptr, out_ptr, K: tl.
                 m = m & (tl.load(row + s + j, mask=m, other=0) == want)
             latest_full = tl.maximum(latest_full, tl.max(tl.where(m & (s + n + K <= length), s, -1), axis=0))
             first = tl.minimum(first, tl.min(tl.where(m, s, big), axis=0))
-        take = (first < big) & (found == 0)
+        take = first < big
         best = tl.where(take, tl.where(latest_full >= 0, latest_full, first) + n, best)
         found = tl.where(take, 1, found)
     kk = tl.arange(0, KP)
