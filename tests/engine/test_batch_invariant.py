@@ -21,9 +21,14 @@ The GPU test runs SmolLM2's shape and the tiny DeepSeek-V3 shape (MLA + MoE) in 
 graphs and pipelined scheduling, 100 trials, and also reports how many distinct outputs the default mode
 gave.
 
+Speculative decoding under the mode is exact to the bit: n-gram engines (drained, chained, confidence-
+scheduled) give plain decoding's tokens and logprobs bit for bit, through the interpreter on CPU and in
+bfloat16 on the GPU (SmolLM2's shape with CUDA graphs).
+
 Run as a script (``python tests/engine/test_batch_invariant.py``) it runs the GPU test through pytest;
 with ``--interpret`` (and ``TRITON_INTERPRET=1``) the CPU check of the Llama, with ``--interpret --moe``
-that of the MoE models (``--interpret --moe qwen3-moe`` or ``deepseek-v3``: one of them).
+that of the MoE models (``--interpret --moe qwen3-moe`` or ``deepseek-v3``: one of them), with
+``--interpret --spec`` the speculative check.
 """
 
 from __future__ import annotations
@@ -244,9 +249,65 @@ def _interpreter_check(kind: str = "llama", num_trials: int = 6, num_pd_trials: 
     assert pd == on, f"{kind}: 1P1D gave {sorted(pd)}, colocated {sorted(on)}"
 
 
+# speculative decoding under the mode: prompts that repeat themselves, so n-gram drafts are found and accepted
+SPEC_PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7], [1, 2, 3, 1, 2, 3, 1, 2],
+                [40, 41, 42, 43, 44, 45, 40, 41, 42, 43, 44, 45, 40]]
+# (name, speculative config, engine config): drained fixed-k steps; chained steps (the device n-gram lookup,
+# the graphs' static buffers on CPU); the confidence schedule pipelining its plain steps
+SPEC_ENGINES = [("ngram", dict(method="ngram", num_draft_tokens=3), {}),
+                ("ngram-chained", dict(method="ngram", num_draft_tokens=3, ngram_on_device=True),
+                 dict(async_scheduling=True, debug_eager_graphs=True)),
+                ("ngram-confidence", dict(method="ngram", num_draft_tokens=3, schedule="confidence"),
+                 dict(async_scheduling=True))]
+
+
+def _spec_outputs(engine) -> list[tuple]:
+    """Greedy outputs of :data:`SPEC_PROMPTS`: per prompt, each token's id, logprob and top-2 logprobs."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    return [tuple(zip(c.output_token_ids, [repr(lp) for lp in c.logprobs or []]))
+            for c in engine.generate(SPEC_PROMPTS, params)]
+
+
+def _interpreter_spec_check() -> None:
+    """Speculative decoding in batch-invariant mode: a verification step computes each row as a decode step
+    would, so the tokens and logprobs equal plain decoding's bit for bit (drained, chained and confidence-
+    scheduled n-gram engines). With the mode off the same comparison finds the logprobs' rounding differ
+    (the check is sensitive to one ulp)."""
+    from rayinfer.engine.config import EngineConfig, ModelConfig, SpeculativeConfig
+    from rayinfer.engine.llm_engine import LLMEngine
+
+    model, tokenizer = _tiny_model()
+
+    def engine(batch_invariant: bool, spec: dict | None = None, **kw):
+        return LLMEngine(ModelConfig("tiny-llama", max_model_len=256),
+                         EngineConfig(device="cpu", block_size=4, num_kv_blocks=128, max_num_seqs=6,
+                                      batch_invariant=batch_invariant, speculative=SpeculativeConfig(**(spec or {})),
+                                      **kw), model=model, tokenizer=tokenizer)
+
+    for mode in (True, False):
+        plain = _spec_outputs(engine(mode))
+        for name, spec, kw in SPEC_ENGINES[: 3 if mode else 1]:
+            spec_engine = engine(mode, spec, **kw)
+            got = _spec_outputs(spec_engine)
+            stats = spec_engine.stats()
+            tokens = [[t for t, _ in o] for o in got] == [[t for t, _ in o] for o in plain]
+            print(f"interpreter, speculative {name}, batch_invariant={mode}: tokens equal {tokens}, "
+                  f"logprobs equal {got == plain}, {stats['spec_num_drafts_accepted']} of "
+                  f"{stats['spec_num_drafts_verified']} drafts accepted, {stats['spec_chained_steps']} steps chained")
+            assert tokens, f"{name}: greedy tokens differ from plain decoding's"
+            assert stats["spec_num_drafts_accepted"] > 0, f"{name}: no draft accepted: nothing was verified"
+            if name == "ngram-chained":
+                assert stats["spec_chained_steps"] > 0, "no verification step chained"
+            if mode:
+                assert got == plain, f"{name}: batch-invariant speculative logprobs differ from plain decoding's"
+            else:
+                assert got != plain, "with the mode off the logprobs matched plain's bit for bit: the check is blind"
+
+
 # the interpreter checks of this module, each one child process of the session's interpreter server
 # (tests/conftest.py): ``python __file__ --interpret *args`` with TRITON_INTERPRET=1
-INTERPRETED = {"llama": [], "qwen3-moe": ["--moe", "qwen3-moe"], "deepseek-v3": ["--moe", "deepseek-v3"]}
+INTERPRETED = {"llama": [], "qwen3-moe": ["--moe", "qwen3-moe"], "deepseek-v3": ["--moe", "deepseek-v3"],
+               "speculative": ["--spec"]}
 
 
 @pytest.fixture(scope="module")
@@ -275,6 +336,14 @@ def test_moe_and_mla_one_output_through_triton_interpreter(interpreter, interpre
     each."""
     for model in ("qwen3-moe", "deepseek-v3"):
         _assert_passed(interpreter, interpreted[model])
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_speculative_decoding_keeps_plain_bits_through_triton_interpreter(interpreter, interpreted):
+    """Batch-invariant mode makes speculative decoding exact to the bit: n-gram engines (drained, chained
+    behind the step in flight, confidence-scheduled) give plain decoding's tokens and logprobs bit for bit
+    on a one-layer random Llama, while with the mode off their logprobs differ in rounding."""
+    _assert_passed(interpreter, interpreted["speculative"])
 
 
 def test_config_and_mode_switch():
@@ -344,12 +413,49 @@ def test_one_output_in_100_trials_on_gpu(model):
     assert preemptions > 0, "the small pool never preempted: the scenario lost its preemption case"
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_speculative_decoding_keeps_plain_bits_on_gpu():
+    """SmolLM2's shape in bfloat16 (dummy weights, whose text soon repeats, so n-gram drafts are accepted), CUDA
+    graphs: with the mode on, drained, chained and confidence-scheduled n-gram engines give the plain engine's
+    greedy tokens and logprobs bit for bit (the verification step's k + 1 rows take the same kernels and
+    tiles as a decode step's one). With the mode off, how many outputs differ is printed: the one-row GEMV of
+    plain decode and cuBLAS's verification GEMMs round differently."""
+    from rayinfer.engine.config import EngineConfig, ModelConfig, SpeculativeConfig
+    from rayinfer.engine.llm_engine import LLMEngine
+
+    prompts = [[(7 * i + j) % 4000 + 3 for j in range(8 + 5 * i)] for i in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, logprobs=2)
+
+    def outputs(batch_invariant: bool, spec: dict | None = None, **kw):
+        engine = LLMEngine(ModelConfig("SmolLM2-135M-Instruct", dtype="bfloat16", load_format="dummy"),
+                           EngineConfig(device="cuda", num_kv_blocks=1024, batch_invariant=batch_invariant,
+                                        speculative=SpeculativeConfig(**(spec or {})), **kw))
+        out = [tuple(zip(c.output_token_ids, [repr(lp) for lp in c.logprobs or []]))
+               for c in engine.generate(prompts, params)]
+        return out, engine.stats()
+
+    for mode in (True, False):
+        plain, _ = outputs(mode)
+        for name, spec, kw in SPEC_ENGINES:
+            got, stats = outputs(mode, spec, **{k: v for k, v in kw.items() if k != "debug_eager_graphs"})
+            same = sum(a == b for a, b in zip(got, plain))
+            print(f"GPU, speculative {name}, batch_invariant={mode}: {same} of {len(plain)} outputs equal plain's "
+                  f"bit for bit, {stats['spec_num_drafts_accepted']} drafts accepted, "
+                  f"{stats['spec_chained_steps']} steps chained")
+            assert stats["spec_num_drafts_accepted"] > 0
+            if mode:
+                assert got == plain, f"{name}: batch-invariant speculative output differs from plain decoding's"
+
+
 if __name__ == "__main__":
     if "--interpret" in sys.argv and "--moe" in sys.argv:  # both MoE models, or the one named after --moe
         if "deepseek-v3" not in sys.argv:
             _interpreter_check("qwen3-moe", num_trials=3, num_pd_trials=0)
         if "qwen3-moe" not in sys.argv:
             _interpreter_check("deepseek-v3", num_trials=4, num_pd_trials=1)
+    elif "--interpret" in sys.argv and "--spec" in sys.argv:
+        _interpreter_spec_check()
     elif "--interpret" in sys.argv:
         _interpreter_check()
     else:
