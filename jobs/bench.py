@@ -163,6 +163,10 @@ class BenchConfig:
                           ("mixed_output_range", self.offline.mixed_output_range)):
             if len(rng) != 2 or not 1 <= rng[0] <= rng[1]:
                 raise ValueError(f"offline.{name} must be [min, max] with 1 <= min <= max, got {list(rng)}")
+        if self.git_rev is not None and not re.fullmatch(r"[0-9a-fA-F]{4,40}", str(self.git_rev)):
+            # Hydra reads an unquoted revision of digits and one "e" (19688e1) as a number (196880.0)
+            raise ValueError(f"git_rev={self.git_rev!r} is not a git revision (4-40 hex digits); a revision such "
+                             f"as 19688e1 must be quoted, git_rev=\"'19688e1'\", or Hydra reads it as a number")
 
 
 def _ms(value: float | None, digits: int) -> str:

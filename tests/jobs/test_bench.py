@@ -219,6 +219,10 @@ def test_large_model_on_cpu_is_refused(tmp_path):
         bench.run(cfg)
     with pytest.raises(ValueError, match="sections"):
         bench.BenchConfig(sections=["offline", "decoder"])
+    # a revision Hydra read as a number (git_rev=19688e1 arrives as 196880.0) is refused, a real one kept
+    with pytest.raises(ValueError, match="must be quoted"):
+        bench.BenchConfig(git_rev="196880.0")
+    assert bench.BenchConfig(git_rev="19688e1").git_rev == "19688e1"
 
 
 def test_a_spec_section_that_cannot_run_is_refused_before_the_model_loads(tmp_path, monkeypatch):
