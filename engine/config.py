@@ -118,7 +118,7 @@ class SpeculativeConfig:
             raise ValueError(f"engine.speculative.schedule must be 'fixed' or 'confidence', got {self.schedule!r}")
         if self.max_verify_tokens is not None and (not isinstance(self.max_verify_tokens, int)
                                                    or self.max_verify_tokens <= 0):
-            raise ValueError(f"engine.speculative.max_verify_tokens must be a positive integer or None, "
+            raise ValueError(f"engine.speculative.max_verify_tokens must be a positive integer or null, "
                              f"got {self.max_verify_tokens!r}")
         if not 0 <= self.min_confidence < 1:
             raise ValueError(f"engine.speculative.min_confidence must be in [0, 1), got {self.min_confidence}")
@@ -127,6 +127,10 @@ class SpeculativeConfig:
                              f"got {self.draft_load_format!r}")
         if self.draft_model is not None and self.method != "draft_model":
             raise ValueError(f"engine.speculative.draft_model is set but method is {self.method!r} (use draft_model)")
+        if self.method == "none" and (self.schedule != "fixed" or self.ngram_on_device):
+            key = "schedule" if self.schedule != "fixed" else "ngram_on_device"
+            raise ValueError(f"engine.speculative.{key} is set but method is 'none': choose a method "
+                             f"(engine.speculative.method=ngram, draft_model or mtp)")
 
     @property
     def enabled(self) -> bool:

@@ -22,8 +22,8 @@ graphs and pipelined scheduling, 100 trials, and also reports how many distinct 
 gave.
 
 Speculative decoding under the mode is exact to the bit: n-gram engines (drained, chained, confidence-
-scheduled) give plain decoding's tokens and logprobs bit for bit, through the interpreter on CPU and in
-bfloat16 on the GPU (SmolLM2's shape with CUDA graphs).
+scheduled) give plain decoding's tokens and logprobs bit for bit, through the interpreter on CPU; the GPU
+test checks the same in bfloat16 (SmolLM2's shape with CUDA graphs).
 
 Run as a script (``python tests/engine/test_batch_invariant.py``) it runs the GPU test through pytest;
 with ``--interpret`` (and ``TRITON_INTERPRET=1``) the CPU check of the Llama, with ``--interpret --moe``

@@ -601,6 +601,10 @@ def test_speculative_config_errors_name_the_field():
         SpeculativeConfig(method="ngram", schedule="adaptive")
     with pytest.raises(ValueError, match="draft_model is set"):
         SpeculativeConfig(method="ngram", draft_model="SmolLM2-135M-Instruct")
+    with pytest.raises(ValueError, match="schedule is set but method is 'none'"):  # else it would do nothing
+        SpeculativeConfig(schedule="confidence")
+    with pytest.raises(ValueError, match="ngram_on_device is set but method"):
+        SpeculativeConfig(ngram_on_device=True)
     with pytest.raises(ValueError, match="prefill"):
         EngineConfig(role="prefill", speculative=SpeculativeConfig(method="ngram"))
     assert EngineConfig(speculative={"method": "ngram"}).speculative.method == "ngram"  # as Hydra passes it
