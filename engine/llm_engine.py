@@ -277,6 +277,11 @@ class LLMEngine:
             self.proposer.enable_device_drafts(self.max_model_len, min(cfg.max_num_seqs, 512), spec.num_draft_tokens)
         self.chain_verification = (chains and self.async_scheduling and self.runner.graphs is not None
                                    and self.proposer is not None and self.proposer.device_graphs is not None)
+        if isinstance(self.proposer, NgramProposer) and (not self.chain_verification or spec.schedule == "confidence"):
+            # the device lookup only feeds chained steps: without them (no graphs or no pipelining), or with the
+            # confidence schedule (n-gram drafts carry no probabilities, so a chained step would keep none), it
+            # would run behind every verification step for nothing (0.45 ms a step on a CPU)
+            self.proposer.device_graphs, self.chain_verification = None, False
         self.num_chained_steps = 0
         if self.proposer is not None and self.async_scheduling:
             logger.info("speculative decoding (%s, %s schedule): verification steps %s", spec.method, spec.schedule,

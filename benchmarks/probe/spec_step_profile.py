@@ -6,12 +6,17 @@ union of the kernels' intervals, so overlapping streams count once) and so the t
 operations with the most host time and the kernels with the most device time. With ``--method none`` it is the
 same workload without speculation, the baseline. ``--cprofile`` profiles the run with cProfile instead: the
 Python functions' cumulative host time a step (what torch.profiler, recording only torch ops, does not show).
+``--phases`` times the engine's phases instead (host wall time a step in each, nested phases inclusive; with
+little overhead, so the wall time is the engine's): planning, launching (the graph replay, sampling), processing a
+step (``device wait``: the host blocked on a step's event), the proposer's drafting and lookups.
 
     PYTHONPATH=. python benchmarks/probe/spec_step_profile.py --method ngram --batch 1
     PYTHONPATH=. python benchmarks/probe/spec_step_profile.py --method none --batch 1 --out /tmp/p.json
 """
 import argparse
+import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -35,6 +40,46 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+# (object path from the engine, method, label): what --phases times
+PHASES = [("", "_flush_gate_sample", "gate accounting"), ("", "_step_chained", "chained step (whole)"),
+          ("", "_propose", "drafting (host)"), ("", "_look_for_drafts", "plain-step lookups"),
+          ("", "_process", "processing a step"), ("scheduler", "schedule", "schedule"),
+          ("scheduler", "schedule_chained", "schedule_chained"), ("scheduler", "update_from_output", "update_from_output"),
+          ("runner", "execute_async", "launch (whole)"), ("runner", "_upload", "upload"), ("runner", "_download", "download"),
+          ("runner", "finish", "finish (incl. device wait)"), ("runner.graphs", "run", "graph replay + inputs"),
+          ("runner.sampler", "sample", "sampling (launch)"), ("runner.model", "compute_logits", "LM head (launch)"),
+          ("proposer", "propose", "proposer.propose"), ("proposer", "launch_drafts", "proposer.launch_drafts"),
+          ("proposer", "take_chained", "proposer.take_chained")]
+
+
+def time_phases(engine: LLMEngine) -> dict[str, float]:
+    """Wrap the methods of :data:`PHASES` (those the engine has) and the CUDA events' ``synchronize`` with
+    perf_counter timers; returns the dict the seconds accumulate in, by label (``device wait``: the event waits)."""
+    import functools
+
+    total: dict[str, float] = {}
+
+    def timed(fn, label):
+        @functools.wraps(fn)
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                total[label] = total.get(label, 0.0) + time.perf_counter() - t
+        return wrapper
+
+    for path, name, label in PHASES:
+        obj = engine
+        for part in filter(None, path.split(".")):
+            obj = getattr(obj, part, None)
+        if obj is not None and hasattr(obj, name):
+            setattr(obj, name, timed(getattr(obj, name), label))
+    if torch.cuda.is_available():
+        torch.cuda.Event.synchronize = timed(torch.cuda.Event.synchronize, "device wait")  # type: ignore[method-assign]
+    return total
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--model", default="smollm2")
@@ -50,6 +95,7 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--cprofile", action="store_true", help="cProfile's Python functions instead of torch ops")
+    ap.add_argument("--phases", action="store_true", help="the host time a step in each engine phase instead")
     ap.add_argument("--out", default=None)
     ap.add_argument("--git-rev", default=None)
     args = ap.parse_args()
@@ -69,6 +115,19 @@ def main() -> None:
         return step()
 
     engine.step = counted_step  # type: ignore[method-assign]
+    if args.phases:
+        phases = time_phases(engine)
+        res = bl.run_offline(engine, items, request_prefix="prof")
+        n = max(steps[0], 1)
+        tokens = sum(t.num_output_tokens for t in res.timings)
+        summary = {"steps": n, "tokens": tokens, "wall_ms_per_step": res.elapsed_s * 1e3 / n,
+                   "phases_ms_per_step": {k: round(v * 1e3 / n, 4) for k, v in sorted(phases.items(), key=lambda kv: -kv[1])},
+                   "stats": {k: v for k, v in engine.stats().items() if k.startswith("spec_")}}
+        print(json.dumps(summary, indent=1))
+        if args.out:
+            bl.emit_json({**bl.run_metadata(engine.device, args.git_rev), "command": "python " + " ".join(sys.argv),
+                          "args": vars(args), **summary}, args.out, echo=False)
+        return
     if args.cprofile:
         import cProfile
         import io

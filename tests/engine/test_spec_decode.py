@@ -1507,3 +1507,8 @@ def test_ngram_chained_verification_keeps_plain_output(tiny_pair, tokenizer):
     # off by default: fixed-k n-gram steps drain (pipelined scheduling turned off), as before
     assert not _tiny_spec_engine(tiny_pair, tokenizer, dict(method="ngram"), async_scheduling=True,
                                  debug_eager_graphs=True).chain_verification
+    # where no step can chain (no graphs; the confidence schedule, whose n-gram drafts carry no probabilities
+    # to choose a chained width from), the device lookup is off rather than run behind every step for nothing
+    for kw, sched in (({}, "fixed"), (dict(async_scheduling=True, debug_eager_graphs=True), "confidence")):
+        idle = _tiny_spec_engine(tiny_pair, tokenizer, dict(spec, schedule=sched), **kw)
+        assert idle.proposer.device_graphs is None and not idle.chain_verification, (kw, sched)
