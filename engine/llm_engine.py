@@ -228,8 +228,10 @@ class LLMEngine:
         # pipelined speculative decoding: a verification step is planned and launched behind the one in flight,
         # from the drafts made on the device behind it (MTP or a draft model, in the target's graphs; see
         # _step_chained; the confidence schedule picks each chained step's width from the step before's confidences)
-        chains = spec.device_drafts and (spec.method in ("mtp", "draft_model")
-                                         or spec.method == "ngram" and spec.ngram_on_device)
+        # (n-gram with the confidence schedule never chains: its drafts carry no probabilities to choose a chained
+        # step's width from, see _chained_num_drafts)
+        chains = spec.device_drafts and (spec.method in ("mtp", "draft_model") or spec.method == "ngram"
+                                         and spec.ngram_on_device and spec.schedule == "fixed")
         if spec.enabled:
             if spec.method == "ngram":
                 self.proposer = NgramProposer(spec.ngram_min, spec.ngram_max, on_device=spec.ngram_on_device)
@@ -273,15 +275,13 @@ class LLMEngine:
             elif on_cuda and isinstance(self.proposer, MtpProposer):
                 self.proposer.capture_cuda_graphs(self.max_model_len, min(cfg.max_num_seqs, 512),
                                                   spec.num_draft_tokens)
-        if self.proposer is not None and spec.device_drafts:
+        can_chain = chains and self.async_scheduling and self.runner.graphs is not None
+        # MTP's and a draft model's device drafts also serve drained steps; n-gram's device lookup only feeds chained
+        # ones (elsewhere it would run behind every verification step for nothing: 0.45 ms a step on a CPU)
+        if (self.proposer is not None and spec.device_drafts
+                and (can_chain or not isinstance(self.proposer, NgramProposer))):
             self.proposer.enable_device_drafts(self.max_model_len, min(cfg.max_num_seqs, 512), spec.num_draft_tokens)
-        self.chain_verification = (chains and self.async_scheduling and self.runner.graphs is not None
-                                   and self.proposer is not None and self.proposer.device_graphs is not None)
-        if isinstance(self.proposer, NgramProposer) and (not self.chain_verification or spec.schedule == "confidence"):
-            # the device lookup only feeds chained steps: without them (no graphs or no pipelining), or with the
-            # confidence schedule (n-gram drafts carry no probabilities, so a chained step would keep none), it
-            # would run behind every verification step for nothing (0.45 ms a step on a CPU)
-            self.proposer.device_graphs, self.chain_verification = None, False
+        self.chain_verification = can_chain and self.proposer is not None and self.proposer.device_graphs is not None
         self.num_chained_steps = 0
         if self.proposer is not None and self.async_scheduling:
             logger.info("speculative decoding (%s, %s schedule): verification steps %s", spec.method, spec.schedule,

@@ -64,8 +64,7 @@ def _ngram_lookup_kernel(ctx_ptr, stride_row, rows_ptr, len_ptr, out_ptr, K: tl.
     row = ctx_ptr + tl.load(rows_ptr + b).to(tl.int64) * stride_row
     length = tl.load(len_ptr + b).to(tl.int32)
     big = 1 << 30
-    found = length * 0  # 0 / 1: an n matched
-    best = length * 0
+    best = length * 0  # where the continuation starts; 0 while no n matched (a match puts it at n >= 1 or later)
     offs = tl.arange(0, BLOCK)
     # n ascending: a longer n with a match overrides a shorter one (the longest n with a match wins)
     for n in tl.static_range(NMIN, NMAX + 1):
@@ -82,10 +81,9 @@ def _ngram_lookup_kernel(ctx_ptr, stride_row, rows_ptr, len_ptr, out_ptr, K: tl.
             first = tl.minimum(first, tl.min(tl.where(m, s, big), axis=0))
         take = first < big
         best = tl.where(take, tl.where(latest_full >= 0, latest_full, first) + n, best)
-        found = tl.where(take, 1, found)
     kk = tl.arange(0, KP)
     pos = best + kk
-    ok = (found + kk * 0 == 1) & (pos < length) & (kk < K)
+    ok = (pos > kk) & (pos < length) & (kk < K)  # pos > kk: best > 0, an n matched
     draft = tl.load(row + pos, mask=ok, other=0)
     tl.store(out_ptr + b * K + kk, draft.to(tl.int64), mask=kk < K)
 

@@ -261,11 +261,11 @@ SPEC_ENGINES = [("ngram", dict(method="ngram", num_draft_tokens=3), {}),
                  dict(async_scheduling=True))]
 
 
-def _spec_outputs(engine) -> list[tuple]:
-    """Greedy outputs of :data:`SPEC_PROMPTS`: per prompt, each token's id, logprob and top-2 logprobs."""
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+def _spec_outputs(engine, prompts: list[list[int]] = SPEC_PROMPTS, max_tokens: int = 24) -> list[tuple]:
+    """Greedy outputs of ``prompts``: per prompt, each token's id, logprob and top-2 logprobs (their reprs, exact)."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
     return [tuple(zip(c.output_token_ids, [repr(lp) for lp in c.logprobs or []]))
-            for c in engine.generate(SPEC_PROMPTS, params)]
+            for c in engine.generate(prompts, params)]
 
 
 def _interpreter_spec_check() -> None:
@@ -425,15 +425,12 @@ def test_speculative_decoding_keeps_plain_bits_on_gpu():
     from rayinfer.engine.llm_engine import LLMEngine
 
     prompts = [[(7 * i + j) % 4000 + 3 for j in range(8 + 5 * i)] for i in range(8)]
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, logprobs=2)
 
     def outputs(batch_invariant: bool, spec: dict | None = None, **kw):
         engine = LLMEngine(ModelConfig("SmolLM2-135M-Instruct", dtype="bfloat16", load_format="dummy"),
                            EngineConfig(device="cuda", num_kv_blocks=1024, batch_invariant=batch_invariant,
                                         speculative=SpeculativeConfig(**(spec or {})), **kw))
-        out = [tuple(zip(c.output_token_ids, [repr(lp) for lp in c.logprobs or []]))
-               for c in engine.generate(prompts, params)]
-        return out, engine.stats()
+        return _spec_outputs(engine, prompts, max_tokens=64), engine.stats()
 
     for mode in (True, False):
         plain, _ = outputs(mode)
