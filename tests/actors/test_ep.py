@@ -142,6 +142,10 @@ def test_ep2_equals_ep1_with_idle_rank_and_bad_request(ray_cluster, model_config
 
         # a stop asked of one rank goes out in its vote: both loops end after the same vote
         assert ray_cluster.get(group.ranks[1].stop.remote(10.0))
+        # stop waits for rank 1's own loop; rank 0's thread leaves after the same vote, a moment later on a busy CPU
+        deadline = time.monotonic() + 10.0
+        while ray_cluster.get(group.ranks[0].is_looping.remote()) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert ray_cluster.get([r.is_looping.remote() for r in group.ranks]) == [False, False]
         final = ray_cluster.get([r.stats.remote() for r in group.ranks])
         assert final[0]["num_votes"] == final[1]["num_votes"] and final[0]["num_steps"] == final[1]["num_steps"]
