@@ -784,13 +784,12 @@ def _gemv_rows_fns(name, rows, config):
     return base, fused, n * k * 2
 
 
-GEMV_ROWS_CONFIGS = [None, dict(block_n=8, block_k=512, num_warps=4, num_stages=3),
-                     dict(block_n=4, block_k=1024, num_warps=4, num_stages=3),
-                     dict(block_n=16, block_k=512, num_warps=4, num_stages=3)]
+GEMV_ROWS_CONFIGS = [None, *(dict(block_n=bn, block_k=bk, num_warps=4, num_stages=st)
+                             for bn, bk, st in ((16, 128, 4), (32, 256, 3), (64, 128, 4)))]
 
 
 def sweep_gemv_rows(ceil, shapes=(*LLAMA_GEMVS, "smol_o", "smol_down", "smol_qkv", "smol_gate_up"),
-                    rows_list=(1, 2, 4, 5, 8, 16), configs=GEMV_ROWS_CONFIGS) -> list[dict]:
+                    rows_list=(1, 2, 5, 8, 16), configs=GEMV_ROWS_CONFIGS) -> list[dict]:
     """Graph time per call of a layer projection for a few rows (a small decode batch, a verification step):
     the GEMV kernels (``kernels.gemv.fused_linear_triton``; one row: the one-row kernel, more: the rows kernel;
     tiles: the default, then ``configs``) with the prologue and residual add fused, against the unfused kernels
@@ -821,7 +820,7 @@ def sweep_decode_rows(ceil) -> list[dict]:
     """Whole forward steps of a few tokens in a CUDA graph (dummy bf16 weights, context 1K), with the fused-GEMV
     layers for up to ``kernels.gemv.MAX_ROWS`` rows against the same step on cuBLAS and separate norm kernels
     (``MAX_ROWS`` = 1, the earlier rule): decode batches of 1-8 and one request verifying 2-7 tokens, for
-    Llama-3-8B and SmolLM2-135M. Times the decoder and the LM head, as a decode step runs them."""
+    Llama-3-8B, Llama-3.2-1B and SmolLM2-135M. Times the decoder and the LM head, as a decode step runs them."""
     from rayinfer.engine.config import EngineConfig, ModelConfig
     from rayinfer.engine.llm_engine import LLMEngine
     from rayinfer.jobs import benchlib as bl
@@ -829,7 +828,7 @@ def sweep_decode_rows(ceil) -> list[dict]:
 
     rows = []
     shapes = [(1, 1), (2, 1), (4, 1), (8, 1), (1, 2), (1, 3), (1, 5), (1, 8), (2, 4)]  # (requests, tokens each)
-    for model_name in ("llama-3-8b", "smollm2-135m"):
+    for model_name in ("llama-3-8b", "llama-3.2-1b", "smollm2-135m"):
         engine = LLMEngine(ModelConfig(model_name, "bfloat16", "dummy", max_model_len=4096),
                            EngineConfig(device="cuda", max_num_seqs=16, num_kv_blocks=2048, enforce_eager=True))
         model, kv = engine.model, engine.kv_cache

@@ -93,6 +93,9 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--num-kv-blocks", type=int, default=8192)
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--debug-eager-graphs", action="store_true",
+                    help="off CUDA: run decode steps through the graphs' padded buffers, pipelined, so steps chain as on a GPU "
+                    "(host work on a CPU, e.g. --model llama-tiny --load-format dummy --dtype float32 --device cpu)")
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--cprofile", action="store_true", help="cProfile's Python functions instead of torch ops")
     ap.add_argument("--phases", action="store_true", help="the host time a step in each engine phase instead")
@@ -104,7 +107,8 @@ def main() -> None:
                            ngram_on_device=args.ngram_on_device)
     engine = LLMEngine(ModelConfig(model=args.model, load_format=args.load_format, dtype=args.dtype),
                        EngineConfig(device=args.device, max_num_seqs=args.batch, num_kv_blocks=args.num_kv_blocks,
-                                    speculative=sc))
+                                    speculative=sc, debug_eager_graphs=args.debug_eager_graphs,
+                                    async_scheduling=True if args.debug_eager_graphs else None))
     items = spec_workload(engine.tokenizer, args.batch, args.output_len)
     bl.run_offline(engine, items, request_prefix="warm")
     steps = [0]

@@ -177,22 +177,42 @@ def _gemv_kernel(
 
 
 @triton.jit
+def _gemv_rows_input(x_ptr, norm_w_ptr, rows, row_ok, ks, k_ok, K, stride_xm, SILU_AND_MUL: tl.constexpr,
+                     RMS_NORM: tl.constexpr):
+    """One [ROWS, BLOCK_K] tile of the rows kernel's input after its prologue (RMS_NORM: times the norm weight
+    only; 1/rms is applied to the product), float32."""
+    ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]
+    mask = row_ok[:, None] & k_ok[None, :]
+    if SILU_AND_MUL:  # silu(gate) * up, rounded twice as the reference's two ops
+        g = tl.load(ptrs, mask=mask, other=0.0)
+        gf = g.to(tl.float32)
+        act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+        a = (act.to(tl.float32) * tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)).to(g.dtype).to(tl.float32)
+    else:
+        a = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        if RMS_NORM:
+            a = a * tl.load(norm_w_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+    return a
+
+
+@triton.jit
 def _gemv_rows_kernel(
     x_ptr, w_ptr, bias_ptr, norm_w_ptr, res_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, eps,
     SILU_AND_MUL: tl.constexpr, RMS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
     ROWS: tl.constexpr, NORM_BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-    USE_PDL: tl.constexpr = False, FP8_SCALES: tl.constexpr = False, scale_ptr=None, stride_sn=0, stride_sk=0,
-    SCALE_BLOCK: tl.constexpr = 128,
+    USE_PDL: tl.constexpr = False,
 ):
-    """:func:`_gemv_kernel` for M <= ROWS rows (ROWS a power of two): each weight tile is read once and
-    multiplied into every row on the CUDA cores, each row's products summed as the one-row kernel sums them.
-    Rows >= M compute row M - 1 again and are not stored. With RMS_NORM each row's ``1/rms`` comes from a first pass over x (M short rows,
-    read again from cache in the main loop), so the loop carries no per-row sum of squares."""
+    """:func:`_gemv_kernel`'s prologues and epilogue around a [ROWS, BLOCK_K] x [BLOCK_K, BLOCK_N] tensor-core
+    product, for M <= ROWS rows (ROWS = 16, the MMA's smallest M; rows >= M are masked): a program streams
+    BLOCK_N weight rows over the whole K once for all M rows. The prologue's output is rounded to the weight's
+    dtype for the MMA. With RMS_NORM each row's ``1/rms`` comes from a first pass over x (short rows, read again
+    from cache in the main loop) and scales the product."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     rk = tl.arange(0, BLOCK_K)
     rows = tl.arange(0, ROWS)
+    row_ok = rows < M
     w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
     k_ok = rk < K
     if EVEN_N and EVEN_K:  # the first weight tile before the wait, as the one-row kernel
@@ -200,23 +220,9 @@ def _gemv_rows_kernel(
     else:
         w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
     pdl_wait(USE_PDL)
-    rstd = tl.zeros([ROWS], tl.float32)
-    if RMS_NORM:
-        nk = tl.arange(0, NORM_BLOCK)
-        ss = tl.zeros([ROWS, NORM_BLOCK], tl.float32)
-        for k0 in range(0, K, NORM_BLOCK):
-            xs = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + nk)[None, :],
-                         mask=(rows < M)[:, None] & (k0 + nk < K)[None, :], other=0.0).to(tl.float32)
-            ss += xs * xs
-        rstd = tl.rsqrt(tl.sum(ss, 1) / K + eps)
-    unused = tl.zeros([BLOCK_K], tl.float32)
     acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
-    for m in tl.static_range(ROWS):
-        a, _ = _gemv_input(x_ptr + tl.minimum(M - 1, m) * stride_xm, norm_w_ptr, rk, k_ok, K, unused, SILU_AND_MUL,
-                           RMS_NORM)
-        part = _gemv_tile(w, a, rn, n_ok, 0, K, scale_ptr, stride_sn, stride_sk, FP8_SCALES, SCALE_BLOCK, BLOCK_N,
-                          BLOCK_K)
-        acc += tl.where(rows[:, None] == m, part[None, :], 0.0)
+    a = _gemv_rows_input(x_ptr, norm_w_ptr, rows, row_ok, rk, k_ok, K, stride_xm, SILU_AND_MUL, RMS_NORM)
+    acc = tl.dot(a.to(w.dtype), tl.trans(w), acc)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         ks = k0 + rk
         k_ok = ks < K
@@ -224,18 +230,20 @@ def _gemv_rows_kernel(
             w = tl.load(w_rows + ks[None, :])
         else:
             w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        for m in tl.static_range(ROWS):
-            a, _ = _gemv_input(x_ptr + tl.minimum(M - 1, m) * stride_xm, norm_w_ptr, ks, k_ok, K, unused,
-                               SILU_AND_MUL, RMS_NORM)
-            part = _gemv_tile(w, a, rn, n_ok, k0, K, scale_ptr, stride_sn, stride_sk, FP8_SCALES, SCALE_BLOCK,
-                              BLOCK_N, BLOCK_K)
-            acc += tl.where(rows[:, None] == m, part[None, :], 0.0)
+        a = _gemv_rows_input(x_ptr, norm_w_ptr, rows, row_ok, ks, k_ok, K, stride_xm, SILU_AND_MUL, RMS_NORM)
+        acc = tl.dot(a.to(w.dtype), tl.trans(w), acc)
     if RMS_NORM:
-        acc = acc * rstd[:, None]
+        nk = tl.arange(0, NORM_BLOCK)
+        ss = tl.zeros([ROWS, NORM_BLOCK], tl.float32)
+        for k0 in range(0, K, NORM_BLOCK):
+            xs = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + nk)[None, :],
+                         mask=row_ok[:, None] & (k0 + nk < K)[None, :], other=0.0).to(tl.float32)
+            ss += xs * xs
+        acc = acc * tl.rsqrt(tl.sum(ss, 1) / K + eps)[:, None]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     out = rows[:, None] * stride_ym + rn[None, :]
-    out_ok = (rows < M)[:, None] & n_ok[None, :]
+    out_ok = row_ok[:, None] & n_ok[None, :]
     if ADD_RESIDUAL:
         r = tl.load(res_ptr + out, mask=out_ok, other=0.0)
         acc = acc.to(r.dtype).to(tl.float32) + r.to(tl.float32)
@@ -257,6 +265,12 @@ def _choose_config(n: int, k: int, pdl: bool = True) -> dict:
     if n >= 4 * k:
         return dict(block_n=16, block_k=1024, num_warps=4, num_stages=3)
     return dict(block_n=8, block_k=2048, num_warps=8 if n == k else 4, num_stages=3)
+
+
+def _choose_rows_config(n: int, k: int) -> dict:
+    """Tiles of :func:`_gemv_rows_kernel` for an [n, k] weight: 16 weight rows a program (the MMA's smallest N:
+    SmolLM2's 576-wide projections get 36 programs), 256-column K tiles, 4 warps."""
+    return dict(block_n=16, block_k=256, num_warps=4, num_stages=3)
 
 
 # A/B switch (jobs/bench_moe.py variant "gemv-table-0"): 1 takes the tiles of the device's table
@@ -316,13 +330,17 @@ def fused_linear_triton(x, weight, bias=None, *, norm_weight=None, eps=1e-6, sil
                  ADD_RESIDUAL=residual is not None, BLOCK_N=cfg["block_n"], BLOCK_K=block_k,
                  EVEN_N=n % cfg["block_n"] == 0, EVEN_K=k % block_k == 0, num_warps=cfg["num_warps"],
                  num_stages=cfg["num_stages"], **pdl_launch(pdl), **fp8)
-    grid = (triton.cdiv(n, cfg["block_n"]),)
     if m == 1:
-        _gemv_kernel[grid](*args, n, k, weight.stride(0), float(eps), **flags)
-    else:
-        rows = triton.next_power_of_2(m)
-        _gemv_rows_kernel[grid](*args, m, n, k, x.stride(0), weight.stride(0), y.stride(0), float(eps),
-                                ROWS=rows, NORM_BLOCK=max(16, min(block_k, 4096 // rows)), **flags)
+        _gemv_kernel[(triton.cdiv(n, cfg["block_n"]),)](*args, n, k, weight.stride(0), float(eps), **flags)
+        return y
+    assert weight_scale is None, "the rows kernel takes 16-bit weights"
+    rcfg = {**_choose_rows_config(n, k), **(config or {})}
+    block_k = min(rcfg["block_k"], max(16, triton.next_power_of_2(k)))
+    flags.update(BLOCK_N=rcfg["block_n"], BLOCK_K=block_k, EVEN_N=n % rcfg["block_n"] == 0, EVEN_K=k % block_k == 0,
+                 num_warps=rcfg["num_warps"], num_stages=rcfg["num_stages"])
+    _gemv_rows_kernel[(triton.cdiv(n, rcfg["block_n"]),)](
+        *args, m, n, k, x.stride(0), weight.stride(0), y.stride(0), float(eps), ROWS=16,
+        NORM_BLOCK=min(256, max(16, triton.next_power_of_2(k))), **flags)
     return y
 
 
@@ -358,7 +376,7 @@ def gemv_applies(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
         not is_batch_invariant()
         and (weight_scale is None or bool(FP8_WEIGHTS))
         and x.dim() == 2
-        and 1 <= x.shape[0] <= MAX_ROWS
+        and 1 <= x.shape[0] <= (MAX_ROWS if weight_scale is None else 1)
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == wanted
         and weight.dim() == 2
