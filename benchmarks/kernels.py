@@ -727,12 +727,9 @@ GEMV_SHAPES = {"o": (HIDDEN, HIDDEN), "down": (HIDDEN, INTER), "qkv": (HIDDEN + 
                # DeepSeek-V2-Lite's one-row layer: qkv_a_proj (16 heads x 192 + 512 + 64 rows), o_proj
                "mla_qkv_a": (16 * 192 + 576, 2048), "mla_o": (2048, 2048),
                # its dense first layer's MLP (GatedMLP.fuse_gate_up): gate and up stacked, then down
-               "v2lite_gate_up": (2 * 10944, 2048), "v2lite_down": (2048, 10944),
-               # SmolLM2-135M's four projections (hidden 576, 9 query / 3 KV heads of 64, intermediate 1536)
-               "smol_o": (576, 576), "smol_down": (576, 1536), "smol_qkv": (960, 576), "smol_gate_up": (3072, 576)}
+               "v2lite_gate_up": (2 * 10944, 2048), "v2lite_down": (2048, 10944)}
 GEMV_PROLOGUE = {"o": None, "down": "silu_and_mul", "qkv": "rms_norm", "gate_up": "rms_norm",
-                 "mla_qkv_a": "rms_norm", "mla_o": None, "v2lite_gate_up": "rms_norm", "v2lite_down": "silu_and_mul",
-                 "smol_o": None, "smol_down": "silu_and_mul", "smol_qkv": "rms_norm", "smol_gate_up": "rms_norm"}
+                 "mla_qkv_a": "rms_norm", "mla_o": None, "v2lite_gate_up": "rms_norm", "v2lite_down": "silu_and_mul"}
 LLAMA_GEMVS = ("o", "down", "qkv", "gate_up")
 
 
@@ -757,104 +754,6 @@ def _gemv_fns(name, config):
         base = [lambda w=w: F.linear(x, w) for w in ws]
         fused = [lambda w=w: linear_triton(x, w, config=config) for w in ws]
     return base, fused, n * k * 2
-
-
-def _gemv_rows_fns(name, rows, config):
-    """Per-layer callables of one layer projection for ``rows`` rows, as a decode layer runs it: (the unfused
-    kernels: the RMSNorm / SiLU kernel where the projection has one, cuBLAS, and for o_proj / down_proj the
-    residual add; the GEMV kernels with the same prologue and the residual add fused), over distinct weights,
-    and the weight bytes."""
-    n, k = GEMV_SHAPES[name]
-    ws = [torch.randn((n, k), device="cuda", dtype=DT) / k**0.5 for _ in range(layers_for(n * k * 2))]
-    F = torch.nn.functional
-    prologue = GEMV_PROLOGUE[name]
-    x = torch.randn((rows, 2 * k if prologue == "silu_and_mul" else k), device="cuda", dtype=DT)
-    nw = torch.rand(k, device="cuda", dtype=DT) + 0.5
-    res = torch.randn((rows, n), device="cuda", dtype=DT)
-    if prologue == "silu_and_mul":
-        base = [lambda w=w: res.add_(F.linear(silu_and_mul_triton(x), w)) for w in ws]
-        fused = [lambda w=w: fused_linear_triton(x, w, silu_and_mul_input=True, residual=res, config=config)
-                 for w in ws]
-    elif prologue == "rms_norm":
-        base = [lambda w=w: F.linear(rms_norm_triton(x, nw, 1e-5), w) for w in ws]
-        fused = [lambda w=w: fused_linear_triton(x, w, norm_weight=nw, eps=1e-5, config=config) for w in ws]
-    else:
-        base = [lambda w=w: res.add_(F.linear(x, w)) for w in ws]
-        fused = [lambda w=w: fused_linear_triton(x, w, residual=res, config=config) for w in ws]
-    return base, fused, n * k * 2
-
-
-GEMV_ROWS_CONFIGS = [None, *(dict(block_n=bn, block_k=bk, num_warps=4, num_stages=st)
-                             for bn, bk, st in ((16, 128, 4), (32, 256, 3), (64, 128, 4)))]
-
-
-def sweep_gemv_rows(ceil, shapes=(*LLAMA_GEMVS, "smol_o", "smol_down", "smol_qkv", "smol_gate_up"),
-                    rows_list=(1, 2, 5, 8, 16), configs=GEMV_ROWS_CONFIGS) -> list[dict]:
-    """Graph time per call of a layer projection for a few rows (a small decode batch, a verification step):
-    the GEMV kernels (``kernels.gemv.fused_linear_triton``; one row: the one-row kernel, more: the rows kernel;
-    tiles: the default, then ``configs``) with the prologue and residual add fused, against the unfused kernels
-    with cuBLAS. The weight bytes over the graph time is the share of the copy bandwidth."""
-    rows_out = []
-    for name in shapes:
-        for m in rows_list:
-            base, _, nbytes = _gemv_rows_fns(name, m, None)
-            base_us = bench_graph(base)
-            for cfg in configs if m > 1 else [None]:
-                try:
-                    us = bench_graph(_gemv_rows_fns(name, m, cfg)[1])
-                except Exception as exc:
-                    print(f"  gemv rows {name} m={m} {cfg} failed: {exc!r}", file=sys.stderr)
-                    continue
-                if us is None:
-                    continue
-                pct = 100 * nbytes / us / 1e3 / ceil["copy_GBps"]
-                rows_out.append({"shape": name, "m": m, "config": cfg, "graph_us": us, "unfused_us": base_us,
-                                 "pct_of_copy_bw": pct})
-                print(f"  gemv rows {name} m={m} {cfg}: {us:7.1f} us ({pct:5.1f}% bw) unfused {base_us or 0:7.1f} us",
-                      flush=True)
-            torch.cuda.empty_cache()
-    return rows_out
-
-
-def sweep_decode_rows(ceil) -> list[dict]:
-    """Whole forward steps of a few tokens in a CUDA graph (dummy bf16 weights, context 1K), with the fused-GEMV
-    layers for up to ``kernels.gemv.MAX_ROWS`` rows against the same step on cuBLAS and separate norm kernels
-    (``MAX_ROWS`` = 1, the earlier rule): decode batches of 1-8 and one request verifying 2-7 tokens, for
-    Llama-3-8B, Llama-3.2-1B and SmolLM2-135M. Times the decoder and the LM head, as a decode step runs them."""
-    from rayinfer.engine.config import EngineConfig, ModelConfig
-    from rayinfer.engine.llm_engine import LLMEngine
-    from rayinfer.jobs import benchlib as bl
-    from rayinfer.kernels import gemv
-
-    rows = []
-    shapes = [(1, 1), (2, 1), (4, 1), (8, 1), (1, 2), (1, 3), (1, 5), (1, 8), (2, 4)]  # (requests, tokens each)
-    for model_name in ("llama-3-8b", "llama-3.2-1b", "smollm2-135m"):
-        engine = LLMEngine(ModelConfig(model_name, "bfloat16", "dummy", max_model_len=4096),
-                           EngineConfig(device="cuda", max_num_seqs=16, num_kv_blocks=2048, enforce_eager=True))
-        model, kv = engine.model, engine.kv_cache
-        block_size = kv.shape[3]
-        weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed" not in n)
-        for batch, q in shapes:
-            tables, _ = bl.decode_block_tables(batch, 1024 + q, block_size, kv.shape[1])
-            ids, pos, meta = bl._step_inputs([q] * batch, [1024 + q] * batch, tables, block_size,
-                                             model.config.vocab_size, kv.device, torch.Generator().manual_seed(0))
-            for max_rows in (1, 8):
-                saved, gemv.MAX_ROWS = gemv.MAX_ROWS, max_rows
-                try:
-                    with torch.inference_mode():
-                        us = bench_graph([lambda: model.compute_logits(model(ids, pos, kv, meta))], replays=30)
-                finally:
-                    gemv.MAX_ROWS = saved
-                if us is None:
-                    continue
-                roof_ms = weight_bytes / ceil["copy_GBps"] / 1e6
-                rows.append({"model": model_name, "requests": batch, "tokens_each": q, "gemv_max_rows": max_rows,
-                             "step_ms": us / 1e3, "weights_roofline_ms": roof_ms})
-                print(f"  {model_name} {batch} x {q} tokens, MAX_ROWS={max_rows}: {us / 1e3:.3f} ms "
-                      f"(weights alone {roof_ms:.3f} ms)", flush=True)
-        del engine, model, kv
-        torch.cuda.empty_cache()
-    return rows
 
 
 def sweep_gemv(ceil, shapes=LLAMA_GEMVS, block_ks=(1024, 2048)) -> list[dict]:
@@ -983,7 +882,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer cases")
     parser.add_argument("--sweep", action="store_true", help="also sweep prefill tiles and decode split factors")
     parser.add_argument("--only-sweeps", nargs="*", default=None,
-                        help="skip the kernel table; run these sweeps (gemv, gemv_rows, decode_rows, gemv_mla, gemv_v2lite_mlp, decode_tiles, prefill, prefill_gqa8, prefill_long, "
+                        help="skip the kernel table; run these sweeps (gemv, gemv_mla, gemv_v2lite_mlp, decode_tiles, prefill, prefill_gqa8, prefill_long, "
                         "decode_splits, decode_step, mla, mla_tiles, mla_tilelang, mla_splits, mla_swap, mla_swap_few, mla_prefill)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -1007,7 +906,7 @@ def main() -> None:
                  "decode_splits": sweep_decode_splits, "decode_step": sweep_decode_step, "mla": sweep_mla,
                  "prefill_long": sweep_prefill_long,
                  "mla_tiles": sweep_mla_tiles, "mla_tilelang": sweep_mla_tilelang, "mla_splits": sweep_mla_splits, "mla_swap": sweep_mla_swap, "mla_swap_few": sweep_mla_swap_few,
-                 "mla_prefill": sweep_mla_prefill, "gemv_rows": sweep_gemv_rows, "decode_rows": sweep_decode_rows,
+                 "mla_prefill": sweep_mla_prefill,
                  "gemv_mla": lambda c: sweep_gemv(c, ("mla_qkv_a", "mla_o"), block_ks=(512, 1024, 2048)),
                  "gemv_v2lite_mlp": lambda c: sweep_gemv(c, ("v2lite_gate_up", "v2lite_down"),
                                                          block_ks=(512, 1024, 2048))}

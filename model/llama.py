@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from rayinfer import envs
-from rayinfer.kernels import gemv
 from rayinfer.kernels.attention_metadata import AttentionMetadata
 from rayinfer.kernels.gemv import fused_linear, gemv_applies, linear, silu_and_mul_linear
 from rayinfer.kernels.matmul import dense_linear
@@ -103,11 +102,10 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward_few_rows(self, h, positions, inv_freq, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        """The layer for a step of 1 to ``kernels.gemv.MAX_ROWS`` tokens (a small decode batch, a
-        verification step of a few drafts) in four GEMV launches plus attention.
+    def forward_one_row(self, h, positions, inv_freq, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """The layer for one token (batch-1 decode) in four GEMV launches plus attention.
 
-        ``h`` [T, hidden] is the residual stream itself, updated in place and returned. Each RMSNorm
+        ``h`` [1, hidden] is the residual stream itself, updated in place and returned. Each RMSNorm
         runs in the prologue of the projection after it (QKV, gate/up) and each residual add in the
         epilogue of the projection before it (o_proj, down_proj), so the layer launches no norm,
         activation or add kernel (see ``kernels.gemv.fused_linear``). Same result as :meth:`forward`
@@ -216,10 +214,9 @@ class PagedCausalLM(nn.Module):
 class LlamaForCausalLM(PagedCausalLM):
     """Llama decoder with an LM head (see :class:`PagedCausalLM` for the interface).
 
-    ``one_row_fusion``: a step of 1 to ``kernels.gemv.MAX_ROWS`` tokens on the GPU in bf16/fp16 (small-batch
-    decode, a verification step of a few drafts) runs each layer through
-    :meth:`LlamaDecoderLayer.forward_few_rows` (norms and residual adds fused into the GEMVs); on unless the
-    environment sets ``RAYINFER_ONE_ROW_FUSION=0``.
+    ``one_row_fusion``: a step of one token on the GPU in bf16/fp16 (batch-1 decode) runs each layer
+    through :meth:`LlamaDecoderLayer.forward_one_row` (norms and residual adds fused into the GEMVs);
+    on unless the environment sets ``RAYINFER_ONE_ROW_FUSION=0``.
     """
 
     def __init__(self, config):
@@ -231,17 +228,15 @@ class LlamaForCausalLM(PagedCausalLM):
 
     def forward(self, input_ids, positions, kv_cache, meta):
         w = self.model.layers[0].self_attn.qkv_proj.weight
-        t = input_ids.shape[0]
-        # w[:1] stands in for the embedding rows: same dtype and device (gemv_applies checks t itself)
-        if 1 <= t <= gemv.MAX_ROWS and self.one_row_fusion and gemv_applies(w[:1], w):
-            return self.forward_few_rows(self.model.embed_tokens(input_ids), positions, kv_cache, meta)
+        # w[:1] stands in for the [1, hidden] embedding row: same dtype and device
+        if input_ids.shape[0] == 1 and self.one_row_fusion and gemv_applies(w[:1], w):
+            return self.forward_one_row(self.model.embed_tokens(input_ids), positions, kv_cache, meta)
         return super().forward(input_ids, positions, kv_cache, meta)
 
-    def forward_few_rows(self, hidden, positions, kv_cache, meta) -> torch.Tensor:
-        """:meth:`forward` for 1 to ``kernels.gemv.MAX_ROWS`` tokens from their embeddings ``hidden`` [T,
-        hidden_size] (overwritten)."""
+    def forward_one_row(self, hidden, positions, kv_cache, meta) -> torch.Tensor:
+        """:meth:`forward` for one token from its embedding ``hidden`` [1, hidden_size] (overwritten)."""
         for i, layer in enumerate(self.model.layers):
-            layer.forward_few_rows(hidden, positions, self.inv_freq, kv_cache[i], meta)
+            layer.forward_one_row(hidden, positions, self.inv_freq, kv_cache[i], meta)
         return self.model.norm(hidden)
 
     # checkpoint name -> (fused parameter, shard index); shards are stacked along the output dim

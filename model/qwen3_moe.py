@@ -170,7 +170,7 @@ class Qwen3MoeDecoderLayer(PreNormDecoderLayer):
 
     def forward_one_row(self, h: torch.Tensor, positions, inv_freq, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """The layer for one token (batch-1 decode); ``h`` [1, hidden] is the residual stream itself, updated
-        in place and returned (as ``LlamaDecoderLayer.forward_few_rows``).
+        in place and returned (as ``LlamaDecoderLayer.forward_one_row``).
 
         input_layernorm runs in the prologue of the ``qkv_proj`` GEMV and the attention's residual add in the
         epilogue of the ``o_proj`` GEMV (``kernels.gemv.fused_linear``); post_attention_layernorm runs in the

@@ -11,7 +11,7 @@ Variables:
         ``working_dir`` says that the job runs in Ray's temporary copy of the submitted directory
         (``rayinfer.jobs.generate`` then warns about relative output paths).
     RAYINFER_ONE_ROW_FUSION: "0" runs a one-token Llama or DeepSeek-V3 step through the generic layer
-        instead of the fused-GEMV one (``model.llama.LlamaDecoderLayer.forward_few_rows``,
+        instead of the fused-GEMV one (``model.llama.LlamaDecoderLayer.forward_one_row``,
         ``model.deepseek_v3.DeepseekV3DecoderLayer.forward_one_row``); for A/B benchmarks.
     RAYINFER_FUSE_SHARED_EXPERTS: "0" keeps DeepSeek's shared experts as a separate MLP instead of extra
         experts of the fused MoE kernel (``model.moe.RoutedExperts.fuse_shared_experts``); for A/B benchmarks.
@@ -22,9 +22,6 @@ Variables:
     RAYINFER_MOE_GROUPED_MM_FROM: token count from which the fused MoE layer runs on torch's grouped GEMM
         (``kernels.fused_moe.fused_moe_grouped_mm``); "0" never; unset: the device table's value for the
         layer's shape (``kernels.fused_moe_config.grouped_mm_from``). For A/B runs.
-    RAYINFER_GEMV_MAX_ROWS: the most rows (tokens) a linear layer of a 16-bit model on the GPU runs through the
-        CUDA-core GEMV instead of cuBLAS, and so the longest step a Llama decoder runs through its fused-GEMV
-        layers (``kernels.gemv.MAX_ROWS``); 1 keeps the GEMV to batch-1 decode. For A/B runs.
     RAYINFER_DRAFT_CATCH_UP_LEN: query length of the draft model's catch-up graphs on CUDA (default 32; "0":
         none, a catch-up longer than a verification's runs as one eager forward),
         ``engine.spec_decode.DraftModelProposer``.
@@ -135,20 +132,6 @@ def moe_grouped_mm_from() -> int:
     return int(value)
 
 
-def gemv_max_rows(default: int) -> int:
-    """RAYINFER_GEMV_MAX_ROWS as an int in [1, 16], or ``default`` when unset or empty.
-
-    Raises:
-        ValueError: for a value that is not an integer from 1 to 16.
-    """
-    value = (os.environ.get("RAYINFER_GEMV_MAX_ROWS") or "").strip()
-    if not value:
-        return default
-    if not value.isdigit() or not 1 <= int(value) <= 16:
-        raise ValueError(f"RAYINFER_GEMV_MAX_ROWS must be an integer from 1 to 16, got {value!r}")
-    return int(value)
-
-
 def draft_catch_up_len() -> int:
     """RAYINFER_DRAFT_CATCH_UP_LEN (default 32): tokens a request of the draft model's catch-up graphs (0: none).
 
@@ -173,4 +156,3 @@ def check() -> None:
     mla_backend()
     moe_grouped_mm_from()
     draft_catch_up_len()
-    gemv_max_rows(1)

@@ -18,7 +18,7 @@ be 15/16 padding). :func:`fused_linear` adds, as TensorRT-LLM's and vLLM's decod
   call streams one byte per weight (an H200's fp8 V2-Lite decodes a token in 1.91-1.96 ms with it, 2.27-2.36
   without: ``benchmarks/README.md``, thirteenth round).
 
-:meth:`rayinfer.model.llama.LlamaDecoderLayer.forward_few_rows` builds a whole layer from four of these
+:meth:`rayinfer.model.llama.LlamaDecoderLayer.forward_one_row` builds a whole layer from four of these
 plus RoPE/KV write and attention. On an H200 a batch-1 Llama-3-8B decode step takes 4.08 ms with them
 (PDL, ``benchmarks/kernels.py --only-sweeps decode_step``), 4.32 without PDL, 4.52 for the earlier
 layer (norm kernels, QKV and gate/up on cuBLAS, this GEMV for o_proj and down_proj only). Every batch
@@ -35,7 +35,6 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from rayinfer import envs
 from rayinfer.kernels._triton_utils import pdl_launch, pdl_wait, tl, triton, use_pdl, use_triton
 from rayinfer.kernels.activation import silu_and_mul, silu_and_mul_ref
 from rayinfer.kernels.batch_invariant import is_batch_invariant
@@ -176,80 +175,6 @@ def _gemv_kernel(
     tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
-@triton.jit
-def _gemv_rows_input(x_ptr, norm_w_ptr, rows, row_ok, ks, k_ok, K, stride_xm, SILU_AND_MUL: tl.constexpr,
-                     RMS_NORM: tl.constexpr):
-    """One [ROWS, BLOCK_K] tile of the rows kernel's input after its prologue (RMS_NORM: times the norm weight
-    only; 1/rms is applied to the product), float32."""
-    ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]
-    mask = row_ok[:, None] & k_ok[None, :]
-    if SILU_AND_MUL:  # silu(gate) * up, rounded twice as the reference's two ops
-        g = tl.load(ptrs, mask=mask, other=0.0)
-        gf = g.to(tl.float32)
-        act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
-        a = (act.to(tl.float32) * tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)).to(g.dtype).to(tl.float32)
-    else:
-        a = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-        if RMS_NORM:
-            a = a * tl.load(norm_w_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-    return a
-
-
-@triton.jit
-def _gemv_rows_kernel(
-    x_ptr, w_ptr, bias_ptr, norm_w_ptr, res_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, eps,
-    SILU_AND_MUL: tl.constexpr, RMS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
-    ROWS: tl.constexpr, NORM_BLOCK: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
-):
-    """:func:`_gemv_kernel`'s prologues and epilogue around a [ROWS, BLOCK_K] x [BLOCK_K, BLOCK_N] tensor-core
-    product, for M <= ROWS rows (ROWS = 16, the MMA's smallest M; rows >= M are masked): a program streams
-    BLOCK_N weight rows over the whole K once for all M rows. The prologue's output is rounded to the weight's
-    dtype for the MMA. With RMS_NORM each row's ``1/rms`` comes from a first pass over x (short rows, read again
-    from cache in the main loop) and scales the product."""
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = rn < N
-    rk = tl.arange(0, BLOCK_K)
-    rows = tl.arange(0, ROWS)
-    row_ok = rows < M
-    w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
-    k_ok = rk < K
-    if EVEN_N and EVEN_K:  # the first weight tile before the wait, as the one-row kernel
-        w = tl.load(w_rows + rk[None, :])
-    else:
-        w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-    pdl_wait(USE_PDL)
-    acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
-    a = _gemv_rows_input(x_ptr, norm_w_ptr, rows, row_ok, rk, k_ok, K, stride_xm, SILU_AND_MUL, RMS_NORM)
-    acc = tl.dot(a.to(w.dtype), tl.trans(w), acc)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        ks = k0 + rk
-        k_ok = ks < K
-        if EVEN_N and EVEN_K:
-            w = tl.load(w_rows + ks[None, :])
-        else:
-            w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        a = _gemv_rows_input(x_ptr, norm_w_ptr, rows, row_ok, ks, k_ok, K, stride_xm, SILU_AND_MUL, RMS_NORM)
-        acc = tl.dot(a.to(w.dtype), tl.trans(w), acc)
-    if RMS_NORM:
-        nk = tl.arange(0, NORM_BLOCK)
-        ss = tl.zeros([ROWS, NORM_BLOCK], tl.float32)
-        for k0 in range(0, K, NORM_BLOCK):
-            xs = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + nk)[None, :],
-                         mask=row_ok[:, None] & (k0 + nk < K)[None, :], other=0.0).to(tl.float32)
-            ss += xs * xs
-        acc = acc * tl.rsqrt(tl.sum(ss, 1) / K + eps)[:, None]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    out = rows[:, None] * stride_ym + rn[None, :]
-    out_ok = row_ok[:, None] & n_ok[None, :]
-    if ADD_RESIDUAL:
-        r = tl.load(res_ptr + out, mask=out_ok, other=0.0)
-        acc = acc.to(r.dtype).to(tl.float32) + r.to(tl.float32)
-    tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=out_ok)
-
-
 def _choose_config(n: int, k: int, pdl: bool = True) -> dict:
     """Tiles for an [n, k] weight, from whole batch-1 Llama-3-8B decode steps on an H200
     (``benchmarks/kernels.py --only-sweeps decode_step``, results in
@@ -265,12 +190,6 @@ def _choose_config(n: int, k: int, pdl: bool = True) -> dict:
     if n >= 4 * k:
         return dict(block_n=16, block_k=1024, num_warps=4, num_stages=3)
     return dict(block_n=8, block_k=2048, num_warps=8 if n == k else 4, num_stages=3)
-
-
-def _choose_rows_config(n: int, k: int) -> dict:
-    """Tiles of :func:`_gemv_rows_kernel` for an [n, k] weight: 16 weight rows a program (the MMA's smallest N:
-    SmolLM2's 576-wide projections get 36 programs), 256-column K tiles, 4 warps."""
-    return dict(block_n=16, block_k=256, num_warps=4, num_stages=3)
 
 
 # A/B switch (jobs/bench_moe.py variant "gemv-table-0"): 1 takes the tiles of the device's table
@@ -295,11 +214,9 @@ def _table_config(x: torch.Tensor, weight: torch.Tensor) -> dict:
 
 def fused_linear_triton(x, weight, bias=None, *, norm_weight=None, eps=1e-6, silu_and_mul_input=False,
                         residual=None, config=None, weight_scale=None):
-    """Triton kernel of :func:`fused_linear_ref` for 1 to :data:`ROWS_LIMIT` rows (x: [M, K] or [M, 2K]).
+    """Triton kernel of :func:`fused_linear_ref` for one row (x: [1, K] or [1, 2K]).
 
-    One row takes :func:`_gemv_kernel`, more take :func:`_gemv_rows_kernel` (each weight tile read once for
-    all rows, padded to a power of two). With ``residual`` ([M, N], x's dtype) the sum is written into
-    ``residual`` in place and returned.
+    With ``residual`` ([1, N], x's dtype) the sum is written into ``residual`` in place and returned.
     Tiles: the device table's entry for the weight's shape and dtype under PDL (:func:`_table_config`),
     else :func:`_choose_config`; ``config`` overrides them (block_n, block_k, num_warps, num_stages) and
     ``pdl`` (bool: launch with programmatic dependent launch; default :func:`use_pdl`). ``weight_scale``: ``weight`` is
@@ -308,15 +225,14 @@ def fused_linear_triton(x, weight, bias=None, *, norm_weight=None, eps=1e-6, sil
     """
     _check_prologue(norm_weight, silu_and_mul_input)
     n, k = weight.shape
-    m = x.shape[0]
-    assert 1 <= m <= ROWS_LIMIT, f"the GEMV kernels take 1 to {ROWS_LIMIT} rows, got {m}"
+    assert x.shape[0] == 1, "the GEMV kernel takes one row"
     if x.stride(-1) != 1:
         x = x.contiguous()
     if residual is not None:
-        assert residual.shape == (m, n) and residual.stride(-1) == 1 and residual.dtype == x.dtype
+        assert residual.shape == (1, n) and residual.stride(-1) == 1 and residual.dtype == x.dtype
         y = residual
     else:
-        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     pdl = bool((config or {}).get("pdl", use_pdl(x)))
     cfg = {**_choose_config(n, k, pdl), **(_table_config(x, weight) if pdl else {}), **(config or {})}
     block_k = min(cfg["block_k"], max(16, triton.next_power_of_2(k)))
@@ -325,32 +241,24 @@ def fused_linear_triton(x, weight, bias=None, *, norm_weight=None, eps=1e-6, sil
         block_k = max(block_k, WEIGHT_BLOCK[1])
         fp8 = dict(FP8_SCALES=True, scale_ptr=weight_scale, stride_sn=weight_scale.stride(0),
                    stride_sk=weight_scale.stride(1), SCALE_BLOCK=WEIGHT_BLOCK[1])
-    args = (x, weight, bias if bias is not None else weight, norm_weight if norm_weight is not None else weight, y, y)
-    flags = dict(SILU_AND_MUL=silu_and_mul_input, RMS_NORM=norm_weight is not None, HAS_BIAS=bias is not None,
-                 ADD_RESIDUAL=residual is not None, BLOCK_N=cfg["block_n"], BLOCK_K=block_k,
-                 EVEN_N=n % cfg["block_n"] == 0, EVEN_K=k % block_k == 0, num_warps=cfg["num_warps"],
-                 num_stages=cfg["num_stages"], **pdl_launch(pdl), **fp8)
-    if m == 1:
-        _gemv_kernel[(triton.cdiv(n, cfg["block_n"]),)](*args, n, k, weight.stride(0), float(eps), **flags)
-        return y
-    assert weight_scale is None, "the rows kernel takes 16-bit weights"
-    rcfg = {**_choose_rows_config(n, k), **(config or {})}
-    block_k = min(rcfg["block_k"], max(16, triton.next_power_of_2(k)))
-    flags.update(BLOCK_N=rcfg["block_n"], BLOCK_K=block_k, EVEN_N=n % rcfg["block_n"] == 0, EVEN_K=k % block_k == 0,
-                 num_warps=rcfg["num_warps"], num_stages=rcfg["num_stages"])
-    _gemv_rows_kernel[(triton.cdiv(n, rcfg["block_n"]),)](
-        *args, m, n, k, x.stride(0), weight.stride(0), y.stride(0), float(eps), ROWS=16,
-        NORM_BLOCK=min(256, max(16, triton.next_power_of_2(k))), **flags)
+    _gemv_kernel[(triton.cdiv(n, cfg["block_n"]),)](
+        x, weight, bias if bias is not None else weight, norm_weight if norm_weight is not None else weight,
+        y, y, n, k, weight.stride(0), float(eps),
+        SILU_AND_MUL=silu_and_mul_input, RMS_NORM=norm_weight is not None, HAS_BIAS=bias is not None,
+        ADD_RESIDUAL=residual is not None,
+        BLOCK_N=cfg["block_n"], BLOCK_K=block_k, EVEN_N=n % cfg["block_n"] == 0, EVEN_K=k % block_k == 0,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(pdl), **fp8,
+    )
     return y
 
 
 def linear_triton(x, weight, bias=None, config=None):
-    """Triton kernel of :func:`linear_ref` for 1 to :data:`ROWS_LIMIT` rows (x: [M, K]); ``config`` overrides the tiles."""
+    """Triton kernel of :func:`linear_ref` for one row (x: [1, K]); ``config`` overrides the tiles."""
     return fused_linear_triton(x, weight, bias, config=config)
 
 
 def silu_and_mul_linear_triton(x, weight, bias=None, config=None):
-    """Triton kernel of :func:`silu_and_mul_linear_ref` for 1 to :data:`ROWS_LIMIT` rows (x: [M, 2K])."""
+    """Triton kernel of :func:`silu_and_mul_linear_ref` for one row (x: [1, 2K])."""
     return fused_linear_triton(x, weight, bias, silu_and_mul_input=True, config=config)
 
 
@@ -359,24 +267,17 @@ def silu_and_mul_linear_triton(x, weight, bias=None, config=None):
 FP8_WEIGHTS = 1
 
 
-# The most rows fused_linear_triton takes, and the most the dispatchers give it (RAYINFER_GEMV_MAX_ROWS; a
-# module switch the tests and benchmarks set): a step of up to MAX_ROWS tokens streams each weight once through
-# the CUDA-core GEMV, its norms, activation and residual adds fused, instead of cuBLAS and separate kernels.
-ROWS_LIMIT = 16
-MAX_ROWS = envs.gemv_max_rows(8)
-
-
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None) -> bool:
-    """Whether the dispatchers take the Triton GEMV: 1 to :data:`MAX_ROWS` rows of bf16/fp16 on CUDA, a
-    row-major weight of the same dtype (or, with ``weight_scale``, float8_e4m3fn blocks and ``FP8_WEIGHTS``).
-    float32 stays on cuBLAS (the GPU-vs-CPU equality tests run in float32). Never in batch-invariant mode: a
-    row must be computed as it is in a batch (see ``kernels.matmul``)."""
+    """Whether the dispatchers take the Triton GEMV: one row of bf16/fp16 on CUDA, a row-major weight of
+    the same dtype (or, with ``weight_scale``, float8_e4m3fn blocks and ``FP8_WEIGHTS``). float32 stays on
+    cuBLAS (the GPU-vs-CPU equality tests run in float32). Never in batch-invariant mode: a row must be
+    computed as it is in a batch (see ``kernels.matmul``)."""
     wanted = x.dtype if weight_scale is None else FP8_DTYPE
     return (
         not is_batch_invariant()
         and (weight_scale is None or bool(FP8_WEIGHTS))
         and x.dim() == 2
-        and 1 <= x.shape[0] <= (MAX_ROWS if weight_scale is None else 1)
+        and x.shape[0] == 1
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == wanted
         and weight.dim() == 2

@@ -1,5 +1,5 @@
-"""GEMV kernels for one row and for a few rows (plain; SiLU-and-mul or RMSNorm prologue; residual-add epilogue)
-against their references."""
+"""Single-row GEMV kernels (plain; SiLU-and-mul or RMSNorm prologue; residual-add epilogue) against
+their references."""
 
 from __future__ import annotations
 
@@ -26,9 +26,9 @@ CUDA = torch.cuda.is_available()
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 3e-2}
 
 
-def make_case(n, k, dtype, device, seed, bias=False, gated=False, rows=1):
+def make_case(n, k, dtype, device, seed, bias=False, gated=False):
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn((rows, 2 * k if gated else k), generator=gen)
+    x = torch.randn((1, 2 * k if gated else k), generator=gen)
     w = torch.randn((n, k), generator=gen) / k**0.5
     b = torch.randn(n, generator=gen) if bias else None
     to = lambda t: None if t is None else t.to(device=device, dtype=dtype)  # noqa: E731
@@ -42,30 +42,27 @@ def close(got, want, what):
     return (got.float() - want.float()).abs().max().item()
 
 
-def check_kernels(device, cases, plain, gated, config=None, rows=1):
-    """Each case through both kernels against the references, with ``rows`` rows (1: the one-row kernel;
-    more: the rows kernel); returns the largest abs error."""
+def check_kernels(device, cases, plain, gated, config=None):
+    """Each case through both kernels against the references; returns the largest abs error."""
     worst = 0.0
     for i, (n, k, dtype, bias) in enumerate(cases):
-        x, w, b = make_case(n, k, dtype, device, i, bias, rows=rows)
+        x, w, b = make_case(n, k, dtype, device, i, bias)
         worst = max(worst, close(plain(x, w, b, **config or {}), torch.nn.functional.linear(x, w, b), f"case {i} linear"))
-        xg, w, b = make_case(n, k, dtype, device, 100 + i, bias, gated=True, rows=rows)
+        xg, w, b = make_case(n, k, dtype, device, 100 + i, bias, gated=True)
         got = gated(xg, w, b, **config or {})
         worst = max(worst, close(got, silu_and_mul_linear_ref(xg, w, b), f"case {i} silu_and_mul_linear"))
-    return max(worst, check_fused(device, cases, config, rows))
+    return max(worst, check_fused(device, cases, config))
 
 
-def check_fused(device, cases, config=None, rows=1):
-    """The RMSNorm prologue and the in-place residual epilogue (alone and with each prologue). With several
-    rows, each row gets its own scale, so a row normalized with another's RMS shows."""
+def check_fused(device, cases, config=None):
+    """The RMSNorm prologue and the in-place residual epilogue (alone and with each prologue)."""
     worst = 0.0
     for i, (n, k, dtype, bias) in enumerate(cases):
         gen = torch.Generator().manual_seed(200 + i)
         norm_w = (torch.rand(k, generator=gen) + 0.5).to(device=device, dtype=dtype)
-        residual = torch.randn((rows, n), generator=gen).to(device=device, dtype=dtype)
+        residual = torch.randn((1, n), generator=gen).to(device=device, dtype=dtype)
         for prologue in ("norm", "silu", None):
-            x, w, b = make_case(n, k, dtype, device, 300 + i, bias, gated=prologue == "silu", rows=rows)
-            x = x * torch.arange(1, rows + 1, device=device, dtype=dtype)[:, None]
+            x, w, b = make_case(n, k, dtype, device, 300 + i, bias, gated=prologue == "silu")
             x = x * 3.0  # an RMS far from 1, so a missing normalization shows
             kw = dict(norm_weight=norm_w if prologue == "norm" else None, eps=1e-5, silu_and_mul_input=prologue == "silu")
             worst = max(worst, close(fused_linear_triton(x, w, b, **kw, config=config), fused_linear_ref(x, w, b, **kw),
@@ -146,11 +143,8 @@ def test_fp8_dispatch_falls_back_off_the_gpu():
         assert gemv_applies(xc, qc, sc) and not gemv_applies(xc, qc)
 
 
-def test_dispatch_rules(monkeypatch):
-    """CPU tensors (no interpreter) take the references; more than MAX_ROWS rows, no row, or float32 stays on
-    cuBLAS."""
-    from rayinfer.kernels import gemv
-
+def test_dispatch_rules():
+    """CPU tensors (no interpreter) take the references; more than one row or float32 stays on cuBLAS."""
     x, w, _ = make_case(32, 64, torch.bfloat16, "cpu", 1)
     assert not gemv_applies(x, w)
     assert torch.equal(linear(x, w), torch.nn.functional.linear(x, w))
@@ -159,12 +153,8 @@ def test_dispatch_rules(monkeypatch):
     if CUDA:
         x, w, _ = make_case(32, 64, torch.bfloat16, "cuda", 3)
         assert gemv_applies(x, w)
-        assert gemv_applies(x.expand(gemv.MAX_ROWS, -1), w)
-        assert not gemv_applies(x.expand(gemv.MAX_ROWS + 1, -1), w)
-        assert not gemv_applies(x[:0], w)
-        assert not gemv_applies(x.float(), w.float())
-        monkeypatch.setattr(gemv, "MAX_ROWS", 1)
         assert not gemv_applies(torch.cat([x, x]), w)
+        assert not gemv_applies(x.float(), w.float())
 
 
 def test_pdl_switch(monkeypatch):
@@ -209,9 +199,6 @@ def test_kernels_match_refs_on_gpu():
         linear(x, w), silu_and_mul_linear(torch.cat([x, x], 1), w)
         fused_linear(x, w, norm_weight=x[0], residual=torch.zeros_like(x))
     print(f"gemv: max abs err {check_kernels('cuda', GPU_CASES, linear_triton, silu_and_mul_linear_triton):.2e}")
-    for rows in (2, 5, 8, 16):
-        err = check_kernels("cuda", GPU_CASES, linear_triton, silu_and_mul_linear_triton, rows=rows)
-        print(f"gemv, {rows} rows: max abs err {err:.2e}")
 
 
 def check_batched(device, dtype, heads=4, rows=(1, 3), nope=24, rank=40, v=20) -> float:
@@ -272,10 +259,6 @@ if __name__ == "__main__":
         small = {"config": dict(block_n=16, block_k=64, num_warps=4, num_stages=2)}
         err = max(check_kernels("cpu", cases, linear_triton, silu_and_mul_linear_triton),
                   check_kernels("cpu", cases, linear_triton, silu_and_mul_linear_triton, small))
-        # the rows kernel: 3 and 16 rows, with the default tiles and small ones (K in several tiles)
-        err_r = max(check_kernels("cpu", cases, linear_triton, silu_and_mul_linear_triton, rows=3),
-                    check_kernels("cpu", cases[1:], linear_triton, silu_and_mul_linear_triton,
-                                  {"config": dict(block_n=16, block_k=32, num_warps=4, num_stages=2)}, rows=16))
         # rank 520: W_UV's K loop takes a second (partial) 512-column step
         err_b = max(check_batched("cpu", torch.float32),
                     check_batched("cpu", torch.float32, heads=1, rows=(1,), rank=520))
@@ -283,6 +266,6 @@ if __name__ == "__main__":
         fp8_cases = [(200, 300, torch.float32, True), (130, 640, torch.float32, False)]
         err_f = max(check_fp8("cpu", fp8_cases), check_fp8("cpu", fp8_cases, dict(block_n=16, block_k=256,
                                                                                    num_warps=4, num_stages=2)))
-        print(f"max abs err {err:.2e}, rows {err_r:.2e}, batched {err_b:.2e}, fp8 {err_f:.2e}")
+        print(f"max abs err {err:.2e}, batched {err_b:.2e}, fp8 {err_f:.2e}")
     else:
         sys.exit(pytest.main([__file__, "-m", "gpu", "-q", *sys.argv[1:]]))

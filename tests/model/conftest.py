@@ -54,14 +54,13 @@ def assert_matches_hf(ref, ours, seqs, tables, schedule, block_size, tol=1e-4):
             torch.testing.assert_close(g, ref(s[None]).logits[0], rtol=tol, atol=tol)
 
 
-def one_row_vs_generic(model, layer_cls, block_size, fp8=False, method="forward_one_row", rows=1):
-    """A decode step's hidden states through a model's fused-GEMV path and its generic path, from the same cache
-    after a prefill of 10 - ``rows`` tokens: ``(generic, fused, direct, calls)``. The step has ``rows`` tokens
-    of one request (a verification step's shape). ``fused`` is ``model(...)`` with ``one_row_fusion`` on,
-    ``direct`` each layer's ``method`` (``forward_one_row``; Llama's ``forward_few_rows``) called in a loop here
-    (then the final norm), ``calls`` how many layers ``layer_cls.<method>`` ran (both ways). ``fp8``: the generic
-    path's one-row linears on block_fp8_linear (``kernels.gemv.FP8_WEIGHTS`` = 0). ``model``: loaded, on its
-    device and dtype, ``process_weights_after_loading`` done."""
+def one_row_vs_generic(model, layer_cls, block_size, fp8=False):
+    """A decode token's hidden states through a model's one-row path and its generic path, from the same cache
+    after a 9-token prefill: ``(generic, fused, direct, calls)``. ``fused`` is ``model(...)`` with
+    ``one_row_fusion`` on, ``direct`` each layer's ``forward_one_row`` called in a loop here (then the final
+    norm), ``calls`` how many layers ``layer_cls.forward_one_row`` ran (both ways). ``fp8``: the generic path's
+    one-row linears on block_fp8_linear (``kernels.gemv.FP8_WEIGHTS`` = 0). ``model``: loaded, on its device
+    and dtype, ``process_weights_after_loading`` done."""
     from rayinfer.kernels import gemv
 
     w = model.model.embed_tokens.weight
@@ -70,36 +69,35 @@ def one_row_vs_generic(model, layer_cls, block_size, fp8=False, method="forward_
     ids = torch.randint(0, 128, (10,), generator=torch.Generator().manual_seed(0)).to(device)
     table = [3, 1, 6]
     calls = []
-    real = getattr(layer_cls, method)
-    start = 10 - rows
+    real = layer_cls.forward_one_row
 
     def counting(self, *a):
         calls.append(1)
         return real(self, *a)
 
     with torch.no_grad():
-        model(ids[:start], torch.arange(start, device=device), kv,
-              AttentionMetadata.build([start], [start], [table], block_size, device=device))
-        meta = AttentionMetadata.build([rows], [10], [table], block_size, device=device)
-        pos = torch.arange(start, 10, device=device)
+        model(ids[:9], torch.arange(9, device=device), kv,
+              AttentionMetadata.build([9], [9], [table], block_size, device=device))
+        meta = AttentionMetadata.build([1], [10], [table], block_size, device=device)
+        pos = torch.arange(9, 10, device=device)
         model.one_row_fusion = False
         saved, gemv.FP8_WEIGHTS = gemv.FP8_WEIGHTS, 0 if fp8 else gemv.FP8_WEIGHTS
         try:
-            generic = model(ids[start:], pos, kv.clone(), meta)
+            generic = model(ids[9:], pos, kv.clone(), meta)
         finally:
             gemv.FP8_WEIGHTS = saved
         model.one_row_fusion = True
-        setattr(layer_cls, method, counting)
+        layer_cls.forward_one_row = counting
         try:
-            fused = model(ids[start:], pos, kv.clone(), meta)
-            h = model.model.embed_tokens(ids[start:])
+            fused = model(ids[9:], pos, kv.clone(), meta)
+            h = model.model.embed_tokens(ids[9:])
             rope = model.rope_args(pos, h)
             cache = kv.clone()
             for i, layer in enumerate(model.model.layers):
-                getattr(layer, method)(h, *rope, cache[i], meta)
+                layer.forward_one_row(h, *rope, cache[i], meta)
             direct = model.model.norm(h)
         finally:
-            setattr(layer_cls, method, real)
+            layer_cls.forward_one_row = real
     return generic, fused, direct, len(calls)
 
 

@@ -37,10 +37,9 @@ def test_llama_prefill_then_decode_matches_hf():
     torch.testing.assert_close(torch.cat(got), expected, rtol=1e-4, atol=1e-4)
 
 
-def _few_rows_vs_generic(paged, device, dtype, rows=1):
+def _one_row_vs_generic(paged, device, dtype):
     """``paged.one_row_vs_generic`` of a random Llama (norm weights not all ones, so a norm weight applied
-    wrong shows): the fused-GEMV path (``forward_few_rows``) for a step of ``rows`` tokens against the generic
-    path."""
+    wrong shows): the one-row (fused-GEMV) path against the generic path."""
     from rayinfer.model.llama import LlamaDecoderLayer
 
     torch.manual_seed(1)
@@ -52,15 +51,13 @@ def _few_rows_vs_generic(paged, device, dtype, rows=1):
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
     model = model.to(device=device, dtype=dtype)
-    return paged.one_row_vs_generic(model, LlamaDecoderLayer, 4, method="forward_few_rows", rows=rows)
+    return paged.one_row_vs_generic(model, LlamaDecoderLayer, 4)
 
 
-@pytest.mark.parametrize("rows", [1, 5])
-def test_few_rows_path_matches_generic_forward(paged, rows):
-    """forward_few_rows (norms and residual adds moved into the projections) computes the same layer as
-    the generic forward, for one token and for a 5-token (verification-shaped) step: on CPU its dispatchers
-    run the unfused ops, which checks the wiring."""
-    generic, fused, direct, calls = _few_rows_vs_generic(paged, "cpu", torch.float32, rows)
+def test_one_row_path_matches_generic_forward(paged):
+    """forward_one_row (norms and residual adds moved into the projections) computes the same layer as
+    the generic forward: on CPU its dispatchers run the unfused ops, which checks the wiring."""
+    generic, fused, direct, calls = _one_row_vs_generic(paged, "cpu", torch.float32)
     assert calls == 2  # only the direct call: float32 on CPU keeps the generic path in forward
     torch.testing.assert_close(fused, generic)
     torch.testing.assert_close(direct, generic, rtol=1e-5, atol=1e-5)
@@ -68,11 +65,9 @@ def test_few_rows_path_matches_generic_forward(paged, rows):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("rows", [1, 3, 8])
-def test_few_rows_path_matches_generic_forward_on_gpu(paged, rows):
-    """bf16 on the GPU: the fused GEMV kernels (with PDL where supported) take every layer of forward, for
-    steps of 1, 3 and 8 tokens (the one-row kernel, the rows kernel padded, the rows kernel full)."""
-    generic, fused, direct, calls = _few_rows_vs_generic(paged, "cuda", torch.bfloat16, rows)
+def test_one_row_path_matches_generic_forward_on_gpu(paged):
+    """bf16 on the GPU: the fused GEMV kernels (with PDL where supported) take every layer of forward."""
+    generic, fused, direct, calls = _one_row_vs_generic(paged, "cuda", torch.bfloat16)
     assert calls == 4  # 2 layers through forward, 2 through the direct call
     torch.testing.assert_close(fused.float(), generic.float(), rtol=3e-2, atol=3e-2)
     torch.testing.assert_close(direct.float(), fused.float(), rtol=0, atol=0)
