@@ -286,6 +286,11 @@ class LLMEngine:
         if self.proposer is not None and self.async_scheduling:
             logger.info("speculative decoding (%s, %s schedule): verification steps %s", spec.method, spec.schedule,
                         "chained behind the step in flight" if self.chain_verification else "drained")
+        if spec.method == "ngram" and spec.ngram_on_device and not self.chain_verification:
+            logger.info("speculative decoding: ngram_on_device has no effect here: its lookup feeds chained steps only, "
+                        "which need device_drafts, the fixed schedule, pipelined scheduling and CUDA graphs (here: "
+                        "device_drafts %s, schedule %s, async_scheduling %s, graphs %s); drafts are looked up on the host",
+                        spec.device_drafts, spec.schedule, self.async_scheduling, self.runner.graphs is not None)
         self._warm_up_prefill(on_cuda)
         self.num_prompt_tokens = 0  # counters for metrics
         self.num_generation_tokens = 0

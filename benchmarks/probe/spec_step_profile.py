@@ -10,8 +10,11 @@ Python functions' cumulative host time a step (what torch.profiler, recording on
 little overhead, so the wall time is the engine's): planning, launching (the graph replay, sampling), processing a
 step (``device wait``: the host blocked on a step's event), the proposer's drafting and lookups.
 
-    PYTHONPATH=. python benchmarks/probe/spec_step_profile.py --method ngram --batch 1
-    PYTHONPATH=. python benchmarks/probe/spec_step_profile.py --method none --batch 1 --out /tmp/p.json
+    python benchmarks/probe/spec_step_profile.py --method ngram --batch 1
+    python benchmarks/probe/spec_step_profile.py --method none --batch 1 --out /tmp/p.json
+
+``steps`` and ``tokens`` count the profiled run; ``stats`` are the engine's counters over the warm-up run and the
+profiled one together.
 """
 import argparse
 import json
@@ -81,26 +84,30 @@ def time_phases(engine: LLMEngine) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--load-format", default="auto")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--method", default="ngram", choices=["ngram", "draft_model", "mtp", "none"])
-    ap.add_argument("--schedule", default="fixed", choices=["fixed", "confidence"])
-    ap.add_argument("--ngram-on-device", action="store_true")
-    ap.add_argument("--num-draft-tokens", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--num-kv-blocks", type=int, default=8192)
-    ap.add_argument("--device", default="auto")
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--model", default="smollm2", help="a model name or a built-in shape (e.g. smollm2-135m, llama-tiny)")
+    ap.add_argument("--load-format", default="auto", help="auto: the model's weights; dummy: random ones")
+    ap.add_argument("--dtype", default="bfloat16", help="model dtype (float32 on a CPU)")
+    ap.add_argument("--method", default="ngram", choices=["ngram", "draft_model", "mtp", "none"],
+                    help="engine.speculative.method (none: plain decoding, the baseline)")
+    ap.add_argument("--schedule", default="fixed", choices=["fixed", "confidence"], help="engine.speculative.schedule")
+    ap.add_argument("--ngram-on-device", action="store_true",
+                    help="engine.speculative.ngram_on_device: chain n-gram verification steps (needs graphs)")
+    ap.add_argument("--num-draft-tokens", type=int, default=4, help="engine.speculative.num_draft_tokens (k)")
+    ap.add_argument("--batch", type=int, default=1, help="requests at once (the workload's prompts)")
+    ap.add_argument("--output-len", type=int, default=128, help="tokens each request generates")
+    ap.add_argument("--num-kv-blocks", type=int, default=8192, help="KV-cache blocks")
+    ap.add_argument("--device", default="auto", help="cuda, cpu, or auto")
     ap.add_argument("--debug-eager-graphs", action="store_true",
                     help="off CUDA: run decode steps through the graphs' padded buffers, pipelined, so steps chain as on a GPU "
                     "(host work on a CPU, e.g. --model llama-tiny --load-format dummy --dtype float32 --device cpu)")
-    ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--top", type=int, default=15, help="rows of each table (torch.profiler mode)")
     ap.add_argument("--cprofile", action="store_true", help="cProfile's Python functions instead of torch ops")
-    ap.add_argument("--phases", action="store_true", help="the host time a step in each engine phase instead")
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--git-rev", default=None)
+    ap.add_argument("--phases", action="store_true",
+                    help="instead: the host time per step spent in each engine phase")
+    ap.add_argument("--out", default=None, help="also write the result as JSON here")
+    ap.add_argument("--git-rev", default=None, help="the code's revision, recorded in the JSON")
     args = ap.parse_args()
 
     sc = SpeculativeConfig(method=args.method, schedule=args.schedule, num_draft_tokens=args.num_draft_tokens,

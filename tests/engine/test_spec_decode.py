@@ -4,6 +4,7 @@ logprobs, preemption); seeded sampling equals plain seeded sampling and its dist
 chi-square test against plain sampling; the pieces (n-gram lookup, scheduler rollback, the confidence
 choice, config checks) by hand."""
 
+import logging
 import math
 from collections import Counter
 
@@ -1477,7 +1478,7 @@ def test_proposers_forget_requests_that_end(mtp_checkpoint, tiny_pair, tokenizer
     assert engine.stats()["spec_num_drafts_proposed"] > 0
 
 
-def test_ngram_chained_verification_keeps_plain_output(tiny_pair, tokenizer):
+def test_ngram_chained_verification_keeps_plain_output(tiny_pair, tokenizer, caplog):
     """``speculative.ngram_on_device``: n-gram drafts looked up on the device behind each verification step,
     so verification steps chain (pipelined scheduling): greedy, seeded and logprob output equal plain
     decoding's, and most steps chain. The drafts a chained step verifies are the host lookup's (padded with
@@ -1510,5 +1511,14 @@ def test_ngram_chained_verification_keeps_plain_output(tiny_pair, tokenizer):
     # where no step can chain (no graphs; the confidence schedule, whose n-gram drafts carry no probabilities
     # to choose a chained width from), the device lookup is off rather than run behind every step for nothing
     for kw, sched in (({}, "fixed"), (dict(async_scheduling=True, debug_eager_graphs=True), "confidence")):
-        idle = _tiny_spec_engine(tiny_pair, tokenizer, dict(spec, schedule=sched), **kw)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="rayinfer.engine.llm_engine"):
+            idle = _tiny_spec_engine(tiny_pair, tokenizer, dict(spec, schedule=sched), **kw)
         assert idle.proposer.device_graphs is None and not idle.chain_verification, (kw, sched)
+        # and the log says so, naming what is missing (a fresh user saw 0 chained steps and no word why)
+        said = [r.getMessage() for r in caplog.records if "ngram_on_device has no effect" in r.getMessage()]
+        assert len(said) == 1 and f"schedule {sched}" in said[0], (kw, sched, said)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="rayinfer.engine.llm_engine"):
+        _tiny_spec_engine(tiny_pair, tokenizer, spec, async_scheduling=True, debug_eager_graphs=True)
+    assert not any("ngram_on_device has no effect" in r.getMessage() for r in caplog.records)
