@@ -38,7 +38,6 @@ def main() -> None:
     args = ap.parse_args()
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
-    rows_out = []
     for length in map(int, args.lengths.split(",")):
         for batch in map(int, args.batches.split(",")):
             ctx = torch.randint(0, 500, (batch, length), generator=gen, device=dev, dtype=torch.int32)
@@ -51,7 +50,6 @@ def main() -> None:
                 host, device = timed(lambda: fn(ctx, rows, lengths, args.k, 1, 4), args.iters)
                 row[name] = {"host_ms": round(host, 4), "device_ms": round(device, 4)}
             print(json.dumps(row), flush=True)
-            rows_out.append(row)
 
 
 if __name__ == "__main__":

@@ -126,18 +126,26 @@ def main() -> None:
         return step()
 
     engine.step = counted_step  # type: ignore[method-assign]
+
+    def profiled_run():
+        """The workload once more: (its result, steps, output tokens)."""
+        res = bl.run_offline(engine, items, request_prefix="prof")
+        return res, max(steps[0], 1), sum(t.num_output_tokens for t in res.timings)
+
+    def write(payload: dict) -> None:
+        if args.out:
+            bl.emit_json({**bl.run_metadata(engine.device, args.git_rev), "command": "python " + " ".join(sys.argv),
+                          "args": vars(args), **payload}, args.out, echo=False)
+            print(f"wrote {args.out}")
+
     if args.phases:
         phases = time_phases(engine)
-        res = bl.run_offline(engine, items, request_prefix="prof")
-        n = max(steps[0], 1)
-        tokens = sum(t.num_output_tokens for t in res.timings)
+        res, n, tokens = profiled_run()
         summary = {"steps": n, "tokens": tokens, "wall_ms_per_step": res.elapsed_s * 1e3 / n,
                    "phases_ms_per_step": {k: round(v * 1e3 / n, 4) for k, v in sorted(phases.items(), key=lambda kv: -kv[1])},
                    "stats": {k: v for k, v in engine.stats().items() if k.startswith("spec_")}}
         print(json.dumps(summary, indent=1))
-        if args.out:
-            bl.emit_json({**bl.run_metadata(engine.device, args.git_rev), "command": "python " + " ".join(sys.argv),
-                          "args": vars(args), **summary}, args.out, echo=False)
+        write(summary)
         return
     if args.cprofile:
         import cProfile
@@ -146,33 +154,26 @@ def main() -> None:
 
         prof = cProfile.Profile()
         prof.enable()
-        res = bl.run_offline(engine, items, request_prefix="prof")
+        res, n, tokens = profiled_run()
         prof.disable()
-        n = max(steps[0], 1)
-        tokens = sum(t.num_output_tokens for t in res.timings)
         print({"steps": n, "tokens": tokens, "wall_ms_per_step": res.elapsed_s * 1e3 / n})
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(r"rayinfer|engine/|kernels/|triton|torch/cuda", 45)
         text = buf.getvalue()
         print(text)
-        if args.out:
-            bl.emit_json({**bl.run_metadata(engine.device, args.git_rev), "command": "python " + " ".join(sys.argv),
-                          "args": vars(args), "steps": n, "wall_ms_per_step": res.elapsed_s * 1e3 / n,
-                          "cprofile": text}, args.out, echo=False)
+        write({"steps": n, "wall_ms_per_step": res.elapsed_s * 1e3 / n, "cprofile": text})
         return
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
     with profile(activities=acts) as prof:
-        res = bl.run_offline(engine, items, request_prefix="prof")
-    n = max(steps[0], 1)
-    tokens = sum(t.num_output_tokens for t in res.timings)
+        res, n, tokens = profiled_run()
     kernels = [e for e in prof.events() or () if e.device_type == torch.profiler.DeviceType.CUDA]
     dev_us = busy_us([(e.time_range.start, e.time_range.end) for e in kernels])
-    wall_ms = res.elapsed_s * 1e3
     avg = prof.key_averages()
     host = sorted(avg, key=lambda e: e.self_cpu_time_total, reverse=True)[:args.top]
     dev = sorted(avg, key=lambda e: e.self_device_time_total, reverse=True)[:args.top]
-    summary = {"steps": n, "tokens": tokens, "wall_ms_per_step": wall_ms / n, "device_busy_ms_per_step": dev_us / 1e3 / n,
-               "tokens_per_step": tokens / n, "output_tok_s": tokens / res.elapsed_s}
+    summary = {"steps": n, "tokens": tokens, "wall_ms_per_step": res.elapsed_s * 1e3 / n,
+               "device_busy_ms_per_step": dev_us / 1e3 / n, "tokens_per_step": tokens / n,
+               "output_tok_s": tokens / res.elapsed_s}
     print(summary)
     print("host (self CPU ms a step):")
     for e in host:
@@ -181,14 +182,9 @@ def main() -> None:
     for e in dev:
         if e.self_device_time_total:
             print(f"  {e.self_device_time_total / 1e3 / n:8.3f}  x{e.count / n:6.1f}  {e.key[:100]}")
-    result = {**bl.run_metadata(engine.device, args.git_rev), "command": "python " + " ".join(sys.argv),
-              "args": vars(args), "summary": summary,
-              "host_top": [[e.key, e.self_cpu_time_total / 1e3 / n, e.count / n] for e in host],
-              "device_top": [[e.key, e.self_device_time_total / 1e3 / n, e.count / n] for e in dev]}
-    if args.out:
-        bl.emit_json(result, args.out, echo=False)
-        print(f"wrote {args.out}")
-
+    write({"summary": summary,
+           "host_top": [[e.key, e.self_cpu_time_total / 1e3 / n, e.count / n] for e in host],
+           "device_top": [[e.key, e.self_device_time_total / 1e3 / n, e.count / n] for e in dev]})
 
 if __name__ == "__main__":
     main()

@@ -103,8 +103,8 @@ def ngram_lookup_triton(ctx: torch.Tensor, rows: torch.Tensor, length: torch.Ten
 
 def ngram_lookup_device(ctx: torch.Tensor, rows: torch.Tensor, length: torch.Tensor, k: int, ngram_min: int,
                         ngram_max: int) -> torch.Tensor:
-    """The n-gram drafts of :func:`ngram_lookup_ref`: the Triton kernel on CUDA (or under the interpreter), else
-    the torch reference. Raises nothing on valid input; see :func:`ngram_lookup_ref` for shapes and dtypes."""
+    """The n-gram drafts of :func:`ngram_lookup_ref` (same arguments, shapes and dtypes): the Triton kernel on CUDA
+    (or under the interpreter), else the torch reference."""
     if use_triton(ctx, rows, length):
         return ngram_lookup_triton(ctx, rows, length, k, ngram_min, ngram_max)
     return ngram_lookup_ref(ctx, rows, length, k, ngram_min, ngram_max)
