@@ -105,7 +105,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=15, help="rows of each table (torch.profiler mode)")
     ap.add_argument("--cprofile", action="store_true", help="cProfile's Python functions instead of torch ops")
     ap.add_argument("--phases", action="store_true",
-                    help="instead: the host time per step spent in each engine phase")
+                    help="instead: the host time per step spent in each engine phase (its 'stats' count the "
+                    "warm-up run too)")
     ap.add_argument("--out", default=None, help="also write the result as JSON here")
     ap.add_argument("--git-rev", default=None, help="the code's revision, recorded in the JSON")
     args = ap.parse_args()
