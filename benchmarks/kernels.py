@@ -466,6 +466,46 @@ def sweep_mla_tilelang(ceil, budget_s: float = 330.0) -> list[dict]:
     return rows
 
 
+def sweep_mla_rows(ceil) -> list[dict]:
+    """DeepSeek-V2-Lite's absorbed MLA decode (16 heads, R 512, P 64) with TileLang's keys-as-rows tiles (64-key
+    TMA-fed tiles of one cache block each, cache blocks of 64) beside the Triton kernel's default on cache blocks
+    of 16 (the engine's default) and of 64, graph time per layer and the share of the copy bandwidth; the
+    TileLang rows at the one-wave split count and at half and twice it."""
+    from rayinfer.kernels._triton_utils import device_sms
+    from rayinfer.kernels.mla_attention import mla_decode_triton
+    from rayinfer.kernels.mla_tilelang import mla_decode_tilelang, one_wave_splits, tilelang_available
+
+    rows = []
+    for batch, ctx in ((1, 1024), (1, 4096), (4, 4096), (32, 1024), (32, 4096), (64, 4096), (128, 4096)):
+        for bs in (16, 64):
+            cache, meta, ql, qp, want, nbytes, layers = mla_decode_inputs(batch, ctx, bs)
+            cases = [("triton", None, None)]
+            if bs == 64 and tilelang_available():
+                wave = one_wave_splits(batch, 8192, device_sms(ql))
+                cases += [("tilelang", {"layout": "keys_as_rows"}, s) for s in sorted({wave, max(1, wave // 2), 2 * wave})]
+            for backend, cfg, splits in cases:
+                fn = mla_decode_triton if backend == "triton" else mla_decode_tilelang
+                run = lambda i=0, f=fn, c=cfg, s=splits: f(ql, qp, cache[i], meta, 0.1, num_splits=s,  # noqa: E731
+                                                           max_seq_len=8192, config=c)
+                t0 = time.time()
+                try:
+                    err = (run().float() - want).abs().max().item()
+                    us = bench_graph([lambda i=i: run(i) for i in range(layers)])
+                except Exception as exc:  # a tile set that does not compile or fit is a row with its error
+                    rows.append({"op": "mla_decode_rows", "backend": backend, "block_size": bs, "num_splits": splits,
+                                 "batch": batch, "ctx_len": ctx, "error": repr(exc)[:300]})
+                    print(f"  {backend} bs={bs} splits={splits} B={batch}: failed {exc!r}"[:300], flush=True)
+                    continue
+                pct = 100 * nbytes / us / 1e3 / ceil["copy_GBps"] if us else None
+                rows.append({"op": "mla_decode_rows", "backend": backend, "block_size": bs, "num_splits": splits,
+                             "batch": batch, "ctx_len": ctx, "graph_us": us, "pct_of_copy_bw": pct,
+                             "max_abs_err": err, "first_call_s": time.time() - t0})
+                print(f"  {backend} bs={bs} splits={splits} B={batch} ctx={ctx}: {us or float('nan'):7.1f} us "
+                      f"{pct or float('nan'):5.1f}% bw err {err:.1e} ({time.time() - t0:.0f} s)", flush=True)
+            del cache
+    return rows
+
+
 def sweep_mla_splits(ceil) -> list[dict]:
     """DeepSeek-V2-Lite's absorbed MLA decode (16 heads, R 512, P 64, cache blocks of 16) at batch >= 32 per
     split-KV factor (None: the default heuristic), warp count and pipeline depth: graph time per layer and the share of the
@@ -883,7 +923,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also sweep prefill tiles and decode split factors")
     parser.add_argument("--only-sweeps", nargs="*", default=None,
                         help="skip the kernel table; run these sweeps (gemv, gemv_mla, gemv_v2lite_mlp, decode_tiles, prefill, prefill_gqa8, prefill_long, "
-                        "decode_splits, decode_step, mla, mla_tiles, mla_tilelang, mla_splits, mla_swap, mla_swap_few, mla_prefill)")
+                        "decode_splits, decode_step, mla, mla_tiles, mla_tilelang, mla_rows, mla_splits, mla_swap, mla_swap_few, mla_prefill)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA device")
@@ -905,7 +945,7 @@ def main() -> None:
         funcs = {"gemv": sweep_gemv, "decode_tiles": sweep_decode_tiles, "prefill": sweep_prefill, "prefill_gqa8": sweep_prefill_gqa8,
                  "decode_splits": sweep_decode_splits, "decode_step": sweep_decode_step, "mla": sweep_mla,
                  "prefill_long": sweep_prefill_long,
-                 "mla_tiles": sweep_mla_tiles, "mla_tilelang": sweep_mla_tilelang, "mla_splits": sweep_mla_splits, "mla_swap": sweep_mla_swap, "mla_swap_few": sweep_mla_swap_few,
+                 "mla_tiles": sweep_mla_tiles, "mla_tilelang": sweep_mla_tilelang, "mla_rows": sweep_mla_rows, "mla_splits": sweep_mla_splits, "mla_swap": sweep_mla_swap, "mla_swap_few": sweep_mla_swap_few,
                  "mla_prefill": sweep_mla_prefill,
                  "gemv_mla": lambda c: sweep_gemv(c, ("mla_qkv_a", "mla_o"), block_ks=(512, 1024, 2048)),
                  "gemv_v2lite_mlp": lambda c: sweep_gemv(c, ("v2lite_gate_up", "v2lite_down"),

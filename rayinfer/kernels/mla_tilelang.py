@@ -202,20 +202,162 @@ def build_mla_decode(num_heads: int, rank: int, rope: int, block_size: int, dtyp
     return mla_decode_kernel
 
 
+def build_mla_decode_keys_as_rows(num_heads: int, rank: int, rope: int, block_size: int, dtype: str, num_splits: int,
+                                  block_n: int = 64, threads: int = 128, num_stages: int = 2,
+                                  min_split_tokens: int = _MIN_SPLIT_TOKENS):
+    """The TileLang program with keys as the products' rows: scores ``S^T = K Q^T`` ([BLOCK_N, H]) and output
+    ``O^T += V^T P^T`` ([R, H]), so a tile of 64 keys fills the 64 rows of Hopper's warpgroup MMA that 16
+    heads cannot, and both products read their operands from shared memory (the K tile serves as ``A`` of
+    the first and, transposed, of the second). The online softmax runs along the keys (axis 0). Each tile is
+    one run inside one cache block (``block_size`` a multiple of ``block_n``): its block number is one load
+    and its rows one bulk (TMA) copy, which TileLang pipelines with a producer warpgroup of its own.
+
+    Same arguments, splits and outputs as :func:`build_mla_decode`; the registers hold the [R, H] float32
+    accumulator only (64 a thread for R = 512, H = 16), so heads are limited to 32.
+
+    Raises:
+        ValueError: when ``block_size`` is not a multiple of ``block_n``, ``block_n`` is not 64, or the head
+            count is not a multiple of 8 up to 32.
+    Source: FlashAttention-2's online softmax; the swapped-operand (keys as rows) form of the Triton kernel's
+    ``swap_ab`` tiles; TileLang's paged MLA decode example for the one-copy-per-tile layout.
+    """
+    import tilelang.language as T
+
+    if block_n != 64 or block_size % block_n:
+        raise ValueError(f"keys-as-rows tiles take 64 keys inside one cache block; got block_n {block_n}, "
+                         f"block_size {block_size}")
+    if num_heads % 8 or num_heads > 32:
+        raise ValueError(f"keys-as-rows tiles take 8 to 32 heads in multiples of 8, got {num_heads}")
+    accum = "float32"
+    width = rank + rope
+    heads = num_heads
+    num_tokens = T.dynamic("num_tokens")
+    num_rows = T.dynamic("num_rows")
+    num_reqs = T.dynamic("num_reqs")
+    max_blocks = T.dynamic("max_blocks")
+    splits = num_splits
+
+    @T.prim_func
+    def mla_decode_keys_as_rows(
+        q_latent: T.Tensor((num_tokens, heads, rank), dtype),
+        q_pe: T.Tensor((num_tokens, heads, rope), dtype),
+        kv_rows: T.Tensor((num_rows, width), dtype),  # the cache viewed as [num_blocks * block_size, R + P]
+        query_start_loc: T.Tensor((num_reqs + 1,), "int32"),
+        seq_lens: T.Tensor((num_reqs,), "int32"),
+        block_tables: T.Tensor((num_reqs, max_blocks), "int32"),
+        part_out: T.Tensor((num_tokens, heads, splits, rank), accum),
+        part_lse: T.Tensor((num_tokens, heads, splits), accum),
+        out: T.Tensor((num_tokens, heads, rank), dtype),
+        qk_scale: T.float32,
+    ):
+        with T.Kernel(num_tokens, splits, threads=threads) as (tok, split):
+            q_shared = T.alloc_shared((heads, rank), dtype)
+            qp_shared = T.alloc_shared((heads, rope), dtype)
+            kv_shared = T.alloc_shared((block_n, rank), dtype)
+            kp_shared = T.alloc_shared((block_n, rope), dtype)
+            p_shared = T.alloc_shared((block_n, heads), dtype)
+            scores = T.alloc_fragment((block_n, heads), accum)
+            acc = T.alloc_fragment((rank, heads), accum)
+            m_prev = T.alloc_fragment((heads,), accum)
+            m_cur = T.alloc_fragment((heads,), accum)
+            alpha = T.alloc_fragment((heads,), accum)
+            col_sum = T.alloc_fragment((heads,), accum)
+            l_sum = T.alloc_fragment((heads,), accum)
+            req = T.alloc_var("int32")
+
+            # the request of this token: the last r with query_start_loc[r] <= tok
+            req = 0
+            for r in T.serial(num_reqs):
+                if query_start_loc[r] <= tok:
+                    req = r
+            n_keys = seq_lens[req] - (query_start_loc[req + 1] - tok) + 1  # own position + 1
+            used = T.min(splits, T.max(T.ceildiv(n_keys, min_split_tokens), 1))
+            split_size = T.ceildiv(T.ceildiv(n_keys, used), block_n) * block_n
+            kv_lo = T.min(split * split_size, n_keys)
+            kv_hi = T.min(n_keys, kv_lo + split_size)
+
+            T.copy(q_latent[tok, :, :], q_shared)
+            T.copy(q_pe[tok, :, :], qp_shared)
+            T.fill(acc, 0)
+            T.fill(l_sum, 0)
+            T.fill(m_cur, -T.infinity(accum))
+
+            for k in T.Pipelined(T.ceildiv(kv_hi - kv_lo, block_n), num_stages=num_stages):
+                start = kv_lo + k * block_n
+                # one run of block_n rows inside one cache block; rows past the token's keys are read as they
+                # are and masked below (the engine zero-initializes its caches and writes finite latents)
+                row0 = block_tables[req, start // block_size] * block_size + start % block_size
+                T.copy(kv_rows[row0:row0 + block_n, 0:rank], kv_shared)
+                T.copy(kv_rows[row0:row0 + block_n, rank:width], kp_shared)
+                T.clear(scores)
+                T.gemm(kv_shared, q_shared, scores, transpose_B=True)
+                T.gemm(kp_shared, qp_shared, scores, transpose_B=True)
+                for i, j in T.Parallel(block_n, heads):
+                    scores[i, j] = T.if_then_else(start + i < kv_hi, scores[i, j] * qk_scale, -T.infinity(accum))
+                T.copy(m_cur, m_prev)
+                T.reduce_max(scores, m_cur, dim=0, clear=False)
+                for j in T.Parallel(heads):
+                    alpha[j] = T.exp2(m_prev[j] - m_cur[j])
+                for i, j in T.Parallel(block_n, heads):
+                    scores[i, j] = T.exp2(scores[i, j] - m_cur[j])
+                T.reduce_sum(scores, col_sum, dim=0)
+                for j in T.Parallel(heads):
+                    l_sum[j] = l_sum[j] * alpha[j] + col_sum[j]
+                for i, j in T.Parallel(rank, heads):
+                    acc[i, j] *= alpha[j]
+                T.copy(scores, p_shared)
+                T.gemm(kv_shared, p_shared, acc, transpose_A=True)
+
+            if splits > 1:
+                for j in T.Parallel(heads):
+                    part_lse[tok, j, split] = T.if_then_else(
+                        l_sum[j] > 0, m_cur[j] + T.log2(T.max(l_sum[j], 1e-30)), -T.infinity(accum))
+                if kv_lo < kv_hi:
+                    for i, j in T.Parallel(rank, heads):
+                        part_out[tok, j, split, i] = acc[i, j] / l_sum[j]
+            else:
+                for i, j in T.Parallel(rank, heads):
+                    out[tok, j, i] = T.cast(acc[i, j] / l_sum[j], dtype)
+
+    return mla_decode_keys_as_rows
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled(num_heads: int, rank: int, rope: int, block_size: int, dtype: str, num_splits: int,
               config: tuple = ()):
     import tilelang
 
-    return tilelang.compile(build_mla_decode(num_heads, rank, rope, block_size, dtype, num_splits, **dict(config)),
-                            out_idx=None, target="cuda")
+    cfg = dict(config)
+    if cfg.pop("layout", "heads_as_rows") == "keys_as_rows":
+        cfg = {k: v for k, v in cfg.items() if k in ("block_n", "threads", "num_stages", "min_split_tokens")}
+        program = build_mla_decode_keys_as_rows(num_heads, rank, rope, block_size, dtype, num_splits, **cfg)
+    else:
+        program = build_mla_decode(num_heads, rank, rope, block_size, dtype, num_splits, **cfg)
+    return tilelang.compile(program, out_idx=None, target="cuda")
 
 
-def default_config(num_heads: int) -> dict:
-    """Tiles of the TileLang kernel: a head tile of up to 64 heads (MQA over the latents: every head of
-    the tile shares each cached row), 64 keys per step, 256 threads, two stages."""
+def keys_as_rows_applies(num_heads: int, block_size: int) -> bool:
+    """Whether :func:`build_mla_decode_keys_as_rows` takes this shape: 8 to 32 heads in multiples of 8 and
+    cache blocks of a multiple of 64 tokens."""
+    return num_heads % 8 == 0 and num_heads <= 32 and block_size % 64 == 0
+
+
+def default_config(num_heads: int, block_size: int = 16) -> dict:
+    """Tiles of the TileLang kernel. Where :func:`keys_as_rows_applies`: keys as the products' rows (64 keys a
+    tile, one cache block's run, TMA-fed, two stages). Otherwise a head tile of up to 64 heads (MQA over the
+    latents: every head of the tile shares each cached row), 64 keys per step, 256 threads, two stages."""
+    if keys_as_rows_applies(num_heads, block_size):
+        return dict(layout="keys_as_rows", block_n=64, threads=128, num_stages=2, min_split_tokens=_MIN_SPLIT_TOKENS)
     return dict(block_h=min(64, max(16, 1 << (num_heads - 1).bit_length())), block_n=64, threads=256, num_stages=2,
                 min_split_tokens=_MIN_SPLIT_TOKENS)
+
+
+def one_wave_splits(num_tokens: int, max_seq_len: int, num_sms: int, min_split_tokens: int = _MIN_SPLIT_TOKENS) -> int:
+    """Split-KV factor for a kernel of one program per multiprocessor (the keys-as-rows tiles take about 160 KB
+    of shared memory): as many splits as fill one wave, at least ``min_split_tokens`` keys each, at most 32."""
+    if num_tokens >= num_sms:
+        return 1
+    return max(1, min(num_sms // num_tokens, max_seq_len // min_split_tokens, 32))
 
 
 def mla_decode_tilelang(
@@ -225,10 +367,12 @@ def mla_decode_tilelang(
     """TileLang kernel of :func:`~rayinfer.kernels.mla_attention.mla_decode_ref` (same contract; no host
     sync; CUDA graph-safe once compiled). ``num_splits``/``max_seq_len`` as
     :func:`~rayinfer.kernels.mla_attention.mla_decode_triton` (batch-invariant mode: one split);
-    ``config`` overrides :func:`default_config`'s tiles (block_h, block_n, threads, num_stages, gather).
+    ``config`` overrides :func:`default_config`'s tiles (``layout`` "keys_as_rows" or "heads_as_rows",
+    block_h, block_n, threads, num_stages, gather).
 
     Raises:
-        ValueError: for a dtype other than bfloat16/float16, or R/P not multiples of 16.
+        ValueError: for a dtype other than bfloat16/float16, R/P not multiples of 16, or keys-as-rows tiles
+            asked for a shape they do not take (:func:`keys_as_rows_applies`).
     """
     from rayinfer.kernels._triton_utils import device_sms, triton
     from rayinfer.kernels.batch_invariant import is_batch_invariant
@@ -243,20 +387,32 @@ def mla_decode_tilelang(
     if num_tokens == 0 or meta.num_reqs == 0:
         return out
     max_seq_len = max(max_seq_len or meta.max_seq_len, 1)
-    cfg = {**default_config(num_heads), **(config or {})}
-    head_tiles = -(-num_heads // cfg["block_h"])
+    block_size = kv_cache.shape[1]
+    # a config of the head-tile program (it names block_h) keeps that program at any block size
+    heads_tiles = config is not None and "block_h" in config and "layout" not in config
+    cfg = {**default_config(num_heads, 16 if heads_tiles else block_size), **(config or {})}
+    keys_as_rows = cfg.get("layout") == "keys_as_rows"
+    if keys_as_rows and not keys_as_rows_applies(num_heads, block_size):
+        raise ValueError(f"keys-as-rows tiles need 8-32 heads (multiple of 8) and cache blocks of a multiple of "
+                         f"64 tokens, got {num_heads} heads, blocks of {block_size}")
     if is_batch_invariant():
         num_splits = 1
+    elif num_splits is None and keys_as_rows:
+        num_splits = one_wave_splits(num_tokens, max_seq_len, device_sms(q_latent), cfg["min_split_tokens"])
     elif num_splits is None:
-        num_splits = choose_num_splits(num_tokens * head_tiles, max_seq_len, device_sms(q_latent))
+        num_splits = choose_num_splits(num_tokens * -(-num_heads // cfg["block_h"]), max_seq_len,
+                                       device_sms(q_latent))
     num_splits = max(1, min(num_splits, -(-max_seq_len // cfg["min_split_tokens"])))
     if rank & (rank - 1):
         num_splits = 1  # the merge kernel tiles R as a power of two
-    kernel = _compiled(num_heads, rank, rope, kv_cache.shape[1], dtype, num_splits, tuple(sorted(cfg.items())))
+    kernel = _compiled(num_heads, rank, rope, block_size, dtype, num_splits, tuple(sorted(cfg.items())))
     # with one split the partial buffers are never written; they keep the signature's shapes
     part_out = torch.empty((num_tokens, num_heads, num_splits, rank), dtype=torch.float32, device=out.device)
     part_lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=out.device)
-    kernel(q_latent.contiguous(), q_pe.contiguous(), kv_cache, meta.query_start_loc.int(), meta.seq_lens.int(),
+    # the keys-as-rows program reads the cache as rows [num_blocks * block_size, R + P] (a view: the cache
+    # is contiguous, as the other program needs too)
+    cache = kv_cache.view(-1, kv_cache.shape[-1]) if keys_as_rows else kv_cache
+    kernel(q_latent.contiguous(), q_pe.contiguous(), cache, meta.query_start_loc.int(), meta.seq_lens.int(),
            meta.block_tables.int(), part_out, part_lse, out, float(scale * _LOG2E))
     if num_splits > 1:
         block_c = min(rank, 128)  # the merge's column slices, as the Triton backend launches it
