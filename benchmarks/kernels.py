@@ -466,17 +466,18 @@ def sweep_mla_tilelang(ceil, budget_s: float = 330.0) -> list[dict]:
     return rows
 
 
-def sweep_mla_rows(ceil) -> list[dict]:
+def sweep_mla_rows(ceil, budget_s: float = 300.0) -> list[dict]:
     """DeepSeek-V2-Lite's absorbed MLA decode (16 heads, R 512, P 64) with TileLang's keys-as-rows tiles (64-key
     TMA-fed tiles of one cache block each, cache blocks of 64) beside the Triton kernel's default on cache blocks
     of 16 (the engine's default) and of 64, graph time per layer and the share of the copy bandwidth; the
-    TileLang rows at the one-wave split count and at half and twice it."""
+    TileLang rows at the one-wave split count and at half and twice it. Stops starting new TileLang compiles
+    after ``budget_s`` seconds."""
     from rayinfer.kernels._triton_utils import device_sms
     from rayinfer.kernels.mla_attention import mla_decode_triton
     from rayinfer.kernels.mla_tilelang import mla_decode_tilelang, one_wave_splits, tilelang_available
 
-    rows = []
-    for batch, ctx in ((1, 1024), (1, 4096), (4, 4096), (32, 1024), (32, 4096), (64, 4096), (128, 4096)):
+    rows, start = [], time.time()
+    for batch, ctx in ((32, 4096), (64, 4096), (128, 4096), (1, 4096), (4, 4096), (32, 1024), (1, 1024)):
         for bs in (16, 64):
             cache, meta, ql, qp, want, nbytes, layers = mla_decode_inputs(batch, ctx, bs)
             cases = [("triton", None, None)]
@@ -484,6 +485,9 @@ def sweep_mla_rows(ceil) -> list[dict]:
                 wave = one_wave_splits(batch, 8192, device_sms(ql))
                 cases += [("tilelang", {"layout": "keys_as_rows"}, s) for s in sorted({wave, max(1, wave // 2), 2 * wave})]
             for backend, cfg, splits in cases:
+                if backend == "tilelang" and time.time() - start > budget_s:
+                    print(f"  budget spent: tilelang splits={splits} B={batch} ctx={ctx} not run", flush=True)
+                    continue
                 fn = mla_decode_triton if backend == "triton" else mla_decode_tilelang
                 run = lambda i=0, f=fn, c=cfg, s=splits: f(ql, qp, cache[i], meta, 0.1, num_splits=s,  # noqa: E731
                                                            max_seq_len=8192, config=c)
