@@ -17,8 +17,10 @@ Variables:
         experts of the fused MoE kernel (``model.moe.RoutedExperts.fuse_shared_experts``); for A/B benchmarks.
     RAYINFER_EP_FUSED_DISPATCH: "0" runs the expert-parallel dispatch and combine as torch ops instead of the
         Triton kernels of ``kernels.ep_dispatch`` (A/B runs).
-    RAYINFER_MLA_BACKEND: "triton" (default) or "tilelang": the kernel of MLA's absorbed decode attention
-        on the GPU (``kernels.mla_attention.mla_decode``); "tilelang" needs the tilelang package.
+    RAYINFER_MLA_BACKEND: "triton" (default), "tilelang" or "auto": the kernel of MLA's absorbed decode
+        attention on the GPU (``kernels.mla_attention.mla_decode``); "tilelang" needs the tilelang package;
+        "auto" takes TileLang's keys-as-rows tiles for steps of at least ``TILELANG_FROM_TOKENS`` tokens where
+        they apply (tilelang importable, 16 or 32 heads, cache blocks of a multiple of 64) and Triton otherwise.
     RAYINFER_MOE_GROUPED_MM_FROM: token count from which the fused MoE layer runs on torch's grouped GEMM
         (``kernels.fused_moe.fused_moe_grouped_mm``); "0" never; unset: the device table's value for the
         layer's shape (``kernels.fused_moe_config.grouped_mm_from``). For A/B runs.
@@ -107,14 +109,14 @@ def ray_job_working_dir() -> str | None:
 
 
 def mla_backend() -> str:
-    """RAYINFER_MLA_BACKEND, lower-cased: "triton" (default) or "tilelang".
+    """RAYINFER_MLA_BACKEND, lower-cased: "triton" (default), "tilelang" or "auto".
 
     Raises:
         ValueError: for any other value.
     """
     value = (os.environ.get("RAYINFER_MLA_BACKEND") or "triton").strip().lower()
-    if value not in ("triton", "tilelang"):
-        raise ValueError(f"RAYINFER_MLA_BACKEND must be 'triton' or 'tilelang', got {value!r}")
+    if value not in ("triton", "tilelang", "auto"):
+        raise ValueError(f"RAYINFER_MLA_BACKEND must be 'triton', 'tilelang' or 'auto', got {value!r}")
     return value
 
 

@@ -638,11 +638,22 @@ def use_absorbed(meta: AttentionMetadata) -> bool:
     return meta.max_query_len <= ABSORBED_MAX_QUERY_LEN or is_batch_invariant()
 
 
-def _tilelang_applies(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    if envs.mla_backend() != "tilelang" or is_batch_invariant() or not q_latent.is_cuda:
-        return False
-    from rayinfer.kernels.mla_tilelang import tilelang_available
+# RAYINFER_MLA_BACKEND=auto: steps of at least this many tokens take TileLang's keys-as-rows tiles where they
+# apply. On an H100 (c0c2967, benchmarks/results/kernels-mla-rows-h100-c0c2967.json, V2-Lite's 16 heads, 4K
+# context) they read 71.8 / 85.4 / 94.5% of the copy bandwidth at batch 32 / 64 / 128 against the Triton
+# kernel's 70.2 / 77.2 / 87.3%, and lose below (batch 1 at 1K: 12.1 us against 7.1).
+TILELANG_FROM_TOKENS = 32
 
+
+def _tilelang_applies(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    backend = envs.mla_backend()
+    if backend == "triton" or is_batch_invariant() or not q_latent.is_cuda:
+        return False
+    from rayinfer.kernels.mla_tilelang import keys_as_rows_applies, tilelang_available
+
+    if backend == "auto" and not (tilelang_available() and q_latent.shape[0] >= TILELANG_FROM_TOKENS
+                                  and keys_as_rows_applies(q_latent.shape[1], kv_cache.shape[1])):
+        return False
     if not tilelang_available():
         raise RuntimeError("RAYINFER_MLA_BACKEND=tilelang needs the tilelang package and a CUDA device")
     return (q_latent.dtype in (torch.float16, torch.bfloat16) and q_latent.dtype == q_pe.dtype == kv_cache.dtype
@@ -655,7 +666,8 @@ def mla_decode(
 ) -> torch.Tensor:
     """Same contract as :func:`mla_decode_ref`; the Triton kernel on CUDA tensors, or the TileLang one
     (``kernels.mla_tilelang``) when ``RAYINFER_MLA_BACKEND=tilelang`` and the shapes suit it (16-bit,
-    R and P multiples of 16, not batch-invariant mode).
+    R and P multiples of 16, not batch-invariant mode), or with ``RAYINFER_MLA_BACKEND=auto`` for steps of
+    at least :data:`TILELANG_FROM_TOKENS` tokens that its keys-as-rows tiles take.
 
     ``w_uv`` (the absorbed form's value up-projection, [H, Dv, R]): when given, the result is each head's
     output through it, [T, H, Dv] (``out[t, h] @ w_uv[h].T``, as :func:`~rayinfer.kernels.gemv.batched_linear`

@@ -212,12 +212,14 @@ def build_mla_decode_keys_as_rows(num_heads: int, rank: int, rope: int, block_si
     one run inside one cache block (``block_size`` a multiple of ``block_n``): its block number is one load
     and its rows one bulk (TMA) copy, which TileLang pipelines with a producer warpgroup of its own.
 
-    Same arguments, splits and outputs as :func:`build_mla_decode`; the registers hold the [R, H] float32
-    accumulator only (64 a thread for R = 512, H = 16), so heads are limited to 32.
+    Same arguments, splits and outputs as :func:`build_mla_decode`, except that ``num_splits`` is a power of
+    two up to 32 (TileLang 0.1.15 cannot lower the partial outputs' stores at other counts); the registers
+    hold the [R, H] float32 accumulator only (64 a thread for R = 512, H = 16), so H is 16 or 32 (the
+    probabilities tile, the second product's B operand, needs 32-byte rows).
 
     Raises:
-        ValueError: when ``block_size`` is not a multiple of ``block_n``, ``block_n`` is not 64, or the head
-            count is not a multiple of 8 up to 32.
+        ValueError: when ``block_size`` is not a multiple of ``block_n``, ``block_n`` is not 64, the head
+            count is not 16 or 32, or ``num_splits`` is not a power of two up to 32.
     Source: FlashAttention-2's online softmax; the swapped-operand (keys as rows) form of the Triton kernel's
     ``swap_ab`` tiles; TileLang's paged MLA decode example for the one-copy-per-tile layout.
     """
@@ -226,8 +228,10 @@ def build_mla_decode_keys_as_rows(num_heads: int, rank: int, rope: int, block_si
     if block_n != 64 or block_size % block_n:
         raise ValueError(f"keys-as-rows tiles take 64 keys inside one cache block; got block_n {block_n}, "
                          f"block_size {block_size}")
-    if num_heads % 8 or num_heads > 32:
-        raise ValueError(f"keys-as-rows tiles take 8 to 32 heads in multiples of 8, got {num_heads}")
+    if num_heads not in (16, 32):
+        raise ValueError(f"keys-as-rows tiles take 16 or 32 heads, got {num_heads}")
+    if num_splits < 1 or num_splits > 32 or num_splits & (num_splits - 1):
+        raise ValueError(f"keys-as-rows tiles take a power of two up to 32 splits, got {num_splits}")
     accum = "float32"
     width = rank + rope
     heads = num_heads
@@ -312,9 +316,10 @@ def build_mla_decode_keys_as_rows(num_heads: int, rank: int, rope: int, block_si
                 for j in T.Parallel(heads):
                     part_lse[tok, j, split] = T.if_then_else(
                         l_sum[j] > 0, m_cur[j] + T.log2(T.max(l_sum[j], 1e-30)), -T.infinity(accum))
-                if kv_lo < kv_hi:
-                    for i, j in T.Parallel(rank, heads):
-                        part_out[tok, j, split, i] = acc[i, j] / l_sum[j]
+                # written by every program, an unused split's as zeros (its weight in the merge is 0): a store
+                # under the program-uniform `kv_lo < kv_hi` fails TileLang's thread-sync lowering at 16 splits
+                for i, j in T.Parallel(rank, heads):
+                    part_out[tok, j, split, i] = acc[i, j] / T.max(l_sum[j], 1e-30)
             else:
                 for i, j in T.Parallel(rank, heads):
                     out[tok, j, i] = T.cast(acc[i, j] / l_sum[j], dtype)
@@ -337,9 +342,9 @@ def _compiled(num_heads: int, rank: int, rope: int, block_size: int, dtype: str,
 
 
 def keys_as_rows_applies(num_heads: int, block_size: int) -> bool:
-    """Whether :func:`build_mla_decode_keys_as_rows` takes this shape: 8 to 32 heads in multiples of 8 and
-    cache blocks of a multiple of 64 tokens."""
-    return num_heads % 8 == 0 and num_heads <= 32 and block_size % 64 == 0
+    """Whether :func:`build_mla_decode_keys_as_rows` takes this shape: 16 or 32 heads and cache blocks of a
+    multiple of 64 tokens."""
+    return num_heads in (16, 32) and block_size % 64 == 0
 
 
 def default_config(num_heads: int, block_size: int = 16) -> dict:
@@ -354,10 +359,11 @@ def default_config(num_heads: int, block_size: int = 16) -> dict:
 
 def one_wave_splits(num_tokens: int, max_seq_len: int, num_sms: int, min_split_tokens: int = _MIN_SPLIT_TOKENS) -> int:
     """Split-KV factor for a kernel of one program per multiprocessor (the keys-as-rows tiles take about 160 KB
-    of shared memory): as many splits as fill one wave, at least ``min_split_tokens`` keys each, at most 32."""
-    if num_tokens >= num_sms:
-        return 1
-    return max(1, min(num_sms // num_tokens, max_seq_len // min_split_tokens, 32))
+    of shared memory): the largest power of two up to 32 whose splits fit one wave, at least
+    ``min_split_tokens`` keys each. Measured on an H100 (``benchmarks/kernels.py --only-sweeps mla_rows``,
+    V2-Lite's 16 heads, 4K context): 4 / 2 / 1 splits at batch 32 / 64 / 128 beat half and twice as many."""
+    want = max(1, min(num_sms // max(num_tokens, 1), max_seq_len // min_split_tokens, 32))
+    return 1 << (want.bit_length() - 1)
 
 
 def mla_decode_tilelang(
@@ -393,8 +399,8 @@ def mla_decode_tilelang(
     cfg = {**default_config(num_heads, 16 if heads_tiles else block_size), **(config or {})}
     keys_as_rows = cfg.get("layout") == "keys_as_rows"
     if keys_as_rows and not keys_as_rows_applies(num_heads, block_size):
-        raise ValueError(f"keys-as-rows tiles need 8-32 heads (multiple of 8) and cache blocks of a multiple of "
-                         f"64 tokens, got {num_heads} heads, blocks of {block_size}")
+        raise ValueError(f"keys-as-rows tiles need 16 or 32 heads and cache blocks of a multiple of 64 tokens, "
+                         f"got {num_heads} heads, blocks of {block_size}")
     if is_batch_invariant():
         num_splits = 1
     elif num_splits is None and keys_as_rows:
@@ -405,6 +411,8 @@ def mla_decode_tilelang(
     num_splits = max(1, min(num_splits, -(-max_seq_len // cfg["min_split_tokens"])))
     if rank & (rank - 1):
         num_splits = 1  # the merge kernel tiles R as a power of two
+    if keys_as_rows:  # a power of two up to 32 (build_mla_decode_keys_as_rows)
+        num_splits = 1 << (min(num_splits, 32).bit_length() - 1)
     kernel = _compiled(num_heads, rank, rope, block_size, dtype, num_splits, tuple(sorted(cfg.items())))
     # with one split the partial buffers are never written; they keep the signature's shapes
     part_out = torch.empty((num_tokens, num_heads, num_splits, rank), dtype=torch.float32, device=out.device)

@@ -224,14 +224,67 @@ def test_tilelang_backend_matches_ref(monkeypatch):
     assert mla_tilelang._compiled.cache_info().misses > before
 
 
+# keys-as-rows tiles (cache blocks of 64, 16 or 32 heads): short and long contexts, verification-like queries,
+# fp16 and bf16
+ROWS_GPU_CASES = [
+    ([1] * 8, [100, 1, 517, 64, 3, 1000, 17, 4096], 16, 512, 64, 64, torch.bfloat16),
+    ([4, 1, 8], [1024, 4096, 2000], 16, 512, 64, 64, torch.bfloat16),
+    ([1] * 40, [777 + 61 * i for i in range(40)], 32, 512, 64, 128, torch.float16),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_tilelang_keys_as_rows_matches_ref(monkeypatch):
+    """TileLang's keys-as-rows program against the reference at every split count it compiles (powers of two;
+    others round down), and through RAYINFER_MLA_BACKEND=auto for a 40-token step."""
+    from rayinfer.kernels import mla_tilelang
+
+    assert mla_tilelang.tilelang_available(), "the GPU machine's environment must provide tilelang"
+    for i, (query_lens, seq_lens, heads, rank, rope, bs, dtype) in enumerate(ROWS_GPU_CASES):
+        nb = sum(-(-s // bs) for s in seq_lens) + 3
+        meta = make_batch(query_lens, seq_lens, bs, nb, seed=i, device="cuda")
+        gen = torch.Generator().manual_seed(i)
+        cache = torch.randn(nb, bs, rank + rope, generator=gen).to("cuda", dtype)
+        t = sum(query_lens)
+        ql = torch.randn(t, heads, rank, generator=gen).to("cuda", dtype)
+        qp = torch.randn(t, heads, rope, generator=gen).to("cuda", dtype)
+        want = mla_decode_ref(ql, qp, cache, meta, rank**-0.5).float()
+        for splits in (None, 1, 2, 3, 8, 32):
+            got = mla_tilelang.mla_decode_tilelang(ql, qp, cache, meta, rank**-0.5, num_splits=splits,
+                                                   config={"layout": "keys_as_rows"})
+            torch.testing.assert_close(got.float(), want, atol=TOL[dtype], rtol=TOL[dtype],
+                                       msg=lambda m: f"case {i}, splits {splits}: {m}")
+    calls = lambda: sum(mla_tilelang._compiled.cache_info()[:2])  # noqa: E731
+    before = calls()
+    monkeypatch.setenv("RAYINFER_MLA_BACKEND", "auto")
+    got = mla_decode(ql, qp, cache, meta, rank**-0.5)  # the last case: 40 tokens, blocks of 128
+    torch.testing.assert_close(got.float(), want, atol=TOL[dtype], rtol=TOL[dtype])
+    assert calls() > before, "RAYINFER_MLA_BACKEND=auto did not take the TileLang kernel for 40 tokens"
+
+
+def test_keys_as_rows_rules():
+    """Which shapes the keys-as-rows tiles take, and their split rule: powers of two that fill one wave."""
+    from rayinfer.kernels.mla_tilelang import default_config, keys_as_rows_applies, one_wave_splits
+
+    assert keys_as_rows_applies(16, 64) and keys_as_rows_applies(32, 128)
+    assert not keys_as_rows_applies(16, 16) and not keys_as_rows_applies(128, 64) and not keys_as_rows_applies(8, 64)
+    assert default_config(16, 64)["layout"] == "keys_as_rows" and "block_h" in default_config(16, 16)
+    assert [one_wave_splits(b, 4096, 132) for b in (1, 4, 32, 64, 128, 200)] == [32, 32, 4, 2, 1, 1]
+    assert one_wave_splits(1, 300, 132) == 2  # at least 128 keys a split
+    assert one_wave_splits(8, 8192, 132) == 16 and one_wave_splits(3, 8192, 78) == 16
+
+
 def test_mla_backend_setting(monkeypatch):
-    """RAYINFER_MLA_BACKEND: triton by default, tilelang when asked, anything else a clear error."""
+    """RAYINFER_MLA_BACKEND: triton by default, tilelang or auto when asked, anything else a clear error."""
     from rayinfer import envs
 
     monkeypatch.delenv("RAYINFER_MLA_BACKEND", raising=False)
     assert envs.mla_backend() == "triton"
     monkeypatch.setenv("RAYINFER_MLA_BACKEND", "TileLang")
     assert envs.mla_backend() == "tilelang"
+    monkeypatch.setenv("RAYINFER_MLA_BACKEND", " AUTO")
+    assert envs.mla_backend() == "auto"
     monkeypatch.setenv("RAYINFER_MLA_BACKEND", "cuda")
     with pytest.raises(ValueError, match="RAYINFER_MLA_BACKEND"):
         envs.mla_backend()
