@@ -470,7 +470,8 @@ def sweep_mla_rows(ceil, budget_s: float = 300.0) -> list[dict]:
     """DeepSeek-V2-Lite's absorbed MLA decode (16 heads, R 512, P 64) with TileLang's keys-as-rows tiles (64-key
     TMA-fed tiles of one cache block each, cache blocks of 64) beside the Triton kernel's default on cache blocks
     of 16 (the engine's default) and of 64, graph time per layer and the share of the copy bandwidth; the
-    TileLang rows at the one-wave split count and at half and twice it. Stops starting new TileLang compiles
+    TileLang rows at the one-wave split count and at half and twice it, and without PDL at the one-wave count.
+    Stops starting new TileLang compiles
     after ``budget_s`` seconds."""
     from rayinfer.kernels._triton_utils import device_sms
     from rayinfer.kernels.mla_attention import mla_decode_triton
@@ -484,6 +485,7 @@ def sweep_mla_rows(ceil, budget_s: float = 300.0) -> list[dict]:
             if bs == 64 and tilelang_available():
                 wave = one_wave_splits(batch, 8192, device_sms(ql))
                 cases += [("tilelang", {"layout": "keys_as_rows"}, s) for s in sorted({wave, max(1, wave // 2), 2 * wave})]
+                cases += [("tilelang", {"layout": "keys_as_rows", "pdl": False}, wave)]
             for backend, cfg, splits in cases:
                 if backend == "tilelang" and time.time() - start > budget_s:
                     print(f"  budget spent: tilelang splits={splits} B={batch} ctx={ctx} not run", flush=True)
@@ -496,15 +498,15 @@ def sweep_mla_rows(ceil, budget_s: float = 300.0) -> list[dict]:
                     err = (run().float() - want).abs().max().item()
                     us = bench_graph([lambda i=i: run(i) for i in range(layers)])
                 except Exception as exc:  # a tile set that does not compile or fit is a row with its error
-                    rows.append({"op": "mla_decode_rows", "backend": backend, "block_size": bs, "num_splits": splits,
-                                 "batch": batch, "ctx_len": ctx, "error": repr(exc)[:300]})
+                    rows.append({"op": "mla_decode_rows", "backend": backend, "config": cfg, "block_size": bs,
+                                 "num_splits": splits, "batch": batch, "ctx_len": ctx, "error": repr(exc)[:300]})
                     print(f"  {backend} bs={bs} splits={splits} B={batch}: failed {exc!r}"[:300], flush=True)
                     continue
                 pct = 100 * nbytes / us / 1e3 / ceil["copy_GBps"] if us else None
-                rows.append({"op": "mla_decode_rows", "backend": backend, "block_size": bs, "num_splits": splits,
-                             "batch": batch, "ctx_len": ctx, "graph_us": us, "pct_of_copy_bw": pct,
+                rows.append({"op": "mla_decode_rows", "backend": backend, "config": cfg, "block_size": bs,
+                             "num_splits": splits, "batch": batch, "ctx_len": ctx, "graph_us": us, "pct_of_copy_bw": pct,
                              "max_abs_err": err, "first_call_s": time.time() - t0})
-                print(f"  {backend} bs={bs} splits={splits} B={batch} ctx={ctx}: {us or float('nan'):7.1f} us "
+                print(f"  {backend} {cfg} bs={bs} splits={splits} B={batch} ctx={ctx}: {us or float('nan'):7.1f} us "
                       f"{pct or float('nan'):5.1f}% bw err {err:.1e} ({time.time() - t0:.0f} s)", flush=True)
             del cache
     return rows

@@ -204,13 +204,16 @@ def build_mla_decode(num_heads: int, rank: int, rope: int, block_size: int, dtyp
 
 def build_mla_decode_keys_as_rows(num_heads: int, rank: int, rope: int, block_size: int, dtype: str, num_splits: int,
                                   block_n: int = 64, threads: int = 128, num_stages: int = 2,
-                                  min_split_tokens: int = _MIN_SPLIT_TOKENS):
+                                  min_split_tokens: int = _MIN_SPLIT_TOKENS, pdl: bool = True):
     """The TileLang program with keys as the products' rows: scores ``S^T = K Q^T`` ([BLOCK_N, H]) and output
     ``O^T += V^T P^T`` ([R, H]), so a tile of 64 keys fills the 64 rows of Hopper's warpgroup MMA that 16
     heads cannot, and both products read their operands from shared memory (the K tile serves as ``A`` of
     the first and, transposed, of the second). The online softmax runs along the keys (axis 0). Each tile is
     one run inside one cache block (``block_size`` a multiple of ``block_n``): its block number is one load
     and its rows one bulk (TMA) copy, which TileLang pipelines with a producer warpgroup of its own.
+
+    ``pdl``: the program reads the step's metadata (the token's request by binary search, its split bounds)
+    before waiting on the kernel before it (programmatic dependent launch; the query and the cache after).
 
     Same arguments, splits and outputs as :func:`build_mla_decode`, except that ``num_splits`` is a power of
     two up to 32 (TileLang 0.1.15 cannot lower the partial outputs' stores at other counts); the registers
@@ -224,6 +227,7 @@ def build_mla_decode_keys_as_rows(num_heads: int, rank: int, rope: int, block_si
     ``swap_ab`` tiles; TileLang's paged MLA decode example for the one-copy-per-tile layout.
     """
     import tilelang.language as T
+    from tilelang.cuda.language import pdl_sync
 
     if block_n != 64 or block_size % block_n:
         raise ValueError(f"keys-as-rows tiles take 64 keys inside one cache block; got block_n {block_n}, "
@@ -267,19 +271,27 @@ def build_mla_decode_keys_as_rows(num_heads: int, rank: int, rope: int, block_si
             alpha = T.alloc_fragment((heads,), accum)
             col_sum = T.alloc_fragment((heads,), accum)
             l_sum = T.alloc_fragment((heads,), accum)
-            req = T.alloc_var("int32")
+            lo = T.alloc_var("int32")
+            hi = T.alloc_var("int32")
 
-            # the request of this token: the last r with query_start_loc[r] <= tok
-            req = 0
-            for r in T.serial(num_reqs):
-                if query_start_loc[r] <= tok:
-                    req = r
+            # the request of this token: the last r with query_start_loc[r] <= tok (binary search)
+            lo = 0
+            hi = num_reqs
+            for _ in T.serial(31):
+                if lo < hi:
+                    if query_start_loc[(lo + hi) // 2] <= tok:
+                        lo = (lo + hi) // 2 + 1
+                    else:
+                        hi = (lo + hi) // 2
+            req = lo - 1
             n_keys = seq_lens[req] - (query_start_loc[req + 1] - tok) + 1  # own position + 1
             used = T.min(splits, T.max(T.ceildiv(n_keys, min_split_tokens), 1))
             split_size = T.ceildiv(T.ceildiv(n_keys, used), block_n) * block_n
             kv_lo = T.min(split * split_size, n_keys)
             kv_hi = T.min(n_keys, kv_lo + split_size)
 
+            if pdl:
+                pdl_sync()  # the query and the cache rows come from the kernels before
             T.copy(q_latent[tok, :, :], q_shared)
             T.copy(q_pe[tok, :, :], qp_shared)
             T.fill(acc, 0)
@@ -334,7 +346,7 @@ def _compiled(num_heads: int, rank: int, rope: int, block_size: int, dtype: str,
 
     cfg = dict(config)
     if cfg.pop("layout", "heads_as_rows") == "keys_as_rows":
-        cfg = {k: v for k, v in cfg.items() if k in ("block_n", "threads", "num_stages", "min_split_tokens")}
+        cfg = {k: v for k, v in cfg.items() if k in ("block_n", "threads", "num_stages", "min_split_tokens", "pdl")}
         program = build_mla_decode_keys_as_rows(num_heads, rank, rope, block_size, dtype, num_splits, **cfg)
     else:
         program = build_mla_decode(num_heads, rank, rope, block_size, dtype, num_splits, **cfg)
