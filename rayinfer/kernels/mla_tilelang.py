@@ -243,11 +243,13 @@ def build_mla_decode_keys_as_rows(num_heads: int, rank: int, rope: int, block_si
     num_rows = T.dynamic("num_rows")
     num_reqs = T.dynamic("num_reqs")
     max_blocks = T.dynamic("max_blocks")
+    stride_qt = T.dynamic("stride_qt")  # q_latent may be a transposed view ([H, T, R] storage), as
+    stride_qh = T.dynamic("stride_qh")  # kernels.gemv.batched_linear leaves it
     splits = num_splits
 
     @T.prim_func
     def mla_decode_keys_as_rows(
-        q_latent: T.Tensor((num_tokens, heads, rank), dtype),
+        q_latent: T.StridedTensor((num_tokens, heads, rank), (stride_qt, stride_qh, 1), dtype),
         q_pe: T.Tensor((num_tokens, heads, rope), dtype),
         kv_rows: T.Tensor((num_rows, width), dtype),  # the cache viewed as [num_blocks * block_size, R + P]
         query_start_loc: T.Tensor((num_reqs + 1,), "int32"),
@@ -432,7 +434,12 @@ def mla_decode_tilelang(
     # the keys-as-rows program reads the cache as rows [num_blocks * block_size, R + P] (a view: the cache
     # is contiguous, as the other program needs too)
     cache = kv_cache.view(-1, kv_cache.shape[-1]) if keys_as_rows else kv_cache
-    kernel(q_latent.contiguous(), q_pe.contiguous(), cache, meta.query_start_loc.int(), meta.seq_lens.int(),
+    # the keys-as-rows program takes q_latent's strides (a view of batched_linear's [H, T, R] output needs no
+    # copy) where the bulk copy can (16-byte aligned rows)
+    strided_ok = keys_as_rows and q_latent.stride(-1) == 1 and all(
+        (st * q_latent.element_size()) % 16 == 0 for st in q_latent.stride()[:2])
+    q_in = q_latent if strided_ok else q_latent.contiguous()
+    kernel(q_in, q_pe.contiguous(), cache, meta.query_start_loc.int(), meta.seq_lens.int(),
            meta.block_tables.int(), part_out, part_lse, out, float(scale * _LOG2E))
     if num_splits > 1:
         block_c = min(rank, 128)  # the merge's column slices, as the Triton backend launches it

@@ -237,7 +237,7 @@ ROWS_GPU_CASES = [
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_tilelang_keys_as_rows_matches_ref(monkeypatch):
     """TileLang's keys-as-rows program against the reference at every split count it compiles (powers of two;
-    others round down), and through RAYINFER_MLA_BACKEND=auto for a 40-token step."""
+    others round down), on a strided q_latent, and through RAYINFER_MLA_BACKEND=auto for a 40-token step."""
     from rayinfer.kernels import mla_tilelang
 
     assert mla_tilelang.tilelang_available(), "the GPU machine's environment must provide tilelang"
@@ -247,7 +247,8 @@ def test_tilelang_keys_as_rows_matches_ref(monkeypatch):
         gen = torch.Generator().manual_seed(i)
         cache = torch.randn(nb, bs, rank + rope, generator=gen).to("cuda", dtype)
         t = sum(query_lens)
-        ql = torch.randn(t, heads, rank, generator=gen).to("cuda", dtype)
+        # q_latent as a transposed view of [H, T, R] storage, as the model's batched W_UK product leaves it
+        ql = torch.randn(heads, t, rank, generator=gen).to("cuda", dtype).transpose(0, 1)
         qp = torch.randn(t, heads, rope, generator=gen).to("cuda", dtype)
         want = mla_decode_ref(ql, qp, cache, meta, rank**-0.5).float()
         for splits in (None, 1, 2, 3, 8, 32):
