@@ -312,7 +312,7 @@ AB_VARIANTS = {"default": {}, "no-pdl": {"RAYINFER_PDL": "0"}, "no-one-row": {"R
                # one-row GEMVs on kernels.gemv._choose_config's rule only, not the device table's tiles (jobs/tune_gemv.py)
                "gemv-table-0": {"@rayinfer.kernels.gemv.DEVICE_TABLE": "0"},
                "graph-inputs-fused": {"@rayinfer.engine.cuda_graph.FUSED_INPUTS": "1"},
-               # MLA decode on TileLang (keys-as-rows tiles on cache blocks of 64: every step; auto: from 32 tokens)
+               # MLA decode on TileLang (keys-as-rows tiles on cache blocks of 64: every step; auto: from 64 tokens)
                "mla-tilelang": {"RAYINFER_MLA_BACKEND": "tilelang"}, "mla-auto": {"RAYINFER_MLA_BACKEND": "auto"}}
 
 

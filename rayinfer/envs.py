@@ -19,8 +19,9 @@ Variables:
         Triton kernels of ``kernels.ep_dispatch`` (A/B runs).
     RAYINFER_MLA_BACKEND: "triton" (default), "tilelang" or "auto": the kernel of MLA's absorbed decode
         attention on the GPU (``kernels.mla_attention.mla_decode``); "tilelang" needs the tilelang package;
-        "auto" takes TileLang's keys-as-rows tiles for steps of at least ``TILELANG_FROM_TOKENS`` tokens where
-        they apply (tilelang importable, 16 or 32 heads, cache blocks of a multiple of 64) and Triton otherwise.
+        "auto" takes TileLang's keys-as-rows tiles for steps of at least 64 tokens
+        (``kernels.mla_attention.TILELANG_FROM_TOKENS``) where they apply (tilelang importable, 16 or 32 heads,
+        cache blocks of a multiple of 64, e.g. ``engine.block_size=64``) and Triton otherwise.
     RAYINFER_MOE_GROUPED_MM_FROM: token count from which the fused MoE layer runs on torch's grouped GEMM
         (``kernels.fused_moe.fused_moe_grouped_mm``); "0" never; unset: the device table's value for the
         layer's shape (``kernels.fused_moe_config.grouped_mm_from``). For A/B runs.

@@ -639,10 +639,12 @@ def use_absorbed(meta: AttentionMetadata) -> bool:
 
 
 # RAYINFER_MLA_BACKEND=auto: steps of at least this many tokens take TileLang's keys-as-rows tiles where they
-# apply. On an H100 (c0c2967, benchmarks/results/kernels-mla-rows-h100-c0c2967.json, V2-Lite's 16 heads, 4K
-# context) they read 71.8 / 85.4 / 94.5% of the copy bandwidth at batch 32 / 64 / 128 against the Triton
-# kernel's 70.2 / 77.2 / 87.3%, and lose below (batch 1 at 1K: 12.1 us against 7.1).
-TILELANG_FROM_TOKENS = 32
+# apply. On an H100 (benchmarks/results/kernels-mla-rows-h100-2507501.json, V2-Lite's 16 heads, 4K context) they
+# read 72.4 / 86.0 / 94.8% of the copy bandwidth at batch 32 / 64 / 128 against the Triton kernel's 70.0 / 77.1 /
+# 87.0%, and lose below (batch 1 at 1K: 13.5 us against 7.0). In the V2-Lite decode step (CUDA graph, 4K;
+# moe-v2lite-h100-0f5221c-mla-auto-ab-4k.json) batch 32 was 1.4% slower with them, batch 64 0.3% and batch
+# 128 2.2% faster.
+TILELANG_FROM_TOKENS = 64
 
 
 def _tilelang_applies(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor) -> bool:
