@@ -276,9 +276,15 @@ def build_mla_decode_keys_as_rows(num_heads: int, rank: int, rope: int, block_si
             lo = T.alloc_var("int32")
             hi = T.alloc_var("int32")
 
-            # the request of this token: the last r with query_start_loc[r] <= tok (binary search)
+            # the request of this token: the last r with query_start_loc[r] <= tok. A decode step (one token a
+            # request) has it at r = tok: two loads side by side; otherwise a binary search (each of its loads
+            # waits on the one before, and the block table and the first bulk copy wait on all of them)
+            guess = T.min(tok, num_reqs - 1)
             lo = 0
             hi = num_reqs
+            if query_start_loc[guess] <= tok and tok < query_start_loc[guess + 1]:
+                lo = guess + 1
+                hi = guess + 1
             for _ in T.serial(31):
                 if lo < hi:
                     if query_start_loc[(lo + hi) // 2] <= tok:
