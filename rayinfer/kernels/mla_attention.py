@@ -639,9 +639,9 @@ def use_absorbed(meta: AttentionMetadata) -> bool:
 
 
 # RAYINFER_MLA_BACKEND=auto: steps of at least this many tokens take TileLang's keys-as-rows tiles where they
-# apply. On an H100 (benchmarks/results/kernels-mla-rows-h100-2507501.json, V2-Lite's 16 heads, 4K context) they
-# read 72.4 / 86.0 / 94.8% of the copy bandwidth at batch 32 / 64 / 128 against the Triton kernel's 70.0 / 77.1 /
-# 87.0%, and lose below (batch 1 at 1K: 13.5 us against 7.0). In the V2-Lite decode step (CUDA graph, 4K;
+# apply. On an H100 (benchmarks/results/kernels-mla-rows-h100-d8fb51d.json, V2-Lite's 16 heads, 4K context) they
+# read 74.1 / 87.7 / 97.9% of the copy bandwidth at batch 32 / 64 / 128 against the Triton kernel's 71.3 / 78.6 /
+# 89.5%, and lose below (batch 1 at 1K: 13.6 us against 7.1). In the V2-Lite decode step (CUDA graph, 4K;
 # moe-v2lite-h100-0f5221c-mla-auto-ab-4k.json) batch 32 was 1.4% slower with them, batch 64 0.3% and batch
 # 128 2.2% faster.
 TILELANG_FROM_TOKENS = 64

@@ -381,7 +381,15 @@ def one_wave_splits(num_tokens: int, max_seq_len: int, num_sms: int, min_split_t
     """Split-KV factor for a kernel of one program per multiprocessor (the keys-as-rows tiles take about 160 KB
     of shared memory): the largest power of two up to 32 whose splits fit one wave, at least
     ``min_split_tokens`` keys each. Measured on an H100 (``benchmarks/kernels.py --only-sweeps mla_rows``,
-    V2-Lite's 16 heads, 4K context): 4 / 2 / 1 splits at batch 32 / 64 / 128 beat half and twice as many."""
+    V2-Lite's 16 heads, 4K context): 4 / 2 / 1 splits at batch 32 / 64 / 128 beat half and twice as many.
+
+    Args:
+        num_tokens: query tokens of the step (programs without splitting).
+        max_seq_len: bound on every context length (a CUDA graph passes the longest it will replay).
+        num_sms: multiprocessors of the device.
+        min_split_tokens: fewest keys a split gets.
+    Returns:
+        the split count, a power of two in [1, 32]."""
     want = max(1, min(num_sms // max(num_tokens, 1), max_seq_len // min_split_tokens, 32))
     return 1 << (want.bit_length() - 1)
 
