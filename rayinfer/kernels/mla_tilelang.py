@@ -12,9 +12,14 @@ and rope parts, output ``[BLOCK_H, R]`` from the latents). Splits follow the Tri
 token uses one split per ``_MIN_SPLIT_TOKENS`` of its own keys, unused splits write an empty
 log-sum-exp, and the Triton merge kernel combines the partial outputs.
 
+A second program, :func:`build_mla_decode_keys_as_rows`, swaps the products' operands so that 64 keys fill the
+warpgroup MMA's rows (16 or 32 heads as its columns) and streams each tile as one bulk (TMA) copy of one cache
+block's run; it is the default where it applies (cache blocks of a multiple of 64 tokens). The head-tile
+program copies a tile per cache block, which TileLang 0.1.15 does not pipeline (its copies run synchronously).
+
 TileLang is optional (not a dependency of the package): :func:`tilelang_available` says whether it is
 importable with a CUDA device; ``RAYINFER_MLA_BACKEND=tilelang`` makes :func:`mla_decode` take this kernel
-(``kernels.mla_attention``). Kernels are compiled once per (heads, R, P, block size, dtype, splits) shape.
+(``kernels.mla_attention``), ``RAYINFER_MLA_BACKEND=auto`` the keys-as-rows program for steps of 64 tokens or more. Kernels are compiled once per (heads, R, P, block size, dtype, splits) shape.
 Source: DeepSeek-V2 (2024) for the absorbed form; FlashMLA's decode layout; TileLang's published MLA
 decode examples for the shape of a TileLang flash-decoding kernel.
 """
@@ -353,7 +358,7 @@ def _compiled(num_heads: int, rank: int, rope: int, block_size: int, dtype: str,
     import tilelang
 
     cfg = dict(config)
-    if cfg.pop("layout", "heads_as_rows") == "keys_as_rows":
+    if cfg.pop("layout") == "keys_as_rows":
         cfg = {k: v for k, v in cfg.items() if k in ("block_n", "threads", "num_stages", "min_split_tokens", "pdl")}
         program = build_mla_decode_keys_as_rows(num_heads, rank, rope, block_size, dtype, num_splits, **cfg)
     else:
@@ -367,14 +372,22 @@ def keys_as_rows_applies(num_heads: int, block_size: int) -> bool:
     return num_heads in (16, 32) and block_size % 64 == 0
 
 
-def default_config(num_heads: int, block_size: int = 16) -> dict:
-    """Tiles of the TileLang kernel. Where :func:`keys_as_rows_applies`: keys as the products' rows (64 keys a
-    tile, one cache block's run, TMA-fed, two stages). Otherwise a head tile of up to 64 heads (MQA over the
-    latents: every head of the tile shares each cached row), 64 keys per step, 256 threads, two stages."""
-    if keys_as_rows_applies(num_heads, block_size):
+def default_config(num_heads: int, block_size: int = 16, layout: str | None = None) -> dict:
+    """Tiles of the TileLang kernel. ``layout`` "keys_as_rows" (the default where :func:`keys_as_rows_applies`):
+    keys as the products' rows (64 keys a tile, one cache block's run, TMA-fed, two stages); "heads_as_rows"
+    (the default otherwise): a head tile of up to 64 heads (MQA over the latents: every head of the tile
+    shares each cached row), 64 keys per step, 256 threads, two stages.
+
+    Raises:
+        ValueError: for another ``layout``."""
+    if layout is None:
+        layout = "keys_as_rows" if keys_as_rows_applies(num_heads, block_size) else "heads_as_rows"
+    if layout == "keys_as_rows":
         return dict(layout="keys_as_rows", block_n=64, threads=128, num_stages=2, min_split_tokens=_MIN_SPLIT_TOKENS)
-    return dict(block_h=min(64, max(16, 1 << (num_heads - 1).bit_length())), block_n=64, threads=256, num_stages=2,
-                min_split_tokens=_MIN_SPLIT_TOKENS)
+    if layout != "heads_as_rows":
+        raise ValueError(f"the TileLang MLA layout is 'keys_as_rows' or 'heads_as_rows', not {layout!r}")
+    return dict(layout="heads_as_rows", block_h=min(64, max(16, 1 << (num_heads - 1).bit_length())), block_n=64,
+                threads=256, num_stages=2, min_split_tokens=_MIN_SPLIT_TOKENS)
 
 
 def one_wave_splits(num_tokens: int, max_seq_len: int, num_sms: int, min_split_tokens: int = _MIN_SPLIT_TOKENS) -> int:
@@ -422,9 +435,9 @@ def mla_decode_tilelang(
         return out
     max_seq_len = max(max_seq_len or meta.max_seq_len, 1)
     block_size = kv_cache.shape[1]
-    # a config of the head-tile program (it names block_h) keeps that program at any block size
-    heads_tiles = config is not None and "block_h" in config and "layout" not in config
-    cfg = {**default_config(num_heads, 16 if heads_tiles else block_size), **(config or {})}
+    # a config that names block_h (the head-tile program's) keeps that program at any block size
+    layout = (config or {}).get("layout", "heads_as_rows" if "block_h" in (config or {}) else None)
+    cfg = {**default_config(num_heads, block_size, layout), **(config or {})}
     keys_as_rows = cfg.get("layout") == "keys_as_rows"
     if keys_as_rows and not keys_as_rows_applies(num_heads, block_size):
         raise ValueError(f"keys-as-rows tiles need 16 or 32 heads and cache blocks of a multiple of 64 tokens, "

@@ -271,6 +271,9 @@ def test_keys_as_rows_rules():
     assert keys_as_rows_applies(16, 64) and keys_as_rows_applies(32, 128)
     assert not keys_as_rows_applies(16, 16) and not keys_as_rows_applies(128, 64) and not keys_as_rows_applies(8, 64)
     assert default_config(16, 64)["layout"] == "keys_as_rows" and "block_h" in default_config(16, 16)
+    assert "block_h" in default_config(16, 64, "heads_as_rows")
+    with pytest.raises(ValueError, match="layout"):
+        default_config(16, 64, "rows")
     assert [one_wave_splits(b, 4096, 132) for b in (1, 4, 32, 64, 128, 200)] == [32, 32, 4, 2, 1, 1]
     assert one_wave_splits(1, 300, 132) == 2  # at least 128 keys a split
     assert one_wave_splits(8, 8192, 132) == 16 and one_wave_splits(3, 8192, 78) == 16
