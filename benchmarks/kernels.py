@@ -484,8 +484,9 @@ def sweep_mla_rows(ceil, budget_s: float = 300.0) -> list[dict]:
             cases = [("triton", None, None)]
             if bs == 64 and tilelang_available():
                 wave = one_wave_splits(batch, 8192, device_sms(ql))
-                cases += [("tilelang", {"layout": "keys_as_rows"}, s) for s in sorted({wave, max(1, wave // 2), 2 * wave})]
-                cases += [("tilelang", {"layout": "keys_as_rows", "pdl": False}, wave)]
+                rows_cfg = {"layout": "keys_as_rows"}
+                cases += [("tilelang", rows_cfg, s) for s in sorted({wave, max(1, wave // 2), 2 * wave})]
+                cases += [("tilelang", {**rows_cfg, "pdl": False}, wave)]
             for backend, cfg, splits in cases:
                 if backend == "tilelang" and time.time() - start > budget_s:
                     print(f"  budget spent: tilelang splits={splits} B={batch} ctx={ctx} not run", flush=True)
@@ -504,10 +505,11 @@ def sweep_mla_rows(ceil, budget_s: float = 300.0) -> list[dict]:
                     continue
                 pct = 100 * nbytes / us / 1e3 / ceil["copy_GBps"] if us else None
                 rows.append({"op": "mla_decode_rows", "backend": backend, "config": cfg, "block_size": bs,
-                             "num_splits": splits, "batch": batch, "ctx_len": ctx, "graph_us": us, "pct_of_copy_bw": pct,
-                             "max_abs_err": err, "first_call_s": time.time() - t0})
-                print(f"  {backend} {cfg} bs={bs} splits={splits} B={batch} ctx={ctx}: {us or float('nan'):7.1f} us "
-                      f"{pct or float('nan'):5.1f}% bw err {err:.1e} ({time.time() - t0:.0f} s)", flush=True)
+                             "num_splits": splits, "batch": batch, "ctx_len": ctx, "graph_us": us,
+                             "pct_of_copy_bw": pct, "max_abs_err": err, "first_call_s": time.time() - t0})
+                print(f"  {backend} {cfg} bs={bs} splits={splits} B={batch} ctx={ctx}: "
+                      f"{us or float('nan'):7.1f} us {pct or float('nan'):5.1f}% bw err {err:.1e} "
+                      f"({time.time() - t0:.0f} s)", flush=True)
             del cache
     return rows
 

@@ -19,7 +19,8 @@ program copies a tile per cache block, which TileLang 0.1.15 does not pipeline (
 
 TileLang is optional (not a dependency of the package): :func:`tilelang_available` says whether it is
 importable with a CUDA device; ``RAYINFER_MLA_BACKEND=tilelang`` makes :func:`mla_decode` take this kernel
-(``kernels.mla_attention``), ``RAYINFER_MLA_BACKEND=auto`` the keys-as-rows program for steps of 64 tokens or more. Kernels are compiled once per (heads, R, P, block size, dtype, splits) shape.
+(``kernels.mla_attention``), ``RAYINFER_MLA_BACKEND=auto`` the keys-as-rows program for steps of 64 tokens
+or more. Kernels are compiled once per (heads, R, P, block size, dtype, splits) shape.
 Source: DeepSeek-V2 (2024) for the absorbed form; FlashMLA's decode layout; TileLang's published MLA
 decode examples for the shape of a TileLang flash-decoding kernel.
 """
@@ -217,8 +218,10 @@ def build_mla_decode_keys_as_rows(num_heads: int, rank: int, rope: int, block_si
     one run inside one cache block (``block_size`` a multiple of ``block_n``): its block number is one load
     and its rows one bulk (TMA) copy, which TileLang pipelines with a producer warpgroup of its own.
 
-    ``pdl``: the program reads the step's metadata (the token's request by binary search, its split bounds)
-    before waiting on the kernel before it (programmatic dependent launch; the query and the cache after).
+    ``pdl``: the program waits on the kernel before it (programmatic dependent launch) before its loads;
+    TileLang places the wait at the program's start, so the launch and the barriers' set-up overlap that
+    kernel's tail (about 1 us a launch on an H100). The token's request comes from two loads in a decode
+    step (one token a request), else from a binary search over ``query_start_loc``.
 
     Same arguments, splits and outputs as :func:`build_mla_decode`, except that ``num_splits`` is a power of
     two up to 32 (TileLang 0.1.15 cannot lower the partial outputs' stores at other counts); the registers
