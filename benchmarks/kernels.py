@@ -362,7 +362,7 @@ def mla_decode_inputs(batch: int, ctx: int, bs: int = 16) -> tuple:
     """DeepSeek-V2-Lite's absorbed MLA decode inputs (16 heads, R 512, P 64, cache blocks of ``bs``): a stack of
     per-layer latent caches (enough layers to leave L2), the batch's metadata over randomly placed blocks, one
     query token per request, the reference output on layer 0, and the latent bytes a layer reads.
-    Returns (cache [layers, blocks, 16, 576], meta, q_latent, q_pe, want float32, nbytes, layers)."""
+    Returns (cache [layers, blocks, bs, 576], meta, q_latent, q_pe, want float32, nbytes, layers)."""
     from rayinfer.kernels.mla_attention import mla_decode_ref
 
     heads, rank, rope = 16, 512, 64
@@ -420,6 +420,28 @@ def sweep_mla_tiles(ceil) -> list[dict]:
 MLA_TILELANG_HOPPER = [(64, 64, 256, 2, "col", True), (64, 32, 256, 3, "col", True), (16, 64, 256, 2, "row", False)]
 
 
+def _mla_decode_case(ceil, fn, inputs, row: dict, cfg: dict | None, splits: int | None) -> dict:
+    """One MLA decode case of the sweeps: ``fn`` (``mla_decode_triton`` or ``mla_decode_tilelang``) with tiles
+    ``cfg`` and ``splits`` on ``inputs`` (:func:`mla_decode_inputs`), checked against the reference, then its
+    graph time per layer and share of the copy bandwidth; ``row`` plus those fields, or plus ``error`` for a
+    tile set that does not compile or fit. Prints a line."""
+    cache, meta, ql, qp, want, nbytes, layers = inputs
+    run = lambda i=0: fn(ql, qp, cache[i], meta, 0.1, num_splits=splits, max_seq_len=8192, config=cfg)  # noqa: E731
+    label = f"  {row['backend']} {cfg} bs={cache.shape[2]} splits={splits} B={row['batch']} ctx={row['ctx_len']}"
+    t0 = time.time()
+    try:
+        err = (run().float() - want).abs().max().item()
+        us = bench_graph([lambda i=i: run(i) for i in range(layers)])
+    except Exception as exc:
+        print(f"{label}: failed {exc!r}"[:300], flush=True)
+        return {**row, "config": cfg, "num_splits": splits, "error": repr(exc)[:300]}
+    pct = 100 * nbytes / us / 1e3 / ceil["copy_GBps"] if us else None
+    print(f"{label}: {us or float('nan'):7.1f} us {pct or float('nan'):5.1f}% bw err {err:.1e} "
+          f"({time.time() - t0:.0f} s)", flush=True)
+    return {**row, "config": cfg, "num_splits": splits, "graph_us": us, "pct_of_copy_bw": pct, "max_abs_err": err,
+            "first_call_s": time.time() - t0}
+
+
 def sweep_mla_tilelang(ceil, budget_s: float = 330.0) -> list[dict]:
     """DeepSeek-V2-Lite's absorbed MLA decode (16 heads, R 512, P 64, cache blocks of 16) at batch 32 / 64 /
     128 and 4K context: the TileLang kernel per tile set of :data:`MLA_TILELANG_HOPPER` and split count (one
@@ -433,8 +455,8 @@ def sweep_mla_tilelang(ceil, budget_s: float = 330.0) -> list[dict]:
     rows, start = [], time.time()
     keys = ("block_h", "block_n", "threads", "num_stages", "policy", "swizzle")
     for batch, ctx in ((32, 4096), (64, 4096), (128, 4096)):
-        cache, meta, ql, qp, want, nbytes, layers = mla_decode_inputs(batch, ctx)
-        one_wave = max(1, device_sms(ql) // batch)
+        inputs = mla_decode_inputs(batch, ctx)
+        one_wave = max(1, device_sms(inputs[2]) // batch)
         cases = [("triton", None, None)]
         if tilelang_available():
             for t in MLA_TILELANG_HOPPER:
@@ -445,24 +467,9 @@ def sweep_mla_tilelang(ceil, budget_s: float = 330.0) -> list[dict]:
                 print(f"  budget spent: {cfg} splits={splits} B={batch} not run", flush=True)
                 continue
             fn = mla_decode_triton if backend == "triton" else mla_decode_tilelang
-            run = lambda i=0, f=fn, c=cfg, s=splits: f(ql, qp, cache[i], meta, 0.1, num_splits=s,  # noqa: E731
-                                                       max_seq_len=8192, config=c)
-            t0 = time.time()
-            try:
-                err = (run().float() - want).abs().max().item()
-                us = bench_graph([lambda i=i: run(i) for i in range(layers)])
-            except Exception as exc:  # a tile set that does not compile or fit is a row with its error
-                rows.append({"op": "mla_decode_tilelang", "backend": backend, "config": cfg, "num_splits": splits,
-                             "batch": batch, "ctx_len": ctx, "error": repr(exc)[:300]})
-                print(f"  {backend} {cfg} splits={splits} B={batch}: failed {exc!r}"[:300], flush=True)
-                continue
-            pct = 100 * nbytes / us / 1e3 / ceil["copy_GBps"] if us else None
-            rows.append({"op": "mla_decode_tilelang", "backend": backend, "config": cfg, "num_splits": splits,
-                         "batch": batch, "ctx_len": ctx, "graph_us": us, "pct_of_copy_bw": pct, "max_abs_err": err,
-                         "first_call_s": time.time() - t0})
-            print(f"  {backend} {cfg} splits={splits} B={batch} ctx={ctx}: {us or float('nan'):7.1f} us "
-                  f"{pct or float('nan'):5.1f}% bw err {err:.1e} ({time.time() - t0:.0f} s)", flush=True)
-        del cache
+            rows.append(_mla_decode_case(ceil, fn, inputs, {"op": "mla_decode_tilelang", "backend": backend,
+                                                            "batch": batch, "ctx_len": ctx}, cfg, splits))
+        del inputs
     return rows
 
 
@@ -471,8 +478,7 @@ def sweep_mla_rows(ceil, budget_s: float = 300.0) -> list[dict]:
     TMA-fed tiles of one cache block each, cache blocks of 64) beside the Triton kernel's default on cache blocks
     of 16 (the engine's default) and of 64, graph time per layer and the share of the copy bandwidth; the
     TileLang rows at the one-wave split count and at half and twice it, and without PDL at the one-wave count.
-    Stops starting new TileLang compiles
-    after ``budget_s`` seconds."""
+    Stops starting new TileLang compiles after ``budget_s`` seconds."""
     from rayinfer.kernels._triton_utils import device_sms
     from rayinfer.kernels.mla_attention import mla_decode_triton
     from rayinfer.kernels.mla_tilelang import mla_decode_tilelang, one_wave_splits, tilelang_available
@@ -480,10 +486,10 @@ def sweep_mla_rows(ceil, budget_s: float = 300.0) -> list[dict]:
     rows, start = [], time.time()
     for batch, ctx in ((32, 4096), (64, 4096), (128, 4096), (1, 4096), (4, 4096), (32, 1024), (1, 1024)):
         for bs in (16, 64):
-            cache, meta, ql, qp, want, nbytes, layers = mla_decode_inputs(batch, ctx, bs)
+            inputs = mla_decode_inputs(batch, ctx, bs)
             cases = [("triton", None, None)]
             if bs == 64 and tilelang_available():
-                wave = one_wave_splits(batch, 8192, device_sms(ql))
+                wave = one_wave_splits(batch, 8192, device_sms(inputs[2]))
                 rows_cfg = {"layout": "keys_as_rows"}
                 cases += [("tilelang", rows_cfg, s) for s in sorted({wave, max(1, wave // 2), 2 * wave})]
                 cases += [("tilelang", {**rows_cfg, "pdl": False}, wave)]
@@ -492,25 +498,10 @@ def sweep_mla_rows(ceil, budget_s: float = 300.0) -> list[dict]:
                     print(f"  budget spent: tilelang splits={splits} B={batch} ctx={ctx} not run", flush=True)
                     continue
                 fn = mla_decode_triton if backend == "triton" else mla_decode_tilelang
-                run = lambda i=0, f=fn, c=cfg, s=splits: f(ql, qp, cache[i], meta, 0.1, num_splits=s,  # noqa: E731
-                                                           max_seq_len=8192, config=c)
-                t0 = time.time()
-                try:
-                    err = (run().float() - want).abs().max().item()
-                    us = bench_graph([lambda i=i: run(i) for i in range(layers)])
-                except Exception as exc:  # a tile set that does not compile or fit is a row with its error
-                    rows.append({"op": "mla_decode_rows", "backend": backend, "config": cfg, "block_size": bs,
-                                 "num_splits": splits, "batch": batch, "ctx_len": ctx, "error": repr(exc)[:300]})
-                    print(f"  {backend} bs={bs} splits={splits} B={batch}: failed {exc!r}"[:300], flush=True)
-                    continue
-                pct = 100 * nbytes / us / 1e3 / ceil["copy_GBps"] if us else None
-                rows.append({"op": "mla_decode_rows", "backend": backend, "config": cfg, "block_size": bs,
-                             "num_splits": splits, "batch": batch, "ctx_len": ctx, "graph_us": us,
-                             "pct_of_copy_bw": pct, "max_abs_err": err, "first_call_s": time.time() - t0})
-                print(f"  {backend} {cfg} bs={bs} splits={splits} B={batch} ctx={ctx}: "
-                      f"{us or float('nan'):7.1f} us {pct or float('nan'):5.1f}% bw err {err:.1e} "
-                      f"({time.time() - t0:.0f} s)", flush=True)
-            del cache
+                rows.append(_mla_decode_case(ceil, fn, inputs, {"op": "mla_decode_rows", "backend": backend,
+                                                                "block_size": bs, "batch": batch, "ctx_len": ctx},
+                                             cfg, splits))
+            del inputs
     return rows
 
 
