@@ -420,11 +420,15 @@ def sweep_mla_tiles(ceil) -> list[dict]:
 MLA_TILELANG_HOPPER = [(64, 64, 256, 2, "col", True), (64, 32, 256, 3, "col", True), (16, 64, 256, 2, "row", False)]
 
 
-def _mla_decode_case(ceil, fn, inputs, row: dict, cfg: dict | None, splits: int | None) -> dict:
-    """One MLA decode case of the sweeps: ``fn`` (``mla_decode_triton`` or ``mla_decode_tilelang``) with tiles
-    ``cfg`` and ``splits`` on ``inputs`` (:func:`mla_decode_inputs`), checked against the reference, then its
-    graph time per layer and share of the copy bandwidth; ``row`` plus those fields, or plus ``error`` for a
-    tile set that does not compile or fit. Prints a line."""
+def _mla_decode_case(ceil, inputs, row: dict, cfg: dict | None, splits: int | None) -> dict:
+    """One MLA decode case of the sweeps: ``row["backend"]``'s kernel (``mla_decode_triton`` or
+    ``mla_decode_tilelang``) with tiles ``cfg`` and ``splits`` on ``inputs`` (:func:`mla_decode_inputs`), checked
+    against the reference, then its graph time per layer and share of the copy bandwidth; ``row`` plus those
+    fields, or plus ``error`` for a tile set that does not compile or fit. Prints a line."""
+    from rayinfer.kernels.mla_attention import mla_decode_triton
+    from rayinfer.kernels.mla_tilelang import mla_decode_tilelang
+
+    fn = mla_decode_triton if row["backend"] == "triton" else mla_decode_tilelang
     cache, meta, ql, qp, want, nbytes, layers = inputs
     run = lambda i=0: fn(ql, qp, cache[i], meta, 0.1, num_splits=splits, max_seq_len=8192, config=cfg)  # noqa: E731
     label = f"  {row['backend']} {cfg} bs={cache.shape[2]} splits={splits} B={row['batch']} ctx={row['ctx_len']}"
@@ -449,8 +453,7 @@ def sweep_mla_tilelang(ceil, budget_s: float = 330.0) -> list[dict]:
     Triton kernel's default, graph time per layer and the share of the copy bandwidth. Stops starting new
     TileLang compiles after ``budget_s`` seconds."""
     from rayinfer.kernels._triton_utils import device_sms
-    from rayinfer.kernels.mla_attention import mla_decode_triton
-    from rayinfer.kernels.mla_tilelang import mla_decode_tilelang, tilelang_available
+    from rayinfer.kernels.mla_tilelang import tilelang_available
 
     rows, start = [], time.time()
     keys = ("block_h", "block_n", "threads", "num_stages", "policy", "swizzle")
@@ -466,9 +469,8 @@ def sweep_mla_tilelang(ceil, budget_s: float = 330.0) -> list[dict]:
             if backend == "tilelang" and time.time() - start > budget_s:
                 print(f"  budget spent: {cfg} splits={splits} B={batch} not run", flush=True)
                 continue
-            fn = mla_decode_triton if backend == "triton" else mla_decode_tilelang
-            rows.append(_mla_decode_case(ceil, fn, inputs, {"op": "mla_decode_tilelang", "backend": backend,
-                                                            "batch": batch, "ctx_len": ctx}, cfg, splits))
+            rows.append(_mla_decode_case(ceil, inputs, {"op": "mla_decode_tilelang", "backend": backend,
+                                                        "batch": batch, "ctx_len": ctx}, cfg, splits))
         del inputs
     return rows
 
@@ -480,8 +482,7 @@ def sweep_mla_rows(ceil, budget_s: float = 300.0) -> list[dict]:
     TileLang rows at the one-wave split count and at half and twice it, and without PDL at the one-wave count.
     Stops starting new TileLang compiles after ``budget_s`` seconds."""
     from rayinfer.kernels._triton_utils import device_sms
-    from rayinfer.kernels.mla_attention import mla_decode_triton
-    from rayinfer.kernels.mla_tilelang import mla_decode_tilelang, one_wave_splits, tilelang_available
+    from rayinfer.kernels.mla_tilelang import one_wave_splits, tilelang_available
 
     rows, start = [], time.time()
     for batch, ctx in ((32, 4096), (64, 4096), (128, 4096), (1, 4096), (4, 4096), (32, 1024), (1, 1024)):
@@ -497,9 +498,8 @@ def sweep_mla_rows(ceil, budget_s: float = 300.0) -> list[dict]:
                 if backend == "tilelang" and time.time() - start > budget_s:
                     print(f"  budget spent: tilelang splits={splits} B={batch} ctx={ctx} not run", flush=True)
                     continue
-                fn = mla_decode_triton if backend == "triton" else mla_decode_tilelang
-                rows.append(_mla_decode_case(ceil, fn, inputs, {"op": "mla_decode_rows", "backend": backend,
-                                                                "block_size": bs, "batch": batch, "ctx_len": ctx},
+                rows.append(_mla_decode_case(ceil, inputs, {"op": "mla_decode_rows", "backend": backend,
+                                                            "block_size": bs, "batch": batch, "ctx_len": ctx},
                                              cfg, splits))
             del inputs
     return rows

@@ -361,12 +361,9 @@ def _compiled(num_heads: int, rank: int, rope: int, block_size: int, dtype: str,
     import tilelang
 
     cfg = dict(config)
-    if cfg.pop("layout") == "keys_as_rows":
-        cfg = {k: v for k, v in cfg.items() if k in ("block_n", "threads", "num_stages", "min_split_tokens", "pdl")}
-        program = build_mla_decode_keys_as_rows(num_heads, rank, rope, block_size, dtype, num_splits, **cfg)
-    else:
-        program = build_mla_decode(num_heads, rank, rope, block_size, dtype, num_splits, **cfg)
-    return tilelang.compile(program, out_idx=None, target="cuda")
+    build = build_mla_decode_keys_as_rows if cfg.pop("layout") == "keys_as_rows" else build_mla_decode
+    return tilelang.compile(build(num_heads, rank, rope, block_size, dtype, num_splits, **cfg), out_idx=None,
+                            target="cuda")
 
 
 def keys_as_rows_applies(num_heads: int, block_size: int) -> bool:
@@ -438,10 +435,11 @@ def mla_decode_tilelang(
         return out
     max_seq_len = max(max_seq_len or meta.max_seq_len, 1)
     block_size = kv_cache.shape[1]
+    config = config or {}
     # a config that names block_h (the head-tile program's) keeps that program at any block size
-    layout = (config or {}).get("layout", "heads_as_rows" if "block_h" in (config or {}) else None)
-    cfg = {**default_config(num_heads, block_size, layout), **(config or {})}
-    keys_as_rows = cfg.get("layout") == "keys_as_rows"
+    layout = config.get("layout", "heads_as_rows" if "block_h" in config else None)
+    cfg = {**default_config(num_heads, block_size, layout), **config}
+    keys_as_rows = cfg["layout"] == "keys_as_rows"
     if keys_as_rows and not keys_as_rows_applies(num_heads, block_size):
         raise ValueError(f"keys-as-rows tiles need 16 or 32 heads and cache blocks of a multiple of 64 tokens, "
                          f"got {num_heads} heads, blocks of {block_size}")
