@@ -30,7 +30,7 @@ from rayinfer.kernels._triton_utils import triton  # noqa: E402
 from rayinfer.kernels.mla_attention import _mla_merge_splits_kernel  # noqa: E402
 
 _NOW = ('__device__ __forceinline__ long long rl_now() { unsigned long long t; '
-        'asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return (long long)t; }')
+        'asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return (long long)t; }\n')
 _STAMP = 'trace[tok, split, {i}] = T.call_extern("int64", "rl_now")'
 _EDITS = [
     ("        qk_scale: T.float32,\n    ):",
