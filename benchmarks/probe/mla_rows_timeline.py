@@ -33,15 +33,15 @@ _NOW = ('__device__ __forceinline__ long long rl_now() { unsigned long long t; '
         'asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return (long long)t; }\n')
 _STAMP = 'trace[tok, split, {i}] = T.call_extern("int64", "rl_now")'
 _EDITS = [
+    ("            T.import_source(_REMOTE_STORE)", "            T.import_source(_REMOTE_STORE + _NOW)"),
     ("        qk_scale: T.float32,\n    ):",
      '        qk_scale: T.float32,\n        trace: T.Tensor((num_tokens, splits, 4), "int64"),\n    ):'),
     ("            if pdl:\n                pdl_sync()",
-     "            T.import_source(_NOW)\n            " + _STAMP.format(i=0) + "\n            if pdl:\n"
+     "            " + _STAMP.format(i=0) + "\n            if pdl:\n"
      "                pdl_sync()"),
     ("            T.fill(m_cur, -T.infinity(accum))\n",
      "            T.fill(m_cur, -T.infinity(accum))\n            " + _STAMP.format(i=1) + "\n"),
-    ("            if splits > 1:\n                for j",
-     "            " + _STAMP.format(i=2) + "\n            if splits > 1:\n                for j"),
+    ("            if in_cluster:\n", "            " + _STAMP.format(i=2) + "\n            if in_cluster:\n"),
     ("    return mla_decode_keys_as_rows", "            " + _STAMP.format(i=3) + "\n\n    return mla_decode_keys_as_rows"),
 ]
 
@@ -53,7 +53,8 @@ def traced_builder():
     for old, new in _EDITS:
         assert src.count(old) == 1, f"the builder's source changed: {old!r}"
         src = src.replace(old, new)
-    head = f"from rayinfer.kernels.mla_tilelang import _MIN_SPLIT_TOKENS\n_NOW = {_NOW!r}\n"
+    head = (f"from rayinfer.kernels.mla_tilelang import _MIN_SPLIT_TOKENS, _REMOTE_STORE, MAX_CLUSTER_SPLITS\n"
+            f"_NOW = {_NOW!r}\n")
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(head + src)
     spec = importlib.util.spec_from_file_location("mla_rows_traced", f.name)
@@ -62,80 +63,95 @@ def traced_builder():
     return mod.build_mla_decode_keys_as_rows
 
 
+def case(build_traced, ceil, batch, ctx, splits, cluster, cache, meta, ql, qp, want, nbytes, layers) -> dict:
+    """One (batch, context, splits, merge) case: graph times of the whole call, the kernel alone and the merge
+    alone, and the stamps of one replay of the traced copy (whole call)."""
+    import tilelang
+
+    cfg = {**mla_tilelang.default_config(16, 64), "cluster_merge": cluster}
+    kern = mla_tilelang._compiled(16, 512, 64, 64, "bfloat16", splits, tuple(sorted(cfg.items())))
+    kw = {k: v for k, v in cfg.items() if k != "layout"}
+    traced = tilelang.compile(build_traced(16, 512, 64, 64, "bfloat16", splits, **kw), out_idx=None,
+                              target="cuda")
+    in_kernel = cluster and splits > 1
+    out = torch.empty_like(ql)
+    part_out = torch.empty((batch, 16, splits, 512), dtype=torch.float32, device="cuda")
+    part_lse = torch.empty((batch, 16, splits), dtype=torch.float32, device="cuda")
+    trace = torch.zeros((layers, batch, splits, 4), dtype=torch.int64, device="cuda")
+    qsl, sl, bt = meta.query_start_loc.int(), meta.seq_lens.int(), meta.block_tables.int()
+    scale = 0.1 * 1.4426950408889634
+    rows_of = [cache[i].view(-1, 576) for i in range(layers)]
+
+    def kernel(i, t=None):
+        if t is None:
+            kern(ql, qp, rows_of[i], qsl, sl, bt, part_out, part_lse, out, scale)
+        else:
+            traced(ql, qp, rows_of[i], qsl, sl, bt, part_out, part_lse, out, scale, t[i])
+
+    def merge():
+        if splits > 1 and not in_kernel:
+            _mla_merge_splits_kernel[(batch, 16, 4)](
+                part_out, part_lse, out, 16, splits, out.stride(0), out.stride(1),
+                RANK=512, BLOCK_R=512, BLOCK_S=triton.next_power_of_2(splits), BLOCK_C=128, num_warps=4)
+
+    def full(i, t=None):
+        kernel(i, t)
+        merge()
+
+    out.zero_()
+    full(0)
+    err = (out.float() - want).abs().max().item()
+    full(0, trace)
+    err_traced = (out.float() - want).abs().max().item()
+    row = {"batch": batch, "ctx": ctx, "splits": splits, "cluster_merge": cluster, "layers": layers,
+           "nbytes": nbytes, "max_abs_err": err, "max_abs_err_traced": err_traced,
+           "full_us": bench_graph([lambda i=i: full(i) for i in range(layers)]),
+           "kernel_us": bench_graph([lambda i=i: kernel(i) for i in range(layers)]),
+           "traced_full_us": bench_graph([lambda i=i: full(i, trace) for i in range(layers)])}
+    row["pct_full"] = 100 * nbytes / row["full_us"] / 1e3 / ceil["copy_GBps"]
+    row["pct_kernel"] = 100 * nbytes / row["kernel_us"] / 1e3 / ceil["copy_GBps"]
+    # one replay's stamps (bench_graph's last replay left them)
+    torch.cuda.synchronize()
+    tr = trace.cpu().double() / 1e3  # us
+    layer_rows = []
+    for i in range(layers):
+        t = tr[i].reshape(-1, 4)
+        layer_rows.append({
+            "start_spread": (t[:, 0].max() - t[:, 0].min()).item(),
+            "end_spread": (t[:, 3].max() - t[:, 3].min()).item(),
+            "span": (t[:, 3].max() - t[:, 0].min()).item(),
+            "gap_before": (t[:, 0].min() - tr[i - 1].reshape(-1, 4)[:, 3].max()).item() if i else None,
+            "prologue_med": (t[:, 1] - t[:, 0]).median().item(),
+            "loop_med": (t[:, 2] - t[:, 1]).median().item(),
+            "loop_min": (t[:, 2] - t[:, 1]).min().item(),
+            "loop_max": (t[:, 2] - t[:, 1]).max().item(),
+            "epilogue_med": (t[:, 3] - t[:, 2]).median().item(),
+            "epilogue_max": (t[:, 3] - t[:, 2]).max().item(),
+        })
+    row["timeline_median_over_layers"] = {
+        k: statistics.median(v for r in layer_rows if (v := r[k]) is not None) if any(
+            r[k] is not None for r in layer_rows) else None for k in layer_rows[0]}
+    row["timeline_layers"] = layer_rows[:4]
+    print(json.dumps({k: v for k, v in row.items() if k != "timeline_layers"}), flush=True)
+    return row
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    import tilelang
-
     ceil = measure_ceilings()
     print(ceil, flush=True)
     build_traced = traced_builder()
     rows = []
-    cases = [(32, 4096, 4), (64, 4096, 2), (128, 4096, 1), (32, 1024, 4), (32, 2048, 4), (32, 8192, 4),
-             (32, 4096, 8), (32, 4096, 2)]
+    cases = [(32, 4096, 4), (64, 4096, 2), (128, 4096, 1), (16, 4096, 8), (32, 1024, 4), (32, 2048, 4),
+             (32, 8192, 4), (32, 4096, 8), (32, 4096, 2)]
     for batch, ctx, splits in cases:
         cache, meta, ql, qp, want, nbytes, layers = mla_decode_inputs(batch, ctx, bs=64)
-        kern = mla_tilelang._compiled(16, 512, 64, 64, "bfloat16", splits,
-                                      tuple(sorted(mla_tilelang.default_config(16, 64).items())))
-        traced = tilelang.compile(build_traced(16, 512, 64, 64, "bfloat16", splits), out_idx=None, target="cuda")
-        out = torch.empty_like(ql)
-        part_out = torch.empty((batch, 16, splits, 512), dtype=torch.float32, device="cuda")
-        part_lse = torch.empty((batch, 16, splits), dtype=torch.float32, device="cuda")
-        trace = torch.zeros((layers, batch, splits, 4), dtype=torch.int64, device="cuda")
-        qsl, sl, bt = meta.query_start_loc.int(), meta.seq_lens.int(), meta.block_tables.int()
-        scale = 0.1 * 1.4426950408889634
-        rows_of = [cache[i].view(-1, 576) for i in range(layers)]
-
-        def kernel(i, t=None):
-            if t is None:
-                kern(ql, qp, rows_of[i], qsl, sl, bt, part_out, part_lse, out, scale)
-            else:
-                traced(ql, qp, rows_of[i], qsl, sl, bt, part_out, part_lse, out, scale, t[i])
-
-        def merge():
-            if splits > 1:
-                _mla_merge_splits_kernel[(batch, 16, 4)](
-                    part_out, part_lse, out, 16, splits, out.stride(0), out.stride(1),
-                    RANK=512, BLOCK_R=512, BLOCK_S=triton.next_power_of_2(splits), BLOCK_C=128, num_warps=4)
-
-        def full(i, t=None):
-            kernel(i, t)
-            merge()
-
-        full(0)
-        err = (out.float() - want).abs().max().item()
-        row = {"batch": batch, "ctx": ctx, "splits": splits, "layers": layers, "nbytes": nbytes, "max_abs_err": err,
-               "full_us": bench_graph([lambda i=i: full(i) for i in range(layers)]),
-               "kernel_us": bench_graph([lambda i=i: kernel(i) for i in range(layers)]),
-               "merge_us": bench_graph([merge for _ in range(layers)]) if splits > 1 else 0.0,
-               "traced_full_us": bench_graph([lambda i=i: full(i, trace) for i in range(layers)])}
-        row["pct_full"] = 100 * nbytes / row["full_us"] / 1e3 / ceil["copy_GBps"]
-        row["pct_kernel"] = 100 * nbytes / row["kernel_us"] / 1e3 / ceil["copy_GBps"]
-        # one replay's stamps (the last replay of bench_graph's last sample left them)
-        torch.cuda.synchronize()
-        tr = trace.cpu().double() / 1e3  # us
-        layer_rows = []
-        for i in range(layers):
-            t = tr[i].reshape(-1, 4)
-            layer_rows.append({
-                "start_spread": (t[:, 0].max() - t[:, 0].min()).item(),
-                "end_spread": (t[:, 3].max() - t[:, 3].min()).item(),
-                "span": (t[:, 3].max() - t[:, 0].min()).item(),
-                "gap_before": (t[:, 0].min() - tr[i - 1].reshape(-1, 4)[:, 3].max()).item() if i else None,
-                "prologue_med": (t[:, 1] - t[:, 0]).median().item(),
-                "loop_med": (t[:, 2] - t[:, 1]).median().item(),
-                "loop_min": (t[:, 2] - t[:, 1]).min().item(),
-                "loop_max": (t[:, 2] - t[:, 1]).max().item(),
-                "epilogue_med": (t[:, 3] - t[:, 2]).median().item(),
-            })
-        keys = layer_rows[1].keys()
-        row["timeline_median_over_layers"] = {
-            k: statistics.median(r[k] for r in layer_rows[1:] if r[k] is not None) for k in keys}
-        row["timeline_layers"] = layer_rows[:4]
-        print(json.dumps({k: v for k, v in row.items() if k != "timeline_layers"}), flush=True)
-        rows.append(row)
-        del cache, trace
+        for cluster in (False, True) if 2 <= splits <= mla_tilelang.MAX_CLUSTER_SPLITS else (False,):
+            rows.append(case(build_traced, ceil, batch, ctx, splits, cluster, cache, meta, ql, qp, want, nbytes,
+                             layers))
+        del cache
         torch.cuda.empty_cache()
     if args.out:
         Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "ceilings": ceil,

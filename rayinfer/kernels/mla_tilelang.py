@@ -210,7 +210,8 @@ def build_mla_decode(num_heads: int, rank: int, rope: int, block_size: int, dtyp
 
 def build_mla_decode_keys_as_rows(num_heads: int, rank: int, rope: int, block_size: int, dtype: str, num_splits: int,
                                   block_n: int = 64, threads: int = 128, num_stages: int = 2,
-                                  min_split_tokens: int = _MIN_SPLIT_TOKENS, pdl: bool = True):
+                                  min_split_tokens: int = _MIN_SPLIT_TOKENS, pdl: bool = True,
+                                  cluster_merge: bool = True):
     """The TileLang program with keys as the products' rows: scores ``S^T = K Q^T`` ([BLOCK_N, H]) and output
     ``O^T += V^T P^T`` ([R, H]), so a tile of 64 keys fills the 64 rows of Hopper's warpgroup MMA that 16
     heads cannot, and both products read their operands from shared memory (the K tile serves as ``A`` of
@@ -235,7 +236,7 @@ def build_mla_decode_keys_as_rows(num_heads: int, rank: int, rope: int, block_si
     ``swap_ab`` tiles; TileLang's paged MLA decode example for the one-copy-per-tile layout.
     """
     import tilelang.language as T
-    from tilelang.cuda.language import pdl_sync
+    from tilelang.cuda.language import cluster_sync, pdl_sync
 
     if block_n != 64 or block_size % block_n:
         raise ValueError(f"keys-as-rows tiles take 64 keys inside one cache block; got block_n {block_n}, "
@@ -254,6 +255,13 @@ def build_mla_decode_keys_as_rows(num_heads: int, rank: int, rope: int, block_si
     stride_qt = T.dynamic("stride_qt")  # q_latent may be a transposed view ([H, T, R] storage), as
     stride_qh = T.dynamic("stride_qh")  # kernels.gemv.batched_linear leaves it
     splits = num_splits
+    in_cluster = cluster_merge and 2 <= splits <= MAX_CLUSTER_SPLITS
+    slice_rows = rank // splits  # the rows of R each program of a cluster merges
+
+    def launch():
+        if in_cluster:  # a token's splits are one cluster (grid y), its programs' ranks their split numbers
+            return T.ClusterKernel(num_tokens, splits, cluster_dims=(1, splits, 1), threads=threads)
+        return T.Kernel(num_tokens, splits, threads=threads)
 
     @T.prim_func
     def mla_decode_keys_as_rows(
@@ -268,7 +276,8 @@ def build_mla_decode_keys_as_rows(num_heads: int, rank: int, rope: int, block_si
         out: T.Tensor((num_tokens, heads, rank), dtype),
         qk_scale: T.float32,
     ):
-        with T.Kernel(num_tokens, splits, threads=threads) as (tok, split):
+        with launch() as (tok, split):
+            T.import_source(_REMOTE_STORE)  # the cluster merge's remote stores
             q_shared = T.alloc_shared((heads, rank), dtype)
             qp_shared = T.alloc_shared((heads, rope), dtype)
             kv_shared = T.alloc_shared((block_n, rank), dtype)
@@ -340,7 +349,45 @@ def build_mla_decode_keys_as_rows(num_heads: int, rank: int, rope: int, block_si
                 T.copy(scores, p_shared)
                 T.gemm(kv_shared, p_shared, acc, transpose_A=True)
 
-            if splits > 1:
+            if in_cluster:
+                # the split merge inside the cluster: each program pushes its normalized output's rows
+                # [d * slice_rows, (d + 1) * slice_rows) and its log-sum-exps into program d's shared memory
+                # (the first stage of its own cache tiles holds the output: every copy into it has landed),
+                # then each merges one slice of R for all heads and stores it
+                recv = T.alloc_shared((rank, heads), accum)
+                lse_recv = T.alloc_shared((splits, heads), accum)
+                lse_f = T.alloc_fragment((splits, heads), accum)
+                lse_max = T.alloc_fragment((heads,), accum)
+                lse_den = T.alloc_fragment((heads,), accum)
+                wgt = T.alloc_shared((splits, heads), accum)
+                merged = T.alloc_fragment((slice_rows, heads), accum)
+                # TileLang places these buffers over the cache tiles and the query (it sees no writes to
+                # them, the remote stores being extern calls): no program stores into another before every
+                # program of the cluster has left its key loop
+                cluster_sync()
+                for j in T.Parallel(heads):
+                    for d in T.serial(splits):
+                        T.call_extern("handle", "rl_store_remote", T.address_of(lse_recv[split, j]), T.if_then_else(
+                            l_sum[j] > 0, m_cur[j] + T.log2(T.max(l_sum[j], 1e-30)), -T.infinity(accum)), d)
+                for i, j in T.Parallel(rank, heads):
+                    T.call_extern("handle", "rl_store_remote",
+                                  T.address_of(recv[split * slice_rows + i % slice_rows, j]),
+                                  acc[i, j] / T.max(l_sum[j], 1e-30), i // slice_rows)
+                cluster_sync()
+                T.copy(lse_recv, lse_f)
+                T.reduce_max(lse_f, lse_max, dim=0)
+                for s_, j in T.Parallel(splits, heads):
+                    lse_f[s_, j] = T.exp2(lse_f[s_, j] - lse_max[j])
+                T.reduce_sum(lse_f, lse_den, dim=0)
+                for s_, j in T.Parallel(splits, heads):
+                    wgt[s_, j] = lse_f[s_, j] / lse_den[j]
+                T.clear(merged)
+                for s_ in T.serial(splits):
+                    for i, j in T.Parallel(slice_rows, heads):
+                        merged[i, j] += wgt[s_, j] * recv[s_ * slice_rows + i, j]
+                for i, j in T.Parallel(slice_rows, heads):
+                    out[tok, j, split * slice_rows + i] = T.cast(merged[i, j], dtype)
+            elif splits > 1:
                 for j in T.Parallel(heads):
                     part_lse[tok, j, split] = T.if_then_else(
                         l_sum[j] > 0, m_cur[j] + T.log2(T.max(l_sum[j], 1e-30)), -T.infinity(accum))
@@ -353,6 +400,18 @@ def build_mla_decode_keys_as_rows(num_heads: int, rank: int, rope: int, block_si
                     out[tok, j, i] = T.cast(acc[i, j] / l_sum[j], dtype)
 
     return mla_decode_keys_as_rows
+
+
+# st.shared::cluster of one float32 into the program of cluster rank `rank` at the address its own `addr` has
+_REMOTE_STORE = """
+__device__ __forceinline__ void rl_store_remote(float* addr, float value, int rank) {
+  unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(addr)), remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  asm volatile("st.shared::cluster.f32 [%0], %1;" :: "r"(remote), "f"(value) : "memory");
+}
+"""
+# splits merged inside a cluster of their programs (build_mla_decode_keys_as_rows' cluster_merge) up to this count
+MAX_CLUSTER_SPLITS = 8
 
 
 @functools.lru_cache(maxsize=None)
@@ -383,7 +442,8 @@ def default_config(num_heads: int, block_size: int = 16, layout: str | None = No
     if layout is None:
         layout = "keys_as_rows" if keys_as_rows_applies(num_heads, block_size) else "heads_as_rows"
     if layout == "keys_as_rows":
-        return dict(layout="keys_as_rows", block_n=64, threads=128, num_stages=2, min_split_tokens=_MIN_SPLIT_TOKENS)
+        return dict(layout="keys_as_rows", block_n=64, threads=128, num_stages=2, min_split_tokens=_MIN_SPLIT_TOKENS,
+                    cluster_merge=True)
     if layout != "heads_as_rows":
         raise ValueError(f"the TileLang MLA layout is 'keys_as_rows' or 'heads_as_rows', not {layout!r}")
     return dict(layout="heads_as_rows", block_h=min(64, max(16, 1 << (num_heads - 1).bit_length())), block_n=64,
@@ -469,7 +529,8 @@ def mla_decode_tilelang(
     q_in = q_latent if strided_ok else q_latent.contiguous()
     kernel(q_in, q_pe.contiguous(), cache, meta.query_start_loc.int(), meta.seq_lens.int(),
            meta.block_tables.int(), part_out, part_lse, out, float(scale * _LOG2E))
-    if num_splits > 1:
+    merged = keys_as_rows and cfg.get("cluster_merge", False) and 2 <= num_splits <= MAX_CLUSTER_SPLITS
+    if num_splits > 1 and not merged:
         block_c = min(rank, 128)  # the merge's column slices, as the Triton backend launches it
         _mla_merge_splits_kernel[(num_tokens, num_heads, triton.cdiv(rank, block_c))](
             part_out, part_lse, out, num_heads, num_splits, out.stride(0), out.stride(1),

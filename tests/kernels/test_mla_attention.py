@@ -251,11 +251,13 @@ def test_tilelang_keys_as_rows_matches_ref(monkeypatch):
         ql = torch.randn(heads, t, rank, generator=gen).to("cuda", dtype).transpose(0, 1)
         qp = torch.randn(t, heads, rope, generator=gen).to("cuda", dtype)
         want = mla_decode_ref(ql, qp, cache, meta, rank**-0.5).float()
-        for splits in (None, 1, 2, 3, 8, 32):
+        # splits 2 to 8 merge inside a cluster of their programs unless cluster_merge is off
+        for splits, cluster in ((None, True), (1, True), (2, True), (3, True), (4, True), (4, False), (8, True),
+                                (8, False), (32, True)):
             got = mla_tilelang.mla_decode_tilelang(ql, qp, cache, meta, rank**-0.5, num_splits=splits,
-                                                   config={"layout": "keys_as_rows"})
+                                                   config={"layout": "keys_as_rows", "cluster_merge": cluster})
             torch.testing.assert_close(got.float(), want, atol=TOL[dtype], rtol=TOL[dtype],
-                                       msg=lambda m: f"case {i}, splits {splits}: {m}")
+                                       msg=lambda m: f"case {i}, splits {splits}, cluster {cluster}: {m}")
     calls = lambda: sum(mla_tilelang._compiled.cache_info()[:2])  # noqa: E731
     before = calls()
     monkeypatch.setenv("RAYINFER_MLA_BACKEND", "auto")
