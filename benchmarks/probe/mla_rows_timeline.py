@@ -2,9 +2,9 @@
 
 Twenty-second round: a fit of graph time against bytes over batch 32 / 64 / 128 (4K context) leaves about 20 us a
 launch beyond the bytes at the streaming rate, which keeps batch 32 at 74% of the copy bandwidth. This probe
-(1) times, per batch, the whole call (kernel + split merge), the kernel alone and the merge alone, each replayed
-from a CUDA graph over enough layers to leave L2, and at batch 32 the kernel alone at 1K / 2K / 4K / 8K context
-(the fit's intercept for one split count); (2) runs a copy of the program with ``%globaltimer`` stamps written
+(1) times, per batch and split merge (``merge`` of the builder: a merge kernel after the program, the token's
+last program, or a cluster of the token's programs), the whole call and the program alone, each replayed from a
+CUDA graph over enough layers to leave L2; (2) runs a copy of the program with ``%globaltimer`` stamps written
 per program (start, after the PDL wait and query copy, after the key loop, after the stores: the copy is built
 from the builder's own source with the stamps inserted) and reports, per layer of one graph replay, the spread of
 the programs' starts and ends, the gap to the layer before, and the medians of each phase.
@@ -33,7 +33,7 @@ _NOW = ('__device__ __forceinline__ long long rl_now() { unsigned long long t; '
         'asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return (long long)t; }\n')
 _STAMP = 'trace[tok, split, {i}] = T.call_extern("int64", "rl_now")'
 _EDITS = [
-    ("            T.import_source(_REMOTE_STORE)", "            T.import_source(_REMOTE_STORE + _NOW)"),
+    ("            T.import_source(_MERGE_HELPERS)", "            T.import_source(_MERGE_HELPERS + _NOW)"),
     ("        qk_scale: T.float32,\n    ):",
      '        qk_scale: T.float32,\n        trace: T.Tensor((num_tokens, splits, 4), "int64"),\n    ):'),
     ("            if pdl:\n                pdl_sync()",
@@ -53,7 +53,7 @@ def traced_builder():
     for old, new in _EDITS:
         assert src.count(old) == 1, f"the builder's source changed: {old!r}"
         src = src.replace(old, new)
-    head = (f"from rayinfer.kernels.mla_tilelang import _MIN_SPLIT_TOKENS, _REMOTE_STORE, MAX_CLUSTER_SPLITS\n"
+    head = (f"from rayinfer.kernels.mla_tilelang import _MIN_SPLIT_TOKENS, _MERGE_HELPERS, _MERGE_ROWS, MERGES, MAX_CLUSTER_SPLITS\n"
             f"_NOW = {_NOW!r}\n")
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(head + src)
@@ -63,17 +63,18 @@ def traced_builder():
     return mod.build_mla_decode_keys_as_rows
 
 
-def case(build_traced, ceil, batch, ctx, splits, cluster, cache, meta, ql, qp, want, nbytes, layers) -> dict:
+def case(build_traced, trace_it, ceil, batch, ctx, splits, merge, cache, meta, ql, qp, want, nbytes, layers) -> dict:
     """One (batch, context, splits, merge) case: graph times of the whole call, the kernel alone and the merge
     alone, and the stamps of one replay of the traced copy (whole call)."""
     import tilelang
 
-    cfg = {**mla_tilelang.default_config(16, 64), "cluster_merge": cluster}
+    cfg = {**mla_tilelang.default_config(16, 64), "merge": merge}
     kern = mla_tilelang._compiled(16, 512, 64, 64, "bfloat16", splits, tuple(sorted(cfg.items())))
     kw = {k: v for k, v in cfg.items() if k != "layout"}
     traced = tilelang.compile(build_traced(16, 512, 64, 64, "bfloat16", splits, **kw), out_idx=None,
-                              target="cuda")
-    in_kernel = cluster and splits > 1
+                              target="cuda") if trace_it else None
+    in_kernel = merge != "launch" and splits > 1
+    counters = mla_tilelang._arrival_counters(ql.device)[:batch]
     out = torch.empty_like(ql)
     part_out = torch.empty((batch, 16, splits, 512), dtype=torch.float32, device="cuda")
     part_lse = torch.empty((batch, 16, splits), dtype=torch.float32, device="cuda")
@@ -84,13 +85,13 @@ def case(build_traced, ceil, batch, ctx, splits, cluster, cache, meta, ql, qp, w
 
     def kernel(i, t=None):
         if t is None:
-            kern(ql, qp, rows_of[i], qsl, sl, bt, part_out, part_lse, out, scale)
+            kern(ql, qp, rows_of[i], qsl, sl, bt, part_out, part_lse, out, counters, scale)
         else:
-            traced(ql, qp, rows_of[i], qsl, sl, bt, part_out, part_lse, out, scale, t[i])
+            traced(ql, qp, rows_of[i], qsl, sl, bt, part_out, part_lse, out, counters, scale, t[i])
 
     def merge():
         if splits > 1 and not in_kernel:
-            _mla_merge_splits_kernel[(batch, 16, 4)](
+            _mla_merge_splits_kernel[(batch, 16, 4)](  # as mla_decode_tilelang launches it
                 part_out, part_lse, out, 16, splits, out.stride(0), out.stride(1),
                 RANK=512, BLOCK_R=512, BLOCK_S=triton.next_power_of_2(splits), BLOCK_C=128, num_warps=4)
 
@@ -101,9 +102,16 @@ def case(build_traced, ceil, batch, ctx, splits, cluster, cache, meta, ql, qp, w
     out.zero_()
     full(0)
     err = (out.float() - want).abs().max().item()
+    assert not counters.any(), "a counter left set"
+    if traced is None:
+        row = {"batch": batch, "ctx": ctx, "splits": splits, "merge": merge, "layers": layers, "nbytes": nbytes,
+               "max_abs_err": err, "full_us": bench_graph([lambda i=i: full(i) for i in range(layers)])}
+        row["pct_full"] = 100 * nbytes / row["full_us"] / 1e3 / ceil["copy_GBps"]
+        print(json.dumps(row), flush=True)
+        return row
     full(0, trace)
     err_traced = (out.float() - want).abs().max().item()
-    row = {"batch": batch, "ctx": ctx, "splits": splits, "cluster_merge": cluster, "layers": layers,
+    row = {"batch": batch, "ctx": ctx, "splits": splits, "merge": merge, "layers": layers,
            "nbytes": nbytes, "max_abs_err": err, "max_abs_err_traced": err_traced,
            "full_us": bench_graph([lambda i=i: full(i) for i in range(layers)]),
            "kernel_us": bench_graph([lambda i=i: kernel(i) for i in range(layers)]),
@@ -139,17 +147,19 @@ def case(build_traced, ceil, batch, ctx, splits, cluster, cache, meta, ql, qp, w
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None)
+    p.add_argument("--trace", action="store_true", help="also time the stamped copy and report its phases")
     args = p.parse_args()
     ceil = measure_ceilings()
     print(ceil, flush=True)
     build_traced = traced_builder()
     rows = []
-    cases = [(32, 4096, 4), (64, 4096, 2), (128, 4096, 1), (16, 4096, 8), (32, 1024, 4), (32, 2048, 4),
-             (32, 8192, 4), (32, 4096, 8), (32, 4096, 2)]
+    cases = [(32, 4096, 4), (64, 4096, 2), (128, 4096, 1), (16, 4096, 8), (8, 4096, 16), (1, 1024, 32),
+             (4, 4096, 32), (32, 1024, 4), (32, 8192, 4), (64, 1024, 2)]
     for batch, ctx, splits in cases:
         cache, meta, ql, qp, want, nbytes, layers = mla_decode_inputs(batch, ctx, bs=64)
-        for cluster in (False, True) if 2 <= splits <= mla_tilelang.MAX_CLUSTER_SPLITS else (False,):
-            rows.append(case(build_traced, ceil, batch, ctx, splits, cluster, cache, meta, ql, qp, want, nbytes,
+        merges = ["launch", "last_program"] + (["cluster"] if splits <= mla_tilelang.MAX_CLUSTER_SPLITS else [])
+        for merge in merges if splits > 1 else ["launch"]:
+            rows.append(case(build_traced, args.trace, ceil, batch, ctx, splits, merge, cache, meta, ql, qp, want, nbytes,
                              layers))
         del cache
         torch.cuda.empty_cache()

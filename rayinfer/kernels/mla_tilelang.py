@@ -211,7 +211,7 @@ def build_mla_decode(num_heads: int, rank: int, rope: int, block_size: int, dtyp
 def build_mla_decode_keys_as_rows(num_heads: int, rank: int, rope: int, block_size: int, dtype: str, num_splits: int,
                                   block_n: int = 64, threads: int = 128, num_stages: int = 2,
                                   min_split_tokens: int = _MIN_SPLIT_TOKENS, pdl: bool = True,
-                                  cluster_merge: bool = True):
+                                  merge: str = "cluster"):
     """The TileLang program with keys as the products' rows: scores ``S^T = K Q^T`` ([BLOCK_N, H]) and output
     ``O^T += V^T P^T`` ([R, H]), so a tile of 64 keys fills the 64 rows of Hopper's warpgroup MMA that 16
     heads cannot, and both products read their operands from shared memory (the K tile serves as ``A`` of
@@ -255,8 +255,12 @@ def build_mla_decode_keys_as_rows(num_heads: int, rank: int, rope: int, block_si
     stride_qt = T.dynamic("stride_qt")  # q_latent may be a transposed view ([H, T, R] storage), as
     stride_qh = T.dynamic("stride_qh")  # kernels.gemv.batched_linear leaves it
     splits = num_splits
-    in_cluster = cluster_merge and 2 <= splits <= MAX_CLUSTER_SPLITS
+    if merge not in MERGES:
+        raise ValueError(f"the split merge is one of {MERGES}, got {merge!r}")
+    in_cluster = merge == "cluster" and 2 <= splits <= MAX_CLUSTER_SPLITS
+    last_program = merge == "last_program" and splits > 1
     slice_rows = rank // splits  # the rows of R each program of a cluster merges
+    merge_loop = T.unroll if splits <= 8 else T.serial  # the last_program merge's loop over splits (registers)
 
     def launch():
         if in_cluster:  # a token's splits are one cluster (grid y), its programs' ranks their split numbers
@@ -274,10 +278,11 @@ def build_mla_decode_keys_as_rows(num_heads: int, rank: int, rope: int, block_si
         part_out: T.Tensor((num_tokens, heads, splits, rank), accum),
         part_lse: T.Tensor((num_tokens, heads, splits), accum),
         out: T.Tensor((num_tokens, heads, rank), dtype),
+        counters: T.Tensor((num_tokens,), "int32"),  # zeros; the last_program merge leaves them so
         qk_scale: T.float32,
     ):
         with launch() as (tok, split):
-            T.import_source(_REMOTE_STORE)  # the cluster merge's remote stores
+            T.import_source(_MERGE_HELPERS)
             q_shared = T.alloc_shared((heads, rank), dtype)
             qp_shared = T.alloc_shared((heads, rope), dtype)
             kv_shared = T.alloc_shared((block_n, rank), dtype)
@@ -395,6 +400,40 @@ def build_mla_decode_keys_as_rows(num_heads: int, rank: int, rope: int, block_si
                 # under the program-uniform `kv_lo < kv_hi` fails TileLang's thread-sync lowering at 16 splits
                 for i, j in T.Parallel(rank, heads):
                     part_out[tok, j, split, i] = acc[i, j] / T.max(l_sum[j], 1e-30)
+                if last_program:
+                    # the token's last program to finish merges every split's partials (from L2) and resets
+                    # the token's counter: "threadfence reduction" (CUDA's programming guide)
+                    arrived = T.alloc_shared((1,), "int32")
+                    lse_f = T.alloc_fragment((splits, heads), accum)
+                    lse_max = T.alloc_fragment((heads,), accum)
+                    lse_den = T.alloc_fragment((heads,), accum)
+                    wgt = T.alloc_shared((splits, heads), accum)
+                    merged = T.alloc_fragment((heads, _MERGE_ROWS), accum)  # threads along R: coalesced
+                    T.call_extern("handle", "__threadfence")
+                    T.sync_threads()
+                    for _ in T.Parallel(1):
+                        arrived[0] = T.call_extern("int32", "rl_arrive", T.address_of(counters[tok]))
+                    T.sync_threads()
+                    if arrived[0] == splits - 1:
+                        T.call_extern("handle", "__threadfence")
+                        for s_, j in T.Parallel(splits, heads):
+                            lse_f[s_, j] = T.call_extern(accum, "__ldcg", T.address_of(part_lse[tok, j, s_]))
+                        T.reduce_max(lse_f, lse_max, dim=0)
+                        for s_, j in T.Parallel(splits, heads):
+                            lse_f[s_, j] = T.exp2(lse_f[s_, j] - lse_max[j])
+                        T.reduce_sum(lse_f, lse_den, dim=0)
+                        for s_, j in T.Parallel(splits, heads):
+                            wgt[s_, j] = lse_f[s_, j] / lse_den[j]
+                        for c in T.serial(rank // _MERGE_ROWS):
+                            T.clear(merged)
+                            for s_ in merge_loop(splits):
+                                for j, i in T.Parallel(heads, _MERGE_ROWS):
+                                    merged[j, i] += wgt[s_, j] * T.call_extern(
+                                        accum, "__ldcg", T.address_of(part_out[tok, j, s_, c * _MERGE_ROWS + i]))
+                            for j, i in T.Parallel(heads, _MERGE_ROWS):
+                                out[tok, j, c * _MERGE_ROWS + i] = T.cast(merged[j, i], dtype)
+                        for _ in T.Parallel(1):
+                            counters[tok] = 0
             else:
                 for i, j in T.Parallel(rank, heads):
                     out[tok, j, i] = T.cast(acc[i, j] / l_sum[j], dtype)
@@ -402,16 +441,46 @@ def build_mla_decode_keys_as_rows(num_heads: int, rank: int, rope: int, block_si
     return mla_decode_keys_as_rows
 
 
-# st.shared::cluster of one float32 into the program of cluster rank `rank` at the address its own `addr` has
-_REMOTE_STORE = """
+# The split merges of build_mla_decode_keys_as_rows: "cluster" (2 to MAX_CLUSTER_SPLITS splits: a token's programs
+# form a cluster and merge through each other's shared memory), "last_program" (the token's last program to finish
+# merges the partials from L2), "launch" (a merge kernel after the program)
+MERGES = ("cluster", "last_program", "launch")
+_MERGE_ROWS = 256  # rows of R a last_program merge step sums
+# rl_store_remote: st.shared::cluster of one float32 into the program of cluster rank `rank` at the address its
+# own `addr` has; rl_arrive: one arrival on a token's counter after the program's partial stores (fenced)
+_MERGE_HELPERS = """
+__device__ __forceinline__ int rl_arrive(int* counter) {
+  __threadfence();
+  return atomicAdd(counter, 1);
+}
 __device__ __forceinline__ void rl_store_remote(float* addr, float value, int rank) {
   unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(addr)), remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
   asm volatile("st.shared::cluster.f32 [%0], %1;" :: "r"(remote), "f"(value) : "memory");
 }
 """
-# splits merged inside a cluster of their programs (build_mla_decode_keys_as_rows' cluster_merge) up to this count
+# splits merged inside a cluster of their programs (build_mla_decode_keys_as_rows' "cluster" merge) up to this count
 MAX_CLUSTER_SPLITS = 8
+# tokens a last_program merge counts arrivals for (a step with more takes the merge kernel)
+_MAX_COUNTED_TOKENS = 1 << 16
+_COUNTERS: dict = {}
+
+
+def _arrival_counters(device: torch.device) -> torch.Tensor:
+    """The device's int32 arrival counters of the last_program merge, zeros between launches (each launch's last
+    programs reset theirs): allocated once, [_MAX_COUNTED_TOKENS]."""
+    key = (device.type, device.index)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(_MAX_COUNTED_TOKENS, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
+
+
+def merge_kind(num_tokens: int, num_splits: int) -> str:
+    """The split merge the keys-as-rows program takes by default: "cluster" at 2 splits, "last_program" above
+    (up to ``_MAX_COUNTED_TOKENS`` tokens), else "launch"."""
+    if num_splits == 2:
+        return "cluster"
+    return "last_program" if num_tokens <= _MAX_COUNTED_TOKENS else "launch"
 
 
 @functools.lru_cache(maxsize=None)
@@ -443,7 +512,7 @@ def default_config(num_heads: int, block_size: int = 16, layout: str | None = No
         layout = "keys_as_rows" if keys_as_rows_applies(num_heads, block_size) else "heads_as_rows"
     if layout == "keys_as_rows":
         return dict(layout="keys_as_rows", block_n=64, threads=128, num_stages=2, min_split_tokens=_MIN_SPLIT_TOKENS,
-                    cluster_merge=True)
+                    merge=None)
     if layout != "heads_as_rows":
         raise ValueError(f"the TileLang MLA layout is 'keys_as_rows' or 'heads_as_rows', not {layout!r}")
     return dict(layout="heads_as_rows", block_h=min(64, max(16, 1 << (num_heads - 1).bit_length())), block_n=64,
@@ -515,6 +584,10 @@ def mla_decode_tilelang(
         num_splits = 1  # the merge kernel tiles R as a power of two
     if keys_as_rows:  # a power of two up to 32 (build_mla_decode_keys_as_rows)
         num_splits = 1 << (min(num_splits, 32).bit_length() - 1)
+    if keys_as_rows:
+        cfg["merge"] = cfg.get("merge") or merge_kind(num_tokens, num_splits)
+        if cfg["merge"] == "last_program" and num_tokens > _MAX_COUNTED_TOKENS:
+            cfg["merge"] = "launch"
     kernel = _compiled(num_heads, rank, rope, block_size, dtype, num_splits, tuple(sorted(cfg.items())))
     # with one split the partial buffers are never written; they keep the signature's shapes
     part_out = torch.empty((num_tokens, num_heads, num_splits, rank), dtype=torch.float32, device=out.device)
@@ -527,9 +600,16 @@ def mla_decode_tilelang(
     strided_ok = keys_as_rows and q_latent.stride(-1) == 1 and all(
         (st * q_latent.element_size()) % 16 == 0 for st in q_latent.stride()[:2])
     q_in = q_latent if strided_ok else q_latent.contiguous()
-    kernel(q_in, q_pe.contiguous(), cache, meta.query_start_loc.int(), meta.seq_lens.int(),
-           meta.block_tables.int(), part_out, part_lse, out, float(scale * _LOG2E))
-    merged = keys_as_rows and cfg.get("cluster_merge", False) and 2 <= num_splits <= MAX_CLUSTER_SPLITS
+    if keys_as_rows:
+        counters = _arrival_counters(out.device)[:num_tokens] if num_tokens <= _MAX_COUNTED_TOKENS else torch.zeros(
+            num_tokens, dtype=torch.int32, device=out.device)
+        kernel(q_in, q_pe.contiguous(), cache, meta.query_start_loc.int(), meta.seq_lens.int(),
+               meta.block_tables.int(), part_out, part_lse, out, counters, float(scale * _LOG2E))
+    else:
+        kernel(q_in, q_pe.contiguous(), cache, meta.query_start_loc.int(), meta.seq_lens.int(),
+               meta.block_tables.int(), part_out, part_lse, out, float(scale * _LOG2E))
+    merged = keys_as_rows and num_splits > 1 and (
+        cfg["merge"] == "last_program" or (cfg["merge"] == "cluster" and num_splits <= MAX_CLUSTER_SPLITS))
     if num_splits > 1 and not merged:
         block_c = min(rank, 128)  # the merge's column slices, as the Triton backend launches it
         _mla_merge_splits_kernel[(num_tokens, num_heads, triton.cdiv(rank, block_c))](

@@ -251,13 +251,15 @@ def test_tilelang_keys_as_rows_matches_ref(monkeypatch):
         ql = torch.randn(heads, t, rank, generator=gen).to("cuda", dtype).transpose(0, 1)
         qp = torch.randn(t, heads, rope, generator=gen).to("cuda", dtype)
         want = mla_decode_ref(ql, qp, cache, meta, rank**-0.5).float()
-        # splits 2 to 8 merge inside a cluster of their programs unless cluster_merge is off
-        for splits, cluster in ((None, True), (1, True), (2, True), (3, True), (4, True), (4, False), (8, True),
-                                (8, False), (32, True)):
+        # each split merge (None: the default for the split count) at the split counts it takes
+        for splits, merge in ((None, None), (1, None), (2, None), (3, None), (8, None), (32, None),
+                              (2, "launch"), (2, "last_program"), (4, "cluster"), (8, "cluster"), (4, "launch"),
+                              (16, "launch"), (16, "cluster")):
             got = mla_tilelang.mla_decode_tilelang(ql, qp, cache, meta, rank**-0.5, num_splits=splits,
-                                                   config={"layout": "keys_as_rows", "cluster_merge": cluster})
+                                                   config={"layout": "keys_as_rows", "merge": merge})
             torch.testing.assert_close(got.float(), want, atol=TOL[dtype], rtol=TOL[dtype],
-                                       msg=lambda m: f"case {i}, splits {splits}, cluster {cluster}: {m}")
+                                       msg=lambda m: f"case {i}, splits {splits}, merge {merge}: {m}")
+        assert not mla_tilelang._arrival_counters(ql.device).any(), "the last_program merge left a counter set"
     calls = lambda: sum(mla_tilelang._compiled.cache_info()[:2])  # noqa: E731
     before = calls()
     monkeypatch.setenv("RAYINFER_MLA_BACKEND", "auto")
