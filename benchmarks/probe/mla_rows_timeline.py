@@ -89,7 +89,7 @@ def case(build_traced, trace_it, ceil, batch, ctx, splits, merge, cache, meta, q
         else:
             traced(ql, qp, rows_of[i], qsl, sl, bt, part_out, part_lse, out, counters, scale, t[i])
 
-    def merge():
+    def merge_launch():
         if splits > 1 and not in_kernel:
             _mla_merge_splits_kernel[(batch, 16, 4)](  # as mla_decode_tilelang launches it
                 part_out, part_lse, out, 16, splits, out.stride(0), out.stride(1),
@@ -97,7 +97,7 @@ def case(build_traced, trace_it, ceil, batch, ctx, splits, merge, cache, meta, q
 
     def full(i, t=None):
         kernel(i, t)
-        merge()
+        merge_launch()
 
     out.zero_()
     full(0)
