@@ -479,21 +479,24 @@ def sweep_mla_rows(ceil, budget_s: float = 300.0) -> list[dict]:
     """DeepSeek-V2-Lite's absorbed MLA decode (16 heads, R 512, P 64) with TileLang's keys-as-rows tiles (64-key
     TMA-fed tiles of one cache block each, cache blocks of 64) beside the Triton kernel's default on cache blocks
     of 16 (the engine's default) and of 64, graph time per layer and the share of the copy bandwidth; the
-    TileLang rows at the one-wave split count and at half and twice it, and without PDL at the one-wave count.
-    Stops starting new TileLang compiles after ``budget_s`` seconds."""
+    TileLang rows at the one-wave split count with its default split merge (``mla_tilelang.merge_kind``) and with
+    the merge kernel after it, and at half and twice that count. Stops starting new TileLang compiles after
+    ``budget_s`` seconds."""
     from rayinfer.kernels._triton_utils import device_sms
     from rayinfer.kernels.mla_tilelang import one_wave_splits, tilelang_available
 
     rows, start = [], time.time()
-    for batch, ctx in ((32, 4096), (64, 4096), (128, 4096), (1, 4096), (4, 4096), (32, 1024), (1, 1024)):
+    for batch, ctx in ((32, 4096), (64, 4096), (128, 4096), (16, 4096), (8, 4096), (1, 4096), (4, 4096), (32, 1024),
+                       (64, 1024), (1, 1024)):
         for bs in (16, 64):
             inputs = mla_decode_inputs(batch, ctx, bs)
             cases = [("triton", None, None)]
             if bs == 64 and tilelang_available():
                 wave = one_wave_splits(batch, 8192, device_sms(inputs[2]))
                 rows_cfg = {"layout": "keys_as_rows"}
-                cases += [("tilelang", rows_cfg, s) for s in sorted({wave, max(1, wave // 2), 2 * wave})]
-                cases += [("tilelang", {**rows_cfg, "pdl": False}, wave)]
+                cases += [("tilelang", rows_cfg, s) for s in sorted({wave, max(1, wave // 2), min(32, 2 * wave)})]
+                if wave > 1:
+                    cases += [("tilelang", {**rows_cfg, "merge": "launch"}, wave)]
             for backend, cfg, splits in cases:
                 if backend == "tilelang" and time.time() - start > budget_s:
                     print(f"  budget spent: tilelang splits={splits} B={batch} ctx={ctx} not run", flush=True)

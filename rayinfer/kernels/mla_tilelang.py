@@ -476,11 +476,18 @@ def _arrival_counters(device: torch.device) -> torch.Tensor:
 
 
 def merge_kind(num_tokens: int, num_splits: int) -> str:
-    """The split merge the keys-as-rows program takes by default: "cluster" at 2 splits, "last_program" above
-    (up to ``_MAX_COUNTED_TOKENS`` tokens), else "launch"."""
+    """The split merge the keys-as-rows program takes by default: "cluster" at 2 splits, "last_program" at 3 or 4
+    (up to ``_MAX_COUNTED_TOKENS`` tokens), else "launch".
+
+    Measured on an H100 (``benchmarks/probe/mla_rows_timeline.py``, V2-Lite's 16 heads, graph time per layer with
+    the merge): batch 64 at 4K, 2 splits: 114.9 us with the merge kernel, 113.3 by the last program, 109.7 in a
+    cluster (64 clusters of 2 fit one wave); batch 32 at 4K, 4 splits: 67.4 / 64.6 / 95.2 us (clusters of 4 at
+    one program per multiprocessor do not all fit one wave: two waves); batch 16, 8 splits: 39.9 / 40.7 / 62.2;
+    batch 8, 16 splits: 24.8 / 33.2 us, batch 1 at 1K, 32 splits: 14.4 / 33.7 us (the last program's merge
+    reads 16 or 32 splits one after another)."""
     if num_splits == 2:
         return "cluster"
-    return "last_program" if num_tokens <= _MAX_COUNTED_TOKENS else "launch"
+    return "last_program" if num_splits <= 4 and num_tokens <= _MAX_COUNTED_TOKENS else "launch"
 
 
 @functools.lru_cache(maxsize=None)
