@@ -236,7 +236,7 @@ def build_mla_decode_keys_as_rows(num_heads: int, rank: int, rope: int, block_si
     ``swap_ab`` tiles; TileLang's paged MLA decode example for the one-copy-per-tile layout.
     """
     import tilelang.language as T
-    from tilelang.cuda.language import cluster_sync, pdl_sync
+    from tilelang.cuda.language import cluster_sync, pdl_sync, pdl_trigger
 
     if block_n != 64 or block_size % block_n:
         raise ValueError(f"keys-as-rows tiles take 64 keys inside one cache block; got block_n {block_n}, "
@@ -322,6 +322,7 @@ def build_mla_decode_keys_as_rows(num_heads: int, rank: int, rope: int, block_si
 
             if pdl:
                 pdl_sync()  # the query and the cache rows come from the kernels before
+                pdl_trigger()  # the next kernel may launch (its own wait orders it after this one), as pdl_wait
             T.copy(q_latent[tok, :, :], q_shared)
             T.copy(q_pe[tok, :, :], qp_shared)
             T.fill(acc, 0)
