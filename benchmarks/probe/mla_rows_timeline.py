@@ -1,21 +1,22 @@
-"""Probe: where the fixed ~20 us of TileLang's keys-as-rows MLA decode launch goes.
+"""Probe: where the fixed ~20 us of TileLang's keys-as-rows MLA decode launch goes, and the split merges.
 
 Twenty-second round: a fit of graph time against bytes over batch 32 / 64 / 128 (4K context) leaves about 20 us a
 launch beyond the bytes at the streaming rate, which keeps batch 32 at 74% of the copy bandwidth. This probe
 (1) times, per batch and split merge (``merge`` of the builder: a merge kernel after the program, the token's
 last program, or a cluster of the token's programs), the whole call and the program alone, each replayed from a
-CUDA graph over enough layers to leave L2; (2) runs a copy of the program with ``%globaltimer`` stamps written
+CUDA graph over enough layers to leave L2; (2) with --trace, runs a copy of the program with ``%globaltimer`` stamps written
 per program (start, after the PDL wait and query copy, after the key loop, after the stores: the copy is built
 from the builder's own source with the stamps inserted) and reports, per layer of one graph replay, the spread of
 the programs' starts and ends, the gap to the layer before, and the medians of each phase.
 
-    PYTHONPATH=. python benchmarks/probe/mla_rows_timeline.py --out timeline.json
+    PYTHONPATH=. python benchmarks/probe/mla_rows_timeline.py [--trace] --out timeline.json
 """
 import argparse
 import importlib.util
 import inspect
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -148,6 +149,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None)
     p.add_argument("--trace", action="store_true", help="also time the stamped copy and report its phases")
+    p.add_argument("--git-rev", default=None, help="revision of the code (default: git rev-parse --short HEAD)")
     args = p.parse_args()
     ceil = measure_ceilings()
     print(ceil, flush=True)
@@ -164,7 +166,10 @@ def main() -> None:
         del cache
         torch.cuda.empty_cache()
     if args.out:
-        Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "ceilings": ceil,
+        rev = args.git_rev or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                             text=True).stdout.strip()
+        Path(args.out).write_text(json.dumps({"command": " ".join(["python"] + sys.argv), "git_rev": rev,
+                                              "device": torch.cuda.get_device_name(), "ceilings": ceil,
                                               "rows": rows}, indent=1))
 
 

@@ -14,8 +14,11 @@ log-sum-exp, and the Triton merge kernel combines the partial outputs.
 
 A second program, :func:`build_mla_decode_keys_as_rows`, swaps the products' operands so that 64 keys fill the
 warpgroup MMA's rows (16 or 32 heads as its columns) and streams each tile as one bulk (TMA) copy of one cache
-block's run; it is the default where it applies (cache blocks of a multiple of 64 tokens). The head-tile
-program copies a tile per cache block, which TileLang 0.1.15 does not pipeline (its copies run synchronously).
+block's run; it is the default where it applies (cache blocks of a multiple of 64 tokens). It merges a token's
+splits itself (:func:`merge_kind`): at 2 splits the token's programs form a thread-block cluster and merge through
+each other's shared memory, at 3-4 the token's last program to finish merges the partials from L2, at more the
+Triton merge kernel runs after it. The head-tile program copies a tile per cache block, which TileLang 0.1.15 does
+not pipeline (its copies run synchronously).
 
 TileLang is optional (not a dependency of the package): :func:`tilelang_available` says whether it is
 importable with a CUDA device; ``RAYINFER_MLA_BACKEND=tilelang`` makes :func:`mla_decode` take this kernel
@@ -219,21 +222,35 @@ def build_mla_decode_keys_as_rows(num_heads: int, rank: int, rope: int, block_si
     one run inside one cache block (``block_size`` a multiple of ``block_n``): its block number is one load
     and its rows one bulk (TMA) copy, which TileLang pipelines with a producer warpgroup of its own.
 
-    ``pdl``: the program waits on the kernel before it (programmatic dependent launch) before its loads;
+    ``pdl``: the program waits on the kernel before it (programmatic dependent launch) before its loads, then
+    lets the next kernel launch (whose own wait orders it after this one, as the Triton kernels' ``pdl_wait``);
     TileLang places the wait at the program's start, so the launch and the barriers' set-up overlap that
     kernel's tail (about 1 us a launch on an H100). The token's request comes from two loads in a decode
     step (one token a request), else from a binary search over ``query_start_loc``.
 
-    Same arguments, splits and outputs as :func:`build_mla_decode`, except that ``num_splits`` is a power of
-    two up to 32 (TileLang 0.1.15 cannot lower the partial outputs' stores at other counts); the registers
-    hold the [R, H] float32 accumulator only (64 a thread for R = 512, H = 16), so H is 16 or 32 (the
-    probabilities tile, the second product's B operand, needs 32-byte rows).
+    ``merge``, with more than one split (:data:`MERGES`):
+        "cluster" (2 to :data:`MAX_CLUSTER_SPLITS` splits): the token's programs are one thread-block cluster
+        (grid y); each stores its normalized output's rows ``[d * R / S, (d + 1) * R / S)`` and its log-sum-exps
+        into program d's shared memory (``st.shared::cluster``), and after a cluster barrier each merges its
+        slice of R for all heads into ``out``. The cluster's programs must fit the GPU at once: at one program
+        per multiprocessor, clusters of 4 and 8 did not all fit one wave of an H100.
+        "last_program": every program writes its partials; the token's last program to arrive on its
+        ``counters`` entry (a fenced atomic increment: the "threadfence reduction" of CUDA's programming guide)
+        reads them back from L2, writes ``out`` and resets the counter to 0.
+        "launch": the program writes partials only; the caller launches a merge kernel.
+
+    Same arguments, splits and outputs as :func:`build_mla_decode`, plus ``counters`` [T] int32 (zeros, left
+    zeros; read by "last_program" only), except that ``num_splits`` is a power of two up to 32 (TileLang
+    0.1.15 cannot lower the partial outputs' stores at other counts); the registers hold the [R, H] float32
+    accumulator only (64 a thread for R = 512, H = 16), so H is 16 or 32 (the probabilities tile, the second
+    product's B operand, needs 32-byte rows).
 
     Raises:
         ValueError: when ``block_size`` is not a multiple of ``block_n``, ``block_n`` is not 64, the head
-            count is not 16 or 32, or ``num_splits`` is not a power of two up to 32.
+            count is not 16 or 32, ``num_splits`` is not a power of two up to 32, or ``merge`` is unknown.
     Source: FlashAttention-2's online softmax; the swapped-operand (keys as rows) form of the Triton kernel's
-    ``swap_ab`` tiles; TileLang's paged MLA decode example for the one-copy-per-tile layout.
+    ``swap_ab`` tiles; TileLang's paged MLA decode example for the one-copy-per-tile layout; CUDA's
+    programming guide ("Distributed Shared Memory"; the threadfence reduction sample) for the two merges.
     """
     import tilelang.language as T
     from tilelang.cuda.language import cluster_sync, pdl_sync, pdl_trigger
@@ -469,7 +486,8 @@ _COUNTERS: dict = {}
 
 def _arrival_counters(device: torch.device) -> torch.Tensor:
     """The device's int32 arrival counters of the last_program merge, zeros between launches (each launch's last
-    programs reset theirs): allocated once, [_MAX_COUNTED_TOKENS]."""
+    programs reset theirs): allocated once, [_MAX_COUNTED_TOKENS]. Launches that share them must not overlap:
+    the engine runs a device's attention on one stream."""
     key = (device.type, device.index)
     if key not in _COUNTERS:
         _COUNTERS[key] = torch.zeros(_MAX_COUNTED_TOKENS, dtype=torch.int32, device=device)
@@ -510,7 +528,8 @@ def keys_as_rows_applies(num_heads: int, block_size: int) -> bool:
 
 def default_config(num_heads: int, block_size: int = 16, layout: str | None = None) -> dict:
     """Tiles of the TileLang kernel. ``layout`` "keys_as_rows" (the default where :func:`keys_as_rows_applies`):
-    keys as the products' rows (64 keys a tile, one cache block's run, TMA-fed, two stages); "heads_as_rows"
+    keys as the products' rows (64 keys a tile, one cache block's run, TMA-fed, two stages; ``merge`` None: the
+    split merge :func:`merge_kind` picks for the launch); "heads_as_rows"
     (the default otherwise): a head tile of up to 64 heads (MQA over the latents: every head of the tile
     shares each cached row), 64 keys per step, 256 threads, two stages.
 
@@ -552,7 +571,8 @@ def mla_decode_tilelang(
     sync; CUDA graph-safe once compiled). ``num_splits``/``max_seq_len`` as
     :func:`~rayinfer.kernels.mla_attention.mla_decode_triton` (batch-invariant mode: one split);
     ``config`` overrides :func:`default_config`'s tiles (``layout`` "keys_as_rows" or "heads_as_rows",
-    block_h, block_n, threads, num_stages, gather).
+    block_h, block_n, threads, num_stages, gather; keys-as-rows: merge, one of :data:`MERGES`; "cluster" above
+    :data:`MAX_CLUSTER_SPLITS` splits and "last_program" above 65,536 tokens take the merge kernel).
 
     Raises:
         ValueError: for a dtype other than bfloat16/float16, R/P not multiples of 16, or keys-as-rows tiles
