@@ -279,6 +279,16 @@ def build_mla_decode_keys_as_rows(num_heads: int, rank: int, rope: int, block_si
     slice_rows = rank // splits  # the rows of R each program of a cluster merges
     merge_loop = T.unroll if splits <= 8 else T.serial  # the last_program merge's loop over splits (registers)
 
+    @T.macro
+    def split_weights(lse_f, lse_max, lse_den, wgt):
+        # the merge's weight of each split [splits, heads] from its log-sum-exps in lse_f (base 2; -inf: empty)
+        T.reduce_max(lse_f, lse_max, dim=0)
+        for s_, j in T.Parallel(splits, heads):
+            lse_f[s_, j] = T.exp2(lse_f[s_, j] - lse_max[j])
+        T.reduce_sum(lse_f, lse_den, dim=0)
+        for s_, j in T.Parallel(splits, heads):
+            wgt[s_, j] = lse_f[s_, j] / lse_den[j]
+
     def launch():
         if in_cluster:  # a token's splits are one cluster (grid y), its programs' ranks their split numbers
             return T.ClusterKernel(num_tokens, splits, cluster_dims=(1, splits, 1), threads=threads)
@@ -373,9 +383,8 @@ def build_mla_decode_keys_as_rows(num_heads: int, rank: int, rope: int, block_si
                 T.gemm(kv_shared, p_shared, acc, transpose_A=True)
 
             if in_cluster:
-                # the split merge inside the cluster: each program pushes its normalized output's rows
-                # [d * slice_rows, (d + 1) * slice_rows) and its log-sum-exps into program d's shared memory
-                # (the first stage of its own cache tiles holds the output: every copy into it has landed),
+                # the split merge inside the cluster: each program stores its normalized output's rows
+                # [d * slice_rows, (d + 1) * slice_rows) and its log-sum-exps into program d's shared memory,
                 # then each merges one slice of R for all heads and stores it
                 recv = T.alloc_shared((rank, heads), accum)
                 lse_recv = T.alloc_shared((splits, heads), accum)
@@ -398,12 +407,7 @@ def build_mla_decode_keys_as_rows(num_heads: int, rank: int, rope: int, block_si
                                   acc[i, j] / T.max(l_sum[j], 1e-30), i // slice_rows)
                 cluster_sync()
                 T.copy(lse_recv, lse_f)
-                T.reduce_max(lse_f, lse_max, dim=0)
-                for s_, j in T.Parallel(splits, heads):
-                    lse_f[s_, j] = T.exp2(lse_f[s_, j] - lse_max[j])
-                T.reduce_sum(lse_f, lse_den, dim=0)
-                for s_, j in T.Parallel(splits, heads):
-                    wgt[s_, j] = lse_f[s_, j] / lse_den[j]
+                split_weights(lse_f, lse_max, lse_den, wgt)
                 T.clear(merged)
                 for s_ in T.serial(splits):
                     for i, j in T.Parallel(slice_rows, heads):
@@ -436,12 +440,7 @@ def build_mla_decode_keys_as_rows(num_heads: int, rank: int, rope: int, block_si
                         T.call_extern("handle", "__threadfence")
                         for s_, j in T.Parallel(splits, heads):
                             lse_f[s_, j] = T.call_extern(accum, "__ldcg", T.address_of(part_lse[tok, j, s_]))
-                        T.reduce_max(lse_f, lse_max, dim=0)
-                        for s_, j in T.Parallel(splits, heads):
-                            lse_f[s_, j] = T.exp2(lse_f[s_, j] - lse_max[j])
-                        T.reduce_sum(lse_f, lse_den, dim=0)
-                        for s_, j in T.Parallel(splits, heads):
-                            wgt[s_, j] = lse_f[s_, j] / lse_den[j]
+                        split_weights(lse_f, lse_max, lse_den, wgt)
                         for c in T.serial(rank // _MERGE_ROWS):
                             T.clear(merged)
                             for s_ in merge_loop(splits):
@@ -628,14 +627,12 @@ def mla_decode_tilelang(
     strided_ok = keys_as_rows and q_latent.stride(-1) == 1 and all(
         (st * q_latent.element_size()) % 16 == 0 for st in q_latent.stride()[:2])
     q_in = q_latent if strided_ok else q_latent.contiguous()
-    if keys_as_rows:
-        counters = _arrival_counters(out.device)[:num_tokens] if num_tokens <= _MAX_COUNTED_TOKENS else torch.zeros(
-            num_tokens, dtype=torch.int32, device=out.device)
-        kernel(q_in, q_pe.contiguous(), cache, meta.query_start_loc.int(), meta.seq_lens.int(),
-               meta.block_tables.int(), part_out, part_lse, out, counters, float(scale * _LOG2E))
-    else:
-        kernel(q_in, q_pe.contiguous(), cache, meta.query_start_loc.int(), meta.seq_lens.int(),
-               meta.block_tables.int(), part_out, part_lse, out, float(scale * _LOG2E))
+    args = [q_in, q_pe.contiguous(), cache, meta.query_start_loc.int(), meta.seq_lens.int(), meta.block_tables.int(),
+            part_out, part_lse, out]
+    if keys_as_rows:  # the arrival counters (read by the last_program merge; zeros at more tokens, never read)
+        args.append(_arrival_counters(out.device)[:num_tokens] if num_tokens <= _MAX_COUNTED_TOKENS
+                    else torch.zeros(num_tokens, dtype=torch.int32, device=out.device))
+    kernel(*args, float(scale * _LOG2E))
     merged = keys_as_rows and num_splits > 1 and (
         cfg["merge"] == "last_program" or (cfg["merge"] == "cluster" and num_splits <= MAX_CLUSTER_SPLITS))
     if num_splits > 1 and not merged:
