@@ -4,12 +4,12 @@ Twenty-second round: a fit of graph time against bytes over batch 32 / 64 / 128 
 launch beyond the bytes at the streaming rate, which keeps batch 32 at 74% of the copy bandwidth. This probe
 (1) times, per batch and split merge (``merge`` of the builder: a merge kernel after the program, the token's
 last program, or a cluster of the token's programs), the whole call and the program alone, each replayed from a
-CUDA graph over enough layers to leave L2; (2) with --trace, runs a copy of the program with ``%globaltimer`` stamps written
-per program (start, after the PDL wait and query copy, after the key loop, after the stores: the copy is built
+CUDA graph over enough layers to leave L2; (2) with --trace, runs a copy of the program with ``%globaltimer`` stamps
+written per program (start, after the PDL wait and query copy, after the key loop, after the stores: the copy is built
 from the builder's own source with the stamps inserted) and reports, per layer of one graph replay, the spread of
 the programs' starts and ends, the gap to the layer before, and the medians of each phase.
 
-    PYTHONPATH=. python benchmarks/probe/mla_rows_timeline.py [--trace] --out timeline.json
+    PYTHONPATH=. python benchmarks/probe/mla_rows_timeline.py [--trace | --neighbors] --out timeline.json
 """
 import argparse
 import importlib.util
@@ -43,7 +43,8 @@ _EDITS = [
     ("            T.fill(m_cur, -T.infinity(accum))\n",
      "            T.fill(m_cur, -T.infinity(accum))\n            " + _STAMP.format(i=1) + "\n"),
     ("            if in_cluster:\n", "            " + _STAMP.format(i=2) + "\n            if in_cluster:\n"),
-    ("    return mla_decode_keys_as_rows", "            " + _STAMP.format(i=3) + "\n\n    return mla_decode_keys_as_rows"),
+    ("    return mla_decode_keys_as_rows",
+     "            " + _STAMP.format(i=3) + "\n\n    return mla_decode_keys_as_rows"),
 ]
 
 
@@ -54,7 +55,8 @@ def traced_builder():
     for old, new in _EDITS:
         assert src.count(old) == 1, f"the builder's source changed: {old!r}"
         src = src.replace(old, new)
-    head = (f"from rayinfer.kernels.mla_tilelang import _MIN_SPLIT_TOKENS, _MERGE_HELPERS, _MERGE_ROWS, MERGES, MAX_CLUSTER_SPLITS\n"
+    head = ("from rayinfer.kernels.mla_tilelang import (_MIN_SPLIT_TOKENS, _MERGE_HELPERS, _MERGE_ROWS, MERGES,\n"
+            "    MAX_CLUSTER_SPLITS)\n"
             f"_NOW = {_NOW!r}\n")
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(head + src)
@@ -145,24 +147,53 @@ def case(build_traced, trace_it, ceil, batch, ctx, splits, merge, cache, meta, q
     return row
 
 
+def neighbor_cases(ceil) -> list[dict]:
+    """The model's attention step in miniature: each backend's decode call alone, the W_UV product after it
+    (``_times_uv``, a [16, 128, 512] weight) alone, and both in one graph, at batch 16 / 32 / 64 / 128 and 4K
+    on blocks of 64. ``excess_us`` = both - alone - product: what a backend pays next to a kernel that is not
+    itself (the twenty-third round's model A/B lost 7-8 us a layer on TileLang against its kernel timing)."""
+    from rayinfer.kernels.mla_attention import _times_uv, mla_decode_triton
+
+    rows = []
+    for batch in (16, 32, 64, 128):
+        cache, meta, ql, qp, want, nbytes, layers = mla_decode_inputs(batch, 4096, bs=64)
+        w_uv = torch.randn((16, 128, 512), device="cuda", dtype=ql.dtype) * 0.05
+        out = mla_decode_triton(ql, qp, cache[0], meta, 0.1)
+        product = bench_graph([lambda: _times_uv(out, w_uv) for _ in range(layers)])
+        for backend, fn in (("triton", mla_decode_triton), ("tilelang", mla_tilelang.mla_decode_tilelang)):
+            run = lambda i, f=fn: f(ql, qp, cache[i], meta, 0.1, max_seq_len=8192)  # noqa: E731
+            alone = bench_graph([lambda i=i: run(i) for i in range(layers)])
+            both = bench_graph([lambda i=i: _times_uv(run(i), w_uv) for i in range(layers)])
+            row = {"batch": batch, "ctx": 4096, "backend": backend, "alone_us": alone, "product_us": product,
+                   "both_us": both, "excess_us": both - alone - product if None not in (alone, both, product)
+                   else None}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        del cache
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None)
     p.add_argument("--trace", action="store_true", help="also time the stamped copy and report its phases")
     p.add_argument("--git-rev", default=None, help="revision of the code (default: git rev-parse --short HEAD)")
+    p.add_argument("--neighbors", action="store_true",
+                   help="only the decode call beside the W_UV product, per backend (neighbor_cases)")
     args = p.parse_args()
     ceil = measure_ceilings()
     print(ceil, flush=True)
     build_traced = traced_builder()
-    rows = []
+    rows = neighbor_cases(ceil) if args.neighbors else []
     cases = [(32, 4096, 4), (64, 4096, 2), (128, 4096, 1), (16, 4096, 8), (8, 4096, 16), (1, 1024, 32),
              (4, 4096, 32), (32, 1024, 4), (32, 8192, 4), (64, 1024, 2)]
-    for batch, ctx, splits in cases:
+    for batch, ctx, splits in [] if args.neighbors else cases:
         cache, meta, ql, qp, want, nbytes, layers = mla_decode_inputs(batch, ctx, bs=64)
         merges = ["launch", "last_program"] + (["cluster"] if splits <= mla_tilelang.MAX_CLUSTER_SPLITS else [])
         for merge in merges if splits > 1 else ["launch"]:
-            rows.append(case(build_traced, args.trace, ceil, batch, ctx, splits, merge, cache, meta, ql, qp, want, nbytes,
-                             layers))
+            rows.append(case(build_traced, args.trace, ceil, batch, ctx, splits, merge, cache, meta, ql, qp, want,
+                             nbytes, layers))
         del cache
         torch.cuda.empty_cache()
     if args.out:
