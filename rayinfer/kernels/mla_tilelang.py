@@ -495,7 +495,7 @@ def _arrival_counters(device: torch.device) -> torch.Tensor:
 
 def merge_kind(num_tokens: int, num_splits: int) -> str:
     """The split merge the keys-as-rows program takes by default: "cluster" at 2 splits, "last_program" at 3 or 4
-    (up to ``_MAX_COUNTED_TOKENS`` tokens), else "launch".
+    (up to ``_MAX_COUNTED_TOKENS`` tokens), else "launch" (also at one split, which has no merge).
 
     Measured on an H100 (``benchmarks/probe/mla_rows_timeline.py``, V2-Lite's 16 heads, graph time per layer with
     the merge): batch 64 at 4K, 2 splits: 114.9 us with the merge kernel, 113.3 by the last program, 109.7 in a
@@ -505,7 +505,7 @@ def merge_kind(num_tokens: int, num_splits: int) -> str:
     reads 16 or 32 splits one after another)."""
     if num_splits == 2:
         return "cluster"
-    return "last_program" if num_splits <= 4 and num_tokens <= _MAX_COUNTED_TOKENS else "launch"
+    return "last_program" if 2 < num_splits <= 4 and num_tokens <= _MAX_COUNTED_TOKENS else "launch"
 
 
 @functools.lru_cache(maxsize=None)

@@ -271,8 +271,9 @@ def test_tilelang_keys_as_rows_matches_ref(monkeypatch):
 
 
 def test_keys_as_rows_rules():
-    """Which shapes the keys-as-rows tiles take, and their split rule: powers of two that fill one wave."""
-    from rayinfer.kernels.mla_tilelang import default_config, keys_as_rows_applies, one_wave_splits
+    """Which shapes the keys-as-rows tiles take, their split rule (powers of two that fill one wave) and the
+    split merge each count takes."""
+    from rayinfer.kernels.mla_tilelang import default_config, keys_as_rows_applies, merge_kind, one_wave_splits
 
     assert keys_as_rows_applies(16, 64) and keys_as_rows_applies(32, 128)
     assert not keys_as_rows_applies(16, 16) and not keys_as_rows_applies(128, 64) and not keys_as_rows_applies(8, 64)
@@ -283,6 +284,9 @@ def test_keys_as_rows_rules():
     assert [one_wave_splits(b, 4096, 132) for b in (1, 4, 32, 64, 128, 200)] == [32, 32, 4, 2, 1, 1]
     assert one_wave_splits(1, 300, 132) == 2  # at least 128 keys a split
     assert one_wave_splits(8, 8192, 132) == 16 and one_wave_splits(3, 8192, 78) == 16
+    # the split merge: a cluster of 2, the last program at 4, the merge kernel at more (and at one split)
+    assert [merge_kind(64, s) for s in (1, 2, 4, 8, 16, 32)] == ["launch", "cluster", "last_program"] + ["launch"] * 3
+    assert merge_kind(1 << 17, 4) == "launch"  # more tokens than arrival counters
 
 
 def test_mla_backend_setting(monkeypatch):
