@@ -55,8 +55,9 @@ def traced_builder():
     for old, new in _EDITS:
         assert src.count(old) == 1, f"the builder's source changed: {old!r}"
         src = src.replace(old, new)
-    head = ("from rayinfer.kernels.mla_tilelang import (_MIN_SPLIT_TOKENS, _MERGE_HELPERS, _MERGE_ROWS, MERGES,\n"
-            "    MAX_CLUSTER_SPLITS)\n"
+    # the copy sees the module's globals, as the builder does
+    head = ("from rayinfer.kernels import mla_tilelang\n"
+            "globals().update({k: v for k, v in vars(mla_tilelang).items() if not k.startswith('__')})\n"
             f"_NOW = {_NOW!r}\n")
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(head + src)
@@ -106,20 +107,16 @@ def case(build_traced, trace_it, ceil, batch, ctx, splits, merge, cache, meta, q
     full(0)
     err = (out.float() - want).abs().max().item()
     assert not counters.any(), "a counter left set"
+    row = {"batch": batch, "ctx": ctx, "splits": splits, "merge": merge, "layers": layers, "nbytes": nbytes,
+           "max_abs_err": err, "full_us": bench_graph([lambda i=i: full(i) for i in range(layers)])}
+    row["pct_full"] = 100 * nbytes / row["full_us"] / 1e3 / ceil["copy_GBps"]
     if traced is None:
-        row = {"batch": batch, "ctx": ctx, "splits": splits, "merge": merge, "layers": layers, "nbytes": nbytes,
-               "max_abs_err": err, "full_us": bench_graph([lambda i=i: full(i) for i in range(layers)])}
-        row["pct_full"] = 100 * nbytes / row["full_us"] / 1e3 / ceil["copy_GBps"]
         print(json.dumps(row), flush=True)
         return row
     full(0, trace)
-    err_traced = (out.float() - want).abs().max().item()
-    row = {"batch": batch, "ctx": ctx, "splits": splits, "merge": merge, "layers": layers,
-           "nbytes": nbytes, "max_abs_err": err, "max_abs_err_traced": err_traced,
-           "full_us": bench_graph([lambda i=i: full(i) for i in range(layers)]),
-           "kernel_us": bench_graph([lambda i=i: kernel(i) for i in range(layers)]),
-           "traced_full_us": bench_graph([lambda i=i: full(i, trace) for i in range(layers)])}
-    row["pct_full"] = 100 * nbytes / row["full_us"] / 1e3 / ceil["copy_GBps"]
+    row["max_abs_err_traced"] = (out.float() - want).abs().max().item()
+    row["kernel_us"] = bench_graph([lambda i=i: kernel(i) for i in range(layers)])
+    row["traced_full_us"] = bench_graph([lambda i=i: full(i, trace) for i in range(layers)])
     row["pct_kernel"] = 100 * nbytes / row["kernel_us"] / 1e3 / ceil["copy_GBps"]
     # one replay's stamps (bench_graph's last replay left them)
     torch.cuda.synchronize()

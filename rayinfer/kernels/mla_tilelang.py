@@ -274,8 +274,8 @@ def build_mla_decode_keys_as_rows(num_heads: int, rank: int, rope: int, block_si
     splits = num_splits
     if merge not in MERGES:
         raise ValueError(f"the split merge is one of {MERGES}, got {merge!r}")
-    in_cluster = merge == "cluster" and 2 <= splits <= MAX_CLUSTER_SPLITS
-    last_program = merge == "last_program" and splits > 1
+    in_program = in_program_merge(merge, splits)
+    in_cluster, last_program = in_program == "cluster", in_program == "last_program"
     slice_rows = rank // splits  # the rows of R each program of a cluster merges
     merge_loop = T.unroll if splits <= 8 else T.serial  # the last_program merge's loop over splits (registers)
 
@@ -493,6 +493,15 @@ def _arrival_counters(device: torch.device) -> torch.Tensor:
     return _COUNTERS[key]
 
 
+def in_program_merge(merge: str, num_splits: int) -> str | None:
+    """Which merge the keys-as-rows program runs itself for ``merge`` at ``num_splits``: "cluster" (2 to
+    :data:`MAX_CLUSTER_SPLITS` splits), "last_program" (more than one split), or None (no merge, or the merge
+    kernel after the program)."""
+    if merge == "cluster" and 2 <= num_splits <= MAX_CLUSTER_SPLITS:
+        return "cluster"
+    return "last_program" if merge == "last_program" and num_splits > 1 else None
+
+
 def merge_kind(num_tokens: int, num_splits: int) -> str:
     """The split merge the keys-as-rows program takes by default: "cluster" at 2 splits, "last_program" at 3 or 4
     (up to ``_MAX_COUNTED_TOKENS`` tokens), else "launch" (also at one split, which has no merge).
@@ -633,9 +642,7 @@ def mla_decode_tilelang(
         args.append(_arrival_counters(out.device)[:num_tokens] if num_tokens <= _MAX_COUNTED_TOKENS
                     else torch.zeros(num_tokens, dtype=torch.int32, device=out.device))
     kernel(*args, float(scale * _LOG2E))
-    merged = keys_as_rows and num_splits > 1 and (
-        cfg["merge"] == "last_program" or (cfg["merge"] == "cluster" and num_splits <= MAX_CLUSTER_SPLITS))
-    if num_splits > 1 and not merged:
+    if num_splits > 1 and not (keys_as_rows and in_program_merge(cfg["merge"], num_splits)):
         block_c = min(rank, 128)  # the merge's column slices, as the Triton backend launches it
         _mla_merge_splits_kernel[(num_tokens, num_heads, triton.cdiv(rank, block_c))](
             part_out, part_lse, out, num_heads, num_splits, out.stride(0), out.stride(1),
