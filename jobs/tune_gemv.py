@@ -21,7 +21,6 @@ import argparse
 import itertools
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
@@ -134,6 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
                         help="how much faster (a fraction) than the rule's tiles a winner must be to be written")
     parser.add_argument("--out", default=None, help="table path (default: rayinfer/kernels/configs/<device>.json)")
     parser.add_argument("--report", default=None, help="also write every shape's timings here (JSON)")
+    parser.add_argument("--git-rev", default=None, help="revision recorded in the report (default: git's HEAD)")
     args = parser.parse_args(argv)
     try:
         shapes = [parse_shape(s) for s in args.shapes.split(",") if s]
@@ -158,8 +158,9 @@ def main(argv: list[str] | None = None) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(table, indent=1) + "\n")
     print(f"wrote {out} ({time.time() - started:.0f} s)")
-    command = "python jobs/tune_gemv.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    report = {"device": device, "command": command,
+    from rayinfer.jobs import benchlib
+
+    report = {**benchlib.run_metadata(torch.device("cuda"), args.git_rev), "table": str(out),
               "results": {f"{n}x{k}": r for (n, k), r in tuned.items()}}
     if args.report:
         Path(args.report).write_text(json.dumps(report, indent=1) + "\n")

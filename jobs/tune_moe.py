@@ -5,6 +5,7 @@
     python jobs/tune_moe.py --shapes 64x1408x2048x6x2 --m 1,16,256 --budget-s 60     # ExIxHxk[xS]
     python jobs/tune_moe.py --fp8                             # fp8 block weights (their own entries; W8A8
                                                               # where the GPU has fp8 tensor cores)
+    python jobs/tune_moe.py --report tune.json                # also every timing, with the command and revision
 
 For each expert shape (E routed experts, intermediate I, hidden H, top-k, S shared experts fused as
 extra slots every token takes: the kernel then holds E + S experts) and token count M, times
@@ -30,7 +31,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -208,6 +208,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default=None, help="table path (default: rayinfer/kernels/configs/<device>.json)")
     parser.add_argument("--grouped-margin", type=float, default=0.08,
                         help="how much faster (a fraction) the grouped-GEMM path must be to start at an M")
+    parser.add_argument("--report", default=None,
+                        help="also write every timing (tuned, heuristic and grouped-GEMM us per M) here (JSON)")
+    parser.add_argument("--git-rev", default=None, help="revision recorded in the report (default: git's HEAD)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("tune_moe needs a CUDA device")
@@ -232,8 +235,12 @@ def main(argv: list[str] | None = None) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(table, indent=1) + "\n")
     print(f"wrote {out} ({time.time() - started:.0f} s)")
-    command = "python jobs/tune_moe.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    return {"device": device, "command": command, "results": report}
+    from rayinfer.jobs import benchlib
+
+    result = {**benchlib.run_metadata(torch.device("cuda"), args.git_rev), "table": str(out), "results": report}
+    if args.report:
+        Path(args.report).write_text(json.dumps(result, indent=1) + "\n")
+    return result
 
 
 if __name__ == "__main__":

@@ -960,11 +960,16 @@ def _device_name(index: int | None) -> str:
     return torch.cuda.get_device_name(index)
 
 
+# A/B switch (jobs/bench_moe.py variant "moe-table-0"): 1 takes the grouped GEMM's tiles from the device's table
+# (kernels/configs/<device>.json, "entries") where it has the shape; 0 the heuristic tiles only.
+DEVICE_TABLE = 1
+
+
 def fused_moe_tiles(hidden: torch.Tensor, w13: torch.Tensor, top_k: int) -> MoETileConfig:
     """The grouped GEMM's tiles for hidden [T, H] and w13 [E, 2I, H]: on CUDA the device's tuned table
     entry (``kernels.fused_moe_config``; fp8 weights have entries of their own, dtype
-    ``float8_e4m3fn``), else (and in batch-invariant mode) the fixed heuristic."""
-    device_name = _device_name(hidden.device.index) if hidden.is_cuda else None
+    ``float8_e4m3fn``), else (and in batch-invariant mode, or with :data:`DEVICE_TABLE` 0) the fixed heuristic."""
+    device_name = _device_name(hidden.device.index) if hidden.is_cuda and DEVICE_TABLE else None
     num_experts, n, k = w13.shape
     dtype = str(w13.dtype if w13.dtype == FP8_DTYPE else hidden.dtype).removeprefix("torch.")
     return tile_config(device_name, num_experts, n, k, dtype, hidden.shape[0], top_k, is_batch_invariant())

@@ -53,6 +53,36 @@ def test_tile_config_prefers_the_table_but_not_in_batch_invariant_mode(tmp_path,
     assert tile_config("no such device", 64, 2816, 2048, "bfloat16", 1, 6).block_m == 16
 
 
+def test_fused_moe_tiles_take_the_device_table_unless_switched_off(tmp_path, monkeypatch):
+    """kernels.fused_moe picks a CUDA call's tiles from the device's table; DEVICE_TABLE 0 (bench_moe's
+    "moe-table-0") and CPU calls take the heuristic."""
+    from rayinfer.kernels import fused_moe
+
+    dev = "NVIDIA Test GPU-80GB"
+    write_table(tmp_path)
+    monkeypatch.setattr(fmc, "CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(fused_moe, "_device_name", lambda index: dev)
+    fmc.load_table.cache_clear()
+    fmc.tile_config.cache_clear()
+
+    class CudaRows:  # what fused_moe_tiles reads of hidden: its device and row count
+        is_cuda = True
+        device = torch.device("cuda", 0)
+        shape = (64, 2048)
+        dtype = torch.bfloat16
+
+    w13 = torch.empty(64, 2816, 2048, dtype=torch.bfloat16)
+    try:
+        assert fused_moe.fused_moe_tiles(CudaRows(), w13, 6) == MoETileConfig(32, 128, 64, 8, 3)
+        assert fused_moe.fused_moe_tiles(torch.empty(64, 2048, dtype=torch.bfloat16), w13, 6) == \
+            default_tile_config(64, 6)
+        monkeypatch.setattr(fused_moe, "DEVICE_TABLE", 0)
+        assert fused_moe.fused_moe_tiles(CudaRows(), w13, 6) == default_tile_config(64, 6)
+    finally:
+        fmc.load_table.cache_clear()
+        fmc.tile_config.cache_clear()
+
+
 def test_malformed_tables_name_the_problem(tmp_path):
     with pytest.raises(ValueError, match="power of two"):
         MoETileConfig(block_m=24)
