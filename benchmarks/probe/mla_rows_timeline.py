@@ -9,7 +9,7 @@ written per program (start, after the PDL wait and query copy, after the key loo
 from the builder's own source with the stamps inserted) and reports, per layer of one graph replay, the spread of
 the programs' starts and ends, the gap to the layer before, and the medians of each phase.
 
-    PYTHONPATH=. python benchmarks/probe/mla_rows_timeline.py [--trace | --neighbors] --out timeline.json
+    PYTHONPATH=. python benchmarks/probe/mla_rows_timeline.py [--trace | --neighbors [--carveouts -1,100]] --out t.json
 """
 import argparse
 import importlib.util
@@ -144,11 +144,45 @@ def case(build_traced, trace_it, ceil, batch, ctx, splits, merge, cache, meta, q
     return row
 
 
-def neighbor_cases(ceil) -> list[dict]:
+_LOADED: list[int] = []  # CUfunction handles of every Triton kernel loaded since record_triton_loads()
+
+
+def record_triton_loads() -> None:
+    """Keep each Triton kernel's CUfunction as it loads (for :func:`set_carveout`)."""
+    from triton.compiler.compiler import CompiledKernel
+
+    init = CompiledKernel._init_handles
+
+    def recorded(self):
+        fresh = self.module is None
+        init(self)
+        if fresh and self.function:
+            _LOADED.append(self.function)
+
+    CompiledKernel._init_handles = recorded
+
+
+def set_carveout(percent: int) -> None:
+    """cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT) on every recorded Triton kernel: the share of the
+    SM's L1/shared memory a kernel prefers as shared memory (-1: no preference, CUDA's default; 100: all). A
+    kernel next to one of another carveout may wait for the SM to drain before it can start on it."""
+    import ctypes
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    for fn in _LOADED:
+        err = cuda.cuFuncSetAttribute(ctypes.c_void_p(fn), 9, ctypes.c_int(percent))  # 9: the carveout
+        if err:
+            raise RuntimeError(f"cuFuncSetAttribute(carveout {percent}) failed: CUresult {err}")
+
+
+def neighbor_cases(ceil, carveouts=(-1,)) -> list[dict]:
     """The model's attention step in miniature: each backend's decode call alone, the W_UV product after it
     (``_times_uv``, a [16, 128, 512] weight) alone, and both in one graph, at batch 16 / 32 / 64 / 128 and 4K
     on blocks of 64. ``excess_us`` = both - alone - product: what a backend pays next to a kernel that is not
-    itself (the twenty-third round's model A/B lost 7-8 us a layer on TileLang against its kernel timing)."""
+    itself (the twenty-third round's model A/B lost 7-8 us a layer on TileLang against its kernel timing).
+    Each case runs at every shared-memory carveout of ``carveouts`` set on the Triton kernels (-1: CUDA's
+    default), to test whether switching the SM's carveout between the 168 KB TileLang program and its
+    neighbors is that cost."""
     from rayinfer.kernels.mla_attention import _times_uv, mla_decode_triton
 
     rows = []
@@ -156,18 +190,21 @@ def neighbor_cases(ceil) -> list[dict]:
         cache, meta, ql, qp, want, nbytes, layers = mla_decode_inputs(batch, 4096, bs=64)
         w_uv = torch.randn((16, 128, 512), device="cuda", dtype=ql.dtype) * 0.05
         out = mla_decode_triton(ql, qp, cache[0], meta, 0.1)
-        product = bench_graph([lambda: _times_uv(out, w_uv) for _ in range(layers)])
-        for backend, fn in (("triton", mla_decode_triton), ("tilelang", mla_tilelang.mla_decode_tilelang)):
-            run = lambda i, f=fn: f(ql, qp, cache[i], meta, 0.1, max_seq_len=8192)  # noqa: E731
-            alone = bench_graph([lambda i=i: run(i) for i in range(layers)])
-            both = bench_graph([lambda i=i: _times_uv(run(i), w_uv) for i in range(layers)])
-            row = {"batch": batch, "ctx": 4096, "backend": backend, "alone_us": alone, "product_us": product,
-                   "both_us": both, "excess_us": both - alone - product if None not in (alone, both, product)
-                   else None}
-            print(json.dumps(row), flush=True)
-            rows.append(row)
+        for carveout in carveouts:
+            set_carveout(carveout)
+            product = bench_graph([lambda: _times_uv(out, w_uv) for _ in range(layers)])
+            for backend, fn in (("triton", mla_decode_triton), ("tilelang", mla_tilelang.mla_decode_tilelang)):
+                run = lambda i, f=fn: f(ql, qp, cache[i], meta, 0.1, max_seq_len=8192)  # noqa: E731
+                alone = bench_graph([lambda i=i: run(i) for i in range(layers)])
+                both = bench_graph([lambda i=i: _times_uv(run(i), w_uv) for i in range(layers)])
+                row = {"batch": batch, "ctx": 4096, "backend": backend, "carveout": carveout, "alone_us": alone,
+                       "product_us": product, "both_us": both,
+                       "excess_us": both - alone - product if None not in (alone, both, product) else None}
+                print(json.dumps(row), flush=True)
+                rows.append(row)
         del cache
         torch.cuda.empty_cache()
+    set_carveout(-1)
     return rows
 
 
@@ -178,11 +215,14 @@ def main() -> None:
     p.add_argument("--git-rev", default=None, help="revision of the code (default: git rev-parse --short HEAD)")
     p.add_argument("--neighbors", action="store_true",
                    help="only the decode call beside the W_UV product, per backend (neighbor_cases)")
+    p.add_argument("--carveouts", default="-1",
+                   help="with --neighbors: the Triton kernels' shared-memory carveouts to try, e.g. -1,100")
     args = p.parse_args()
+    record_triton_loads()
     ceil = measure_ceilings()
     print(ceil, flush=True)
     build_traced = traced_builder()
-    rows = neighbor_cases(ceil) if args.neighbors else []
+    rows = neighbor_cases(ceil, [int(c) for c in args.carveouts.split(",")]) if args.neighbors else []
     cases = [(32, 4096, 4), (64, 4096, 2), (128, 4096, 1), (16, 4096, 8), (8, 4096, 16), (1, 1024, 32),
              (4, 4096, 32), (32, 1024, 4), (32, 8192, 4), (64, 1024, 2)]
     for batch, ctx, splits in [] if args.neighbors else cases:
