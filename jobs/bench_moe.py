@@ -311,8 +311,7 @@ AB_VARIANTS = {"default": {}, "no-pdl": {"RAYINFER_PDL": "0"}, "no-one-row": {"R
                "no-fp8-gemv": {"@rayinfer.kernels.gemv.FP8_WEIGHTS": "0", "RAYINFER_ONE_ROW_FUSION": "0"},
                # one-row GEMVs on kernels.gemv._choose_config's rule only, not the device table's tiles (jobs/tune_gemv.py)
                "gemv-table-0": {"@rayinfer.kernels.gemv.DEVICE_TABLE": "0"},
-               # the fused MoE's grouped GEMM on the heuristic tiles, not the device table's (jobs/tune_moe.py); the
-               # grouped-GEMM path's start is apart ("grouped-mm-N")
+               # the fused MoE without the device's table (jobs/tune_moe.py): heuristic tiles, no grouped-GEMM path
                "moe-table-0": {"@rayinfer.kernels.fused_moe.DEVICE_TABLE": "0"},
                "graph-inputs-fused": {"@rayinfer.engine.cuda_graph.FUSED_INPUTS": "1"},
                # MLA decode on TileLang (keys-as-rows tiles on cache blocks of 64: every step; auto: from 64 tokens)

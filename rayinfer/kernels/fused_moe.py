@@ -851,6 +851,10 @@ def _pairs_result(out, kept, hidden, residual, top_k: int, reduce_slots: bool) -
 # 0 = never, N > 0 = from N tokens whatever the table says (RAYINFER_MOE_GROUPED_MM_FROM; an A/B switch of
 # jobs/bench_moe.py).
 GROUPED_MM_FROM = envs.moe_grouped_mm_from()
+# A/B switch (jobs/bench_moe.py variant "moe-table-0"): 1 reads the device's table (kernels/configs/<device>.json)
+# for the grouped GEMM's tiles ("entries") and the grouped-GEMM path's start ("grouped_mm_from"); 0 reads
+# nothing of it: the heuristic tiles, and the grouped-GEMM path only where GROUPED_MM_FROM > 0 says so.
+DEVICE_TABLE = 1
 _GROUPED_MM_BLOCK_M = 16  # the alignment's padding: each expert's rows start 16-row aligned (32-byte offsets)
 
 
@@ -870,8 +874,8 @@ def grouped_mm_applies(hidden: torch.Tensor, w13: torch.Tensor, fp8: bool = Fals
     activations on a CUDA device of compute capability 9.x or 10.x (where torch runs its CUTLASS kernel; on
     others its fallback reads the group ends on the host, which CUDA graphs forbid), hidden and intermediate
     sizes multiples of 8, outside batch-invariant mode, with at least the tokens the device's table gives for
-    the shape (``fused_moe_config.grouped_mm_from``, or ``GROUPED_MM_FROM`` when set). force: whether the path
-    can run here at all, whatever the token count.
+    the shape (``fused_moe_config.grouped_mm_from``, unless :data:`DEVICE_TABLE` is 0; or ``GROUPED_MM_FROM``
+    when set). force: whether the path can run here at all, whatever the token count.
 
     Raises: ValueError if the device's table file is malformed."""
     if ((GROUPED_MM_FROM == 0 and not force) or fp8 or not hidden.is_cuda or is_batch_invariant()
@@ -882,6 +886,8 @@ def grouped_mm_applies(hidden: torch.Tensor, w13: torch.Tensor, fp8: bool = Fals
     if force:
         return True
     start = GROUPED_MM_FROM
+    if start < 0 and not DEVICE_TABLE:
+        return False
     if start < 0:
         start = grouped_mm_from(_device_name(hidden.device.index), w13.shape[0], w13.shape[1], w13.shape[2],
                                 "bfloat16")
@@ -958,11 +964,6 @@ def _triton_applies(hidden, w13, w2, topk_ids, topk_weights, fp8: bool = False) 
 @functools.lru_cache(maxsize=None)
 def _device_name(index: int | None) -> str:
     return torch.cuda.get_device_name(index)
-
-
-# A/B switch (jobs/bench_moe.py variant "moe-table-0"): 1 takes the grouped GEMM's tiles from the device's table
-# (kernels/configs/<device>.json, "entries") where it has the shape; 0 the heuristic tiles only.
-DEVICE_TABLE = 1
 
 
 def fused_moe_tiles(hidden: torch.Tensor, w13: torch.Tensor, top_k: int) -> MoETileConfig:
