@@ -9,7 +9,7 @@ written per program (start, after the PDL wait and query copy, after the key loo
 from the builder's own source with the stamps inserted) and reports, per layer of one graph replay, the spread of
 the programs' starts and ends, the gap to the layer before, and the medians of each phase.
 
-    PYTHONPATH=. python benchmarks/probe/mla_rows_timeline.py [--trace | --neighbors [--carveouts -1,100]] --out t.json
+    PYTHONPATH=. python benchmarks/probe/mla_rows_timeline.py [--trace | --neighbors [--carveouts -1,86,100]] --out t.json
 """
 import argparse
 import importlib.util
@@ -216,7 +216,8 @@ def main() -> None:
     p.add_argument("--neighbors", action="store_true",
                    help="only the decode call beside the W_UV product, per backend (neighbor_cases)")
     p.add_argument("--carveouts", default="-1",
-                   help="with --neighbors: the Triton kernels' shared-memory carveouts to try, e.g. -1,100")
+                   help="with --neighbors: the Triton kernels' shared-memory carveouts (percent of the SM's 228 KB) to "
+                   "try, e.g. -1,86,100 (86: the 196 KB configuration, the least that holds the TileLang program)")
     args = p.parse_args()
     record_triton_loads()
     ceil = measure_ceilings()
