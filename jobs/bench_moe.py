@@ -313,6 +313,8 @@ AB_VARIANTS = {"default": {}, "no-pdl": {"RAYINFER_PDL": "0"}, "no-one-row": {"R
                "gemv-table-0": {"@rayinfer.kernels.gemv.DEVICE_TABLE": "0"},
                # the fused MoE without the device's table (jobs/tune_moe.py): heuristic tiles, no grouped-GEMM path
                "moe-table-0": {"@rayinfer.kernels.fused_moe.DEVICE_TABLE": "0"},
+               # the grouped-GEMM path's GEMMs on TileLang (kernels.moe_tilelang), SwiGLU fused into the first
+               "moe-grouped-tilelang": {"@rayinfer.kernels.fused_moe.GROUPED_TILELANG": "1"},
                "graph-inputs-fused": {"@rayinfer.engine.cuda_graph.FUSED_INPUTS": "1"},
                # MLA decode on TileLang (keys-as-rows tiles on cache blocks of 64: every step; auto: from 64 tokens)
                "mla-tilelang": {"RAYINFER_MLA_BACKEND": "tilelang"}, "mla-auto": {"RAYINFER_MLA_BACKEND": "auto"}}
@@ -498,7 +500,8 @@ def bench_fused_moe(ceil: dict, cfg, num_tokens: int, device: torch.device, dtyp
     from rayinfer.kernels._triton_utils import use_triton
     from rayinfer.kernels.block_fp8 import block_fp8_dequant_ref, quantize_block_fp8
     from rayinfer.kernels.fused_moe import (dequant_w13, fused_moe, fused_moe_grouped_mm, fused_moe_ref,
-                                            fused_moe_triton, fused_moe_w8a8_ref, grouped_mm_applies, quantize_w13)
+                                            fused_moe_triton, fused_moe_w8a8_ref, grouped_mm_applies, quantize_w13,
+                                            tilelang_gemms_apply)
     from rayinfer.kernels.moe_routing import append_shared_experts
 
     num_routed, top_k, hidden_size, inter, _ = expert_shape(cfg)
@@ -542,6 +545,10 @@ def bench_fused_moe(ceil: dict, cfg, num_tokens: int, device: torch.device, dtyp
                 lambda: fused_moe_grouped_mm(x, w13, w2, ids, weights), device, reps)
             paths["grouped_mm_err_vs_ref"] = float(
                 (fused_moe_grouped_mm(x, w13, w2, ids, weights).float() - want).abs().max())
+            if tilelang_gemms_apply(x, w13, w2):  # the same path with its GEMMs on TileLang
+                tl_path = functools.partial(fused_moe_grouped_mm, x, w13, w2, ids, weights, gemms="tilelang")
+                paths["grouped_tilelang_ms"] = graph_ms(tl_path, device, reps)
+                paths["grouped_tilelang_err_vs_ref"] = float((tl_path().float() - want).abs().max())
     touched = int(ids.unique().numel())
     weight_bytes = 1 if fp8 else dtype.itemsize
     scale_bytes = 4 * (scales["w13_scale"][0].numel() + scales["w2_scale"][0].numel()) if fp8 else 0
@@ -555,7 +562,7 @@ def bench_fused_moe(ceil: dict, cfg, num_tokens: int, device: torch.device, dtyp
            "ref_ms": ref_ms, "kernel_ms": kernel_ms, "kernel_eager_ms": eager_ms, "speedup_vs_ref": ref_ms / kernel_ms,
            "max_abs_err_vs_ref": err, "experts_read": touched, **paths, **_roofline(ceil, num_bytes, flops)}
     row["pct_of_roofline"] = 100 * row["roofline_ms"] / kernel_ms
-    for path in ("triton", "grouped_mm", "w8a16"):
+    for path in ("triton", "grouped_mm", "grouped_tilelang", "w8a16"):
         if f"{path}_ms" in row:
             row[f"pct_of_roofline_{path}"] = 100 * row["roofline_ms"] / row[f"{path}_ms"]
     return row

@@ -851,6 +851,10 @@ def _pairs_result(out, kept, hidden, residual, top_k: int, reduce_slots: bool) -
 # 0 = never, N > 0 = from N tokens whatever the table says (RAYINFER_MOE_GROUPED_MM_FROM; an A/B switch of
 # jobs/bench_moe.py).
 GROUPED_MM_FROM = envs.moe_grouped_mm_from()
+# 1: the grouped-GEMM path's two GEMMs on TileLang programs (kernels.moe_tilelang: SwiGLU fused into the gate/up
+# GEMM) where TileLang imports and the shapes suit them; 0: torch's grouped GEMM (jobs/bench_moe.py variant
+# "moe-grouped-tilelang" sets 1)
+GROUPED_TILELANG = 0
 # A/B switch (jobs/bench_moe.py variant "moe-table-0"): 1 reads the device's table (kernels/configs/<device>.json)
 # for the grouped GEMM's tiles ("entries") and the grouped-GEMM path's start ("grouped_mm_from"); 0 reads
 # nothing of it: the heuristic tiles, and the grouped-GEMM path only where GROUPED_MM_FROM > 0 says so.
@@ -903,6 +907,7 @@ def fused_moe_grouped_mm(
     expert_map: ExpertMap | None = None,
     expert_load: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
+    gemms: str | None = None,
 ) -> torch.Tensor:
     """:func:`fused_moe_ref`'s result through torch's grouped GEMM (no host sync; for large batches).
 
@@ -914,8 +919,12 @@ def fused_moe_grouped_mm(
     Padding rows are computed and never read. Differs from :func:`fused_moe_triton` in where the routing
     weight is applied (after the down projection's rounding to hidden's dtype, not before it).
 
+    ``gemms="tilelang"`` runs both GEMMs on :mod:`rayinfer.kernels.moe_tilelang`'s programs instead, SwiGLU fused
+    into the first (no [P, 2I] intermediate); None takes them where :data:`GROUPED_TILELANG` is 1 and
+    :func:`tilelang_gemms_apply`, else torch's.
+
     Args: as :func:`fused_moe_triton` (hidden and the weights floating point, not fp8; the Triton kernels
-        run the alignment and the sum, so CPU tensors need the interpreter).
+        run the alignment and the sum, so CPU tensors need the interpreter); gemms: "torch", "tilelang" or None.
     Returns:
         [T, H] in hidden's dtype (``residual``, updated in place, when given).
     Raises:
@@ -942,13 +951,29 @@ def fused_moe_grouped_mm(
     moe_align_triton(topk_ids, num_experts, _GROUPED_MM_BLOCK_M, expert_map, expert_load, kept,
                      grouped=(offs, rows, position))
     gathered = hidden.index_select(0, rows)
-    gate_up = op(gathered, w13.transpose(1, 2), offs=offs)
-    act = silu_and_mul(gate_up)
-    del gate_up
-    out = op(act, w2.transpose(1, 2), offs=offs)
+    if gemms == "tilelang" or (gemms is None and GROUPED_TILELANG and tilelang_gemms_apply(hidden, w13, w2)):
+        from rayinfer.kernels.moe_tilelang import grouped_gemm_tilelang
+
+        act = grouped_gemm_tilelang(gathered, w13, offs, silu_and_mul=True)
+        out = grouped_gemm_tilelang(act, w2, offs, silu_and_mul=False)
+    else:
+        gate_up = op(gathered, w13.transpose(1, 2), offs=offs)
+        act = silu_and_mul(gate_up)
+        del gate_up
+        out = op(act, w2.transpose(1, 2), offs=offs)
     _launch_slot_sum(out, kept, result, top_k, residual is not None, False,
                      positions=position, weights=topk_weights.reshape(-1).contiguous())
     return result
+
+
+def tilelang_gemms_apply(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether :func:`fused_moe_grouped_mm` can run its GEMMs on TileLang here: TileLang importable with a CUDA
+    device, a Hopper GPU (compute capability 9.x) and weight shapes its tiles divide."""
+    from rayinfer.kernels.mla_tilelang import tilelang_available
+    from rayinfer.kernels.moe_tilelang import grouped_gemm_applies
+
+    return (hidden.is_cuda and tilelang_available() and device_capability(hidden.device.index)[0] == 9
+            and grouped_gemm_applies(w13, True) and grouped_gemm_applies(w2, False))
 
 
 def _triton_applies(hidden, w13, w2, topk_ids, topk_weights, fp8: bool = False) -> bool:

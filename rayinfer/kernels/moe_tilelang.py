@@ -1,0 +1,164 @@
+"""The fused MoE's two grouped GEMMs at prefill sizes as TileLang programs (Hopper warpgroup MMA, bulk copies).
+
+The alternative to torch's grouped GEMM (``kernels.fused_moe.fused_moe_grouped_mm``) over the same layout: the
+expert-sorted token rows ``a`` [P, K], expert e's rows ``group_ends[e-1] .. group_ends[e]`` (``group_ends`` int32
+[E], the alignment's cumulative group ends; groups start on 16-row boundaries). Program (x, y) computes output
+columns tile x of M-tile y, where the M-tiles are each expert's rows cut into ``block_m`` runs (an expert's last
+tile is partial: its rows past the group's end belong to the next group and are masked at the store). Each program
+finds its expert by walking the E group ends, then streams ``block_k`` columns of its rows and of the expert's
+weight rows into shared memory (bulk copies that TileLang pipelines with a producer warpgroup) and multiplies them
+on the tensor cores in float32. Programs of one M-tile are adjacent in launch order, so they share its rows in L2,
+and an expert's few M-tiles run close together, sharing its weights.
+
+``build_grouped_gemm(..., silu_and_mul=True)`` is the gate/up GEMM with SwiGLU fused: the program holds a gate and
+an up accumulator for the same ``block_n / 2`` intermediate channels (weight rows ``c`` and ``I + c`` of
+``w13`` [E, 2I, H]) and stores ``silu(gate) * up`` [P, I] (no [P, 2I] intermediate, no activation launch).
+``silu_and_mul=False`` is the down GEMM (``w2`` [E, H, I]).
+
+TileLang is optional (:func:`rayinfer.kernels.mla_tilelang.tilelang_available`). Kernels are compiled once per
+(E, N, K, dtype, silu_and_mul, tiles).
+Source: the grouped-GEMM form of vLLM's fused MoE (expert-sorted, tile-padded rows) and DeepGEMM's "m-grouped
+contiguous" layout; TileLang's GEMM examples for the pipelined tensor-core loop.
+"""
+
+# no "from __future__ import annotations": TileLang evaluates the kernel signature's annotations
+
+import functools
+
+import torch
+
+DEFAULT_TILES = dict(block_m=128, block_n=128, block_k=64, num_stages=4, threads=256)
+
+
+def build_grouped_gemm(num_experts: int, n: int, k: int, dtype: str, silu_and_mul: bool, block_m: int = 128,
+                       block_n: int = 128, block_k: int = 64, num_stages: int = 4, threads: int = 256):
+    """The TileLang program of one grouped GEMM shape; see the module docstring.
+
+    Args:
+        num_experts, n, k: the weight ``w`` [E, N, K] (N = 2I with ``silu_and_mul``).
+        dtype: "bfloat16" or "float16" (rows, weights and output).
+        silu_and_mul: the gate/up GEMM with SwiGLU fused (output [P, N / 2]), else a plain product ([P, N]).
+        block_m, block_n, block_k: a program's rows, output columns (gate and up columns together with
+            ``silu_and_mul``), reduction step.
+    Returns:
+        a prim_func of (a [P, K], w [E * N, K] (the weight's rows stacked), group_ends [E] int32,
+        out [P, N or N / 2]); P is dynamic. The grid holds ceil(P / block_m) + E M-tiles, enough for any split of
+        P rows into E groups; programs past the last tile store nothing.
+    Raises:
+        ValueError: when N (or I) is not a multiple of the output tile, or K of ``block_k``.
+    """
+    import tilelang.language as T
+
+    out_n = n // 2 if silu_and_mul else n
+    tile_n = block_n // 2 if silu_and_mul else block_n
+    if (silu_and_mul and n % 2) or out_n % tile_n or k % block_k:
+        raise ValueError(f"grouped GEMM tiles: N = {n} (output {out_n}) must be a multiple of {tile_n} and K = {k} "
+                         f"of {block_k}")
+    accum = "float32"
+    half = n // 2
+    num_rows = T.dynamic("num_rows")
+
+    @T.prim_func
+    def grouped_gemm(
+        a: T.Tensor((num_rows, k), dtype),
+        w: T.Tensor((num_experts * n, k), dtype),
+        group_ends: T.Tensor((num_experts,), "int32"),
+        out: T.Tensor((num_rows, out_n), dtype),
+    ):
+        with T.Kernel(out_n // tile_n, T.ceildiv(num_rows, block_m) + num_experts, threads=threads) as (bx, by):
+            a_s = T.alloc_shared((block_m, block_k), dtype)
+            g_s = T.alloc_shared((tile_n, block_k), dtype)
+            acc_g = T.alloc_fragment((block_m, tile_n), accum)
+            u_s = T.alloc_shared((tile_n, block_k), dtype)
+            acc_u = T.alloc_fragment((block_m, tile_n), accum)
+            expert = T.alloc_var("int32")
+            row0 = T.alloc_var("int32")
+            row_end = T.alloc_var("int32")
+            seen = T.alloc_var("int32")
+            start = T.alloc_var("int32")
+            expert = 0
+            row0 = 0
+            row_end = 0  # no rows: a program past the last tile stores nothing
+            seen = 0
+            start = 0
+            # this program's expert: the group whose M-tiles hold tile `by` (the walk's loads are independent)
+            for e in T.unroll(num_experts):
+                tiles = T.ceildiv(group_ends[e] - start, block_m)
+                if seen <= by and by < seen + tiles:
+                    expert = e
+                    row0 = start + (by - seen) * block_m
+                    row_end = group_ends[e]
+                seen = seen + tiles
+                start = group_ends[e]
+            n0 = bx * tile_n
+            T.clear(acc_g)
+            if silu_and_mul:
+                T.clear(acc_u)
+            for kk in T.Pipelined(T.if_then_else(row0 < row_end, k // block_k, 0), num_stages=num_stages):
+                T.copy(a[row0:row0 + block_m, kk * block_k:(kk + 1) * block_k], a_s)
+                T.copy(w[expert * n + n0:expert * n + n0 + tile_n, kk * block_k:(kk + 1) * block_k], g_s)
+                if silu_and_mul:
+                    T.copy(w[expert * n + half + n0:expert * n + half + n0 + tile_n,
+                             kk * block_k:(kk + 1) * block_k], u_s)
+                T.gemm(a_s, g_s, acc_g, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                if silu_and_mul:
+                    T.gemm(a_s, u_s, acc_u, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+            for i, j in T.Parallel(block_m, tile_n):
+                if row0 + i < row_end:
+                    if silu_and_mul:
+                        out[row0 + i, n0 + j] = T.cast(acc_g[i, j] / (1.0 + T.exp(-acc_g[i, j])) * acc_u[i, j], dtype)
+                    else:
+                        out[row0 + i, n0 + j] = T.cast(acc_g[i, j], dtype)
+
+    return grouped_gemm
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(num_experts: int, n: int, k: int, dtype: str, silu_and_mul: bool, tiles: tuple):
+    import tilelang
+
+    return tilelang.compile(build_grouped_gemm(num_experts, n, k, dtype, silu_and_mul, **dict(tiles)),
+                            out_idx=None, target="cuda")
+
+
+def grouped_gemm_applies(w: torch.Tensor, silu_and_mul: bool, tiles: dict | None = None) -> bool:
+    """Whether :func:`grouped_gemm_tilelang` takes a weight of this shape with these tiles."""
+    t = {**DEFAULT_TILES, **(tiles or {})}
+    _, n, k = w.shape
+    out_n, tile_n = (n // 2, t["block_n"] // 2) if silu_and_mul else (n, t["block_n"])
+    return w.dtype in (torch.bfloat16, torch.float16) and not (silu_and_mul and n % 2) and out_n % tile_n == 0 \
+        and k % t["block_k"] == 0
+
+
+def grouped_gemm_tilelang(a: torch.Tensor, w: torch.Tensor, group_ends: torch.Tensor, silu_and_mul: bool,
+                          out: torch.Tensor | None = None, tiles: dict | None = None) -> torch.Tensor:
+    """``out[rows of e] = a[rows of e] @ w[e].T`` per expert e (``silu(g) * u`` of its two halves with
+    ``silu_and_mul``), on one TileLang launch.
+
+    Args:
+        a: [P, K] bf16/fp16, expert e's rows ``group_ends[e-1] .. group_ends[e]`` (rows past the last end are
+            neither read into any output nor written).
+        w: [E, N, K] of a's dtype, contiguous (N = 2I, gate rows then up rows, with ``silu_and_mul``).
+        group_ends: [E] int32 on a's device, non-decreasing, at most P.
+        out: [P, N] ([P, I] with ``silu_and_mul``) to write, else a new tensor (rows outside every group are
+            left as they were).
+        tiles: overrides of :data:`DEFAULT_TILES`.
+    Returns:
+        out.
+    Raises:
+        ValueError: on shapes or dtypes the program does not take (:func:`grouped_gemm_applies`).
+    """
+    num_experts, n, k = w.shape
+    if a.dim() != 2 or a.shape[1] != k or a.dtype != w.dtype or group_ends.shape != (num_experts,) \
+            or group_ends.dtype != torch.int32 or not grouped_gemm_applies(w, silu_and_mul, tiles):
+        raise ValueError(f"grouped GEMM: rows {tuple(a.shape)} {a.dtype}, weight {tuple(w.shape)} {w.dtype}, "
+                         f"group ends {tuple(group_ends.shape)} {group_ends.dtype} (silu_and_mul={silu_and_mul})")
+    out_n = n // 2 if silu_and_mul else n
+    if out is None:
+        out = torch.empty(a.shape[0], out_n, dtype=a.dtype, device=a.device)
+    if a.shape[0] == 0:
+        return out
+    t = tuple(sorted({**DEFAULT_TILES, **(tiles or {})}.items()))
+    kernel = _compiled(num_experts, n, k, str(a.dtype).removeprefix("torch."), silu_and_mul, t)
+    kernel(a.contiguous(), w.reshape(num_experts * n, k), group_ends, out)
+    return out
