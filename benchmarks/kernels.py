@@ -83,6 +83,15 @@ def measure_ceilings() -> dict:
     return {"copy_GBps": copy_gbps, "matmul_bf16_TFLOPs": tflops}
 
 
+def write_probe(path: str, git_rev: str | None, ceil: dict, rows: list[dict]) -> None:
+    """A probe's result file: its command, revision (``git_rev``, else git's HEAD), device, ceilings and rows."""
+    rev = git_rev or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                    text=True).stdout.strip()
+    with open(path, "w") as f:
+        json.dump({"command": " ".join(["python"] + sys.argv), "git_rev": rev, "device": torch.cuda.get_device_name(),
+                   "ceilings": ceil, "rows": rows}, f, indent=1)
+
+
 def layers_for(bytes_per_layer: int) -> int:
     return max(1, min(MAX_LAYERS, math.ceil(ROTATE_BYTES / max(bytes_per_layer, 1))))
 

@@ -16,7 +16,6 @@ import importlib.util
 import inspect
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -24,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernels import bench_graph, measure_ceilings, mla_decode_inputs  # noqa: E402
+from kernels import bench_graph, measure_ceilings, mla_decode_inputs, write_probe  # noqa: E402
 
 from rayinfer.kernels import mla_tilelang  # noqa: E402
 from rayinfer.kernels._triton_utils import triton  # noqa: E402
@@ -235,11 +234,7 @@ def main() -> None:
         del cache
         torch.cuda.empty_cache()
     if args.out:
-        rev = args.git_rev or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                             text=True).stdout.strip()
-        Path(args.out).write_text(json.dumps({"command": " ".join(["python"] + sys.argv), "git_rev": rev,
-                                              "device": torch.cuda.get_device_name(), "ceilings": ceil,
-                                              "rows": rows}, indent=1))
+        write_probe(args.out, args.git_rev, ceil, rows)
 
 
 if __name__ == "__main__":

@@ -9,14 +9,13 @@ GEMMs, slot sum) on each backend, and the two GEMMs alone on each, and checks ea
 """
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernels import bench_graph, measure_ceilings  # noqa: E402
+from kernels import bench_graph, measure_ceilings, write_probe  # noqa: E402
 
 from rayinfer.kernels.activation import silu_and_mul  # noqa: E402
 from rayinfer.kernels.fused_moe import _grouped_mm_op, fused_moe_grouped_mm, fused_moe_ref  # noqa: E402
@@ -105,11 +104,7 @@ def main() -> None:
             for m in (int(v) for v in args.m.split(",")):
                 rows += case(name, SHAPES[name], m, ceil)
     if args.out:
-        rev = args.git_rev or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                             text=True).stdout.strip()
-        Path(args.out).write_text(json.dumps({"command": " ".join(["python"] + sys.argv), "git_rev": rev,
-                                              "device": torch.cuda.get_device_name(), "ceilings": ceil,
-                                              "rows": rows}, indent=1))
+        write_probe(args.out, args.git_rev, ceil, rows)
 
 
 if __name__ == "__main__":
