@@ -928,9 +928,11 @@ def fused_moe_grouped_mm(
     Returns:
         [T, H] in hidden's dtype (``residual``, updated in place, when given).
     Raises:
-        ValueError: on inconsistent shapes; RuntimeError when torch has no grouped GEMM.
+        ValueError: on inconsistent shapes or an unknown ``gemms``; RuntimeError when torch has no grouped GEMM.
     """
     _check_shapes(hidden, w13, w2, topk_ids, topk_weights)
+    if gemms not in (None, "torch", "tilelang"):
+        raise ValueError(f"gemms must be 'torch', 'tilelang' or None, not {gemms!r}")
     op = _grouped_mm_op()
     if op is None:
         raise RuntimeError(f"torch {torch.__version__} has no grouped GEMM (torch.nn.functional.grouped_mm)")

@@ -22,6 +22,15 @@ def test_grouped_gemm_shape_rules():
     assert not grouped_gemm_applies(torch.empty(8, 256, 256, dtype=torch.float32), False)  # fp32: no such MMA
 
 
+def test_grouped_path_names_an_unknown_gemm_backend():
+    from rayinfer.kernels.fused_moe import fused_moe_grouped_mm
+
+    x, w13, w2 = torch.zeros(4, 64), torch.zeros(2, 64, 64), torch.zeros(2, 64, 32)
+    ids, w = torch.zeros(4, 1, dtype=torch.int64), torch.ones(4, 1)
+    with pytest.raises(ValueError, match="'cutlass'"):
+        fused_moe_grouped_mm(x, w13, w2, ids, w, gemms="cutlass")
+
+
 def grouped_ref(a: torch.Tensor, w: torch.Tensor, ends: list[int], silu_and_mul: bool) -> torch.Tensor:
     """Per group e: a[rows] @ w[e].T in float32 (silu(gate) * up of its halves)."""
     out = torch.zeros(a.shape[0], w.shape[1] // (2 if silu_and_mul else 1), device=a.device)
