@@ -499,9 +499,9 @@ def bench_fused_moe(ceil: dict, cfg, num_tokens: int, device: torch.device, dtyp
     weights; bytes count one per weight (plus the scales)."""
     from rayinfer.kernels._triton_utils import use_triton
     from rayinfer.kernels.block_fp8 import block_fp8_dequant_ref, quantize_block_fp8
-    from rayinfer.kernels.fused_moe import (dequant_w13, fused_moe, fused_moe_grouped_mm, fused_moe_ref,
-                                            fused_moe_triton, fused_moe_w8a8_ref, grouped_mm_applies, quantize_w13,
-                                            tilelang_gemms_apply)
+    from rayinfer.kernels.fused_moe import (GROUPED_TILELANG, dequant_w13, fused_moe, fused_moe_grouped_mm,
+                                            fused_moe_ref, fused_moe_triton, fused_moe_w8a8_ref, grouped_mm_applies,
+                                            quantize_w13, tilelang_gemms_apply)
     from rayinfer.kernels.moe_routing import append_shared_experts
 
     num_routed, top_k, hidden_size, inter, _ = expert_shape(cfg)
@@ -541,10 +541,9 @@ def bench_fused_moe(ceil: dict, cfg, num_tokens: int, device: torch.device, dtyp
                 want8 = fused_moe_w8a8_ref(x, w13, w2, scales["w13_scale"], scales["w2_scale"], ids, weights)
                 paths["w8a8_err_vs_w8a8_ref"] = float((got - want8.float()).abs().max())
         if grouped_mm_applies(x, w13, fp8, force=True):  # whether it runs here at all
-            paths["grouped_mm_ms"] = kernel_ms if grouped else graph_ms(
-                lambda: fused_moe_grouped_mm(x, w13, w2, ids, weights), device, reps)
-            paths["grouped_mm_err_vs_ref"] = float(
-                (fused_moe_grouped_mm(x, w13, w2, ids, weights).float() - want).abs().max())
+            torch_path = functools.partial(fused_moe_grouped_mm, x, w13, w2, ids, weights, gemms="torch")
+            paths["grouped_mm_ms"] = kernel_ms if grouped and not GROUPED_TILELANG else graph_ms(torch_path, device, reps)
+            paths["grouped_mm_err_vs_ref"] = float((torch_path().float() - want).abs().max())
             if tilelang_gemms_apply(x, w13, w2):  # the same path with its GEMMs on TileLang
                 tl_path = functools.partial(fused_moe_grouped_mm, x, w13, w2, ids, weights, gemms="tilelang")
                 paths["grouped_tilelang_ms"] = graph_ms(tl_path, device, reps)

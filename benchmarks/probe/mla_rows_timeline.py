@@ -174,7 +174,7 @@ def set_carveout(percent: int) -> None:
             raise RuntimeError(f"cuFuncSetAttribute(carveout {percent}) failed: CUresult {err}")
 
 
-def neighbor_cases(ceil, carveouts=(-1,)) -> list[dict]:
+def neighbor_cases(carveouts=(-1,)) -> list[dict]:
     """The model's attention step in miniature: each backend's decode call alone, the W_UV product after it
     (``_times_uv``, a [16, 128, 512] weight) alone, and both in one graph, at batch 16 / 32 / 64 / 128 and 4K
     on blocks of 64. ``excess_us`` = both - alone - product: what a backend pays next to a kernel that is not
@@ -221,18 +221,19 @@ def main() -> None:
     record_triton_loads()
     ceil = measure_ceilings()
     print(ceil, flush=True)
-    build_traced = traced_builder()
-    rows = neighbor_cases(ceil, [int(c) for c in args.carveouts.split(",")]) if args.neighbors else []
-    cases = [(32, 4096, 4), (64, 4096, 2), (128, 4096, 1), (16, 4096, 8), (8, 4096, 16), (1, 1024, 32),
-             (4, 4096, 32), (32, 1024, 4), (32, 8192, 4), (64, 1024, 2)]
-    for batch, ctx, splits in [] if args.neighbors else cases:
-        cache, meta, ql, qp, want, nbytes, layers = mla_decode_inputs(batch, ctx, bs=64)
-        merges = ["launch", "last_program"] + (["cluster"] if splits <= mla_tilelang.MAX_CLUSTER_SPLITS else [])
-        for merge in merges if splits > 1 else ["launch"]:
-            rows.append(case(build_traced, args.trace, ceil, batch, ctx, splits, merge, cache, meta, ql, qp, want,
-                             nbytes, layers))
-        del cache
-        torch.cuda.empty_cache()
+    if args.neighbors:
+        rows = neighbor_cases([int(c) for c in args.carveouts.split(",")])
+    else:
+        build_traced, rows = traced_builder(), []
+        for batch, ctx, splits in [(32, 4096, 4), (64, 4096, 2), (128, 4096, 1), (16, 4096, 8), (8, 4096, 16),
+                                   (1, 1024, 32), (4, 4096, 32), (32, 1024, 4), (32, 8192, 4), (64, 1024, 2)]:
+            cache, meta, ql, qp, want, nbytes, layers = mla_decode_inputs(batch, ctx, bs=64)
+            merges = ["launch", "last_program"] + (["cluster"] if splits <= mla_tilelang.MAX_CLUSTER_SPLITS else [])
+            for merge in merges if splits > 1 else ["launch"]:
+                rows.append(case(build_traced, args.trace, ceil, batch, ctx, splits, merge, cache, meta, ql, qp,
+                                 want, nbytes, layers))
+            del cache
+            torch.cuda.empty_cache()
     if args.out:
         write_probe(args.out, args.git_rev, ceil, rows)
 

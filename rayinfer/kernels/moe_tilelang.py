@@ -49,11 +49,10 @@ def build_grouped_gemm(num_experts: int, n: int, k: int, dtype: str, silu_and_mu
     """
     import tilelang.language as T
 
-    out_n = n // 2 if silu_and_mul else n
-    tile_n = block_n // 2 if silu_and_mul else block_n
-    if (silu_and_mul and n % 2) or out_n % tile_n or k % block_k:
-        raise ValueError(f"grouped GEMM tiles: N = {n} (output {out_n}) must be a multiple of {tile_n} and K = {k} "
-                         f"of {block_k}")
+    problem = _shape_problem(n, k, silu_and_mul, block_n, block_k)
+    if problem:
+        raise ValueError(problem)
+    out_n, tile_n = (n // 2, block_n // 2) if silu_and_mul else (n, block_n)
     accum = "float32"
     half = n // 2
     num_rows = T.dynamic("num_rows")
@@ -69,8 +68,9 @@ def build_grouped_gemm(num_experts: int, n: int, k: int, dtype: str, silu_and_mu
             a_s = T.alloc_shared((block_m, block_k), dtype)
             g_s = T.alloc_shared((tile_n, block_k), dtype)
             acc_g = T.alloc_fragment((block_m, tile_n), accum)
-            u_s = T.alloc_shared((tile_n, block_k), dtype)
-            acc_u = T.alloc_fragment((block_m, tile_n), accum)
+            if silu_and_mul:  # the up half's tile and accumulator
+                u_s = T.alloc_shared((tile_n, block_k), dtype)
+                acc_u = T.alloc_fragment((block_m, tile_n), accum)
             expert = T.alloc_var("int32")
             row0 = T.alloc_var("int32")
             row_end = T.alloc_var("int32")
@@ -113,6 +113,16 @@ def build_grouped_gemm(num_experts: int, n: int, k: int, dtype: str, silu_and_mu
     return grouped_gemm
 
 
+def _shape_problem(n: int, k: int, silu_and_mul: bool, block_n: int, block_k: int) -> str | None:
+    """Why tiles of ``block_n`` output columns (gate and up together with ``silu_and_mul``) and ``block_k``
+    reduction steps do not divide a weight [E, N, K], or None when they do."""
+    out_n, tile_n = (n // 2, block_n // 2) if silu_and_mul else (n, block_n)
+    if (silu_and_mul and n % 2) or out_n % tile_n or k % block_k:
+        return (f"grouped GEMM tiles: N = {n} (output {out_n}) must be a multiple of {tile_n} and K = {k} "
+                f"of {block_k}")
+    return None
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled(num_experts: int, n: int, k: int, dtype: str, silu_and_mul: bool, tiles: tuple):
     import tilelang
@@ -125,9 +135,8 @@ def grouped_gemm_applies(w: torch.Tensor, silu_and_mul: bool, tiles: dict | None
     """Whether :func:`grouped_gemm_tilelang` takes a weight of this shape with these tiles."""
     t = {**DEFAULT_TILES, **(tiles or {})}
     _, n, k = w.shape
-    out_n, tile_n = (n // 2, t["block_n"] // 2) if silu_and_mul else (n, t["block_n"])
-    return w.dtype in (torch.bfloat16, torch.float16) and not (silu_and_mul and n % 2) and out_n % tile_n == 0 \
-        and k % t["block_k"] == 0
+    return w.dtype in (torch.bfloat16, torch.float16) and not _shape_problem(n, k, silu_and_mul, t["block_n"],
+                                                                             t["block_k"])
 
 
 def grouped_gemm_tilelang(a: torch.Tensor, w: torch.Tensor, group_ends: torch.Tensor, silu_and_mul: bool,
