@@ -23,7 +23,7 @@ from rayinfer.kernels.moe_routing import append_shared_experts  # noqa: E402
 from rayinfer.kernels.moe_tilelang import grouped_gemm_tilelang  # noqa: E402
 
 SHAPES = {"deepseek-v2-lite": (64, 1408, 2048, 6, 2), "qwen3-30b-a3b": (128, 768, 2048, 8, 0)}
-TILES = [dict(), dict(block_n=256, num_stages=3), dict(block_m=64, threads=128)]
+TILES = [dict(), dict(block_n=256, num_stages=3), dict(block_n=256, num_stages=4)]
 
 
 def case(name, shape, m, ceil, layers=4) -> list[dict]:

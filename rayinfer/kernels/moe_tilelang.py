@@ -45,11 +45,12 @@ def build_grouped_gemm(num_experts: int, n: int, k: int, dtype: str, silu_and_mu
         out [P, N or N / 2]); P is dynamic. The grid holds ceil(P / block_m) + E M-tiles, enough for any split of
         P rows into E groups; programs past the last tile store nothing.
     Raises:
-        ValueError: when N (or I) is not a multiple of the output tile, or K of ``block_k``.
+        ValueError: when N (or I) is not a multiple of the output tile, or K of ``block_k``; or when ``block_m`` is
+            not 128 or ``threads`` not 256 (:func:`_tiles_problem`).
     """
     import tilelang.language as T
 
-    problem = _shape_problem(n, k, silu_and_mul, block_n, block_k)
+    problem = _shape_problem(n, k, silu_and_mul, block_n, block_k) or _tiles_problem(block_m, threads)
     if problem:
         raise ValueError(problem)
     out_n, tile_n = (n // 2, block_n // 2) if silu_and_mul else (n, block_n)
@@ -123,6 +124,16 @@ def _shape_problem(n: int, k: int, silu_and_mul: bool, block_n: int, block_k: in
     return None
 
 
+def _tiles_problem(block_m: int, threads: int) -> str | None:
+    """Why ``block_m`` rows on ``threads`` threads are refused, or None: only 128 rows on 256 threads (one producer
+    and two consumer warpgroups once TileLang specializes them) ran on a GPU. The 64-row, 128-thread program
+    compiled on an H100 but did not finish within the tiles probe's time limit
+    (``benchmarks/results/moe-tilelang-tiles-h100-d7722cd-partial.json``)."""
+    if (block_m, threads) != (128, 256):
+        return f"grouped GEMM tiles: block_m = {block_m}, threads = {threads}; only block_m 128 on 256 threads runs"
+    return None
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled(num_experts: int, n: int, k: int, dtype: str, silu_and_mul: bool, tiles: tuple):
     import tilelang
@@ -135,8 +146,9 @@ def grouped_gemm_applies(w: torch.Tensor, silu_and_mul: bool, tiles: dict | None
     """Whether :func:`grouped_gemm_tilelang` takes a weight of this shape with these tiles."""
     t = {**DEFAULT_TILES, **(tiles or {})}
     _, n, k = w.shape
-    return w.dtype in (torch.bfloat16, torch.float16) and not _shape_problem(n, k, silu_and_mul, t["block_n"],
-                                                                             t["block_k"])
+    return (w.dtype in (torch.bfloat16, torch.float16)
+            and not _shape_problem(n, k, silu_and_mul, t["block_n"], t["block_k"])
+            and not _tiles_problem(t["block_m"], t["threads"]))
 
 
 def grouped_gemm_tilelang(a: torch.Tensor, w: torch.Tensor, group_ends: torch.Tensor, silu_and_mul: bool,

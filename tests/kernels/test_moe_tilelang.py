@@ -20,6 +20,9 @@ def test_grouped_gemm_shape_rules():
     assert not grouped_gemm_applies(torch.empty(8, 200, 256, dtype=b16), True)  # 100 channels: no 64-column tile
     assert not grouped_gemm_applies(torch.empty(8, 256, 100, dtype=b16), False)  # K not a multiple of 64
     assert not grouped_gemm_applies(torch.empty(8, 256, 256, dtype=torch.float32), False)  # fp32: no such MMA
+    # only 128-row tiles on 256 threads ran on a GPU (64 rows on 128 threads did not finish)
+    assert not grouped_gemm_applies(torch.empty(66, 2816, 2048, dtype=b16), True, dict(block_m=64, threads=128))
+    assert grouped_gemm_applies(torch.empty(66, 2816, 2048, dtype=b16), True, dict(block_n=256, num_stages=3))
 
 
 def test_grouped_path_names_an_unknown_gemm_backend():
