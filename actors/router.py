@@ -36,6 +36,7 @@ import asyncio
 import dataclasses
 import logging
 import math
+import os
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
@@ -203,6 +204,9 @@ class Router:
         if self.topology == "ep":
             from rayinfer.actors.ep_group import EPLoop
 
+            # EPLoop's start-up blocks on ray.get in a worker thread, never on this event loop; Ray warns of any
+            # blocking get inside an async actor, whichever thread makes it
+            os.environ.setdefault("RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "0")
             self.ep_loop = await asyncio.to_thread(EPLoop, self.model_config, cfg, self._placed)
             self.info = FleetInfo("ep", self.ep_loop.max_model_len, cfg.block_size, model=self.model_config.model)
             return self.info
