@@ -853,7 +853,8 @@ def _pairs_result(out, kept, hidden, residual, top_k: int, reduce_slots: bool) -
 GROUPED_MM_FROM = envs.moe_grouped_mm_from()
 # 1: the grouped-GEMM path's two GEMMs on TileLang programs (kernels.moe_tilelang: SwiGLU fused into the gate/up
 # GEMM) where TileLang imports and the shapes suit them; 0: torch's grouped GEMM (jobs/bench_moe.py variant
-# "moe-grouped-tilelang" sets 1)
+# "moe-grouped-tilelang" sets 1). Off by default: slower than torch's on an H100 (V2-Lite's two GEMMs at 2048 tokens
+# 717-824 us against 603; benchmarks/results/moe-tilelang-tiles-h100-d7722cd-partial.json)
 GROUPED_TILELANG = 0
 # A/B switch (jobs/bench_moe.py variant "moe-table-0"): 1 reads the device's table (kernels/configs/<device>.json)
 # for the grouped GEMM's tiles ("entries") and the grouped-GEMM path's start ("grouped_mm_from"); 0 reads
