@@ -702,13 +702,16 @@ def _run(spec: MoEBenchModel, tiny, dev, dt, batches, contexts, prefill, moe_tok
               + "".join(f" | {p} {r[p + '_ms']:.3f} ms ({r['pct_of_roofline_' + p]:.0f}%)"
                         for p in ("triton", "grouped_mm", "w8a16") if p + "_ms" in r), flush=True)
     small_ops = []
+    def kernel_us(r: dict, key: str) -> str:  # the Triton kernels are timed on CUDA only
+        return f"{r[key] * 1e3:8.1f} us" if key in r else "  (none on this device)"
+
     for n in moe_tokens:
         small_ops.append(bench_routing_align(config, n, dev, reps))
         r = small_ops[-1]
         print(f"routing+align T={n:<5} routing ref {r['routing_ref_ms'] * 1e3:8.1f} us"
-              f" kernel {r.get('routing_kernel_ms', float('nan')) * 1e3:8.1f} us | align ref"
-              f" {r['align_ref_ms'] * 1e3:8.1f} us kernel {r.get('align_kernel_ms', float('nan')) * 1e3:8.1f} us"
-              f" ({'CUDA graph' if dev.type == 'cuda' else 'eager'})", flush=True)
+              f" kernel {kernel_us(r, 'routing_kernel_ms')} | align ref {r['align_ref_ms'] * 1e3:8.1f} us"
+              f" kernel {kernel_us(r, 'align_kernel_ms')} ({'CUDA graph' if dev.type == 'cuda' else 'eager'})",
+              flush=True)
     return {
         "command": command or "python " + " ".join(sys.argv),
         "device": device_name(dev),
