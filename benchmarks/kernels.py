@@ -84,12 +84,12 @@ def measure_ceilings() -> dict:
 
 
 def write_probe(path: str, git_rev: str | None, ceil: dict, rows: list[dict]) -> None:
-    """A probe's result file: its command, revision (``git_rev``, else git's HEAD), device, ceilings and rows."""
-    rev = git_rev or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                    text=True).stdout.strip()
+    """A probe's result file: ``benchlib.run_metadata`` (command, device, versions, revision: ``git_rev``, else
+    git's HEAD), then its ceilings and rows."""
+    from rayinfer.jobs.benchlib import run_metadata
+
     with open(path, "w") as f:
-        json.dump({"command": " ".join(["python"] + sys.argv), "git_rev": rev, "device": torch.cuda.get_device_name(),
-                   "ceilings": ceil, "rows": rows}, f, indent=1)
+        json.dump({**run_metadata(torch.device("cuda"), git_rev), "ceilings": ceil, "rows": rows}, f, indent=1)
 
 
 def layers_for(bytes_per_layer: int) -> int:

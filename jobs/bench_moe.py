@@ -490,6 +490,10 @@ def bench_routing_align(cfg, num_tokens: int, device: torch.device, reps: int) -
     return row
 
 
+# the fused MoE's paths a row may time beside its default kernel (``<path>_ms``, ``pct_of_roofline_<path>``)
+FUSED_MOE_PATHS = ("triton", "grouped_mm", "grouped_tilelang", "w8a16")
+
+
 def bench_fused_moe(ceil: dict, cfg, num_tokens: int, device: torch.device, dtype: torch.dtype, reps: int,
                     num_shared: int = 0, fp8: bool = False) -> dict:
     """fused_moe (Triton on CUDA, else its torch fallback) against fused_moe_ref at the model's expert shape.
@@ -561,7 +565,7 @@ def bench_fused_moe(ceil: dict, cfg, num_tokens: int, device: torch.device, dtyp
            "ref_ms": ref_ms, "kernel_ms": kernel_ms, "kernel_eager_ms": eager_ms, "speedup_vs_ref": ref_ms / kernel_ms,
            "max_abs_err_vs_ref": err, "experts_read": touched, **paths, **_roofline(ceil, num_bytes, flops)}
     row["pct_of_roofline"] = 100 * row["roofline_ms"] / kernel_ms
-    for path in ("triton", "grouped_mm", "grouped_tilelang", "w8a16"):
+    for path in FUSED_MOE_PATHS:
         if f"{path}_ms" in row:
             row[f"pct_of_roofline_{path}"] = 100 * row["roofline_ms"] / row[f"{path}_ms"]
     return row
@@ -700,11 +704,11 @@ def _run(spec: MoEBenchModel, tiny, dev, dt, batches, contexts, prefill, moe_tok
               f"x{r['speedup_vs_ref']:.1f} | roofline {r['roofline_ms']:.3f} ms ({r['pct_of_roofline']:.0f}%) | "
               f"err {r['max_abs_err_vs_ref']:.1e}"
               + "".join(f" | {p} {r[p + '_ms']:.3f} ms ({r['pct_of_roofline_' + p]:.0f}%)"
-                        for p in ("triton", "grouped_mm", "w8a16") if p + "_ms" in r), flush=True)
-    small_ops = []
+                        for p in FUSED_MOE_PATHS if p + "_ms" in r), flush=True)
     def kernel_us(r: dict, key: str) -> str:  # the Triton kernels are timed on CUDA only
         return f"{r[key] * 1e3:8.1f} us" if key in r else "  (none on this device)"
 
+    small_ops = []
     for n in moe_tokens:
         small_ops.append(bench_routing_align(config, n, dev, reps))
         r = small_ops[-1]

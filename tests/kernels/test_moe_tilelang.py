@@ -58,8 +58,9 @@ def test_tilelang_grouped_gemms_match_torch():
 
     assert tilelang_available(), "the GPU machine's environment must provide tilelang"
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for (e, inter, hidden, tiles) in [(6, 1408, 2048, None), (4, 256, 512, dict(block_n=256, num_stages=3))]:
-        sizes = [0, 16, 400, 0, 1040, 32][:e] if e == 6 else [128, 0, 48, 272]
+    for sizes, inter, hidden, tiles in [([0, 16, 400, 0, 1040, 32], 1408, 2048, None),
+                                        ([128, 0, 48, 272], 256, 512, dict(block_n=256, num_stages=3))]:
+        e = len(sizes)
         ends = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
         rows = int(ends[-1]) + 40  # 40 rows past the last group
         a = torch.randn(rows, hidden, generator=gen, device="cuda").to(torch.bfloat16)
@@ -78,7 +79,7 @@ def test_tilelang_grouped_gemms_match_torch():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_grouped_path_on_tilelang_matches_ref():
+def test_grouped_path_on_tilelang_matches_ref(monkeypatch):
     """fused_moe_grouped_mm(gemms="tilelang") against fused_moe_ref at V2-Lite's (with its 2 shared experts as
     slots) and Qwen3-30B-A3B's expert shapes, skipped ids included, and through fused_moe with GROUPED_TILELANG."""
     import rayinfer.kernels.fused_moe as fm
@@ -97,9 +98,7 @@ def test_grouped_path_on_tilelang_matches_ref():
         want = fused_moe_ref(x, w13, w2, ids, w).float()
         got = fused_moe_grouped_mm(x, w13, w2, ids, w, gemms="tilelang")
         torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol, msg=lambda m: f"case {i}: {m}")
-        saved = fm.GROUPED_TILELANG, fm.GROUPED_MM_FROM
-        fm.GROUPED_TILELANG, fm.GROUPED_MM_FROM = 1, 1
-        try:  # fused_moe dispatches to the same programs (bit for bit; torch's path rounds gate/up first)
+        with monkeypatch.context() as m:  # fused_moe dispatches to the same programs (bit for bit; torch's path
+            m.setattr(fm, "GROUPED_TILELANG", 1)  # rounds gate/up first)
+            m.setattr(fm, "GROUPED_MM_FROM", 1)
             assert torch.equal(fm.fused_moe(x, w13, w2, ids, w), got), f"case {i}: fused_moe took another path"
-        finally:
-            fm.GROUPED_TILELANG, fm.GROUPED_MM_FROM = saved
