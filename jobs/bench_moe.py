@@ -40,8 +40,7 @@ runs decode steps (``--no-graphs`` skips them). Decode rows run every ``--contex
 (alignment, the gate/up GEMM with SiLU-and-mul fused, the down GEMM, top-k sum), replayed from a CUDA
 graph (``kernel_ms``; ``kernel_eager_ms`` eager) for M = 1 ... 4096 tokens against its
 roofline (the experts it reads, or its FLOPs) and its torch reference, with the Triton kernel's and (bf16 on
-Hopper) torch's grouped-GEMM path's times beside it (``triton_ms``, ``grouped_mm_ms``; that path on torch's own
-tiles and on its 64 x 128 ones, ``grouped_mm_torch_tiles_ms`` and ``grouped_mm_small_tiles_ms``; ``kernel_ms`` is
+Hopper) torch's grouped-GEMM path's times beside it (``triton_ms``, ``grouped_mm_ms``; ``kernel_ms`` is
 whichever ``fused_moe`` takes at that M; fp8 rows: ``kernel_ms`` is W8A8 on GPUs with fp8 tensor cores,
 ``w8a16_ms`` the 16-bit-activation scheme); the routing_align rows time the
 router (DeepSeek's grouped top-k, Qwen3's softmax top-k) and the alignment (with load counting) kernels
@@ -316,9 +315,6 @@ AB_VARIANTS = {"default": {}, "no-pdl": {"RAYINFER_PDL": "0"}, "no-one-row": {"R
                "moe-table-0": {"@rayinfer.kernels.fused_moe.DEVICE_TABLE": "0"},
                # the grouped-GEMM path's GEMMs on TileLang (kernels.moe_tilelang), SwiGLU fused into the first
                "moe-grouped-tilelang": {"@rayinfer.kernels.fused_moe.GROUPED_TILELANG": "1"},
-               # torch's grouped GEMM on its 64 x 128 tiles (1) or its own choice (0; fused_moe.grouped_operand)
-               **{f"grouped-small-tiles-{v}": {"@rayinfer.kernels.fused_moe.GROUPED_SMALL_TILES": str(v)}
-                  for v in (0, 1)},
                "graph-inputs-fused": {"@rayinfer.engine.cuda_graph.FUSED_INPUTS": "1"},
                # MLA decode on TileLang (keys-as-rows tiles on cache blocks of 64: every step; auto: from 64 tokens)
                "mla-tilelang": {"RAYINFER_MLA_BACKEND": "tilelang"}, "mla-auto": {"RAYINFER_MLA_BACKEND": "auto"}}
@@ -495,8 +491,7 @@ def bench_routing_align(cfg, num_tokens: int, device: torch.device, reps: int) -
 
 
 # the fused MoE's paths a row may time beside its default kernel (``<path>_ms``, ``pct_of_roofline_<path>``)
-FUSED_MOE_PATHS = ("triton", "grouped_mm", "grouped_mm_torch_tiles", "grouped_mm_small_tiles", "grouped_tilelang",
-                   "w8a16")
+FUSED_MOE_PATHS = ("triton", "grouped_mm", "grouped_tilelang", "w8a16")
 
 
 def bench_fused_moe(ceil: dict, cfg, num_tokens: int, device: torch.device, dtype: torch.dtype, reps: int,
@@ -553,10 +548,6 @@ def bench_fused_moe(ceil: dict, cfg, num_tokens: int, device: torch.device, dtyp
             torch_path = functools.partial(fused_moe_grouped_mm, x, w13, w2, ids, weights, gemms="torch")
             paths["grouped_mm_ms"] = kernel_ms if grouped and not GROUPED_TILELANG else graph_ms(torch_path, device, reps)
             paths["grouped_mm_err_vs_ref"] = float((torch_path().float() - want).abs().max())
-            for tiles in ("torch", "small"):  # torch's own tile choice, and its 64 x 128 tiles (grouped_operand)
-                tiled = functools.partial(torch_path, small_tiles=tiles == "small")
-                paths[f"grouped_mm_{tiles}_tiles_ms"] = graph_ms(tiled, device, reps)
-                paths[f"grouped_mm_{tiles}_tiles_err_vs_ref"] = float((tiled().float() - want).abs().max())
             if tilelang_gemms_apply(x, w13, w2):  # the same path with its GEMMs on TileLang
                 tl_path = functools.partial(fused_moe_grouped_mm, x, w13, w2, ids, weights, gemms="tilelang")
                 paths["grouped_tilelang_ms"] = graph_ms(tl_path, device, reps)

@@ -860,54 +860,12 @@ GROUPED_TILELANG = 0
 # for the grouped GEMM's tiles ("entries") and the grouped-GEMM path's start ("grouped_mm_from"); 0 reads
 # nothing of it: the heuristic tiles, and the grouped-GEMM path only where GROUPED_MM_FROM > 0 says so.
 DEVICE_TABLE = 1
-# 1: torch's grouped GEMM runs on its 64 x 128 ping-pong tiles instead of the 128 x 256 cooperative ones it picks
-# when the groups average more than 128 rows (see :func:`grouped_operand`); 0: its own choice. A/B variants
-# "grouped-small-tiles-0"/"-1" of jobs/bench_moe.py. A group of 192 rows (V2-Lite at 2048 tokens) fills two
-# 128-row tiles to 75%, three 64-row ones to 100%.
-GROUPED_SMALL_TILES = 0
 _GROUPED_MM_BLOCK_M = 16  # the alignment's padding: each expert's rows start 16-row aligned (32-byte offsets)
-_GROUPED_MM_SMALL_ROWS = 128  # torch takes its 64 x 128 tiles when rows / groups <= this (or N <= it)
-_GROUPED_MM_MAX_GROUPS = 1023  # torch's grouped GEMM takes fewer than 1024 groups
 
 
 def _grouped_mm_op():
     """torch's grouped GEMM (``torch.nn.functional.grouped_mm``, ``torch._grouped_mm`` before 2.10), or None."""
     return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-
-
-def grouped_operand(w: torch.Tensor, offs: torch.Tensor, num_rows: int, small_tiles: bool
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The weight operand and group ends of ``grouped_mm(rows, w.mT, offs)`` over experts ``w`` [E, N, K],
-    presented so that torch's grouped GEMM runs on its 64 x 128 tiles when ``small_tiles``.
-
-    Torch's SM90 grouped GEMM (ATen ``GroupMM.cu``) picks its tiles from the average group: 64 x 128 x 128
-    ping-pong where ``num_rows / groups <= 128``, else 128 x 256 x 64 cooperative. To reach the first, the
-    operand gets ``k - 1`` empty groups after every expert: a view [k (E - 1) + 1, K, N] with group stride
-    ``N K / k`` (expert e is group k e; the groups between alias its weights and own no rows), k the smallest
-    power of two that brings the average to 128 rows, and ends ``offs`` repeated k times. Nothing is copied.
-
-    Args:
-        w: [E, N, K] expert weights (contiguous), 16-bit.
-        offs: [E] int32 group ends (each expert's last row + 1 in ``rows``).
-        num_rows: rows of the grouped GEMM's left operand (padding included).
-        small_tiles: whether to present the view; False (or a shape the view cannot take: one expert, more
-            than 1023 groups, or a group stride off 16 bytes) returns ``w.mT`` and ``offs``.
-    Returns:
-        (operand [G, K, N], ends [G] int32).
-    """
-    num_experts, n, k_dim = w.shape
-    operand = w.transpose(1, 2)
-    size = n * k_dim
-    align = 16 // w.element_size()
-    k = 1
-    while (small_tiles and num_experts > 1 and k * (num_experts - 1) + 1 <= _GROUPED_MM_MAX_GROUPS
-           and num_rows > _GROUPED_MM_SMALL_ROWS * (k * (num_experts - 1) + 1)):
-        k *= 2
-    groups = k * (num_experts - 1) + 1
-    if k == 1 or groups > _GROUPED_MM_MAX_GROUPS or size % (k * align) or not w.is_contiguous():
-        return operand, offs
-    view = operand.as_strided((groups, k_dim, n), (size // k, 1, k_dim))
-    return view, offs.repeat_interleave(k)[:groups]
 
 
 def w8a8_applies(hidden: torch.Tensor) -> bool:
@@ -951,7 +909,6 @@ def fused_moe_grouped_mm(
     expert_load: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     gemms: str | None = None,
-    small_tiles: bool | None = None,
 ) -> torch.Tensor:
     """:func:`fused_moe_ref`'s result through torch's grouped GEMM (no host sync; for large batches).
 
@@ -965,12 +922,10 @@ def fused_moe_grouped_mm(
 
     ``gemms="tilelang"`` runs both GEMMs on :mod:`rayinfer.kernels.moe_tilelang`'s programs instead, SwiGLU fused
     into the first (no [P, 2I] intermediate); None takes them where :data:`GROUPED_TILELANG` is 1 and
-    :func:`tilelang_gemms_apply`, else torch's. ``small_tiles`` (torch's GEMMs; None: :data:`GROUPED_SMALL_TILES`)
-    runs them on torch's 64 x 128 tiles (:func:`grouped_operand`).
+    :func:`tilelang_gemms_apply`, else torch's.
 
     Args: as :func:`fused_moe_triton` (hidden and the weights floating point, not fp8; the Triton kernels
-        run the alignment and the sum, so CPU tensors need the interpreter); gemms: "torch", "tilelang" or None;
-        small_tiles: bool or None.
+        run the alignment and the sum, so CPU tensors need the interpreter); gemms: "torch", "tilelang" or None.
     Returns:
         [T, H] in hidden's dtype (``residual``, updated in place, when given).
     Raises:
@@ -1005,13 +960,10 @@ def fused_moe_grouped_mm(
         act = grouped_gemm_tilelang(gathered, w13, offs, silu_and_mul=True)
         out = grouped_gemm_tilelang(act, w2, offs, silu_and_mul=False)
     else:
-        small = bool(GROUPED_SMALL_TILES if small_tiles is None else small_tiles)
-        operand, ends = grouped_operand(w13, offs, size, small)
-        gate_up = op(gathered, operand, offs=ends)
+        gate_up = op(gathered, w13.transpose(1, 2), offs=offs)
         act = silu_and_mul(gate_up)
         del gate_up
-        operand, ends = grouped_operand(w2, offs, size, small)
-        out = op(act, operand, offs=ends)
+        out = op(act, w2.transpose(1, 2), offs=offs)
     _launch_slot_sum(out, kept, result, top_k, residual is not None, False,
                      positions=position, weights=topk_weights.reshape(-1).contiguous())
     return result
