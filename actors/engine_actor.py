@@ -35,16 +35,17 @@ class EngineActorImpl:
     """
 
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, replica_id: int = 0,
-                 kv_store: "ray.actor.ActorHandle | None" = None, kv_transport: str = "object_store"):
+                 kv_store: "ray.actor.ActorHandle | str | None" = None, kv_transport: str = "object_store"):
         """Load the model and start the step loop.
 
         Args:
             model_config, engine_config: the replica's configs (``engine_config.role`` picks the role).
             replica_id: the replica's id in stats.
-            kv_store: the KVStoreActor. PREFILL role: new full blocks are written through to it. NORMAL
-                role (the store as a third KV tier): a request's leading blocks that the store holds beyond
-                this replica's own cache are loaded from it, and finished requests' full blocks are
-                written to it, so one replica's prefixes serve the others (and outlive them).
+            kv_store: the KVStoreActor, or its name in this job's namespace (what the router passes, so that
+                Ray can restart this actor from its arguments). PREFILL role: new full blocks are written
+                through to it. NORMAL role (the store as a third KV tier): a request's leading blocks that the
+                store holds beyond this replica's own cache are loaded from it, and finished requests' full
+                blocks are written to it, so one replica's prefixes serve the others (and outlive them).
             kv_transport: "object_store", "cuda_ipc" (Ray Direct Transport, :meth:`pop_kv`), or "nccl" /
                 "gloo" (the fleet's transfer group, :meth:`send_kv` / :meth:`recv_kv`).
         """
@@ -52,7 +53,7 @@ class EngineActorImpl:
         self.kv_transport = kv_transport
         self.replica_id = replica_id
         self.engine = AsyncLLMEngine(LLMEngine(model_config, engine_config))
-        self.kv_store = kv_store
+        self.kv_store = ray.get_actor(kv_store) if isinstance(kv_store, str) else kv_store
         e = self.engine.engine
         budget = max(int(engine_config.kv_transfer_buffer_gib * _GIB), 1 << 20)
         self.transfer = KVTransferAgent(e.device, budget) if kv_transport in COLLECTIVE_TRANSPORTS else None

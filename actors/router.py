@@ -37,6 +37,7 @@ import dataclasses
 import logging
 import math
 import os
+import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
@@ -62,6 +63,14 @@ from rayinfer.policy.routing import DecodeBalancer, DecodeTicket, PrefillBalance
 
 logger = logging.getLogger(__name__)
 _GIB = 1 << 30
+
+
+def _start_kv_store(*args) -> tuple[ray.actor.ActorHandle, str]:
+    """A KVStoreActor (restarted by Ray whenever it dies) under a name of its own in this job's namespace, and
+    that name. Engine actors get the name, not the handle: Ray cannot restart an actor whose constructor
+    arguments live in its object store (an actor handle counts), and logs an error saying so at start-up."""
+    name = f"rayinfer-kv-store-{uuid.uuid4().hex[:12]}"
+    return KVStoreActor.options(name=name, num_cpus=0, max_restarts=-1).remote(*args), name
 
 
 @dataclass
@@ -216,16 +225,16 @@ class Router:
             await self._start_pd()
         else:
             ks = p.kv_store
-            store = None
+            store, store_name = None, None
             if ks.enabled:
-                store = KVStoreActor.options(num_cpus=0, max_restarts=-1).remote(
+                store, store_name = _start_kv_store(
                     ks.max_blocks, int(ks.max_gib * _GIB) if ks.max_gib else None, ks.ttl_s, ks.directory,
                     self.model_config.model)
-            replicas = [await self._place(self._engine_actor_cls(), i, self.model_config, cfg, i, kv_store=store)
-                        for i in range(p.dp)]
+            replicas = [await self._place(self._engine_actor_cls(), i, self.model_config, cfg, i,
+                                          kv_store=store_name) for i in range(p.dp)]
             peers = []  # cp > 1: each replica's ranks 1..cp-1, replicas of their own for short prompts
             if p.cp > 1:
-                peers = [await self._start_cp_peer(pg, i, r, kv_store=store)
+                peers = [await self._start_cp_peer(pg, i, r, kv_store=store_name)
                          for i, pg in enumerate(self._placement_groups[: p.dp]) for r in range(1, p.cp)]
             info = await asyncio.gather(*[r.ready.remote() for r in replicas + peers])
             await self._encoders_ready()
@@ -304,7 +313,7 @@ class Router:
                                                                          placement_group_bundle_index=0))
         return actor_cls.options(**opts).remote(*args, **kwargs)  # pyright: ignore[reportCallIssue]
 
-    async def _start_cp_peer(self, pg, replica: int, cp_rank: int, kv_store=None):
+    async def _start_cp_peer(self, pg, replica: int, cp_rank: int, kv_store: str | None = None):
         """CP rank ``cp_rank`` >= 1 of colocated replica ``replica``: an EngineActor on that bundle of the
         replica's placement group, serving requests of its own (``rayinfer.actors.cp_group``); its replica
         id in stats follows the rank-0 replicas'. Not restarted by Ray: a dead peer leaves its group."""
@@ -324,10 +333,10 @@ class Router:
         pcfg = dataclasses.replace(cfg, role="prefill", **buffers, **pd.prefill_overrides)
         dcfg = dataclasses.replace(cfg, role="decode", **buffers, **pd.decode_overrides)
         max_bytes = int(pd.kv_store_max_gib * _GIB) if pd.kv_store_max_gib else None
-        store = KVStoreActor.options(num_cpus=0, max_restarts=-1).remote(
-            pd.kv_store_max_blocks, max_bytes, pd.kv_store_ttl_s, p.kv_store.directory, self.model_config.model)
+        store, store_name = _start_kv_store(pd.kv_store_max_blocks, max_bytes, pd.kv_store_ttl_s,
+                                            p.kv_store.directory, self.model_config.model)
         actor_cls = self._engine_actor_cls(transport)
-        prefills = [await self._place(actor_cls, i, self.model_config, pcfg, i, kv_store=store,
+        prefills = [await self._place(actor_cls, i, self.model_config, pcfg, i, kv_store=store_name,
                                       kv_transport=transport) for i in range(p.num_prefill)]
         decodes = [await self._place(actor_cls, p.num_prefill + i, self.model_config, dcfg, p.num_prefill + i,
                                      kv_transport=transport) for i in range(p.num_decode)]

@@ -246,14 +246,25 @@ def unknown_keys(node, prefix: str = "") -> list[str]:
     return out
 
 
+_USAGE = """usage: rayinfer {serve,generate} [flags] [key=value ...]
+
+commands:
+  generate  answer a JSONL file of prompts (OpenAI Batch or rayinfer lines) offline, then exit
+  serve     start the OpenAI-compatible server (Ray Serve) and keep it running
+
+flags are listed by 'rayinfer <command> --help'; key=value pairs are Hydra overrides of the job's config
+(e.g. engine.max_num_seqs=64, parallel=1p1d), as for python jobs/generate.py and python jobs/serve.py"""
+
+
 def main(argv: list[str] | None = None) -> int:
     """``rayinfer {serve,generate} [flags] [key=value ...]``; returns the exit code (2: a bad flag,
     override or config value, or an unknown model)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in ("serve", "generate"):
-        print("usage: rayinfer {serve,generate} [flags] [key=value ...]; rayinfer <command> --help for the flags",
-              file=sys.stderr)
-        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+        asked = argv[:1] in (["-h"], ["--help"])
+        print(_USAGE if asked else _USAGE.splitlines()[0] + "; rayinfer --help for the commands",
+              file=sys.stdout if asked else sys.stderr)
+        return 0 if asked else 2
     command = argv[0]
     args = build_parser(command).parse_intermixed_args(argv[1:])  # a bad flag: argparse's exit 2
     overrides = to_overrides(command, args)

@@ -121,6 +121,12 @@ def test_errors_exit_2_with_one_line(argv, code, message, capsys):
     assert message in err and "Traceback" not in err
 
 
+def test_help_lists_the_commands(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"\n  {command} " in out for command in ("generate", "serve")) and "key=value" in out
+
+
 def test_rayinfer_generate_runs(tmp_path, ray_cluster):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text('{"id": "a", "prompt": "Hello"}\n{"id": "b", "messages": [{"role": "user", "content": "Hi"}]}\n')
