@@ -65,7 +65,7 @@ logger = logging.getLogger(__name__)
 _GIB = 1 << 30
 
 
-def _start_kv_store(*args) -> tuple[ray.actor.ActorHandle, str]:
+def _start_kv_store(*args) -> tuple[Any, str]:
     """A KVStoreActor (restarted by Ray whenever it dies) under a name of its own in this job's namespace, and
     that name. Engine actors get the name, not the handle: Ray cannot restart an actor whose constructor
     arguments live in its object store (an actor handle counts), and logs an error saying so at start-up."""
