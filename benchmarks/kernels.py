@@ -517,6 +517,41 @@ def sweep_mla_rows(ceil, budget_s: float = 300.0) -> list[dict]:
     return rows
 
 
+def sweep_mla_rows_stages(ceil, budget_s: float = 240.0) -> list[dict]:
+    """The keys-as-rows TileLang MLA decode (V2-Lite's 16 heads, cache blocks of 64) at batch 16 / 32 / 64 / 128,
+    4K: its default two-stage pipeline (about 160 KB of shared memory, one program per multiprocessor) against
+    one stage (about 95 KB: two programs per multiprocessor hide each other's loads instead), at the one-wave
+    split count and twice it, with the merge kernel and (at 3-8 splits) the last program's merge; the Triton
+    kernel beside them. Stops starting new TileLang compiles after ``budget_s`` seconds."""
+    from rayinfer.kernels._triton_utils import device_sms
+    from rayinfer.kernels.mla_tilelang import one_wave_splits, tilelang_available
+
+    rows, start = [], time.time()
+    for batch in (32, 16, 64, 128):
+        inputs = mla_decode_inputs(batch, 4096, 64)
+        wave = one_wave_splits(batch, 8192, device_sms(inputs[2]))
+        cases: list[tuple[str, dict | None, int | None]] = [("triton", None, None)]
+        if tilelang_available():
+            base = {"layout": "keys_as_rows"}
+            cases += [("tilelang", base, wave)]
+            for splits in sorted({wave, min(32, 2 * wave)}):
+                one = {**base, "num_stages": 1}
+                cases += [("tilelang", one, splits)]
+                if 2 < splits <= 8:
+                    cases += [("tilelang", {**one, "merge": "last_program"}, splits)]
+                elif splits > 1:
+                    cases += [("tilelang", {**one, "merge": "launch"}, splits)]
+        for backend, cfg, splits in cases:
+            if backend == "tilelang" and time.time() - start > budget_s:
+                print(f"  budget spent: tilelang {cfg} splits={splits} B={batch} not run", flush=True)
+                continue
+            rows.append(_mla_decode_case(ceil, inputs, {"op": "mla_decode_rows_stages", "backend": backend,
+                                                        "block_size": 64, "batch": batch, "ctx_len": 4096},
+                                         cfg, splits))
+        del inputs
+    return rows
+
+
 def sweep_mla_splits(ceil) -> list[dict]:
     """DeepSeek-V2-Lite's absorbed MLA decode (16 heads, R 512, P 64, cache blocks of 16) at batch >= 32 per
     split-KV factor (None: the default heuristic), warp count and pipeline depth: graph time per layer and the share of the
@@ -934,7 +969,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also sweep prefill tiles and decode split factors")
     parser.add_argument("--only-sweeps", nargs="*", default=None,
                         help="skip the kernel table; run these sweeps (gemv, gemv_mla, gemv_v2lite_mlp, decode_tiles, prefill, prefill_gqa8, prefill_long, "
-                        "decode_splits, decode_step, mla, mla_tiles, mla_tilelang, mla_rows, mla_splits, mla_swap, mla_swap_few, mla_prefill)")
+                        "decode_splits, decode_step, mla, mla_tiles, mla_tilelang, mla_rows, mla_rows_stages, mla_splits, mla_swap, mla_swap_few, mla_prefill)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA device")
@@ -956,7 +991,7 @@ def main() -> None:
         funcs = {"gemv": sweep_gemv, "decode_tiles": sweep_decode_tiles, "prefill": sweep_prefill, "prefill_gqa8": sweep_prefill_gqa8,
                  "decode_splits": sweep_decode_splits, "decode_step": sweep_decode_step, "mla": sweep_mla,
                  "prefill_long": sweep_prefill_long,
-                 "mla_tiles": sweep_mla_tiles, "mla_tilelang": sweep_mla_tilelang, "mla_rows": sweep_mla_rows, "mla_splits": sweep_mla_splits, "mla_swap": sweep_mla_swap, "mla_swap_few": sweep_mla_swap_few,
+                 "mla_tiles": sweep_mla_tiles, "mla_tilelang": sweep_mla_tilelang, "mla_rows": sweep_mla_rows, "mla_rows_stages": sweep_mla_rows_stages, "mla_splits": sweep_mla_splits, "mla_swap": sweep_mla_swap, "mla_swap_few": sweep_mla_swap_few,
                  "mla_prefill": sweep_mla_prefill,
                  "gemv_mla": lambda c: sweep_gemv(c, ("mla_qkv_a", "mla_o"), block_ks=(512, 1024, 2048)),
                  "gemv_v2lite_mlp": lambda c: sweep_gemv(c, ("v2lite_gate_up", "v2lite_down"),
