@@ -455,6 +455,19 @@ def _mla_decode_case(ceil, inputs, row: dict, cfg: dict | None, splits: int | No
             "first_call_s": time.time() - t0}
 
 
+def _mla_decode_cases(ceil, inputs, cases, row: dict, deadline: float) -> list[dict]:
+    """:func:`_mla_decode_case` for each (backend, tiles, splits) of ``cases`` with ``row``'s fields; TileLang cases
+    are skipped (with a line) once ``time.time()`` passes ``deadline`` (their compiles are the slow part)."""
+    out = []
+    for backend, cfg, splits in cases:
+        if backend == "tilelang" and time.time() > deadline:
+            print(f"  budget spent: tilelang {cfg} splits={splits} B={row['batch']} ctx={row['ctx_len']} not run",
+                  flush=True)
+            continue
+        out.append(_mla_decode_case(ceil, inputs, {**row, "backend": backend}, cfg, splits))
+    return out
+
+
 def sweep_mla_tilelang(ceil, budget_s: float = 330.0) -> list[dict]:
     """DeepSeek-V2-Lite's absorbed MLA decode (16 heads, R 512, P 64, cache blocks of 16) at batch 32 / 64 /
     128 and 4K context: the TileLang kernel per tile set of :data:`MLA_TILELANG_HOPPER` and split count (one
@@ -506,13 +519,8 @@ def sweep_mla_rows(ceil, budget_s: float = 300.0) -> list[dict]:
                 cases += [("tilelang", rows_cfg, s) for s in sorted({wave, max(1, wave // 2), min(32, 2 * wave)})]
                 if wave > 1:
                     cases += [("tilelang", {**rows_cfg, "merge": "launch"}, wave)]
-            for backend, cfg, splits in cases:
-                if backend == "tilelang" and time.time() - start > budget_s:
-                    print(f"  budget spent: tilelang splits={splits} B={batch} ctx={ctx} not run", flush=True)
-                    continue
-                rows.append(_mla_decode_case(ceil, inputs, {"op": "mla_decode_rows", "backend": backend,
-                                                            "block_size": bs, "batch": batch, "ctx_len": ctx},
-                                             cfg, splits))
+            rows += _mla_decode_cases(ceil, inputs, cases, {"op": "mla_decode_rows", "block_size": bs,
+                                                            "batch": batch, "ctx_len": ctx}, start + budget_s)
             del inputs
     return rows
 
@@ -541,13 +549,8 @@ def sweep_mla_rows_stages(ceil, budget_s: float = 240.0) -> list[dict]:
                     cases += [("tilelang", {**one, "merge": "last_program"}, splits)]
                 elif splits > 1:
                     cases += [("tilelang", {**one, "merge": "launch"}, splits)]
-        for backend, cfg, splits in cases:
-            if backend == "tilelang" and time.time() - start > budget_s:
-                print(f"  budget spent: tilelang {cfg} splits={splits} B={batch} not run", flush=True)
-                continue
-            rows.append(_mla_decode_case(ceil, inputs, {"op": "mla_decode_rows_stages", "backend": backend,
-                                                        "block_size": 64, "batch": batch, "ctx_len": 4096},
-                                         cfg, splits))
+        rows += _mla_decode_cases(ceil, inputs, cases, {"op": "mla_decode_rows_stages", "block_size": 64,
+                                                        "batch": batch, "ctx_len": 4096}, start + budget_s)
         del inputs
     return rows
 
