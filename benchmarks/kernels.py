@@ -528,11 +528,11 @@ def sweep_mla_rows(ceil, budget_s: float = 300.0) -> list[dict]:
 def sweep_mla_rows_stages(ceil, budget_s: float = 240.0) -> list[dict]:
     """The keys-as-rows TileLang MLA decode (V2-Lite's 16 heads, cache blocks of 64) at batch 16 / 32 / 64 / 128,
     4K: its default two-stage pipeline (about 160 KB of shared memory, one program per multiprocessor) against
-    one stage (about 95 KB: two programs per multiprocessor hide each other's loads instead), at the one-wave
-    split count and twice it, with the merge kernel and (at 3-8 splits) the last program's merge; the Triton
-    kernel beside them. Stops starting new TileLang compiles after ``budget_s`` seconds."""
+    one stage (about 95 KB by our count: two programs per multiprocessor then hide each other's loads), at the
+    one-wave split count and twice it, each with its default split merge and the other one (the merge kernel,
+    or at 3-8 splits the last program's); the Triton kernel beside them. Stops starting new TileLang compiles after ``budget_s`` seconds."""
     from rayinfer.kernels._triton_utils import device_sms
-    from rayinfer.kernels.mla_tilelang import one_wave_splits, tilelang_available
+    from rayinfer.kernels.mla_tilelang import merge_kind, one_wave_splits, tilelang_available
 
     rows, start = [], time.time()
     for batch in (32, 16, 64, 128):
@@ -544,11 +544,11 @@ def sweep_mla_rows_stages(ceil, budget_s: float = 240.0) -> list[dict]:
             cases += [("tilelang", base, wave)]
             for splits in sorted({wave, min(32, 2 * wave)}):
                 one = {**base, "num_stages": 1}
-                cases += [("tilelang", one, splits)]
-                if 2 < splits <= 8:
-                    cases += [("tilelang", {**one, "merge": "last_program"}, splits)]
-                elif splits > 1:
+                cases += [("tilelang", one, splits)]  # the default merge (merge_kind), then the other one
+                if splits > 1 and merge_kind(batch, splits) != "launch":
                     cases += [("tilelang", {**one, "merge": "launch"}, splits)]
+                elif 2 < splits <= 8:
+                    cases += [("tilelang", {**one, "merge": "last_program"}, splits)]
         rows += _mla_decode_cases(ceil, inputs, cases, {"op": "mla_decode_rows_stages", "block_size": 64,
                                                         "batch": batch, "ctx_len": 4096}, start + budget_s)
         del inputs
