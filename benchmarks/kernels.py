@@ -530,7 +530,8 @@ def sweep_mla_rows_stages(ceil, budget_s: float = 240.0) -> list[dict]:
     4K: its default two-stage pipeline (about 160 KB of shared memory, one program per multiprocessor) against
     one stage (about 95 KB by our count: two programs per multiprocessor then hide each other's loads), at the
     one-wave split count and twice it, each with its default split merge and the other one (the merge kernel,
-    or at 3-8 splits the last program's); the Triton kernel beside them. Stops starting new TileLang compiles after ``budget_s`` seconds."""
+    or at 3-8 splits the last program's); the Triton kernel beside them. Stops starting new TileLang compiles
+    after ``budget_s`` seconds."""
     from rayinfer.kernels._triton_utils import device_sms
     from rayinfer.kernels.mla_tilelang import merge_kind, one_wave_splits, tilelang_available
 

@@ -705,6 +705,7 @@ def _run(spec: MoEBenchModel, tiny, dev, dt, batches, contexts, prefill, moe_tok
               f"err {r['max_abs_err_vs_ref']:.1e}"
               + "".join(f" | {p} {r[p + '_ms']:.3f} ms ({r['pct_of_roofline_' + p]:.0f}%)"
                         for p in FUSED_MOE_PATHS if p + "_ms" in r), flush=True)
+
     def kernel_us(r: dict, key: str) -> str:  # the Triton kernels are timed on CUDA only
         return f"{r[key] * 1e3:8.1f} us" if key in r else "  (none on this device)"
 

@@ -54,7 +54,7 @@ def build_grouped_gemm(num_experts: int, n: int, k: int, dtype: str, silu_and_mu
     """
     import tilelang.language as T
 
-    problem = _shape_problem(n, k, silu_and_mul, block_n, block_k) or _tiles_problem(block_m, threads)
+    problem = _problem(n, k, silu_and_mul, dict(block_m=block_m, block_n=block_n, block_k=block_k, threads=threads))
     if problem:
         raise ValueError(problem)
     out_n, tile_n = (n // 2, block_n // 2) if silu_and_mul else (n, block_n)
@@ -138,6 +138,13 @@ def _tiles_problem(block_m: int, threads: int) -> str | None:
     return None
 
 
+def _problem(n: int, k: int, silu_and_mul: bool, tiles: dict) -> str | None:
+    """Why ``tiles`` (block_m, block_n, block_k, threads) do not suit a weight [E, N, K], or None: the first of
+    :func:`_shape_problem` and :func:`_tiles_problem`."""
+    return (_shape_problem(n, k, silu_and_mul, tiles["block_n"], tiles["block_k"])
+            or _tiles_problem(tiles["block_m"], tiles["threads"]))
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled(num_experts: int, n: int, k: int, dtype: str, silu_and_mul: bool, tiles: tuple):
     import tilelang
@@ -150,9 +157,7 @@ def grouped_gemm_applies(w: torch.Tensor, silu_and_mul: bool, tiles: dict | None
     """Whether :func:`grouped_gemm_tilelang` takes a weight of this shape with these tiles."""
     t = {**DEFAULT_TILES, **(tiles or {})}
     _, n, k = w.shape
-    return (w.dtype in (torch.bfloat16, torch.float16)
-            and not _shape_problem(n, k, silu_and_mul, t["block_n"], t["block_k"])
-            and not _tiles_problem(t["block_m"], t["threads"]))
+    return w.dtype in (torch.bfloat16, torch.float16) and not _problem(n, k, silu_and_mul, t)
 
 
 def grouped_gemm_tilelang(a: torch.Tensor, w: torch.Tensor, group_ends: torch.Tensor, silu_and_mul: bool,
