@@ -15,7 +15,8 @@ import ray
 import torch
 
 from rayinfer.actors.cluster import configure_worker_logging
-from rayinfer.actors.kv_transport import COLLECTIVE_TRANSPORTS, KVTransferAgent, from_wire, on_stream, to_wire
+from rayinfer.actors.kv_transport import (COLLECTIVE_TRANSPORTS, ByteBudget, KVTransferAgent, from_wire, on_stream,
+                                         release_when_freed, to_wire)
 from rayinfer.engine.async_engine import AsyncLLMEngine
 from rayinfer.engine.config import EngineConfig, ModelConfig
 from rayinfer.engine.llm_engine import LLMEngine
@@ -57,6 +58,12 @@ class EngineActorImpl:
         e = self.engine.engine
         budget = max(int(engine_config.kv_transfer_buffer_gib * _GIB), 1 << 20)
         self.transfer = KVTransferAgent(e.device, budget) if kv_transport in COLLECTIVE_TRANSPORTS else None
+        # DECODE role: bytes of received payloads not yet imported (the transfer group's own budget, or over
+        # cuda_ipc one of this replica's: the router reserves a request's bytes here before the prefill
+        # replica gathers its payload, so payloads in flight stay within kv_transfer_buffer_gib on both ends)
+        self.receive_budget = (self.transfer.budget if self.transfer is not None
+                               else ByteBudget(budget) if kv_transport == "cuda_ipc" else None)
+        self._reserved: dict[str, int] = {}  # cuda_ipc: request id -> bytes reserved for its payload
         self._kv_in: dict[str, tuple[float, torch.Tensor]] = {}  # DECODE: received payloads to decode
         self._outboxes: dict[str, _Outbox] = {}  # client id -> its requests' deltas not yet streamed
         self._kv_writes: list[concurrent.futures.Future] = []  # write-through puts not yet known to be done
@@ -79,8 +86,8 @@ class EngineActorImpl:
         return {"replica_id": self.replica_id, "role": e.role.value, "max_model_len": e.max_model_len,
                 "device": str(e.device), "num_blocks": e.scheduler.config.num_blocks,
                 "max_num_seqs": e.scheduler.config.max_num_seqs,
-                "transfer_budget_blocks": (self.transfer.budget.capacity // _block_bytes(e.kv_cache)
-                                           if self.transfer is not None else 0)}
+                "transfer_budget_blocks": (self.receive_budget.capacity // _block_bytes(e.kv_cache)
+                                           if self.receive_budget is not None else 0)}
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        **kwargs) -> AsyncIterator[RequestOutput]:
@@ -292,14 +299,26 @@ class EngineActorImpl:
         self.engine.release_kv([request_id])
         return payload
 
-    def receive_kv(self, request_id: str, kv_payload: torch.Tensor) -> int:
+    async def receive_kv(self, request_id: str, kv_payload: torch.Tensor) -> int:
         """DECODE role: take a payload ahead of :meth:`submit` (the cuda_ipc path: pass the ObjectRef from
-        :meth:`pop_kv` positionally). Returns the payload's size in bytes."""
+        :meth:`pop_kv` positionally). The bytes :meth:`reserve_kv` reserved for ``request_id`` (if any) come
+        back to the receive budget once the payload's copy here is freed (imported or expired). Returns the
+        payload's size in bytes."""
         self._kv_in = _fresh(self._kv_in)
         if self.kv_transport == "cuda_ipc":  # a view of the prefill replica's memory: copy it out now
             kv_payload = kv_payload.clone()
+        reserved = self._reserved.pop(request_id, 0)
+        if reserved and self.receive_budget is not None:
+            release_when_freed(kv_payload, self.receive_budget, reserved, asyncio.get_running_loop())
         self._kv_in[request_id] = (time.monotonic(), kv_payload)
         return kv_payload.numel() * kv_payload.element_size()
+
+    async def unreserve_kv(self, request_id: str) -> None:
+        """DECODE role (cuda_ipc): give back the bytes :meth:`reserve_kv` reserved for ``request_id`` when its
+        payload never arrived (the transfer failed); nothing when :meth:`receive_kv` already took them."""
+        reserved = self._reserved.pop(request_id, 0)
+        if reserved and self.receive_budget is not None:
+            await self.receive_budget.release(reserved)
 
     # -- context parallelism: rank 0 of a CP replica (rayinfer.actors.cp_group) ---------------------
     def cp_address(self) -> tuple[str, int]:
@@ -409,13 +428,16 @@ class EngineActorImpl:
         self.engine.release_kv(request_ids)
         return nbytes
 
-    async def reserve_kv(self, num_blocks: int) -> int:
+    async def reserve_kv(self, num_blocks: int, request_id: str | None = None) -> int:
         """DECODE role: wait until a batch of ``num_blocks`` blocks fits the receive budget and take it;
-        returns the bytes reserved (pass them to :meth:`recv_kv`)."""
-        assert self.transfer is not None, "reserve_kv needs kv_transport nccl or gloo"
+        returns the bytes reserved. nccl / gloo: pass them to :meth:`recv_kv`. cuda_ipc: name the
+        ``request_id`` whose payload :meth:`receive_kv` takes next (or :meth:`unreserve_kv` gives back)."""
+        assert self.receive_budget is not None, "reserve_kv needs kv_transport nccl, gloo or cuda_ipc"
         cache = self.engine.engine.kv_cache
         nbytes = num_blocks * _block_bytes(cache)
-        await self.transfer.budget.acquire(nbytes)
+        await self.receive_budget.acquire(nbytes)
+        if request_id is not None:
+            self._reserved[request_id] = self._reserved.get(request_id, 0) + nbytes
         return nbytes
 
     async def recv_kv(self, request_ids: list[str], num_blocks: list[int], src_rank: int, nbytes_reserved: int) -> int:
@@ -515,6 +537,9 @@ class EngineActorImpl:
                "kv_store_skipped_blocks": self.num_store_skipped_blocks}
         if self.transfer is not None:
             out.update(self.transfer.stats())
+        elif self.receive_budget is not None:  # cuda_ipc
+            b = self.receive_budget
+            out.update(kv_transfer_budget_used=b.used, kv_transfer_budget_peak=b.peak, kv_transfer_budget=b.capacity)
         if self.cp_peer is not None:
             out.update(cp_rank=self.cp_peer.cp_rank, num_cp_peer_prefills=self.cp_peer.num_prefills)
         return out

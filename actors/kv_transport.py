@@ -96,6 +96,12 @@ class ByteBudget:
             cond.notify_all()
 
 
+def release_when_freed(tensor: torch.Tensor, budget: ByteBudget, nbytes: int, loop: asyncio.AbstractEventLoop) -> None:
+    """Give ``nbytes`` back to ``budget`` (on ``loop``, from whichever thread frees it) once ``tensor`` is
+    garbage (a received payload, after the engine imported it)."""
+    weakref.finalize(tensor, lambda: loop.call_soon_threadsafe(lambda: asyncio.ensure_future(budget.release(nbytes))))
+
+
 class KVTransferAgent:
     """One replica's end of a PD fleet's KV transfer group (``torch.distributed``, NCCL or gloo).
 
@@ -206,10 +212,7 @@ class KVTransferAgent:
         except BaseException:
             await self.budget.release(nbytes_reserved)
             raise
-        loop = asyncio.get_running_loop()
-        budget = self.budget
-        weakref.finalize(buf, lambda: loop.call_soon_threadsafe(
-            lambda: asyncio.ensure_future(budget.release(nbytes_reserved))))
+        release_when_freed(buf, self.budget, nbytes_reserved, asyncio.get_running_loop())
         self.num_batches += 1
         self.num_bytes_received += buf.numel() * buf.element_size()
         return buf

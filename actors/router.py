@@ -9,7 +9,8 @@ clients (Serve ingress replicas, the job's driver) share it and its one view of 
   (``rayinfer.actors.pd``) and ask the router for prefill and decode tickets; KV transfers over the
   fleet's transfer group (nccl, gloo) are batched here: the requests waiting to move between a pair of
   replicas go as one send/recv, one batch at a time per replica (send/recv pairs must line up, so one
-  process orders them), each batch first reserving its bytes from the decode replica's budget;
+  process orders them), each batch first reserving its bytes from the decode replica's budget; over
+  cuda_ipc (replicas sharing a GPU) each request reserves its bytes there before it moves;
 - ep: one expert-parallel replica whose ranks drive their own step loops (they agree on each step by
   an all-gathered vote); requests stream through :meth:`Router.generate`, which sends them to a rank
   and reads the ranks' output streams here (``rayinfer.actors.ep_group.EPLoop``), with no call per step.
@@ -329,7 +330,8 @@ class Router:
         p, pd, cfg = self.parallel, self.parallel.pd, self.engine_config
         transport = resolve_kv_transport(pd.kv_transport, p.num_gpus_per_replica)
         group = transport in COLLECTIVE_TRANSPORTS
-        buffers = {"kv_transfer_buffer_gib": pd.transfer_buffer_gib} if group else {}
+        # device transports keep room for payloads in flight out of both ends' KV pools
+        buffers = {"kv_transfer_buffer_gib": pd.transfer_buffer_gib} if transport != "object_store" else {}
         pcfg = dataclasses.replace(cfg, role="prefill", **buffers, **pd.prefill_overrides)
         dcfg = dataclasses.replace(cfg, role="decode", **buffers, **pd.decode_overrides)
         max_bytes = int(pd.kv_store_max_gib * _GIB) if pd.kv_store_max_gib else None
@@ -452,10 +454,18 @@ class Router:
                 self._pumps[pair] = asyncio.get_running_loop().create_task(self._pump(*pair))
             await future
             return
-        try:  # cuda_ipc: one-sided, no pairing
+        # cuda_ipc: one-sided, no pairing; the request's bytes are reserved in the decode replica's receive
+        # budget before the prefill replica gathers its payload, so payloads in flight (gathered there, copied
+        # here, not yet imported) never outgrow the memory both ends keep for them
+        [num_blocks] = await prefill.parked_blocks.remote([request_id])
+        if num_blocks == 0:
+            raise KeyError(f"no parked KV for request {request_id!r} on prefill replica {prefill_replica}")
+        await decode.reserve_kv.remote(num_blocks, request_id)
+        try:
             payload = prefill.pop_kv.options(tensor_transport="cuda_ipc").remote(request_id)
             await decode.receive_kv.remote(request_id, payload)
         except ray.exceptions.RayError:
+            decode.unreserve_kv.remote(request_id)
             self._device_transfer_failed("cuda_ipc")
             raise
 

@@ -176,3 +176,42 @@ def test_decoding_goes_on_while_a_transfer_is_in_flight(pd, client, cases, refer
 
     totals = asyncio.run(main())
     assert totals == [40] * len(long)
+
+
+def test_cuda_ipc_receive_budget_bounds_the_payloads_in_flight(pd, client, cases):
+    """Over cuda_ipc the router reserves a request's bytes in the decode replica's receive budget before the
+    prefill replica gathers its payload (``Router.transfer_kv``): a reservation past the budget waits until a
+    received payload is gone, and every reservation comes back (payload dropped, or ``unreserve_kv`` after a
+    failed transfer). The decode side's bookkeeping runs here on CPU, the payload coming through the object
+    store instead of CUDA IPC (the GPU test moves it over CUDA IPC)."""
+    import ray
+
+    from rayinfer.actors.engine_actor import EngineActor
+    from rayinfer.engine.types import SamplingParams
+
+    prefill = client.prefills[0]
+    decode = EngineActor.options(num_cpus=0).remote(
+        pd.model, pd.engine_config(role="decode", kv_transfer_buffer_gib=TRANSFER_GIB), 9, kv_transport="cuda_ipc")
+    try:
+        budget_blocks = ray.get(decode.ready.remote())["transfer_budget_blocks"]
+        out = ray.get(prefill.prefill.remote("ipc-a", cases[0].prompt_token_ids,
+                                             SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)))
+        assert out.finish_reason == "prefilled"
+        [num_blocks] = ray.get(prefill.parked_blocks.remote(["ipc-a"]))
+        assert 0 < num_blocks < budget_blocks
+        reserved = ray.get(decode.reserve_kv.remote(num_blocks, "ipc-a"))
+        ray.get(decode.reserve_kv.remote(budget_blocks - num_blocks, "ipc-b"))  # the budget is full
+        waiting = decode.reserve_kv.remote(1, "ipc-c")
+        assert not ray.wait([waiting], timeout=1.0)[0]
+        assert ray.get(decode.receive_kv.remote("ipc-a", prefill.pop_kv.remote("ipc-a"))) == reserved
+        assert ray.get(prefill.parked_blocks.remote(["ipc-a"])) == [0]  # popped: its prefill blocks are free
+        assert not ray.wait([waiting], timeout=0.5)[0]  # the received payload still holds its bytes
+        ray.get(decode.abort.remote("ipc-a"))  # the payload is dropped: its bytes come back
+        ray.get(waiting, timeout=30)
+        ray.get([decode.unreserve_kv.remote("ipc-b"), decode.unreserve_kv.remote("ipc-c"),
+                 decode.unreserve_kv.remote("ipc-c")])  # a second give-back of one reservation is a no-op
+        stats = ray.get(decode.stats.remote())
+        assert stats["kv_transfer_budget_used"] == 0
+        assert stats["kv_transfer_budget_peak"] == budget_blocks * reserved // num_blocks
+    finally:
+        ray.kill(decode)
