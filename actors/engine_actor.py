@@ -288,12 +288,19 @@ class EngineActorImpl:
         """PREFILL role: a parked request's payload on the cache's device, its blocks freed; called as
         ``.options(tensor_transport="cuda_ipc")`` (Ray Direct Transport between actors sharing a GPU).
 
-        Raises:
-            KeyError: for a request not parked here.
+        Never raises: for a request not parked here, or a payload it cannot gather (out of memory), it
+        returns an empty tensor (the parked KV, if any, stays) and :meth:`receive_kv` raises on it. Ray Direct
+        Transport kills both actors, for good, when one of its transfers fails (``ray.experimental.rdt``), so
+        no error of this method may reach it.
         """
+        e = self.engine.engine
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()  # free earlier payloads whose receivers have let go of their IPC views
-        payload = self.engine.engine.gather_kv([request_id])
+        try:
+            payload = e.gather_kv([request_id])
+        except Exception as exc:  # noqa: BLE001 - reported through the empty payload
+            logger.warning("no KV payload for request %s over cuda_ipc (%s: %s)", request_id, type(exc).__name__, exc)
+            return torch.empty(0, dtype=e.kv_cache.dtype, device=e.kv_cache.device)
         if request_id in self._store_gathers:  # rare: its write-through copy still reads the blocks
             self._store_gathers.pop(request_id).result()
         self.engine.release_kv([request_id])
@@ -303,8 +310,16 @@ class EngineActorImpl:
         """DECODE role: take a payload ahead of :meth:`submit` (the cuda_ipc path: pass the ObjectRef from
         :meth:`pop_kv` positionally). The bytes :meth:`reserve_kv` reserved for ``request_id`` (if any) come
         back to the receive budget once the payload's copy here is freed (imported or expired). Returns the
-        payload's size in bytes."""
+        payload's size in bytes.
+
+        Raises:
+            KeyError: the payload is empty (:meth:`pop_kv` had none to send); the reservation is given back.
+        """
         self._kv_in = _fresh(self._kv_in)
+        if kv_payload.numel() == 0:  # pop_kv had nothing to send
+            await self.unreserve_kv(request_id)
+            raise KeyError(f"the prefill replica sent no KV for request {request_id!r} (not parked there, or it "
+                           "could not gather the payload)")
         if self.kv_transport == "cuda_ipc":  # a view of the prefill replica's memory: copy it out now
             kv_payload = kv_payload.clone()
         reserved = self._reserved.pop(request_id, 0)

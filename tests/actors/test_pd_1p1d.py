@@ -213,5 +213,14 @@ def test_cuda_ipc_receive_budget_bounds_the_payloads_in_flight(pd, client, cases
         stats = ray.get(decode.stats.remote())
         assert stats["kv_transfer_budget_used"] == 0
         assert stats["kv_transfer_budget_peak"] == budget_blocks * reserved // num_blocks
+        # a request the prefill replica does not hold: pop_kv sends an empty payload instead of raising (a task
+        # error would fail the device transfer, on which Ray kills both actors), the receive raises KeyError
+        # and gives the reservation back
+        ray.get(decode.reserve_kv.remote(1, "ipc-missing"))
+        with pytest.raises(ray.exceptions.RayTaskError, match="sent no KV") as err:
+            ray.get(decode.receive_kv.remote("ipc-missing", prefill.pop_kv.remote("ipc-missing")))
+        assert isinstance(err.value.cause, KeyError)
+        assert ray.get(decode.stats.remote())["kv_transfer_budget_used"] == 0
+        assert ray.get(decode.ready.remote())["transfer_budget_blocks"] == budget_blocks  # the replica lives on
     finally:
         ray.kill(decode)
