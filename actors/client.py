@@ -15,6 +15,7 @@ of load. ``connect`` picks the client class by the fleet's topology.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import uuid
 from contextlib import aclosing
 from typing import AsyncGenerator, AsyncIterator
@@ -304,17 +305,17 @@ class EPClient(_FleetClient):
 
 async def granted(ref, release):
     """Await a grant from the router (a replica pick, a ticket); if the caller is cancelled meanwhile,
-    ``release`` what the router grants, so its count of in-flight requests stays true."""
+    ``release`` what the router grants, so its count of in-flight requests stays true. The release runs on
+    Ray's side (a callback of the ref's future), so it happens even when the caller's event loop is gone
+    by then (a job whose run ended on an error); ``release`` must be a thread-safe call (a ``.remote``)."""
     try:
         return await ref
     except asyncio.CancelledError:
-        async def give_back():
-            try:
-                release(await ref)
-            except Exception:  # noqa: BLE001 - the pick failed: nothing was granted
-                pass
+        def give_back(fut: concurrent.futures.Future) -> None:
+            if not fut.cancelled() and fut.exception() is None:  # else the pick failed: nothing was granted
+                release(fut.result())
 
-        asyncio.get_running_loop().create_task(give_back())
+        ref.future().add_done_callback(give_back)
         raise
 
 

@@ -1,5 +1,6 @@
 """The PD admission gate: requests wait before their prefill while prefill + decode hold the limit, and are
-admitted first come, first served as requests leave (no Ray: the Router's balancers driven directly)."""
+admitted first come, first served as requests leave (no Ray: the Router's balancers driven directly); a grant
+whose caller left is given back (``client.granted``, with Ray tasks standing for the router)."""
 
 import asyncio
 
@@ -65,3 +66,54 @@ def test_admission_headroom_is_validated():
     with pytest.raises(ValueError, match="admission_headroom"):
         PDSection(admission_headroom=-0.5)
     assert PDSection(admission_headroom=None).admission_headroom is None
+
+
+def test_a_grant_whose_caller_left_is_given_back_after_its_loop_is_gone(ray_cluster):
+    """A caller cancelled while the router's grant is in flight gives the grant back when it arrives, even
+    when the caller's event loop has closed by then (as when a job's run ends on an error): the router's
+    in-flight counts stay true, and no give-back task dies pending with the loop."""
+    import threading
+    import time
+
+    import ray
+
+    from rayinfer.actors.client import granted
+
+    @ray.remote(num_cpus=0)
+    def slow_grant(value: int) -> int:
+        time.sleep(1.0)
+        return value
+
+    released: list[int] = []
+    done = threading.Event()
+
+    def release(value: int) -> None:
+        released.append(value)
+        done.set()
+
+    async def main():
+        task = asyncio.ensure_future(granted(slow_grant.remote(7), release))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())  # the loop is closed before the grant arrives
+    assert done.wait(60)
+    assert released == [7]
+
+    @ray.remote(num_cpus=0)
+    def failed_grant() -> int:
+        time.sleep(0.5)
+        raise RuntimeError("no replica")
+
+    async def fails():
+        task = asyncio.ensure_future(granted(failed_grant.remote(), release))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(fails())
+    time.sleep(2.0)
+    assert released == [7]  # a failed pick granted nothing: nothing is given back
