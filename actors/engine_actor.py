@@ -166,7 +166,8 @@ class EngineActorImpl:
         def copy_and_put() -> None:
             try:
                 host = payload.to("cpu")  # on the compute stream, behind the gather that made the payload
-                ray.get(store.put.remote(block_hashes, start, to_wire(host), layout))
+                # waits on this thread (not ray.get, which warns in an asyncio actor whatever the thread)
+                store.put.remote(block_hashes, start, to_wire(host), layout).future().result()
                 done.set_result(0)
             except Exception as err:  # noqa: BLE001 - a cache write
                 done.set_exception(err)
