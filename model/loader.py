@@ -198,11 +198,14 @@ def load_tokenizer(model: str | Path) -> transformers.PreTrainedTokenizerBase:
             default tokenizer's (its token ids would fall outside the embedding).
     """
     resolved = resolve_model(model)
+    # no length warning from transformers at tokenization: the engine checks prompts against max_model_len
+    # and rejects a too-long one with its own error
+    quiet = {"local_files_only": True, "model_max_length": transformers.tokenization_utils_base.VERY_LARGE_INTEGER}
     if isinstance(resolved, Path) and any((resolved / f).is_file() for f in _TOKENIZER_FILES):
-        return transformers.AutoTokenizer.from_pretrained(resolved, local_files_only=True)
+        return transformers.AutoTokenizer.from_pretrained(resolved, **quiet)
     config = load_config(resolved)
     vocab_size = getattr(config, "text_config", config).vocab_size  # a vision-language model: its decoder's
-    tok = transformers.AutoTokenizer.from_pretrained(ensure_default_model(), local_files_only=True)
+    tok = transformers.AutoTokenizer.from_pretrained(ensure_default_model(), **quiet)
     if len(tok) > vocab_size:
         raise ValueError(f"model '{model}' has no tokenizer, and the default one ({len(tok)} tokens) does not "
                          f"fit its vocab_size {vocab_size}")

@@ -256,3 +256,21 @@ def test_moe_checkpoint_directory_loads_through_load_weights(tmp_path):
         got = ours.compute_logits(ours(ids, torch.arange(9), kv, meta))
         want = hf(ids[None]).logits[0]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_tokenizer_leaves_the_prompt_length_check_to_the_engine():
+    """A prompt longer than the model's context tokenizes without transformers' length warning (the engine
+    rejects it with its own error, for that request only)."""
+    import logging
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    library_logger = logging.getLogger("transformers")  # its modules' loggers propagate here
+    library_logger.addHandler(handler)
+    try:
+        ids = load_tokenizer("SmolLM2-135M-Instruct")("hi " * 10000)["input_ids"]
+    finally:
+        library_logger.removeHandler(handler)
+    assert len(ids) > 8192  # SmolLM2's max_position_embeddings
+    assert not [r for r in records if "longer than the specified maximum" in r.getMessage()]
