@@ -34,7 +34,7 @@ import ray.exceptions
 from rayinfer.actors.client import _FleetClient, granted, unwrap
 from rayinfer.actors.router import FleetInfo
 from rayinfer.engine.detokenizer import IncrementalDetokenizer
-from rayinfer.engine.errors import InvalidRequestError
+from rayinfer.engine.errors import InvalidRequestError, ReplicasDeadError
 from rayinfer.engine.types import KVHandle, MultiModalInput, RequestOutput, SamplingParams
 from rayinfer.policy import pd as P
 from rayinfer.policy.kv_store_index import block_hashes
@@ -333,10 +333,12 @@ def _describe(error: Exception) -> str:
 
 def _failure_kind(error: Exception) -> P.FailureKind:
     """How the state machine treats an error: the engine rejected the request, the actor failed (also when
-    the router reports a transfer whose actor failed), or other."""
+    the router reports a transfer whose actor failed), every replica of a role is gone for good, or other."""
     if isinstance(error, ValueError):
         return P.FailureKind.REJECTED
     cause = getattr(error, "cause", None) if isinstance(error, ray.exceptions.RayTaskError) else error
+    if isinstance(cause, ReplicasDeadError):
+        return P.FailureKind.UNAVAILABLE
     if isinstance(cause, ray.exceptions.RayActorError):
         return P.FailureKind.REPLICA
     return P.FailureKind.ERROR

@@ -55,7 +55,7 @@ from rayinfer.actors.engine_actor import EngineActor, EngineActorImpl
 from rayinfer.actors.kv_store import KVStoreActor
 from rayinfer.actors.kv_transport import COLLECTIVE_TRANSPORTS, resolve_kv_transport
 from rayinfer.engine.config import EngineConfig, ModelConfig
-from rayinfer.engine.errors import EngineInternalError, UnsupportedError
+from rayinfer.engine.errors import EngineInternalError, ReplicasDeadError, UnsupportedError
 from rayinfer.engine.protocol import EncoderStats, EPStats, FleetStats, KVStoreStats, ReplicaStats
 from rayinfer.engine.types import RequestOutput, SamplingParams
 from rayinfer.placement.bundles import fleet_shortfall, rank_resources
@@ -64,6 +64,7 @@ from rayinfer.policy.routing import DecodeBalancer, DecodeTicket, PrefillBalance
 
 logger = logging.getLogger(__name__)
 _GIB = 1 << 30
+_DEAD_AFTER = 4  # a replica whose ready() fails this many times in a row (1 s apart) is gone for good
 
 
 def _start_kv_store(*args) -> tuple[Any, str]:
@@ -167,6 +168,7 @@ class Router:
         self.decode_lb: DecodeBalancer | None = None
         self._suspects: dict[str, set[int]] = {"prefill": set(), "decode": set()}
         self._restarted: dict[str, set[int]] = {"prefill": set(), "decode": set()}
+        self._dead: dict[str, set[int]] = {"prefill": set(), "decode": set()}  # gone for good (report_failure)
         self._rdt_ok = False
         self._rdt_locks: dict[tuple[str, int], asyncio.Lock] = {}
         self._transfer_queues: dict[tuple[int, int], deque] = {}  # (prefill, decode) -> waiting transfers
@@ -411,7 +413,12 @@ class Router:
                 "waited": gate.num_waited if gate else 0, "limit": gate.limit if gate else None}
 
     async def pick_prefill(self, num_tokens: int, num_cached_tokens: int) -> PrefillTicket:
-        """A prefill replica (its restart awaited when every replica is out); see PrefillBalancer."""
+        """A prefill replica (its restart awaited when every replica is out); see PrefillBalancer.
+
+        Raises:
+            ReplicasDeadError: every prefill replica is gone for good.
+        """
+        self._check_alive("prefill")
         ticket = self._lb("prefill").pick(num_tokens, num_cached_tokens, self._suspects["prefill"])
         await self._await_ready("prefill", ticket.replica)
         return ticket
@@ -421,7 +428,12 @@ class Router:
 
     async def pick_decode(self, num_tokens: int, prefill_replica: int) -> tuple[DecodeTicket, bool]:
         """A decode replica, and whether the KV may move by Ray Direct Transport from ``prefill_replica``
-        (no: either end restarted since the collective group formed, or an RDT transfer failed)."""
+        (no: either end restarted since the collective group formed, or an RDT transfer failed).
+
+        Raises:
+            ReplicasDeadError: every decode replica is gone for good.
+        """
+        self._check_alive("decode")
         ticket = self._lb("decode").pick(num_tokens, self._suspects["decode"])
         await self._await_ready("decode", ticket.replica)
         rdt = (self._rdt_ok and prefill_replica not in self._restarted["prefill"]
@@ -526,6 +538,7 @@ class Router:
         self._restarted[role].add(replica)
 
         async def probe():
+            died = 0
             for attempt in range(60):
                 try:
                     await actor.ready.remote()
@@ -533,8 +546,14 @@ class Router:
                     return
                 except ray.exceptions.ActorUnavailableError:  # restarting: ask again
                     await asyncio.sleep(min(0.1 * 2**attempt, 5.0))
-                except ray.exceptions.RayError:
-                    return  # gone for good: stays out (balancers ignore the exclusion if all are out)
+                except ray.exceptions.RayError as e:  # died: asked again a few times, as a restart may still begin
+                    died += 1
+                    if died == _DEAD_AFTER:  # gone for good: stays out (balancers ignore the exclusion if all are)
+                        self._dead[role].add(replica)
+                        logger.error("%s replica %d is dead and will not restart (%s)", role, replica,
+                                     " ".join(str(e).split())[:300])
+                        return
+                    await asyncio.sleep(1.0)
 
         task = asyncio.get_running_loop().create_task(probe())
         self._probes.add(task)
@@ -546,6 +565,12 @@ class Router:
             self.num_handbacks += 1
         else:
             self.num_retries += 1
+
+    def _check_alive(self, role: str) -> None:
+        replicas = self.fleet.prefills if role == "prefill" else self.fleet.decodes
+        if len(self._dead[role]) == len(replicas):
+            raise ReplicasDeadError(f"every {role} replica of the fleet is dead and will not restart (see the "
+                                    f"router's log for why); start the fleet again")
 
     async def _await_ready(self, role: str, replica: int) -> None:
         if replica in self._suspects[role]:  # every replica was out: wait for this one to come back

@@ -5,6 +5,7 @@
     ├── UnsupportedError    (also a ValueError)  400/501: valid, but this deployment cannot do it
     ├── OverloadedError                          503: no capacity now; retry later
     └── EngineInternalError                      500: a bug or a dead replica; the detail is logged
+        └── ReplicasDeadError                    500: every replica of a role is gone for good
 
 ``InvalidRequestError`` and ``UnsupportedError`` subclass ``ValueError`` so that code which validates
 with ``except ValueError`` (config checks, the batch job) keeps working. ``param`` names the offending
@@ -55,3 +56,9 @@ class EngineInternalError(RayInferError):
     """An engine step, actor or transfer failed for reasons that are not the request's; 500."""
 
     status = 500
+
+
+class ReplicasDeadError(EngineInternalError):
+    """Every replica of one role (all prefill or all decode replicas of a PD fleet) is dead and will not
+    restart (out of ``max_restarts``, or killed for good, as Ray Direct Transport does to both ends of a
+    failed transfer): requests fail at once instead of retrying until ``pd.retry_deadline_s``; 500."""

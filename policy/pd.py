@@ -20,7 +20,8 @@ re-run::
 Retries: a replica that failed restarts (10-70 s on CPU), so replica failures are retried until
 ``retry_deadline_s`` after the request's first failure, however many attempts that takes; other errors
 (a task raised, an object was lost) at most ``max_retries`` times within that deadline. A request out of
-retries ends with an error output (finish_reason "error"), never as a normal answer.
+retries ends with an error output (finish_reason "error"), never as a normal answer; so does one whose
+every prefill (or decode) replica is gone for good (FailureKind.UNAVAILABLE), at once.
     any phase  --Abort-->  DONE, after that phase's cleanups
 
 Protocol: ``Emit`` is always the last action of a list. After a non-final ``Emit`` the shell hands the
@@ -65,6 +66,7 @@ class FailureKind(str, enum.Enum):
     REPLICA = "replica"  # the replica's actor died or is restarting: report it, retry
     ERROR = "error"  # another Ray error (a task raised, an object was lost): retry
     REJECTED = "rejected"  # the engine rejected the request (ValueError): fail at once, never retried
+    UNAVAILABLE = "unavailable"  # every replica of a role is gone for good: fail at once (an error)
 
 
 def backoff_s(num_failures: int) -> float:
@@ -459,6 +461,8 @@ class PDRequest:
         self.phase = Phase.DONE
         if kind is FailureKind.REJECTED:
             return [Fail(message, rejected=True)]
+        if kind is FailureKind.UNAVAILABLE:  # nothing left to wait for
+            return [Fail(message)]
         self.num_failures += 1
         now = self.clock()
         if self._first_failure_s is None:

@@ -421,3 +421,26 @@ def test_events_out_of_order_are_a_bug():
     d(Abort())
     with pytest.raises(RuntimeError, match="DecodeOutput in phase done"):
         d(DecodeOutput((1,)))
+
+
+def test_every_replica_of_a_role_gone_fails_at_once_as_an_error():
+    """The router found every prefill (or decode) replica dead for good: no retry, however long the deadline;
+    an error output (not a rejection of the request)."""
+    gone = FailureKind.UNAVAILABLE
+    d = Driver(retry_deadline_s=600.0)
+    d(Start())
+    d(StoreLookupDone(0))
+    assert d(PrefillFailed(gone, "every prefill replica is dead")) == [
+        ReleasePrefill(), Fail("every prefill replica is dead")]
+    assert d.req.is_finished and not any(isinstance(a, Backoff) for a in d.actions)
+    d.check()
+
+    d = Driver(retry_deadline_s=600.0)
+    d(Start())
+    d(StoreLookupDone(0))
+    d(PrefillDone((11,), "prefilled"))
+    d(Emitted())
+    assert d(TransferFailed(gone, "every decode replica is dead", False)) == [
+        AbortDecode(), ReleaseDecode(), Fail("every decode replica is dead")]
+    assert d.req.is_finished
+    d.check()
