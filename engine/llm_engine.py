@@ -305,7 +305,8 @@ class LLMEngine:
         self.store_writer = None
         self.stored_hashes: OrderedDict[int, None] = OrderedDict()
         fp8 = any(p.dtype == torch.float8_e4m3fn for p in self.model.parameters())  # checkpoint or model.quantization
-        logger.info("engine ready: %s on %s (%s%s), %d KV blocks of %d", model_config.model, self.device,
+        role = "" if self.role == EngineRole.NORMAL else f" ({self.role.value} replica)"  # PD: which one this is
+        logger.info("engine ready%s: %s on %s (%s%s), %d KV blocks of %d", role, model_config.model, self.device,
                     self.dtype, ", fp8 block weights" if fp8 else "", num_blocks, cfg.block_size)
 
     def _num_host_blocks(self) -> int:
