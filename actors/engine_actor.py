@@ -554,8 +554,7 @@ class EngineActorImpl:
         if self.transfer is not None:
             out.update(self.transfer.stats())
         elif self.receive_budget is not None:  # cuda_ipc
-            b = self.receive_budget
-            out.update(kv_transfer_budget_used=b.used, kv_transfer_budget_peak=b.peak, kv_transfer_budget=b.capacity)
+            out.update(self.receive_budget.stats())
         if self.cp_peer is not None:
             out.update(cp_rank=self.cp_peer.cp_rank, num_cp_peer_prefills=self.cp_peer.num_prefills)
         return out

@@ -95,6 +95,11 @@ class ByteBudget:
             self.used -= nbytes
             cond.notify_all()
 
+    def stats(self) -> dict:
+        """The budget's bytes as replica stats: ``kv_transfer_budget`` (capacity), ``_used`` and ``_peak``."""
+        return {"kv_transfer_budget_used": self.used, "kv_transfer_budget_peak": self.peak,
+                "kv_transfer_budget": self.capacity}
+
 
 def release_when_freed(tensor: torch.Tensor, budget: ByteBudget, nbytes: int, loop: asyncio.AbstractEventLoop) -> None:
     """Give ``nbytes`` back to ``budget`` (on ``loop``, from whichever thread frees it) once ``tensor`` is
@@ -219,9 +224,7 @@ class KVTransferAgent:
 
     def stats(self) -> dict:
         return {"kv_transfer_batches": self.num_batches, "kv_transfer_bytes_sent": self.num_bytes_sent,
-                "kv_transfer_bytes_received": self.num_bytes_received,
-                "kv_transfer_budget_used": self.budget.used, "kv_transfer_budget_peak": self.budget.peak,
-                "kv_transfer_budget": self.budget.capacity}
+                "kv_transfer_bytes_received": self.num_bytes_received, **self.budget.stats()}
 
 
 CHUNK_BYTES = 256 << 20  # a batch is sent in layer chunks of about this size

@@ -67,6 +67,11 @@ _GIB = 1 << 30
 _DEAD_AFTER = 4  # a replica whose ready() fails this many times in a row (1 s apart) is gone for good
 
 
+def _not_parked(request_id: str, prefill_replica: int) -> KeyError:
+    """The error of a transfer whose request holds no KV on its prefill replica (expired or dropped)."""
+    return KeyError(f"no parked KV for request {request_id!r} on prefill replica {prefill_replica}")
+
+
 def _start_kv_store(*args) -> tuple[Any, str]:
     """A KVStoreActor (restarted by Ray whenever it dies) under a name of its own in this job's namespace, and
     that name. Engine actors get the name, not the handle: Ray cannot restart an actor whose constructor
@@ -471,7 +476,7 @@ class Router:
         # here, not yet imported) never outgrow the memory both ends keep for them
         [num_blocks] = await prefill.parked_blocks.remote([request_id])
         if num_blocks == 0:
-            raise KeyError(f"no parked KV for request {request_id!r} on prefill replica {prefill_replica}")
+            raise _not_parked(request_id, prefill_replica)
         await decode.reserve_kv.remote(num_blocks, request_id)
         try:
             payload = prefill.pop_kv.options(tensor_transport="cuda_ipc").remote(request_id)
@@ -493,8 +498,7 @@ class Router:
                 blocks = await prefill.parked_blocks.remote(ids)
                 for (rid, fut), n in zip(batch, blocks):
                     if n == 0 and not fut.done():
-                        fut.set_exception(KeyError(f"no parked KV for request {rid!r} on prefill replica "
-                                                   f"{prefill_replica}"))
+                        fut.set_exception(_not_parked(rid, prefill_replica))
                 live = [(rid, fut, n) for (rid, fut), n in zip(batch, blocks) if n > 0]
                 # batches no larger than the decode budget; the rest goes back to the queue's front
                 cut = _fit([n for _, _, n in live], self._budget_blocks[decode_replica])
