@@ -31,6 +31,9 @@ from rayinfer.engine.types import Completion, MultiModalInput, RequestOutput, Sa
 from rayinfer.placement.parallel_config import ParallelConfig
 
 
+_REPLICA_ATTEMPTS = 3  # colocated: picks for a request whose replica actor fails before it answers
+
+
 async def unwrap(ref):
     """Await a Ray ref; rayinfer's own errors (bad request, unsupported, ...) come back as themselves,
     not wrapped in Ray's RayTaskError."""
@@ -53,6 +56,7 @@ class _FleetClient:
         self.max_model_len = info.max_model_len
         self.owned = owned
         self._muxes: dict[str, OutputMux] = {}  # by actor id: this process's output stream from each replica
+        self._stale = False  # a replica failed: fetch the fleet's actors again before the next call
         self.encoder_pool = None  # the fleet's encoder replicas, if any (encode / prefill / decode)
         if info.encoders:
             from rayinfer.actors.encoder_actor import EncoderPool, actor_encode
@@ -73,6 +77,21 @@ class _FleetClient:
             return await self.encoder_pool.encode(mm_inputs)
         except ray.exceptions.RayError as e:
             raise EngineInternalError(f"image encoding failed: {type(e).__name__}: {e}") from e
+
+    async def replica(self, index: int):
+        """The actor at ``FleetInfo.replicas[index]``; after a replica failed (:meth:`replica_failed`) the
+        fleet's actors are fetched from the router first, as it may have replaced a dead one."""
+        if self._stale:
+            self._stale = False
+            self.info.replicas = await self.router.replicas.remote()
+        return self.info.replicas[index]
+
+    def replica_failed(self, role: str, replica: int, error: BaseException | None) -> None:
+        """Tell the router that replica ``replica`` of ``role`` failed (it probes the replica, keeps it
+        out of picks, replaces it if it is dead) and fetch the fleet's actors before the next call."""
+        cause = getattr(error, "cause", None) or error
+        self.router.report_failure.remote(role, replica, getattr(cause, "actor_id", None))
+        self._stale = True
 
     def mux(self, actor) -> OutputMux:
         """This client's output stream from ``actor`` (an EngineActor), opened on first use."""
@@ -236,7 +255,9 @@ class OutputMux:
 
 
 class ColocatedClient(_FleetClient):
-    """Data-parallel NORMAL replicas: the router picks, the client streams from the replica."""
+    """Data-parallel NORMAL replicas: the router picks, the client streams from the replica. A request
+    whose replica actor failed before it produced anything is sent again (up to ``_REPLICA_ATTEMPTS``
+    picks), to another replica or to the failed one once it restarted or was replaced."""
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str | None = None, mm_inputs: list[MultiModalInput] | None = None
@@ -244,21 +265,28 @@ class ColocatedClient(_FleetClient):
         """Stream a request's deltas from the replica the router picks (see ``EngineClient.generate``)."""
         request_id = request_id or uuid.uuid4().hex
         mm_inputs = await self.encode(mm_inputs)
-        idx = await granted(self.router.pick.remote(list(prompt_token_ids[: self.info.block_size]),
-                                                    len(prompt_token_ids)),
-                            lambda i: self.router.release.remote(i))
-        mux = self.mux(self.info.replicas[idx])
         extra = {"mm_inputs": mm_inputs} if mm_inputs else {}
-        try:
-            async with aclosing(mux.generate(request_id, mux.actor.submit, prompt_token_ids, params, **extra)) as outs:
-                async for out in outs:
-                    yield out
-        except (RayInferError, ValueError):
-            raise
-        except (ray.exceptions.RayError, RuntimeError) as e:
-            raise EngineInternalError(f"replica {idx} failed: {type(e).__name__}: {e}") from e
-        finally:
-            self.router.release.remote(idx)
+        for attempt in range(1, _REPLICA_ATTEMPTS + 1):
+            idx = await self._pick(prompt_token_ids)
+            started = False
+            try:
+                mux = self.mux(await self.replica(idx))
+                async with aclosing(mux.generate(request_id, mux.actor.submit, prompt_token_ids, params,
+                                                 **extra)) as outs:
+                    async for out in outs:
+                        started = True
+                        yield out
+                return
+            except (RayInferError, ValueError):
+                raise
+            except (ray.exceptions.RayError, RuntimeError) as e:
+                if isinstance(e, ray.exceptions.RayActorError):
+                    self.replica_failed("colocated", idx, e)
+                    if not started and attempt < _REPLICA_ATTEMPTS:
+                        continue
+                raise EngineInternalError(f"replica {idx} failed: {type(e).__name__}: {e}") from e
+            finally:
+                self.router.release.remote(idx)
 
     async def complete(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str | None = None, mm_inputs: list[MultiModalInput] | None = None) -> Completion:
@@ -271,18 +299,43 @@ class ColocatedClient(_FleetClient):
             result = Completion(request_id, list(prompt_token_ids))
             result.error, result.finish_reason = str(e), "error"
             return result
-        idx = await granted(self.router.pick.remote(list(prompt_token_ids[: self.info.block_size]),
-                                                    len(prompt_token_ids)),
-                            lambda i: self.router.release.remote(i))
         extra = {"mm_inputs": mm_inputs} if mm_inputs else {}
+        for attempt in range(1, _REPLICA_ATTEMPTS + 1):
+            try:
+                idx = await self._pick(prompt_token_ids)
+            except RayInferError as e:  # every replica is dead for good
+                result = Completion(request_id, list(prompt_token_ids))
+                result.error, result.finish_reason = str(e), "error"
+                return result
+            try:
+                actor = await self.replica(idx)
+                return await unwrap(actor.complete.remote(request_id, prompt_token_ids, params, **extra))
+            except ray.exceptions.RayError as e:
+                if isinstance(e, ray.exceptions.RayActorError):
+                    self.replica_failed("colocated", idx, e)
+                    if attempt < _REPLICA_ATTEMPTS:
+                        continue
+                result = Completion(request_id, list(prompt_token_ids))
+                result.error, result.finish_reason = f"internal error: replica {idx} failed ({type(e).__name__})", "error"
+                return result
+            finally:
+                self.router.release.remote(idx)
+        raise AssertionError("unreachable: the last attempt returns")
+
+    async def _pick(self, prompt_token_ids: list[int]) -> int:
+        """The router's pick (counted against the replica until released).
+
+        Raises:
+            ReplicasDeadError: every replica is gone for good.
+        """
         try:
-            return await unwrap(self.info.replicas[idx].complete.remote(request_id, prompt_token_ids, params, **extra))
-        except ray.exceptions.RayError as e:
-            result = Completion(request_id, list(prompt_token_ids))
-            result.error, result.finish_reason = f"internal error: replica {idx} failed ({type(e).__name__})", "error"
-            return result
-        finally:
-            self.router.release.remote(idx)
+            return await granted(self.router.pick.remote(list(prompt_token_ids[: self.info.block_size]),
+                                                         len(prompt_token_ids)),
+                                 lambda i: self.router.release.remote(i))
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, RayInferError):
+                raise e.cause from None
+            raise
 
 
 class EPClient(_FleetClient):

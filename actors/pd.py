@@ -90,7 +90,7 @@ class PDClient(_FleetClient):
         from rayinfer.model.loader import load_tokenizer
 
         super().__init__(router, info, owned)
-        self.prefills, self.decodes, self.store = info.prefills, info.decodes, info.kv_store
+        self.store = info.kv_store
         self.transport = info.kv_transport or "object_store"
         self.block_size = info.block_size
         self.max_retries = info.max_retries
@@ -99,6 +99,15 @@ class PDClient(_FleetClient):
         self.kv_state = P.KVTransportState(rdt_ok=self.transport != "object_store")
         self.num_retries = 0  # legs this client re-ran after an actor failure
         self.num_handbacks = 0  # legs this client re-ran after a decode replica preempted
+
+    @property
+    def prefills(self) -> list:
+        """The prefill replicas' actors as this client last fetched them."""
+        return self.info.prefills
+
+    @property
+    def decodes(self) -> list:
+        return self.info.decodes
 
     @property
     def _rdt_ok(self) -> bool:  # False for good once a transfer over RDT failed
@@ -222,7 +231,7 @@ class PDClient(_FleetClient):
         leg.engine_request_id = erid = action.engine_request_id
         try:
             leg.prefill_ticket = await self._pick_prefill(action.num_tokens, action.num_cached_tokens)
-            leg.prefill = self.prefills[leg.prefill_ticket.replica]
+            leg.prefill = await self.replica(leg.prefill_ticket.replica)
             stored = (leg.hashes[: len(leg.refs)], leg.layout, leg.refs)
             out = await unwrap(leg.prefill.prefill.remote(erid, run.prompt, run.params,
                                                           list(action.output_token_ids), stored, run.mm_inputs))
@@ -245,7 +254,7 @@ class PDClient(_FleetClient):
         try:
             leg.decode_ticket, leg.rdt = await self._pick_decode(action.num_tokens, prefill_replica)
             decode_replica = leg.decode_ticket.replica
-            leg.decode = self.decodes[decode_replica]
+            leg.decode = await self.replica(self.info.num_prefill + decode_replica)
             rdt = action.may_use_rdt and leg.rdt
             if rdt:
                 await unwrap(self.router.transfer_kv.remote(prefill_replica, decode_replica, leg.engine_request_id))
@@ -315,10 +324,9 @@ class PDClient(_FleetClient):
         leg.decode_grown = 0
 
     async def _report_failure(self, role: str, replica_index: int, error: Exception | None) -> None:
-        """Tell the router a replica failed (it keeps the replica out of picks until it answers again)."""
-        cause = getattr(error, "cause", None) or error
-        actor_id = getattr(cause, "actor_id", None)
-        self.router.report_failure.remote(role, replica_index, actor_id)
+        """Tell the router a replica failed (it keeps the replica out of picks until it answers again, and
+        replaces it if it is dead)."""
+        self.replica_failed(role, replica_index, error)
 
 
 def _describe(error: Exception) -> str:

@@ -65,6 +65,8 @@ from rayinfer.policy.routing import DecodeBalancer, DecodeTicket, PrefillBalance
 logger = logging.getLogger(__name__)
 _GIB = 1 << 30
 _DEAD_AFTER = 4  # a replica whose ready() fails this many times in a row (1 s apart) is gone for good
+_PROBES = 600  # ready() calls, up to 1 s apart, before a probe leaves a restarting replica to the picks
+_ROLES = ("colocated", "prefill", "decode")
 
 
 def _not_parked(request_id: str, prefill_replica: int) -> KeyError:
@@ -171,9 +173,14 @@ class Router:
         # pd
         self.prefill_lb: PrefillBalancer | None = None
         self.decode_lb: DecodeBalancer | None = None
-        self._suspects: dict[str, set[int]] = {"prefill": set(), "decode": set()}
-        self._restarted: dict[str, set[int]] = {"prefill": set(), "decode": set()}
-        self._dead: dict[str, set[int]] = {"prefill": set(), "decode": set()}  # gone for good (report_failure)
+        # replicas by role ("colocated", "prefill", "decode") and index within the role (report_failure)
+        self._suspects: dict[str, set[int]] = {r: set() for r in _ROLES}  # out of picks until ready answers
+        self._restarted: dict[str, set[int]] = {r: set() for r in _ROLES}  # outside the RDT group since
+        self._dead: dict[str, set[int]] = {r: set() for r in _ROLES}  # gone for good, not replaced
+        self._probes: dict[tuple[str, int], asyncio.Task] = {}  # (role, index) -> its probe (and replacement)
+        self._specs: dict[int, tuple] = {}  # fleet index -> (class, options, args, kwargs) that _place used
+        self._num_replaced: dict[int, int] = {}  # fleet index -> new actors started in its place
+        self.num_replacements = 0  # replacements that came up
         self._rdt_ok = False
         self._rdt_locks: dict[tuple[str, int], asyncio.Lock] = {}
         self._transfer_queues: dict[tuple[int, int], deque] = {}  # (prefill, decode) -> waiting transfers
@@ -183,7 +190,6 @@ class Router:
         self.num_admitted = 0  # PD requests between admit() and leave()
         self.num_transfer_batches = 0
         self.num_transferred = 0
-        self._probes: set[asyncio.Task] = set()
         self.num_retries = 0
         self.num_handbacks = 0
         # ep
@@ -319,6 +325,7 @@ class Router:
                     max_concurrency=4096, **({"max_task_retries": max_task_retries} if max_task_retries else {}),
                     scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
                                                                          placement_group_bundle_index=0))
+        self._specs[replica_id] = (actor_cls, opts, args, kwargs)  # to start it again (_replace)
         return actor_cls.options(**opts).remote(*args, **kwargs)  # pyright: ignore[reportCallIssue]
 
     async def _start_cp_peer(self, pg, replica: int, cp_rank: int, kv_store: str | None = None):
@@ -373,18 +380,36 @@ class Router:
                     transport, f" (batches up to {pd.transfer_buffer_gib:g} GiB)" if group else "")
 
     # -- colocated -------------------------------------------------------------------------------
-    def pick(self, prompt_prefix: list[int], num_prompt_tokens: int | None = None) -> int:
+    async def pick(self, prompt_prefix: list[int], num_prompt_tokens: int | None = None) -> int:
         """A NORMAL replica for a request whose prompt starts with ``prompt_prefix`` (its first block is
         enough) and has ``num_prompt_tokens`` tokens; counted against it until :meth:`release`. With
         ``parallel.cp > 1`` a prompt of at least ``cp_min_tokens`` tokens goes to a rank 0 (which leads CP
-        prefills), any other to any rank, CP peers included."""
+        prefills), any other to any rank, CP peers included. A replica reported failed is left out while
+        another can serve; when none can, the pick waits for one to restart or be replaced.
+
+        Raises:
+            ReplicasDeadError: every replica is gone for good.
+        """
         lb = self._lb("colocated")
         if self._cp_leaders is not None and (num_prompt_tokens or 0) >= self.parallel.cp_min_tokens:
-            return lb.pick(prompt_prefix, among=range(self._cp_leaders))
-        return lb.pick(prompt_prefix)
+            among = range(self._cp_leaders)
+        else:
+            among = range(len(lb.in_flight))
+        while True:
+            self._check_alive("colocated")
+            out = self._excluded("colocated")
+            replica = lb.pick(prompt_prefix, among=[r for r in among if r not in out] or among)
+            if await self._wait_until_up("colocated", replica):
+                return replica
+            lb.done(replica)
 
     def release(self, replica: int) -> None:
         self._lb("colocated").done(replica)
+
+    def replicas(self) -> list:
+        """The fleet's replica actors now (``FleetInfo.replicas``): a client refreshes its handles from here
+        after a failure, as a dead replica may have been replaced by a new actor (:meth:`report_failure`)."""
+        return list(self.fleet.replicas)
 
     def in_flight(self) -> list[int]:
         """Requests each replica holds by the balancers' count (NORMAL replicas, or prefill then decode
@@ -423,10 +448,13 @@ class Router:
         Raises:
             ReplicasDeadError: every prefill replica is gone for good.
         """
-        self._check_alive("prefill")
-        ticket = self._lb("prefill").pick(num_tokens, num_cached_tokens, self._suspects["prefill"])
-        await self._await_ready("prefill", ticket.replica)
-        return ticket
+        lb = self._lb("prefill")
+        while True:
+            self._check_alive("prefill")
+            ticket = lb.pick(num_tokens, num_cached_tokens, self._excluded("prefill"))
+            if await self._wait_until_up("prefill", ticket.replica):
+                return ticket
+            lb.done(ticket)
 
     def release_prefill(self, ticket: PrefillTicket) -> None:
         self._lb("prefill").done(ticket)
@@ -438,9 +466,13 @@ class Router:
         Raises:
             ReplicasDeadError: every decode replica is gone for good.
         """
-        self._check_alive("decode")
-        ticket = self._lb("decode").pick(num_tokens, self._suspects["decode"])
-        await self._await_ready("decode", ticket.replica)
+        lb = self._lb("decode")
+        while True:
+            self._check_alive("decode")
+            ticket = lb.pick(num_tokens, self._excluded("decode"))
+            if await self._wait_until_up("decode", ticket.replica):
+                break
+            lb.done(ticket)
         rdt = (self._rdt_ok and prefill_replica not in self._restarted["prefill"]
                and ticket.replica not in self._restarted["decode"])
         return ticket, rdt
@@ -530,38 +562,74 @@ class Router:
         self._rdt_ok = False
 
     def report_failure(self, role: str, replica: int, actor_id: str | None) -> None:
-        """A client saw a replica fail: keep it out of new picks until its ``ready`` answers again.
+        """A client saw replica ``replica`` of ``role`` ("colocated", "prefill" or "decode") fail: keep it
+        out of new picks until its ``ready`` answers again. A replica that stays dead (out of Ray's
+        restarts, or ended by Ray) is replaced by a new actor in its placement group, up to
+        ``parallel.max_replacements`` times; then it is dead for good.
 
-        Only when ``actor_id`` names this replica's actor (or names none). A restarted actor is outside
-        the RDT collective group, so its KV goes through the object store from then on.
+        Only when ``actor_id`` names this replica's actor now (or names none): a report about an actor
+        already replaced is old news. A restarted or new actor is outside the RDT collective group, so its
+        KV goes through the object store from then on.
         """
-        actor = (self.fleet.prefills if role == "prefill" else self.fleet.decodes)[replica]
+        actor = self._actor(role, replica)
         if replica in self._suspects[role] or (actor_id is not None and actor_id != actor._actor_id.hex()):
             return
         self._suspects[role].add(replica)
         self._restarted[role].add(replica)
+        self._probes[(role, replica)] = asyncio.get_running_loop().create_task(self._probe(role, replica, actor))
 
-        async def probe():
-            died = 0
-            for attempt in range(60):
-                try:
-                    await actor.ready.remote()
-                    self._suspects[role].discard(replica)
-                    return
-                except ray.exceptions.ActorUnavailableError:  # restarting: ask again
-                    await asyncio.sleep(min(0.1 * 2**attempt, 5.0))
-                except ray.exceptions.RayError as e:  # died: asked again a few times, as a restart may still begin
-                    died += 1
-                    if died == _DEAD_AFTER:  # gone for good: stays out (balancers ignore the exclusion if all are)
+    async def _probe(self, role: str, replica: int, actor) -> None:
+        """Ask a reported replica's ``ready`` until it answers (it stays or comes back from a restart), or
+        until it is dead: then replace it (:meth:`_replace`) or, out of replacements, mark it dead."""
+        died = 0
+        for attempt in range(_PROBES):
+            try:
+                await actor.ready.remote()
+                self._suspects[role].discard(replica)
+                return
+            except ray.exceptions.ActorUnavailableError:  # restarting: ask again (picks wait on this probe)
+                await asyncio.sleep(min(0.1 * 2**attempt, 1.0))
+            except ray.exceptions.RayError as e:  # died: asked again a few times, as a restart may still begin
+                died += 1
+                if died == _DEAD_AFTER:
+                    why = " ".join(str(e).split())[:300]
+                    if await self._replace(role, replica, why):
+                        self._suspects[role].discard(replica)
+                    else:  # stays out (balancers ignore the exclusion if all are)
                         self._dead[role].add(replica)
-                        logger.error("%s replica %d is dead and will not restart (%s)", role, replica,
-                                     " ".join(str(e).split())[:300])
-                        return
-                    await asyncio.sleep(1.0)
+                        logger.error("%s replica %d is dead and will not restart (%s)", role, replica, why)
+                    return
+                await asyncio.sleep(1.0)
 
-        task = asyncio.get_running_loop().create_task(probe())
-        self._probes.add(task)
-        task.add_done_callback(self._probes.discard)
+    async def _replace(self, role: str, replica: int, why: str) -> bool:
+        """Start a new actor in place of a dead replica, in its placement group bundle and with the
+        arguments it was started with, until one answers ``ready`` or ``parallel.max_replacements`` for
+        this replica are spent (-1: no limit). True when a new actor is up; it serves from then on
+        (clients fetch it from :meth:`replicas`)."""
+        index = self._index(role, replica)
+        limit = self.parallel.max_replacements
+        if self.topology not in ("colocated", "pd") or self.parallel.cp > 1 or index not in self._specs:
+            return False
+        while limit < 0 or self._num_replaced.get(index, 0) < limit:
+            n = self._num_replaced[index] = self._num_replaced.get(index, 0) + 1
+            logger.error("%s replica %d is dead (%s); starting a new actor in its place (replacement %d%s)",
+                         role, replica, why, n, f" of {limit}" if limit >= 0 else "")
+            ray.kill(self.fleet.replicas[index], no_restart=True)  # its bundle must be free for the new actor
+            actor_cls, opts, args, kwargs = self._specs[index]
+            new = actor_cls.options(**opts).remote(*args, **kwargs)
+            try:
+                await new.ready.remote()
+            except ray.exceptions.RayError as e:
+                why = " ".join(str(e).split())[:300]
+                ray.kill(new, no_restart=True)
+                await asyncio.sleep(1.0)
+                continue
+            self.fleet.replicas[index] = new
+            self.num_replacements += 1
+            logger.warning("%s replica %d is back: a new actor serves in its place (KV moves through the object "
+                           "store to and from it)", role, replica)
+            return True
+        return False
 
     def count_leg(self, handed_back: bool) -> None:
         """A client re-ran a PD leg: after a decode hand-back, or after a failure."""
@@ -570,16 +638,44 @@ class Router:
         else:
             self.num_retries += 1
 
+    def _index(self, role: str, replica: int) -> int:
+        """The position in ``FleetInfo.replicas`` of replica ``replica`` of ``role``."""
+        return self.fleet.num_prefill + replica if role == "decode" else replica
+
+    def _actor(self, role: str, replica: int):
+        return self.fleet.replicas[self._index(role, replica)]
+
+    def _num_replicas(self, role: str) -> int:
+        return len({"colocated": self.fleet.replicas, "prefill": self.fleet.prefills,
+                    "decode": self.fleet.decodes}[role])
+
     def _check_alive(self, role: str) -> None:
-        replicas = self.fleet.prefills if role == "prefill" else self.fleet.decodes
-        if len(self._dead[role]) == len(replicas):
-            raise ReplicasDeadError(f"every {role} replica of the fleet is dead and will not restart (see the "
+        if len(self._dead[role]) == self._num_replicas(role):
+            what = "replica" if role == "colocated" else f"{role} replica"
+            raise ReplicasDeadError(f"every {what} of the fleet is dead and will not restart (see the "
                                     f"router's log for why); start the fleet again")
 
-    async def _await_ready(self, role: str, replica: int) -> None:
-        if replica in self._suspects[role]:  # every replica was out: wait for this one to come back
-            actor = (self.fleet.prefills if role == "prefill" else self.fleet.decodes)[replica]
-            await actor.ready.remote()
+    def _excluded(self, role: str) -> set[int]:
+        """Replicas a pick leaves out: every reported one while another can serve; else the dead ones only,
+        so that the pick waits for one that restarts or is being replaced."""
+        suspects = self._suspects[role]
+        return suspects if len(suspects) < self._num_replicas(role) else self._dead[role]
+
+    async def _wait_until_up(self, role: str, replica: int) -> bool:
+        """Wait until a picked replica can serve: at once unless it was reported; else until its probe
+        ends (a restart or a replacement) and it answers. False: it turned out dead for good."""
+        if replica not in self._suspects[role]:
+            return True
+        probe = self._probes.get((role, replica))
+        if probe is not None:
+            await asyncio.shield(probe)
+        if replica in self._dead[role]:
+            return False
+        try:
+            await self._actor(role, replica).ready.remote()
+        except ray.exceptions.ActorUnavailableError:
+            pass  # restarting again: the request's call waits for it or fails and is retried
+        return True
 
     def _lock(self, role: str, replica: int) -> asyncio.Lock:
         return self._rdt_locks.setdefault((role, replica), asyncio.Lock())
@@ -633,7 +729,8 @@ class Router:
             store = (KVStoreStats(error=f"{type(r).__name__}: {r}") if isinstance(r, BaseException)
                      else KVStoreStats.from_dict(r))
         return FleetStats(info.topology, replicas, store, num_retries=self.num_retries,
-                          num_handbacks=self.num_handbacks, encoders=encoders)
+                          num_handbacks=self.num_handbacks, encoders=encoders,
+                          num_replacements=self.num_replacements)
 
     async def flush(self) -> None:
         """Wait until the replicas' KV-store writes reached the store (PD prefill replicas; colocated

@@ -197,6 +197,8 @@ class FleetStats:
         num_retries: PD legs re-run after an actor failure.
         num_handbacks: PD legs re-run after a decode replica preempted a request.
         encoders: the vision-encoder replicas (``encoder.num_encoders``), else empty.
+        num_replacements: new actors the router started in place of replicas dead for good
+            (``parallel.max_replacements``).
     """
 
     topology: str = "colocated"
@@ -206,6 +208,7 @@ class FleetStats:
     num_retries: int = 0
     num_handbacks: int = 0
     encoders: list[EncoderStats] = field(default_factory=list)
+    num_replacements: int = 0
 
     def by_role(self, role: str) -> list[ReplicaStats]:
         """The replicas of one role."""

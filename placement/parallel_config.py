@@ -284,6 +284,9 @@ class ParallelConfig(_Sealed):
         num_gpus_per_replica: GPUs of each rank's actor; a fraction lets replicas share a GPU (PD over
             cuda_ipc).
         max_restarts: Ray restarts of each engine actor (-1: forever).
+        max_replacements: new actors the router may start in place of one colocated or PD replica
+            that is dead for good (out of ``max_restarts``, or ended by Ray), one at a time in the
+            replica's placement group (-1: no limit; 0: a dead replica stays dead). Not with cp > 1.
         placement_timeout_s: seconds to wait for the cluster to grant a replica's bundles before
             start-up fails with a message naming the shortfall.
         devices_per_node: devices on one node, when known. Replicas and EP groups must then either
@@ -309,6 +312,7 @@ class ParallelConfig(_Sealed):
     num_cpus_per_replica: float | None = None
     num_gpus_per_replica: float = 0.0
     max_restarts: int = 3
+    max_replacements: int = 3
     placement_timeout_s: float = 120.0
     devices_per_node: int | None = None
     pd: PDSection = field(default_factory=PDSection)
@@ -347,6 +351,8 @@ class ParallelConfig(_Sealed):
             raise ValueError("num_gpus_per_replica must be 0 with device=cpu")
         if not isinstance(self.max_restarts, int) or self.max_restarts < -1:
             raise ValueError(f"max_restarts must be an integer >= -1; got {self.max_restarts!r}")
+        if not isinstance(self.max_replacements, int) or self.max_replacements < -1:
+            raise ValueError(f"max_replacements must be an integer >= -1; got {self.max_replacements!r}")
         if not self.placement_timeout_s > 0:
             raise ValueError(f"placement_timeout_s must be positive; got {self.placement_timeout_s!r}")
         self._check_node_fit()
