@@ -139,6 +139,13 @@ _ENGINE_METRICS = (
      "replica).", "counter"),
     ("kv_transfer_budget_used", "rayinfer_pd_kv_transfer_budget_used_bytes", (), "Received KV bytes not yet "
      "imported, out of pd.transfer_buffer_gib (PD decode replica).", "gauge"),
+    # the fleet's own counts (replica "fleet")
+    ("num_replacements", "rayinfer_replica_replacements", (), "New replica actors the router started in place of "
+     "replicas dead for good (parallel.max_replacements).", "counter"),
+    ("num_retries", "rayinfer_pd_leg_retries", (), "PD prefill or decode legs re-run after a replica failed.",
+     "counter"),
+    ("num_handbacks", "rayinfer_pd_leg_handbacks", (), "PD legs re-run after a decode replica preempted a request.",
+     "counter"),
 )
 
 
@@ -265,7 +272,8 @@ class ServeMetrics:
             stats: the fleet's :class:`~rayinfer.engine.protocol.FleetStats`, or None when the fleet could
                 not be asked (every engine gauge vanishes); replicas that could not answer are left out
                 (their gauges vanish rather than freeze), the KV store's counters are exposed as a
-                replica named "kv_store", the EP balance as replica "ep", encoder replica i as "encoder<i>".
+                replica named "kv_store", the EP balance as replica "ep", encoder replica i as "encoder<i>",
+                the router's replacement and PD retry counts as replica "fleet".
         """
         if stats is None:
             with self._engine.lock:
@@ -277,6 +285,9 @@ class ServeMetrics:
             rows.append({"replica_id": "kv_store", **dataclasses.asdict(stats.kv_store)})
         rows += [{**dataclasses.asdict(e), "replica_id": f"encoder{e.replica_id}"}
                  for e in getattr(stats, "encoders", ()) if e.error is None]
+        rows.append({"replica_id": "fleet", "num_replacements": stats.num_replacements,
+                     **({"num_retries": stats.num_retries, "num_handbacks": stats.num_handbacks}
+                        if stats.topology == "pd" else {})})
         if stats.ep is not None:
             rows.append({"replica_id": "ep", "moe_lb": stats.ep.moe_lb, "num_rebalances": stats.ep.num_rebalances,
                          "rebalance_stall_s": stats.ep.rebalance_stall_s})
