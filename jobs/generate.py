@@ -166,6 +166,18 @@ def cp_summary(stats) -> str:
     return line
 
 
+def fault_summary(stats) -> str:
+    """One line on the replica failures a run rode out (``FleetStats``): PD legs re-run after a replica
+    failed, and replicas dead for good that the router replaced with new actors."""
+    parts = []
+    if stats.num_retries:
+        parts.append(f"{stats.num_retries} PD leg(s) re-run after a replica failed")
+    if stats.num_replacements:
+        parts.append(f"{stats.num_replacements} dead replica(s) replaced by new actors "
+                     "(parallel.max_replacements)")
+    return "replica failures: " + "; ".join(parts)
+
+
 def spec_summary(stats) -> str:
     """One line on what speculative decoding did in a fleet (``FleetStats``): drafts proposed, verified and
     accepted over all replicas, the mean tokens a verification step emitted, the verification steps
@@ -330,12 +342,17 @@ def run(cfg: GenerateConfig, client=None) -> int:
                 progress = TokenProgress(bar)
                 parser.serving.client = ProgressClient(client, progress)
                 interrupted = asyncio.run(drive(sink, progress))
-            if cfg.parallel.cp > 1 or cfg.engine.speculative.enabled:
+            try:
                 stats = asyncio.run(client.stats())
-                if cfg.parallel.cp > 1:
-                    print(cp_summary(stats))
-                if cfg.engine.speculative.enabled:
-                    print(spec_summary(stats))
+            except Exception as e:  # noqa: BLE001 - the answers are in; a summary lost is not a failed run
+                stats = None
+                print(f"(no fleet summary: {type(e).__name__}: {e})", file=sys.stderr)
+            if stats is not None and cfg.parallel.cp > 1:
+                print(cp_summary(stats))
+            if stats is not None and cfg.engine.speculative.enabled:
+                print(spec_summary(stats))
+            if stats is not None and (stats.num_replacements or stats.num_retries):
+                print(fault_summary(stats))
         finally:
             if owned:
                 client.shutdown()

@@ -452,6 +452,16 @@ def test_cp_summary_line():
     assert cp_summary(FleetStats("colocated", [lost, peer])).endswith("2 prefilled alone after 1 replica(s) lost a CP peer")
 
 
+def test_fault_summary_line():
+    from rayinfer.engine.protocol import FleetStats
+    from rayinfer.jobs.generate import fault_summary
+
+    assert fault_summary(FleetStats("pd", num_retries=7, num_replacements=1)) == (
+        "replica failures: 7 PD leg(s) re-run after a replica failed; 1 dead replica(s) replaced by new actors "
+        "(parallel.max_replacements)")
+    assert fault_summary(FleetStats("colocated", num_replacements=2)).startswith("replica failures: 2 dead")
+
+
 def test_spec_summary_line():
     """The batch job's closing line with speculative decoding on: drafts over all replicas and the tokens a
     verification step emitted on average (accepted drafts plus the target's own token)."""
