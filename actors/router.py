@@ -675,6 +675,10 @@ class Router:
             await self._actor(role, replica).ready.remote()
         except ray.exceptions.ActorUnavailableError:
             pass  # restarting again: the request's call waits for it or fails and is retried
+        except ray.exceptions.RayError:  # died again since its probe ended: probe it anew and pick again
+            self._suspects[role].discard(replica)
+            self.report_failure(role, replica, None)
+            return False
         return True
 
     def _lock(self, role: str, replica: int) -> asyncio.Lock:
