@@ -377,7 +377,8 @@ def run(cfg: GenerateConfig, client=None) -> int:
     hint = "" if printed or len(failed) == len(records) else " (the answers are there; print_outputs=true also prints them)"
     print(f"\n{len(records) - len(failed)} ok, {len(failed)} failed; wrote {out_path}{hint}")
     for j, rec in failed[:MAX_FAILURES_SHOWN]:
-        print(f"  line {j.line_no} ({j.id}): {error_text(rec)}")
+        named = "" if j.id == f"line-{j.line_no}" else f" ({j.id})"  # an id the line gave, not the default
+        print(f"  line {j.line_no}{named}: {error_text(rec)}")
     if len(failed) > MAX_FAILURES_SHOWN:
         print(f"  ... and {len(failed) - MAX_FAILURES_SHOWN} more (see {out_path})")
     return 0

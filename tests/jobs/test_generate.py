@@ -96,8 +96,10 @@ def test_job_end_to_end_with_errors_and_resume(tmp_path, fleet, capsys):
     cfg = GenerateConfig(input=str(inp), output=str(out), model=ModelConfig(dtype="float32"),
                          sampling={"max_tokens": 8, "temperature": 0.0})
     assert run(cfg, client=fleet) == 0
+    printed = capsys.readouterr().out
     assert f"2 ok, 3 failed; wrote {out} (the answers are there; print_outputs=true also prints them)" \
-        in capsys.readouterr().out  # an input file: the answers are not printed
+        in printed  # an input file: the answers are not printed
+    assert "  line 4 (bad): " in printed and "  line 5: malformed JSON on line 5" in printed  # no "(line-5)"
     recs = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["id"] for r in recs] == ["a", "b", "too-long", "bad", "line-5"]
     assert recs[0]["error"] is None and "Paris" in recs[0]["text"]
