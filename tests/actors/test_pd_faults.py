@@ -16,14 +16,14 @@ from rayinfer.placement.parallel_config import ParallelConfig, PDSection
 pytestmark = pytest.mark.slow
 
 
-def kill_prefill_mid_run(pd, client, cases, no_restart: bool = False) -> dict:
+def kill_mid_run(pd, client, cases, no_restart: bool = False, role: str = "prefill") -> dict:
     many = [dataclasses.replace(c, request_id=f"{c.request_id}~{j}") for j in range(2) for c in cases]
 
     async def main():
         first = asyncio.Event()
         run = asyncio.create_task(pd.stream_all(client, many, on_output=lambda out: first.set()))
         await first.wait()  # a first token is out; other prefills are queued or running
-        ray.kill(client.prefills[0], no_restart=no_restart)
+        ray.kill((client.prefills if role == "prefill" else client.decodes)[0], no_restart=no_restart)
         return await run
 
     return asyncio.run(main())
@@ -34,7 +34,7 @@ def test_requests_wait_for_the_restarting_prefill_replica(ray_cluster, pd, cases
                          ParallelConfig(num_prefill=1, num_decode=1, max_restarts=1, num_cpus_per_replica=1,
                                         pd=PDSection(retry_deadline_s=600.0)))
     try:
-        streams = kill_prefill_mid_run(pd, client, cases)
+        streams = kill_mid_run(pd, client, cases)
         assert len(streams) == 2 * len(cases)
         pd.check_streams(streams, reference)  # every request complete, exactly once, as colocated
         assert asyncio.run(client.stats()).num_retries > 0  # counted by the router: legs re-run
@@ -42,23 +42,30 @@ def test_requests_wait_for_the_restarting_prefill_replica(ray_cluster, pd, cases
         client.shutdown()
 
 
-def test_a_prefill_replica_dead_for_good_is_replaced_and_every_request_completes(ray_cluster, pd, cases,
-                                                                                   reference):
+def test_replicas_dead_for_good_are_replaced_and_every_request_completes(ray_cluster, pd, cases, reference):
     """Killed with no restart (as Ray's RDT ends both replicas of a failed CUDA IPC transfer): the router
     starts a new prefill actor in the replica's placement group, the cut-short requests wait for it, and
-    the client then sends its prefills to the new actor."""
+    the client then sends its prefills to the new actor; then the same for the decode replica."""
     client = make_client(pd.model, pd.engine_config(),
                          ParallelConfig(num_prefill=1, num_decode=1, max_restarts=0, max_replacements=1,
                                         num_cpus_per_replica=1, pd=PDSection(retry_deadline_s=600.0)))
     try:
         killed = client.prefills[0]._actor_id.hex()
-        streams = kill_prefill_mid_run(pd, client, cases, no_restart=True)
+        streams = kill_mid_run(pd, client, cases, no_restart=True)
         assert len(streams) == 2 * len(cases)
         pd.check_streams(streams, reference)  # every request complete, exactly once, as colocated
         stats = asyncio.run(client.stats())
         assert stats.num_replacements == 1 and stats.num_retries > 0
         assert client.prefills[0]._actor_id.hex() != killed  # the client fetched the new actor
         assert stats.by_role("prefill")[0].error is None  # the new actor answers
+
+        # the decode replica too: its streams are cut, re-prefilled, and decoded on its new actor
+        killed = client.decodes[0]._actor_id.hex()
+        streams = kill_mid_run(pd, client, cases, no_restart=True, role="decode")
+        pd.check_streams(streams, reference)
+        stats = asyncio.run(client.stats())
+        assert stats.num_replacements == 2 and client.decodes[0]._actor_id.hex() != killed
+        assert [r.error for r in stats.replicas] == [None, None]
     finally:
         client.shutdown()
 
@@ -68,7 +75,7 @@ def test_requests_cut_short_by_a_dead_prefill_replica_end_with_an_error(ray_clus
                          ParallelConfig(num_prefill=1, num_decode=1, max_restarts=0, max_replacements=0,
                                         num_cpus_per_replica=1, pd=PDSection(retry_deadline_s=600.0)))
     try:
-        streams = kill_prefill_mid_run(pd, client, cases)
+        streams = kill_mid_run(pd, client, cases)
     finally:
         client.shutdown()
     num_failed = 0
