@@ -69,6 +69,14 @@ _PROBES = 600  # ready() calls, up to 1 s apart, before a probe leaves a restart
 _ROLES = ("colocated", "prefill", "decode")
 
 
+def _death_reason(error: BaseException) -> str:
+    """One line on why an actor died, from Ray's error: its type and the sentence saying why (Ray puts it
+    after the actor's id, pid and address), else the start of the message."""
+    text = " ".join(str(error).split())
+    because = text.find("The actor is dead because")
+    return f"{type(error).__name__}: {text[because:] if because >= 0 else text}"[:300]
+
+
 def _not_parked(request_id: str, prefill_replica: int) -> KeyError:
     """The error of a transfer whose request holds no KV on its prefill replica (expired or dropped)."""
     return KeyError(f"no parked KV for request {request_id!r} on prefill replica {prefill_replica}")
@@ -177,6 +185,7 @@ class Router:
         self._suspects: dict[str, set[int]] = {r: set() for r in _ROLES}  # out of picks until ready answers
         self._restarted: dict[str, set[int]] = {r: set() for r in _ROLES}  # outside the RDT group since
         self._dead: dict[str, set[int]] = {r: set() for r in _ROLES}  # gone for good, not replaced
+        self._last_death: dict[str, str] = {}  # role -> why its last replica dead for good died (one line)
         self._probes: dict[tuple[str, int], asyncio.Task] = {}  # (role, index) -> its probe (and replacement)
         self._specs: dict[int, tuple] = {}  # fleet index -> (class, options, args, kwargs) that _place used
         self._num_replaced: dict[int, int] = {}  # fleet index -> new actors started in its place
@@ -592,11 +601,12 @@ class Router:
             except ray.exceptions.RayError as e:  # died: asked again a few times, as a restart may still begin
                 died += 1
                 if died == _DEAD_AFTER:
-                    why = " ".join(str(e).split())[:300]
+                    why = _death_reason(e)
                     if await self._replace(role, replica, why):
                         self._suspects[role].discard(replica)
                     else:  # stays out (balancers ignore the exclusion if all are)
                         self._dead[role].add(replica)
+                        self._last_death[role] = why
                         logger.error("%s replica %d is dead and will not restart (%s)", role, replica, why)
                     return
                 await asyncio.sleep(1.0)
@@ -620,7 +630,7 @@ class Router:
             try:
                 await new.ready.remote()
             except ray.exceptions.RayError as e:
-                why = " ".join(str(e).split())[:300]
+                why = _death_reason(e)
                 ray.kill(new, no_restart=True)
                 await asyncio.sleep(1.0)
                 continue
@@ -652,8 +662,8 @@ class Router:
     def _check_alive(self, role: str) -> None:
         if len(self._dead[role]) == self._num_replicas(role):
             what = "replica" if role == "colocated" else f"{role} replica"
-            raise ReplicasDeadError(f"every {what} of the fleet is dead and will not restart (see the "
-                                    f"router's log for why); start the fleet again")
+            raise ReplicasDeadError(f"every {what} of the fleet is dead and will not restart (the last: "
+                                    f"{self._last_death.get(role, 'unknown')}); start the fleet again")
 
     def _excluded(self, role: str) -> set[int]:
         """Replicas a pick leaves out: every reported one while another can serve; else the dead ones only,

@@ -46,6 +46,7 @@ def test_a_dead_replica_is_replaced_then_dead_for_good(ray_cluster, tiny_llama_c
         got = asyncio.run(client.complete(prompts[1], PARAMS))
         assert got.finish_reason == "error" and got.error is not None
         assert got.error.startswith("every replica of the fleet is dead"), got.error
+        assert "(the last: ActorDiedError: The actor is dead because it was killed by `ray.kill`" in got.error
         with pytest.raises(ReplicasDeadError, match="every replica of the fleet is dead"):
             asyncio.run(_stream_tokens(client, prompts[0]))
         assert asyncio.run(client.stats()).num_replacements == 1
