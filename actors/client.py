@@ -34,9 +34,16 @@ from rayinfer.placement.parallel_config import ParallelConfig
 _REPLICA_ATTEMPTS = 3  # colocated: picks for a request whose replica actor fails before it answers
 
 
+def _failed(request_id: str, prompt_token_ids: list[int], error: str) -> Completion:
+    """A request's result when it failed before any output: ``error`` set, finish_reason "error"."""
+    result = Completion(request_id, list(prompt_token_ids))
+    result.error, result.finish_reason = error, "error"
+    return result
+
+
 async def unwrap(ref):
-    """Await a Ray ref; rayinfer's own errors (bad request, unsupported, ...) come back as themselves,
-    not wrapped in Ray's RayTaskError."""
+    """Await a Ray ref (or a coroutine awaiting one, such as :func:`granted`); rayinfer's own errors (bad
+    request, unsupported, ...) come back as themselves, not wrapped in Ray's RayTaskError."""
     try:
         return await ref
     except ray.exceptions.RayTaskError as e:
@@ -296,17 +303,15 @@ class ColocatedClient(_FleetClient):
         try:
             mm_inputs = await self.encode(mm_inputs)
         except RayInferError as e:
-            result = Completion(request_id, list(prompt_token_ids))
-            result.error, result.finish_reason = str(e), "error"
-            return result
+            return _failed(request_id, prompt_token_ids, str(e))
         extra = {"mm_inputs": mm_inputs} if mm_inputs else {}
-        for attempt in range(1, _REPLICA_ATTEMPTS + 1):
+        attempt = 0
+        while True:
+            attempt += 1
             try:
                 idx = await self._pick(prompt_token_ids)
             except RayInferError as e:  # every replica is dead for good
-                result = Completion(request_id, list(prompt_token_ids))
-                result.error, result.finish_reason = str(e), "error"
-                return result
+                return _failed(request_id, prompt_token_ids, str(e))
             try:
                 actor = await self.replica(idx)
                 return await unwrap(actor.complete.remote(request_id, prompt_token_ids, params, **extra))
@@ -315,12 +320,9 @@ class ColocatedClient(_FleetClient):
                     self.replica_failed("colocated", idx, e)
                     if attempt < _REPLICA_ATTEMPTS:
                         continue
-                result = Completion(request_id, list(prompt_token_ids))
-                result.error, result.finish_reason = f"internal error: replica {idx} failed ({type(e).__name__})", "error"
-                return result
+                return _failed(request_id, prompt_token_ids, f"internal error: replica {idx} failed ({type(e).__name__})")
             finally:
                 self.router.release.remote(idx)
-        raise AssertionError("unreachable: the last attempt returns")
 
     async def _pick(self, prompt_token_ids: list[int]) -> int:
         """The router's pick (counted against the replica until released).
@@ -328,14 +330,9 @@ class ColocatedClient(_FleetClient):
         Raises:
             ReplicasDeadError: every replica is gone for good.
         """
-        try:
-            return await granted(self.router.pick.remote(list(prompt_token_ids[: self.info.block_size]),
-                                                         len(prompt_token_ids)),
-                                 lambda i: self.router.release.remote(i))
-        except ray.exceptions.RayTaskError as e:
-            if isinstance(e.cause, RayInferError):
-                raise e.cause from None
-            raise
+        return await unwrap(granted(self.router.pick.remote(list(prompt_token_ids[: self.info.block_size]),
+                                                            len(prompt_token_ids)),
+                                    lambda i: self.router.release.remote(i)))
 
 
 class EPClient(_FleetClient):

@@ -60,7 +60,7 @@ class _Leg:
     rdt: bool = False  # the router allows Ray Direct Transport for this leg's replicas
     payload: Any = None  # the object-store ObjectRef of the KV, kept until the leg ends
     stream: Any = None  # the decode's deltas (OutputMux.generate)
-    error: Exception | None = None  # the last failure, for _report_failure
+    error: Exception | None = None  # the last failure, for ReportFailure (replica_failed)
 
 
 @dataclass
@@ -204,8 +204,8 @@ class PDClient(_FleetClient):
                 leg.prefill.release_kv.remote([leg.engine_request_id])
             case P.ReportFailure():
                 ticket = leg.prefill_ticket if action.role == "prefill" else leg.decode_ticket
-                if ticket is not None:
-                    await self._report_failure(action.role, ticket.replica, leg.error)
+                if ticket is not None:  # the router probes it, keeps it out of picks, replaces it if dead
+                    self.replica_failed(action.role, ticket.replica, leg.error)
             case P.UseObjectStore():
                 if self.kv_state.rdt_ok:
                     logger.error("a KV transfer over %s failed (%s); using the object store from now on",
@@ -322,11 +322,6 @@ class PDClient(_FleetClient):
     async def _release_decode(self, leg: _Leg) -> None:
         self.router.release_decode.remote(leg.decode_ticket, leg.decode_grown)
         leg.decode_grown = 0
-
-    async def _report_failure(self, role: str, replica_index: int, error: Exception | None) -> None:
-        """Tell the router a replica failed (it keeps the replica out of picks until it answers again, and
-        replaces it if it is dead)."""
-        self.replica_failed(role, replica_index, error)
 
 
 def _describe(error: Exception) -> str:

@@ -41,7 +41,7 @@ import os
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 import ray
 import ray.exceptions
@@ -67,6 +67,7 @@ _GIB = 1 << 30
 _DEAD_AFTER = 4  # a replica whose ready() fails this many times in a row (1 s apart) is gone for good
 _PROBES = 600  # ready() calls, up to 1 s apart, before a probe leaves a restarting replica to the picks
 _ROLES = ("colocated", "prefill", "decode")
+_Grant = TypeVar("_Grant")  # what a balancer grants: a replica index or a ticket
 
 
 def _death_reason(error: BaseException) -> str:
@@ -183,7 +184,7 @@ class Router:
         self.decode_lb: DecodeBalancer | None = None
         # replicas by role ("colocated", "prefill", "decode") and index within the role (report_failure)
         self._suspects: dict[str, set[int]] = {r: set() for r in _ROLES}  # out of picks until ready answers
-        self._restarted: dict[str, set[int]] = {r: set() for r in _ROLES}  # outside the RDT group since
+        self._restarted: dict[str, set[int]] = {r: set() for r in _ROLES}  # restarted or new: not in the RDT group
         self._dead: dict[str, set[int]] = {r: set() for r in _ROLES}  # gone for good, not replaced
         self._last_death: dict[str, str] = {}  # role -> why its last replica dead for good died (one line)
         self._probes: dict[tuple[str, int], asyncio.Task] = {}  # (role, index) -> its probe (and replacement)
@@ -404,13 +405,9 @@ class Router:
             among = range(self._cp_leaders)
         else:
             among = range(len(lb.in_flight))
-        while True:
-            self._check_alive("colocated")
-            out = self._excluded("colocated")
-            replica = lb.pick(prompt_prefix, among=[r for r in among if r not in out] or among)
-            if await self._wait_until_up("colocated", replica):
-                return replica
-            lb.done(replica)
+        return await self._pick_serving(
+            "colocated", lambda out: lb.pick(prompt_prefix, among=[r for r in among if r not in out] or among),
+            lambda replica: replica, lb.done)
 
     def release(self, replica: int) -> None:
         self._lb("colocated").done(replica)
@@ -458,12 +455,8 @@ class Router:
             ReplicasDeadError: every prefill replica is gone for good.
         """
         lb = self._lb("prefill")
-        while True:
-            self._check_alive("prefill")
-            ticket = lb.pick(num_tokens, num_cached_tokens, self._excluded("prefill"))
-            if await self._wait_until_up("prefill", ticket.replica):
-                return ticket
-            lb.done(ticket)
+        return await self._pick_serving("prefill", lambda out: lb.pick(num_tokens, num_cached_tokens, out),
+                                        lambda t: t.replica, lb.done)
 
     def release_prefill(self, ticket: PrefillTicket) -> None:
         self._lb("prefill").done(ticket)
@@ -476,12 +469,8 @@ class Router:
             ReplicasDeadError: every decode replica is gone for good.
         """
         lb = self._lb("decode")
-        while True:
-            self._check_alive("decode")
-            ticket = lb.pick(num_tokens, self._excluded("decode"))
-            if await self._wait_until_up("decode", ticket.replica):
-                break
-            lb.done(ticket)
+        ticket = await self._pick_serving("decode", lambda out: lb.pick(num_tokens, out), lambda t: t.replica,
+                                          lb.done)
         rdt = (self._rdt_ok and prefill_replica not in self._restarted["prefill"]
                and ticket.replica not in self._restarted["decode"])
         return ticket, rdt
@@ -618,7 +607,7 @@ class Router:
         (clients fetch it from :meth:`replicas`)."""
         index = self._index(role, replica)
         limit = self.parallel.max_replacements
-        if self.topology not in ("colocated", "pd") or self.parallel.cp > 1 or index not in self._specs:
+        if self.parallel.cp > 1 or index not in self._specs:  # a CP rank 0 leads a group; EP ranks: not here
             return False
         while limit < 0 or self._num_replaced.get(index, 0) < limit:
             n = self._num_replaced[index] = self._num_replaced.get(index, 0) + 1
@@ -665,11 +654,23 @@ class Router:
             raise ReplicasDeadError(f"every {what} of the fleet is dead and will not restart (the last: "
                                     f"{self._last_death.get(role, 'unknown')}); start the fleet again")
 
-    def _excluded(self, role: str) -> set[int]:
-        """Replicas a pick leaves out: every reported one while another can serve; else the dead ones only,
-        so that the pick waits for one that restarts or is being replaced."""
-        suspects = self._suspects[role]
-        return suspects if len(suspects) < self._num_replicas(role) else self._dead[role]
+    async def _pick_serving(self, role: str, choose: Callable[[set[int]], _Grant], replica_of: Callable[[_Grant], int],
+                            give_back: Callable[[_Grant], None]) -> _Grant:
+        """A balancer's grant (``choose(excluded)``) of a replica of ``role`` that can serve. Excluded are
+        the reported replicas while another can serve, else the dead ones only, so that the pick waits for
+        one that restarts or is being replaced (:meth:`_wait_until_up`); a grant of a replica that turns
+        out dead is given back and the pick goes on.
+
+        Raises:
+            ReplicasDeadError: every replica of ``role`` is gone for good.
+        """
+        while True:
+            self._check_alive(role)
+            suspects = self._suspects[role]
+            grant = choose(suspects if len(suspects) < self._num_replicas(role) else self._dead[role])
+            if await self._wait_until_up(role, replica_of(grant)):
+                return grant
+            give_back(grant)
 
     async def _wait_until_up(self, role: str, replica: int) -> bool:
         """Wait until a picked replica can serve: at once unless it was reported; else until its probe

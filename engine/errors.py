@@ -59,6 +59,7 @@ class EngineInternalError(RayInferError):
 
 
 class ReplicasDeadError(EngineInternalError):
-    """Every replica of one role (all prefill or all decode replicas of a PD fleet) is dead and will not
-    restart (out of ``max_restarts``, or killed for good, as Ray Direct Transport does to both ends of a
-    failed transfer): requests fail at once instead of retrying until ``pd.retry_deadline_s``; 500."""
+    """Every replica of one role (a colocated fleet's replicas, or all prefill or all decode replicas of a
+    PD fleet) is dead and will not come back: out of ``max_restarts`` (or killed for good, as Ray Direct
+    Transport does to both ends of a failed transfer) and out of ``max_replacements``. Requests fail at
+    once instead of retrying until ``pd.retry_deadline_s``; 500."""

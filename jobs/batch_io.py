@@ -38,6 +38,11 @@ INPUT_FORMATS = ("auto", "openai", "rayinfer")
 BATCH_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 
 
+def _default_id(line_no: int) -> str:
+    """The id of a line that gives none."""
+    return f"line-{line_no}"
+
+
 @dataclass
 class LineJob:
     """One input line, parsed.
@@ -69,6 +74,11 @@ class LineJob:
     @property
     def wants_logprobs(self) -> bool:
         return self.prepared is not None and self.prepared.jobs[0][1].logprobs is not None
+
+    @property
+    def has_own_id(self) -> bool:
+        """Whether the line gave its ``id`` / ``custom_id`` (not the default ``line-<line_no>``)."""
+        return self.id != _default_id(self.line_no)
 
     @property
     def output_id(self) -> str:
@@ -206,7 +216,7 @@ class LineParser:
             raise ValueError(f"input_format must be one of {INPUT_FORMATS}, got {fmt!r}")
         jobs, seen = [], set()
         for line_no, line in lines:
-            job = LineJob(line_no, f"line-{line_no}", fmt)
+            job = LineJob(line_no, _default_id(line_no), fmt)
             jobs.append(job)
             try:
                 rec = json.loads(line)

@@ -345,14 +345,14 @@ def run(cfg: GenerateConfig, client=None) -> int:
             try:
                 stats = asyncio.run(client.stats())
             except Exception as e:  # noqa: BLE001 - the answers are in; a summary lost is not a failed run
-                stats = None
                 print(f"(no fleet summary: {type(e).__name__}: {e})", file=sys.stderr)
-            if stats is not None and cfg.parallel.cp > 1:
-                print(cp_summary(stats))
-            if stats is not None and cfg.engine.speculative.enabled:
-                print(spec_summary(stats))
-            if stats is not None and (stats.num_replacements or stats.num_retries):
-                print(fault_summary(stats))
+            else:
+                if cfg.parallel.cp > 1:
+                    print(cp_summary(stats))
+                if cfg.engine.speculative.enabled:
+                    print(spec_summary(stats))
+                if stats.num_replacements or stats.num_retries:
+                    print(fault_summary(stats))
         finally:
             if owned:
                 client.shutdown()
@@ -377,8 +377,7 @@ def run(cfg: GenerateConfig, client=None) -> int:
     hint = "" if printed or len(failed) == len(records) else " (the answers are there; print_outputs=true also prints them)"
     print(f"\n{len(records) - len(failed)} ok, {len(failed)} failed; wrote {out_path}{hint}")
     for j, rec in failed[:MAX_FAILURES_SHOWN]:
-        named = "" if j.id == f"line-{j.line_no}" else f" ({j.id})"  # an id the line gave, not the default
-        print(f"  line {j.line_no}{named}: {error_text(rec)}")
+        print(f"  line {j.line_no}{f' ({j.id})' if j.has_own_id else ''}: {error_text(rec)}")
     if len(failed) > MAX_FAILURES_SHOWN:
         print(f"  ... and {len(failed) - MAX_FAILURES_SHOWN} more (see {out_path})")
     return 0
