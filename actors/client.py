@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import uuid
 from contextlib import aclosing
 from typing import AsyncGenerator, AsyncIterator
@@ -30,8 +31,9 @@ from rayinfer.engine.protocol import EngineClient, FleetStats
 from rayinfer.engine.types import Completion, MultiModalInput, RequestOutput, SamplingParams
 from rayinfer.placement.parallel_config import ParallelConfig
 
+logger = logging.getLogger(__name__)
 
-_REPLICA_ATTEMPTS = 3  # colocated: picks for a request whose replica actor fails before it answers
+_REPLICA_ATTEMPTS = 3  # colocated: picks for a request whose replica actor dies
 
 
 def _failed(request_id: str, prompt_token_ids: list[int], error: str) -> Completion:
@@ -263,25 +265,37 @@ class OutputMux:
 
 class ColocatedClient(_FleetClient):
     """Data-parallel NORMAL replicas: the router picks, the client streams from the replica. A request
-    whose replica actor failed before it produced anything is sent again (up to ``_REPLICA_ATTEMPTS``
-    picks), to another replica or to the failed one once it restarted or was replaced."""
+    whose replica actor dies is sent again (up to ``_REPLICA_ATTEMPTS`` picks), to another replica or to the
+    failed one once it restarted or was replaced; a stream cut after its first tokens resumes there from the
+    tokens it already has (re-prefilled with the prompt), and its text goes on where the caller's stopped."""
+
+    num_resumed = 0  # streams this client resumed on another replica after theirs died mid-stream
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str | None = None, mm_inputs: list[MultiModalInput] | None = None
                        ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's deltas from the replica the router picks (see ``EngineClient.generate``)."""
+        """Stream a request's deltas from the replica the router picks (see ``EngineClient.generate``).
+
+        If the replica dies mid-stream, the request goes on on another pick with ``output_token_ids`` the
+        tokens streamed so far and ``num_emitted_chars`` the text's length, so the caller sees one stream:
+        the same tokens as without the failure under greedy sampling (seeded sampling draws anew), and text
+        the dead replica held back for stop strings, or a stop string across the cut, not lost.
+        """
         request_id = request_id or uuid.uuid4().hex
         mm_inputs = await self.encode(mm_inputs)
         extra = {"mm_inputs": mm_inputs} if mm_inputs else {}
+        tokens: list[int] = []  # streamed so far
+        num_chars = 0  # characters of text streamed so far
         for attempt in range(1, _REPLICA_ATTEMPTS + 1):
             idx = await self._pick(prompt_token_ids)
-            started = False
             try:
                 mux = self.mux(await self.replica(idx))
+                resume = {"output_token_ids": list(tokens), "num_emitted_chars": num_chars} if tokens else {}
                 async with aclosing(mux.generate(request_id, mux.actor.submit, prompt_token_ids, params,
-                                                 **extra)) as outs:
+                                                 **resume, **extra)) as outs:
                     async for out in outs:
-                        started = True
+                        tokens += out.new_token_ids
+                        num_chars += len(out.new_text)
                         yield out
                 return
             except (RayInferError, ValueError):
@@ -289,7 +303,11 @@ class ColocatedClient(_FleetClient):
             except (ray.exceptions.RayError, RuntimeError) as e:
                 if isinstance(e, ray.exceptions.RayActorError):
                     self.replica_failed("colocated", idx, e)
-                    if not started and attempt < _REPLICA_ATTEMPTS:
+                    if attempt < _REPLICA_ATTEMPTS:
+                        if tokens:
+                            self.num_resumed += 1
+                            logger.warning("request %s: replica %d died after %d tokens; resuming the stream on "
+                                           "another pick", request_id, idx, len(tokens))
                         continue
                 raise EngineInternalError(f"replica {idx} failed: {type(e).__name__}: {e}") from e
             finally:

@@ -474,13 +474,14 @@ class EngineActorImpl:
     async def submit(self, client_id: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      output_token_ids: list[int] | None = None, kv_handle: KVHandle | None = None,
                      kv_payload: "torch.Tensor | np.ndarray | None" = None, detokenize: bool = True,
-                     mm_inputs: list | None = None) -> None:
+                     mm_inputs: list | None = None, num_emitted_chars: int | None = None) -> None:
         """Queue a request whose deltas stream to ``client_id``'s :meth:`outputs` (opened before or after).
 
         Args:
             client_id: the caller's output stream (one per client process and replica).
             request_id: unique among this replica's live requests.
-            output_token_ids: tokens generated elsewhere (DECODE role: the prefill's first token).
+            output_token_ids: tokens generated elsewhere (DECODE role: the prefill's first token; NORMAL
+                role: a stream resumed after its replica died, re-prefilled here with the prompt).
             kv_handle: DECODE role: the prefill's handle (payload None).
             kv_payload: DECODE role: its payload ``[L, n_blocks, 2, bs, H, D]``; pass the ObjectRef from
                 :meth:`export_kv` positionally so Ray resolves it through the object store; None takes the
@@ -490,6 +491,8 @@ class EngineActorImpl:
             mm_inputs: the prompt's images (``engine.types.MultiModalInput``; vision-language models), their
                 embeddings possibly ``encoder_actor.EmbedsRef`` (fetched here). DECODE role: content hashes
                 and placeholder ranges only (they key the imported blocks' hashes).
+            num_emitted_chars: a resumed stream: characters of ``output_token_ids``' text the dead replica
+                already sent (the rest, and stop strings that span the cut, come from here).
         Raises:
             KeyError: DECODE role, kv_payload None and nothing received for the request.
             ValueError: an invalid response_format. Other rejections (the engine's checks) arrive on the
@@ -499,6 +502,8 @@ class EngineActorImpl:
         if box is None:
             box = self._outboxes[client_id] = _Outbox()
         kwargs: dict = {"mm_inputs": mm_inputs} if mm_inputs else {}
+        if num_emitted_chars is not None:
+            kwargs["num_emitted_chars"] = num_emitted_chars
         await _resolve_mm(kwargs)
         if kv_handle is not None:
             if kv_payload is None:

@@ -64,6 +64,8 @@ class AsyncLLMEngine:
         compiled here (on a thread pool, cached) before the request is queued. ``detokenize=False``
         delivers the core's deltas as they are (no text, no stop strings: for a caller that detokenizes
         once per request itself, as the PD client does across a request's prefill and decode replicas).
+        ``num_emitted_chars`` (with ``output_token_ids``) resumes a stream another replica began: see
+        ``RequestOutputProcessor``.
 
         Raises:
             ValueError: the response_format is invalid, fails to compile or times out (a GrammarError).
@@ -73,8 +75,10 @@ class AsyncLLMEngine:
             kwargs["grammar"] = matcher = await compiler.matcher(params.response_format)
             for token in (kwargs.get("output_token_ids") or []) if matcher is not None else []:
                 matcher.accept_token(token)  # DECODE role: tokens sampled on the prefill replica
+        num_emitted_chars = kwargs.pop("num_emitted_chars", None)
         processor = (RequestOutputProcessor(self.engine.tokenizer, request_id, prompt_token_ids, params,
-                                            kwargs.get("output_token_ids")) if detokenize else None)
+                                            kwargs.get("output_token_ids"), num_emitted_chars)
+                     if detokenize else None)
         done = False
 
         def on_core_output(item: RequestOutput | Exception) -> None:

@@ -44,15 +44,24 @@ class RequestOutputProcessor:
             min_tokens).
         output_token_ids: tokens generated before the core took the request (DECODE role, re-prefill):
             context for detokenization, counted towards ``min_tokens``, their text not emitted again.
+        num_emitted_chars: with ``output_token_ids``, a stream resumed from an earlier processor of the
+            same request (its replica died): that processor emitted the first ``num_emitted_chars``
+            characters of their text. The rest (held back for stop strings or inside a character) comes out
+            here, and a stop string may begin in their text. None: their text is context only, as above.
     """
 
     def __init__(self, tokenizer, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 output_token_ids: list[int] | None = None):
+                 output_token_ids: list[int] | None = None, num_emitted_chars: int | None = None):
         self.request_id = request_id
         self.params = params
         prior = list(output_token_ids or [])
-        self.detokenizer = IncrementalDetokenizer(tokenizer, list(prompt_token_ids) + prior, params,
-                                                  num_output_tokens=len(prior))
+        if num_emitted_chars is None:
+            self.detokenizer = IncrementalDetokenizer(tokenizer, list(prompt_token_ids) + prior, params,
+                                                      num_output_tokens=len(prior))
+        else:  # the earlier processor's detokenizer, rebuilt: same tokens, same text, same hold-back
+            self.detokenizer = IncrementalDetokenizer(tokenizer, list(prompt_token_ids), params)
+            self.detokenizer.add_tokens(prior)
+            self.detokenizer.num_emitted = num_emitted_chars
         self.is_finished = False
         self.needs_core_abort = False  # finished here by a stop string while the core still runs it
 

@@ -5,7 +5,7 @@ one undisturbed, one in which ``--kill`` (a role's first replica: ``prefill``, `
 ended with ``ray.kill(no_restart=True)`` ``--kill-after-s`` seconds in, as Ray's RDT ends the replicas of a
 failed CUDA IPC transfer. Reports, per run, requests finished and failed (with the first errors), elapsed time
 and output tok/s, with each replica's KV transfer counters (receive budget peak); for the second, when the
-new actor came up and the fleet's replacement and retry counts.
+new actor came up, the fleet's replacement and retry counts and the streams resumed (colocated).
 
     PYTHONPATH=. python benchmarks/probe/replica_loss.py --parallel num_prefill=1 num_decode=1 --kill prefill \\
         --model smollm2 --load-format dummy --dtype float32 --num-prompts 300 --input-len 64 --output-len 16
@@ -88,7 +88,7 @@ def run(client, items: list[bl.WorkItem], mode: str, kill: str | None, kill_afte
         return {"num_requests": len(items), "num_finished": len(items) - len(errors), "num_failed": len(errors),
                 "first_errors": sorted(set(errors))[:3], "elapsed_s": round(elapsed, 2),
                 "output_tok_s": round(tokens / elapsed, 2), "num_replacements": stats.num_replacements,
-                "num_retries": stats.num_retries,
+                "num_retries": stats.num_retries, "num_resumed": getattr(client, "num_resumed", 0),
                 "kv_transfer": [{"role": r.role, **r.kv_transfer} for r in stats.replicas if r.kv_transfer],
                 **result}
 

@@ -138,6 +138,39 @@ def test_resumed_request_counts_earlier_tokens_towards_min_tokens(tokenizer):
     assert [o.finished for o in outs[:3]] == [False, False, True] and text_of(outs) == " a b"
 
 
+@pytest.mark.parametrize("text, stop, holds_back", [
+    ("The answer is forty-two, and that is final.", ["y-tw"], True),  # a stop string across the cut
+    ("Emoji 🌊🌪️ and 日本語 then more text", ["日本"], True),  # characters split over tokens
+    ("no stop string here at all, just text", [], False),
+])
+def test_a_stream_resumed_after_any_token_reads_as_one_stream(tokenizer, text, stop, holds_back):
+    """A replica dies after token k; another resumes the request from the tokens and the text length the
+    caller has (``num_emitted_chars``): the caller's text, tokens and finish equal one uninterrupted
+    stream's, whatever the first replica held back for stop strings or inside a character."""
+    ids = tokenizer.encode(text)
+    prompt = tokenizer.encode(PROMPT_TEXT)
+    params = SamplingParams(stop=stop, max_tokens=len(ids))
+    whole, _ = run(tokenizer, ids, stop=stop, max_tokens=len(ids))
+    want_text, want_ids = text_of(whole), [t for o in whole if o for t in o.new_token_ids]
+    end = next(i for i, o in enumerate(whole) if o is not None and o.finished)
+    assert end < len(ids) - 1 if stop else end == len(ids) - 1
+    held_back = 0
+    for k in range(1, end + 1):
+        first = RequestOutputProcessor(tokenizer, "r", prompt, params)
+        before = [first.process(d) for d in deltas(ids)[:k]]
+        sent = text_of(before)
+        held_back += len(sent) < len(tokenizer.decode(ids[:k]))
+        second = RequestOutputProcessor(tokenizer, "r", prompt, params, output_token_ids=ids[:k],
+                                        num_emitted_chars=len(sent))
+        after = [second.process(d) for d in deltas(ids)[k:]]
+        outs = [o for o in before + after if o is not None]
+        assert sent + text_of(after) == want_text, k
+        assert [t for o in outs for t in o.new_token_ids] == want_ids, k
+        assert outs[-1].finish_reason == whole[end].finish_reason and outs[-1].stop_reason == whole[end].stop_reason
+        assert sum(o.finished for o in outs) == 1
+    assert bool(held_back) == holds_back  # cuts where the first replica had not sent all its tokens' text
+
+
 def test_prefilled_and_preempted_pass_through(tokenizer):
     proc = RequestOutputProcessor(tokenizer, "r", [1, 2, 3], SamplingParams(stop=["x"]))
     handle = KVHandle("r", [], 3, "v1")
