@@ -95,12 +95,13 @@ class _FleetClient:
             self.info.replicas = await self.router.replicas.remote()
         return self.info.replicas[index]
 
-    def replica_failed(self, role: str, replica: int, error: BaseException | None) -> None:
+    async def replica_failed(self, role: str, replica: int, error: BaseException | None) -> None:
         """Tell the router that replica ``replica`` of ``role`` failed (it probes the replica, keeps it
-        out of picks, replaces it if it is dead) and fetch the fleet's actors before the next call."""
+        out of picks, replaces it if it is dead) and fetch the fleet's actors before the next call. Returns
+        once the router has the report, so the caller's next pick leaves the replica out or waits for it."""
         cause = getattr(error, "cause", None) or error
-        self.router.report_failure.remote(role, replica, getattr(cause, "actor_id", None))
         self._stale = True
+        await self.router.report_failure.remote(role, replica, getattr(cause, "actor_id", None))
 
     def mux(self, actor) -> OutputMux:
         """This client's output stream from ``actor`` (an EngineActor), opened on first use."""
@@ -286,6 +287,7 @@ class ColocatedClient(_FleetClient):
         extra = {"mm_inputs": mm_inputs} if mm_inputs else {}
         tokens: list[int] = []  # streamed so far
         num_chars = 0  # characters of text streamed so far
+        resumed = False
         for attempt in range(1, _REPLICA_ATTEMPTS + 1):
             idx = await self._pick(prompt_token_ids)
             try:
@@ -302,9 +304,10 @@ class ColocatedClient(_FleetClient):
                 raise
             except (ray.exceptions.RayError, RuntimeError) as e:
                 if isinstance(e, ray.exceptions.RayActorError):
-                    self.replica_failed("colocated", idx, e)
+                    await self.replica_failed("colocated", idx, e)
                     if attempt < _REPLICA_ATTEMPTS:
-                        if tokens:
+                        if tokens and not resumed:
+                            resumed = True
                             self.num_resumed += 1
                             logger.warning("request %s: replica %d died after %d tokens; resuming the stream on "
                                            "another pick", request_id, idx, len(tokens))
@@ -335,7 +338,7 @@ class ColocatedClient(_FleetClient):
                 return await unwrap(actor.complete.remote(request_id, prompt_token_ids, params, **extra))
             except ray.exceptions.RayError as e:
                 if isinstance(e, ray.exceptions.RayActorError):
-                    self.replica_failed("colocated", idx, e)
+                    await self.replica_failed("colocated", idx, e)
                     if attempt < _REPLICA_ATTEMPTS:
                         continue
                 return _failed(request_id, prompt_token_ids, f"internal error: replica {idx} failed ({type(e).__name__})")

@@ -205,7 +205,7 @@ class PDClient(_FleetClient):
             case P.ReportFailure():
                 ticket = leg.prefill_ticket if action.role == "prefill" else leg.decode_ticket
                 if ticket is not None:  # the router probes it, keeps it out of picks, replaces it if dead
-                    self.replica_failed(action.role, ticket.replica, leg.error)
+                    await self.replica_failed(action.role, ticket.replica, leg.error)
             case P.UseObjectStore():
                 if self.kv_state.rdt_ok:
                     logger.error("a KV transfer over %s failed (%s); using the object store from now on",
