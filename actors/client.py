@@ -306,6 +306,8 @@ class ColocatedClient(_FleetClient):
                 if isinstance(e, ray.exceptions.RayActorError):
                     await self.replica_failed("colocated", idx, e)
                     if attempt < _REPLICA_ATTEMPTS:
+                        if attempt == 1:
+                            self.router.count_resend.remote()
                         if tokens and not resumed:
                             resumed = True
                             self.num_resumed += 1
@@ -340,6 +342,8 @@ class ColocatedClient(_FleetClient):
                 if isinstance(e, ray.exceptions.RayActorError):
                     await self.replica_failed("colocated", idx, e)
                     if attempt < _REPLICA_ATTEMPTS:
+                        if attempt == 1:
+                            self.router.count_resend.remote()
                         continue
                 return _failed(request_id, prompt_token_ids, f"internal error: replica {idx} failed ({type(e).__name__})")
             finally:

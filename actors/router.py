@@ -202,6 +202,7 @@ class Router:
         self.num_transferred = 0
         self.num_retries = 0
         self.num_handbacks = 0
+        self.num_resent = 0  # colocated requests a client sent again after their replica died
         # ep
         self.ep_loop = None
 
@@ -630,6 +631,10 @@ class Router:
             return True
         return False
 
+    def count_resend(self) -> None:
+        """A client sent a colocated request to another pick after its replica died."""
+        self.num_resent += 1
+
     def count_leg(self, handed_back: bool) -> None:
         """A client re-ran a PD leg: after a decode hand-back, or after a failure."""
         if handed_back:
@@ -745,7 +750,7 @@ class Router:
                      else KVStoreStats.from_dict(r))
         return FleetStats(info.topology, replicas, store, num_retries=self.num_retries,
                           num_handbacks=self.num_handbacks, encoders=encoders,
-                          num_replacements=self.num_replacements)
+                          num_replacements=self.num_replacements, num_resent=self.num_resent)
 
     async def flush(self) -> None:
         """Wait until the replicas' KV-store writes reached the store (PD prefill replicas; colocated

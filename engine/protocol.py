@@ -199,6 +199,8 @@ class FleetStats:
         encoders: the vision-encoder replicas (``encoder.num_encoders``), else empty.
         num_replacements: new actors the router started in place of replicas dead for good
             (``parallel.max_replacements``).
+        num_resent: colocated requests sent to another pick after their replica died (one that had
+            streamed tokens resumes from them; see ``ColocatedClient``).
     """
 
     topology: str = "colocated"
@@ -209,6 +211,7 @@ class FleetStats:
     num_handbacks: int = 0
     encoders: list[EncoderStats] = field(default_factory=list)
     num_replacements: int = 0
+    num_resent: int = 0
 
     def by_role(self, role: str) -> list[ReplicaStats]:
         """The replicas of one role."""

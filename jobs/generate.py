@@ -168,10 +168,13 @@ def cp_summary(stats) -> str:
 
 def fault_summary(stats) -> str:
     """One line on the replica failures a run rode out (``FleetStats``): PD legs re-run after a replica
-    failed, and replicas dead for good that the router replaced with new actors."""
+    failed, colocated requests sent again after theirs died, and replicas dead for good that the router
+    replaced with new actors."""
     parts = []
     if stats.num_retries:
         parts.append(f"{stats.num_retries} PD leg(s) re-run after a replica failed")
+    if stats.num_resent:
+        parts.append(f"{stats.num_resent} request(s) sent again after their replica died")
     if stats.num_replacements:
         parts.append(f"{stats.num_replacements} dead replica(s) replaced by new actors "
                      "(parallel.max_replacements)")
@@ -351,7 +354,7 @@ def run(cfg: GenerateConfig, client=None) -> int:
                     print(cp_summary(stats))
                 if cfg.engine.speculative.enabled:
                     print(spec_summary(stats))
-                if stats.num_replacements or stats.num_retries:
+                if stats.num_replacements or stats.num_retries or stats.num_resent:
                     print(fault_summary(stats))
         finally:
             if owned:

@@ -142,6 +142,8 @@ _ENGINE_METRICS = (
     # the fleet's own counts (replica "fleet")
     ("num_replacements", "rayinfer_replica_replacements", (), "New replica actors the router started in place of "
      "replicas dead for good (parallel.max_replacements).", "counter"),
+    ("num_resent", "rayinfer_requests_resent", (), "Colocated requests sent to another replica after theirs died "
+     "(a stream cut mid-way resumes from its tokens).", "counter"),
     ("num_retries", "rayinfer_pd_leg_retries", (), "PD prefill or decode legs re-run after a replica failed.",
      "counter"),
     ("num_handbacks", "rayinfer_pd_leg_handbacks", (), "PD legs re-run after a decode replica preempted a request.",
@@ -273,7 +275,7 @@ class ServeMetrics:
                 not be asked (every engine gauge vanishes); replicas that could not answer are left out
                 (their gauges vanish rather than freeze), the KV store's counters are exposed as a
                 replica named "kv_store", the EP balance as replica "ep", encoder replica i as "encoder<i>",
-                the router's replacement and PD retry counts as replica "fleet".
+                the router's replacement, PD retry and colocated re-send counts as replica "fleet".
         """
         if stats is None:
             with self._engine.lock:
@@ -287,7 +289,8 @@ class ServeMetrics:
                  for e in getattr(stats, "encoders", ()) if e.error is None]
         rows.append({"replica_id": "fleet", "num_replacements": stats.num_replacements,
                      **({"num_retries": stats.num_retries, "num_handbacks": stats.num_handbacks}
-                        if stats.topology == "pd" else {})})
+                        if stats.topology == "pd" else {}),
+                     **({"num_resent": stats.num_resent} if stats.topology == "colocated" else {})})
         if stats.ep is not None:
             rows.append({"replica_id": "ep", "moe_lb": stats.ep.moe_lb, "num_rebalances": stats.ep.num_rebalances,
                          "rebalance_stall_s": stats.ep.rebalance_stall_s})

@@ -54,11 +54,12 @@ def test_a_dead_replica_is_replaced_then_dead_for_good(ray_cluster, tiny_llama_c
         assert client.info.replicas[0]._actor_id.hex() != first._actor_id.hex()
         assert asyncio.run(_stream_tokens(client, prompts[0])) == want[0]  # streaming reaches it too
         stats = asyncio.run(client.stats())
-        assert stats.num_replacements == 1 and stats.replicas[0].error is None
+        assert stats.num_replacements == 1 and stats.num_resent == 1 and stats.replicas[0].error is None
 
         # killed mid-stream: the stream resumes on the second new actor from the tokens it has
         outs = asyncio.run(_stream_killing_its_replica(client, prompts[0]))
-        assert client.num_resumed == 1 and asyncio.run(client.stats()).num_replacements == 2
+        stats = asyncio.run(client.stats())
+        assert client.num_resumed == 1 and stats.num_replacements == 2 and stats.num_resent == 2
         assert [t for o in outs for t in o.new_token_ids] == want_long.output_token_ids
         assert "".join(o.new_text for o in outs) == want_long.text
         assert [o.finished for o in outs].count(True) == 1 and outs[-1].finish_reason == "length"

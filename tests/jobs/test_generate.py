@@ -462,6 +462,9 @@ def test_fault_summary_line():
         "replica failures: 7 PD leg(s) re-run after a replica failed; 1 dead replica(s) replaced by new actors "
         "(parallel.max_replacements)")
     assert fault_summary(FleetStats("colocated", num_replacements=2)).startswith("replica failures: 2 dead")
+    assert fault_summary(FleetStats("colocated", num_replacements=1, num_resent=33)) == (
+        "replica failures: 33 request(s) sent again after their replica died; 1 dead replica(s) replaced by new "
+        "actors (parallel.max_replacements)")
 
 
 def test_spec_summary_line():

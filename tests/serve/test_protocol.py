@@ -153,6 +153,12 @@ def test_pd_transfer_stats_are_exported_per_replica():
     assert samples[("rayinfer_pd_kv_transfer_sent_bytes_total", "0")] == 4096
     assert samples[("rayinfer_pd_kv_transfer_received_bytes_total", "1")] == 4096
     assert samples[("rayinfer_pd_kv_transfer_budget_used_bytes", "1")] == 1024
+    assert ("rayinfer_requests_resent_total", "fleet") not in samples  # colocated fleets' count
+    metrics.set_engine_stats(FleetStats("colocated", [ReplicaStats(replica_id=0)], num_resent=4, num_replacements=1))
+    samples = {(s.name, s.labels.get("replica")): s.value
+               for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
+    assert samples[("rayinfer_requests_resent_total", "fleet")] == 4
+    assert ("rayinfer_pd_leg_retries_total", "fleet") not in samples
 
 
 def test_spec_decode_stats_are_exported_per_replica():
