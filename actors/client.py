@@ -311,8 +311,9 @@ class ColocatedClient(_FleetClient):
                         if tokens and not resumed:
                             resumed = True
                             self.num_resumed += 1
-                            logger.warning("request %s: replica %d died after %d tokens; resuming the stream on "
-                                           "another pick", request_id, idx, len(tokens))
+                            logger.warning("request %s: replica %d died after %d tokens; resuming the stream on the "
+                                           "router's next pick (another replica, or this one's restart or "
+                                           "replacement)", request_id, idx, len(tokens))
                         continue
                 raise EngineInternalError(f"replica {idx} failed: {type(e).__name__}: {e}") from e
             finally:
