@@ -295,6 +295,7 @@ class EngineActorImpl:
         no error of this method may reach it.
         """
         e = self.engine.engine
+        start = time.monotonic()
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()  # free earlier payloads whose receivers have let go of their IPC views
         try:
@@ -305,6 +306,8 @@ class EngineActorImpl:
         if request_id in self._store_gathers:  # rare: its write-through copy still reads the blocks
             self._store_gathers.pop(request_id).result()
         self.engine.release_kv([request_id])
+        if time.monotonic() - start > 1.0:  # it blocks this actor's event loop meanwhile
+            logger.warning("pop_kv of request %s took %.1f s", request_id, time.monotonic() - start)
         return payload
 
     async def receive_kv(self, request_id: str, kv_payload: torch.Tensor) -> int:

@@ -38,6 +38,7 @@ import dataclasses
 import logging
 import math
 import os
+import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
@@ -64,6 +65,7 @@ from rayinfer.policy.routing import DecodeBalancer, DecodeTicket, PrefillBalance
 
 logger = logging.getLogger(__name__)
 _GIB = 1 << 30
+_SLOW_TRANSFER_S = 10.0  # a cuda_ipc transfer slower than this is logged (Ray's RDT aborts one at 60 s)
 _DEAD_AFTER = 4  # a replica whose ready() fails this many times in a row (1 s apart) is gone for good
 _PROBES = 600  # ready() calls, up to 1 s apart, before a probe leaves a restarting replica to the picks
 _ROLES = ("colocated", "prefill", "decode")
@@ -509,13 +511,18 @@ class Router:
         if num_blocks == 0:
             raise _not_parked(request_id, prefill_replica)
         await decode.reserve_kv.remote(num_blocks, request_id)
+        start = time.monotonic()
         try:
             payload = prefill.pop_kv.options(tensor_transport="cuda_ipc").remote(request_id)
             await decode.receive_kv.remote(request_id, payload)
-        except ray.exceptions.RayError:
+        except ray.exceptions.RayError as e:
             decode.unreserve_kv.remote(request_id)
+            logger.error("cuda_ipc transfer of request %s failed after %.1f s: %s", request_id,
+                         time.monotonic() - start, _death_reason(e))
             self._device_transfer_failed("cuda_ipc")
             raise
+        if time.monotonic() - start > _SLOW_TRANSFER_S:  # Ray's RDT kills both ends of one that takes 60 s
+            logger.warning("cuda_ipc transfer of request %s took %.1f s", request_id, time.monotonic() - start)
 
     async def _pump(self, prefill_replica: int, decode_replica: int) -> None:
         """Move the pair's queued requests in batches until its queue is empty."""

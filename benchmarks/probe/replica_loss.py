@@ -110,6 +110,7 @@ def main() -> None:
     ap.add_argument("--kill", choices=["prefill", "decode", "colocated"], default="prefill")
     ap.add_argument("--kill-after-s", type=float, default=10.0)
     ap.add_argument("--mode", choices=["stream", "complete"], default="stream")
+    ap.add_argument("--log-to-driver", action="store_true", help="show the actors' logs (warnings and errors)")
     ap.add_argument("--git-rev", default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -117,7 +118,7 @@ def main() -> None:
     engine = EngineConfig(device=args.device, **parse_parallel(args.engine))
     parallel = ParallelConfig(**parse_parallel(args.parallel))
     items = bl.fixed_workload(args.num_prompts, args.input_len, args.output_len, load_config(model.model).vocab_size, 0)
-    print(init_ray(log_to_driver=False, logging_level=logging.WARNING), flush=True)
+    print(init_ray(log_to_driver=args.log_to_driver, logging_level=logging.WARNING), flush=True)
     result = {**bl.run_metadata(resolve_device(args.device), args.git_rev), "parallel": args.parallel,
               "engine": args.engine, "workload": f"{args.num_prompts} x {args.input_len}/{args.output_len}",
               "mode": args.mode, "runs": {}}
