@@ -128,6 +128,7 @@ def main() -> None:
             run(client, items[:1], args.mode, None, 0.0)  # warm-up
             result["runs"][label] = r = run(client, items, args.mode, kill, args.kill_after_s)
             print(label, json.dumps(r), flush=True)
+            bl.emit_json(result, args.out, echo=False)  # each run as it ends: a cut-off probe keeps the first
         finally:
             client.shutdown()
             bl.release_device_memory()
