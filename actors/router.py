@@ -66,6 +66,9 @@ from rayinfer.policy.routing import DecodeBalancer, DecodeTicket, PrefillBalance
 logger = logging.getLogger(__name__)
 _GIB = 1 << 30
 _SLOW_TRANSFER_S = 10.0  # a cuda_ipc transfer slower than this is logged (Ray's RDT aborts one at 60 s)
+# cuda_ipc transfers in flight per decode replica: its RDT receives run one at a time on one thread, and Ray
+# gives each 60 s from its submission, so a long queue there can time out (and RDT then kills both replicas)
+_IPC_IN_FLIGHT = 4
 _DEAD_AFTER = 4  # a replica whose ready() fails this many times in a row (1 s apart) is gone for good
 _PROBES = 600  # ready() calls, up to 1 s apart, before a probe leaves a restarting replica to the picks
 _ROLES = ("colocated", "prefill", "decode")
@@ -195,6 +198,7 @@ class Router:
         self.num_replacements = 0  # replacements that came up
         self._rdt_ok = False
         self._rdt_locks: dict[tuple[str, int], asyncio.Lock] = {}
+        self._ipc_slots: dict[int, asyncio.Semaphore] = {}  # per decode replica: cuda_ipc transfers in flight
         self._transfer_queues: dict[tuple[int, int], deque] = {}  # (prefill, decode) -> waiting transfers
         self._pumps: dict[tuple[int, int], asyncio.Task] = {}
         self._budget_blocks: list[int] = []  # per decode replica: blocks one transfer batch may hold
@@ -487,7 +491,7 @@ class Router:
 
         nccl / gloo: the request joins the pair's queue and moves in the next batch (every request
         queued for the pair, up to the decode replica's transfer budget, as one send/recv); cuda_ipc:
-        one Ray Direct Transport call. A failure turns device transfers off for the fleet (a broken
+        one Ray Direct Transport call, at most ``_IPC_IN_FLIGHT`` at once per decode replica. A failure turns device transfers off for the fleet (a broken
         group or a dead end); the caller retries the request.
 
         Raises:
@@ -513,8 +517,10 @@ class Router:
         await decode.reserve_kv.remote(num_blocks, request_id)
         start = time.monotonic()
         try:
-            payload = prefill.pop_kv.options(tensor_transport="cuda_ipc").remote(request_id)
-            await decode.receive_kv.remote(request_id, payload)
+            async with self._ipc_slots.setdefault(decode_replica, asyncio.Semaphore(_IPC_IN_FLIGHT)):
+                start = time.monotonic()
+                payload = prefill.pop_kv.options(tensor_transport="cuda_ipc").remote(request_id)
+                await decode.receive_kv.remote(request_id, payload)
         except ray.exceptions.RayError as e:
             decode.unreserve_kv.remote(request_id)
             logger.error("cuda_ipc transfer of request %s failed after %.1f s: %s", request_id,
