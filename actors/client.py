@@ -346,7 +346,8 @@ class ColocatedClient(_FleetClient):
                         if attempt == 1:
                             self.router.count_resend.remote()
                         continue
-                return _failed(request_id, prompt_token_ids, f"internal error: replica {idx} failed ({type(e).__name__})")
+                return _failed(request_id, prompt_token_ids,
+                               f"internal error: replica {idx} failed ({type(e).__name__})")
             finally:
                 self.router.release.remote(idx)
 

@@ -306,8 +306,9 @@ class EngineActorImpl:
         if request_id in self._store_gathers:  # rare: its write-through copy still reads the blocks
             self._store_gathers.pop(request_id).result()
         self.engine.release_kv([request_id])
-        if time.monotonic() - start > 1.0:  # it blocks this actor's event loop meanwhile
-            logger.warning("pop_kv of request %s took %.1f s", request_id, time.monotonic() - start)
+        elapsed = time.monotonic() - start
+        if elapsed > 1.0:  # it blocks this actor's event loop meanwhile
+            logger.warning("pop_kv of request %s took %.1f s", request_id, elapsed)
         return payload
 
     async def receive_kv(self, request_id: str, kv_payload: torch.Tensor) -> int:

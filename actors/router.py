@@ -491,8 +491,9 @@ class Router:
 
         nccl / gloo: the request joins the pair's queue and moves in the next batch (every request
         queued for the pair, up to the decode replica's transfer budget, as one send/recv); cuda_ipc:
-        one Ray Direct Transport call, at most ``_IPC_IN_FLIGHT`` at once per decode replica. A failure turns device transfers off for the fleet (a broken
-        group or a dead end); the caller retries the request.
+        one Ray Direct Transport call, at most ``_IPC_IN_FLIGHT`` at once per decode replica. A failure
+        turns device transfers off for the fleet (a broken group or a dead end); the caller retries the
+        request.
 
         Raises:
             ray.exceptions.RayError: the transfer failed.
@@ -515,20 +516,20 @@ class Router:
         if num_blocks == 0:
             raise _not_parked(request_id, prefill_replica)
         await decode.reserve_kv.remote(num_blocks, request_id)
-        start = time.monotonic()
-        try:
-            async with self._ipc_slots.setdefault(decode_replica, asyncio.Semaphore(_IPC_IN_FLIGHT)):
-                start = time.monotonic()
+        async with self._ipc_slots.setdefault(decode_replica, asyncio.Semaphore(_IPC_IN_FLIGHT)):
+            start = time.monotonic()  # Ray's RDT clock starts about here
+            try:
                 payload = prefill.pop_kv.options(tensor_transport="cuda_ipc").remote(request_id)
                 await decode.receive_kv.remote(request_id, payload)
-        except ray.exceptions.RayError as e:
-            decode.unreserve_kv.remote(request_id)
-            logger.error("cuda_ipc transfer of request %s failed after %.1f s: %s", request_id,
-                         time.monotonic() - start, _death_reason(e))
-            self._device_transfer_failed("cuda_ipc")
-            raise
-        if time.monotonic() - start > _SLOW_TRANSFER_S:  # Ray's RDT kills both ends of one that takes 60 s
-            logger.warning("cuda_ipc transfer of request %s took %.1f s", request_id, time.monotonic() - start)
+            except ray.exceptions.RayError as e:
+                decode.unreserve_kv.remote(request_id)
+                logger.error("cuda_ipc transfer of request %s failed after %.1f s: %s", request_id,
+                             time.monotonic() - start, _death_reason(e))
+                self._device_transfer_failed("cuda_ipc")
+                raise
+        elapsed = time.monotonic() - start
+        if elapsed > _SLOW_TRANSFER_S:  # Ray's RDT kills both ends of one not done in 60 s
+            logger.warning("cuda_ipc transfer of request %s took %.1f s", request_id, elapsed)
 
     async def _pump(self, prefill_replica: int, decode_replica: int) -> None:
         """Move the pair's queued requests in batches until its queue is empty."""
