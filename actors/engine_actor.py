@@ -15,8 +15,8 @@ import ray
 import torch
 
 from rayinfer.actors.cluster import configure_worker_logging
-from rayinfer.actors.kv_transport import (COLLECTIVE_TRANSPORTS, ByteBudget, KVTransferAgent, from_wire, on_stream,
-                                         release_when_freed, to_wire)
+from rayinfer.actors.kv_transport import (COLLECTIVE_TRANSPORTS, ByteBudget, DeviceHandle, KVTransferAgent, from_wire,
+                                         on_stream, open_payload, release_when_freed, share_payload, to_wire)
 from rayinfer.engine.async_engine import AsyncLLMEngine
 from rayinfer.engine.config import EngineConfig, ModelConfig
 from rayinfer.engine.llm_engine import LLMEngine
@@ -47,8 +47,8 @@ class EngineActorImpl:
                 through to it. NORMAL role (the store as a third KV tier): a request's leading blocks that the
                 store holds beyond this replica's own cache are loaded from it, and finished requests' full
                 blocks are written to it, so one replica's prefixes serve the others (and outlive them).
-            kv_transport: "object_store", "cuda_ipc" (Ray Direct Transport, :meth:`pop_kv`), or "nccl" /
-                "gloo" (the fleet's transfer group, :meth:`send_kv` / :meth:`recv_kv`).
+            kv_transport: "object_store", "cuda_ipc" (CUDA IPC handles, :meth:`share_kv` / :meth:`receive_kv`),
+                or "nccl" / "gloo" (the fleet's transfer group, :meth:`send_kv` / :meth:`recv_kv`).
         """
         configure_worker_logging()
         self.kv_transport = kv_transport
@@ -64,6 +64,7 @@ class EngineActorImpl:
         self.receive_budget = (self.transfer.budget if self.transfer is not None
                                else ByteBudget(budget) if kv_transport == "cuda_ipc" else None)
         self._reserved: dict[str, int] = {}  # cuda_ipc: request id -> bytes reserved for its payload
+        self._ipc_stream: torch.cuda.Stream | None = None  # cuda_ipc: where received payloads are copied
         self._kv_in: dict[str, tuple[float, torch.Tensor]] = {}  # DECODE: received payloads to decode
         self._outboxes: dict[str, _Outbox] = {}  # client id -> its requests' deltas not yet streamed
         self._kv_writes: list[concurrent.futures.Future] = []  # write-through puts not yet known to be done
@@ -182,7 +183,7 @@ class EngineActorImpl:
                       stored: tuple[list[int], str | None, list] | None = None,
                       mm_inputs: list | None = None) -> RequestOutput:
         """PREFILL role: compute a request's tokens and sample the next one; its KV stays parked in the pool
-        for :meth:`send_kv` (nccl, gloo), :meth:`pop_kv` (cuda_ipc) or :meth:`export_kv` (object store).
+        for :meth:`send_kv` (nccl, gloo), :meth:`share_kv` (cuda_ipc) or :meth:`export_kv` (object store).
 
         Blocks the KV store holds are loaded instead of computed; new full blocks are written through
         to the store afterwards (without waiting for it).
@@ -285,48 +286,49 @@ class EngineActorImpl:
         await self.release_kv([request_id])
         return to_wire(payload)
 
-    def pop_kv(self, request_id: str) -> torch.Tensor:
-        """PREFILL role: a parked request's payload on the cache's device, its blocks freed; called as
-        ``.options(tensor_transport="cuda_ipc")`` (Ray Direct Transport between actors sharing a GPU).
-
-        Never raises: for a request not parked here, or a payload it cannot gather (out of memory), it
-        returns an empty tensor (the parked KV, if any, stays) and :meth:`receive_kv` raises on it. Ray Direct
-        Transport kills both actors, for good, when one of its transfers fails (``ray.experimental.rdt``), so
-        no error of this method may reach it.
-        """
-        e = self.engine.engine
-        start = time.monotonic()
-        if torch.cuda.is_available():
-            torch.cuda.ipc_collect()  # free earlier payloads whose receivers have let go of their IPC views
-        try:
-            payload = e.gather_kv([request_id])
-        except Exception as exc:  # noqa: BLE001 - reported through the empty payload
-            logger.warning("no KV payload for request %s over cuda_ipc (%s: %s)", request_id, type(exc).__name__, exc)
-            return torch.empty(0, dtype=e.kv_cache.dtype, device=e.kv_cache.device)
-        if request_id in self._store_gathers:  # rare: its write-through copy still reads the blocks
-            self._store_gathers.pop(request_id).result()
-        self.engine.release_kv([request_id])
-        elapsed = time.monotonic() - start
-        if elapsed > 1.0:  # it blocks this actor's event loop meanwhile
-            logger.warning("pop_kv of request %s took %.1f s", request_id, elapsed)
-        return payload
-
-    async def receive_kv(self, request_id: str, kv_payload: torch.Tensor) -> int:
-        """DECODE role: take a payload ahead of :meth:`submit` (the cuda_ipc path: pass the ObjectRef from
-        :meth:`pop_kv` positionally). The bytes :meth:`reserve_kv` reserved for ``request_id`` (if any) come
-        back to the receive budget once the payload's copy here is freed (imported or expired). Returns the
-        payload's size in bytes.
+    async def share_kv(self, request_id: str) -> "DeviceHandle | torch.Tensor":
+        """PREFILL role (cuda_ipc): a parked request's payload ``[L, n_blocks, 2, bs, H, D]`` gathered into a
+        new buffer on the cache's device, as a handle another replica on this GPU opens
+        (:func:`~rayinfer.actors.kv_transport.share_payload`); its blocks are freed. The gather runs off the
+        event loop. The buffer stays alive until the receiver has copied it (:meth:`receive_kv`); earlier
+        buffers whose receivers are done are freed here.
 
         Raises:
-            KeyError: the payload is empty (:meth:`pop_kv` had none to send); the reservation is given back.
+            KeyError: for a request not parked here (never prefilled here, released or expired).
+            torch.OutOfMemoryError: no room on the device for the buffer (the KV stays parked).
+        """
+        e = self.engine.engine
+
+        def gather_and_share():
+            if torch.cuda.is_available():
+                torch.cuda.ipc_collect()  # free buffers whose receivers have let go of them
+            return share_payload(e.gather_kv([request_id]))
+
+        start = time.monotonic()
+        handle = await asyncio.to_thread(gather_and_share)
+        await self.release_kv([request_id])
+        elapsed = time.monotonic() - start
+        if elapsed > 1.0:
+            logger.warning("share_kv of request %s took %.1f s", request_id, elapsed)
+        return handle
+
+    async def receive_kv(self, request_id: str, handle: "DeviceHandle | torch.Tensor") -> int:
+        """DECODE role (cuda_ipc): copy a payload that :meth:`share_kv` shared into this replica's memory
+        ahead of :meth:`submit` (off the event loop, on a stream of its own). The bytes :meth:`reserve_kv`
+        reserved for ``request_id`` (if any) come back to the receive budget once the copy is freed
+        (imported or expired); on an error they come back at once. Returns the payload's size in bytes.
+
+        Raises:
+            ValueError: the sender is on another GPU.
         """
         self._kv_in = _fresh(self._kv_in)
-        if kv_payload.numel() == 0:  # pop_kv had nothing to send
+        if self._ipc_stream is None and torch.cuda.is_available() and not isinstance(handle, torch.Tensor):
+            self._ipc_stream = torch.cuda.Stream()
+        try:
+            kv_payload = await asyncio.to_thread(open_payload, handle, self._ipc_stream)
+        except BaseException:
             await self.unreserve_kv(request_id)
-            raise KeyError(f"the prefill replica sent no KV for request {request_id!r} (not parked there, or it "
-                           "could not gather the payload)")
-        if self.kv_transport == "cuda_ipc":  # a view of the prefill replica's memory: copy it out now
-            kv_payload = kv_payload.clone()
+            raise
         reserved = self._reserved.pop(request_id, 0)
         if reserved and self.receive_budget is not None:
             release_when_freed(kv_payload, self.receive_budget, reserved, asyncio.get_running_loop())

@@ -8,9 +8,10 @@ Transports (``ParallelConfig.pd.kv_transport``):
   send/recv: the prefill side gathers their blocks straight from its KV pool into one staging buffer,
   the decode side receives them into one payload that its engine imports block by block.
 - ``gloo``: the same group and code over gloo, between CPU actors (how the nccl path is tested on CPU).
-- ``cuda_ipc``: Ray Direct Transport between actors that share one GPU: the receiver maps the sender's
-  device buffer through a CUDA IPC handle and copies it into its own cache (device to device, no host
-  hop, no collective group).
+- ``cuda_ipc``: between actors that share one GPU: the prefill replica gathers a request's blocks into
+  a device buffer and returns a CUDA IPC handle to it (:func:`share_payload`, torch's CUDA reduction,
+  a few hundred bytes through Ray); the decode replica maps the buffer and copies it into its own memory
+  (:func:`open_payload`; device to device, no host hop, no collective group).
 - ``object_store``: the payload is copied to host memory and put in Ray's object store (works across
   machines; outlives the prefill actor).
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import datetime
 import logging
 import math
@@ -38,6 +40,7 @@ import weakref
 from typing import Callable
 
 import numpy as np
+import ray
 import torch
 
 from rayinfer.placement.parallel_config import KV_TRANSPORTS
@@ -99,6 +102,71 @@ class ByteBudget:
         """The budget's bytes as replica stats: ``kv_transfer_budget`` (capacity), ``_used`` and ``_peak``."""
         return {"kv_transfer_budget_used": self.used, "kv_transfer_budget_peak": self.peak,
                 "kv_transfer_budget": self.capacity}
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceHandle:
+    """A CUDA tensor shared with other processes on its GPU (:func:`share_payload`).
+
+    ``rebuild(*args)`` is torch's ``rebuild_cuda_tensor`` with its arguments (``args[6]`` is the device
+    index, remapped by the receiver); ``gpu_id`` is the device's id among the sender's Ray GPU ids (None
+    outside a Ray worker).
+    """
+
+    rebuild: Callable
+    args: tuple
+    gpu_id: object
+
+
+def share_payload(payload: torch.Tensor) -> "DeviceHandle | torch.Tensor":
+    """A handle to ``payload`` that another process on the same GPU opens with :func:`open_payload`.
+
+    CUDA: torch's CUDA IPC reduction (``torch.multiprocessing.reductions.reduce_tensor``): an IPC handle
+    of the memory and of an event recorded on the current stream, which the receiver's stream waits on,
+    so the kernels that wrote ``payload`` need not have finished. The caller may drop ``payload`` at once:
+    torch keeps the memory until every receiver has let go of its view, and ``torch.cuda.ipc_collect()``
+    (which the sender should call now and then) frees it after that. A handle that is never opened keeps
+    its memory until the sender exits. Host tensors (CPU fleets) pass through as they are.
+    """
+    if not payload.is_cuda:
+        return payload
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    rebuild, args = reduce_tensor(payload)
+    gpu_ids = ray.get_gpu_ids() if ray.is_initialized() else []
+    index = payload.device.index or 0
+    return DeviceHandle(rebuild, tuple(args), gpu_ids[index] if index < len(gpu_ids) else None)
+
+
+def open_payload(handle: "DeviceHandle | torch.Tensor", stream: "torch.cuda.Stream | None" = None) -> torch.Tensor:
+    """This process's own copy of the tensor :func:`share_payload` shared (a host tensor passes through).
+
+    CUDA: maps the sender's memory, copies it on ``stream`` (default: the current stream) after the
+    sender's event, waits for the copy, then lets go of the mapping (the sender may free it then). Blocks
+    the calling thread for the copy: call it off the event loop.
+
+    Raises:
+        ValueError: this process does not hold the sender's GPU (cuda_ipc needs both on one device).
+    """
+    if isinstance(handle, torch.Tensor):
+        return handle
+    if handle.gpu_id is None:
+        index = torch.cuda.current_device()
+    else:
+        gpu_ids = [str(g) for g in ray.get_gpu_ids()]
+        if str(handle.gpu_id) not in gpu_ids:
+            raise ValueError(f"cuda_ipc: the sender's GPU {handle.gpu_id} is not one of this replica's GPUs "
+                             f"{gpu_ids}; cuda_ipc moves KV between replicas sharing a GPU")
+        index = gpu_ids.index(str(handle.gpu_id))
+    args = list(handle.args)
+    args[6] = index  # rebuild_cuda_tensor's storage_device: this process's index of that GPU
+    stream = stream or torch.cuda.current_stream(index)
+    with torch.cuda.stream(stream):  # the rebuild makes this stream wait for the sender's event
+        view = handle.rebuild(*args)
+        copy = view.clone()
+    stream.synchronize()
+    del view  # the sender's memory is released once the copy is done
+    return copy
 
 
 def release_when_freed(tensor: torch.Tensor, budget: ByteBudget, nbytes: int, loop: asyncio.AbstractEventLoop) -> None:

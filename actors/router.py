@@ -65,10 +65,7 @@ from rayinfer.policy.routing import DecodeBalancer, DecodeTicket, PrefillBalance
 
 logger = logging.getLogger(__name__)
 _GIB = 1 << 30
-_SLOW_TRANSFER_S = 10.0  # a cuda_ipc transfer slower than this is logged (Ray's RDT aborts one at 60 s)
-# cuda_ipc transfers in flight per decode replica: its RDT receives run one at a time on one thread, and Ray
-# gives each 60 s from its submission, so a long queue there can time out (and RDT then kills both replicas)
-_IPC_IN_FLIGHT = 4
+_SLOW_TRANSFER_S = 10.0  # a cuda_ipc transfer slower than this is logged
 _DEAD_AFTER = 4  # a replica whose ready() fails this many times in a row (1 s apart) is gone for good
 _PROBES = 600  # ready() calls, up to 1 s apart, before a probe leaves a restarting replica to the picks
 _ROLES = ("colocated", "prefill", "decode")
@@ -198,7 +195,6 @@ class Router:
         self.num_replacements = 0  # replacements that came up
         self._rdt_ok = False
         self._rdt_locks: dict[tuple[str, int], asyncio.Lock] = {}
-        self._ipc_slots: dict[int, asyncio.Semaphore] = {}  # per decode replica: cuda_ipc transfers in flight
         self._transfer_queues: dict[tuple[int, int], deque] = {}  # (prefill, decode) -> waiting transfers
         self._pumps: dict[tuple[int, int], asyncio.Task] = {}
         self._budget_blocks: list[int] = []  # per decode replica: blocks one transfer batch may hold
@@ -300,10 +296,9 @@ class Router:
         return resolve_encoder_transport(p.encoder.transport, p.num_gpus_per_replica) if p.num_encoders \
             else "object_store"
 
-    def _engine_actor_cls(self, kv_transport: str | None = None):
-        """EngineActor, with Ray Direct Transport enabled when KV (``kv_transport``) or image embeddings
-        move by cuda_ipc."""
-        if kv_transport == "cuda_ipc" or self._encoder_transport == "cuda_ipc":
+    def _engine_actor_cls(self):
+        """EngineActor, with Ray Direct Transport enabled when image embeddings move by cuda_ipc."""
+        if self._encoder_transport == "cuda_ipc":
             return ray.remote(enable_tensor_transport=True)(EngineActorImpl)  # pyright: ignore[reportCallIssue]
         return EngineActor
 
@@ -368,7 +363,7 @@ class Router:
         max_bytes = int(pd.kv_store_max_gib * _GIB) if pd.kv_store_max_gib else None
         store, store_name = _start_kv_store(pd.kv_store_max_blocks, max_bytes, pd.kv_store_ttl_s,
                                             p.kv_store.directory, self.model_config.model)
-        actor_cls = self._engine_actor_cls(transport)
+        actor_cls = self._engine_actor_cls()
         prefills = [await self._place(actor_cls, i, self.model_config, pcfg, i, kv_store=store_name,
                                       kv_transport=transport) for i in range(p.num_prefill)]
         decodes = [await self._place(actor_cls, p.num_prefill + i, self.model_config, dcfg, p.num_prefill + i,
@@ -491,7 +486,8 @@ class Router:
 
         nccl / gloo: the request joins the pair's queue and moves in the next batch (every request
         queued for the pair, up to the decode replica's transfer budget, as one send/recv); cuda_ipc:
-        one Ray Direct Transport call, at most ``_IPC_IN_FLIGHT`` at once per decode replica. A failure
+        the prefill replica shares a CUDA IPC handle of the request's gathered payload and the decode
+        replica copies it (each request on its own, within the decode replica's receive budget). A failure
         turns device transfers off for the fleet (a broken group or a dead end); the caller retries the
         request.
 
@@ -516,19 +512,26 @@ class Router:
         if num_blocks == 0:
             raise _not_parked(request_id, prefill_replica)
         await decode.reserve_kv.remote(num_blocks, request_id)
-        async with self._ipc_slots.setdefault(decode_replica, asyncio.Semaphore(_IPC_IN_FLIGHT)):
-            start = time.monotonic()  # Ray's RDT clock starts about here
-            try:
-                payload = prefill.pop_kv.options(tensor_transport="cuda_ipc").remote(request_id)
-                await decode.receive_kv.remote(request_id, payload)
-            except ray.exceptions.RayError as e:
-                decode.unreserve_kv.remote(request_id)
-                logger.error("cuda_ipc transfer of request %s failed after %.1f s: %s", request_id,
-                             time.monotonic() - start, _death_reason(e))
-                self._device_transfer_failed("cuda_ipc")
-                raise
+        start = time.monotonic()
+        try:
+            handle = await prefill.share_kv.remote(request_id)
+        except ray.exceptions.RayError as e:
+            decode.unreserve_kv.remote(request_id)
+            if isinstance(e, ray.exceptions.RayTaskError) and isinstance(e.cause, KeyError):
+                raise _not_parked(request_id, prefill_replica) from e  # expired meanwhile: not a transport failure
+            logger.error("cuda_ipc: the prefill replica could not share request %s's KV: %s", request_id,
+                         _death_reason(e))
+            self._device_transfer_failed("cuda_ipc")
+            raise
+        try:
+            await decode.receive_kv.remote(request_id, handle)  # gives its reservation back on an error
+        except ray.exceptions.RayError as e:
+            logger.error("cuda_ipc transfer of request %s failed after %.1f s: %s", request_id,
+                         time.monotonic() - start, _death_reason(e))
+            self._device_transfer_failed("cuda_ipc")
+            raise
         elapsed = time.monotonic() - start
-        if elapsed > _SLOW_TRANSFER_S:  # Ray's RDT kills both ends of one not done in 60 s
+        if elapsed > _SLOW_TRANSFER_S:
             logger.warning("cuda_ipc transfer of request %s took %.1f s", request_id, elapsed)
 
     async def _pump(self, prefill_replica: int, decode_replica: int) -> None:

@@ -182,11 +182,13 @@ def test_cuda_ipc_receive_budget_bounds_the_payloads_in_flight(pd, client, cases
     """Over cuda_ipc the router reserves a request's bytes in the decode replica's receive budget before the
     prefill replica gathers its payload (``Router.transfer_kv``): a reservation past the budget waits until a
     received payload is gone, and every reservation comes back (payload dropped, or ``unreserve_kv`` after a
-    failed transfer). The decode side's bookkeeping runs here on CPU, the payload coming through the object
-    store instead of CUDA IPC (the GPU test moves it over CUDA IPC)."""
+    failed transfer). The bookkeeping runs here on CPU, where ``share_kv`` hands over the payload itself
+    instead of a CUDA IPC handle (the GPU test moves it over CUDA IPC)."""
     import ray
+    import torch
 
     from rayinfer.actors.engine_actor import EngineActor
+    from rayinfer.actors.kv_transport import DeviceHandle
     from rayinfer.engine.types import SamplingParams
 
     prefill = client.prefills[0]
@@ -203,8 +205,8 @@ def test_cuda_ipc_receive_budget_bounds_the_payloads_in_flight(pd, client, cases
         ray.get(decode.reserve_kv.remote(budget_blocks - num_blocks, "ipc-b"))  # the budget is full
         waiting = decode.reserve_kv.remote(1, "ipc-c")
         assert not ray.wait([waiting], timeout=1.0)[0]
-        assert ray.get(decode.receive_kv.remote("ipc-a", prefill.pop_kv.remote("ipc-a"))) == reserved
-        assert ray.get(prefill.parked_blocks.remote(["ipc-a"])) == [0]  # popped: its prefill blocks are free
+        assert ray.get(decode.receive_kv.remote("ipc-a", prefill.share_kv.remote("ipc-a"))) == reserved
+        assert ray.get(prefill.parked_blocks.remote(["ipc-a"])) == [0]  # shared: its prefill blocks are free
         assert not ray.wait([waiting], timeout=0.5)[0]  # the received payload still holds its bytes
         ray.get(decode.abort.remote("ipc-a"))  # the payload is dropped: its bytes come back
         ray.get(waiting, timeout=30)
@@ -213,14 +215,38 @@ def test_cuda_ipc_receive_budget_bounds_the_payloads_in_flight(pd, client, cases
         stats = ray.get(decode.stats.remote())
         assert stats["kv_transfer_budget_used"] == 0
         assert stats["kv_transfer_budget_peak"] == budget_blocks * reserved // num_blocks
-        # a request the prefill replica does not hold: pop_kv sends an empty payload instead of raising (a task
-        # error would fail the device transfer, on which Ray kills both actors), the receive raises KeyError
-        # and gives the reservation back
-        ray.get(decode.reserve_kv.remote(1, "ipc-missing"))
-        with pytest.raises(ray.exceptions.RayTaskError, match="sent no KV") as err:
-            ray.get(decode.receive_kv.remote("ipc-missing", prefill.pop_kv.remote("ipc-missing")))
+        # a request the prefill replica does not hold: share_kv raises KeyError; a handle the decode replica
+        # cannot open (a GPU it does not hold) raises and gives its reservation back
+        with pytest.raises(ray.exceptions.RayTaskError) as err:
+            ray.get(prefill.share_kv.remote("ipc-missing"))
         assert isinstance(err.value.cause, KeyError)
+        ray.get(decode.reserve_kv.remote(1, "ipc-bad"))
+        assert ray.get(decode.stats.remote())["kv_transfer_budget_used"] > 0
+        with pytest.raises(ray.exceptions.RayTaskError, match="sharing a GPU") as err:
+            ray.get(decode.receive_kv.remote("ipc-bad", DeviceHandle(torch.empty, (), gpu_id="7")))
+        assert isinstance(err.value.cause, ValueError)
         assert ray.get(decode.stats.remote())["kv_transfer_budget_used"] == 0
         assert ray.get(decode.ready.remote())["transfer_budget_blocks"] == budget_blocks  # the replica lives on
     finally:
         ray.kill(decode)
+
+
+def test_1p1d_over_cuda_ipc_equals_colocated_within_the_receive_budget(ray_cluster, pd, cases, reference):
+    """The router's cuda_ipc path end to end (``Router.transfer_kv``: reserve, ``share_kv``, ``receive_kv``),
+    with a receive budget of a few requests: greedy streams equal the colocated engine's, no transfer fails
+    (the fleet never falls back to the object store), and every reserved byte comes back. On CPU the
+    payload itself stands in for the CUDA IPC handle (the GPU test opens real handles)."""
+    c = make_client(pd.model, pd.engine_config(enable_prefix_caching=False),
+                    ParallelConfig(num_prefill=1, num_decode=1, num_cpus_per_replica=1,
+                                   pd=PDSection(kv_transport="cuda_ipc", transfer_buffer_gib=TRANSFER_GIB)))
+    try:
+        assert c.transport == "cuda_ipc" and c._rdt_ok
+        streams = asyncio.run(pd.stream_all(c, cases, "~ipc"))
+        pd.check_streams(streams, reference)
+        assert c._rdt_ok, "a cuda_ipc transfer failed and the client fell back to the object store"
+        assert c.num_retries == 0
+        budget = asyncio.run(c.stats()).by_role("decode")[0].kv_transfer
+        assert budget["kv_transfer_budget_used"] == 0
+        assert budget["kv_transfer_budget_peak"] > 0
+    finally:
+        c.shutdown()
