@@ -57,7 +57,7 @@ class _Leg:
     decode_ticket: DecodeTicket | None = None
     decode: Any = None
     decode_grown: int = 0  # tokens decoded on the ticket's replica, reported at its release
-    rdt: bool = False  # the router allows Ray Direct Transport for this leg's replicas
+    rdt: bool = False  # the router allows a device transfer between this leg's replicas
     payload: Any = None  # the object-store ObjectRef of the KV, kept until the leg ends
     stream: Any = None  # the decode's deltas (OutputMux.generate)
     error: Exception | None = None  # the last failure, for ReportFailure (replica_failed)
@@ -110,7 +110,7 @@ class PDClient(_FleetClient):
         return self.info.decodes
 
     @property
-    def _rdt_ok(self) -> bool:  # False for good once a transfer over RDT failed
+    def _rdt_ok(self) -> bool:  # False for good once a device transfer failed
         return self.kv_state.rdt_ok
 
     # -- the caller's side ----------------------------------------------------------------------
@@ -246,8 +246,9 @@ class PDClient(_FleetClient):
                              out.error, run.detok.add_tokens(out.new_token_ids))
 
     async def _transfer(self, leg: _Leg, action: P.Transfer) -> P.Event:
-        """Pick a decode replica and move the leg's exported KV there: over Ray Direct Transport (run by
-        the router, which orders transfers per replica) or as an object-store ref for the decode task."""
+        """Pick a decode replica and move the leg's exported KV there: by a device transfer (nccl, gloo or
+        cuda_ipc, run by the router, which orders transfers per replica) or as an object-store ref for the
+        decode task."""
         rdt = False
         assert leg.prefill_ticket is not None  # a transfer follows a prefill of this leg
         prefill_replica = leg.prefill_ticket.replica

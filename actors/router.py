@@ -464,8 +464,8 @@ class Router:
         self._lb("prefill").done(ticket)
 
     async def pick_decode(self, num_tokens: int, prefill_replica: int) -> tuple[DecodeTicket, bool]:
-        """A decode replica, and whether the KV may move by Ray Direct Transport from ``prefill_replica``
-        (no: either end restarted since the collective group formed, or an RDT transfer failed).
+        """A decode replica, and whether the KV may move by a device transfer from ``prefill_replica``
+        (no: either end restarted since the fleet started, or a device transfer failed).
 
         Raises:
             ReplicasDeadError: every decode replica is gone for good.

@@ -30,8 +30,9 @@ prefill ticket and ``Transfer`` a decode ticket; each is given back by exactly o
 ``ReleaseDecode``. In DECODE with no actions left, the shell waits for the decode replica's next output.
 
 Glossary: leg = one prefill (+ decode) run of the request; hand-back = the decode replica preempted the
-request and returned it for a re-prefill; RDT = Ray Direct Transport (KV moved device to device); ticket =
-a balancer's count of the request against one replica (``policy/routing.py``).
+request and returned it for a re-prefill; RDT = a device transfer (KV moved device to device by the
+router: nccl, gloo or cuda_ipc; the name is historical); ticket = a balancer's count of the request against
+one replica (``policy/routing.py``).
 """
 
 from __future__ import annotations
@@ -76,11 +77,11 @@ def backoff_s(num_failures: int) -> float:
 
 @dataclass
 class KVTransportState:
-    """Client-wide: whether KV may still move by Ray Direct Transport; shared by a client's requests.
+    """Client-wide: whether KV may still move by a device transfer (RDT); shared by a client's requests.
 
     Attributes:
         rdt_ok: False for the object-store transport; the shell turns it off for good when it carries out
-            a :class:`UseObjectStore` (a failed RDT transfer makes Ray kill both ends and destroy the group).
+            a :class:`UseObjectStore` (after a failed device transfer, a broken group or a dead end).
     """
 
     rdt_ok: bool
@@ -136,7 +137,7 @@ class Emitted:
 
 @dataclass(frozen=True)
 class TransferDone:
-    """The KV is on its way to the decode replica (``used_rdt``: over Ray Direct Transport)."""
+    """The KV is on its way to the decode replica (``used_rdt``: by a device transfer)."""
 
     used_rdt: bool
 
@@ -236,7 +237,7 @@ class Emit:
 class Transfer:
     """Pick a decode replica for ``num_tokens`` (take a ticket) and move the exported KV to it.
 
-    ``may_use_rdt``: Ray Direct Transport is allowed client-wide (the shell still sends KV of a restarted
+    ``may_use_rdt``: device transfers are allowed client-wide (the shell still sends KV of a restarted
     replica, which is outside the collective group, through the object store). Answer with TransferDone or
     TransferFailed.
     """
