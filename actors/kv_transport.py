@@ -141,9 +141,9 @@ def share_payload(payload: torch.Tensor) -> "DeviceHandle | torch.Tensor":
 def open_payload(handle: "DeviceHandle | torch.Tensor", stream: "torch.cuda.Stream | None" = None) -> torch.Tensor:
     """This process's own copy of the tensor :func:`share_payload` shared (a host tensor passes through).
 
-    CUDA: maps the sender's memory, copies it on ``stream`` (default: the current stream) after the
-    sender's event, waits for the copy, then lets go of the mapping (the sender may free it then). Blocks
-    the calling thread for the copy: call it off the event loop.
+    CUDA: maps the sender's memory (``cudaIpcOpenMemHandle`` through torch), copies it on ``stream``
+    (default: the current stream) after the sender's event, waits for the copy, then lets go of the mapping
+    (the sender may free it then). Blocks the calling thread for the copy: call it off the event loop.
 
     Raises:
         ValueError: this process does not hold the sender's GPU (cuda_ipc needs both on one device).
@@ -164,8 +164,10 @@ def open_payload(handle: "DeviceHandle | torch.Tensor", stream: "torch.cuda.Stre
     with torch.cuda.stream(stream):  # the rebuild makes this stream wait for the sender's event
         view = handle.rebuild(*args)
         copy = view.clone()
-    stream.synchronize()
-    del view  # the sender's memory is released once the copy is done
+        stream.synchronize()
+        # freeing the view synchronizes the current stream (this one, idle now: not the engine's) and
+        # tells the sender it may free the memory
+        del view
     return copy
 
 

@@ -128,3 +128,57 @@ def test_agents_move_a_batch_over_gloo_while_the_receiver_keeps_serving(ray_clus
     assert ray.get(b.ping.remote()) == 0
     for actor in (a, b):
         ray.kill(actor)
+
+
+
+_SHARE_IN_CHILD = """
+import json, pickle, sys
+import torch
+from rayinfer.actors.kv_transport import share_payload
+torch.cuda.init()
+base = torch.cuda.memory_allocated()
+payload = (torch.arange(3 * 1024 * 1024, dtype=torch.float32, device="cuda") * 0.5).view(3, 1024, 1024)
+with open(sys.argv[1], "wb") as f:
+    pickle.dump(share_payload(payload), f)
+del payload  # torch keeps the memory while the other process holds a view of it
+held = torch.cuda.memory_allocated() - base
+print("shared", flush=True)
+sys.stdin.readline()  # the other process has let go
+torch.cuda.ipc_collect()
+print(json.dumps([held, torch.cuda.memory_allocated() - base]), flush=True)
+"""
+
+
+@pytest.mark.gpu
+def test_a_shared_cuda_payload_arrives_intact_in_another_process_and_is_freed_after(tmp_path):
+    """``share_payload`` / ``open_payload`` (the cuda_ipc transport) between two processes on one GPU, outside
+    Ray: the receiver's copy equals the sender's tensor, and the sender's buffer, kept while the receiver
+    maps it, is freed by ``torch.cuda.ipc_collect`` once the receiver has let go."""
+    import json
+    import pickle
+    import subprocess
+    import sys
+
+    import torch
+
+    from rayinfer.actors.kv_transport import open_payload
+
+    path = tmp_path / "handle.pkl"
+    child = subprocess.Popen([sys.executable, "-c", _SHARE_IN_CHILD, str(path)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        assert child.stdout.readline().strip() == "shared"
+        with open(path, "rb") as f:
+            handle = pickle.load(f)
+        copy = open_payload(handle, torch.cuda.Stream())
+        want = (torch.arange(3 * 1024 * 1024, dtype=torch.float32, device="cuda") * 0.5).view(3, 1024, 1024)
+        torch.testing.assert_close(copy, want, rtol=0, atol=0)
+        child.stdin.write("done\n")
+        child.stdin.flush()
+        held, after = json.loads(child.stdout.readline())
+        assert held >= copy.numel() * 4  # kept for the receiver after the sender dropped it
+        assert after == 0  # freed once the receiver let go
+    finally:
+        child.kill()
+        child.wait(60)
