@@ -15,8 +15,10 @@ What a PD handoff does, step by step, each timed on its own (median of ``--repea
    KV transfer agents (``rayinfer.actors.kv_transport.KVTransferAgent``, what PD replicas use: gather into
    the staging buffer, send, receive, scatter into blocks, in batches of at most
    ``--transfer-buffer-gib``, each sent in layer chunks whose gather overlaps the previous chunk's send;
-   the time includes the export, not the import, which the decode engine runs at admission), ``cuda_ipc`` (Ray Direct Transport
-   between two actors on one GPU), or the object store (device -> host, plasma, host -> device);
+   the time includes the export, not the import, which the decode engine runs at admission), ``cuda_ipc`` (two actors
+   on one GPU, as PD replicas do it: the sender gathers the blocks into a new buffer and returns a CUDA IPC
+   handle of it, the receiver copies it into its own memory; ``kv_transport.share_payload`` /
+   ``open_payload``), or the object store (device -> host, plasma, host -> device);
 3. import: scatter the payload into the receiver's paged cache (as the engine imports it).
 
 Transfer times are reported raw and minus the round trip of a one-block payload (Ray's per-call
@@ -86,6 +88,7 @@ class _Side:
         self.cache = torch.randn(layers, num_blocks, 2, block_size, heads, dim, device=self.device).to(DTYPES[dtype])
         self.payloads: dict[int, torch.Tensor] = {}
         self.agent = KVTransferAgent(self.device, 1 << 40) if set(transports) & {"nccl", "gloo"} else None
+        self.ipc_stream: torch.cuda.Stream | None = None
 
     def address(self) -> tuple[str, int]:
         from rayinfer.placement.groups import free_port, node_ip
@@ -119,8 +122,24 @@ class _Side:
         self.payloads[num_blocks] = self.cache[:, idx].contiguous()
         return t
 
-    def send(self, num_blocks: int) -> torch.Tensor:
-        return self.payloads[num_blocks]
+    def share(self, num_blocks: int):
+        """What a prefill replica's share_kv does: gather scattered blocks into a new buffer and share it."""
+        from rayinfer.actors.kv_transport import share_payload
+
+        if self.device.type == "cuda":
+            torch.cuda.ipc_collect()
+        idx = torch.randperm(self.cache.shape[1], device=self.device)[:num_blocks]
+        return share_payload(torch.index_select(self.cache, 1, idx))
+
+    def open(self, handle) -> int:
+        """What a decode replica's receive_kv does: copy a shared payload into its own memory (its engine
+        imports it later, at admission)."""
+        from rayinfer.actors.kv_transport import open_payload
+
+        if self.device.type == "cuda" and self.ipc_stream is None:
+            self.ipc_stream = torch.cuda.Stream(self.device)
+        payload = open_payload(handle, self.ipc_stream)
+        return payload.numel() * payload.element_size()
 
     def send_to_host(self, num_blocks: int) -> torch.Tensor:
         return self.payloads[num_blocks].to("cpu")  # what export_kv does for the object store
@@ -193,9 +212,10 @@ def _timed_transfer(sender, receiver, num_blocks: int, transport: str, repeats: 
             continue
         if transport == "object_store":
             ref = sender.send_to_host.remote(num_blocks)
-        else:
-            ref = sender.send.options(tensor_transport=transport).remote(num_blocks)
-        ray.get(receiver.receive.remote(ref))
+            ray.get(receiver.receive.remote(ref))
+        else:  # cuda_ipc
+            ref = sender.share.remote(num_blocks)
+            ray.get(receiver.open.remote(ref))
         if i:  # the first is a warm-up (communicator and buffers)
             times.append(time.perf_counter() - t)
         del ref
@@ -236,7 +256,7 @@ def main() -> None:
     if args.device == "cuda":  # before the actors take the GPUs
         peer = ray.get(ray.remote(num_gpus=min(2, int(ray.cluster_resources().get("GPU", 1))))(
             _peer_copy_GBps).remote(max(args.tokens) * per_token, args.repeats))
-    Side = ray.remote(num_gpus=num_gpus, num_cpus=1, enable_tensor_transport=True)(_Side)
+    Side = ray.remote(num_gpus=num_gpus, num_cpus=1)(_Side)
     sender, receiver = (Side.remote(SHAPES[args.shape], args.dtype, args.block_size, max_blocks + 64, args.device,
                                     tuple(transports)) for _ in range(2))
     collectives = [t for t in transports if t in ("nccl", "gloo")]
