@@ -64,7 +64,9 @@ class EngineActorImpl:
         self.receive_budget = (self.transfer.budget if self.transfer is not None
                                else ByteBudget(budget) if kv_transport == "cuda_ipc" else None)
         self._reserved: dict[str, int] = {}  # cuda_ipc: request id -> bytes reserved for its payload
-        self._ipc_stream: torch.cuda.Stream | None = None  # cuda_ipc: where received payloads are copied
+        # cuda_ipc on a GPU: where received payloads are copied (not the engine's stream)
+        self._ipc_stream = torch.cuda.Stream(e.device) if kv_transport == "cuda_ipc" and e.device.type == "cuda" \
+            else None
         self._kv_in: dict[str, tuple[float, torch.Tensor]] = {}  # DECODE: received payloads to decode
         self._outboxes: dict[str, _Outbox] = {}  # client id -> its requests' deltas not yet streamed
         self._kv_writes: list[concurrent.futures.Future] = []  # write-through puts not yet known to be done
@@ -298,14 +300,8 @@ class EngineActorImpl:
             torch.OutOfMemoryError: no room on the device for the buffer (the KV stays parked).
         """
         e = self.engine.engine
-
-        def gather_and_share():
-            if torch.cuda.is_available():
-                torch.cuda.ipc_collect()  # free buffers whose receivers have let go of them
-            return share_payload(e.gather_kv([request_id]))
-
         start = time.monotonic()
-        handle = await asyncio.to_thread(gather_and_share)
+        handle = await asyncio.to_thread(lambda: share_payload(e.gather_kv([request_id])))
         await self.release_kv([request_id])
         elapsed = time.monotonic() - start
         if elapsed > 1.0:
@@ -322,8 +318,6 @@ class EngineActorImpl:
             ValueError: the sender is on another GPU.
         """
         self._kv_in = _fresh(self._kv_in)
-        if self._ipc_stream is None and torch.cuda.is_available() and not isinstance(handle, torch.Tensor):
-            self._ipc_stream = torch.cuda.Stream()
         try:
             kv_payload = await asyncio.to_thread(open_payload, handle, self._ipc_stream)
         except BaseException:

@@ -124,13 +124,15 @@ def share_payload(payload: torch.Tensor) -> "DeviceHandle | torch.Tensor":
     CUDA: torch's CUDA IPC reduction (``torch.multiprocessing.reductions.reduce_tensor``): an IPC handle
     of the memory and of an event recorded on the current stream, which the receiver's stream waits on,
     so the kernels that wrote ``payload`` need not have finished. The caller may drop ``payload`` at once:
-    torch keeps the memory until every receiver has let go of its view, and ``torch.cuda.ipc_collect()``
-    (which the sender should call now and then) frees it after that. A handle that is never opened keeps
-    its memory until the sender exits. Host tensors (CPU fleets) pass through as they are.
+    torch keeps the memory until every receiver has let go of its view; each call first frees, with
+    ``torch.cuda.ipc_collect()``, the memory of earlier payloads whose receivers are done. A handle that is
+    never opened keeps its memory until the sender exits. Host tensors (CPU fleets) pass through as they are.
     """
     if not payload.is_cuda:
         return payload
     from torch.multiprocessing.reductions import reduce_tensor
+
+    torch.cuda.ipc_collect()
 
     rebuild, args = reduce_tensor(payload)
     gpu_ids = ray.get_gpu_ids() if ray.is_initialized() else []

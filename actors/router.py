@@ -388,9 +388,11 @@ class Router:
         self.info = FleetInfo("pd", info[0]["max_model_len"], cfg.block_size, prefills + decodes, p.num_prefill,
                               store, transport, self.model_config.model, pd.max_retries, pd.retry_deadline_s,
                               self.encoders)
-        note = (f" (batches up to {pd.transfer_buffer_gib:g} GiB)" if group
-                else " (no GPU: the payloads themselves go through Ray calls)"
-                if transport == "cuda_ipc" and p.num_gpus_per_replica <= 0 else "")
+        note = ""
+        if group:
+            note = f" (batches up to {pd.transfer_buffer_gib:g} GiB)"
+        elif transport == "cuda_ipc" and p.num_gpus_per_replica <= 0:
+            note = " (no GPU: the payloads themselves go through Ray calls)"
         logger.info("pd fleet: %d prefill + %d decode replicas, KV over %s%s", p.num_prefill, p.num_decode,
                     transport, note)
 

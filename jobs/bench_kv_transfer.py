@@ -88,7 +88,7 @@ class _Side:
         self.cache = torch.randn(layers, num_blocks, 2, block_size, heads, dim, device=self.device).to(DTYPES[dtype])
         self.payloads: dict[int, torch.Tensor] = {}
         self.agent = KVTransferAgent(self.device, 1 << 40) if set(transports) & {"nccl", "gloo"} else None
-        self.ipc_stream: torch.cuda.Stream | None = None
+        self.ipc_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     def address(self) -> tuple[str, int]:
         from rayinfer.placement.groups import free_port, node_ip
@@ -126,8 +126,6 @@ class _Side:
         """What a prefill replica's share_kv does: gather scattered blocks into a new buffer and share it."""
         from rayinfer.actors.kv_transport import share_payload
 
-        if self.device.type == "cuda":
-            torch.cuda.ipc_collect()
         idx = torch.randperm(self.cache.shape[1], device=self.device)[:num_blocks]
         return share_payload(torch.index_select(self.cache, 1, idx))
 
@@ -136,8 +134,6 @@ class _Side:
         imports it later, at admission)."""
         from rayinfer.actors.kv_transport import open_payload
 
-        if self.device.type == "cuda" and self.ipc_stream is None:
-            self.ipc_stream = torch.cuda.Stream(self.device)
         payload = open_payload(handle, self.ipc_stream)
         return payload.numel() * payload.element_size()
 
