@@ -32,6 +32,7 @@ import ray
 import ray.exceptions
 
 from rayinfer.actors.client import _FleetClient, granted, unwrap
+from rayinfer.actors.kv_transport import COLLECTIVE_TRANSPORTS
 from rayinfer.actors.router import FleetInfo
 from rayinfer.engine.detokenizer import IncrementalDetokenizer
 from rayinfer.engine.errors import InvalidRequestError, ReplicasDeadError
@@ -96,7 +97,8 @@ class PDClient(_FleetClient):
         self.max_retries = info.max_retries
         self.retry_deadline_s = info.retry_deadline_s
         self.tokenizer = load_tokenizer(info.model)
-        self.kv_state = P.KVTransportState(rdt_ok=self.transport != "object_store")
+        self.kv_state = P.KVTransportState(rdt_ok=self.transport != "object_store",
+                                           group=self.transport in COLLECTIVE_TRANSPORTS)
         self.num_retries = 0  # legs this client re-ran after an actor failure
         self.num_handbacks = 0  # legs this client re-ran after a decode replica preempted
 

@@ -470,7 +470,8 @@ class Router:
 
     async def pick_decode(self, num_tokens: int, prefill_replica: int) -> tuple[DecodeTicket, bool]:
         """A decode replica, and whether the KV may move by a device transfer from ``prefill_replica``
-        (no: either end restarted since the fleet started, or a device transfer failed).
+        (no: a device transfer failed, or, over a collective group (nccl, gloo), either end restarted since the
+        fleet started; cuda_ipc needs no group, so restarted and new replicas keep it).
 
         Raises:
             ReplicasDeadError: every decode replica is gone for good.
@@ -478,9 +479,9 @@ class Router:
         lb = self._lb("decode")
         ticket = await self._pick_serving("decode", lambda out: lb.pick(num_tokens, out), lambda t: t.replica,
                                           lb.done)
-        rdt = (self._rdt_ok and prefill_replica not in self._restarted["prefill"]
-               and ticket.replica not in self._restarted["decode"])
-        return ticket, rdt
+        in_group = (prefill_replica not in self._restarted["prefill"]
+                    and ticket.replica not in self._restarted["decode"])
+        return ticket, self._rdt_ok and (in_group or self.fleet.kv_transport == "cuda_ipc")
 
     def release_decode(self, ticket: DecodeTicket, num_tokens_grown: int = 0) -> None:
         self._lb("decode").grow(ticket, num_tokens_grown)
@@ -493,8 +494,9 @@ class Router:
         queued for the pair, up to the decode replica's transfer budget, as one send/recv); cuda_ipc:
         the prefill replica shares a CUDA IPC handle of the request's gathered payload and the decode
         replica copies it (each request on its own, within the decode replica's receive budget). A failure
-        turns device transfers off for the fleet (a broken group or a dead end); the caller retries the
-        request.
+        turns device transfers off for the fleet (a broken group or a dead end), except a cuda_ipc transfer
+        that failed because one of its replicas died (that takes no other transfer with it); the caller
+        retries the request either way.
 
         Raises:
             ray.exceptions.RayError: the transfer failed.
@@ -518,22 +520,26 @@ class Router:
             raise _not_parked(request_id, prefill_replica)
         await decode.reserve_kv.remote(num_blocks, request_id)
         start = time.monotonic()
+        # a replica that dies fails only the transfers it is part of (the client retries them and reports it);
+        # any other error is the transport's, and the fleet falls back to the object store
         try:
             handle = await prefill.share_kv.remote(request_id)
         except ray.exceptions.RayError as e:
             decode.unreserve_kv.remote(request_id)
             if isinstance(e, ray.exceptions.RayTaskError) and isinstance(e.cause, KeyError):
                 raise _not_parked(request_id, prefill_replica) from e  # expired meanwhile: not a transport failure
-            logger.error("cuda_ipc: the prefill replica could not share request %s's KV: %s", request_id,
-                         _death_reason(e))
-            self._device_transfer_failed("cuda_ipc")
+            if not isinstance(e, ray.exceptions.RayActorError):
+                logger.error("cuda_ipc: the prefill replica could not share request %s's KV: %s", request_id,
+                             _death_reason(e))
+                self._device_transfer_failed("cuda_ipc")
             raise
         try:
             await decode.receive_kv.remote(request_id, handle)  # gives its reservation back on an error
         except ray.exceptions.RayError as e:
-            logger.error("cuda_ipc transfer of request %s failed after %.1f s: %s", request_id,
-                         time.monotonic() - start, _death_reason(e))
-            self._device_transfer_failed("cuda_ipc")
+            if not isinstance(e, ray.exceptions.RayActorError):
+                logger.error("cuda_ipc transfer of request %s failed after %.1f s: %s", request_id,
+                             time.monotonic() - start, _death_reason(e))
+                self._device_transfer_failed("cuda_ipc")
             raise
         elapsed = time.monotonic() - start
         if elapsed > _SLOW_TRANSFER_S:
@@ -589,8 +595,8 @@ class Router:
         ``parallel.max_replacements`` times; then it is dead for good.
 
         Only when ``actor_id`` names this replica's actor now (or names none): a report about an actor
-        already replaced is old news. A restarted or new actor is outside the RDT collective group, so its
-        KV goes through the object store from then on.
+        already replaced is old news. A restarted or new actor is outside the collective group (nccl, gloo),
+        so its KV goes through the object store from then on (cuda_ipc has no group: it keeps moving by device).
         """
         actor = self._actor(role, replica)
         if replica in self._suspects[role] or (actor_id is not None and actor_id != actor._actor_id.hex()):

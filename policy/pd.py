@@ -82,9 +82,13 @@ class KVTransportState:
     Attributes:
         rdt_ok: False for the object-store transport; the shell turns it off for good when it carries out
             a :class:`UseObjectStore` (after a failed device transfer, a broken group or a dead end).
+        group: device transfers go over one collective group (nccl, gloo), which a replica's death breaks for
+            every pair; False for cuda_ipc, where each transfer stands alone and a dead replica takes no
+            other transfer with it (the fleet keeps moving KV by device).
     """
 
     rdt_ok: bool
+    group: bool = True
 
 
 # -- events: what the shell tells the machine ---------------------------------------------------
@@ -450,7 +454,7 @@ class PDRequest:
         """A transfer or decode failure: report both replicas (the KV's source may be the one that died)."""
         if kind is FailureKind.REPLICA:  # the decode replica's actor is gone: nothing there to abort
             actions: list[Action] = [ReportFailure("decode"), ReportFailure("prefill")]
-            if self._leg_used_rdt:  # Ray killed both ends and destroyed the group
+            if self._leg_used_rdt and self.kv_transport.group:  # a dead end broke the collective group
                 actions.append(UseObjectStore())
         else:
             actions = [AbortDecode()]

@@ -70,6 +70,29 @@ def test_replicas_dead_for_good_are_replaced_and_every_request_completes(ray_clu
         client.shutdown()
 
 
+def test_a_replaced_replica_keeps_kv_moving_over_cuda_ipc(ray_cluster, pd, cases, reference):
+    """cuda_ipc needs no collective group: the prefill replica killed for good fails only its own transfers.
+    Every request completes as colocated, the fleet never falls back to the object store, and the router
+    offers the device transfer between the new prefill actor and the decode replica."""
+    client = make_client(pd.model, pd.engine_config(),
+                         ParallelConfig(num_prefill=1, num_decode=1, max_restarts=0, max_replacements=1,
+                                        num_cpus_per_replica=1,
+                                        pd=PDSection(kv_transport="cuda_ipc", retry_deadline_s=600.0)))
+    try:
+        streams = kill_mid_run(pd, client, cases, no_restart=True)
+        pd.check_streams(streams, reference)
+        stats = asyncio.run(client.stats())
+        assert stats.num_replacements == 1 and stats.num_retries > 0
+        assert client._rdt_ok, "the client fell back to the object store after a replica died"
+        ticket, rdt = ray.get(client.router.pick_decode.remote(1, 0))
+        client.router.release_decode.remote(ticket)
+        assert rdt, "the router sends the new prefill actor's KV through the object store"
+        pd.check_streams(asyncio.run(pd.stream_all(client, cases, "~after")), reference)
+        assert client._rdt_ok
+    finally:
+        client.shutdown()
+
+
 def test_requests_cut_short_by_a_dead_prefill_replica_end_with_an_error(ray_cluster, pd, cases, reference):
     client = make_client(pd.model, pd.engine_config(),
                          ParallelConfig(num_prefill=1, num_decode=1, max_restarts=0, max_replacements=0,

@@ -308,6 +308,29 @@ def test_decode_replica_failure_mid_stream():
     d.check()
 
 
+def test_a_dead_replica_leaves_per_transfer_device_moves_on():
+    """cuda_ipc (no collective group): a replica that dies mid-transfer or mid-stream is reported and the
+    request retried, but KV keeps moving by device for every request (no UseObjectStore)."""
+    shared = KVTransportState(True, group=False)
+    d = Driver(transport=shared)
+    d(Start())
+    d(StoreLookupDone(0))
+    d(PrefillDone((11,), "prefilled"))
+    assert d(Emitted()) == [Transfer(11, may_use_rdt=True)]
+    assert d(TransferFailed(REPLICA, "prefill actor died", used_rdt=True)) == [
+        ReportFailure("decode"), ReportFailure("prefill"), ReleaseDecode(), Backoff(0.1, "prefill actor died")]
+    assert shared.rdt_ok
+    d(BackoffElapsed())
+    d(StoreLookupDone(0))
+    d(PrefillDone((12,), "prefilled"))
+    assert d(Emitted()) == [Transfer(12, may_use_rdt=True)]
+    d(TransferDone(True))
+    d(DecodeOutput((13,)))
+    d(Emitted())
+    assert UseObjectStore() not in d(DecodeFailed(REPLICA, "decode actor died"))
+    assert shared.rdt_ok
+
+
 def test_decode_task_error_mid_stream_aborts_and_retries():
     d = Driver()
     d.to_decode(used_rdt=False)
