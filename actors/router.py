@@ -654,8 +654,11 @@ class Router:
                 continue
             self.fleet.replicas[index] = new
             self.num_replacements += 1
-            logger.warning("%s replica %d is back: a new actor serves in its place (KV moves through the object "
-                           "store to and from it)", role, replica)
+            if self.fleet.kv_transport in COLLECTIVE_TRANSPORTS and role != "colocated":
+                logger.warning("%s replica %d is back: a new actor serves in its place (outside the %s group, its "
+                               "KV moves through the object store)", role, replica, self.fleet.kv_transport)
+            else:
+                logger.warning("%s replica %d is back: a new actor serves in its place", role, replica)
             return True
         return False
 
