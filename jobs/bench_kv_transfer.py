@@ -41,22 +41,14 @@ from pathlib import Path
 import ray
 import torch
 
+from rayinfer.jobs.benchlib import git_revision
+
 SHAPES = {  # layers, kv heads, head dim
     "llama3-8b": (32, 8, 128),
     "llama3-70b": (80, 8, 128),
     "smollm2": (30, 3, 64),
 }
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def _git_rev() -> str | None:
-    import subprocess
-
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip() or None
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def _sync(device: torch.device) -> None:
@@ -232,6 +224,7 @@ def main() -> None:
     ap.add_argument("--transfer-buffer-gib", type=float, default=4.0,
                     help="nccl/gloo: the largest batch per send/recv, as pd.transfer_buffer_gib")
     ap.add_argument("--out", default="benchmarks/results/kv_transfer.json")
+    ap.add_argument("--git-rev", default=None, help="revision of the code (default: git rev-parse HEAD)")
     args = ap.parse_args()
     max_blocks = -(-max(args.tokens) // args.block_size)
     from rayinfer.actors.cluster import init_ray
@@ -271,7 +264,8 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
 
     def save(rows):
-        out.write_text(json.dumps({"command": "python " + " ".join(sys.argv), "git_rev": _git_rev(),
+        rev = args.git_rev or git_revision()[0]
+        out.write_text(json.dumps({"command": "python " + " ".join(sys.argv), "git_rev": rev,
                                    "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
                                    "args": vars(args), "host": platform.node(), "ray": ray.__version__,
                                    "torch": torch.__version__, "gpus": gpus, "shared_gpu": shared,
