@@ -7,6 +7,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
+import uuid
 from functools import partial
 from typing import AsyncIterator
 
@@ -15,8 +16,9 @@ import ray
 import torch
 
 from rayinfer.actors.cluster import configure_worker_logging
-from rayinfer.actors.kv_transport import (COLLECTIVE_TRANSPORTS, ByteBudget, DeviceHandle, KVTransferAgent, from_wire,
-                                         on_stream, open_payload, release_when_freed, share_payload, to_wire)
+from rayinfer.actors.kv_transport import (COLLECTIVE_TRANSPORTS, BlockHandle, ByteBudget, CacheMappings, DeviceHandle,
+                                         KVTransferAgent, from_wire, on_stream, read_blocks, release_when_freed,
+                                         share_tensor, to_wire)
 from rayinfer.engine.async_engine import AsyncLLMEngine
 from rayinfer.engine.config import EngineConfig, ModelConfig
 from rayinfer.engine.llm_engine import LLMEngine
@@ -67,6 +69,8 @@ class EngineActorImpl:
         # cuda_ipc on a GPU: where received payloads are copied (not the engine's stream)
         self._ipc_stream = torch.cuda.Stream(e.device) if kv_transport == "cuda_ipc" and e.device.type == "cuda" \
             else None
+        self._ipc_mappings = CacheMappings()  # cuda_ipc, DECODE: the prefill replicas' caches, each mapped once
+        self._shared_cache: tuple[DeviceHandle, str] | None = None  # cuda_ipc, PREFILL: this cache's handle, id
         self._kv_in: dict[str, tuple[float, torch.Tensor]] = {}  # DECODE: received payloads to decode
         self._outboxes: dict[str, _Outbox] = {}  # client id -> its requests' deltas not yet streamed
         self._kv_writes: list[concurrent.futures.Future] = []  # write-through puts not yet known to be done
@@ -288,38 +292,43 @@ class EngineActorImpl:
         await self.release_kv([request_id])
         return to_wire(payload)
 
-    async def share_kv(self, request_id: str) -> "DeviceHandle | torch.Tensor":
-        """PREFILL role (cuda_ipc): a parked request's payload ``[L, n_blocks, 2, bs, H, D]`` gathered into a
-        new buffer on the cache's device, as a handle another replica on this GPU opens
-        (:func:`~rayinfer.actors.kv_transport.share_payload`); its blocks are freed. The gather runs off the
-        event loop. The buffer stays alive until the receiver has copied it (:meth:`receive_kv`); earlier
-        buffers whose receivers are done are freed here.
+    async def share_kv(self, request_id: str) -> "BlockHandle | torch.Tensor":
+        """PREFILL role (cuda_ipc): where a parked request's KV is, for a replica on this GPU to read in place
+        (:class:`~rayinfer.actors.kv_transport.BlockHandle`: this replica's KV cache, shared once, and the
+        request's block ids). The blocks stay parked, kept from expiring, until :meth:`release_kv` (the
+        router calls it once the receiver has read them, or failed to). A CPU replica answers with the
+        payload ``[L, n_blocks, 2, bs, H, D]`` itself and frees the blocks (how the path is tested there).
 
         Raises:
             KeyError: for a request not parked here (never prefilled here, released or expired).
-            torch.OutOfMemoryError: no room on the device for the buffer (the KV stays parked).
         """
         e = self.engine.engine
-        start = time.monotonic()
-        handle = await asyncio.to_thread(lambda: share_payload(e.gather_kv([request_id])))
-        await self.release_kv([request_id])
-        elapsed = time.monotonic() - start
-        if elapsed > 1.0:
-            logger.warning("share_kv of request %s took %.1f s", request_id, elapsed)
-        return handle
+        if e.device.type != "cuda":
+            payload = await asyncio.to_thread(e.gather_kv, [request_id])
+            await self.release_kv([request_id])
+            return payload
+        block_ids = e.pin_kv(request_id)
+        if self._shared_cache is None:  # once: the cache lives as long as this process
+            self._shared_cache = (share_tensor(e.kv_cache), uuid.uuid4().hex)
+        cache, cache_id = self._shared_cache
+        return BlockHandle(cache, cache_id, self.replica_id, tuple(block_ids))
 
-    async def receive_kv(self, request_id: str, handle: "DeviceHandle | torch.Tensor") -> int:
-        """DECODE role (cuda_ipc): copy a payload that :meth:`share_kv` shared into this replica's memory
-        ahead of :meth:`submit` (off the event loop, on a stream of its own). The bytes :meth:`reserve_kv`
-        reserved for ``request_id`` (if any) come back to the receive budget once the copy is freed
-        (imported or expired); on an error they come back at once. Returns the payload's size in bytes.
+    async def receive_kv(self, request_id: str, handle: "BlockHandle | torch.Tensor") -> int:
+        """DECODE role (cuda_ipc): copy the blocks :meth:`share_kv` named into a payload of this replica's own,
+        ahead of :meth:`submit` (off the event loop, on a stream of its own; the sender's cache is mapped
+        once). The bytes :meth:`reserve_kv` reserved for ``request_id`` (if any) come back to the receive
+        budget once the payload is freed (imported or expired); on an error they come back at once. Returns
+        the payload's size in bytes.
 
         Raises:
             ValueError: the sender is on another GPU.
         """
         self._kv_in = _fresh(self._kv_in)
         try:
-            kv_payload = await asyncio.to_thread(open_payload, handle, self._ipc_stream)
+            if isinstance(handle, torch.Tensor):
+                kv_payload = handle
+            else:
+                kv_payload = await asyncio.to_thread(read_blocks, handle, self._ipc_stream, self._ipc_mappings)
         except BaseException:
             await self.unreserve_kv(request_id)
             raise

@@ -8,10 +8,12 @@ Transports (``ParallelConfig.pd.kv_transport``):
   send/recv: the prefill side gathers their blocks straight from its KV pool into one staging buffer,
   the decode side receives them into one payload that its engine imports block by block.
 - ``gloo``: the same group and code over gloo, between CPU actors (how the nccl path is tested on CPU).
-- ``cuda_ipc``: between actors that share one GPU: the prefill replica gathers a request's blocks into
-  a device buffer and returns a CUDA IPC handle to it (:func:`share_payload`, torch's CUDA reduction,
-  a few hundred bytes through Ray); the decode replica maps the buffer and copies it into its own memory
-  (:func:`open_payload`; device to device, no host hop, no collective group).
+- ``cuda_ipc``: between actors that share one GPU: the prefill replica shares its whole paged KV cache
+  once (:func:`share_tensor`, torch's CUDA reduction) and answers each transfer with the request's
+  block ids (:class:`BlockHandle`, a few hundred bytes through Ray); the decode replica maps that cache
+  once and gathers the blocks straight into its own memory (:func:`read_blocks`: one device-to-device
+  gather, no host hop, no staging copy, no collective group); the prefill replica frees the blocks when
+  the router says the copy is done (or failed).
 - ``object_store``: the payload is copied to host memory and put in Ray's object store (works across
   machines; outlives the prefill actor).
 
@@ -36,6 +38,7 @@ import dataclasses
 import datetime
 import logging
 import math
+import threading
 import weakref
 from typing import Callable
 
@@ -106,7 +109,7 @@ class ByteBudget:
 
 @dataclasses.dataclass(frozen=True)
 class DeviceHandle:
-    """A CUDA tensor shared with other processes on its GPU (:func:`share_payload`).
+    """A CUDA tensor shared with other processes on its GPU (:func:`share_tensor`).
 
     ``rebuild(*args)`` is torch's ``rebuild_cuda_tensor`` with its arguments (``args[6]`` is the device
     index, remapped by the receiver); ``gpu_id`` is the device's id among the sender's Ray GPU ids (None
@@ -118,40 +121,50 @@ class DeviceHandle:
     gpu_id: object
 
 
-def share_payload(payload: torch.Tensor) -> "DeviceHandle | torch.Tensor":
-    """A handle to ``payload`` that another process on the same GPU opens with :func:`open_payload`.
+def share_tensor(tensor: torch.Tensor) -> DeviceHandle:
+    """A handle to a CUDA tensor that other processes on its GPU map (torch's CUDA IPC reduction,
+    ``torch.multiprocessing.reductions.reduce_tensor``: an IPC handle of the memory and of an event recorded
+    on the current stream, which a receiver's stream waits on once, when it maps the memory). Meant for
+    memory that lives as long as the process (a replica's KV cache, shared once): torch keeps it past its
+    last reference while a receiver maps it.
 
-    CUDA: torch's CUDA IPC reduction (``torch.multiprocessing.reductions.reduce_tensor``): an IPC handle
-    of the memory and of an event recorded on the current stream, which the receiver's stream waits on,
-    so the kernels that wrote ``payload`` need not have finished. The caller may drop ``payload`` at once:
-    torch keeps the memory until every receiver has let go of its view; each call first frees, with
-    ``torch.cuda.ipc_collect()``, the memory of earlier payloads whose receivers are done. A handle that is
-    never opened keeps its memory until the sender exits. Host tensors (CPU fleets) pass through as they are.
+    Raises:
+        ValueError: for a tensor not on a CUDA device.
     """
-    if not payload.is_cuda:
-        return payload
+    if not tensor.is_cuda:
+        raise ValueError(f"share_tensor shares CUDA memory, not {tensor.device} tensors")
     from torch.multiprocessing.reductions import reduce_tensor
 
-    torch.cuda.ipc_collect()
-
-    rebuild, args = reduce_tensor(payload)
+    rebuild, args = reduce_tensor(tensor)
     gpu_ids = ray.get_gpu_ids() if ray.is_initialized() else []
-    index = payload.device.index or 0
+    index = tensor.device.index or 0
     return DeviceHandle(rebuild, tuple(args), gpu_ids[index] if index < len(gpu_ids) else None)
 
 
-def open_payload(handle: "DeviceHandle | torch.Tensor", stream: "torch.cuda.Stream | None" = None) -> torch.Tensor:
-    """This process's own copy of the tensor :func:`share_payload` shared (a host tensor passes through).
+@dataclasses.dataclass(frozen=True)
+class BlockHandle:
+    """A parked request's KV blocks in a prefill replica's paged cache, for a replica on the same GPU to read
+    in place (cuda_ipc; :func:`read_blocks`).
 
-    CUDA: maps the sender's memory (``cudaIpcOpenMemHandle`` through torch), copies it on ``stream``
-    (default: the current stream) after the sender's event, waits for the copy, then lets go of the mapping
-    (the sender may free it then). Blocks the calling thread for the copy: call it off the event loop.
+    ``cache`` is the sender's whole KV cache ``[L, num_blocks, ...]`` as :func:`share_tensor` shared it (the
+    same handle for every transfer; a receiver maps it once), ``cache_id`` names that sharing (an actor that
+    replaces a dead one shares a new cache), ``source`` the sender's replica (a receiver keeps one mapping per
+    source) and ``block_ids`` the request's blocks, in order.
+    """
+
+    cache: DeviceHandle
+    cache_id: str
+    source: object
+    block_ids: tuple[int, ...]
+
+
+def _map(handle: DeviceHandle, stream: "torch.cuda.Stream | None") -> torch.Tensor:
+    """A view of the memory ``handle`` shares (``cudaIpcOpenMemHandle`` through torch); ``stream`` (default:
+    the current one) waits for the sender's event.
 
     Raises:
         ValueError: this process does not hold the sender's GPU (cuda_ipc needs both on one device).
     """
-    if isinstance(handle, torch.Tensor):
-        return handle
     if handle.gpu_id is None:
         index = torch.cuda.current_device()
     else:
@@ -162,15 +175,52 @@ def open_payload(handle: "DeviceHandle | torch.Tensor", stream: "torch.cuda.Stre
         index = gpu_ids.index(str(handle.gpu_id))
     args = list(handle.args)
     args[6] = index  # rebuild_cuda_tensor's storage_device: this process's index of that GPU
-    stream = stream or torch.cuda.current_stream(index)
-    with torch.cuda.stream(stream):  # the rebuild makes this stream wait for the sender's event
-        view = handle.rebuild(*args)
-        copy = view.clone()
-        stream.synchronize()
-        # freeing the view synchronizes the current stream (this one, idle now: not the engine's) and
-        # tells the sender it may free the memory
-        del view
-    return copy
+    with torch.cuda.stream(stream or torch.cuda.current_stream(index)):
+        return handle.rebuild(*args)
+
+
+class CacheMappings:
+    """The KV caches of senders on this GPU, each mapped once (a decode replica's, for :func:`read_blocks`;
+    thread-safe): source -> (cache_id, mapped cache). A new ``cache_id`` from a source (its replica was
+    replaced) replaces that source's mapping."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._by_source: dict[object, tuple[str, torch.Tensor]] = {}
+
+    def get(self, handle: BlockHandle, stream: "torch.cuda.Stream | None") -> torch.Tensor:
+        """The mapped cache ``handle`` names (mapped now if new).
+
+        Raises:
+            ValueError: this process does not hold the sender's GPU.
+        """
+        with self._lock:
+            mapped = self._by_source.get(handle.source)
+            if mapped is None or mapped[0] != handle.cache_id:
+                self._by_source.pop(handle.source, None)  # let go of a replaced sender's cache first
+                mapped = self._by_source[handle.source] = (handle.cache_id, _map(handle.cache, stream))
+            return mapped[1]
+
+    def __len__(self) -> int:
+        return len(self._by_source)
+
+
+def read_blocks(handle: BlockHandle, stream: "torch.cuda.Stream | None", mappings: CacheMappings) -> torch.Tensor:
+    """This process's own payload ``[L, len(block_ids), ...]`` of the blocks ``handle`` names, gathered from
+    the sender's KV cache (mapped once in ``mappings``) on ``stream`` (default: the current stream). Returns
+    once the gather is done; the sender may free the blocks then. Blocks the calling thread: call it off
+    the event loop.
+
+    Raises:
+        ValueError: this process does not hold the sender's GPU (cuda_ipc needs both on one device).
+    """
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        cache = mappings.get(handle, stream)
+        current = torch.cuda.current_stream(cache.device)
+        idx = torch.tensor(handle.block_ids, dtype=torch.long).to(cache.device, non_blocking=True)
+        payload = torch.index_select(cache, 1, idx)
+        current.synchronize()
+    return payload
 
 
 def release_when_freed(tensor: torch.Tensor, budget: ByteBudget, nbytes: int, loop: asyncio.AbstractEventLoop) -> None:

@@ -492,8 +492,9 @@ class Router:
 
         nccl / gloo: the request joins the pair's queue and moves in the next batch (every request
         queued for the pair, up to the decode replica's transfer budget, as one send/recv); cuda_ipc:
-        the prefill replica shares a CUDA IPC handle of the request's gathered payload and the decode
-        replica copies it (each request on its own, within the decode replica's receive budget). A failure
+        the prefill replica names the request's blocks in its KV cache (shared once over CUDA IPC), the
+        decode replica gathers them into its own memory, and the prefill replica then frees them (each
+        request on its own, within the decode replica's receive budget). A failure
         turns device transfers off for the fleet (a broken group or a dead end), except a cuda_ipc transfer
         that failed because one of its replicas died (that takes no other transfer with it); the caller
         retries the request either way.
@@ -513,8 +514,8 @@ class Router:
             await future
             return
         # cuda_ipc: one-sided, no pairing; the request's bytes are reserved in the decode replica's receive
-        # budget before the prefill replica gathers its payload, so payloads in flight (gathered there, copied
-        # here, not yet imported) never outgrow the memory both ends keep for them
+        # budget before it copies the blocks, so payloads copied there and not yet imported never outgrow the
+        # memory it keeps for them
         [num_blocks] = await prefill.parked_blocks.remote([request_id])
         if num_blocks == 0:
             raise _not_parked(request_id, prefill_replica)
@@ -541,6 +542,8 @@ class Router:
                              time.monotonic() - start, _death_reason(e))
                 self._device_transfer_failed("cuda_ipc")
             raise
+        finally:  # the decode replica has read the blocks in place (or never will): free them
+            prefill.release_kv.remote([request_id])
         elapsed = time.monotonic() - start
         if elapsed > _SLOW_TRANSFER_S:
             logger.warning("cuda_ipc transfer of request %s took %.1f s", request_id, elapsed)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import replace
@@ -298,6 +299,7 @@ class LLMEngine:
         # PREFILL role: prefilled requests whose KV waits in the pool for a transfer (written on the engine
         # thread; other threads read entries to gather their blocks, see gather_kv)
         self.parked: dict[str, ParkedKV] = {}
+        self._parked_lock = threading.RLock()  # pin_kv (any thread) against release_kv / expire_kv
         # KV store tier (NORMAL role, set by the engine actor): called on the engine thread as
         # store_writer(block hashes from block 0, start, payload [L, n, ...] on the cache's device) with a
         # finished request's full blocks from ``start`` on; it copies the payload to the host and puts it
@@ -579,7 +581,9 @@ class LLMEngine:
         """Free parked requests' blocks (engine thread only; unknown ids are ignored). Full blocks stay in
         the prefix cache until evicted."""
         for rid in request_ids:
-            if self.parked.pop(rid, None) is not None:
+            with self._parked_lock:
+                entry = self.parked.pop(rid, None)
+            if entry is not None:
                 self.scheduler.finish_requests(rid, RequestStatus.FINISHED_PREFILLED)
 
     def take_kv(self, request_id: str, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -592,11 +596,28 @@ class LLMEngine:
         self.release_kv([request_id])
         return payload
 
+    def pin_kv(self, request_id: str) -> tuple[int, ...]:
+        """Keep a parked request's blocks from expiring while another process reads them in place (a cuda_ipc
+        transfer); returns its block ids. :meth:`release_kv` frees them as before. Safe from any thread: an
+        expiry scan either freed the request first (KeyError) or leaves it be.
+
+        Raises:
+            KeyError: if the request is not parked here (never prefilled, released or expired).
+        """
+        with self._parked_lock:
+            entry = self.parked.get(request_id)
+            if entry is None:
+                raise KeyError(f"no parked KV for request {request_id!r} (released, expired or never prefilled "
+                               "here)")
+            self.parked[request_id] = entry._replace(since=math.inf)
+            return entry.block_ids
+
     def expire_kv(self, ttl_s: float) -> list[str]:
         """Release parked KV older than ``ttl_s`` seconds (nobody came for it); returns the ids."""
         now = time.monotonic()
-        old = [rid for rid, e in self.parked.items() if now - e.since > ttl_s]
-        self.release_kv(old)
+        with self._parked_lock:
+            old = [rid for rid, e in self.parked.items() if now - e.since > ttl_s]
+            self.release_kv(old)
         return old
 
     def _forget(self, request_id: str) -> None:

@@ -16,9 +16,10 @@ What a PD handoff does, step by step, each timed on its own (median of ``--repea
    the staging buffer, send, receive, scatter into blocks, in batches of at most
    ``--transfer-buffer-gib``, each sent in layer chunks whose gather overlaps the previous chunk's send;
    the time includes the export, not the import, which the decode engine runs at admission), ``cuda_ipc`` (two actors
-   on one GPU, as PD replicas do it: the sender gathers the blocks into a new buffer and returns a CUDA IPC
-   handle of it, the receiver copies it into its own memory; ``kv_transport.share_payload`` /
-   ``open_payload``), or the object store (device -> host, plasma, host -> device);
+   on one GPU, as PD replicas do it: the sender names the request's blocks in its cache, which it shared over
+   CUDA IPC once, and the receiver gathers them from its mapping of that cache into its own memory;
+   ``kv_transport.share_tensor`` / ``read_blocks``), or the object store (device -> host, plasma, host ->
+   device);
 3. import: scatter the payload into the receiver's paged cache (as the engine imports it).
 
 Transfer times are reported raw and minus the round trip of a one-block payload (Ray's per-call
@@ -41,6 +42,7 @@ from pathlib import Path
 import ray
 import torch
 
+from rayinfer.actors.kv_transport import CacheMappings
 from rayinfer.jobs.benchlib import git_revision
 
 SHAPES = {  # layers, kv heads, head dim
@@ -81,6 +83,8 @@ class _Side:
         self.payloads: dict[int, torch.Tensor] = {}
         self.agent = KVTransferAgent(self.device, 1 << 40) if set(transports) & {"nccl", "gloo"} else None
         self.ipc_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.shared = None  # cuda_ipc sender: this cache's CUDA IPC handle, made once
+        self.mappings = CacheMappings()  # cuda_ipc receiver: the sender's cache, mapped once
 
     def address(self) -> tuple[str, int]:
         from rayinfer.placement.groups import free_port, node_ip
@@ -115,18 +119,23 @@ class _Side:
         return t
 
     def share(self, num_blocks: int):
-        """What a prefill replica's share_kv does: gather scattered blocks into a new buffer and share it."""
-        from rayinfer.actors.kv_transport import share_payload
+        """What a prefill replica's share_kv does: name scattered blocks of its cache (shared over CUDA IPC
+        once); on CPU, the gathered payload itself."""
+        from rayinfer.actors.kv_transport import BlockHandle, share_tensor
 
         idx = torch.randperm(self.cache.shape[1], device=self.device)[:num_blocks]
-        return share_payload(torch.index_select(self.cache, 1, idx))
+        if not self.cache.is_cuda:
+            return torch.index_select(self.cache, 1, idx)
+        if self.shared is None:
+            self.shared = share_tensor(self.cache)
+        return BlockHandle(self.shared, "bench", 0, tuple(idx.tolist()))
 
     def open(self, handle) -> int:
-        """What a decode replica's receive_kv does: copy a shared payload into its own memory (its engine
-        imports it later, at admission)."""
-        from rayinfer.actors.kv_transport import open_payload
+        """What a decode replica's receive_kv does: gather the named blocks from the sender's mapped cache
+        into its own memory (its engine imports the payload later, at admission)."""
+        from rayinfer.actors.kv_transport import read_blocks
 
-        payload = open_payload(handle, self.ipc_stream)
+        payload = handle if isinstance(handle, torch.Tensor) else read_blocks(handle, self.ipc_stream, self.mappings)
         return payload.numel() * payload.element_size()
 
     def send_to_host(self, num_blocks: int) -> torch.Tensor:

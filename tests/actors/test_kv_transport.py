@@ -132,53 +132,59 @@ def test_agents_move_a_batch_over_gloo_while_the_receiver_keeps_serving(ray_clus
 
 
 _SHARE_IN_CHILD = """
-import json, pickle, sys
+import pickle, sys
 import torch
-from rayinfer.actors.kv_transport import share_payload
-torch.cuda.init()
-base = torch.cuda.memory_allocated()
-payload = (torch.arange(3 * 1024 * 1024, dtype=torch.float32, device="cuda") * 0.5).view(3, 1024, 1024)
+from rayinfer.actors.kv_transport import BlockHandle, share_tensor
+cache = torch.arange(2 * 8 * 2 * 4 * 16, dtype=torch.float32, device="cuda").view(2, 8, 2, 4, 16)
+shared, replaced = share_tensor(cache), share_tensor(cache * 2)  # the second stands for a new actor's cache
 with open(sys.argv[1], "wb") as f:
-    pickle.dump(share_payload(payload), f)
-del payload  # torch keeps the memory while the other process holds a view of it
-held = torch.cuda.memory_allocated() - base
+    pickle.dump([BlockHandle(shared, "first", 0, (5, 1, 6)), BlockHandle(shared, "first", 0, (1,)),
+                 BlockHandle(replaced, "second", 0, (1,))], f)
 print("shared", flush=True)
-sys.stdin.readline()  # the other process has let go
-torch.cuda.ipc_collect()
-print(json.dumps([held, torch.cuda.memory_allocated() - base]), flush=True)
+sys.stdin.readline()  # the other process has read the blocks: block 1 is reused
+cache[:, 1] = -1.0
+torch.cuda.synchronize()
+print("written", flush=True)
+sys.stdin.readline()
 """
 
 
 @pytest.mark.gpu
-def test_a_shared_cuda_payload_arrives_intact_in_another_process_and_is_freed_after(tmp_path):
-    """``share_payload`` / ``open_payload`` (the cuda_ipc transport) between two processes on one GPU, outside
-    Ray: the receiver's copy equals the sender's tensor, and the sender's buffer, kept while the receiver
-    maps it, is freed by ``torch.cuda.ipc_collect`` once the receiver has let go."""
-    import json
+def test_blocks_of_a_shared_cache_are_read_in_place_by_another_process(tmp_path):
+    """``share_tensor`` / ``read_blocks`` (the cuda_ipc transport) between two processes on one GPU, outside
+    Ray: the receiver's payload equals ``index_select`` of the sender's cache over the named blocks; the cache
+    is mapped once per source (a later read sees the sender's later writes through the same mapping), and a
+    new cache id from that source replaces its mapping."""
     import pickle
     import subprocess
     import sys
 
     import torch
 
-    from rayinfer.actors.kv_transport import open_payload
+    from rayinfer.actors.kv_transport import CacheMappings, read_blocks
 
-    path = tmp_path / "handle.pkl"
+    path = tmp_path / "handles.pkl"
     child = subprocess.Popen([sys.executable, "-c", _SHARE_IN_CHILD, str(path)], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None and child.stdin is not None
         assert child.stdout.readline().strip() == "shared"
         with open(path, "rb") as f:
-            handle = pickle.load(f)
-        copy = open_payload(handle, torch.cuda.Stream())
-        want = (torch.arange(3 * 1024 * 1024, dtype=torch.float32, device="cuda") * 0.5).view(3, 1024, 1024)
-        torch.testing.assert_close(copy, want, rtol=0, atol=0)
+            three, one, new_cache = pickle.load(f)
+        cache = torch.arange(2 * 8 * 2 * 4 * 16, dtype=torch.float32, device="cuda").view(2, 8, 2, 4, 16)
+        mappings, stream = CacheMappings(), torch.cuda.Stream()
+        got = read_blocks(three, stream, mappings)
+        torch.testing.assert_close(got, cache[:, [5, 1, 6]], rtol=0, atol=0)
+        assert got.data_ptr() != 0 and len(mappings) == 1
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "written"
+        assert (read_blocks(one, stream, mappings) == -1.0).all()  # the same mapping, the sender's new values
+        assert (got[:, 1] == cache[:, 1]).all()  # the first payload is the receiver's own copy
+        torch.testing.assert_close(read_blocks(new_cache, stream, mappings), cache[:, [1]] * 2, rtol=0, atol=0)
+        assert len(mappings) == 1  # the replaced cache's mapping is gone
         child.stdin.write("done\n")
         child.stdin.flush()
-        held, after = json.loads(child.stdout.readline())
-        assert held >= copy.numel() * 4  # kept for the receiver after the sender dropped it
-        assert after == 0  # freed once the receiver let go
     finally:
         child.kill()
         child.wait(60)

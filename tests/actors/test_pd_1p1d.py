@@ -180,15 +180,15 @@ def test_decoding_goes_on_while_a_transfer_is_in_flight(pd, client, cases, refer
 
 def test_cuda_ipc_receive_budget_bounds_the_payloads_in_flight(pd, client, cases):
     """Over cuda_ipc the router reserves a request's bytes in the decode replica's receive budget before the
-    prefill replica gathers its payload (``Router.transfer_kv``): a reservation past the budget waits until a
+    decode replica copies the blocks (``Router.transfer_kv``): a reservation past the budget waits until a
     received payload is gone, and every reservation comes back (payload dropped, or ``unreserve_kv`` after a
     failed transfer). The bookkeeping runs here on CPU, where ``share_kv`` hands over the payload itself
-    instead of a CUDA IPC handle (the GPU test moves it over CUDA IPC)."""
+    instead of a handle to the blocks in a CUDA IPC-shared cache (the GPU tests read them in place)."""
     import ray
     import torch
 
     from rayinfer.actors.engine_actor import EngineActor
-    from rayinfer.actors.kv_transport import DeviceHandle
+    from rayinfer.actors.kv_transport import BlockHandle, DeviceHandle
     from rayinfer.engine.types import SamplingParams
 
     prefill = client.prefills[0]
@@ -223,7 +223,8 @@ def test_cuda_ipc_receive_budget_bounds_the_payloads_in_flight(pd, client, cases
         ray.get(decode.reserve_kv.remote(1, "ipc-bad"))
         assert ray.get(decode.stats.remote())["kv_transfer_budget_used"] > 0
         with pytest.raises(ray.exceptions.RayTaskError, match="sharing a GPU") as err:
-            ray.get(decode.receive_kv.remote("ipc-bad", DeviceHandle(torch.empty, (), gpu_id="7")))
+            ray.get(decode.receive_kv.remote("ipc-bad", BlockHandle(DeviceHandle(torch.empty, (), gpu_id="7"), "c", 0,
+                                                                     (0,))))
         assert isinstance(err.value.cause, ValueError)
         assert ray.get(decode.stats.remote())["kv_transfer_budget_used"] == 0
         assert ray.get(decode.ready.remote())["transfer_budget_blocks"] == budget_blocks  # the replica lives on

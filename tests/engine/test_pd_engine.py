@@ -75,3 +75,23 @@ def test_prefill_export_decode_import_and_hand_back(engines):
     # one token per decode step and none twice: 20 outputs each, less the first (prefill) of each leg
     assert decode.stats()["num_computed_tokens"] == 2 * 20 - 2 - len(handbacks)
     assert tokens == ref
+
+
+def test_a_pinned_parked_request_outlives_expiry_until_released(engines):
+    """``pin_kv`` (a cuda_ipc transfer reading the blocks in place) returns the parked blocks and keeps them
+    through an expiry scan that frees an unpinned neighbour; ``release_kv`` then frees them."""
+    _, prefill, _ = engines
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    free = prefill.scheduler.kv.pool.num_free_blocks
+    for rid in ("pinned", "loose"):
+        prefill.add_request(rid, list(range(10, 40)), params)
+    drain(prefill)
+    assert {"pinned", "loose"} <= set(prefill.parked)
+    blocks = prefill.pin_kv("pinned")
+    assert blocks == prefill.parked["pinned"].block_ids and len(blocks) == 2
+    assert prefill.expire_kv(0.0) == ["loose"]
+    assert "pinned" in prefill.parked and "loose" not in prefill.parked
+    prefill.release_kv(["pinned"])
+    assert not prefill.parked and prefill.scheduler.kv.pool.num_free_blocks == free
+    with pytest.raises(KeyError, match="no parked KV for request 'pinned'"):
+        prefill.pin_kv("pinned")
