@@ -61,10 +61,11 @@ class EngineActorImpl:
         budget = max(int(engine_config.kv_transfer_buffer_gib * _GIB), 1 << 20)
         self.transfer = KVTransferAgent(e.device, budget) if kv_transport in COLLECTIVE_TRANSPORTS else None
         # DECODE role: bytes of received payloads not yet imported (the transfer group's own budget, or over
-        # cuda_ipc one of this replica's: the router reserves a request's bytes here before the prefill
-        # replica gathers its payload, so payloads in flight stay within kv_transfer_buffer_gib on both ends)
+        # cuda_ipc one of this replica's: the router reserves a request's bytes here before this replica
+        # copies the blocks, so payloads not yet imported stay within kv_transfer_buffer_gib)
         self.receive_budget = (self.transfer.budget if self.transfer is not None
-                               else ByteBudget(budget) if kv_transport == "cuda_ipc" else None)
+                               else ByteBudget(budget) if kv_transport == "cuda_ipc" and e.role.value == "decode"
+                               else None)
         self._reserved: dict[str, int] = {}  # cuda_ipc: request id -> bytes reserved for its payload
         # cuda_ipc on a GPU: where received payloads are copied (not the engine's stream)
         self._ipc_stream = torch.cuda.Stream(e.device) if kv_transport == "cuda_ipc" and e.device.type == "cuda" \

@@ -356,9 +356,11 @@ class Router:
         p, pd, cfg = self.parallel, self.parallel.pd, self.engine_config
         transport = resolve_kv_transport(pd.kv_transport, p.num_gpus_per_replica)
         group = transport in COLLECTIVE_TRANSPORTS
-        # device transports keep room for payloads in flight out of both ends' KV pools
+        # device transports keep room for payloads in flight out of the KV pools: the decode replica's (received,
+        # not yet imported) and, over a group, the prefill replica's send staging (over cuda_ipc the decode
+        # replica reads the prefill replica's blocks in place: nothing to stage there)
         buffers = {"kv_transfer_buffer_gib": pd.transfer_buffer_gib} if transport != "object_store" else {}
-        pcfg = dataclasses.replace(cfg, role="prefill", **buffers, **pd.prefill_overrides)
+        pcfg = dataclasses.replace(cfg, role="prefill", **(buffers if group else {}), **pd.prefill_overrides)
         dcfg = dataclasses.replace(cfg, role="decode", **buffers, **pd.decode_overrides)
         max_bytes = int(pd.kv_store_max_gib * _GIB) if pd.kv_store_max_gib else None
         store, store_name = _start_kv_store(pd.kv_store_max_blocks, max_bytes, pd.kv_store_ttl_s,

@@ -70,9 +70,9 @@ class PDSection(_Sealed):
         retry_deadline_s: seconds after a request's first failure during which it keeps re-running
             legs, waiting for failed replicas to restart (10-70 s on CPU); then it fails with an error.
         transfer_buffer_gib: device transports (nccl, gloo, cuda_ipc): the KV in flight to one decode
-            replica, in GiB (nccl / gloo: also the largest batch one transfer moves); each prefill and
-            decode replica keeps this much device memory out of its KV pool for the payloads it sends /
-            the received payloads not yet imported (a decode replica takes no more while its received
+            replica, in GiB (nccl / gloo: also the largest batch one transfer moves); each decode replica
+            (and over nccl / gloo each prefill replica) keeps this much device memory out of its KV pool for
+            the received payloads not yet imported / the batches it sends (a decode replica takes no more while its received
             payloads fill it: back-pressure instead of out-of-memory).
         admission_headroom: how far prefill may run ahead of decode: requests are admitted to prefill
             while those in prefill or decode number fewer than the decode replicas' ``max_num_seqs``
