@@ -233,7 +233,7 @@ def main() -> None:
     ap.add_argument("--transfer-buffer-gib", type=float, default=4.0,
                     help="nccl/gloo: the largest batch per send/recv, as pd.transfer_buffer_gib")
     ap.add_argument("--out", default="benchmarks/results/kv_transfer.json")
-    ap.add_argument("--git-rev", default=None, help="revision of the code (default: git rev-parse HEAD)")
+    ap.add_argument("--git-rev", default=None, help="revision of the code (default: the checkout's short commit)")
     args = ap.parse_args()
     max_blocks = -(-max(args.tokens) // args.block_size)
     from rayinfer.actors.cluster import init_ray
