@@ -308,11 +308,10 @@ class EngineActorImpl:
             payload = await asyncio.to_thread(e.gather_kv, [request_id])
             await self.release_kv([request_id])
             return payload
-        block_ids = e.pin_kv(request_id)
         if self._shared_cache is None:  # once: the cache lives as long as this process
             self._shared_cache = (share_tensor(e.kv_cache), uuid.uuid4().hex)
         cache, cache_id = self._shared_cache
-        return BlockHandle(cache, cache_id, self.replica_id, tuple(block_ids))
+        return BlockHandle(cache, cache_id, self.replica_id, e.pin_kv(request_id))
 
     async def receive_kv(self, request_id: str, handle: "BlockHandle | torch.Tensor") -> int:
         """DECODE role (cuda_ipc): copy the blocks :meth:`share_kv` named into a payload of this replica's own,

@@ -158,9 +158,9 @@ class BlockHandle:
     block_ids: tuple[int, ...]
 
 
-def _map(handle: DeviceHandle, stream: "torch.cuda.Stream | None") -> torch.Tensor:
-    """A view of the memory ``handle`` shares (``cudaIpcOpenMemHandle`` through torch); ``stream`` (default:
-    the current one) waits for the sender's event.
+def _map(handle: DeviceHandle) -> torch.Tensor:
+    """A view of the memory ``handle`` shares (``cudaIpcOpenMemHandle`` through torch); the current stream
+    waits for the sender's event.
 
     Raises:
         ValueError: this process does not hold the sender's GPU (cuda_ipc needs both on one device).
@@ -175,7 +175,7 @@ def _map(handle: DeviceHandle, stream: "torch.cuda.Stream | None") -> torch.Tens
         index = gpu_ids.index(str(handle.gpu_id))
     args = list(handle.args)
     args[6] = index  # rebuild_cuda_tensor's storage_device: this process's index of that GPU
-    with torch.cuda.stream(stream or torch.cuda.current_stream(index)):
+    with torch.cuda.stream(torch.cuda.current_stream(index)):
         return handle.rebuild(*args)
 
 
@@ -188,8 +188,8 @@ class CacheMappings:
         self._lock = threading.Lock()
         self._by_source: dict[object, tuple[str, torch.Tensor]] = {}
 
-    def get(self, handle: BlockHandle, stream: "torch.cuda.Stream | None") -> torch.Tensor:
-        """The mapped cache ``handle`` names (mapped now if new).
+    def get(self, handle: BlockHandle) -> torch.Tensor:
+        """The mapped cache ``handle`` names (mapped now if new, the current stream waiting for the sender).
 
         Raises:
             ValueError: this process does not hold the sender's GPU.
@@ -198,7 +198,7 @@ class CacheMappings:
             mapped = self._by_source.get(handle.source)
             if mapped is None or mapped[0] != handle.cache_id:
                 self._by_source.pop(handle.source, None)  # let go of a replaced sender's cache first
-                mapped = self._by_source[handle.source] = (handle.cache_id, _map(handle.cache, stream))
+                mapped = self._by_source[handle.source] = (handle.cache_id, _map(handle.cache))
             return mapped[1]
 
     def __len__(self) -> int:
@@ -215,11 +215,10 @@ def read_blocks(handle: BlockHandle, stream: "torch.cuda.Stream | None", mapping
         ValueError: this process does not hold the sender's GPU (cuda_ipc needs both on one device).
     """
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-        cache = mappings.get(handle, stream)
-        current = torch.cuda.current_stream(cache.device)
+        cache = mappings.get(handle)
         idx = torch.tensor(handle.block_ids, dtype=torch.long).to(cache.device, non_blocking=True)
         payload = torch.index_select(cache, 1, idx)
-        current.synchronize()
+        torch.cuda.current_stream(cache.device).synchronize()
     return payload
 
 

@@ -527,18 +527,11 @@ class Router:
         # any other error is the transport's, and the fleet falls back to the object store
         try:
             handle = await prefill.share_kv.remote(request_id)
+            await decode.receive_kv.remote(request_id, handle)
         except ray.exceptions.RayError as e:
-            decode.unreserve_kv.remote(request_id)
+            decode.unreserve_kv.remote(request_id)  # a no-op once receive_kv took or gave back the reservation
             if isinstance(e, ray.exceptions.RayTaskError) and isinstance(e.cause, KeyError):
                 raise _not_parked(request_id, prefill_replica) from e  # expired meanwhile: not a transport failure
-            if not isinstance(e, ray.exceptions.RayActorError):
-                logger.error("cuda_ipc: the prefill replica could not share request %s's KV: %s", request_id,
-                             _death_reason(e))
-                self._device_transfer_failed("cuda_ipc")
-            raise
-        try:
-            await decode.receive_kv.remote(request_id, handle)  # gives its reservation back on an error
-        except ray.exceptions.RayError as e:
             if not isinstance(e, ray.exceptions.RayActorError):
                 logger.error("cuda_ipc transfer of request %s failed after %.1f s: %s", request_id,
                              time.monotonic() - start, _death_reason(e))

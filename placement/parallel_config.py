@@ -72,8 +72,8 @@ class PDSection(_Sealed):
         transfer_buffer_gib: device transports (nccl, gloo, cuda_ipc): the KV in flight to one decode
             replica, in GiB (nccl / gloo: also the largest batch one transfer moves); each decode replica
             (and over nccl / gloo each prefill replica) keeps this much device memory out of its KV pool for
-            the received payloads not yet imported / the batches it sends (a decode replica takes no more while its received
-            payloads fill it: back-pressure instead of out-of-memory).
+            the received payloads not yet imported / the batches it sends (a decode replica takes no more
+            while its received payloads fill it: back-pressure instead of out-of-memory).
         admission_headroom: how far prefill may run ahead of decode: requests are admitted to prefill
             while those in prefill or decode number fewer than the decode replicas' ``max_num_seqs``
             times ``1 + admission_headroom``; the rest wait before their prefill. A request then waits
