@@ -5,7 +5,10 @@ For each expert shape (V2-Lite with its 2 shared experts as slots, Qwen3-30B-A3B
 CUDA graph (a few layers of distinct weights, so L2 holds little of them) the whole layer (alignment, gather, both
 GEMMs, slot sum) on each backend, and the two GEMMs alone on each, and checks each against fused_moe_ref.
 
-    PYTHONPATH=. python benchmarks/probe/moe_tilelang_tiles.py --out tiles.json [--m 2048,4096] [--git-rev REV]
+    PYTHONPATH=. python benchmarks/probe/moe_tilelang_tiles.py --out tiles.json [--m 2048,4096] [--git-rev REV] \
+        [--tiles '[{"block_n": 256, "num_stages": 3, "store": "shared"}]'] [--dump-source DIR]
+
+``--dump-source`` writes each compiled program's CUDA source (one file per expert shape, GEMM and tile set).
 """
 import argparse
 import json
@@ -26,7 +29,7 @@ SHAPES = {"deepseek-v2-lite": (64, 1408, 2048, 6, 2), "qwen3-30b-a3b": (128, 768
 TILES = [dict(), dict(block_n=256, num_stages=3), dict(block_n=256, num_stages=4)]
 
 
-def case(name, shape, m, ceil, layers=4) -> list[dict]:
+def case(name, shape, m, ceil, tile_sets, dump_dir=None, layers=4) -> list[dict]:
     import rayinfer.kernels.moe_tilelang as mt
 
     routed, inter, hidden, top_k, shared = shape
@@ -69,7 +72,7 @@ def case(name, shape, m, ceil, layers=4) -> list[dict]:
     add("torch", None, bench_graph([lambda i=i: torch_gemms(i) for i in range(layers)]), None, "gemms")
     base = dict(mt.DEFAULT_TILES)
     try:
-        for tiles in TILES:
+        for tiles in tile_sets:
             mt.DEFAULT_TILES = {**base, **tiles}  # what grouped_gemm_tilelang fills in
 
             def tl_gemms(i):
@@ -82,6 +85,8 @@ def case(name, shape, m, ceil, layers=4) -> list[dict]:
                     x, w13s[i], w2s[i], ids, w, gemms="tilelang") for i in range(layers)]),
                     float((got.float() - want).abs().max()), "layer")
                 add("tilelang", tiles, bench_graph([lambda i=i: tl_gemms(i) for i in range(layers)]), None, "gemms")
+                if dump_dir:
+                    dump_sources(dump_dir, name, e, inter, hidden, mt.DEFAULT_TILES)
             except Exception as exc:  # a tile set the device cannot hold
                 print(f"{name} M={m} {tiles}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
     finally:
@@ -89,20 +94,35 @@ def case(name, shape, m, ceil, layers=4) -> list[dict]:
     return rows
 
 
+def dump_sources(dump_dir: str, name: str, e: int, inter: int, hidden: int, tiles: dict) -> None:
+    """Both programs' CUDA source for one tile set, as TileLang generated it."""
+    import rayinfer.kernels.moe_tilelang as mt
+
+    Path(dump_dir).mkdir(parents=True, exist_ok=True)
+    key = tuple(sorted(tiles.items()))
+    tag = "-".join(f"{k}{v}" for k, v in key)
+    for gemm, (n, k, swiglu) in {"gate-up": (2 * inter, hidden, True), "down": (hidden, inter, False)}.items():
+        src = mt._compiled(e, n, k, "bfloat16", swiglu, key).get_kernel_source()
+        (Path(dump_dir) / f"{name}-{gemm}-{tag}.cu").write_text(src)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None)
     p.add_argument("--m", default="2048,4096")
     p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--tiles", default=None, help="JSON list of tile sets (overrides of DEFAULT_TILES); default: TILES")
+    p.add_argument("--dump-source", default=None, help="directory for the compiled programs' CUDA source")
     p.add_argument("--git-rev", default=None, help="revision of the code (default: git rev-parse --short HEAD)")
     args = p.parse_args()
+    tile_sets = json.loads(args.tiles) if args.tiles else TILES
     ceil = measure_ceilings()
     print(ceil, flush=True)
     rows = []
     with torch.inference_mode():
         for name in args.shapes.split(","):
             for m in (int(v) for v in args.m.split(",")):
-                rows += case(name, SHAPES[name], m, ceil)
+                rows += case(name, SHAPES[name], m, ceil, tile_sets, args.dump_source)
     if args.out:
         write_probe(args.out, args.git_rev, ceil, rows)
 

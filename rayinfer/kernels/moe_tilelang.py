@@ -35,7 +35,8 @@ DEFAULT_TILES = dict(block_m=128, block_n=128, block_k=64, num_stages=4, threads
 
 
 def build_grouped_gemm(num_experts: int, n: int, k: int, dtype: str, silu_and_mul: bool, block_m: int = 128,
-                       block_n: int = 128, block_k: int = 64, num_stages: int = 4, threads: int = 256):
+                       block_n: int = 128, block_k: int = 64, num_stages: int = 4, threads: int = 256,
+                       store: str = "direct"):
     """The TileLang program of one grouped GEMM shape; see the module docstring.
 
     Args:
@@ -44,6 +45,8 @@ def build_grouped_gemm(num_experts: int, n: int, k: int, dtype: str, silu_and_mu
         silu_and_mul: the gate/up GEMM with SwiGLU fused (output [P, N / 2]), else a plain product ([P, N]).
         block_m, block_n, block_k: a program's rows, output columns (gate and up columns together with
             ``silu_and_mul``), reduction step.
+        store: "direct" writes the output tile from the accumulators' registers (each thread its fragment's
+            elements); "shared" stages it in shared memory first, so the rows go out as contiguous vector stores.
     Returns:
         a prim_func of (a [P, K], w [E * N, K] (the weight's rows stacked), group_ends [E] int32,
         out [P, N or N / 2]); P is dynamic. The grid holds ceil(P / block_m) + E M-tiles, enough for any split of
@@ -55,6 +58,8 @@ def build_grouped_gemm(num_experts: int, n: int, k: int, dtype: str, silu_and_mu
     import tilelang.language as T
 
     problem = _problem(n, k, silu_and_mul, dict(block_m=block_m, block_n=block_n, block_k=block_k, threads=threads))
+    if store not in ("direct", "shared"):
+        problem = f"grouped GEMM tiles: store = {store!r}; 'direct' or 'shared'"
     if problem:
         raise ValueError(problem)
     out_n, tile_n = (n // 2, block_n // 2) if silu_and_mul else (n, block_n)
@@ -108,12 +113,24 @@ def build_grouped_gemm(num_experts: int, n: int, k: int, dtype: str, silu_and_mu
                 T.gemm(a_s, g_s, acc_g, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 if silu_and_mul:
                     T.gemm(a_s, u_s, acc_u, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-            for i, j in T.Parallel(block_m, tile_n):
-                if row0 + i < row_end:
+            if store == "shared":  # the tile in shared memory, then whole rows out
+                c_s = T.alloc_shared((block_m, tile_n), dtype)
+                for i, j in T.Parallel(block_m, tile_n):
                     if silu_and_mul:
-                        out[row0 + i, n0 + j] = T.cast(acc_g[i, j] / (1.0 + T.exp(-acc_g[i, j])) * acc_u[i, j], dtype)
+                        c_s[i, j] = T.cast(acc_g[i, j] / (1.0 + T.exp(-acc_g[i, j])) * acc_u[i, j], dtype)
                     else:
-                        out[row0 + i, n0 + j] = T.cast(acc_g[i, j], dtype)
+                        c_s[i, j] = T.cast(acc_g[i, j], dtype)
+                for i, j in T.Parallel(block_m, tile_n):
+                    if row0 + i < row_end:
+                        out[row0 + i, n0 + j] = c_s[i, j]
+            else:
+                for i, j in T.Parallel(block_m, tile_n):
+                    if row0 + i < row_end:
+                        if silu_and_mul:
+                            out[row0 + i, n0 + j] = T.cast(acc_g[i, j] / (1.0 + T.exp(-acc_g[i, j])) * acc_u[i, j],
+                                                           dtype)
+                        else:
+                            out[row0 + i, n0 + j] = T.cast(acc_g[i, j], dtype)
 
     return grouped_gemm
 
