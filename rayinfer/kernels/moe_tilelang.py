@@ -36,7 +36,7 @@ DEFAULT_TILES = dict(block_m=128, block_n=128, block_k=64, num_stages=4, threads
 
 def build_grouped_gemm(num_experts: int, n: int, k: int, dtype: str, silu_and_mul: bool, block_m: int = 128,
                        block_n: int = 128, block_k: int = 64, num_stages: int = 4, threads: int = 256,
-                       store: str = "direct"):
+                       store: str = "direct", gate_up_mma: str = "split"):
     """The TileLang program of one grouped GEMM shape; see the module docstring.
 
     Args:
@@ -47,6 +47,9 @@ def build_grouped_gemm(num_experts: int, n: int, k: int, dtype: str, silu_and_mu
             ``silu_and_mul``), reduction step.
         store: "direct" writes the output tile from the accumulators' registers (each thread its fragment's
             elements); "shared" stages it in shared memory first, so the rows go out as contiguous vector stores.
+        gate_up_mma: with ``silu_and_mul``, "split" multiplies the gate and the up tile as two products (two
+            accumulators, a wait after each); "merged" loads both into one [block_n, block_k] tile (gate rows, then
+            up rows) and multiplies it once, so each warpgroup issues one N = block_n product per step.
     Returns:
         a prim_func of (a [P, K], w [E * N, K] (the weight's rows stacked), group_ends [E] int32,
         out [P, N or N / 2]); P is dynamic. The grid holds ceil(P / block_m) + E M-tiles, enough for any split of
@@ -60,6 +63,9 @@ def build_grouped_gemm(num_experts: int, n: int, k: int, dtype: str, silu_and_mu
     problem = _problem(n, k, silu_and_mul, dict(block_m=block_m, block_n=block_n, block_k=block_k, threads=threads))
     if store not in ("direct", "shared"):
         problem = f"grouped GEMM tiles: store = {store!r}; 'direct' or 'shared'"
+    if gate_up_mma not in ("split", "merged"):
+        problem = f"grouped GEMM tiles: gate_up_mma = {gate_up_mma!r}; 'split' or 'merged'"
+    merged = silu_and_mul and gate_up_mma == "merged"
     if problem:
         raise ValueError(problem)
     out_n, tile_n = (n // 2, block_n // 2) if silu_and_mul else (n, block_n)
@@ -76,11 +82,6 @@ def build_grouped_gemm(num_experts: int, n: int, k: int, dtype: str, silu_and_mu
     ):
         with T.Kernel(out_n // tile_n, T.ceildiv(num_rows, block_m) + num_experts, threads=threads) as (bx, by):
             a_s = T.alloc_shared((block_m, block_k), dtype)
-            g_s = T.alloc_shared((tile_n, block_k), dtype)
-            acc_g = T.alloc_fragment((block_m, tile_n), accum)
-            if silu_and_mul:  # the up half's tile and accumulator
-                u_s = T.alloc_shared((tile_n, block_k), dtype)
-                acc_u = T.alloc_fragment((block_m, tile_n), accum)
             expert = T.alloc_var("int32")
             row0 = T.alloc_var("int32")
             row_end = T.alloc_var("int32")
@@ -101,36 +102,58 @@ def build_grouped_gemm(num_experts: int, n: int, k: int, dtype: str, silu_and_mu
                 seen = seen + tiles
                 start = group_ends[e]
             n0 = bx * tile_n
-            T.clear(acc_g)
-            if silu_and_mul:
-                T.clear(acc_u)
-            for kk in T.Pipelined(T.if_then_else(row0 < row_end, k // block_k, 0), num_stages=num_stages):
-                T.copy(a[row0:row0 + block_m, kk * block_k:(kk + 1) * block_k], a_s)
-                T.copy(w[expert * n + n0:expert * n + n0 + tile_n, kk * block_k:(kk + 1) * block_k], g_s)
-                if silu_and_mul:
+            steps = T.if_then_else(row0 < row_end, k // block_k, 0)
+            if merged:  # gate rows then up rows in one tile, one accumulator [block_m, block_n]
+                gu_s = T.alloc_shared((2 * tile_n, block_k), dtype)
+                acc = T.alloc_fragment((block_m, 2 * tile_n), accum)
+                T.clear(acc)
+                for kk in T.Pipelined(steps, num_stages=num_stages):
+                    T.copy(a[row0:row0 + block_m, kk * block_k:(kk + 1) * block_k], a_s)
+                    T.copy(w[expert * n + n0:expert * n + n0 + tile_n, kk * block_k:(kk + 1) * block_k],
+                           gu_s[0:tile_n, 0:block_k])
                     T.copy(w[expert * n + half + n0:expert * n + half + n0 + tile_n,
-                             kk * block_k:(kk + 1) * block_k], u_s)
-                T.gemm(a_s, g_s, acc_g, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                if silu_and_mul:
-                    T.gemm(a_s, u_s, acc_u, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-            if store == "shared":  # the tile in shared memory, then whole rows out
-                c_s = T.alloc_shared((block_m, tile_n), dtype)
-                for i, j in T.Parallel(block_m, tile_n):
-                    if silu_and_mul:
-                        c_s[i, j] = T.cast(acc_g[i, j] / (1.0 + T.exp(-acc_g[i, j])) * acc_u[i, j], dtype)
-                    else:
-                        c_s[i, j] = T.cast(acc_g[i, j], dtype)
+                             kk * block_k:(kk + 1) * block_k], gu_s[tile_n:2 * tile_n, 0:block_k])
+                    T.gemm(a_s, gu_s, acc, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 for i, j in T.Parallel(block_m, tile_n):
                     if row0 + i < row_end:
-                        out[row0 + i, n0 + j] = c_s[i, j]
+                        out[row0 + i, n0 + j] = T.cast(
+                            acc[i, j] / (1.0 + T.exp(-acc[i, j])) * acc[i, tile_n + j], dtype)
             else:
-                for i, j in T.Parallel(block_m, tile_n):
-                    if row0 + i < row_end:
+                g_s = T.alloc_shared((tile_n, block_k), dtype)
+                acc_g = T.alloc_fragment((block_m, tile_n), accum)
+                if silu_and_mul:  # the up half's tile and accumulator
+                    u_s = T.alloc_shared((tile_n, block_k), dtype)
+                    acc_u = T.alloc_fragment((block_m, tile_n), accum)
+                T.clear(acc_g)
+                if silu_and_mul:
+                    T.clear(acc_u)
+                for kk in T.Pipelined(steps, num_stages=num_stages):
+                    T.copy(a[row0:row0 + block_m, kk * block_k:(kk + 1) * block_k], a_s)
+                    T.copy(w[expert * n + n0:expert * n + n0 + tile_n, kk * block_k:(kk + 1) * block_k], g_s)
+                    if silu_and_mul:
+                        T.copy(w[expert * n + half + n0:expert * n + half + n0 + tile_n,
+                                 kk * block_k:(kk + 1) * block_k], u_s)
+                    T.gemm(a_s, g_s, acc_g, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                    if silu_and_mul:
+                        T.gemm(a_s, u_s, acc_u, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                if store == "shared":  # the tile in shared memory, then whole rows out
+                    c_s = T.alloc_shared((block_m, tile_n), dtype)
+                    for i, j in T.Parallel(block_m, tile_n):
                         if silu_and_mul:
-                            out[row0 + i, n0 + j] = T.cast(acc_g[i, j] / (1.0 + T.exp(-acc_g[i, j])) * acc_u[i, j],
-                                                           dtype)
+                            c_s[i, j] = T.cast(acc_g[i, j] / (1.0 + T.exp(-acc_g[i, j])) * acc_u[i, j], dtype)
                         else:
-                            out[row0 + i, n0 + j] = T.cast(acc_g[i, j], dtype)
+                            c_s[i, j] = T.cast(acc_g[i, j], dtype)
+                    for i, j in T.Parallel(block_m, tile_n):
+                        if row0 + i < row_end:
+                            out[row0 + i, n0 + j] = c_s[i, j]
+                else:
+                    for i, j in T.Parallel(block_m, tile_n):
+                        if row0 + i < row_end:
+                            if silu_and_mul:
+                                out[row0 + i, n0 + j] = T.cast(
+                                    acc_g[i, j] / (1.0 + T.exp(-acc_g[i, j])) * acc_u[i, j], dtype)
+                            else:
+                                out[row0 + i, n0 + j] = T.cast(acc_g[i, j], dtype)
 
     return grouped_gemm
 
