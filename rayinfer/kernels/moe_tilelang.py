@@ -49,7 +49,8 @@ def build_grouped_gemm(num_experts: int, n: int, k: int, dtype: str, silu_and_mu
             elements); "shared" stages it in shared memory first, so the rows go out as contiguous vector stores.
         gate_up_mma: with ``silu_and_mul``, "split" multiplies the gate and the up tile as two products (two
             accumulators, a wait after each); "merged" loads both into one [block_n, block_k] tile (gate rows, then
-            up rows) and multiplies it once, so each warpgroup issues one N = block_n product per step.
+            up rows) and multiplies it once, so each warpgroup issues one N = block_n product per step; its
+            epilogue always goes through shared memory (``store`` is not read).
     Returns:
         a prim_func of (a [P, K], w [E * N, K] (the weight's rows stacked), group_ends [E] int32,
         out [P, N or N / 2]); P is dynamic. The grid holds ceil(P / block_m) + E M-tiles, enough for any split of
@@ -114,10 +115,15 @@ def build_grouped_gemm(num_experts: int, n: int, k: int, dtype: str, silu_and_mu
                     T.copy(w[expert * n + half + n0:expert * n + half + n0 + tile_n,
                              kk * block_k:(kk + 1) * block_k], gu_s[tile_n:2 * tile_n, 0:block_k])
                     T.gemm(a_s, gu_s, acc, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                # a thread's accumulator holds no gate with its up column, so both go through shared memory
+                # (rounded to the output dtype, as torch's path rounds the [P, 2I] product before SwiGLU)
+                c_s = T.alloc_shared((block_m, 2 * tile_n), dtype)
+                T.copy(acc, c_s)
                 for i, j in T.Parallel(block_m, tile_n):
                     if row0 + i < row_end:
                         out[row0 + i, n0 + j] = T.cast(
-                            acc[i, j] / (1.0 + T.exp(-acc[i, j])) * acc[i, tile_n + j], dtype)
+                            T.cast(c_s[i, j], accum) / (1.0 + T.exp(-T.cast(c_s[i, j], accum)))
+                            * T.cast(c_s[i, tile_n + j], accum), dtype)
             else:
                 g_s = T.alloc_shared((tile_n, block_k), dtype)
                 acc_g = T.alloc_fragment((block_m, tile_n), accum)
