@@ -31,7 +31,9 @@ import functools
 
 import torch
 
-DEFAULT_TILES = dict(block_m=128, block_n=128, block_k=64, num_stages=4, threads=256)
+# the fastest set measured on an H100 (thirty-second round in benchmarks/README.md)
+DEFAULT_TILES = dict(block_m=128, block_n=256, block_k=64, num_stages=4, threads=256, store="direct",
+                     gate_up_mma="merged")
 
 
 def build_grouped_gemm(num_experts: int, n: int, k: int, dtype: str, silu_and_mul: bool, block_m: int = 128,
@@ -61,11 +63,8 @@ def build_grouped_gemm(num_experts: int, n: int, k: int, dtype: str, silu_and_mu
     """
     import tilelang.language as T
 
-    problem = _problem(n, k, silu_and_mul, dict(block_m=block_m, block_n=block_n, block_k=block_k, threads=threads))
-    if store not in ("direct", "shared"):
-        problem = f"grouped GEMM tiles: store = {store!r}; 'direct' or 'shared'"
-    if gate_up_mma not in ("split", "merged"):
-        problem = f"grouped GEMM tiles: gate_up_mma = {gate_up_mma!r}; 'split' or 'merged'"
+    problem = _problem(n, k, silu_and_mul, dict(block_m=block_m, block_n=block_n, block_k=block_k, threads=threads,
+                                                 store=store, gate_up_mma=gate_up_mma))
     merged = silu_and_mul and gate_up_mma == "merged"
     if problem:
         raise ValueError(problem)
@@ -184,11 +183,19 @@ def _tiles_problem(block_m: int, threads: int) -> str | None:
     return None
 
 
+def _options_problem(tiles: dict) -> str | None:
+    """Why ``tiles``' epilogue options (``store``, ``gate_up_mma``) are not known values, or None."""
+    for key, values in {"store": ("direct", "shared"), "gate_up_mma": ("split", "merged")}.items():
+        if tiles.get(key, values[0]) not in values:
+            return f"grouped GEMM tiles: {key} = {tiles[key]!r}; one of {values}"
+    return None
+
+
 def _problem(n: int, k: int, silu_and_mul: bool, tiles: dict) -> str | None:
-    """Why ``tiles`` (block_m, block_n, block_k, threads) do not suit a weight [E, N, K], or None: the first of
-    :func:`_shape_problem` and :func:`_tiles_problem`."""
+    """Why ``tiles`` (block_m, block_n, block_k, threads, store, gate_up_mma) do not suit a weight [E, N, K], or
+    None: the first of :func:`_shape_problem`, :func:`_tiles_problem` and :func:`_options_problem`."""
     return (_shape_problem(n, k, silu_and_mul, tiles["block_n"], tiles["block_k"])
-            or _tiles_problem(tiles["block_m"], tiles["threads"]))
+            or _tiles_problem(tiles["block_m"], tiles["threads"]) or _options_problem(tiles))
 
 
 @functools.lru_cache(maxsize=None)

@@ -23,6 +23,12 @@ def test_grouped_gemm_shape_rules():
     # only 128-row tiles on 256 threads ran on a GPU (64 rows on 128 threads did not finish)
     assert not grouped_gemm_applies(torch.empty(66, 2816, 2048, dtype=b16), True, dict(block_m=64, threads=128))
     assert grouped_gemm_applies(torch.empty(66, 2816, 2048, dtype=b16), True, dict(block_n=256, num_stages=3))
+    assert grouped_gemm_applies(torch.empty(66, 2816, 2048, dtype=b16), True, dict(block_n=128, gate_up_mma="split"))
+    assert not grouped_gemm_applies(torch.empty(66, 2816, 2048, dtype=b16), True, dict(gate_up_mma="fused"))
+    assert not grouped_gemm_applies(torch.empty(66, 2048, 1408, dtype=b16), False, dict(store="tma"))
+    # the default 256-column tile: 128 gate and 128 up channels, so I must be a multiple of 128
+    assert not grouped_gemm_applies(torch.empty(8, 192, 256, dtype=b16), True)
+    assert grouped_gemm_applies(torch.empty(8, 192, 256, dtype=b16), True, dict(block_n=64))
 
 
 def test_grouped_path_names_an_unknown_gemm_backend():
@@ -52,14 +58,17 @@ def grouped_ref(a: torch.Tensor, w: torch.Tensor, ends: list[int], silu_and_mul:
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_tilelang_grouped_gemms_match_torch():
     """Both programs on uneven groups (empty ones, one shorter than a tile, one of several tiles, the last ending
-    before the rows do: rows past it stay untouched), at V2-Lite's expert shape and a small one with other tiles."""
+    before the rows do: rows past it stay untouched), at V2-Lite's expert shape on the default tiles (gate and up in
+    one product) and a small shape on the other epilogues (two products, through shared memory or not)."""
     from rayinfer.kernels.mla_tilelang import tilelang_available
     from rayinfer.kernels.moe_tilelang import grouped_gemm_tilelang
 
     assert tilelang_available(), "the GPU machine's environment must provide tilelang"
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for sizes, inter, hidden, tiles in [([0, 16, 400, 0, 1040, 32], 1408, 2048, None),
-                                        ([128, 0, 48, 272], 256, 512, dict(block_n=256, num_stages=3))]:
+    for sizes, inter, hidden, tiles in [
+            ([0, 16, 400, 0, 1040, 32], 1408, 2048, None),
+            ([128, 0, 48, 272], 256, 512, dict(block_n=256, num_stages=3, gate_up_mma="split")),
+            ([128, 0, 48, 272], 256, 512, dict(block_n=128, gate_up_mma="split", store="shared"))]:
         e = len(sizes)
         ends = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
         rows = int(ends[-1]) + 40  # 40 rows past the last group
