@@ -61,6 +61,7 @@ from rayinfer.engine.protocol import EncoderStats, EPStats, FleetStats, KVStoreS
 from rayinfer.engine.types import RequestOutput, SamplingParams
 from rayinfer.placement.bundles import fleet_shortfall, rank_resources
 from rayinfer.placement.parallel_config import ParallelConfig
+from rayinfer.policy.pd import DeviceTransferBreaker
 from rayinfer.policy.routing import DecodeBalancer, DecodeTicket, PrefillBalancer, PrefillTicket, ReplicaLoadBalancer
 
 logger = logging.getLogger(__name__)
@@ -193,7 +194,7 @@ class Router:
         self._specs: dict[int, tuple] = {}  # fleet index -> (class, options, args, kwargs) that _place used
         self._num_replaced: dict[int, int] = {}  # fleet index -> new actors started in its place
         self.num_replacements = 0  # replacements that came up
-        self._rdt_ok = False
+        self._device = DeviceTransferBreaker(enabled=False, recoverable=False)  # KV by device transfer (PD)
         self._rdt_locks: dict[tuple[str, int], asyncio.Lock] = {}
         self._transfer_queues: dict[tuple[int, int], deque] = {}  # (prefill, decode) -> waiting transfers
         self._pumps: dict[tuple[int, int], asyncio.Task] = {}
@@ -205,6 +206,7 @@ class Router:
         self.num_retries = 0
         self.num_handbacks = 0
         self.num_resent = 0  # colocated requests a client sent again after their replica died
+        self.num_kv_device_failures = 0  # PD device KV transfers that failed for the transport's reason
         # ep
         self.ep_loop = None
 
@@ -377,7 +379,8 @@ class Router:
             address, port = await replicas[0].transfer_address.remote()
             await asyncio.gather(*[r.join_transfer_group.remote(address, port, len(replicas), rank)
                                    for rank, r in enumerate(replicas)])
-        self._rdt_ok = transport != "object_store"
+        self._device = DeviceTransferBreaker(enabled=transport != "object_store", recoverable=transport == "cuda_ipc",
+                                             retry_s=pd.device_retry_s)
         decode_info = info[p.num_prefill:]
         self._budget_blocks = [i.get("transfer_budget_blocks", 0) for i in decode_info]
         num_decode_blocks = min(i["num_blocks"] for i in decode_info)
@@ -472,8 +475,9 @@ class Router:
 
     async def pick_decode(self, num_tokens: int, prefill_replica: int) -> tuple[DecodeTicket, bool]:
         """A decode replica, and whether the KV may move by a device transfer from ``prefill_replica``
-        (no: a device transfer failed, or, over a collective group (nccl, gloo), either end restarted since the
-        fleet started; cuda_ipc needs no group, so restarted and new replicas keep it).
+        (no: over a collective group (nccl, gloo), either end restarted since the fleet started, or a device
+        transfer failed; over cuda_ipc, which needs no group, a transfer failed within the last
+        ``pd.device_retry_s`` (doubling with each failed retry): see :class:`DeviceTransferBreaker`).
 
         Raises:
             ReplicasDeadError: every decode replica is gone for good.
@@ -483,7 +487,7 @@ class Router:
                                           lb.done)
         in_group = (prefill_replica not in self._restarted["prefill"]
                     and ticket.replica not in self._restarted["decode"])
-        return ticket, self._rdt_ok and (in_group or self.fleet.kv_transport == "cuda_ipc")
+        return ticket, (in_group or self.fleet.kv_transport == "cuda_ipc") and self._device.allow()
 
     def release_decode(self, ticket: DecodeTicket, num_tokens_grown: int = 0) -> None:
         self._lb("decode").grow(ticket, num_tokens_grown)
@@ -497,8 +501,9 @@ class Router:
         the prefill replica names the request's blocks in its KV cache (shared once over CUDA IPC), the
         decode replica gathers them into its own memory, and the prefill replica then frees them (each
         request on its own, within the decode replica's receive budget). A failure
-        turns device transfers off for the fleet (a broken group or a dead end), except a cuda_ipc transfer
-        that failed because one of its replicas died (that takes no other transfer with it); the caller
+        turns device transfers off for the fleet: over nccl / gloo for good (a broken group or a dead end);
+        over cuda_ipc for ``pd.device_retry_s``, then a trial transfer decides (:class:`DeviceTransferBreaker`),
+        and not at all when one of its replicas died (that takes no other transfer with it). The caller
         retries the request either way.
 
         Raises:
@@ -539,6 +544,8 @@ class Router:
             raise
         finally:  # the decode replica has read the blocks in place (or never will): free them
             prefill.release_kv.remote([request_id])
+        if self._device.succeeded():
+            logger.warning("a trial KV transfer over cuda_ipc went through; moving KV over cuda_ipc again")
         elapsed = time.monotonic() - start
         if elapsed > _SLOW_TRANSFER_S:
             logger.warning("cuda_ipc transfer of request %s took %.1f s", request_id, elapsed)
@@ -582,9 +589,16 @@ class Router:
                     fut.set_result(None)
 
     def _device_transfer_failed(self, transport: str) -> None:
-        if self._rdt_ok:
+        self.num_kv_device_failures += 1
+        before = self._device.num_failures
+        wait_s = self._device.failed()
+        if self._device.num_failures == before:  # one in flight when an earlier failure opened the breaker
+            return
+        if wait_s is None:
             logger.error("a KV transfer over %s failed; using the object store from now on", transport)
-        self._rdt_ok = False
+        else:
+            logger.error("a KV transfer over %s failed (%d in a row); using the object store for %.0f s, then "
+                         "trying %s again", transport, self._device.num_failures, wait_s, transport)
 
     def report_failure(self, role: str, replica: int, actor_id: str | None) -> None:
         """A client saw replica ``replica`` of ``role`` ("colocated", "prefill" or "decode") fail: keep it
@@ -779,7 +793,9 @@ class Router:
                      else KVStoreStats.from_dict(r))
         return FleetStats(info.topology, replicas, store, num_retries=self.num_retries,
                           num_handbacks=self.num_handbacks, encoders=encoders,
-                          num_replacements=self.num_replacements, num_resent=self.num_resent)
+                          num_replacements=self.num_replacements, num_resent=self.num_resent,
+                          kv_device_transfers=self._device.closed if self._device.enabled else None,
+                          num_kv_device_failures=self.num_kv_device_failures)
 
     async def flush(self) -> None:
         """Wait until the replicas' KV-store writes reached the store (PD prefill replicas; colocated

@@ -201,6 +201,11 @@ class FleetStats:
             (``parallel.max_replacements``).
         num_resent: colocated requests sent to another pick after their replica died (one that had
             streamed tokens resumes from them; see ``ColocatedClient``).
+        kv_device_transfers: PD over a device transport (nccl, gloo, cuda_ipc): whether KV moves by device now
+            (False while the object store stands in after a failed transfer); None for other fleets.
+        num_kv_device_failures: PD: device KV transfers that failed for the transport's reason (each one
+            switched the fleet to the object store, for good over nccl / gloo, for ``pd.device_retry_s`` and
+            more over cuda_ipc).
     """
 
     topology: str = "colocated"
@@ -212,6 +217,8 @@ class FleetStats:
     encoders: list[EncoderStats] = field(default_factory=list)
     num_replacements: int = 0
     num_resent: int = 0
+    kv_device_transfers: bool | None = None
+    num_kv_device_failures: int = 0
 
     def by_role(self, role: str) -> list[ReplicaStats]:
         """The replicas of one role."""

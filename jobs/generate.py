@@ -167,9 +167,9 @@ def cp_summary(stats) -> str:
 
 
 def fault_summary(stats) -> str:
-    """One line on the replica failures a run rode out (``FleetStats``): PD legs re-run after a replica
-    failed, colocated requests sent again after theirs died, and replicas dead for good that the router
-    replaced with new actors."""
+    """One line on the failures a run rode out (``FleetStats``): PD legs re-run after a replica failed,
+    colocated requests sent again after theirs died, replicas dead for good that the router replaced with new
+    actors, and PD device KV transfers that failed (the object store stood in)."""
     parts = []
     if stats.num_retries:
         parts.append(f"{stats.num_retries} PD leg(s) re-run after a replica failed")
@@ -178,7 +178,11 @@ def fault_summary(stats) -> str:
     if stats.num_replacements:
         parts.append(f"{stats.num_replacements} dead replica(s) replaced by new actors "
                      "(parallel.max_replacements)")
-    return "replica failures: " + "; ".join(parts)
+    if stats.num_kv_device_failures:
+        now = {True: "back on the device now", False: "the object store carries KV now"}.get(
+            stats.kv_device_transfers, "")
+        parts.append(f"{stats.num_kv_device_failures} KV transfer(s) failed on the device" + (f" ({now})" if now else ""))
+    return "failures ridden out: " + "; ".join(parts)
 
 
 def spec_summary(stats) -> str:
@@ -354,7 +358,7 @@ def run(cfg: GenerateConfig, client=None) -> int:
                     print(cp_summary(stats))
                 if cfg.engine.speculative.enabled:
                     print(spec_summary(stats))
-                if stats.num_replacements or stats.num_retries or stats.num_resent:
+                if stats.num_replacements or stats.num_retries or stats.num_resent or stats.num_kv_device_failures:
                     print(fault_summary(stats))
         finally:
             if owned:

@@ -74,6 +74,10 @@ class PDSection(_Sealed):
             (and over nccl / gloo each prefill replica) keeps this much device memory out of its KV pool for
             the received payloads not yet imported / the batches it sends (a decode replica takes no more
             while its received payloads fill it: back-pressure instead of out-of-memory).
+        device_retry_s: after a cuda_ipc transfer fails for another reason than a dead replica, KV goes through
+            the object store for this many seconds, then one trial transfer tries cuda_ipc again (its success
+            brings cuda_ipc back; its failure doubles the wait, up to 10 minutes). 0: the object store for
+            good, as always over nccl / gloo, whose failed transfer breaks the group.
         admission_headroom: how far prefill may run ahead of decode: requests are admitted to prefill
             while those in prefill or decode number fewer than the decode replicas' ``max_num_seqs``
             times ``1 + admission_headroom``; the rest wait before their prefill. A request then waits
@@ -90,6 +94,7 @@ class PDSection(_Sealed):
     max_retries: int = 5
     transfer_buffer_gib: float = 4.0
     retry_deadline_s: float = 120.0
+    device_retry_s: float = 30.0
     admission_headroom: float | None = 0.25
     prefill_overrides: dict[str, Any] = field(default_factory=dict)
     decode_overrides: dict[str, Any] = field(default_factory=dict)
@@ -101,6 +106,9 @@ class PDSection(_Sealed):
         if isinstance(self.retry_deadline_s, bool) or not isinstance(self.retry_deadline_s, (int, float)) \
                 or not self.retry_deadline_s >= 0:
             raise ValueError(f"pd.retry_deadline_s must be a number of seconds >= 0; got {self.retry_deadline_s!r}")
+        if isinstance(self.device_retry_s, bool) or not isinstance(self.device_retry_s, (int, float)) \
+                or not self.device_retry_s >= 0:
+            raise ValueError(f"pd.device_retry_s must be a number of seconds >= 0; got {self.device_retry_s!r}")
         if self.kv_store_max_blocks is not None:
             _check_int("pd.kv_store_max_blocks", self.kv_store_max_blocks, 1)
         if self.admission_headroom is not None and (isinstance(self.admission_headroom, bool) or not isinstance(

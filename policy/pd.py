@@ -45,7 +45,8 @@ from typing import Callable
 
 __all__ = [
     "Abort", "AbortDecode", "Backoff", "BackoffElapsed", "DecodeFailed", "DecodeOutput", "DecodePreempted",
-    "DropKV", "Emit", "Emitted", "Fail", "FailureKind", "GrowDecode", "KVTransportState", "LookupStore",
+    "DeviceTransferBreaker", "DropKV", "Emit", "Emitted", "Fail", "FailureKind", "GrowDecode", "KVTransportState",
+    "LookupStore",
     "PDRequest", "Phase", "PrefillDone", "PrefillFailed", "ReleaseDecode", "ReleasePrefill", "ReportFailure",
     "RunDecode", "RunPrefill", "Start", "StoreLookupDone", "Transfer", "TransferDone", "TransferFailed",
     "UseObjectStore", "backoff_s",
@@ -89,6 +90,76 @@ class KVTransportState:
 
     rdt_ok: bool
     group: bool = True
+
+
+class DeviceTransferBreaker:
+    """Fleet-wide (the router's): whether KV may move by a device transfer now, as a circuit breaker.
+
+    Closed, device transfers go ahead. A transfer that fails for the transport's own reason (not a replica's
+    death) opens it: the object store carries KV from then on. Over a collective group (nccl, gloo;
+    ``recoverable`` False) that is for good, since the failure broke the group. Over cuda_ipc each transfer
+    stands alone, so the failure may have been passing (a CUDA error in one call): after the n-th failure in a
+    row the breaker stays open ``retry_s * 2 ** (n - 1)`` seconds (at most ``max_retry_s``), then lets one
+    trial transfer through (half-open). Its success closes the breaker; its failure opens it again for twice
+    as long. A trial that reports nothing within ``trial_timeout_s`` (its request took another way, or
+    failed before its transfer) frees the place for another trial.
+
+    Args:
+        enabled: False for a fleet that moves KV through the object store only (never allows).
+        recoverable: whether an open breaker tries again (cuda_ipc) or stays open (nccl, gloo).
+        retry_s: seconds open after the first failure; 0 stays open for good.
+        max_retry_s: the longest time open between trials.
+        trial_timeout_s: seconds a trial may take before another may start.
+        clock: seconds, monotonic.
+    """
+
+    def __init__(self, enabled: bool, recoverable: bool, retry_s: float = 30.0, max_retry_s: float = 600.0,
+                 trial_timeout_s: float = 60.0, clock: Callable[[], float] = time.monotonic):
+        self.enabled, self.recoverable = enabled, recoverable and retry_s > 0
+        self.retry_s, self.max_retry_s, self.trial_timeout_s, self.clock = retry_s, max_retry_s, trial_timeout_s, clock
+        self.num_failures = 0  # transport failures in a row (0: closed)
+        self.num_trials = 0  # trial transfers let through, over the breaker's life
+        self._retry_at = math.inf  # when an open breaker lets a trial through
+        self._trial_since: float | None = None  # when the trial in flight started
+
+    @property
+    def closed(self) -> bool:
+        return self.enabled and self.num_failures == 0
+
+    def allow(self) -> bool:
+        """Whether the next transfer may go by device; an open breaker past its wait starts a trial (True)."""
+        if self.closed:
+            return True
+        now = self.clock()
+        if not self.enabled or now < self._retry_at:
+            return False
+        if self._trial_since is not None and now - self._trial_since < self.trial_timeout_s:
+            return False  # one trial at a time
+        self._trial_since = now
+        self.num_trials += 1
+        return True
+
+    def succeeded(self) -> bool:
+        """A device transfer went through: close. Returns whether this closed an open breaker."""
+        if self.closed or not self.enabled:
+            return False
+        self.num_failures, self._retry_at, self._trial_since = 0, math.inf, None
+        return True
+
+    def failed(self) -> float | None:
+        """A device transfer failed for the transport's reason: open (closed, or a trial failed: the n-th failure
+        in a row; a transfer that was already in flight when the breaker opened changes nothing). Returns the
+        seconds until the next trial, None when the breaker stays open for good."""
+        if self.num_failures and self._trial_since is None:  # one that was in flight when the breaker opened
+            return None if self._retry_at == math.inf else max(0.0, self._retry_at - self.clock())
+        self.num_failures += 1
+        self._trial_since = None
+        if not self.recoverable:
+            self._retry_at = math.inf
+            return None
+        wait = min(self.retry_s * 2 ** (self.num_failures - 1), self.max_retry_s)
+        self._retry_at = self.clock() + wait
+        return wait
 
 
 # -- events: what the shell tells the machine ---------------------------------------------------

@@ -148,6 +148,10 @@ _ENGINE_METRICS = (
      "counter"),
     ("num_handbacks", "rayinfer_pd_leg_handbacks", (), "PD legs re-run after a decode replica preempted a request.",
      "counter"),
+    ("kv_device_transfers", "rayinfer_pd_kv_device_transfers", (), "PD over nccl, gloo or cuda_ipc: 1 while KV "
+     "moves by device, 0 while the object store stands in after a failed transfer.", "gauge"),
+    ("num_kv_device_failures", "rayinfer_pd_kv_device_transfer_failures", (), "PD device KV transfers that failed "
+     "for the transport's reason (not a replica's death).", "counter"),
 )
 
 
@@ -288,8 +292,11 @@ class ServeMetrics:
         rows += [{**dataclasses.asdict(e), "replica_id": f"encoder{e.replica_id}"}
                  for e in getattr(stats, "encoders", ()) if e.error is None]
         rows.append({"replica_id": "fleet", "num_replacements": stats.num_replacements,
-                     **({"num_retries": stats.num_retries, "num_handbacks": stats.num_handbacks}
+                     **({"num_retries": stats.num_retries, "num_handbacks": stats.num_handbacks,
+                         "num_kv_device_failures": stats.num_kv_device_failures}
                         if stats.topology == "pd" else {}),
+                     **({"kv_device_transfers": int(stats.kv_device_transfers)}
+                        if stats.kv_device_transfers is not None else {}),
                      **({"num_resent": stats.num_resent} if stats.topology == "colocated" else {})})
         if stats.ep is not None:
             rows.append({"replica_id": "ep", "moe_lb": stats.ep.moe_lb, "num_rebalances": stats.ep.num_rebalances,

@@ -459,12 +459,15 @@ def test_fault_summary_line():
     from rayinfer.jobs.generate import fault_summary
 
     assert fault_summary(FleetStats("pd", num_retries=7, num_replacements=1)) == (
-        "replica failures: 7 PD leg(s) re-run after a replica failed; 1 dead replica(s) replaced by new actors "
+        "failures ridden out: 7 PD leg(s) re-run after a replica failed; 1 dead replica(s) replaced by new actors "
         "(parallel.max_replacements)")
-    assert fault_summary(FleetStats("colocated", num_replacements=2)).startswith("replica failures: 2 dead")
+    assert fault_summary(FleetStats("colocated", num_replacements=2)).startswith("failures ridden out: 2 dead")
     assert fault_summary(FleetStats("colocated", num_replacements=1, num_resent=33)) == (
-        "replica failures: 33 request(s) sent again after their replica died; 1 dead replica(s) replaced by new "
+        "failures ridden out: 33 request(s) sent again after their replica died; 1 dead replica(s) replaced by new "
         "actors (parallel.max_replacements)")
+    assert fault_summary(FleetStats("pd", num_retries=2, kv_device_transfers=True, num_kv_device_failures=1)) == (
+        "failures ridden out: 2 PD leg(s) re-run after a replica failed; 1 KV transfer(s) failed on the device "
+        "(back on the device now)")
 
 
 def test_spec_summary_line():

@@ -10,6 +10,7 @@ from rayinfer.policy.pd import (
     DecodeFailed,
     DecodeOutput,
     DecodePreempted,
+    DeviceTransferBreaker,
     DropKV,
     Emit,
     Emitted,
@@ -467,3 +468,78 @@ def test_every_replica_of_a_role_gone_fails_at_once_as_an_error():
         AbortDecode(), ReleaseDecode(), Fail("every decode replica is dead")]
     assert d.req.is_finished
     d.check()
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_cuda_ipc_breaker_waits_then_lets_one_trial_through():
+    """Closed: every transfer by device. A transport failure opens it for retry_s; then exactly one trial goes
+    by device while the rest take the object store; the trial's success closes it."""
+    clock = Clock()
+    b = DeviceTransferBreaker(enabled=True, recoverable=True, retry_s=30.0, clock=clock)
+    assert b.closed and b.allow() and b.allow()
+    assert b.failed() == 30.0
+    assert not b.closed and not b.allow()
+    clock.now += 29.9
+    assert not b.allow()
+    clock.now += 0.2
+    assert b.allow() and b.num_trials == 1  # the trial
+    assert not b.allow() and not b.allow()  # one at a time: the others use the object store
+    assert b.succeeded() and b.closed and b.allow()
+    assert not b.succeeded()  # already closed: nothing to report
+
+
+def test_failed_trials_double_the_wait_up_to_the_cap_and_a_success_resets_it():
+    clock = Clock()
+    b = DeviceTransferBreaker(enabled=True, recoverable=True, retry_s=30.0, max_retry_s=100.0, clock=clock)
+    waits = []
+    waits.append(b.failed())
+    for _ in range(3):
+        clock.now += waits[-1]
+        assert b.allow()  # a trial...
+        waits.append(b.failed())  # ...that fails
+    assert waits == [30.0, 60.0, 100.0, 100.0]
+    clock.now += 100.0
+    assert b.allow() and b.succeeded()
+    assert b.failed() == 30.0  # a new run of failures starts from retry_s again
+
+
+def test_transfers_in_flight_when_the_breaker_opened_do_not_lengthen_the_wait():
+    clock = Clock()
+    b = DeviceTransferBreaker(enabled=True, recoverable=True, retry_s=30.0, clock=clock)
+    assert b.failed() == 30.0
+    clock.now += 10.0
+    assert b.failed() == 20.0 and b.failed() == 20.0  # stragglers: the same trial time
+    assert b.num_failures == 1
+    clock.now += 20.0
+    assert b.allow()
+
+
+def test_a_trial_that_never_reports_frees_its_place_after_the_timeout():
+    clock = Clock()
+    b = DeviceTransferBreaker(enabled=True, recoverable=True, retry_s=30.0, trial_timeout_s=60.0, clock=clock)
+    b.failed()
+    clock.now += 30.0
+    assert b.allow() and not b.allow()
+    clock.now += 59.0
+    assert not b.allow()
+    clock.now += 1.0
+    assert b.allow() and b.num_trials == 2  # the first trial's request took another way (or died)
+
+
+def test_a_group_breaker_and_a_zero_retry_stay_open_for_good():
+    clock = Clock()
+    for b in (DeviceTransferBreaker(enabled=True, recoverable=False, clock=clock),  # nccl / gloo
+              DeviceTransferBreaker(enabled=True, recoverable=True, retry_s=0.0, clock=clock)):  # cuda_ipc, off
+        assert b.allow()
+        assert b.failed() is None and b.failed() is None
+        clock.now += 1e6
+        assert not b.allow() and not b.closed
+    off = DeviceTransferBreaker(enabled=False, recoverable=True, clock=clock)  # the object store fleet
+    assert not off.allow() and not off.closed and not off.succeeded()

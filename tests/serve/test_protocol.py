@@ -142,12 +142,15 @@ def test_pd_transfer_stats_are_exported_per_replica():
                                      "kv_transfer_budget_used": 1024}, replica_id=1, role="decode")
     assert decode.kv_transfer["kv_transfer_budget_used"] == 1024 and prefill.num_parked_kv == 3
     metrics = ServeMetrics("m")
-    metrics.set_engine_stats(FleetStats("pd", [prefill, decode], num_retries=5, num_handbacks=2, num_replacements=1))
+    metrics.set_engine_stats(FleetStats("pd", [prefill, decode], num_retries=5, num_handbacks=2, num_replacements=1,
+                                        kv_device_transfers=False, num_kv_device_failures=3))
     samples = {(s.name, s.labels.get("replica")): s.value
                for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
     assert samples[("rayinfer_replica_replacements_total", "fleet")] == 1  # the router's own counts
     assert samples[("rayinfer_pd_leg_retries_total", "fleet")] == 5
     assert samples[("rayinfer_pd_leg_handbacks_total", "fleet")] == 2
+    assert samples[("rayinfer_pd_kv_device_transfers", "fleet")] == 0  # the object store stands in
+    assert samples[("rayinfer_pd_kv_device_transfer_failures_total", "fleet")] == 3
     assert ("rayinfer_pd_leg_retries_total", "0") not in samples  # not a replica's
     assert samples[("rayinfer_pd_parked_kv_requests", "0")] == 3
     assert samples[("rayinfer_pd_kv_transfer_sent_bytes_total", "0")] == 4096
