@@ -88,7 +88,7 @@ def case(name, shape, m, ceil, tile_sets, dump_dir=None, layers=4) -> list[dict]
                 if dump_dir:
                     dump_sources(dump_dir, name, e, inter, hidden, mt.DEFAULT_TILES)
             except Exception as exc:  # a tile set the device cannot hold
-                print(f"{name} M={m} {tiles}: {type(exc).__name__}: {str(exc)[:3000]}", flush=True)
+                print(f"{name} M={m} {tiles}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
     finally:
         mt.DEFAULT_TILES = base
     return rows
@@ -101,9 +101,8 @@ def dump_sources(dump_dir: str, name: str, e: int, inter: int, hidden: int, tile
     Path(dump_dir).mkdir(parents=True, exist_ok=True)
     key = tuple(sorted(tiles.items()))
     tag = "-".join(f"{k}{v}" for k, v in key)
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count if tiles.get("kernel") == "persistent" else 0
     for gemm, (n, k, swiglu) in {"gate-up": (2 * inter, hidden, True), "down": (hidden, inter, False)}.items():
-        src = mt._compiled(e, n, k, "bfloat16", swiglu, key, num_sms).get_kernel_source()
+        src = mt._compiled(e, n, k, "bfloat16", swiglu, key).get_kernel_source()
         (Path(dump_dir) / f"{name}-{gemm}-{tag}.cu").write_text(src)
 
 

@@ -163,197 +163,6 @@ def build_grouped_gemm(num_experts: int, n: int, k: int, dtype: str, silu_and_mu
     return grouped_gemm
 
 
-def build_grouped_gemm_persistent(num_experts: int, n: int, k: int, dtype: str, silu_and_mul: bool, num_sms: int,
-                                  block_n: int = 256, block_k: int = 64, num_stages: int = 3, mma_depth: int = 1):
-    """The same grouped GEMM as :func:`build_grouped_gemm` as one persistent, warp-specialized program.
-
-    ``num_sms`` programs of 384 threads walk the output tiles (128 rows of one expert x ``block_n`` columns,
-    the column tiles of an M-tile next to each other) in turn. In each, one producer warpgroup (40 registers a
-    thread) streams the tile's rows and weight rows through a ring of ``num_stages`` shared-memory stages by
-    TMA, and two math warpgroups (232 registers; 64 rows each) multiply them on ``wgmma``, each into two
-    64 x ``block_n / 2`` float32 accumulators: the gate and the up channels with ``silu_and_mul`` (stored as
-    ``silu(gate) * up``), else the two halves of the tile's columns. ``mma_depth`` 1 keeps a step's products in
-    flight while the next step's are issued and frees a stage one step late (as CUTLASS's and DeepGEMM's
-    Hopper GEMMs do); 0 waits for each step's products. A tile's output goes through shared memory: a full
-    one by TMA, an expert's last (partial) one by row-masked vector stores. The first producer pass over the
-    tiles and the math warpgroups' epilogue of one tile overlap the next tile's loads, which the one-tile-a-
-    program form (:func:`build_grouped_gemm`) cannot do.
-
-    Args:
-        num_experts, n, k: the weight ``w`` [E, N, K] (N = 2I with ``silu_and_mul``).
-        dtype: "bfloat16" or "float16".
-        silu_and_mul: the gate/up GEMM with SwiGLU fused (output [P, N / 2]), else a plain product ([P, N]).
-        num_sms: the device's multiprocessors (the persistent grid).
-        block_n: output columns of a tile, gate and up counted together with ``silu_and_mul``.
-        block_k: the reduction step; num_stages: the ring's depth; mma_depth: 0 or 1 (above).
-    Returns:
-        a prim_func of (a [P, K], w [E * N, K], group_ends [E] int32, out [P, N or N / 2]); P is dynamic.
-    Raises:
-        ValueError: on tiles that do not divide the weight (:func:`_shape_problem`).
-    Source: the warp-specialized persistent Hopper GEMM of CUTLASS (``KernelTmaWarpSpecializedCooperative``)
-    and DeepGEMM's m-grouped GEMM, here with our alignment's group ends and SwiGLU in the epilogue.
-    """
-    import tilelang
-    import tilelang.language as T
-
-    problem = _shape_problem(n, k, silu_and_mul, block_n, block_k)
-    if problem:
-        raise ValueError(problem)
-    half_m, block_m, tn = 64, 128, block_n // 2
-    out_n = n // 2 if silu_and_mul else n
-    num_n = out_n // tn if silu_and_mul else out_n // block_n  # column tiles of the output
-    out_w = tn if silu_and_mul else block_n  # output columns a tile writes
-    k_iters = k // block_k
-    search = max(1, (num_experts - 1).bit_length())
-    accum = "float32"
-    num_rows = T.dynamic("num_rows")
-
-    @T.macro
-    def resolve(tile, s_cum, s_ends, lo, hi, info):
-        """info <- (expert, first row, valid rows, column tile) of output tile ``tile``."""
-        m_tile = tile // num_n
-        lo[0] = 0
-        hi[0] = num_experts - 1
-        for _ in T.serial(search):  # the expert whose M-tiles hold m_tile
-            mid = (lo[0] + hi[0]) >> 1
-            if s_cum[mid + 1] <= m_tile:
-                lo[0] = mid + 1
-            else:
-                hi[0] = mid
-        e = lo[0]
-        start = T.if_then_else(e > 0, s_ends[T.max(e - 1, 0)], 0)
-        info[0] = e
-        info[1] = start + (m_tile - s_cum[e]) * block_m
-        info[2] = s_ends[e] - info[1]
-        info[3] = tile % num_n
-
-    @T.macro
-    def math_warpgroup(wg, a_s, b0_s, b1_s, full, empty, acc0, acc1, c_s, s_cum, s_ends, out, pid, num_waves,
-                       total):
-        T.inc_max_nreg(232)
-        lo = T.alloc_local((1,), "int32")
-        hi = T.alloc_local((1,), "int32")
-        info = T.alloc_local((4,), "int32")
-        prev = T.alloc_local((1,), "int32")
-        gi = T.alloc_var("int32", init=0)
-        for wave in T.serial(num_waves):
-            tile = wave * num_sms + pid
-            if tile < total:
-                resolve(tile, s_cum, s_ends, lo, hi, info)
-                for kk in T.serial(k_iters):
-                    slot = gi % num_stages
-                    T.barrier_wait(full[slot], (gi // num_stages) & 1)
-                    T.wgmma_gemm(a_s[slot, :, :], b0_s[slot, :, :], acc0, transpose_B=True,
-                                 policy=T.GemmWarpPolicy.FullRow, clear_accum=(kk == 0))
-                    T.wgmma_gemm(a_s[slot, :, :], b1_s[slot, :, :], acc1, transpose_B=True,
-                                 policy=T.GemmWarpPolicy.FullRow, clear_accum=(kk == 0))
-                    if mma_depth == 1:
-                        if kk > 0:  # the previous step's products are done: free their stage
-                            T.wait_wgmma(2)
-                            T.barrier_arrive(empty[prev[0]])
-                    else:
-                        T.wait_wgmma(0)
-                        T.barrier_arrive(empty[slot])
-                    prev[0] = slot
-                    gi = gi + 1
-                if mma_depth == 1:
-                    T.wait_wgmma(0)
-                    T.barrier_arrive(empty[prev[0]])
-                T.warpgroup_fence_operand(acc0, num_regs=half_m * tn // 128)
-                T.warpgroup_fence_operand(acc1, num_regs=half_m * tn // 128)
-                row0 = info[1] + wg * half_m
-                rows = T.max(0, T.min(half_m, info[2] - wg * half_m))
-                col0 = info[3] * out_w
-                T.sync_threads(barrier_id=4 + wg, arrive_count=128)  # the last tile's store has read c_s
-                if silu_and_mul:
-                    for i, j in T.Parallel(half_m, tn):
-                        c_s[i, j] = T.cast(acc0[i, j] / (1.0 + T.exp(-acc0[i, j])) * acc1[i, j], dtype)
-                else:
-                    for i, j in T.Parallel(half_m, tn):
-                        c_s[i, j] = T.cast(acc0[i, j], dtype)
-                    for i, j in T.Parallel(half_m, tn):
-                        c_s[i, tn + j] = T.cast(acc1[i, j], dtype)
-                T.fence_proxy_async()
-                T.sync_threads(barrier_id=4 + wg, arrive_count=128)
-                if rows == half_m:
-                    T.copy(c_s, out[row0:row0 + half_m, col0:col0 + out_w])
-                elif rows > 0:
-                    for i, j in T.Parallel(half_m, out_w):
-                        if i < rows:
-                            out[row0 + i, col0 + j] = c_s[i, j]
-
-    @T.prim_func
-    def grouped_gemm_persistent(
-        a: T.Tensor((num_rows, k), dtype),
-        w: T.Tensor((num_experts * n, k), dtype),
-        group_ends: T.Tensor((num_experts,), "int32"),
-        out: T.Tensor((num_rows, out_n), dtype),
-    ):
-        with T.Kernel(num_sms, threads=384) as (pid,):
-            a_top = T.alloc_shared((num_stages, half_m, block_k), dtype)
-            a_bot = T.alloc_shared((num_stages, half_m, block_k), dtype)
-            b0_s = T.alloc_shared((num_stages, tn, block_k), dtype)
-            b1_s = T.alloc_shared((num_stages, tn, block_k), dtype)
-            c_s0 = T.alloc_shared((half_m, out_w), dtype)
-            c_s1 = T.alloc_shared((half_m, out_w), dtype)
-            acc0_0 = T.alloc_fragment((half_m, tn), accum)
-            acc1_0 = T.alloc_fragment((half_m, tn), accum)
-            acc0_1 = T.alloc_fragment((half_m, tn), accum)
-            acc1_1 = T.alloc_fragment((half_m, tn), accum)
-            s_ends = T.alloc_shared((num_experts,), "int32")
-            s_cum = T.alloc_shared((num_experts + 1,), "int32")
-            T.annotate_layout({buf: tilelang.layout.make_swizzled_layout(buf)
-                               for buf in (a_top, a_bot, b0_s, b1_s, c_s0, c_s1)})
-            full = T.alloc_barrier([128] * num_stages)  # the producer's threads, and the TMA bytes
-            empty = T.alloc_barrier([256] * num_stages)  # both math warpgroups' threads
-            tx = T.get_thread_binding()
-            for e in T.Parallel(num_experts):
-                s_ends[e] = group_ends[e]
-            T.sync_threads()
-            if tx == 0:  # M-tiles before each expert's
-                s_cum[0] = 0
-                for e in T.serial(num_experts):
-                    start = T.if_then_else(e > 0, s_ends[T.max(e - 1, 0)], 0)
-                    s_cum[e + 1] = s_cum[e] + T.ceildiv(s_ends[e] - start, block_m)
-            T.sync_threads()
-            total = s_cum[num_experts] * num_n
-            num_waves = T.ceildiv((T.ceildiv(num_rows, block_m) + num_experts) * num_n, num_sms)
-            if tx < 128:  # the producer warpgroup
-                T.dec_max_nreg(40)
-                lo = T.alloc_local((1,), "int32")
-                hi = T.alloc_local((1,), "int32")
-                info = T.alloc_local((4,), "int32")
-                gi = T.alloc_var("int32", init=0)
-                for wave in T.serial(num_waves):
-                    tile = wave * num_sms + pid
-                    if tile < total:
-                        resolve(tile, s_cum, s_ends, lo, hi, info)
-                        row0 = info[1]
-                        wrow = info[0] * n + info[3] * (tn if silu_and_mul else block_n)
-                        off1 = (n // 2) if silu_and_mul else tn
-                        for kk in T.serial(k_iters):
-                            slot = gi % num_stages
-                            k0 = kk * block_k
-                            T.barrier_wait(empty[slot], ((gi // num_stages) & 1) ^ 1)
-                            T.tma_copy(a[row0:row0 + half_m, k0:k0 + block_k], a_top[slot, :, :],
-                                       barrier=full[slot])
-                            T.tma_copy(a[row0 + half_m:row0 + block_m, k0:k0 + block_k], a_bot[slot, :, :],
-                                       barrier=full[slot])
-                            T.tma_copy(w[wrow:wrow + tn, k0:k0 + block_k], b0_s[slot, :, :], barrier=full[slot])
-                            T.tma_copy(w[wrow + off1:wrow + off1 + tn, k0:k0 + block_k], b1_s[slot, :, :],
-                                       barrier=full[slot])
-                            T.barrier_arrive(full[slot])
-                            gi = gi + 1
-            elif tx < 256:
-                math_warpgroup(0, a_top, b0_s, b1_s, full, empty, acc0_0, acc1_0, c_s0, s_cum, s_ends, out, pid,
-                               num_waves, total)
-            else:
-                math_warpgroup(1, a_bot, b0_s, b1_s, full, empty, acc0_1, acc1_1, c_s1, s_cum, s_ends, out, pid,
-                               num_waves, total)
-
-    return grouped_gemm_persistent
-
-
 def _shape_problem(n: int, k: int, silu_and_mul: bool, block_n: int, block_k: int) -> str | None:
     """Why tiles of ``block_n`` output columns (gate and up together with ``silu_and_mul``) and ``block_k``
     reduction steps do not divide a weight [E, N, K], or None when they do."""
@@ -375,54 +184,25 @@ def _tiles_problem(block_m: int, threads: int) -> str | None:
 
 
 def _options_problem(tiles: dict) -> str | None:
-    """Why ``tiles``' program and epilogue options (``kernel``, ``store``, ``gate_up_mma``, ``mma_depth``) are not
-    known values, or None."""
-    for key, values in {"kernel": ("tiles", "persistent"), "store": ("direct", "shared"),
-                        "gate_up_mma": ("split", "merged"), "mma_depth": (1, 0)}.items():
+    """Why ``tiles``' epilogue options (``store``, ``gate_up_mma``) are not known values, or None."""
+    for key, values in {"store": ("direct", "shared"), "gate_up_mma": ("split", "merged")}.items():
         if tiles.get(key, values[0]) not in values:
             return f"grouped GEMM tiles: {key} = {tiles[key]!r}; one of {values}"
     return None
 
 
-_SMEM_BYTES = 227 * 1024  # a Hopper multiprocessor's shared memory for one program
-
-
-def _smem_problem(n: int, silu_and_mul: bool, tiles: dict, itemsize: int = 2) -> str | None:
-    """Why the persistent program's stages and output staging do not fit in shared memory, or None."""
-    if tiles.get("kernel", "tiles") != "persistent":
-        return None
-    block_n, block_k, stages = tiles["block_n"], tiles["block_k"], tiles["num_stages"]
-    out_w = block_n // 2 if silu_and_mul else block_n
-    need = (stages * (128 + block_n) * block_k + 2 * 64 * out_w) * itemsize
-    if need > _SMEM_BYTES:
-        return (f"grouped GEMM tiles: the persistent program needs {need // 1024} KiB of shared memory with "
-                f"{stages} stages of {block_n} x {block_k}; at most {_SMEM_BYTES // 1024}")
-    return None
-
-
 def _problem(n: int, k: int, silu_and_mul: bool, tiles: dict) -> str | None:
-    """Why ``tiles`` (block_m, block_n, block_k, threads, num_stages and the options) do not suit a weight
-    [E, N, K], or None: the first of :func:`_shape_problem`, :func:`_tiles_problem`, :func:`_options_problem`
-    and :func:`_smem_problem`."""
+    """Why ``tiles`` (block_m, block_n, block_k, threads, store, gate_up_mma) do not suit a weight [E, N, K], or
+    None: the first of :func:`_shape_problem`, :func:`_tiles_problem` and :func:`_options_problem`."""
     return (_shape_problem(n, k, silu_and_mul, tiles["block_n"], tiles["block_k"])
-            or _tiles_problem(tiles["block_m"], tiles["threads"]) or _options_problem(tiles)
-            or _smem_problem(n, silu_and_mul, tiles))
+            or _tiles_problem(tiles["block_m"], tiles["threads"]) or _options_problem(tiles))
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(num_experts: int, n: int, k: int, dtype: str, silu_and_mul: bool, tiles: tuple, num_sms: int = 0):
+def _compiled(num_experts: int, n: int, k: int, dtype: str, silu_and_mul: bool, tiles: tuple):
     import tilelang
 
-    t = dict(tiles)
-    if t.get("kernel", "tiles") == "persistent":
-        func = build_grouped_gemm_persistent(num_experts, n, k, dtype, silu_and_mul, num_sms, block_n=t["block_n"],
-                                             block_k=t["block_k"], num_stages=t["num_stages"],
-                                             mma_depth=t.get("mma_depth", 1))
-        return tilelang.compile(func, out_idx=None, target="cuda", pass_configs={
-            "tl.disable_warp_specialized": True, "tl.disable_thread_storage_sync": True})
-    t.pop("kernel", None)
-    t.pop("mma_depth", None)
-    return tilelang.compile(build_grouped_gemm(num_experts, n, k, dtype, silu_and_mul, **t),
+    return tilelang.compile(build_grouped_gemm(num_experts, n, k, dtype, silu_and_mul, **dict(tiles)),
                             out_idx=None, target="cuda")
 
 
@@ -461,9 +241,7 @@ def grouped_gemm_tilelang(a: torch.Tensor, w: torch.Tensor, group_ends: torch.Te
         out = torch.empty(a.shape[0], out_n, dtype=a.dtype, device=a.device)
     if a.shape[0] == 0:
         return out
-    t = {**DEFAULT_TILES, **(tiles or {})}
-    num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count if t.get("kernel") == "persistent" else 0
-    kernel = _compiled(num_experts, n, k, str(a.dtype).removeprefix("torch."), silu_and_mul, tuple(sorted(t.items())),
-                       num_sms)
+    t = tuple(sorted({**DEFAULT_TILES, **(tiles or {})}.items()))
+    kernel = _compiled(num_experts, n, k, str(a.dtype).removeprefix("torch."), silu_and_mul, t)
     kernel(a.contiguous(), w.reshape(num_experts * n, k), group_ends, out)
     return out
