@@ -10,14 +10,16 @@ weight rows into shared memory (bulk copies that TileLang pipelines with a produ
 on the tensor cores in float32. Programs of one M-tile are adjacent in launch order, so they share its rows in L2,
 and an expert's few M-tiles run close together, sharing its weights.
 
-``build_grouped_gemm(..., silu_and_mul=True)`` is the gate/up GEMM with SwiGLU fused: the program holds a gate and
-an up accumulator for the same ``block_n / 2`` intermediate channels (weight rows ``c`` and ``I + c`` of
-``w13`` [E, 2I, H]) and stores ``silu(gate) * up`` [P, I] (no [P, 2I] intermediate, no activation launch).
+``build_grouped_gemm(..., silu_and_mul=True)`` is the gate/up GEMM with SwiGLU fused: the program computes the gate
+and the up products for the same ``block_n / 2`` intermediate channels (weight rows ``c`` and ``I + c`` of
+``w13`` [E, 2I, H]; by default loaded as one tile and multiplied as one product) and stores ``silu(gate) * up``
+[P, I] (no [P, 2I] intermediate, no activation launch).
 ``silu_and_mul=False`` is the down GEMM (``w2`` [E, H, I]).
 
-Measured on an H100, these programs are slower than torch's grouped GEMM: V2-Lite's two GEMMs at 2048 tokens take
-717-824 us (47-54% of the matmul rate) against torch's 603 us (65%). So ``fused_moe`` runs them only when asked
-(``fused_moe.GROUPED_TILELANG``).
+Measured on an H100 (thirty-second round in benchmarks/README.md), these programs are slower than torch's grouped
+GEMM: V2-Lite's two GEMMs (with its shared experts as slots) take 685-688 us at 2048 tokens and 1219-1238 us at 4096
+on the default tiles (gate and up in one product) against torch's 604-612 and 1040-1098 us, and the whole layer is
+10% slower. So ``fused_moe`` runs them only when asked (``fused_moe.GROUPED_TILELANG``).
 
 TileLang is optional (:func:`rayinfer.kernels.mla_tilelang.tilelang_available`). Kernels are compiled once per
 (E, N, K, dtype, silu_and_mul, tiles).
