@@ -2,7 +2,8 @@
 
 The Ray shell (``rayinfer.actors.pd.PDClient``) tells each request's :class:`PDRequest` what happened
 (an event) and carries out what ``handle`` returns (actions, in order). Nothing here calls Ray, asyncio or
-torch, so every order of events is tested by hand (``tests/policy/test_pd.py``).
+torch, so every order of events is tested by hand (``tests/policy/test_pd.py``). The router's fleet-wide
+:class:`DeviceTransferBreaker` (a circuit breaker) decides whether KV may move by a device transfer at all.
 
 A leg is one prefill and, unless the request ends at its first token, one decode. Every leg starts from
 prompt + the tokens already emitted, so each token goes out exactly once however often the request is
@@ -46,10 +47,9 @@ from typing import Callable
 __all__ = [
     "Abort", "AbortDecode", "Backoff", "BackoffElapsed", "DecodeFailed", "DecodeOutput", "DecodePreempted",
     "DeviceTransferBreaker", "DropKV", "Emit", "Emitted", "Fail", "FailureKind", "GrowDecode", "KVTransportState",
-    "LookupStore",
-    "PDRequest", "Phase", "PrefillDone", "PrefillFailed", "ReleaseDecode", "ReleasePrefill", "ReportFailure",
-    "RunDecode", "RunPrefill", "Start", "StoreLookupDone", "Transfer", "TransferDone", "TransferFailed",
-    "UseObjectStore", "backoff_s",
+    "LookupStore", "PDRequest", "Phase", "PrefillDone", "PrefillFailed", "ReleaseDecode", "ReleasePrefill",
+    "ReportFailure", "RunDecode", "RunPrefill", "Start", "StoreLookupDone", "Transfer", "TransferDone",
+    "TransferFailed", "UseObjectStore", "backoff_s",
 ]
 
 
