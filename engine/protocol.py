@@ -201,11 +201,14 @@ class FleetStats:
             (``parallel.max_replacements``).
         num_resent: colocated requests sent to another pick after their replica died (one that had
             streamed tokens resumes from them; see ``ColocatedClient``).
-        kv_device_transfers: PD over a device transport (nccl, gloo, cuda_ipc): whether KV moves by device now
-            (False while the object store stands in after a failed transfer); None for other fleets.
-        num_kv_device_failures: PD: device KV transfers that failed for the transport's reason (each one
-            switched the fleet to the object store, for good over nccl / gloo, for ``pd.device_retry_s`` and
-            more over cuda_ipc).
+        kv_device_transfers: PD over a device transport (nccl, gloo, cuda_ipc): whether the router lets KV move
+            by device now (False while the object store stands in after a failed transfer); None for other
+            fleets. Over nccl / gloo a client that lost a replica in a device transfer also stops using them on
+            its own, for good, and restarted replicas are outside the group whatever this says.
+        num_kv_device_failures: PD: device KV transfers the router saw fail: over cuda_ipc for the transport's
+            reason (a replica's death is not counted), over nccl / gloo any failed batch. The first of a run
+            switches the fleet to the object store (for good over nccl / gloo, for ``pd.device_retry_s`` and
+            more over cuda_ipc); transfers already in flight then are counted too.
     """
 
     topology: str = "colocated"

@@ -75,8 +75,8 @@ class PDSection(_Sealed):
             the received payloads not yet imported / the batches it sends (a decode replica takes no more
             while its received payloads fill it: back-pressure instead of out-of-memory).
         device_retry_s: after a cuda_ipc transfer fails for another reason than a dead replica, KV goes through
-            the object store for this many seconds, then one trial transfer tries cuda_ipc again (its success
-            brings cuda_ipc back; its failure doubles the wait, up to 10 minutes). 0: the object store for
+            the object store for this many seconds (0 to 600), then one trial transfer tries cuda_ipc again (its
+            success brings cuda_ipc back; its failure doubles the wait, up to 600 s). 0: the object store for
             good, as always over nccl / gloo, whose failed transfer breaks the group.
         admission_headroom: how far prefill may run ahead of decode: requests are admitted to prefill
             while those in prefill or decode number fewer than the decode replicas' ``max_num_seqs``
@@ -107,8 +107,9 @@ class PDSection(_Sealed):
                 or not self.retry_deadline_s >= 0:
             raise ValueError(f"pd.retry_deadline_s must be a number of seconds >= 0; got {self.retry_deadline_s!r}")
         if isinstance(self.device_retry_s, bool) or not isinstance(self.device_retry_s, (int, float)) \
-                or not self.device_retry_s >= 0:
-            raise ValueError(f"pd.device_retry_s must be a number of seconds >= 0; got {self.device_retry_s!r}")
+                or not 0 <= self.device_retry_s <= 600:
+            raise ValueError(f"pd.device_retry_s must be a number of seconds from 0 to 600 (the longest wait between "
+                             f"trials); got {self.device_retry_s!r}")
         if self.kv_store_max_blocks is not None:
             _check_int("pd.kv_store_max_blocks", self.kv_store_max_blocks, 1)
         if self.admission_headroom is not None and (isinstance(self.admission_headroom, bool) or not isinstance(

@@ -148,10 +148,10 @@ _ENGINE_METRICS = (
      "counter"),
     ("num_handbacks", "rayinfer_pd_leg_handbacks", (), "PD legs re-run after a decode replica preempted a request.",
      "counter"),
-    ("kv_device_transfers", "rayinfer_pd_kv_device_transfers", (), "PD over nccl, gloo or cuda_ipc: 1 while KV "
-     "moves by device, 0 while the object store stands in after a failed transfer.", "gauge"),
-    ("num_kv_device_failures", "rayinfer_pd_kv_device_transfer_failures", (), "PD device KV transfers that failed "
-     "for the transport's reason (not a replica's death).", "counter"),
+    ("kv_device_transfers", "rayinfer_pd_kv_device_transfers", (), "PD over nccl, gloo or cuda_ipc: 1 while the "
+     "router lets KV move by device, 0 while the object store stands in after a failed transfer.", "gauge"),
+    ("num_kv_device_failures", "rayinfer_pd_kv_device_transfer_failures", (), "PD device KV transfers the router saw "
+     "fail (over cuda_ipc a replica's death is not counted).", "counter"),
 )
 
 

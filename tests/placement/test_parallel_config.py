@@ -84,6 +84,8 @@ def test_sections_validate_and_copy():
                                    (PDSection, dict(kv_store_max_gib=0), "pd.kv_store_max_gib"),
                                    (PDSection, dict(device_retry_s=-5), "pd.device_retry_s"),
                                    (PDSection, dict(device_retry_s="soon"), "pd.device_retry_s"),
+                                   (PDSection, dict(device_retry_s=float("inf")), "pd.device_retry_s"),
+                                   (PDSection, dict(device_retry_s=1000), "pd.device_retry_s"),
                                    (EPLBSection, dict(window=0), "eplb.window"),
                                    (EncoderSection, dict(num_encoders=-1), "encoder.num_encoders"),
                                    (EncoderSection, dict(num_encoders=1.5), "encoder.num_encoders"),
