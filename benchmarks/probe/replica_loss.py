@@ -90,6 +90,9 @@ def run(client, items: list[bl.WorkItem], mode: str, kill: str | None, kill_afte
                 "output_tok_s": round(tokens / elapsed, 2), "num_replacements": stats.num_replacements,
                 "num_retries": stats.num_retries, "num_resumed": getattr(client, "num_resumed", 0),
                 "kv_transfer": [{"role": r.role, **r.kv_transfer} for r in stats.replicas if r.kv_transfer],
+                # PD: whether the router still lets KV move by device, and the device transfers it saw fail
+                "kv_device_transfers": stats.kv_device_transfers,
+                "num_kv_device_failures": stats.num_kv_device_failures,
                 **result}
 
     return asyncio.run(main())
