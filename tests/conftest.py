@@ -1,6 +1,6 @@
 """Shared fixtures: one embedded Ray instance per test session, one fleet of the default model on it for
 the batch-job tests, the default model's tokenizer, the default model itself loaded once (CPU, float32) for
-the engines that tests build around it, and the Triton-interpreter server."""
+the engines that tests build around it, the Triton-interpreter server, and a fake clock."""
 
 import os
 
@@ -8,6 +8,22 @@ import pytest
 
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+class FakeClock:
+    """A clock for code that takes ``clock: Callable[[], float]``: returns ``now`` (seconds), which tests move."""
+
+    def __init__(self, now: float = 100.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    """A :class:`FakeClock` at 100 s."""
+    return FakeClock()
 
 
 @pytest.fixture(scope="session")

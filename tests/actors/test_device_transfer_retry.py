@@ -38,14 +38,7 @@ class Replica:
         self.release_kv, self.reserve_kv, self.receive_kv, self.unreserve_kv = Method(), Method(), Method(), Method()
 
 
-class Clock:
-    now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def cuda_ipc_router(clock: Clock) -> tuple[Router, Replica, Replica]:
+def cuda_ipc_router(clock) -> tuple[Router, Replica, Replica]:
     pd = PDSection(kv_transport="cuda_ipc", device_retry_s=30.0)
     r = Router(ModelConfig("SmolLM2-135M-Instruct"), EngineConfig(device="cpu"),
                ParallelConfig(num_prefill=1, num_decode=1, pd=pd))
@@ -62,9 +55,8 @@ async def rdt(router: Router) -> bool:
     return by_device
 
 
-def test_a_failed_cuda_ipc_transfer_falls_back_for_a_while_then_a_trial_brings_cuda_ipc_back():
+def test_a_failed_cuda_ipc_transfer_falls_back_for_a_while_then_a_trial_brings_cuda_ipc_back(clock):
     async def main():
-        clock = Clock()
         router, prefill, decode = cuda_ipc_router(clock)
         assert await rdt(router)
         await router.transfer_kv(0, 0, "a")
@@ -98,9 +90,8 @@ def test_a_failed_cuda_ipc_transfer_falls_back_for_a_while_then_a_trial_brings_c
     asyncio.run(main())
 
 
-def test_a_dead_replica_or_an_expired_request_does_not_open_the_breaker():
+def test_a_dead_replica_or_an_expired_request_does_not_open_the_breaker(clock):
     async def main():
-        clock = Clock()
         router, prefill, decode = cuda_ipc_router(clock)
         decode.receive_kv.errors.append(ray.exceptions.RayActorError())  # the decode replica died
         with pytest.raises(ray.exceptions.RayActorError):

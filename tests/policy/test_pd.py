@@ -470,18 +470,10 @@ def test_every_replica_of_a_role_gone_fails_at_once_as_an_error():
     d.check()
 
 
-class Clock:
-    def __init__(self):
-        self.now = 100.0
 
-    def __call__(self) -> float:
-        return self.now
-
-
-def test_a_cuda_ipc_breaker_waits_then_lets_one_trial_through():
+def test_a_cuda_ipc_breaker_waits_then_lets_one_trial_through(clock):
     """Closed: every transfer by device. A transport failure opens it for retry_s; then exactly one trial goes
     by device while the rest take the object store; the trial's success closes it."""
-    clock = Clock()
     b = DeviceTransferBreaker(enabled=True, recoverable=True, retry_s=30.0, clock=clock)
     assert b.closed and b.allow() and b.allow()
     assert b.failed() == 30.0
@@ -495,8 +487,7 @@ def test_a_cuda_ipc_breaker_waits_then_lets_one_trial_through():
     assert not b.succeeded()  # already closed: nothing to report
 
 
-def test_failed_trials_double_the_wait_up_to_the_cap_and_a_success_resets_it():
-    clock = Clock()
+def test_failed_trials_double_the_wait_up_to_the_cap_and_a_success_resets_it(clock):
     b = DeviceTransferBreaker(enabled=True, recoverable=True, retry_s=30.0, max_retry_s=100.0, clock=clock)
     waits = []
     waits.append(b.failed())
@@ -510,8 +501,7 @@ def test_failed_trials_double_the_wait_up_to_the_cap_and_a_success_resets_it():
     assert b.failed() == 30.0  # a new run of failures starts from retry_s again
 
 
-def test_transfers_in_flight_when_the_breaker_opened_do_not_lengthen_the_wait():
-    clock = Clock()
+def test_transfers_in_flight_when_the_breaker_opened_do_not_lengthen_the_wait(clock):
     b = DeviceTransferBreaker(enabled=True, recoverable=True, retry_s=30.0, clock=clock)
     assert b.failed() == 30.0
     clock.now += 10.0
@@ -521,8 +511,7 @@ def test_transfers_in_flight_when_the_breaker_opened_do_not_lengthen_the_wait():
     assert b.allow()
 
 
-def test_a_trial_that_never_reports_frees_its_place_after_the_timeout():
-    clock = Clock()
+def test_a_trial_that_never_reports_frees_its_place_after_the_timeout(clock):
     b = DeviceTransferBreaker(enabled=True, recoverable=True, retry_s=30.0, trial_timeout_s=60.0, clock=clock)
     b.failed()
     clock.now += 30.0
@@ -533,8 +522,7 @@ def test_a_trial_that_never_reports_frees_its_place_after_the_timeout():
     assert b.allow() and b.num_trials == 2  # the first trial's request took another way (or died)
 
 
-def test_a_group_breaker_and_a_zero_retry_stay_open_for_good():
-    clock = Clock()
+def test_a_group_breaker_and_a_zero_retry_stay_open_for_good(clock):
     for b in (DeviceTransferBreaker(enabled=True, recoverable=False, clock=clock),  # nccl / gloo
               DeviceTransferBreaker(enabled=True, recoverable=True, retry_s=0.0, clock=clock)):  # cuda_ipc, off
         assert b.allow()
