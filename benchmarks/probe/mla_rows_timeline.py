@@ -30,12 +30,14 @@ from rayinfer.kernels._triton_utils import triton  # noqa: E402
 from rayinfer.kernels.mla_attention import _mla_merge_splits_kernel  # noqa: E402
 
 _NOW = ('__device__ __forceinline__ long long rl_now() { unsigned long long t; '
-        'asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return (long long)t; }\n')
+        'asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return (long long)t; }\n'
+        '__device__ __forceinline__ long long rl_smid() { unsigned int s; '
+        'asm volatile("mov.u32 %0, %%smid;" : "=r"(s)); return (long long)s; }\n')
 _STAMP = 'trace[tok, split, {i}] = T.call_extern("int64", "rl_now")'
 _EDITS = [
     ("            T.import_source(_MERGE_HELPERS)", "            T.import_source(_MERGE_HELPERS + _NOW)"),
     ("        qk_scale: T.float32,\n    ):",
-     '        qk_scale: T.float32,\n        trace: T.Tensor((num_tokens, splits, 4), "int64"),\n    ):'),
+     '        qk_scale: T.float32,\n        trace: T.Tensor((num_tokens, splits, 5), "int64"),\n    ):'),
     ("            if pdl:\n                pdl_sync()",
      "            " + _STAMP.format(i=0) + "\n            if pdl:\n"
      "                pdl_sync()"),
@@ -43,7 +45,8 @@ _EDITS = [
      "            T.fill(m_cur, -T.infinity(accum))\n            " + _STAMP.format(i=1) + "\n"),
     ("            if in_cluster:\n", "            " + _STAMP.format(i=2) + "\n            if in_cluster:\n"),
     ("    return mla_decode_keys_as_rows",
-     "            " + _STAMP.format(i=3) + "\n\n    return mla_decode_keys_as_rows"),
+     "            " + _STAMP.format(i=3) + "\n            trace[tok, split, 4] = T.call_extern(\"int64\", \"rl_smid\")"
+     "\n\n    return mla_decode_keys_as_rows"),
 ]
 
 
@@ -81,7 +84,7 @@ def case(build_traced, trace_it, ceil, batch, ctx, splits, merge, cache, meta, q
     out = torch.empty_like(ql)
     part_out = torch.empty((batch, 16, splits, 512), dtype=torch.float32, device="cuda")
     part_lse = torch.empty((batch, 16, splits), dtype=torch.float32, device="cuda")
-    trace = torch.zeros((layers, batch, splits, 4), dtype=torch.int64, device="cuda")
+    trace = torch.zeros((layers, batch, splits, 5), dtype=torch.int64, device="cuda")
     qsl, sl, bt = meta.query_start_loc.int(), meta.seq_lens.int(), meta.block_tables.int()
     scale = 0.1 * 1.4426950408889634
     rows_of = [cache[i].view(-1, 576) for i in range(layers)]
@@ -119,7 +122,8 @@ def case(build_traced, trace_it, ceil, batch, ctx, splits, merge, cache, meta, q
     row["pct_kernel"] = 100 * nbytes / row["kernel_us"] / 1e3 / ceil["copy_GBps"]
     # one replay's stamps (bench_graph's last replay left them)
     torch.cuda.synchronize()
-    tr = trace.cpu().double() / 1e3  # us
+    tr = trace[..., :4].cpu().double() / 1e3  # us
+    smid = trace[..., 4].cpu().reshape(layers, -1)  # the multiprocessor each program ran on
     layer_rows = []
     for i in range(layers):
         t = tr[i].reshape(-1, 4)
@@ -139,8 +143,33 @@ def case(build_traced, trace_it, ceil, batch, ctx, splits, merge, cache, meta, q
         k: statistics.median(v for r in layer_rows if (v := r[k]) is not None) if any(
             r[k] is not None for r in layer_rows) else None for k in layer_rows[0]}
     row["timeline_layers"] = layer_rows[:4]
+    row["by_sm"] = by_sm(tr.reshape(layers, -1, 4), smid)
     print(json.dumps({k: v for k, v in row.items() if k != "timeline_layers"}), flush=True)
     return row
+
+
+def by_sm(t: torch.Tensor, smid: torch.Tensor) -> dict:
+    """Whether a program's key-loop time follows its multiprocessor: ``t`` [layers, programs, 4] stamps (us),
+    ``smid`` [layers, programs]. Gives each multiprocessor's mean loop time over the layers' two halves and the
+    correlation of the halves (near 1: the same multiprocessors are slow in every layer, so the spread is the
+    hardware's; near 0: it moves from launch to launch), and the loop times' spread within and across them."""
+    loop = t[..., 2] - t[..., 1]
+    half = t.shape[0] // 2
+    means = []
+    for part in (slice(0, half), slice(half, t.shape[0])):
+        sums, counts = torch.zeros(1024, dtype=torch.float64), torch.zeros(1024, dtype=torch.float64)
+        sums.index_add_(0, smid[part].reshape(-1), loop[part].reshape(-1))
+        counts.index_add_(0, smid[part].reshape(-1), torch.ones(loop[part].numel(), dtype=torch.float64))
+        means.append((sums, counts))
+    seen = (means[0][1] > 0) & (means[1][1] > 0)
+    a = (means[0][0] / means[0][1].clamp(min=1))[seen]
+    b = (means[1][0] / means[1][1].clamp(min=1))[seen]
+    corr = torch.corrcoef(torch.stack([a, b]))[0, 1].item() if seen.sum() > 2 else None
+    allm = (means[0][0] + means[1][0]) / (means[0][1] + means[1][1]).clamp(min=1)
+    used = (means[0][1] + means[1][1]) > 0
+    return {"num_sms_used": int(used.sum()), "halves_corr": corr,
+            "sm_mean_loop_min": allm[used].min().item(), "sm_mean_loop_max": allm[used].max().item(),
+            "sm_mean_loop": {int(i): round(allm[i].item(), 2) for i in used.nonzero().flatten()}}
 
 
 _LOADED: list[int] = []  # CUfunction handles of every Triton kernel loaded since record_triton_loads()
@@ -217,6 +246,8 @@ def main() -> None:
     p.add_argument("--carveouts", default="-1",
                    help="with --neighbors: the Triton kernels' shared-memory carveouts (percent of the SM's 228 KB) to "
                    "try, e.g. -1,86,100 (86: the 196 KB configuration, the least that holds the TileLang program)")
+    p.add_argument("--cases", default=None,
+                   help="only these batch x context x splits cases, e.g. 32x4096x4,64x4096x2 (default: the full list)")
     args = p.parse_args()
     record_triton_loads()
     ceil = measure_ceilings()
@@ -225,8 +256,11 @@ def main() -> None:
         rows = neighbor_cases([int(c) for c in args.carveouts.split(",")])
     else:
         build_traced, rows = traced_builder(), []
-        for batch, ctx, splits in [(32, 4096, 4), (64, 4096, 2), (128, 4096, 1), (16, 4096, 8), (8, 4096, 16),
-                                   (1, 1024, 32), (4, 4096, 32), (32, 1024, 4), (32, 8192, 4), (64, 1024, 2)]:
+        cases = [(32, 4096, 4), (64, 4096, 2), (128, 4096, 1), (16, 4096, 8), (8, 4096, 16),
+                 (1, 1024, 32), (4, 4096, 32), (32, 1024, 4), (32, 8192, 4), (64, 1024, 2)]
+        if args.cases:
+            cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
+        for batch, ctx, splits in cases:
             cache, meta, ql, qp, want, nbytes, layers = mla_decode_inputs(batch, ctx, bs=64)
             merges = ["launch", "last_program"] + (["cluster"] if splits <= mla_tilelang.MAX_CLUSTER_SPLITS else [])
             for merge in merges if splits > 1 else ["launch"]:
