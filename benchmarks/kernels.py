@@ -525,29 +525,6 @@ def sweep_mla_rows(ceil, budget_s: float = 300.0) -> list[dict]:
     return rows
 
 
-def sweep_mla_claimed(ceil, budget_s: float = 300.0) -> list[dict]:
-    """The keys-as-rows TileLang MLA decode (V2-Lite's 16 heads, cache blocks of 64) with tiles claimed as the
-    programs ask for them (``schedule="claimed"``, :func:`rayinfer.kernels.mla_tilelang.build_mla_decode_claimed`)
-    against its fixed splits (the default merge), at the one-wave split count and twice it, batch 16 / 32 / 64 /
-    128 at 4K and 32 at 1K and 8K: graph time per layer with the merge, share of the copy bandwidth, and whether
-    the claim counters were left at zero. Stops starting new compiles after ``budget_s`` seconds."""
-    from rayinfer.kernels._triton_utils import device_sms
-    from rayinfer.kernels.mla_tilelang import _arrival_counters, one_wave_splits
-
-    rows, start = [], time.time()
-    for batch, ctx in ((32, 4096), (64, 4096), (16, 4096), (128, 4096), (32, 1024), (32, 8192)):
-        inputs = mla_decode_inputs(batch, ctx, 64)
-        wave = one_wave_splits(batch, 8192, device_sms(inputs[2]))
-        static, claimed = {"layout": "keys_as_rows"}, {"layout": "keys_as_rows", "schedule": "claimed"}
-        cases = [("tilelang", static, wave), ("tilelang", claimed, max(2, wave)), ("tilelang", claimed, 2 * wave)]
-        for row in _mla_decode_cases(ceil, inputs, cases, {"op": "mla_decode_claimed", "block_size": 64,
-                                                           "batch": batch, "ctx_len": ctx}, start + budget_s):
-            row["claims_left"] = int(_arrival_counters(inputs[2].device, "claims").abs().sum().item())
-            rows.append(row)
-        del inputs
-    return rows
-
-
 def sweep_mla_rows_stages(ceil, budget_s: float = 240.0) -> list[dict]:
     """The keys-as-rows TileLang MLA decode (V2-Lite's 16 heads, cache blocks of 64) at batch 16 / 32 / 64 / 128,
     4K: its default two-stage pipeline (about 160 KB of shared memory, one program per multiprocessor) against
@@ -996,7 +973,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also sweep prefill tiles and decode split factors")
     parser.add_argument("--only-sweeps", nargs="*", default=None,
                         help="skip the kernel table; run these sweeps (gemv, gemv_mla, gemv_v2lite_mlp, decode_tiles, prefill, prefill_gqa8, prefill_long, "
-                        "decode_splits, decode_step, mla, mla_tiles, mla_tilelang, mla_rows, mla_claimed, mla_rows_stages, mla_splits, mla_swap, mla_swap_few, mla_prefill)")
+                        "decode_splits, decode_step, mla, mla_tiles, mla_tilelang, mla_rows, mla_rows_stages, mla_splits, mla_swap, mla_swap_few, mla_prefill)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA device")
@@ -1018,7 +995,7 @@ def main() -> None:
         funcs = {"gemv": sweep_gemv, "decode_tiles": sweep_decode_tiles, "prefill": sweep_prefill, "prefill_gqa8": sweep_prefill_gqa8,
                  "decode_splits": sweep_decode_splits, "decode_step": sweep_decode_step, "mla": sweep_mla,
                  "prefill_long": sweep_prefill_long,
-                 "mla_tiles": sweep_mla_tiles, "mla_tilelang": sweep_mla_tilelang, "mla_rows": sweep_mla_rows, "mla_claimed": sweep_mla_claimed, "mla_rows_stages": sweep_mla_rows_stages, "mla_splits": sweep_mla_splits, "mla_swap": sweep_mla_swap, "mla_swap_few": sweep_mla_swap_few,
+                 "mla_tiles": sweep_mla_tiles, "mla_tilelang": sweep_mla_tilelang, "mla_rows": sweep_mla_rows, "mla_rows_stages": sweep_mla_rows_stages, "mla_splits": sweep_mla_splits, "mla_swap": sweep_mla_swap, "mla_swap_few": sweep_mla_swap_few,
                  "mla_prefill": sweep_mla_prefill,
                  "gemv_mla": lambda c: sweep_gemv(c, ("mla_qkv_a", "mla_o"), block_ks=(512, 1024, 2048)),
                  "gemv_v2lite_mlp": lambda c: sweep_gemv(c, ("v2lite_gate_up", "v2lite_down"),

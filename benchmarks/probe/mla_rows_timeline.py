@@ -76,7 +76,7 @@ def case(build_traced, trace_it, ceil, batch, ctx, splits, merge, cache, meta, q
 
     cfg = {**mla_tilelang.default_config(16, 64), "merge": merge}
     kern = mla_tilelang._compiled(16, 512, 64, 64, "bfloat16", splits, tuple(sorted(cfg.items())))
-    kw = {k: v for k, v in cfg.items() if k not in ("layout", "schedule")}
+    kw = {k: v for k, v in cfg.items() if k != "layout"}
     traced = tilelang.compile(build_traced(16, 512, 64, 64, "bfloat16", splits, **kw), out_idx=None,
                               target="cuda") if trace_it else None
     in_kernel = merge != "launch" and splits > 1

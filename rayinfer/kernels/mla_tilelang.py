@@ -458,212 +458,6 @@ def build_mla_decode_keys_as_rows(num_heads: int, rank: int, rope: int, block_si
     return mla_decode_keys_as_rows
 
 
-def build_mla_decode_claimed(num_heads: int, rank: int, rope: int, block_size: int, dtype: str, num_splits: int,
-                             block_n: int = 64, num_stages: int = 2, pdl: bool = True):
-    """The keys-as-rows program (:func:`build_mla_decode_keys_as_rows`) with its tiles handed out as the programs
-    ask for them: a token's ``num_splits`` programs claim its 64-key tiles one at a time from the token's counter in
-    ``claims`` (an atomic increment), so a program that streams faster takes more tiles and the token's programs
-    finish together. With a fixed split each program reads the same bytes, and on an H100 at batch 32, 4K their
-    key loops took 47.8 to 55.9 us (``benchmarks/results/mla-rows-timeline-h100-8c2372b.json``): the launch waits
-    on the slowest. The online softmax does not depend on the order of the tiles, so a program's partial is the
-    same function of whichever tiles it got; the token's last program to finish merges the partials (the
-    "last_program" merge) and resets both counters.
-
-    Warp-specialized by hand (TileLang's automatic specialization would run the claim in both warpgroups): one
-    producer thread claims a tile, waits for a free stage, writes the tile's number into the stage's slot and
-    issues its bulk (TMA) copies; -1 tells the consumer warpgroup that the token's tiles are gone. The consumer
-    runs the scores, the softmax and the output product per stage, then frees it.
-
-    Same arguments, shapes and outputs as :func:`build_mla_decode_keys_as_rows` with ``merge="last_program"``,
-    plus ``claims`` [T] int32 (zeros, left zeros). ``num_splits`` is a power of two from 2 to 32.
-
-    Raises:
-        ValueError: as :func:`build_mla_decode_keys_as_rows`, and for one split (nothing to share).
-    Source: the keys-as-rows program; dynamic ("work-stealing") split scheduling as in stream-K (Osama et al.,
-    2023) at the granularity of one tile; CUDA's programming guide for the mbarrier producer/consumer pipeline.
-    """
-    import tilelang.language as T
-    from tilelang.cuda.language import pdl_sync, pdl_trigger
-
-    if block_n != 64 or block_size % block_n:
-        raise ValueError(f"keys-as-rows tiles take 64 keys inside one cache block; got block_n {block_n}, "
-                         f"block_size {block_size}")
-    if num_heads not in (16, 32):
-        raise ValueError(f"keys-as-rows tiles take 16 or 32 heads, got {num_heads}")
-    if num_splits < 2 or num_splits > 32 or num_splits & (num_splits - 1):
-        raise ValueError(f"claimed tiles take a power of two from 2 to 32 splits, got {num_splits}")
-    accum = "float32"
-    width = rank + rope
-    heads = num_heads
-    splits = num_splits
-    num_tokens = T.dynamic("num_tokens")
-    num_rows = T.dynamic("num_rows")
-    num_reqs = T.dynamic("num_reqs")
-    max_blocks = T.dynamic("max_blocks")
-    stride_qt = T.dynamic("stride_qt")
-    stride_qh = T.dynamic("stride_qh")
-    merge_loop = T.unroll if splits <= 8 else T.serial
-
-    @T.prim_func
-    def mla_decode_claimed(
-        q_latent: T.StridedTensor((num_tokens, heads, rank), (stride_qt, stride_qh, 1), dtype),
-        q_pe: T.Tensor((num_tokens, heads, rope), dtype),
-        kv_rows: T.Tensor((num_rows, width), dtype),
-        query_start_loc: T.Tensor((num_reqs + 1,), "int32"),
-        seq_lens: T.Tensor((num_reqs,), "int32"),
-        block_tables: T.Tensor((num_reqs, max_blocks), "int32"),
-        part_out: T.Tensor((num_tokens, heads, splits, rank), accum),
-        part_lse: T.Tensor((num_tokens, heads, splits), accum),
-        out: T.Tensor((num_tokens, heads, rank), dtype),
-        counters: T.Tensor((num_tokens,), "int32"),
-        claims: T.Tensor((num_tokens,), "int32"),
-        qk_scale: T.float32,
-    ):
-        with T.Kernel(num_tokens, splits, threads=256) as (tok, split):
-            T.import_source(_MERGE_HELPERS)
-            q_shared = T.alloc_shared((heads, rank), dtype)
-            qp_shared = T.alloc_shared((heads, rope), dtype)
-            kv_s = T.alloc_shared((num_stages, block_n, rank), dtype)
-            kp_s = T.alloc_shared((num_stages, block_n, rope), dtype)
-            p_shared = T.alloc_shared((block_n, heads), dtype)
-            tile_of = T.alloc_shared((num_stages,), "int32")
-            arrived = T.alloc_shared((1,), "int32")
-            scores = T.alloc_fragment((block_n, heads), accum)
-            acc = T.alloc_fragment((rank, heads), accum)
-            m_prev = T.alloc_fragment((heads,), accum)
-            m_cur = T.alloc_fragment((heads,), accum)
-            alpha = T.alloc_fragment((heads,), accum)
-            col_sum = T.alloc_fragment((heads,), accum)
-            l_sum = T.alloc_fragment((heads,), accum)
-            lse_f = T.alloc_fragment((splits, heads), accum)
-            lse_max = T.alloc_fragment((heads,), accum)
-            lse_den = T.alloc_fragment((heads,), accum)
-            wgt = T.alloc_shared((splits, heads), accum)
-            merged = T.alloc_fragment((heads, _MERGE_ROWS), accum)
-            full = T.alloc_barrier([1] * num_stages)  # the producer thread's arrival and the copies' bytes
-            empty = T.alloc_barrier([128] * num_stages)  # the consumer warpgroup
-            q_bar = T.alloc_barrier([1])
-            lo = T.alloc_var("int32")
-            hi = T.alloc_var("int32")
-            tx = T.get_thread_binding()
-
-            guess = T.min(tok, num_reqs - 1)
-            lo = 0
-            hi = num_reqs
-            if query_start_loc[guess] <= tok and tok < query_start_loc[guess + 1]:
-                lo = guess + 1
-                hi = guess + 1
-            for _ in T.serial(31):
-                if lo < hi:
-                    if query_start_loc[(lo + hi) // 2] <= tok:
-                        lo = (lo + hi) // 2 + 1
-                    else:
-                        hi = (lo + hi) // 2
-            req = lo - 1
-            n_keys = seq_lens[req] - (query_start_loc[req + 1] - tok) + 1
-            n_tiles = T.ceildiv(n_keys, block_n)
-
-            if pdl:
-                pdl_sync()
-                pdl_trigger()
-            if tx < 128:
-                if tx == 0:  # the producer: claim, wait for a free stage, copy
-                    T.tma_copy(q_latent[tok, :, :], q_shared, barrier=q_bar[0])
-                    T.tma_copy(q_pe[tok, :, :], qp_shared, barrier=q_bar[0])
-                    T.barrier_arrive(q_bar[0])
-                    done = T.alloc_var("int32", init=0)
-                    it = T.alloc_var("int32", init=0)
-                    for _ in T.serial(n_tiles + 1):
-                        if done == 0:
-                            t = T.call_extern("int32", "atomicAdd", T.address_of(claims[tok]), 1)
-                            slot = it % num_stages
-                            T.barrier_wait(empty[slot], ((it // num_stages) & 1) ^ 1)
-                            if t < n_tiles:
-                                tile_of[slot] = t
-                                row0 = (block_tables[req, t * block_n // block_size] * block_size
-                                        + t * block_n % block_size)
-                                T.tma_copy(kv_rows[row0:row0 + block_n, 0:rank], kv_s[slot, :, :],
-                                           barrier=full[slot])
-                                T.tma_copy(kv_rows[row0:row0 + block_n, rank:width], kp_s[slot, :, :],
-                                           barrier=full[slot])
-                            else:
-                                tile_of[slot] = -1
-                                done = 1
-                            T.barrier_arrive(full[slot])
-                            it = it + 1
-            else:
-                T.fill(acc, 0)
-                T.fill(l_sum, 0)
-                T.fill(m_cur, -T.infinity(accum))
-                T.barrier_wait(q_bar[0], 0)
-                cdone = T.alloc_var("int32", init=0)
-                ci = T.alloc_var("int32", init=0)
-                for _ in T.serial(n_tiles + 1):
-                    if cdone == 0:
-                        cslot = ci % num_stages
-                        T.barrier_wait(full[cslot], (ci // num_stages) & 1)
-                        tile = tile_of[cslot]
-                        if tile < 0:
-                            cdone = 1
-                        else:
-                            start = tile * block_n
-                            T.clear(scores)
-                            T.gemm(kv_s[cslot, :, :], q_shared, scores, transpose_B=True)
-                            T.gemm(kp_s[cslot, :, :], qp_shared, scores, transpose_B=True)
-                            for i, j in T.Parallel(block_n, heads):
-                                scores[i, j] = T.if_then_else(start + i < n_keys, scores[i, j] * qk_scale,
-                                                              -T.infinity(accum))
-                            T.copy(m_cur, m_prev)
-                            T.reduce_max(scores, m_cur, dim=0, clear=False)
-                            for j in T.Parallel(heads):
-                                alpha[j] = T.exp2(m_prev[j] - m_cur[j])
-                            for i, j in T.Parallel(block_n, heads):
-                                scores[i, j] = T.exp2(scores[i, j] - m_cur[j])
-                            T.reduce_sum(scores, col_sum, dim=0)
-                            for j in T.Parallel(heads):
-                                l_sum[j] = l_sum[j] * alpha[j] + col_sum[j]
-                            for i, j in T.Parallel(rank, heads):
-                                acc[i, j] *= alpha[j]
-                            T.copy(scores, p_shared)
-                            T.gemm(kv_s[cslot, :, :], p_shared, acc, transpose_A=True)
-                        T.barrier_arrive(empty[cslot])
-                        ci = ci + 1
-                # the partials (an empty program's as -inf and zeros), then the token's last program merges
-                for j in T.Parallel(heads):
-                    part_lse[tok, j, split] = T.if_then_else(
-                        l_sum[j] > 0, m_cur[j] + T.log2(T.max(l_sum[j], 1e-30)), -T.infinity(accum))
-                for i, j in T.Parallel(rank, heads):
-                    part_out[tok, j, split, i] = acc[i, j] / T.max(l_sum[j], 1e-30)
-                T.call_extern("handle", "__threadfence")
-                T.sync_threads(barrier_id=5, arrive_count=128)
-                if tx == 128:
-                    arrived[0] = T.call_extern("int32", "rl_arrive", T.address_of(counters[tok]))
-                T.sync_threads(barrier_id=5, arrive_count=128)
-                if arrived[0] == splits - 1:
-                    T.call_extern("handle", "__threadfence")
-                    for s_, j in T.Parallel(splits, heads):
-                        lse_f[s_, j] = T.call_extern(accum, "__ldcg", T.address_of(part_lse[tok, j, s_]))
-                    T.reduce_max(lse_f, lse_max, dim=0)
-                    for s_, j in T.Parallel(splits, heads):
-                        lse_f[s_, j] = T.exp2(lse_f[s_, j] - lse_max[j])
-                    T.reduce_sum(lse_f, lse_den, dim=0)
-                    for s_, j in T.Parallel(splits, heads):
-                        wgt[s_, j] = lse_f[s_, j] / lse_den[j]
-                    for c in T.serial(rank // _MERGE_ROWS):
-                        T.clear(merged)
-                        for s_ in merge_loop(splits):
-                            for j, i in T.Parallel(heads, _MERGE_ROWS):
-                                merged[j, i] += wgt[s_, j] * T.call_extern(
-                                    accum, "__ldcg", T.address_of(part_out[tok, j, s_, c * _MERGE_ROWS + i]))
-                        for j, i in T.Parallel(heads, _MERGE_ROWS):
-                            out[tok, j, c * _MERGE_ROWS + i] = T.cast(merged[j, i], dtype)
-                    if tx == 128:
-                        counters[tok] = 0
-                        claims[tok] = 0
-
-    return mla_decode_claimed
-
-
 # The split merges of build_mla_decode_keys_as_rows: "cluster" (2 to MAX_CLUSTER_SPLITS splits: a token's programs
 # form a cluster and merge through each other's shared memory), "last_program" (the token's last program to finish
 # merges the partials from L2), "launch" (a merge kernel after the program)
@@ -689,12 +483,11 @@ _MAX_COUNTED_TOKENS = 1 << 16
 _COUNTERS: dict = {}
 
 
-def _arrival_counters(device: torch.device, kind: str = "arrivals") -> torch.Tensor:
-    """The device's int32 counters of the last_program merge (``kind`` "arrivals") or of the claimed tiles
-    (:func:`build_mla_decode_claimed`, "claims"), zeros between launches (each launch's last programs reset
-    theirs): allocated once, [_MAX_COUNTED_TOKENS]. Launches that share them must not overlap: the engine runs a
-    device's attention on one stream."""
-    key = (device.type, device.index, kind)
+def _arrival_counters(device: torch.device) -> torch.Tensor:
+    """The device's int32 arrival counters of the last_program merge, zeros between launches (each launch's last
+    programs reset theirs): allocated once, [_MAX_COUNTED_TOKENS]. Launches that share them must not overlap:
+    the engine runs a device's attention on one stream."""
+    key = (device.type, device.index)
     if key not in _COUNTERS:
         _COUNTERS[key] = torch.zeros(_MAX_COUNTED_TOKENS, dtype=torch.int32, device=device)
     return _COUNTERS[key]
@@ -730,12 +523,6 @@ def _compiled(num_heads: int, rank: int, rope: int, block_size: int, dtype: str,
     import tilelang
 
     cfg = dict(config)
-    schedule = cfg.pop("schedule", "static")
-    if cfg["layout"] == "keys_as_rows" and schedule == "claimed":
-        func = build_mla_decode_claimed(num_heads, rank, rope, block_size, dtype, num_splits,
-                                        block_n=cfg["block_n"], num_stages=cfg["num_stages"],
-                                        pdl=cfg.get("pdl", True))
-        return tilelang.compile(func, out_idx=None, target="cuda")
     build = build_mla_decode_keys_as_rows if cfg.pop("layout") == "keys_as_rows" else build_mla_decode
     return tilelang.compile(build(num_heads, rank, rope, block_size, dtype, num_splits, **cfg), out_idx=None,
                             target="cuda")
@@ -760,7 +547,7 @@ def default_config(num_heads: int, block_size: int = 16, layout: str | None = No
         layout = "keys_as_rows" if keys_as_rows_applies(num_heads, block_size) else "heads_as_rows"
     if layout == "keys_as_rows":
         return dict(layout="keys_as_rows", block_n=64, threads=128, num_stages=2, min_split_tokens=_MIN_SPLIT_TOKENS,
-                    merge=None, schedule="static")
+                    merge=None)
     if layout != "heads_as_rows":
         raise ValueError(f"the TileLang MLA layout is 'keys_as_rows' or 'heads_as_rows', not {layout!r}")
     return dict(layout="heads_as_rows", block_h=min(64, max(16, 1 << (num_heads - 1).bit_length())), block_n=64,
@@ -833,12 +620,7 @@ def mla_decode_tilelang(
         num_splits = 1  # the merge kernel tiles R as a power of two
     if keys_as_rows:  # a power of two up to 32 (build_mla_decode_keys_as_rows)
         num_splits = 1 << (min(num_splits, 32).bit_length() - 1)
-    claimed = keys_as_rows and cfg.get("schedule", "static") == "claimed"
-    if claimed and (num_splits < 2 or num_tokens > _MAX_COUNTED_TOKENS):
-        claimed, cfg["schedule"] = False, "static"  # one split has nothing to share; too many tokens to count
-    if claimed:
-        cfg["merge"] = "last_program"  # the claimed program's own merge
-    elif keys_as_rows:
+    if keys_as_rows:
         cfg["merge"] = cfg.get("merge") or merge_kind(num_tokens, num_splits)
         if cfg["merge"] == "last_program" and num_tokens > _MAX_COUNTED_TOKENS:
             cfg["merge"] = "launch"
@@ -859,8 +641,6 @@ def mla_decode_tilelang(
     if keys_as_rows:  # the arrival counters (read by the last_program merge; zeros at more tokens, never read)
         args.append(_arrival_counters(out.device)[:num_tokens] if num_tokens <= _MAX_COUNTED_TOKENS
                     else torch.zeros(num_tokens, dtype=torch.int32, device=out.device))
-    if claimed:
-        args.append(_arrival_counters(out.device, "claims")[:num_tokens])
     kernel(*args, float(scale * _LOG2E))
     if num_splits > 1 and not (keys_as_rows and in_program_merge(cfg["merge"], num_splits)):
         block_c = min(rank, 128)  # the merge's column slices, as the Triton backend launches it

@@ -270,33 +270,6 @@ def test_tilelang_keys_as_rows_matches_ref(monkeypatch):
     assert calls() > before, "RAYINFER_MLA_BACKEND=auto did not take the TileLang kernel for 70 tokens"
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_tilelang_claimed_tiles_match_ref():
-    """The keys-as-rows program with claimed tiles (build_mla_decode_claimed) against the reference at 2 to 32
-    splits, on a strided q_latent, and its claim and arrival counters left at zero."""
-    from rayinfer.kernels import mla_tilelang
-
-    assert mla_tilelang.tilelang_available(), "the GPU machine's environment must provide tilelang"
-    for i, (query_lens, seq_lens, heads, rank, rope, bs, dtype) in enumerate(ROWS_GPU_CASES):
-        nb = sum(-(-s // bs) for s in seq_lens) + 3
-        meta = make_batch(query_lens, seq_lens, bs, nb, seed=i, device="cuda")
-        gen = torch.Generator().manual_seed(i)
-        cache = torch.randn(nb, bs, rank + rope, generator=gen).to("cuda", dtype)
-        t = sum(query_lens)
-        ql = torch.randn(heads, t, rank, generator=gen).to("cuda", dtype).transpose(0, 1)
-        qp = torch.randn(t, heads, rope, generator=gen).to("cuda", dtype)
-        want = mla_decode_ref(ql, qp, cache, meta, rank**-0.5).float()
-        for splits in (2, 4, 8, 32):
-            for _ in range(2):  # twice: the second launch starts from the counters the first left
-                got = mla_tilelang.mla_decode_tilelang(ql, qp, cache, meta, rank**-0.5, num_splits=splits,
-                                                       config={"layout": "keys_as_rows", "schedule": "claimed"})
-                torch.testing.assert_close(got.float(), want, atol=TOL[dtype], rtol=TOL[dtype],
-                                           msg=lambda m: f"case {i}, splits {splits}: {m}")
-        for kind in ("arrivals", "claims"):
-            assert not mla_tilelang._arrival_counters(ql.device, kind).any(), f"a {kind} counter left set"
-
-
 def test_keys_as_rows_rules():
     """Which shapes the keys-as-rows tiles take, their split rule (powers of two that fill one wave) and the
     split merge each count takes."""
