@@ -7,9 +7,11 @@ last program, or a cluster of the token's programs), the whole call and the prog
 CUDA graph over enough layers to leave L2; (2) with --trace, runs a copy of the program with ``%globaltimer`` stamps
 written per program (start, after the PDL wait and query copy, after the key loop, after the stores: the copy is built
 from the builder's own source with the stamps inserted) and reports, per layer of one graph replay, the spread of
-the programs' starts and ends, the gap to the layer before, and the medians of each phase.
+the programs' starts and ends, the gap to the layer before, the medians of each phase, and each program's
+multiprocessor (``%smid``) with how well each multiprocessor's loop time in one half of the layers predicts the other
+half's (``by_sm``). ``--cases 32x4096x4,...`` limits the batch x context x splits cases.
 
-    PYTHONPATH=. python benchmarks/probe/mla_rows_timeline.py [--trace | --neighbors [--carveouts -1,86,100]] --out t.json
+    PYTHONPATH=. python benchmarks/probe/mla_rows_timeline.py [--trace] [--cases 32x4096x4] | --neighbors [--carveouts -1,86,100]] --out t.json
 """
 import argparse
 import importlib.util
