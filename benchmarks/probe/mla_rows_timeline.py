@@ -11,7 +11,7 @@ the programs' starts and ends, the gap to the layer before, the medians of each 
 multiprocessor (``%smid``) with how well each multiprocessor's loop time in one half of the layers predicts the other
 half's (``by_sm``). ``--cases 32x4096x4,...`` limits the batch x context x splits cases.
 
-    PYTHONPATH=. python benchmarks/probe/mla_rows_timeline.py [--trace] [--cases 32x4096x4] | --neighbors [--carveouts -1,86,100]] --out t.json
+    PYTHONPATH=. python benchmarks/probe/mla_rows_timeline.py [[--trace] [--cases 32x4096x4] | --neighbors [--carveouts -1,86,100]] --out t.json
 """
 import argparse
 import importlib.util
