@@ -90,12 +90,30 @@ def hydra_value(value: str) -> str:
     return f"'{text}'"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose error for an unknown flag names the closest known one (``difflib``), as an unknown
+    Hydra key's error does (:func:`did_you_mean`)."""
+
+    def error(self, message: str):  # argparse's hook: prints the usage and the message, exits 2
+        prefix = "unrecognized arguments: "
+        if message.startswith(prefix):
+            flags = [s for action in self._actions for s in action.option_strings if s.startswith("--")]
+            hints = [(name, close[0]) for token in message[len(prefix):].split()
+                     if (name := token.split("=", 1)[0]).startswith("--")
+                     and (close := difflib.get_close_matches(name, flags, n=1))]
+            if len(hints) == 1:
+                message += f" (did you mean {hints[0][1]}?)"
+            elif hints:
+                message += f" (did you mean {', '.join(f'{known} for {name}' for name, known in hints)}?)"
+        super().error(message)
+
+
 def build_parser(command: str) -> argparse.ArgumentParser:
     """The argparse parser of ``rayinfer <command>`` ("serve" or "generate")."""
     what = {"serve": "Start the OpenAI-compatible service (jobs/serve.py) and serve until Ctrl-C.",
             "generate": "Run the batch job (jobs/generate.py): JSONL in (OpenAI Batch or rayinfer lines), "
                         "one output line per input line."}[command]
-    p = argparse.ArgumentParser(prog=f"rayinfer {command}", description=what, allow_abbrev=False,
+    p = _Parser(prog=f"rayinfer {command}", description=what, allow_abbrev=False,
                                 epilog="Hydra overrides (key=value) after the flags still apply and win, e.g. "
                                        "engine.num_kv_blocks=512 parallel.pd.kv_transport=gloo.")
     p.add_argument("--model", help=f"a config of conf/model ({', '.join(config_options('model'))}), a model "

@@ -35,6 +35,22 @@ def test_abbreviated_flags_are_refused(capsys):
     assert "unrecognized arguments: --max-num-seq" in capsys.readouterr().err
 
 
+def test_a_mistyped_flag_names_the_closest_one(capsys):
+    """An unknown flag's error suggests the closest known flag (as an unknown Hydra key's does), and says
+    nothing more where no flag is close."""
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--temprature", "0.7"])
+    assert exc.value.code == 2
+    assert "unrecognized arguments: --temprature (did you mean --temperature?)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--max-num-seq=8", "--prot", "80"])
+    assert "(did you mean --max-num-seqs for --max-num-seq, --port for --prot?)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "--zzzzzz"])
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --zzzzzz" in err and "did you mean" not in err
+
+
 def test_generate_sampling_flags_set_the_line_defaults():
     from rayinfer.jobs import generate
 
