@@ -47,7 +47,8 @@ router (DeepSeek's grouped top-k, Qwen3's softmax top-k) and the alignment (with
 against their torch references, each replayed from a CUDA graph.
 
 Writes JSON (command, device, git revision, ceilings, one row per case) to ``--out``, by default
-``benchmarks/results/moe-<device>.json`` (``moe-qwen3-30b-a3b-<device>.json`` for Qwen3). :func:`run` is
+``benchmarks/results/moe-<device>.json`` (``moe-qwen3-30b-a3b-<device>.json`` for Qwen3), rewritten after each
+case with ``complete`` false until the run ends, so that a run cut short (a time limit) keeps its rows. :func:`run` is
 the entry point for other jobs; the cost models and jobs/bench.py's MoE scenarios live in
 jobs/moe_cost.py (:func:`register_bench_plugins`, re-exported here).
 """
@@ -68,6 +69,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -609,7 +611,7 @@ def run(tiny: bool = False, device: str | None = None, dtype: str = "bfloat16", 
         moe_tokens: list[int] | None = None, reps: int | None = None, command: str | None = None,
         git_rev: str | None = None, graphs: bool = True, model: str = "deepseek-v2-lite",
         quantization: str | None = None, ab: list[str] | None = None, ab_rounds: int = 3,
-        profile_prefill: bool = False) -> dict:
+        profile_prefill: bool = False, checkpoint: Callable[[dict], None] | None = None) -> dict:
     """Run every case and return the results (see the module docstring for what is measured).
 
     Args:
@@ -630,6 +632,9 @@ def run(tiny: bool = False, device: str | None = None, dtype: str = "bfloat16", 
             and prefills are timed in this process, interleaved over ``ab_rounds`` rounds (the ``ab`` rows).
         profile_prefill: also profile each prefill case's kernels (:func:`prefill_kernel_profile`, the
             ``prefill_profile`` rows).
+        checkpoint: called with the results so far (``complete`` False) after each case, so that a run cut
+            short (a device call's time limit) leaves what it measured; the returned results have ``complete``
+            True.
     Raises:
         ValueError: for a model not in :data:`MODELS` or an unknown A/B variant.
     """
@@ -649,14 +654,15 @@ def run(tiny: bool = False, device: str | None = None, dtype: str = "bfloat16", 
     contexts = [context] if isinstance(context, int) else context
     try:
         return _run(MODELS[model], tiny, dev, parse_dtype(dtype), batches, contexts, prefill, moe_tokens, reps,
-                    command, git_rev, graphs and dev.type == "cuda", quantization, ab, ab_rounds, profile_prefill)
+                    command, git_rev, graphs and dev.type == "cuda", quantization, ab, ab_rounds, profile_prefill,
+                    checkpoint)
     finally:
         torch.set_num_threads(threads)
 
 
 def _run(spec: MoEBenchModel, tiny, dev, dt, batches, contexts, prefill, moe_tokens, reps, command, git_rev,
          graphs, quantization=None, ab: list[str] | None = None, ab_rounds: int = 3,
-         profile_prefill: bool = False) -> dict:
+         profile_prefill: bool = False, checkpoint: Callable[[dict], None] | None = None) -> dict:
     cases = TINY if tiny else FULL
     batches, contexts = batches or cases["batches"], contexts or cases["contexts"]
     prefill, moe_tokens = prefill or cases["prefill"], moe_tokens or cases["moe_tokens"]
@@ -667,57 +673,8 @@ def _run(spec: MoEBenchModel, tiny, dev, dt, batches, contexts, prefill, moe_tok
     print(f"ceilings: {ceil['copy_GBps']:.0f} GB/s copy, {ceil['matmul_TFLOPs']:.3g} TFLOP/s matmul", flush=True)
     model = build_model(shape, dt, dev, spec.model_type, quantization)
     counts = param_counts(model)
-    decode = []
-    for context, batch in itertools.product(contexts, batches):
-        decode.append(bench_step(model, ceil, counts, batch=batch, query_len=1, context=context, reps=reps,
-                                 graphs=graphs))
-        _print("decode", decode[-1], f"B={batch} ctx={context}")
-        if "ms_graph" in decode[-1]:
-            r = decode[-1]
-            _print("decode", dict(r, ms=r["ms_graph"], pct_of_roofline=r["pct_of_roofline_graph"],
-                                  tokens_per_s=r["tokens_per_s_graph"]), f"B={batch} graph")
-            _print("decode", dict(r, ms=r["ms_graph_pipelined"], pct_of_roofline=r["pct_of_roofline_graph_pipelined"],
-                                  tokens_per_s=batch / r["ms_graph_pipelined"] * 1e3), f"B={batch} pipelined")
-    ab_out = ab_rows(model, ceil, counts, ab, batches, contexts[0], ab_rounds, reps, prefill) if ab else []
-    prefill_rows = []
-    for n in prefill:
-        prefill_rows.append(bench_step(model, ceil, counts, batch=1, query_len=n, context=0, reps=max(3, reps // 3)))
-        _print("prefill", prefill_rows[-1], f"T={n}")
-    profiles = [prefill_kernel_profile(model, n) for n in prefill] if profile_prefill else []
-    for prof in profiles:
-        print(f"prefill T={prof['num_tokens']} kernels: {prof['kernel_ms_per_step']:.2f} ms a step; top:", flush=True)
-        for k in prof["kernels"][:12]:
-            print(f"  {k['ms_per_step']:8.3f} ms {k['calls_per_step']:5d}x  {k['name'][:100]}", flush=True)
-    del model
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
-    config = _config(shape, spec.model_type)
-    moe = []
-    shared = expert_shape(config)[4]
-    # routed experts alone; with the shared experts fused (the model's layer at one rank); fp8 weights too
-    variants = [(0, False), (shared, False), (shared, True)] if shared else [(0, False), (0, True)]
-    for (num_shared, fp8), n in itertools.product(variants, moe_tokens):
-        moe.append(bench_fused_moe(ceil, config, n, dev, dt, reps, num_shared=num_shared, fp8=fp8))
-        r = moe[-1]
-        print(f"fused_moe {r['weights']:<17} S={num_shared} T={n:<5} ref {r['ref_ms']:9.3f} ms | {r['kernel']} "
-              f"{r['kernel_ms']:9.3f} ms | "
-              f"x{r['speedup_vs_ref']:.1f} | roofline {r['roofline_ms']:.3f} ms ({r['pct_of_roofline']:.0f}%) | "
-              f"err {r['max_abs_err_vs_ref']:.1e}"
-              + "".join(f" | {p} {r[p + '_ms']:.3f} ms ({r['pct_of_roofline_' + p]:.0f}%)"
-                        for p in FUSED_MOE_PATHS if p + "_ms" in r), flush=True)
-
-    def kernel_us(r: dict, key: str) -> str:  # the Triton kernels are timed on CUDA only
-        return f"{r[key] * 1e3:8.1f} us" if key in r else "  (none on this device)"
-
-    small_ops = []
-    for n in moe_tokens:
-        small_ops.append(bench_routing_align(config, n, dev, reps))
-        r = small_ops[-1]
-        print(f"routing+align T={n:<5} routing ref {r['routing_ref_ms'] * 1e3:8.1f} us"
-              f" kernel {kernel_us(r, 'routing_kernel_ms')} | align ref {r['align_ref_ms'] * 1e3:8.1f} us"
-              f" kernel {kernel_us(r, 'align_kernel_ms')} ({'CUDA graph' if dev.type == 'cuda' else 'eager'})",
-              flush=True)
-    return {
+    decode, prefill_rows, moe, small_ops, ab_out, profiles = [], [], [], [], [], []
+    result = {
         "command": command or "python " + " ".join(sys.argv),
         "device": device_name(dev),
         "git_rev": git_rev or git_revision(),
@@ -734,15 +691,76 @@ def _run(spec: MoEBenchModel, tiny, dev, dt, batches, contexts, prefill, moe_tok
                   "decode step replayed from the engine's CUDA graphs, synchronized after each step; "
                   "ms_graph_pipelined: the same steps enqueued back to back, the step time of the engine's "
                   "pipelined scheduling. roofline_ms: max(bytes / copy bandwidth, FLOPs / matmul rate); "
-                  "pct_of_roofline = roofline_ms / ms."),
+                  "pct_of_roofline = roofline_ms / ms. complete: False while the run is under way (a file "
+                  "left so was cut short)."),
         "decode": decode,
         "prefill": prefill_rows,
         "fused_moe": moe,
         "routing_align": small_ops,
         "ab": ab_out,
         "prefill_profile": profiles,
-        "seconds": time.time() - started,
+        "complete": False,
+        "seconds": 0.0,
     }
+
+    def saved() -> None:  # the rows so far, for a run that may be cut short
+        if checkpoint is not None:
+            result["seconds"] = time.time() - started
+            checkpoint(result)
+
+    for context, batch in itertools.product(contexts, batches):
+        decode.append(bench_step(model, ceil, counts, batch=batch, query_len=1, context=context, reps=reps,
+                                 graphs=graphs))
+        _print("decode", decode[-1], f"B={batch} ctx={context}")
+        saved()
+        if "ms_graph" in decode[-1]:
+            r = decode[-1]
+            _print("decode", dict(r, ms=r["ms_graph"], pct_of_roofline=r["pct_of_roofline_graph"],
+                                  tokens_per_s=r["tokens_per_s_graph"]), f"B={batch} graph")
+            _print("decode", dict(r, ms=r["ms_graph_pipelined"], pct_of_roofline=r["pct_of_roofline_graph_pipelined"],
+                                  tokens_per_s=batch / r["ms_graph_pipelined"] * 1e3), f"B={batch} pipelined")
+    ab_out += ab_rows(model, ceil, counts, ab, batches, contexts[0], ab_rounds, reps, prefill) if ab else []
+    saved()
+    for n in prefill:
+        prefill_rows.append(bench_step(model, ceil, counts, batch=1, query_len=n, context=0, reps=max(3, reps // 3)))
+        _print("prefill", prefill_rows[-1], f"T={n}")
+        saved()
+    profiles += [prefill_kernel_profile(model, n) for n in prefill] if profile_prefill else []
+    for prof in profiles:
+        print(f"prefill T={prof['num_tokens']} kernels: {prof['kernel_ms_per_step']:.2f} ms a step; top:", flush=True)
+        for k in prof["kernels"][:12]:
+            print(f"  {k['ms_per_step']:8.3f} ms {k['calls_per_step']:5d}x  {k['name'][:100]}", flush=True)
+    del model
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    config = _config(shape, spec.model_type)
+    shared = expert_shape(config)[4]
+    # routed experts alone; with the shared experts fused (the model's layer at one rank); fp8 weights too
+    variants = [(0, False), (shared, False), (shared, True)] if shared else [(0, False), (0, True)]
+    for (num_shared, fp8), n in itertools.product(variants, moe_tokens):
+        moe.append(bench_fused_moe(ceil, config, n, dev, dt, reps, num_shared=num_shared, fp8=fp8))
+        r = moe[-1]
+        print(f"fused_moe {r['weights']:<17} S={num_shared} T={n:<5} ref {r['ref_ms']:9.3f} ms | {r['kernel']} "
+              f"{r['kernel_ms']:9.3f} ms | "
+              f"x{r['speedup_vs_ref']:.1f} | roofline {r['roofline_ms']:.3f} ms ({r['pct_of_roofline']:.0f}%) | "
+              f"err {r['max_abs_err_vs_ref']:.1e}"
+              + "".join(f" | {p} {r[p + '_ms']:.3f} ms ({r['pct_of_roofline_' + p]:.0f}%)"
+                        for p in FUSED_MOE_PATHS if p + "_ms" in r), flush=True)
+        saved()
+
+    def kernel_us(r: dict, key: str) -> str:  # the Triton kernels are timed on CUDA only
+        return f"{r[key] * 1e3:8.1f} us" if key in r else "  (none on this device)"
+
+    for n in moe_tokens:
+        small_ops.append(bench_routing_align(config, n, dev, reps))
+        r = small_ops[-1]
+        print(f"routing+align T={n:<5} routing ref {r['routing_ref_ms'] * 1e3:8.1f} us"
+              f" kernel {kernel_us(r, 'routing_kernel_ms')} | align ref {r['align_ref_ms'] * 1e3:8.1f} us"
+              f" kernel {kernel_us(r, 'align_kernel_ms')} ({'CUDA graph' if dev.type == 'cuda' else 'eager'})",
+              flush=True)
+        saved()
+    result["complete"], result["seconds"] = True, time.time() - started
+    return result
 
 
 def _config(shape: dict, model_type: str = "deepseek_v3"):
@@ -796,18 +814,28 @@ def main(argv: list[str] | None = None) -> dict:
                         help="also profile each prefill case's kernels (torch.profiler; prefill_profile rows)")
     args = parser.parse_args(argv)
     argv_text = " ".join(sys.argv[1:] if argv is None else argv)
+    prefix = "" if args.model == "deepseek-v2-lite" else f"{args.model}-"  # the V2-Lite file names of before
+    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    out = Path(args.out or Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+               / f"moe-{prefix}{'tiny-' if args.tiny else ''}{_slug(device_name(dev))}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     result = run(args.tiny, args.device, args.dtype, args.batches, args.context, args.prefill, args.moe_tokens,
                  args.reps, command=" ".join([*env_settings(), "python jobs/bench_moe.py", argv_text]).strip(),
                  git_rev=args.git_rev,
                  graphs=not args.no_graphs, model=args.model, quantization=args.quantization, ab=args.ab,
-                 ab_rounds=args.ab_rounds, profile_prefill=args.profile_prefill)
-    prefix = "" if args.model == "deepseek-v2-lite" else f"{args.model}-"  # the V2-Lite file names of before
-    out = Path(args.out or Path(__file__).resolve().parents[1] / "benchmarks" / "results"
-               / f"moe-{prefix}{'tiny-' if args.tiny else ''}{_slug(result['device'])}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+                 ab_rounds=args.ab_rounds, profile_prefill=args.profile_prefill,
+                 checkpoint=functools.partial(_write_result, out))
+    _write_result(out, result)
     print(f"wrote {out}")
     return result
+
+
+def _write_result(path: Path, result: dict) -> None:
+    """Write ``result`` to ``path`` as JSON (after each case and at the end: a run cut short leaves its rows, with
+    ``complete`` False), through a temporary file so that a reader never sees half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(path)
 
 
 def _slug(device: str) -> str:

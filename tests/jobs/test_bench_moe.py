@@ -11,12 +11,28 @@ import torch
 from rayinfer.jobs.bench_moe import TINY, V2_LITE_V3_ARCH, main, param_counts
 
 
-def test_tiny_run_writes_results(tmp_path):
+def test_tiny_run_writes_results(tmp_path, monkeypatch):
+    """The tiny run's JSON, and the file it leaves after each case (``complete`` False until the end), so that a
+    run cut short keeps what it measured."""
+    from rayinfer.jobs import bench_moe
+
     out = tmp_path / "moe.json"
     threads = torch.get_num_threads()
+    written = []  # (complete, decode rows, fused-MoE rows) of each write, as read back from the file
+    write = bench_moe._write_result
+
+    def recording(path, result):
+        write(path, result)
+        data = json.loads(Path(path).read_text())
+        written.append((data["complete"], len(data["decode"]), len(data["fused_moe"])))
+
+    monkeypatch.setattr(bench_moe, "_write_result", recording)
     main(["--tiny", "--device", "cpu", "--reps", "1", "--out", str(out)])
     assert torch.get_num_threads() == threads
+    assert written[0] == (False, 1, 0) and written[-1][0] and not any(c for c, _, _ in written[:-1])
+    assert [d for _, d, _ in written] == sorted(d for _, d, _ in written) and len(written) > 3
     data = json.loads(out.read_text())
+    assert data["complete"] and not list(tmp_path.glob("*.tmp"))
     assert data["command"] == f"python jobs/bench_moe.py --tiny --device cpu --reps 1 --out {out}"
     assert data["device"].startswith("cpu") and "git_rev" in data and data["dtype"] == "torch.bfloat16"
     assert data["ceilings"]["copy_GBps"] > 0 and data["ceilings"]["matmul_TFLOPs"] > 0
