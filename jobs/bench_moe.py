@@ -819,7 +819,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out or Path(__file__).resolve().parents[1] / "benchmarks" / "results"
                / f"moe-{prefix}{'tiny-' if args.tiny else ''}{_slug(device_name(dev))}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    result = run(args.tiny, args.device, args.dtype, args.batches, args.context, args.prefill, args.moe_tokens,
+    result = run(args.tiny, str(dev), args.dtype, args.batches, args.context, args.prefill, args.moe_tokens,
                  args.reps, command=" ".join([*env_settings(), "python jobs/bench_moe.py", argv_text]).strip(),
                  git_rev=args.git_rev,
                  graphs=not args.no_graphs, model=args.model, quantization=args.quantization, ab=args.ab,

@@ -154,7 +154,7 @@ def by_sm(t: torch.Tensor, smid: torch.Tensor) -> dict:
     """Whether a program's key-loop time follows its multiprocessor: ``t`` [layers, programs, 4] stamps (us),
     ``smid`` [layers, programs]. Gives each multiprocessor's mean loop time over the layers' two halves and the
     correlation of the halves (near 1: the same multiprocessors are slow in every layer, so the spread is the
-    hardware's; near 0: it moves from launch to launch), and the loop times' spread within and across them."""
+    hardware's; near 0: it moves from launch to launch), the least and greatest of those means, and each one."""
     loop = t[..., 2] - t[..., 1]
     half = t.shape[0] // 2
     means = []
