@@ -456,11 +456,10 @@ def build_mla_decode_keys_as_rows(num_heads: int, rank: int, rope: int, block_si
                     # the merge in the accumulator's own layout: its own share from registers, the others' from L2
                     for i, j in T.Parallel(rank, heads):
                         acc[i, j] = acc[i, j] * (wgt[split, j] / T.max(l_sum[j], 1e-30))
-                    # the others' splits (split + 1 + t) % splits: the loads carry no branch, so they issue together
-                    for t in merge_loop(splits - 1):
+                    for s_ in merge_loop(splits):
                         for i, j in T.Parallel(rank, heads):
-                            acc[i, j] += wgt[(split + 1 + t) % splits, j] * T.call_extern(
-                                accum, "__ldcg", T.address_of(part_out[tok, j, (split + 1 + t) % splits, i]))
+                            acc[i, j] += T.if_then_else(s_ == split, 0, wgt[s_, j] * T.call_extern(
+                                accum, "__ldcg", T.address_of(part_out[tok, j, s_, i])))
                     for i, j in T.Parallel(rank, heads):
                         out[tok, j, i] = T.cast(acc[i, j], dtype)
                     for _ in T.Parallel(1):
