@@ -16,9 +16,9 @@ A second program, :func:`build_mla_decode_keys_as_rows`, swaps the products' ope
 warpgroup MMA's rows (16 or 32 heads as its columns) and streams each tile as one bulk (TMA) copy of one cache
 block's run; it is the default where it applies (cache blocks of a multiple of 64 tokens). It merges a token's
 splits itself (:func:`merge_kind`): at 2 splits the token's programs form a thread-block cluster and merge through
-each other's shared memory, at 3-4 the token's last program to arrive merges the others' partials (from L2) into
-its own, at more the Triton merge kernel runs after it. The head-tile program copies a tile per cache block, which
-TileLang 0.1.15 does not pipeline (its copies run synchronously).
+each other's shared memory, at 3-4 the token's last program to finish merges the partials from L2, at more the
+Triton merge kernel runs after it. The head-tile program copies a tile per cache block, which TileLang 0.1.15 does
+not pipeline (its copies run synchronously).
 
 TileLang is optional (not a dependency of the package): :func:`tilelang_available` says whether it is
 importable with a CUDA device; ``RAYINFER_MLA_BACKEND=tilelang`` makes :func:`mla_decode` take this kernel
@@ -234,12 +234,9 @@ def build_mla_decode_keys_as_rows(num_heads: int, rank: int, rope: int, block_si
         into program d's shared memory (``st.shared::cluster``), and after a cluster barrier each merges its
         slice of R for all heads into ``out``. The cluster's programs must fit the GPU at once: at one program
         per multiprocessor, clusters of 4 and 8 did not all fit one wave of an H100.
-        "last_program": each program first counts its arrival on the token's ``counters`` entry (an atomic
-        increment); all but the last to arrive then store their partials, fence, and count the store (in units of
-        2^16 on the same entry); the last keeps its own partial in registers, waits until the others have counted
-        their stores (it waits only on programs that have arrived, so are running), merges their partials (read
-        from L2) into its own, writes ``out`` and resets the counter to 0 (CUDA programming guide's "threadfence
-        reduction", with the arrival moved before the stores so that the last program stores nothing).
+        "last_program": every program writes its partials; the token's last program to arrive on its
+        ``counters`` entry (a fenced atomic increment: the "threadfence reduction" of CUDA's programming guide)
+        reads them back from L2, writes ``out`` and resets the counter to 0.
         "launch": the program writes partials only; the caller launches a merge kernel.
 
     Same arguments, splits and outputs as :func:`build_mla_decode`, plus ``counters`` [T] int32 (zeros, left
@@ -417,53 +414,6 @@ def build_mla_decode_keys_as_rows(num_heads: int, rank: int, rope: int, block_si
                         merged[i, j] += wgt[s_, j] * recv[s_ * slice_rows + i, j]
                 for i, j in T.Parallel(slice_rows, heads):
                     out[tok, j, split * slice_rows + i] = T.cast(merged[i, j], dtype)
-            elif last_program:
-                # arrive first (low 16 bits of the token's counter): the last program to arrive keeps its own
-                # partial in registers; the others store theirs, fence, and count a store (high bits). The last
-                # waits only on programs that have arrived, so are running: no program waits on one not started
-                arrived = T.alloc_shared((1,), "int32")
-                lse_sh = T.alloc_shared((splits, heads), accum)
-                lse_f = T.alloc_fragment((splits, heads), accum)
-                lse_max = T.alloc_fragment((heads,), accum)
-                lse_den = T.alloc_fragment((heads,), accum)
-                wgt = T.alloc_shared((splits, heads), accum)
-                for _ in T.Parallel(1):
-                    arrived[0] = T.call_extern("int32", "atomicAdd", T.address_of(counters[tok]), 1)
-                T.sync_threads()
-                if arrived[0] % _STORED != splits - 1:
-                    for j in T.Parallel(heads):
-                        part_lse[tok, j, split] = T.if_then_else(
-                            l_sum[j] > 0, m_cur[j] + T.log2(T.max(l_sum[j], 1e-30)), -T.infinity(accum))
-                    for i, j in T.Parallel(rank, heads):
-                        part_out[tok, j, split, i] = acc[i, j] / T.max(l_sum[j], 1e-30)
-                    T.call_extern("handle", "__threadfence")
-                    T.sync_threads()
-                    for _ in T.Parallel(1):
-                        T.call_extern("int32", "atomicAdd", T.address_of(counters[tok]), _STORED)
-                else:
-                    for _ in T.Parallel(1):
-                        T.call_extern("handle", "rl_wait_stored", T.address_of(counters[tok]), splits - 1)
-                    T.sync_threads()
-                    T.call_extern("handle", "__threadfence")
-                    for s_, j in T.Parallel(splits, heads):
-                        if s_ != split:
-                            lse_sh[s_, j] = T.call_extern(accum, "__ldcg", T.address_of(part_lse[tok, j, s_]))
-                    for j in T.Parallel(heads):
-                        lse_sh[split, j] = T.if_then_else(
-                            l_sum[j] > 0, m_cur[j] + T.log2(T.max(l_sum[j], 1e-30)), -T.infinity(accum))
-                    T.copy(lse_sh, lse_f)
-                    split_weights(lse_f, lse_max, lse_den, wgt)
-                    # the merge in the accumulator's own layout: its own share from registers, the others' from L2
-                    for i, j in T.Parallel(rank, heads):
-                        acc[i, j] = acc[i, j] * (wgt[split, j] / T.max(l_sum[j], 1e-30))
-                    for s_ in merge_loop(splits):
-                        for i, j in T.Parallel(rank, heads):
-                            acc[i, j] += T.if_then_else(s_ == split, 0, wgt[s_, j] * T.call_extern(
-                                accum, "__ldcg", T.address_of(part_out[tok, j, s_, i])))
-                    for i, j in T.Parallel(rank, heads):
-                        out[tok, j, i] = T.cast(acc[i, j], dtype)
-                    for _ in T.Parallel(1):
-                        counters[tok] = 0
             elif splits > 1:
                 for j in T.Parallel(heads):
                     part_lse[tok, j, split] = T.if_then_else(
@@ -472,6 +422,35 @@ def build_mla_decode_keys_as_rows(num_heads: int, rank: int, rope: int, block_si
                 # under the program-uniform `kv_lo < kv_hi` fails TileLang's thread-sync lowering at 16 splits
                 for i, j in T.Parallel(rank, heads):
                     part_out[tok, j, split, i] = acc[i, j] / T.max(l_sum[j], 1e-30)
+                if last_program:
+                    # the token's last program to finish merges every split's partials (from L2) and resets
+                    # the token's counter: "threadfence reduction" (CUDA's programming guide)
+                    arrived = T.alloc_shared((1,), "int32")
+                    lse_f = T.alloc_fragment((splits, heads), accum)
+                    lse_max = T.alloc_fragment((heads,), accum)
+                    lse_den = T.alloc_fragment((heads,), accum)
+                    wgt = T.alloc_shared((splits, heads), accum)
+                    merged = T.alloc_fragment((heads, _MERGE_ROWS), accum)  # threads along R: coalesced
+                    T.call_extern("handle", "__threadfence")
+                    T.sync_threads()
+                    for _ in T.Parallel(1):
+                        arrived[0] = T.call_extern("int32", "rl_arrive", T.address_of(counters[tok]))
+                    T.sync_threads()
+                    if arrived[0] == splits - 1:
+                        T.call_extern("handle", "__threadfence")
+                        for s_, j in T.Parallel(splits, heads):
+                            lse_f[s_, j] = T.call_extern(accum, "__ldcg", T.address_of(part_lse[tok, j, s_]))
+                        split_weights(lse_f, lse_max, lse_den, wgt)
+                        for c in T.serial(rank // _MERGE_ROWS):
+                            T.clear(merged)
+                            for s_ in merge_loop(splits):
+                                for j, i in T.Parallel(heads, _MERGE_ROWS):
+                                    merged[j, i] += wgt[s_, j] * T.call_extern(
+                                        accum, "__ldcg", T.address_of(part_out[tok, j, s_, c * _MERGE_ROWS + i]))
+                            for j, i in T.Parallel(heads, _MERGE_ROWS):
+                                out[tok, j, c * _MERGE_ROWS + i] = T.cast(merged[j, i], dtype)
+                        for _ in T.Parallel(1):
+                            counters[tok] = 0
             else:
                 for i, j in T.Parallel(rank, heads):
                     out[tok, j, i] = T.cast(acc[i, j] / l_sum[j], dtype)
@@ -480,24 +459,21 @@ def build_mla_decode_keys_as_rows(num_heads: int, rank: int, rope: int, block_si
 
 
 # The split merges of build_mla_decode_keys_as_rows: "cluster" (2 to MAX_CLUSTER_SPLITS splits: a token's programs
-# form a cluster and merge through each other's shared memory), "last_program" (the token's last program to arrive
-# merges the others' partials from L2 with its own), "launch" (a merge kernel after the program)
+# form a cluster and merge through each other's shared memory), "last_program" (the token's last program to finish
+# merges the partials from L2), "launch" (a merge kernel after the program)
 MERGES = ("cluster", "last_program", "launch")
-# the last_program merge's counter: arrivals in the low 16 bits, stored partials counted in units of _STORED
-_STORED = 1 << 16
+_MERGE_ROWS = 256  # rows of R a last_program merge step sums
 # rl_store_remote: st.shared::cluster of one float32 into the program of cluster rank `rank` at the address its
-# own `addr` has; rl_wait_stored: spin (acquire loads) until `stored` programs have counted their partials' stores
+# own `addr` has; rl_arrive: one arrival on a token's counter after the program's partial stores (fenced)
 _MERGE_HELPERS = """
+__device__ __forceinline__ int rl_arrive(int* counter) {
+  __threadfence();
+  return atomicAdd(counter, 1);
+}
 __device__ __forceinline__ void rl_store_remote(float* addr, float value, int rank) {
   unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(addr)), remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
   asm volatile("st.shared::cluster.f32 [%0], %1;" :: "r"(remote), "f"(value) : "memory");
-}
-__device__ __forceinline__ void rl_wait_stored(int* counter, int stored) {
-  int v;
-  do {
-    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(counter) : "memory");
-  } while ((v >> 16) < stored);
 }
 """
 # splits merged inside a cluster of their programs (build_mla_decode_keys_as_rows' "cluster" merge) up to this count
