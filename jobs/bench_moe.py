@@ -42,13 +42,15 @@ graph (``kernel_ms``; ``kernel_eager_ms`` eager) for M = 1 ... 4096 tokens again
 roofline (the experts it reads, or its FLOPs) and its torch reference, with the Triton kernel's and (bf16 on
 Hopper) torch's grouped-GEMM path's times beside it (``triton_ms``, ``grouped_mm_ms``; ``kernel_ms`` is
 whichever ``fused_moe`` takes at that M; fp8 rows: ``kernel_ms`` is W8A8 on GPUs with fp8 tensor cores,
-``w8a16_ms`` the 16-bit-activation scheme); the routing_align rows time the
+``w8a16_ms`` the 16-bit-activation scheme; ``--moe-paths`` names the other paths to time, e.g. ``none`` for the
+kernel alone); the routing_align rows time the
 router (DeepSeek's grouped top-k, Qwen3's softmax top-k) and the alignment (with load counting) kernels
 against their torch references, each replayed from a CUDA graph.
 
 Writes JSON (command, device, git revision, ceilings, one row per case) to ``--out``, by default
 ``benchmarks/results/moe-<device>.json`` (``moe-qwen3-30b-a3b-<device>.json`` for Qwen3), rewritten after each
-case with ``complete`` false until the run ends, so that a run cut short (a time limit) keeps its rows. :func:`run` is
+case with ``complete`` false until the run ends, so that a run cut short (a time limit) keeps its rows; a run stopped
+by SIGTERM (``timeout``'s signal) prints every thread's stack first, to show where it was. :func:`run` is
 the entry point for other jobs; the cost models and jobs/bench.py's MoE scenarios live in
 jobs/moe_cost.py (:func:`register_bench_plugins`, re-exported here).
 """
@@ -58,12 +60,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import faulthandler
 import functools
 import importlib
 import itertools
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -497,12 +501,13 @@ FUSED_MOE_PATHS = ("triton", "grouped_mm", "grouped_tilelang", "w8a16")
 
 
 def bench_fused_moe(ceil: dict, cfg, num_tokens: int, device: torch.device, dtype: torch.dtype, reps: int,
-                    num_shared: int = 0, fp8: bool = False) -> dict:
+                    num_shared: int = 0, fp8: bool = False, paths: tuple[str, ...] = FUSED_MOE_PATHS) -> dict:
     """fused_moe (Triton on CUDA, else its torch fallback) against fused_moe_ref at the model's expert shape.
 
     num_shared: S shared experts fused as extra experts every token takes (the model's layout at one rank);
     fp8: block-quantized fp8 expert weights (bf16 activations), against the reference on the dequantized
-    weights; bytes count one per weight (plus the scales)."""
+    weights; bytes count one per weight (plus the scales); paths: the other paths (of :data:`FUSED_MOE_PATHS`)
+    timed beside the one fused_moe takes (a path that is the one it takes is reported whether named or not)."""
     from rayinfer.kernels._triton_utils import use_triton
     from rayinfer.kernels.block_fp8 import block_fp8_dequant_ref, quantize_block_fp8
     from rayinfer.kernels.fused_moe import (GROUPED_TILELANG, dequant_w13, fused_moe, fused_moe_grouped_mm,
@@ -535,25 +540,32 @@ def bench_fused_moe(ceil: dict, cfg, num_tokens: int, device: torch.device, dtyp
         err = float((got - want).abs().max())
         # both large-batch paths: kernel_ms is the one fused_moe takes at this size (GROUPED_MM_FROM), the
         # other is timed here
-        paths = {}
+        timed = {}
         grouped = grouped_mm_applies(x, w13, fp8)
         if use_triton(x, w13, w2, ids, weights):
-            paths["triton_ms"] = kernel_ms if not grouped else graph_ms(
-                lambda: fused_moe_triton(x, w13, w2, ids, weights, **scales), device, reps)
-            if fp8:  # the other scheme: 16-bit activations (W8A16; kernel_ms is W8A8 where fp8 tensor cores exist)
-                w8a16 = functools.partial(fused_moe_triton, x, w13, w2, ids, weights, act_fp8=False, **scales)
-                paths["w8a16_ms"] = graph_ms(w8a16, device, reps)
-                paths["w8a16_err_vs_ref"] = float((w8a16().float() - want).abs().max())
+            if not grouped:
+                timed["triton_ms"] = kernel_ms
+            elif "triton" in paths:
+                timed["triton_ms"] = graph_ms(lambda: fused_moe_triton(x, w13, w2, ids, weights, **scales), device,
+                                              reps)
+            if fp8:
                 want8 = fused_moe_w8a8_ref(x, w13, w2, scales["w13_scale"], scales["w2_scale"], ids, weights)
-                paths["w8a8_err_vs_w8a8_ref"] = float((got - want8.float()).abs().max())
+                timed["w8a8_err_vs_w8a8_ref"] = float((got - want8.float()).abs().max())
+            if fp8 and "w8a16" in paths:  # the other scheme: 16-bit activations (W8A16; kernel_ms is W8A8 where fp8 tensor cores exist)
+                w8a16 = functools.partial(fused_moe_triton, x, w13, w2, ids, weights, act_fp8=False, **scales)
+                timed["w8a16_ms"] = graph_ms(w8a16, device, reps)
+                timed["w8a16_err_vs_ref"] = float((w8a16().float() - want).abs().max())
         if grouped_mm_applies(x, w13, fp8, force=True):  # whether it runs here at all
             torch_path = functools.partial(fused_moe_grouped_mm, x, w13, w2, ids, weights, gemms="torch")
-            paths["grouped_mm_ms"] = kernel_ms if grouped and not GROUPED_TILELANG else graph_ms(torch_path, device, reps)
-            paths["grouped_mm_err_vs_ref"] = float((torch_path().float() - want).abs().max())
-            if tilelang_gemms_apply(x, w13, w2):  # the same path with its GEMMs on TileLang
+            taken = grouped and not GROUPED_TILELANG
+            if taken or "grouped_mm" in paths:
+                timed["grouped_mm_ms"] = kernel_ms if taken else graph_ms(torch_path, device, reps)
+                timed["grouped_mm_err_vs_ref"] = float((torch_path().float() - want).abs().max())
+            taken_tl = grouped and GROUPED_TILELANG
+            if (taken_tl or "grouped_tilelang" in paths) and tilelang_gemms_apply(x, w13, w2):  # GEMMs on TileLang
                 tl_path = functools.partial(fused_moe_grouped_mm, x, w13, w2, ids, weights, gemms="tilelang")
-                paths["grouped_tilelang_ms"] = graph_ms(tl_path, device, reps)
-                paths["grouped_tilelang_err_vs_ref"] = float((tl_path().float() - want).abs().max())
+                timed["grouped_tilelang_ms"] = kernel_ms if taken_tl else graph_ms(tl_path, device, reps)
+                timed["grouped_tilelang_err_vs_ref"] = float((tl_path().float() - want).abs().max())
     touched = int(ids.unique().numel())
     weight_bytes = 1 if fp8 else dtype.itemsize
     scale_bytes = 4 * (scales["w13_scale"][0].numel() + scales["w2_scale"][0].numel()) if fp8 else 0
@@ -565,7 +577,7 @@ def bench_fused_moe(ceil: dict, cfg, num_tokens: int, device: torch.device, dtyp
            "hidden": hidden_size, "inter": inter,
            "kernel": "triton" if use_triton(x, w13, w2, ids, weights) else "torch fallback",
            "ref_ms": ref_ms, "kernel_ms": kernel_ms, "kernel_eager_ms": eager_ms, "speedup_vs_ref": ref_ms / kernel_ms,
-           "max_abs_err_vs_ref": err, "experts_read": touched, **paths, **_roofline(ceil, num_bytes, flops)}
+           "max_abs_err_vs_ref": err, "experts_read": touched, **timed, **_roofline(ceil, num_bytes, flops)}
     row["pct_of_roofline"] = 100 * row["roofline_ms"] / kernel_ms
     for path in FUSED_MOE_PATHS:
         if f"{path}_ms" in row:
@@ -611,7 +623,8 @@ def run(tiny: bool = False, device: str | None = None, dtype: str = "bfloat16", 
         moe_tokens: list[int] | None = None, reps: int | None = None, command: str | None = None,
         git_rev: str | None = None, graphs: bool = True, model: str = "deepseek-v2-lite",
         quantization: str | None = None, ab: list[str] | None = None, ab_rounds: int = 3,
-        profile_prefill: bool = False, checkpoint: Callable[[dict], None] | None = None) -> dict:
+        profile_prefill: bool = False, checkpoint: Callable[[dict], None] | None = None,
+        moe_paths: list[str] | None = None) -> dict:
     """Run every case and return the results (see the module docstring for what is measured).
 
     Args:
@@ -635,6 +648,8 @@ def run(tiny: bool = False, device: str | None = None, dtype: str = "bfloat16", 
         checkpoint: called with the results so far (``complete`` False) after each case, so that a run cut
             short (a device call's time limit) leaves what it measured; the returned results have ``complete``
             True.
+        moe_paths: the fused MoE rows' other paths timed beside the kernel ``fused_moe`` takes (names from
+            :data:`FUSED_MOE_PATHS`; None: all of them, [] none).
     Raises:
         ValueError: for a model not in :data:`MODELS` or an unknown A/B variant.
     """
@@ -645,6 +660,9 @@ def run(tiny: bool = False, device: str | None = None, dtype: str = "bfloat16", 
     unknown = sorted(set(ab or []) - set(AB_VARIANTS))
     if unknown:
         raise ValueError(f"unknown A/B variant(s) {unknown}; choose from {sorted(AB_VARIANTS)}")
+    unknown = sorted(set(moe_paths or []) - set(FUSED_MOE_PATHS))
+    if unknown:
+        raise ValueError(f"unknown fused MoE path(s) {unknown}; choose from {list(FUSED_MOE_PATHS)}")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     threads = torch.get_num_threads()
     if tiny and dev.type == "cpu":
@@ -655,14 +673,15 @@ def run(tiny: bool = False, device: str | None = None, dtype: str = "bfloat16", 
     try:
         return _run(MODELS[model], tiny, dev, parse_dtype(dtype), batches, contexts, prefill, moe_tokens, reps,
                     command, git_rev, graphs and dev.type == "cuda", quantization, ab, ab_rounds, profile_prefill,
-                    checkpoint)
+                    checkpoint, FUSED_MOE_PATHS if moe_paths is None else tuple(moe_paths))
     finally:
         torch.set_num_threads(threads)
 
 
 def _run(spec: MoEBenchModel, tiny, dev, dt, batches, contexts, prefill, moe_tokens, reps, command, git_rev,
          graphs, quantization=None, ab: list[str] | None = None, ab_rounds: int = 3,
-         profile_prefill: bool = False, checkpoint: Callable[[dict], None] | None = None) -> dict:
+         profile_prefill: bool = False, checkpoint: Callable[[dict], None] | None = None,
+         moe_paths: tuple[str, ...] = FUSED_MOE_PATHS) -> dict:
     cases = TINY if tiny else FULL
     batches, contexts = batches or cases["batches"], contexts or cases["contexts"]
     prefill, moe_tokens = prefill or cases["prefill"], moe_tokens or cases["moe_tokens"]
@@ -738,7 +757,7 @@ def _run(spec: MoEBenchModel, tiny, dev, dt, batches, contexts, prefill, moe_tok
     # routed experts alone; with the shared experts fused (the model's layer at one rank); fp8 weights too
     variants = [(0, False), (shared, False), (shared, True)] if shared else [(0, False), (0, True)]
     for (num_shared, fp8), n in itertools.product(variants, moe_tokens):
-        moe.append(bench_fused_moe(ceil, config, n, dev, dt, reps, num_shared=num_shared, fp8=fp8))
+        moe.append(bench_fused_moe(ceil, config, n, dev, dt, reps, num_shared=num_shared, fp8=fp8, paths=moe_paths))
         r = moe[-1]
         print(f"fused_moe {r['weights']:<17} S={num_shared} T={n:<5} ref {r['ref_ms']:9.3f} ms | {r['kernel']} "
               f"{r['kernel_ms']:9.3f} ms | "
@@ -787,6 +806,16 @@ def _variants(text: str) -> list[str]:
     return names
 
 
+def _paths(text: str) -> list[str]:
+    """``--moe-paths``' comma-separated names ("none": no other path); an unknown one is a usage error."""
+    names = [] if text.strip() == "none" else [v for v in text.split(",") if v]
+    unknown = [v for v in names if v not in FUSED_MOE_PATHS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown fused MoE path(s) {', '.join(unknown)}; known: "
+                                         f"{', '.join(FUSED_MOE_PATHS)}, or none")
+    return names
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="deepseek-v2-lite", choices=sorted(MODELS),
@@ -810,6 +839,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help=f"A/B variants of the decode step timed in this process, e.g. default,no-pdl "
                         f"(from {', '.join(AB_VARIANTS)}; every --batches at the first --context, and every --prefill)")
     parser.add_argument("--ab-rounds", type=int, default=3, help="interleaved rounds of the --ab variants")
+    parser.add_argument("--moe-paths", default=None, type=_paths,
+                        help=f"the fused MoE rows' other paths timed beside the kernel fused_moe takes, e.g. "
+                        f"grouped_mm ({', '.join(FUSED_MOE_PATHS)}; default all; 'none' for none)")
     parser.add_argument("--profile-prefill", action="store_true",
                         help="also profile each prefill case's kernels (torch.profiler; prefill_profile rows)")
     args = parser.parse_args(argv)
@@ -824,7 +856,7 @@ def main(argv: list[str] | None = None) -> dict:
                  git_rev=args.git_rev,
                  graphs=not args.no_graphs, model=args.model, quantization=args.quantization, ab=args.ab,
                  ab_rounds=args.ab_rounds, profile_prefill=args.profile_prefill,
-                 checkpoint=functools.partial(_write_result, out))
+                 checkpoint=functools.partial(_write_result, out), moe_paths=args.moe_paths)
     _write_result(out, result)
     print(f"wrote {out}")
     return result
@@ -845,4 +877,6 @@ def _slug(device: str) -> str:
 
 
 if __name__ == "__main__":
+    # a run stopped by a time limit (timeout's SIGTERM) first prints every thread's stack: where it was
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     main()

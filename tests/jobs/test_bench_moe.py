@@ -247,3 +247,68 @@ def test_unknown_ab_variant_is_a_usage_error(capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "unknown A/B variant(s) merge-apartt" in err and "merge-apart" in err
+
+
+def test_unknown_moe_path_is_a_usage_error(capsys):
+    """A misspelt --moe-paths name stops at argument parsing, naming it; run() refuses one too."""
+    from rayinfer.jobs.bench_moe import _paths, run
+
+    assert _paths("none") == [] and _paths("grouped_mm,w8a16") == ["grouped_mm", "w8a16"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--tiny", "--device", "cpu", "--moe-paths", "grouped_mm,tritn"])
+    assert exit_info.value.code == 2 and "unknown fused MoE path(s) tritn" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="grouped_tl"):
+        run(tiny=True, device="cpu", moe_paths=["grouped_tl"])
+
+
+def test_fused_moe_rows_time_only_the_paths_asked(monkeypatch):
+    """bench_fused_moe times another path only when ``paths`` names it (the grouped-GEMM path made to apply on
+    the CPU by a stand-in that computes the reference)."""
+    from rayinfer.jobs import bench_moe
+    from rayinfer.kernels import fused_moe as fm
+
+    calls = []
+
+    def grouped(x, w13, w2, ids, weights, *args, gemms=None, **kwargs):
+        calls.append(gemms)
+        return fm.fused_moe_ref(x, w13, w2, ids, weights)
+
+    monkeypatch.setattr(fm, "grouped_mm_applies", lambda x, w13, fp8=False, force=False: force)
+    monkeypatch.setattr(fm, "fused_moe_grouped_mm", grouped)
+    monkeypatch.setattr(fm, "tilelang_gemms_apply", lambda *a: True)
+    spec = bench_moe.MODELS["deepseek-v2-lite"]
+    config = bench_moe._config(spec.tiny, spec.model_type)
+    ceil = {"copy_GBps": 10.0, "matmul_TFLOPs": 0.1}
+    cpu = torch.device("cpu")
+    none = bench_moe.bench_fused_moe(ceil, config, 2, cpu, torch.float32, 1, paths=())
+    assert calls == [] and not any(k.startswith("grouped") for k in none)
+    some = bench_moe.bench_fused_moe(ceil, config, 2, cpu, torch.float32, 1, paths=("grouped_mm",))
+    assert set(calls) == {"torch"} and some["grouped_mm_ms"] > 0 and some["grouped_mm_err_vs_ref"] < 1e-4
+    assert "grouped_tilelang_ms" not in some and some["pct_of_roofline_grouped_mm"] > 0
+    calls.clear()
+    every = bench_moe.bench_fused_moe(ceil, config, 2, cpu, torch.float32, 1)
+    assert set(calls) == {"torch", "tilelang"} and "grouped_tilelang_ms" in every
+
+
+def test_a_run_stopped_by_sigterm_prints_where_it_was(tmp_path):
+    """A run that a time limit stops (``timeout``'s SIGTERM) first prints every thread's Python stack, so that a
+    device call cut short shows which case it was in."""
+    import signal
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    argv = ["--tiny", "--device", "cpu", "--reps", "400", "--out", str(tmp_path / "moe.json")]
+    proc = subprocess.Popen([sys.executable, str(root / "jobs" / "bench_moe.py"), *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=root)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # wait until the cases run
+            if line.startswith("ceilings:"):
+                break
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGTERM
+    assert "Current thread" in err and "bench_moe.py" in err, err[-2000:]
