@@ -225,8 +225,11 @@ def build_mla_decode_keys_as_rows(num_heads: int, rank: int, rope: int, block_si
     ``pdl``: the program waits on the kernel before it (programmatic dependent launch) before its loads, then
     lets the next kernel launch (whose own wait orders it after this one, as the Triton kernels' ``pdl_wait``);
     TileLang places the wait at the program's start, so the launch and the barriers' set-up overlap that
-    kernel's tail (about 1 us a launch on an H100). The token's request comes from two loads in a decode
-    step (one token a request), else from a binary search over ``query_start_loc``.
+    kernel's tail (about 1 us a launch on an H100). No cache row may be read before that wait, not even one
+    before the token's own new rows: the KV manager registers a block in the prefix cache when it allocates it,
+    so another request of the same step can attend over rows that this step's forward pass is still writing.
+    The token's request comes from two loads in a decode step (one token a request), else from a binary search
+    over ``query_start_loc``.
 
     ``merge``, with more than one split (:data:`MERGES`):
         "cluster" (2 to :data:`MAX_CLUSTER_SPLITS` splits): the token's programs are one thread-block cluster
