@@ -538,8 +538,8 @@ def bench_fused_moe(ceil: dict, cfg, num_tokens: int, device: torch.device, dtyp
         want = fused_moe_ref(x, ref13, ref2, ids, weights).float()
         got = fused_moe(x, w13, w2, ids, weights, **scales).float()
         err = float((got - want).abs().max())
-        # both large-batch paths: kernel_ms is the one fused_moe takes at this size (GROUPED_MM_FROM), the
-        # other is timed here
+        # kernel_ms is the path fused_moe takes at this size (GROUPED_MM_FROM); the others `paths` names are
+        # timed here
         timed = {}
         grouped = grouped_mm_applies(x, w13, fp8)
         if use_triton(x, w13, w2, ids, weights):
@@ -551,7 +551,8 @@ def bench_fused_moe(ceil: dict, cfg, num_tokens: int, device: torch.device, dtyp
             if fp8:
                 want8 = fused_moe_w8a8_ref(x, w13, w2, scales["w13_scale"], scales["w2_scale"], ids, weights)
                 timed["w8a8_err_vs_w8a8_ref"] = float((got - want8.float()).abs().max())
-            if fp8 and "w8a16" in paths:  # the other scheme: 16-bit activations (W8A16; kernel_ms is W8A8 where fp8 tensor cores exist)
+            if fp8 and "w8a16" in paths:
+                # the other scheme: 16-bit activations (W8A16; kernel_ms is W8A8 where fp8 tensor cores exist)
                 w8a16 = functools.partial(fused_moe_triton, x, w13, w2, ids, weights, act_fp8=False, **scales)
                 timed["w8a16_ms"] = graph_ms(w8a16, device, reps)
                 timed["w8a16_err_vs_ref"] = float((w8a16().float() - want).abs().max())
@@ -651,7 +652,7 @@ def run(tiny: bool = False, device: str | None = None, dtype: str = "bfloat16", 
         moe_paths: the fused MoE rows' other paths timed beside the kernel ``fused_moe`` takes (names from
             :data:`FUSED_MOE_PATHS`; None: all of them, [] none).
     Raises:
-        ValueError: for a model not in :data:`MODELS` or an unknown A/B variant.
+        ValueError: for a model not in :data:`MODELS`, an unknown A/B variant or an unknown fused MoE path.
     """
     from rayinfer.model.loader import parse_dtype
 
