@@ -90,13 +90,15 @@ def test_tilelang_grouped_gemms_match_torch():
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_grouped_path_on_tilelang_matches_ref(monkeypatch):
     """fused_moe_grouped_mm(gemms="tilelang") against fused_moe_ref at V2-Lite's (with its 2 shared experts as
-    slots) and Qwen3-30B-A3B's expert shapes, skipped ids included, and through fused_moe with GROUPED_TILELANG."""
+    slots) and Qwen3-30B-A3B's expert shapes, skipped ids included, and through fused_moe with GROUPED_TILELANG;
+    also at 64 tokens (groups of a few rows each, as bench_moe's M = 64 row times this path)."""
     import rayinfer.kernels.fused_moe as fm
     from rayinfer.kernels.fused_moe import fused_moe_grouped_mm, fused_moe_ref, tilelang_gemms_apply
 
     b16, tol = torch.bfloat16, 3e-2  # the bf16 tolerance of test_fused_moe.py
     gen = torch.Generator(device="cuda").manual_seed(1)
-    for i, (t, e, h, inter, k) in enumerate([(2048, 66, 2048, 1408, 8), (1500, 128, 2048, 768, 8)]):
+    for i, (t, e, h, inter, k) in enumerate([(2048, 66, 2048, 1408, 8), (1500, 128, 2048, 768, 8),
+                                             (64, 66, 2048, 1408, 8)]):
         x = torch.randn(t, h, generator=gen, device="cuda").to(b16)
         w13 = (torch.randn(e, 2 * inter, h, generator=gen, device="cuda") * 0.02).to(b16)
         w2 = (torch.randn(e, h, inter, generator=gen, device="cuda") * 0.02).to(b16)
