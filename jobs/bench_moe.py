@@ -79,6 +79,7 @@ from pathlib import Path
 
 import torch
 
+from rayinfer.engine.llm_engine import resolve_device
 from rayinfer.jobs.benchlib import env_settings
 from rayinfer.jobs.moe_cost import MoECost, Qwen3MoECost, register_bench_plugins, write_shape  # noqa: F401
 from rayinfer.model.shapes import SHAPES
@@ -664,7 +665,7 @@ def run(tiny: bool = False, device: str | None = None, dtype: str = "bfloat16", 
     unknown = sorted(set(moe_paths or []) - set(FUSED_MOE_PATHS))
     if unknown:
         raise ValueError(f"unknown fused MoE path(s) {unknown}; choose from {list(FUSED_MOE_PATHS)}")
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = resolve_device(device or "auto")
     threads = torch.get_num_threads()
     if tiny and dev.type == "cpu":
         # A smoke run of tiny ops: one thread, since a shared CPU's busy cores stall every parallel
@@ -798,23 +799,25 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
-def _variants(text: str) -> list[str]:
-    """``--ab``'s comma-separated names; an unknown one is a usage error (before any benchmark runs)."""
-    names = [v for v in text.split(",") if v]
-    unknown = [v for v in names if v not in AB_VARIANTS]
+def _names(text: str, known, what: str, none: bool = False) -> list[str]:
+    """A flag's comma-separated names from ``known`` (with ``none``, "none" is the empty list); an unknown one is a
+    usage error naming it (before any benchmark runs)."""
+    names = [] if none and text.strip() == "none" else [v for v in text.split(",") if v]
+    unknown = [v for v in names if v not in known]
     if unknown:
-        raise argparse.ArgumentTypeError(f"unknown A/B variant(s) {', '.join(unknown)}; known: {', '.join(AB_VARIANTS)}")
+        raise argparse.ArgumentTypeError(f"unknown {what}(s) {', '.join(unknown)}; known: {', '.join(known)}"
+                                         + (", or none" if none else ""))
     return names
+
+
+def _variants(text: str) -> list[str]:
+    """``--ab``'s comma-separated names."""
+    return _names(text, AB_VARIANTS, "A/B variant")
 
 
 def _paths(text: str) -> list[str]:
-    """``--moe-paths``' comma-separated names ("none": no other path); an unknown one is a usage error."""
-    names = [] if text.strip() == "none" else [v for v in text.split(",") if v]
-    unknown = [v for v in names if v not in FUSED_MOE_PATHS]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown fused MoE path(s) {', '.join(unknown)}; known: "
-                                         f"{', '.join(FUSED_MOE_PATHS)}, or none")
-    return names
+    """``--moe-paths``' comma-separated names ("none": no other path)."""
+    return _names(text, FUSED_MOE_PATHS, "fused MoE path", none=True)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -848,7 +851,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     argv_text = " ".join(sys.argv[1:] if argv is None else argv)
     prefix = "" if args.model == "deepseek-v2-lite" else f"{args.model}-"  # the V2-Lite file names of before
-    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = resolve_device(args.device or "auto")
     out = Path(args.out or Path(__file__).resolve().parents[1] / "benchmarks" / "results"
                / f"moe-{prefix}{'tiny-' if args.tiny else ''}{_slug(device_name(dev))}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
