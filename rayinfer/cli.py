@@ -90,6 +90,14 @@ def hydra_value(value: str) -> str:
     return f"'{text}'"
 
 
+def _closest(name: str, flags: list[str]) -> list[str]:
+    """The known flag closest to ``name``: among those it begins (a shortened flag, which the parser refuses),
+    else by ``difflib``'s ratio; [] when none is close."""
+    starts = [f for f in flags if f.startswith(name)]
+    return difflib.get_close_matches(name, starts, n=1, cutoff=0) if starts else difflib.get_close_matches(
+        name, flags, n=1)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse's parser, whose error for an unknown flag names the closest known one (``difflib``), as an unknown
     Hydra key's error does (:func:`did_you_mean`)."""
@@ -99,8 +107,7 @@ class _Parser(argparse.ArgumentParser):
         if message.startswith(prefix):
             flags = [s for action in self._actions for s in action.option_strings if s.startswith("--")]
             hints = [(name, close[0]) for token in message[len(prefix):].split()
-                     if (name := token.split("=", 1)[0]).startswith("--")
-                     and (close := difflib.get_close_matches(name, flags, n=1))]
+                     if (name := token.split("=", 1)[0]).startswith("--") and (close := _closest(name, flags))]
             if len(hints) == 1:
                 message += f" (did you mean {hints[0][1]}?)"
             elif hints:

@@ -46,6 +46,9 @@ def test_a_mistyped_flag_names_the_closest_one(capsys):
         main(["serve", "--max-num-seq=8", "--prot", "80"])
     assert "(did you mean --max-num-seqs for --max-num-seq, --port for --prot?)" in capsys.readouterr().err
     with pytest.raises(SystemExit):
+        main(["generate", "--temp", "0.7"])  # a shortened flag: the flag it begins
+    assert "unrecognized arguments: --temp (did you mean --temperature?)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
         main(["generate", "--zzzzzz"])
     err = capsys.readouterr().err
     assert "unrecognized arguments: --zzzzzz" in err and "did you mean" not in err
