@@ -240,10 +240,21 @@ def build_mla_decode_keys_as_rows(num_heads: int, rank: int, rope: int, block_si
         "last_program": every program writes its partials; the token's last program to arrive on its
         ``counters`` entry (a fenced atomic increment: the "threadfence reduction" of CUDA's programming guide)
         reads them back from L2, writes ``out`` and resets the counter to 0.
+        "spread": every program writes its partials and arrives on the counter (adding 32 / S, so a launch adds
+        32 to each token's count: the count stays a multiple of 32 between launches, and each launch's arrivals
+        are counted from there), then waits until all S have arrived and merges its own slice
+        ``[d * R / S, (d + 1) * R / S)`` of R for all heads from L2: the merge's reads are shared by the S
+        programs instead of falling on the last one. A program that waits longer than
+        :data:`SPREAD_WAIT_NS` (its siblings not resident, e.g. more programs than one wave) gives its slice up
+        on the token's second counter word, and the last to arrive merges every slice given up before it
+        arrived (both sides fence between their atomic and their read, so no slice is left unmerged; a slice
+        given up after the last arrival is merged by its own program, and a late bit only makes a later launch
+        merge that slice twice).
         "launch": the program writes partials only; the caller launches a merge kernel.
 
-    Same arguments, splits and outputs as :func:`build_mla_decode`, plus ``counters`` [T] int32 (zeros, left
-    zeros; read by "last_program" only), except that ``num_splits`` is a power of two up to 32 (TileLang
+    Same arguments, splits and outputs as :func:`build_mla_decode`, plus ``counters`` [T, 2] int32 (the
+    arrivals, a multiple of 32 between launches, and the slices given up, zeros; read by "last_program" and
+    "spread" only), except that ``num_splits`` is a power of two up to 32 (TileLang
     0.1.15 cannot lower the partial outputs' stores at other counts); the registers hold the [R, H] float32
     accumulator only (64 a thread for R = 512, H = 16), so H is 16 or 32 (the probabilities tile, the second
     product's B operand, needs 32-byte rows).
@@ -279,7 +290,8 @@ def build_mla_decode_keys_as_rows(num_heads: int, rank: int, rope: int, block_si
         raise ValueError(f"the split merge is one of {MERGES}, got {merge!r}")
     in_program = in_program_merge(merge, splits)
     in_cluster, last_program = in_program == "cluster", in_program == "last_program"
-    slice_rows = rank // splits  # the rows of R each program of a cluster merges
+    spread = in_program == "spread"
+    slice_rows = rank // splits  # the rows of R each program of a cluster or a spread merge merges
     merge_loop = T.unroll if splits <= 8 else T.serial  # the last_program merge's loop over splits (registers)
 
     @T.macro
@@ -308,7 +320,7 @@ def build_mla_decode_keys_as_rows(num_heads: int, rank: int, rope: int, block_si
         part_out: T.Tensor((num_tokens, heads, splits, rank), accum),
         part_lse: T.Tensor((num_tokens, heads, splits), accum),
         out: T.Tensor((num_tokens, heads, rank), dtype),
-        counters: T.Tensor((num_tokens,), "int32"),  # zeros; the last_program merge leaves them so
+        counters: T.Tensor((num_tokens, 2), "int32"),  # arrivals (multiples of 32), slices given up (zeros)
         qk_scale: T.float32,
     ):
         with launch() as (tok, split):
@@ -437,9 +449,9 @@ def build_mla_decode_keys_as_rows(num_heads: int, rank: int, rope: int, block_si
                     T.call_extern("handle", "__threadfence")
                     T.sync_threads()
                     for _ in T.Parallel(1):
-                        arrived[0] = T.call_extern("int32", "rl_arrive", T.address_of(counters[tok]))
+                        arrived[0] = T.call_extern("int32", "rl_arrive", T.address_of(counters[tok, 0]))
                     T.sync_threads()
-                    if arrived[0] == splits - 1:
+                    if (arrived[0] & 31) == splits - 1:
                         T.call_extern("handle", "__threadfence")
                         for s_, j in T.Parallel(splits, heads):
                             lse_f[s_, j] = T.call_extern(accum, "__ldcg", T.address_of(part_lse[tok, j, s_]))
@@ -453,7 +465,35 @@ def build_mla_decode_keys_as_rows(num_heads: int, rank: int, rope: int, block_si
                             for j, i in T.Parallel(heads, _MERGE_ROWS):
                                 out[tok, j, c * _MERGE_ROWS + i] = T.cast(merged[j, i], dtype)
                         for _ in T.Parallel(1):
-                            counters[tok] = 0
+                            counters[tok, 0] = 0
+                if spread:
+                    # every program merges its slice of R once the token's programs have all arrived (or, for
+                    # the last to arrive, the slices given up too): todo[0] the bit mask of slices to merge
+                    todo = T.alloc_shared((1,), "int32")
+                    lse_f = T.alloc_fragment((splits, heads), accum)
+                    lse_max = T.alloc_fragment((heads,), accum)
+                    lse_den = T.alloc_fragment((heads,), accum)
+                    wgt = T.alloc_shared((splits, heads), accum)
+                    merged = T.alloc_fragment((heads, slice_rows), accum)  # threads along R: coalesced
+                    T.call_extern("handle", "__threadfence")
+                    T.sync_threads()
+                    for _ in T.Parallel(1):
+                        todo[0] = T.call_extern("int32", "rl_spread_arrive", T.address_of(counters[tok, 0]),
+                                                splits, split, SPREAD_WAIT_NS)
+                    T.sync_threads()
+                    if todo[0] != 0:
+                        for s_, j in T.Parallel(splits, heads):
+                            lse_f[s_, j] = T.call_extern(accum, "__ldcg", T.address_of(part_lse[tok, j, s_]))
+                        split_weights(lse_f, lse_max, lse_den, wgt)
+                        for d in T.serial(splits):
+                            if (todo[0] >> d) & 1 == 1:
+                                T.clear(merged)
+                                for s_ in merge_loop(splits):
+                                    for j, i in T.Parallel(heads, slice_rows):
+                                        merged[j, i] += wgt[s_, j] * T.call_extern(accum, "__ldcg", T.address_of(
+                                            part_out[tok, j, s_, d * slice_rows + i]))
+                                for j, i in T.Parallel(heads, slice_rows):
+                                    out[tok, j, d * slice_rows + i] = T.cast(merged[j, i], dtype)
             else:
                 for i, j in T.Parallel(rank, heads):
                     out[tok, j, i] = T.cast(acc[i, j] / l_sum[j], dtype)
@@ -463,8 +503,11 @@ def build_mla_decode_keys_as_rows(num_heads: int, rank: int, rope: int, block_si
 
 # The split merges of build_mla_decode_keys_as_rows: "cluster" (2 to MAX_CLUSTER_SPLITS splits: a token's programs
 # form a cluster and merge through each other's shared memory), "last_program" (the token's last program to finish
-# merges the partials from L2), "launch" (a merge kernel after the program)
-MERGES = ("cluster", "last_program", "launch")
+# merges the partials from L2), "spread" (each program merges a slice from L2 once all have arrived), "launch" (a
+# merge kernel after the program)
+MERGES = ("cluster", "last_program", "spread", "launch")
+# how long a spread merge's program waits for its siblings before giving its slice up to the last one (ns)
+SPREAD_WAIT_NS = 200_000
 _MERGE_ROWS = 256  # rows of R a last_program merge step sums
 # rl_store_remote: st.shared::cluster of one float32 into the program of cluster rank `rank` at the address its
 # own `addr` has; rl_arrive: one arrival on a token's counter after the program's partial stores (fenced)
@@ -472,6 +515,37 @@ _MERGE_HELPERS = """
 __device__ __forceinline__ int rl_arrive(int* counter) {
   __threadfence();
   return atomicAdd(counter, 1);
+}
+__device__ __forceinline__ long long rl_globaltimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return static_cast<long long>(t);
+}
+// the spread merge's arrival on a token's counters {arrivals, slices given up}: returns the bit mask of R's
+// slices this program merges (its own; the last to arrive adds those given up; 0 when it gave its own up)
+__device__ __forceinline__ int rl_spread_arrive(int* counters, int splits, int split, long long wait_ns) {
+  unsigned* arrivals = reinterpret_cast<unsigned*>(counters);
+  unsigned* given_up = arrivals + 1;
+  unsigned step = 32u / static_cast<unsigned>(splits);
+  __threadfence();
+  unsigned old = atomicAdd(arrivals, step);
+  unsigned base = old & ~31u;
+  unsigned own = 1u << split;
+  if (old - base == 32u - step) {  // the last to arrive: its slice and every slice given up so far
+    __threadfence();
+    return static_cast<int>(own | atomicExch(given_up, 0u));
+  }
+  long long start = rl_globaltimer();
+  while (*reinterpret_cast<volatile unsigned*>(arrivals) - base < 32u) {
+    if (rl_globaltimer() - start > wait_ns) {
+      atomicOr(given_up, own);
+      __threadfence();
+      if (*reinterpret_cast<volatile unsigned*>(arrivals) - base < 32u) return 0;  // the last merges it
+      break;  // all arrived meanwhile: the last may not have seen the bit; merge it here
+    }
+  }
+  __threadfence();
+  return static_cast<int>(own);
 }
 __device__ __forceinline__ void rl_store_remote(float* addr, float value, int rank) {
   unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(addr)), remote;
@@ -487,22 +561,24 @@ _COUNTERS: dict = {}
 
 
 def _arrival_counters(device: torch.device) -> torch.Tensor:
-    """The device's int32 arrival counters of the last_program merge, zeros between launches (each launch's last
-    programs reset theirs): allocated once, [_MAX_COUNTED_TOKENS]. Launches that share them must not overlap:
-    the engine runs a device's attention on one stream."""
+    """The device's int32 counters of the last_program and spread merges, [_MAX_COUNTED_TOKENS, 2], allocated
+    once: per token its arrivals (a multiple of 32 between launches: a last_program launch's last programs reset
+    theirs to 0, a spread launch adds 32) and the slices a spread merge's programs gave up (0 between launches
+    but for a slice given up after its token's last arrival). Launches that share them must not overlap: the
+    engine runs a device's attention on one stream."""
     key = (device.type, device.index)
     if key not in _COUNTERS:
-        _COUNTERS[key] = torch.zeros(_MAX_COUNTED_TOKENS, dtype=torch.int32, device=device)
+        _COUNTERS[key] = torch.zeros((_MAX_COUNTED_TOKENS, 2), dtype=torch.int32, device=device)
     return _COUNTERS[key]
 
 
 def in_program_merge(merge: str, num_splits: int) -> str | None:
     """Which merge the keys-as-rows program runs itself for ``merge`` at ``num_splits``: "cluster" (2 to
-    :data:`MAX_CLUSTER_SPLITS` splits), "last_program" (more than one split), or None (no merge, or the merge
-    kernel after the program)."""
+    :data:`MAX_CLUSTER_SPLITS` splits), "last_program" or "spread" (more than one split), or None (no merge, or
+    the merge kernel after the program)."""
     if merge == "cluster" and 2 <= num_splits <= MAX_CLUSTER_SPLITS:
         return "cluster"
-    return "last_program" if merge == "last_program" and num_splits > 1 else None
+    return merge if merge in ("last_program", "spread") and num_splits > 1 else None
 
 
 def merge_kind(num_tokens: int, num_splits: int) -> str:
@@ -583,7 +659,7 @@ def mla_decode_tilelang(
     :func:`~rayinfer.kernels.mla_attention.mla_decode_triton` (batch-invariant mode: one split);
     ``config`` overrides :func:`default_config`'s tiles (``layout`` "keys_as_rows" or "heads_as_rows",
     block_h, block_n, threads, num_stages, gather; keys-as-rows: merge, one of :data:`MERGES`; "cluster" above
-    :data:`MAX_CLUSTER_SPLITS` splits and "last_program" above 65,536 tokens take the merge kernel).
+    :data:`MAX_CLUSTER_SPLITS` splits and "last_program" or "spread" above 65,536 tokens take the merge kernel).
 
     Raises:
         ValueError: for a dtype other than bfloat16/float16, R/P not multiples of 16, or keys-as-rows tiles
@@ -625,7 +701,7 @@ def mla_decode_tilelang(
         num_splits = 1 << (min(num_splits, 32).bit_length() - 1)
     if keys_as_rows:
         cfg["merge"] = cfg.get("merge") or merge_kind(num_tokens, num_splits)
-        if cfg["merge"] == "last_program" and num_tokens > _MAX_COUNTED_TOKENS:
+        if cfg["merge"] in ("last_program", "spread") and num_tokens > _MAX_COUNTED_TOKENS:
             cfg["merge"] = "launch"
     kernel = _compiled(num_heads, rank, rope, block_size, dtype, num_splits, tuple(sorted(cfg.items())))
     # with one split the partial buffers are never written; they keep the signature's shapes
@@ -641,9 +717,10 @@ def mla_decode_tilelang(
     q_in = q_latent if strided_ok else q_latent.contiguous()
     args = [q_in, q_pe.contiguous(), cache, meta.query_start_loc.int(), meta.seq_lens.int(), meta.block_tables.int(),
             part_out, part_lse, out]
-    if keys_as_rows:  # the arrival counters (read by the last_program merge; zeros at more tokens, never read)
+    if keys_as_rows:  # the arrival counters (read by the last_program and spread merges; zeros at more tokens,
+        # never read)
         args.append(_arrival_counters(out.device)[:num_tokens] if num_tokens <= _MAX_COUNTED_TOKENS
-                    else torch.zeros(num_tokens, dtype=torch.int32, device=out.device))
+                    else torch.zeros((num_tokens, 2), dtype=torch.int32, device=out.device))
     kernel(*args, float(scale * _LOG2E))
     if num_splits > 1 and not (keys_as_rows and in_program_merge(cfg["merge"], num_splits)):
         block_c = min(rank, 128)  # the merge's column slices, as the Triton backend launches it
