@@ -17,8 +17,9 @@ warpgroup MMA's rows (16 or 32 heads as its columns) and streams each tile as on
 block's run; it is the default where it applies (cache blocks of a multiple of 64 tokens). It merges a token's
 splits itself (:func:`merge_kind`): at 2 splits the token's programs form a thread-block cluster and merge through
 each other's shared memory, at 3-4 the token's last program to finish merges the partials from L2, at more the
-Triton merge kernel runs after it. The head-tile program copies a tile per cache block, which TileLang 0.1.15 does
-not pipeline (its copies run synchronously).
+Triton merge kernel runs after it (``merge="spread"``, asked for by name: each program merges one slice of R once
+the token's programs have all arrived). The head-tile program copies a tile per cache block, which TileLang 0.1.15
+does not pipeline (its copies run synchronously).
 
 TileLang is optional (not a dependency of the package): :func:`tilelang_available` says whether it is
 importable with a CUDA device; ``RAYINFER_MLA_BACKEND=tilelang`` makes :func:`mla_decode` take this kernel

@@ -256,7 +256,7 @@ def test_tilelang_keys_as_rows_matches_ref(monkeypatch):
         if i == 0:
             runs += [(2, "launch"), (2, "last_program"), (4, "cluster"), (8, "cluster"), (4, "launch"),
                      (16, "launch"), (16, "cluster"), (2, "spread"), (4, "spread"), (8, "spread"), (32, "spread")]
-        if i == 2:  # 70 tokens x 4 splits: more programs than one wave on some GPUs (waits given up, then merged)
+        if i == 2:  # 70 tokens x 4 splits: 280 programs, more than one wave (waits given up, the last merges)
             runs += [(4, "spread"), (4, "last_program")]
         for splits, merge in runs:
             got = mla_tilelang.mla_decode_tilelang(ql, qp, cache, meta, rank**-0.5, num_splits=splits,
