@@ -305,6 +305,18 @@ def build_mla_decode_keys_as_rows(num_heads: int, rank: int, rope: int, block_si
         for s_, j in T.Parallel(splits, heads):
             wgt[s_, j] = lse_f[s_, j] / lse_den[j]
 
+    @T.macro
+    def merge_rows(part_out, out, wgt, merged, tok, row0, rows: int):
+        # out[tok, :, row0:row0 + rows] from every split's partials (read from L2) weighted by wgt; merged is a
+        # [heads, rows] fragment with threads along R (coalesced)
+        T.clear(merged)
+        for s_ in merge_loop(splits):
+            for j, i in T.Parallel(heads, rows):
+                merged[j, i] += wgt[s_, j] * T.call_extern(accum, "__ldcg", T.address_of(
+                    part_out[tok, j, s_, row0 + i]))
+        for j, i in T.Parallel(heads, rows):
+            out[tok, j, row0 + i] = T.cast(merged[j, i], dtype)
+
     def launch():
         if in_cluster:  # a token's splits are one cluster (grid y), its programs' ranks their split numbers
             return T.ClusterKernel(num_tokens, splits, cluster_dims=(1, splits, 1), threads=threads)
@@ -438,63 +450,44 @@ def build_mla_decode_keys_as_rows(num_heads: int, rank: int, rope: int, block_si
                 # under the program-uniform `kv_lo < kv_hi` fails TileLang's thread-sync lowering at 16 splits
                 for i, j in T.Parallel(rank, heads):
                     part_out[tok, j, split, i] = acc[i, j] / T.max(l_sum[j], 1e-30)
-                if last_program:
-                    # the token's last program to finish merges every split's partials (from L2) and resets
-                    # the token's counter: "threadfence reduction" (CUDA's programming guide)
-                    arrived = T.alloc_shared((1,), "int32")
+                if last_program or spread:
+                    # last_program: the token's last program to finish merges every split's partials (from L2)
+                    # and resets the token's counter: "threadfence reduction" (CUDA's programming guide); spread:
+                    # every program merges its slice of R once the token's programs have all arrived (the last to
+                    # arrive, the slices given up too). flag[0]: the arrivals before this program's (last_program)
+                    # or the bit mask of the slices it merges (spread)
+                    flag = T.alloc_shared((1,), "int32")
                     lse_f = T.alloc_fragment((splits, heads), accum)
                     lse_max = T.alloc_fragment((heads,), accum)
                     lse_den = T.alloc_fragment((heads,), accum)
                     wgt = T.alloc_shared((splits, heads), accum)
-                    merged = T.alloc_fragment((heads, _MERGE_ROWS), accum)  # threads along R: coalesced
+                    merged = T.alloc_fragment((heads, _MERGE_ROWS if last_program else slice_rows), accum)
                     T.call_extern("handle", "__threadfence")
                     T.sync_threads()
                     for _ in T.Parallel(1):
-                        arrived[0] = T.call_extern("int32", "rl_arrive", T.address_of(counters[tok, 0]))
+                        if last_program:
+                            flag[0] = T.call_extern("int32", "rl_arrive", T.address_of(counters[tok, 0]))
+                        else:
+                            flag[0] = T.call_extern("int32", "rl_spread_arrive", T.address_of(counters[tok, 0]),
+                                                    splits, split, SPREAD_WAIT_NS)
                     T.sync_threads()
-                    if (arrived[0] & 31) == splits - 1:
-                        T.call_extern("handle", "__threadfence")
-                        for s_, j in T.Parallel(splits, heads):
-                            lse_f[s_, j] = T.call_extern(accum, "__ldcg", T.address_of(part_lse[tok, j, s_]))
-                        split_weights(lse_f, lse_max, lse_den, wgt)
-                        for c in T.serial(rank // _MERGE_ROWS):
-                            T.clear(merged)
-                            for s_ in merge_loop(splits):
-                                for j, i in T.Parallel(heads, _MERGE_ROWS):
-                                    merged[j, i] += wgt[s_, j] * T.call_extern(
-                                        accum, "__ldcg", T.address_of(part_out[tok, j, s_, c * _MERGE_ROWS + i]))
-                            for j, i in T.Parallel(heads, _MERGE_ROWS):
-                                out[tok, j, c * _MERGE_ROWS + i] = T.cast(merged[j, i], dtype)
-                        for _ in T.Parallel(1):
-                            counters[tok, 0] = 0
-                if spread:
-                    # every program merges its slice of R once the token's programs have all arrived (or, for
-                    # the last to arrive, the slices given up too): todo[0] the bit mask of slices to merge
-                    todo = T.alloc_shared((1,), "int32")
-                    lse_f = T.alloc_fragment((splits, heads), accum)
-                    lse_max = T.alloc_fragment((heads,), accum)
-                    lse_den = T.alloc_fragment((heads,), accum)
-                    wgt = T.alloc_shared((splits, heads), accum)
-                    merged = T.alloc_fragment((heads, slice_rows), accum)  # threads along R: coalesced
-                    T.call_extern("handle", "__threadfence")
-                    T.sync_threads()
-                    for _ in T.Parallel(1):
-                        todo[0] = T.call_extern("int32", "rl_spread_arrive", T.address_of(counters[tok, 0]),
-                                                splits, split, SPREAD_WAIT_NS)
-                    T.sync_threads()
-                    if todo[0] != 0:
+                    if last_program:
+                        if (flag[0] & 31) == splits - 1:
+                            T.call_extern("handle", "__threadfence")
+                            for s_, j in T.Parallel(splits, heads):
+                                lse_f[s_, j] = T.call_extern(accum, "__ldcg", T.address_of(part_lse[tok, j, s_]))
+                            split_weights(lse_f, lse_max, lse_den, wgt)
+                            for c in T.serial(rank // _MERGE_ROWS):
+                                merge_rows(part_out, out, wgt, merged, tok, c * _MERGE_ROWS, _MERGE_ROWS)
+                            for _ in T.Parallel(1):
+                                counters[tok, 0] = 0
+                    elif flag[0] != 0:
                         for s_, j in T.Parallel(splits, heads):
                             lse_f[s_, j] = T.call_extern(accum, "__ldcg", T.address_of(part_lse[tok, j, s_]))
                         split_weights(lse_f, lse_max, lse_den, wgt)
                         for d in T.serial(splits):
-                            if (todo[0] >> d) & 1 == 1:
-                                T.clear(merged)
-                                for s_ in merge_loop(splits):
-                                    for j, i in T.Parallel(heads, slice_rows):
-                                        merged[j, i] += wgt[s_, j] * T.call_extern(accum, "__ldcg", T.address_of(
-                                            part_out[tok, j, s_, d * slice_rows + i]))
-                                for j, i in T.Parallel(heads, slice_rows):
-                                    out[tok, j, d * slice_rows + i] = T.cast(merged[j, i], dtype)
+                            if (flag[0] >> d) & 1 == 1:
+                                merge_rows(part_out, out, wgt, merged, tok, d * slice_rows, slice_rows)
             else:
                 for i, j in T.Parallel(rank, heads):
                     out[tok, j, i] = T.cast(acc[i, j] / l_sum[j], dtype)
