@@ -500,6 +500,7 @@ def build_mla_decode_keys_as_rows(num_heads: int, rank: int, rope: int, block_si
 # merges the partials from L2), "spread" (each program merges a slice from L2 once all have arrived), "launch" (a
 # merge kernel after the program)
 MERGES = ("cluster", "last_program", "spread", "launch")
+COUNTED_MERGES = ("last_program", "spread")  # the merges that count arrivals on _arrival_counters
 # how long a spread merge's program waits for its siblings before giving its slice up to the last one (ns)
 SPREAD_WAIT_NS = 200_000
 _MERGE_ROWS = 256  # rows of R a last_program merge step sums
@@ -572,7 +573,7 @@ def in_program_merge(merge: str, num_splits: int) -> str | None:
     the merge kernel after the program)."""
     if merge == "cluster" and 2 <= num_splits <= MAX_CLUSTER_SPLITS:
         return "cluster"
-    return merge if merge in ("last_program", "spread") and num_splits > 1 else None
+    return merge if merge in COUNTED_MERGES and num_splits > 1 else None
 
 
 def merge_kind(num_tokens: int, num_splits: int) -> str:
@@ -695,7 +696,7 @@ def mla_decode_tilelang(
         num_splits = 1 << (min(num_splits, 32).bit_length() - 1)
     if keys_as_rows:
         cfg["merge"] = cfg.get("merge") or merge_kind(num_tokens, num_splits)
-        if cfg["merge"] in ("last_program", "spread") and num_tokens > _MAX_COUNTED_TOKENS:
+        if cfg["merge"] in COUNTED_MERGES and num_tokens > _MAX_COUNTED_TOKENS:
             cfg["merge"] = "launch"
     kernel = _compiled(num_heads, rank, rope, block_size, dtype, num_splits, tuple(sorted(cfg.items())))
     # with one split the partial buffers are never written; they keep the signature's shapes
@@ -711,8 +712,7 @@ def mla_decode_tilelang(
     q_in = q_latent if strided_ok else q_latent.contiguous()
     args = [q_in, q_pe.contiguous(), cache, meta.query_start_loc.int(), meta.seq_lens.int(), meta.block_tables.int(),
             part_out, part_lse, out]
-    if keys_as_rows:  # the arrival counters (read by the last_program and spread merges; zeros at more tokens,
-        # never read)
+    if keys_as_rows:  # the arrival counters (read by COUNTED_MERGES; zeros, never read, at more tokens)
         args.append(_arrival_counters(out.device)[:num_tokens] if num_tokens <= _MAX_COUNTED_TOKENS
                     else torch.zeros((num_tokens, 2), dtype=torch.int32, device=out.device))
     kernel(*args, float(scale * _LOG2E))
