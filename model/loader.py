@@ -190,6 +190,17 @@ def load_model(
     return net.eval()
 
 
+def _tokenizer_class(path: Path) -> type:
+    """``transformers.PreTrainedTokenizerFast`` where ``path``'s tokenizer_config.json names that class (the
+    default model's does), the class ``AutoTokenizer`` would pick, without its look-up over every model type
+    (about 2 s of each engine process's start on a small CPU); ``AutoTokenizer`` otherwise."""
+    try:
+        named = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        named = None
+    return transformers.PreTrainedTokenizerFast if named == "PreTrainedTokenizerFast" else transformers.AutoTokenizer
+
+
 def load_tokenizer(model: str | Path) -> transformers.PreTrainedTokenizerBase:
     """The tokenizer of ``model`` from local files; a model without one borrows the default model's.
 
@@ -202,10 +213,11 @@ def load_tokenizer(model: str | Path) -> transformers.PreTrainedTokenizerBase:
     # and rejects a too-long one with its own error
     quiet = {"local_files_only": True, "model_max_length": transformers.tokenization_utils_base.VERY_LARGE_INTEGER}
     if isinstance(resolved, Path) and any((resolved / f).is_file() for f in _TOKENIZER_FILES):
-        return transformers.AutoTokenizer.from_pretrained(resolved, **quiet)
+        return _tokenizer_class(resolved).from_pretrained(resolved, **quiet)
     config = load_config(resolved)
     vocab_size = getattr(config, "text_config", config).vocab_size  # a vision-language model: its decoder's
-    tok = transformers.AutoTokenizer.from_pretrained(ensure_default_model(), **quiet)
+    default = ensure_default_model()
+    tok = _tokenizer_class(default).from_pretrained(default, **quiet)
     if len(tok) > vocab_size:
         raise ValueError(f"model '{model}' has no tokenizer, and the default one ({len(tok)} tokens) does not "
                          f"fit its vocab_size {vocab_size}")
