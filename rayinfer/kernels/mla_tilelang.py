@@ -585,7 +585,10 @@ def merge_kind(num_tokens: int, num_splits: int) -> str:
     cluster (64 clusters of 2 fit one wave); batch 32 at 4K, 4 splits: 67.4 / 64.6 / 95.2 us (clusters of 4 at
     one program per multiprocessor do not all fit one wave: two waves); batch 16, 8 splits: 39.9 / 40.7 / 62.2;
     batch 8, 16 splits: 24.8 / 33.2 us, batch 1 at 1K, 32 splits: 14.4 / 33.7 us (the last program's merge
-    reads 16 or 32 splits one after another)."""
+    reads 16 or 32 splits one after another). The "spread" merge is not picked: 63.3 us against the last
+    program's 64.2 at batch 32 / 4 splits, 42.5 against the merge kernel's 40.1 at batch 16 / 8 splits, 112.5
+    against the cluster's 109.7 at batch 64 / 2 splits (H100, b387985), too little for programs that spin on
+    their siblings."""
     if num_splits == 2:
         return "cluster"
     return "last_program" if 2 < num_splits <= 4 and num_tokens <= _MAX_COUNTED_TOKENS else "launch"
