@@ -190,15 +190,19 @@ def load_model(
     return net.eval()
 
 
-def _tokenizer_class(path: Path) -> type:
-    """``transformers.PreTrainedTokenizerFast`` where ``path``'s tokenizer_config.json names that class (the
-    default model's does), the class ``AutoTokenizer`` would pick, without its look-up over every model type
-    (about 2 s of each engine process's start on a small CPU); ``AutoTokenizer`` otherwise."""
+def _local_tokenizer(path: Path) -> transformers.PreTrainedTokenizerBase:
+    """The tokenizer in ``path``, from local files. Where its tokenizer_config.json names
+    ``PreTrainedTokenizerFast`` (the default model's does), that class is loaded directly: the class
+    ``AutoTokenizer`` would pick, without its look-up over every model type (about 2 s of each engine process's
+    start on a small CPU). No length warning from transformers at tokenization: the engine checks prompts against
+    max_model_len and rejects a too-long one with its own error."""
     try:
         named = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
     except (OSError, ValueError):
         named = None
-    return transformers.PreTrainedTokenizerFast if named == "PreTrainedTokenizerFast" else transformers.AutoTokenizer
+    cls = transformers.PreTrainedTokenizerFast if named == "PreTrainedTokenizerFast" else transformers.AutoTokenizer
+    return cls.from_pretrained(path, local_files_only=True,
+                               model_max_length=transformers.tokenization_utils_base.VERY_LARGE_INTEGER)
 
 
 def load_tokenizer(model: str | Path) -> transformers.PreTrainedTokenizerBase:
@@ -209,15 +213,11 @@ def load_tokenizer(model: str | Path) -> transformers.PreTrainedTokenizerBase:
             default tokenizer's (its token ids would fall outside the embedding).
     """
     resolved = resolve_model(model)
-    # no length warning from transformers at tokenization: the engine checks prompts against max_model_len
-    # and rejects a too-long one with its own error
-    quiet = {"local_files_only": True, "model_max_length": transformers.tokenization_utils_base.VERY_LARGE_INTEGER}
     if isinstance(resolved, Path) and any((resolved / f).is_file() for f in _TOKENIZER_FILES):
-        return _tokenizer_class(resolved).from_pretrained(resolved, **quiet)
+        return _local_tokenizer(resolved)
     config = load_config(resolved)
     vocab_size = getattr(config, "text_config", config).vocab_size  # a vision-language model: its decoder's
-    default = ensure_default_model()
-    tok = _tokenizer_class(default).from_pretrained(default, **quiet)
+    tok = _local_tokenizer(ensure_default_model())
     if len(tok) > vocab_size:
         raise ValueError(f"model '{model}' has no tokenizer, and the default one ({len(tok)} tokens) does not "
                          f"fit its vocab_size {vocab_size}")
